@@ -1,0 +1,56 @@
+"""akv: an asyncio-native parameter server with MXNet's KVStore semantics.
+
+>>> import akv, numpy as np
+>>> with akv.create("local") as kv:
+...     kv.init(3, np.ones((2, 3), np.float32))
+...     kv.push(3, [np.ones((2, 3), np.float32)] * 4)
+...     print(kv.pull(3)[0, 0])
+4.0
+
+Public names: :func:`create` / :class:`KVStore` (blocking), :func:`create_async` /
+:class:`AsyncKVStore` (awaitable), :mod:`akv.optimizer`, and the errors, all
+subclasses of :class:`AKVError`.
+"""
+
+from akv import optimizer
+from akv._store import STORE_TYPES, AsyncKVStore, KVStore, create, create_async
+from akv.errors import (
+    AKVError,
+    ClosedError,
+    DTypeMismatchError,
+    DuplicateInitError,
+    InvalidArgumentError,
+    KeyNotInitializedError,
+    MixedKeyKindsError,
+    OptimizerError,
+    ReentrantCallError,
+    ShapeMismatchError,
+    StateFormatError,
+    UnknownStoreTypeError,
+    WaitTimeoutError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "STORE_TYPES",
+    "AKVError",
+    "AsyncKVStore",
+    "ClosedError",
+    "DTypeMismatchError",
+    "DuplicateInitError",
+    "InvalidArgumentError",
+    "KVStore",
+    "KeyNotInitializedError",
+    "MixedKeyKindsError",
+    "OptimizerError",
+    "ReentrantCallError",
+    "ShapeMismatchError",
+    "StateFormatError",
+    "UnknownStoreTypeError",
+    "WaitTimeoutError",
+    "__version__",
+    "create",
+    "create_async",
+    "optimizer",
+]

@@ -1,0 +1,156 @@
+"""What a store knows about each key, and the staging buffers pushes are merged into."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from akv._args import Key, check_one_kind
+from akv.errors import (
+    DTypeMismatchError,
+    DuplicateInitError,
+    KeyNotInitializedError,
+    ShapeMismatchError,
+)
+from engine import Var
+
+__all__ = ["MAX_SPARE_BUFFERS", "Entry", "KeyTable", "merge_into"]
+
+#: Staging buffers kept per key for reuse (fresh pages cost about twice a warm copy).
+MAX_SPARE_BUFFERS = 2
+
+
+class Entry:
+    """One initialized key: its shape, dtype, engine var, and reusable staging buffers.
+
+    ``value`` is the backend's array for the key (the stored value in a local store).
+    """
+
+    __slots__ = ("_spares", "dtype", "key", "nbytes", "shape", "size", "value", "var")
+
+    def __init__(self, key: Key, shape: tuple[int, ...], dtype: np.dtype, var: Var) -> None:
+        self.key = key
+        self.shape = shape
+        self.dtype = dtype
+        self.size = int(np.prod(shape, dtype=np.int64))
+        self.nbytes = self.size * dtype.itemsize
+        self.var = var
+        self.value: np.ndarray | None = None
+        self._spares: list[np.ndarray] = []
+
+    def take_buffer(self) -> np.ndarray:
+        """A C-contiguous array of the key's shape and dtype that nobody else uses."""
+        try:
+            return self._spares.pop()
+        except IndexError:
+            return np.empty(self.shape, self.dtype)
+
+    def give_buffer(self, buffer: np.ndarray) -> None:
+        """Return a buffer taken with :meth:`take_buffer` (or the old stored array)."""
+        if len(self._spares) < MAX_SPARE_BUFFERS:
+            self._spares.append(buffer)
+
+    def check(self, array: np.ndarray, what: str) -> None:
+        """Raise unless ``array`` has exactly the key's shape and dtype (no silent cast)."""
+        if array.shape != self.shape:
+            raise ShapeMismatchError(
+                f"{what} key {self.key!r}: shape {array.shape} does not match the "
+                f"initialized shape {self.shape}",
+                key=self.key,
+                expected=self.shape,
+                got=array.shape,
+            )
+        if array.dtype != self.dtype:
+            raise DTypeMismatchError(
+                f"{what} key {self.key!r}: dtype {array.dtype} does not match the "
+                f"initialized dtype {self.dtype} (akv never casts; convert it first)",
+                key=self.key,
+                expected=self.dtype,
+                got=array.dtype,
+            )
+
+    def __repr__(self) -> str:
+        return f"<Entry {self.key!r} shape={self.shape} dtype={self.dtype}>"
+
+
+class KeyTable:
+    """The keys of one store: one kind (int or str), each initialized exactly once."""
+
+    def __init__(self) -> None:
+        self.kind: type | None = None
+        self._entries: dict[Key, Entry] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[Key]:
+        """The initialized keys, in initialization order."""
+        return list(self._entries)
+
+    def entries(self) -> list[Entry]:
+        """Every entry, in initialization order."""
+        return list(self._entries.values())
+
+    def get(self, key: Key, what: str) -> Entry:
+        """The entry of an initialized key.
+
+        Raises
+        ------
+        MixedKeyKindsError, KeyNotInitializedError
+        """
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
+        check_one_kind([key], self.kind)
+        raise KeyNotInitializedError(
+            f"{what} key {key!r}: the key was never initialized (call init first)", key=key
+        )
+
+    def add(
+        self, items: list[tuple[Key, np.ndarray]], new_var: Callable[[str], Var]
+    ) -> list[Entry]:
+        """Register new keys atomically: all of them, or (on any error) none.
+
+        ``new_var`` is called with a name to make each key's engine var.
+
+        Raises
+        ------
+        MixedKeyKindsError, DuplicateInitError
+        """
+        keys = [key for key, _ in items]
+        with self._lock:
+            kind = check_one_kind(keys, self.kind)
+            seen: set[Key] = set()
+            for key in keys:
+                if key in self._entries or key in seen:
+                    raise DuplicateInitError(
+                        f"init key {key!r}: the key is already initialized (init and "
+                        "broadcast may be called once per key)",
+                        key=key,
+                    )
+                seen.add(key)
+            entries = []
+            for key, array in items:
+                entry = Entry(key, tuple(array.shape), array.dtype, new_var(f"key {key!r}"))
+                entries.append(entry)
+            for entry in entries:
+                self._entries[entry.key] = entry
+            self.kind = kind
+        return entries
+
+
+def merge_into(buffer: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
+    """Write the sum of ``arrays`` (all of ``buffer``'s shape and dtype) into ``buffer``."""
+    if len(arrays) == 1:
+        np.copyto(buffer, arrays[0])
+        return buffer
+    np.add(arrays[0], arrays[1], out=buffer)
+    for array in arrays[2:]:
+        np.add(buffer, array, out=buffer)
+    return buffer

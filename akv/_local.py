@@ -1,0 +1,218 @@
+"""The ``local`` store's backend: values in host memory, updates where they live.
+
+Each key's stored array is written only by engine tasks that hold the key's var for
+writing, and read only by tasks that hold it for reading, so the engine's per-var order is
+the store's per-key order. Pushed values arrive already merged into a staging buffer that
+the store owns; without an updater the staging buffer *becomes* the stored array (no second
+copy) and the old stored array is kept as the next staging buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from akv._keys import Entry
+from akv.errors import AKVError
+from engine import Engine, Task
+
+__all__ = ["LocalBackend", "Updater", "UpdaterGuard"]
+
+Updater = Callable[[Any, np.ndarray, np.ndarray], None]
+
+
+class UpdaterGuard(threading.local):
+    """Marks the threads that are running one of a store's updaters right now."""
+
+    store: object = None
+
+    def run(self, store: object, updater: Updater, key: Any, recv: np.ndarray, stored: Any) -> None:
+        previous = self.store
+        self.store = store
+        try:
+            updater(key, recv, stored)
+        finally:
+            self.store = previous
+
+
+GUARD = UpdaterGuard()
+
+
+def _commit(entry: Entry, staged: np.ndarray) -> None:
+    old = entry.value
+    entry.value = staged
+    if old is not None:
+        entry.give_buffer(old)
+
+
+def _update(store: object, updater: Updater, entry: Entry, staged: np.ndarray) -> None:
+    try:
+        GUARD.run(store, updater, entry.key, staged, entry.value)
+    finally:
+        entry.give_buffer(staged)
+
+
+def _push_many(
+    store: object, updater: Updater | None, staged: list[tuple[Entry, np.ndarray]]
+) -> None:
+    for index, (entry, buffer) in enumerate(staged):
+        if updater is None:
+            _commit(entry, buffer)
+            continue
+        try:
+            _update(store, updater, entry, buffer)
+        except BaseException:
+            for later, later_buffer in staged[index + 1 :]:
+                later.give_buffer(later_buffer)
+            raise
+
+
+def _copy_out(entry: Entry, outs: list[np.ndarray], result: Any) -> Any:
+    stored = entry.value
+    for out in outs:
+        np.copyto(out, stored)
+    return result
+
+
+def _pull_many(targets: list[tuple[Entry, list[np.ndarray]]], result: Any) -> Any:
+    for entry, outs in targets:
+        _copy_out(entry, outs, None)
+    return result
+
+
+def _store_initial(entries: list[Entry], arrays: list[np.ndarray]) -> None:
+    for entry, array in zip(entries, arrays, strict=True):
+        value = np.empty(entry.shape, entry.dtype)
+        np.copyto(value, array)
+        entry.value = value
+
+
+def _nothing() -> None:
+    return None
+
+
+class LocalBackend:
+    """Holds the values of a ``local`` store and schedules the work on them."""
+
+    type = "local"
+    rank = 0
+    num_workers = 1
+
+    def __init__(self, engine: Engine, store: object) -> None:
+        self._engine = engine
+        self._store = store
+
+    def init(self, entries: list[Entry], arrays: list[np.ndarray], executor: str) -> Task:
+        """Copy the initial values (the store keeps no reference to the caller's arrays)."""
+        return self._engine.push(
+            _store_initial,
+            entries,
+            arrays,
+            writes=[entry.var for entry in entries],
+            executor=executor,
+            name="init",
+        )
+
+    def push(
+        self,
+        staged: list[tuple[Entry, np.ndarray]],
+        updater: Updater | None,
+        priority: int,
+        executor: str,
+    ) -> Task:
+        """Apply merged values: ``updater(key, merged, stored)``, or replace the stored value."""
+        if len(staged) == 1:
+            entry, buffer = staged[0]
+            if updater is None:
+                return self._engine.push(
+                    _commit,
+                    entry,
+                    buffer,
+                    writes=(entry.var,),
+                    priority=priority,
+                    executor="inline",
+                    name="push",
+                )
+            return self._engine.push(
+                _update,
+                self._store,
+                updater,
+                entry,
+                buffer,
+                writes=(entry.var,),
+                priority=priority,
+                executor=executor,
+                name="push",
+            )
+        return self._engine.push(
+            _push_many,
+            self._store,
+            updater,
+            staged,
+            writes=[entry.var for entry, _ in staged],
+            priority=priority,
+            executor="inline" if updater is None else executor,
+            name="push",
+        )
+
+    def pull(
+        self,
+        targets: list[tuple[Entry, list[np.ndarray]]],
+        result: Any,
+        priority: int,
+        executor: str,
+    ) -> Task:
+        """Copy each key's stored value into each of its outputs; the task returns ``result``."""
+        if len(targets) == 1:
+            entry, outs = targets[0]
+            return self._engine.push(
+                _copy_out,
+                entry,
+                outs,
+                result,
+                reads=(entry.var,),
+                priority=priority,
+                executor=executor,
+                name="pull",
+            )
+        return self._engine.push(
+            _pull_many,
+            targets,
+            result,
+            reads=[entry.var for entry, _ in targets],
+            priority=priority,
+            executor=executor,
+            name="pull",
+        )
+
+    def barrier(self) -> Task:
+        """Nothing to wait for: a local store has one worker."""
+        return self._engine.push(_nothing, executor="inline", name="barrier")
+
+    def write_file(self, entries: list[Entry], path: Path, produce: Callable[[], bytes]) -> Task:
+        """Write ``produce()`` to ``path`` once every earlier push to ``entries`` is applied."""
+
+        def write() -> None:
+            path.write_bytes(produce())
+
+        return self._engine.push(
+            write, reads=[entry.var for entry in entries], name="save_optimizer_states"
+        )
+
+    def read_file(self, entries: list[Entry], path: Path, consume: Callable[[bytes], None]) -> Task:
+        """Call ``consume(data)`` after earlier pushes to ``entries`` and before later ones."""
+
+        def read() -> None:
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                raise AKVError(f"load_optimizer_states: cannot read {str(path)!r}: {exc}") from exc
+            consume(data)
+
+        return self._engine.push(
+            read, writes=[entry.var for entry in entries], name="load_optimizer_states"
+        )

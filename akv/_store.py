@@ -1,0 +1,508 @@
+"""The two faces of a store: :class:`AsyncKVStore` (awaitable) and :class:`KVStore` (blocking).
+
+One implementation: ``AsyncKVStore`` checks every argument, merges pushed values into
+staging buffers and hands the work to its backend as engine tasks; ``KVStore`` owns a
+private event loop thread, builds an ``AsyncKVStore`` on it, and blocks on each call's task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from akv import optimizer as _optimizer
+from akv._args import Key, as_input_array, as_output_array, group, normalize_key, pairs
+from akv._keys import Entry, KeyTable, merge_into
+from akv._local import GUARD, LocalBackend, Updater
+from akv.errors import (
+    AKVError,
+    ClosedError,
+    InvalidArgumentError,
+    ReentrantCallError,
+    UnknownStoreTypeError,
+    WaitTimeoutError,
+)
+from engine import Engine, LoopThread, Waitable
+
+__all__ = ["STORE_TYPES", "AsyncKVStore", "KVStore", "create", "create_async"]
+
+#: Store types ``create`` accepts.
+STORE_TYPES = ("local",)
+#: Work on at most this many bytes runs inline on the caller's thread in an AsyncKVStore;
+#: bigger pulls and updates go to the engine's worker threads so the event loop keeps
+#: running. Override with ``AKV_INLINE_MAX_BYTES``.
+INLINE_MAX_BYTES = int(os.environ.get("AKV_INLINE_MAX_BYTES", 1 << 20))
+#: Engine slots (tasks running at once) of a store. Override with ``AKV_ENGINE_SLOTS``.
+ENGINE_SLOTS = int(os.environ.get("AKV_ENGINE_SLOTS", max(4, os.cpu_count() or 1)))
+
+_OPTIONS = ("slots",)
+
+
+def _check_type(name: object) -> str:
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"store type must be a str, got {type(name).__name__}")
+    lowered = name.lower()
+    if lowered not in STORE_TYPES:
+        raise UnknownStoreTypeError(
+            f"unknown store type {name!r}; akv knows: {', '.join(STORE_TYPES)}"
+        )
+    return lowered
+
+
+def _check_options(options: dict[str, Any]) -> int:
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown store option(s) {unknown}; known: {', '.join(_OPTIONS)}"
+        )
+    slots = options.get("slots", ENGINE_SLOTS)
+    if not isinstance(slots, int) or slots < 1:
+        raise InvalidArgumentError(f"slots must be an int >= 1, got {slots!r}")
+    return slots
+
+
+async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
+    """Create an :class:`AsyncKVStore` bound to the running event loop.
+
+    Parameters
+    ----------
+    name:
+        The store type (see ``STORE_TYPES``); case-insensitive. Unknown names raise
+        :class:`~akv.errors.UnknownStoreTypeError` (MXNet silently makes a local store).
+    slots:
+        How many engine tasks may run at once (default ``AKV_ENGINE_SLOTS``).
+    """
+    store_type = _check_type(name)
+    slots = _check_options(options)
+    return AsyncKVStore._create(store_type, slots, INLINE_MAX_BYTES)
+
+
+def create(name: str = "local", **options: Any) -> KVStore:
+    """Create a blocking :class:`KVStore` (its own event loop runs on a private thread).
+
+    Takes the same arguments as :func:`create_async`; usable from any thread, also one
+    that runs an event loop of its own (Jupyter).
+    """
+    store_type = _check_type(name)
+    slots = _check_options(options)
+    loop_thread = LoopThread(name="akv-store-loop")
+    try:
+        inner = loop_thread.run(_create_on_loop(store_type, slots))
+    except BaseException:
+        loop_thread.close()
+        raise
+    return KVStore(inner, loop_thread)
+
+
+async def _create_on_loop(store_type: str, slots: int) -> AsyncKVStore:
+    # The blocking face runs all work inline on the calling thread: the caller waits anyway.
+    return AsyncKVStore._create(store_type, slots, inline_max_bytes=None)
+
+
+class AsyncKVStore:
+    """A key-value store for asyncio programs (create it with :func:`akv.create_async`).
+
+    Every method that does work schedules it before returning and returns an awaitable
+    (an :class:`engine.Waitable`); per key, work happens in call order whether or not the
+    caller awaits. Argument errors raise at the call, before anything is scheduled.
+    The store copies what it is given: after a call returns, changing the caller's arrays
+    never changes the store, and a pull never hands out the stored array.
+    """
+
+    def __init__(self) -> None:
+        raise TypeError("use `await akv.create_async(type)` to make an AsyncKVStore")
+
+    @classmethod
+    def _create(cls, store_type: str, slots: int, inline_max_bytes: int | None) -> AsyncKVStore:
+        self = object.__new__(cls)
+        self._engine = Engine(slots=slots, name=f"akv-{store_type}")
+        self._keys = KeyTable()
+        self._backend = LocalBackend(self._engine, self)
+        self._type = store_type
+        self._inline_max_bytes = inline_max_bytes
+        self._updater: Updater | None = None
+        self._optimizer_updater: _optimizer.Updater | None = None
+        self._barrier_before_exit = True
+        self._closed = False
+        self._closing: asyncio.Future[None] | None = None
+        return self
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def type(self) -> str:
+        """The store type it was created with (lower-cased)."""
+        return self._type
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank (0 in a local store)."""
+        return self._backend.rank
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers share the store (1 in a local store)."""
+        return self._backend.num_workers
+
+    @property
+    def engine(self) -> Engine:
+        """The store's dependency engine (for ``graph()``, ``statistics()``, ``to_dot()``)."""
+        return self._engine
+
+    def keys(self) -> list[Key]:
+        """The initialized keys, in initialization order."""
+        return self._keys.keys()
+
+    # ---------------------------------------------------------------- the work
+
+    def init(self, key: Key | list[Key], value: Any) -> Waitable:
+        """Initialize keys with their first values (one value per key, copied).
+
+        Raises
+        ------
+        DuplicateInitError, MixedKeyKindsError, InvalidArgumentError
+        """
+        self._check_usable()
+        items = []
+        for k, values in pairs(key, value, "init"):
+            if len(values) != 1:
+                raise InvalidArgumentError(
+                    f"init key {k!r}: takes one value per key, got {len(values)}"
+                )
+            items.append((k, as_input_array(values[0], k, "init value")))
+        entries = self._keys.add(items, self._engine.new_var)
+        arrays = [array for _, array in items]
+        return self._backend.init(entries, arrays, self._executor(entries))
+
+    def push(self, key: Key | list[Key], value: Any, priority: int = 0) -> Waitable:
+        """Push values; the values given for one key (a list, or a repeated key) are summed.
+
+        With an updater, ``updater(key, summed, stored)`` changes the stored value in place;
+        without one, the stored value becomes the sum. The values are read before this
+        returns. Higher ``priority`` work starts first when work piles up.
+
+        Raises
+        ------
+        KeyNotInitializedError, ShapeMismatchError, DTypeMismatchError,
+        MixedKeyKindsError, InvalidArgumentError
+        """
+        self._check_usable()
+        staged = self._stage(group(key, value, "push"))
+        return self._backend.push(
+            staged, self._updater, priority, self._executor(e for e, _ in staged)
+        )
+
+    def pull(self, key: Key | list[Key], out: Any = None, priority: int = 0) -> Waitable:
+        """Copy each key's value into ``out`` (an array, or a list of arrays that all get it).
+
+        Without ``out``, new arrays are made; the awaitable's result is ``out`` (or those
+        new arrays, shaped as ``key``). A pull sees every push issued before it.
+
+        Raises
+        ------
+        KeyNotInitializedError, ShapeMismatchError, DTypeMismatchError,
+        MixedKeyKindsError, InvalidArgumentError
+        """
+        self._check_usable()
+        targets, result = self._targets(key, out)
+        return self._backend.pull(targets, result, priority, self._executor(e for e, _ in targets))
+
+    def pushpull(
+        self, key: Key | list[Key], value: Any, out: Any = None, priority: int = 0
+    ) -> Waitable:
+        """Push ``value``, then pull the result into ``out`` (into ``value`` when omitted)."""
+        self._check_usable()
+        staged = self._stage(group(key, value, "pushpull"))
+        targets, result = self._targets(key, value if out is None else out)
+        executor = self._executor(e for e, _ in staged)
+        self._backend.push(staged, self._updater, priority, executor)
+        return self._backend.pull(targets, result, priority, executor)
+
+    def broadcast(self, key: Key | list[Key], value: Any, out: Any = None) -> Waitable:
+        """Initialize ``key`` with ``value`` and pull it into ``out`` (MXNet: init + pull).
+
+        Like ``init``, it can be called once per key.
+        """
+        self.init(key, value)
+        return self.pull(key, out)
+
+    def set_updater(self, updater: Updater | None) -> None:
+        """Use ``updater(key, recv, stored)`` for later pushes; it must change ``stored`` in place.
+
+        ``key`` is passed as the caller gave it (str keys stay str). ``recv`` is a buffer
+        the store reuses: valid only during the call. ``None`` restores plain assignment.
+        An exception raised by the updater reaches the caller of the push.
+        """
+        self._check_usable()
+        if updater is not None and not callable(updater):
+            raise InvalidArgumentError(f"updater must be callable, got {type(updater).__name__}")
+        self._updater = updater
+        self._optimizer_updater = None
+
+    def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Waitable:
+        """Apply ``optimizer`` to later pushes where the weights live (here: this store)."""
+        self._check_usable()
+        if not isinstance(optimizer, _optimizer.Optimizer):
+            raise InvalidArgumentError(
+                f"set_optimizer takes an akv.optimizer.Optimizer, got {type(optimizer).__name__}"
+            )
+        updater = _optimizer.get_updater(optimizer)
+        self._updater = updater
+        self._optimizer_updater = updater
+        return self._backend.barrier()
+
+    def save_optimizer_states(
+        self, fname: str | os.PathLike[str], dump_optimizer: bool = False
+    ) -> Waitable:
+        """Write the optimizer's per-key state (and, if asked, its configuration) to a file.
+
+        The file (see ``docs/optimizer.md``) holds no pickle; it is written once every push
+        issued before the call has been applied.
+        """
+        self._check_usable()
+        updater = self._require_optimizer("save_optimizer_states")
+        return self._backend.write_file(
+            self._keys.entries(), Path(fname), lambda: updater.dump_states(dump_optimizer)
+        )
+
+    def load_optimizer_states(self, fname: str | os.PathLike[str]) -> Waitable:
+        """Load states saved by :meth:`save_optimizer_states` (after earlier pushes).
+
+        Raises
+        ------
+        StateFormatError
+            (from the awaitable) when the file is not akv's format or does not fit.
+        """
+        self._check_usable()
+        updater = self._require_optimizer("load_optimizer_states")
+
+        def consume(data: bytes) -> None:
+            updater.load_states(data)
+
+        return self._backend.read_file(self._keys.entries(), Path(fname), consume)
+
+    def barrier(self) -> Waitable:
+        """Wait for every worker to reach the barrier (at once in a local store).
+
+        Like MXNet's, it does not wait for pushes and pulls still in flight.
+        """
+        self._check_usable()
+        return self._backend.barrier()
+
+    def set_barrier_before_exit(self, barrier_before_exit: bool = True) -> None:
+        """Whether ``close()`` waits for every worker first (default True; local: no-op)."""
+        self._barrier_before_exit = bool(barrier_before_exit)
+
+    def close(self) -> asyncio.Future[None]:
+        """Stop taking calls, finish the work in flight, release the engine.
+
+        Returns a scheduled future; awaiting it raises the first failure of work nobody
+        awaited. Calling it again returns the same future.
+        """
+        if self._closing is None:
+            self._closed = True
+            self._closing = asyncio.ensure_future(self._shutdown())
+        return self._closing
+
+    async def __aenter__(self) -> AsyncKVStore:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._keys)} keys"
+        return f"<{type(self).__name__} {self._type!r} rank={self.rank} {state}>"
+
+    # ---------------------------------------------------------------- internals
+
+    async def _shutdown(self) -> None:
+        self._closed = True
+        try:
+            await self._engine.wait_all()
+        finally:
+            await self._engine.aclose()
+
+    def _check_usable(self) -> None:
+        if GUARD.store is self:
+            raise ReentrantCallError(
+                "a store method was called from inside that store's updater; the updater "
+                "must only change `stored` in place"
+            )
+        if self._closed:
+            raise ClosedError(f"the {self._type!r} store is closed")
+
+    def _executor(self, entries: Any) -> str:
+        limit = self._inline_max_bytes
+        if limit is None:
+            return "inline"
+        total = 0
+        for entry in entries:
+            total += entry.nbytes
+            if total > limit:
+                return "thread"
+        return "inline"
+
+    def _stage(self, grouped: dict[Key, list[Any]]) -> list[tuple[Entry, np.ndarray]]:
+        """Check every value, then merge each key's values into a staging buffer."""
+        table = self._keys
+        checked: list[tuple[Entry, list[np.ndarray]]] = []
+        for key, values in grouped.items():
+            entry = table.get(key, "push to")
+            arrays = []
+            for value in values:
+                array = as_input_array(value, key, "push value")
+                entry.check(array, "push to")
+                arrays.append(array)
+            checked.append((entry, arrays))
+        return [(entry, merge_into(entry.take_buffer(), arrays)) for entry, arrays in checked]
+
+    def _targets(self, key: Any, out: Any) -> tuple[list[tuple[Entry, list[np.ndarray]]], Any]:
+        """Check the pull outputs (making new ones when ``out`` is None)."""
+        table = self._keys
+        if out is None:
+            if isinstance(key, (list, tuple)):
+                out = [self._new_output(k) for k in key]
+            else:
+                out = self._new_output(key)
+        targets = []
+        for k, outs in group(key, out, "pull").items():
+            entry = table.get(k, "pull from")
+            arrays = []
+            for o in outs:
+                array = as_output_array(o, k)
+                entry.check(array, "pull into")
+                arrays.append(array)
+            targets.append((entry, arrays))
+        return targets, out
+
+    def _new_output(self, key: Any) -> np.ndarray:
+        entry = self._keys.get(normalize_key(key), "pull from")
+        return np.empty(entry.shape, entry.dtype)
+
+    def _require_optimizer(self, what: str) -> _optimizer.Updater:
+        if self._optimizer_updater is None:
+            raise AKVError(f"{what} needs an optimizer: call set_optimizer first")
+        return self._optimizer_updater
+
+
+class KVStore:
+    """A blocking key-value store (create it with :func:`akv.create`).
+
+    The same methods and meaning as :class:`AsyncKVStore`; each call returns once its
+    work is done. Safe to use from several threads at once and from threads that run
+    an event loop of their own.
+    """
+
+    def __init__(self, inner: AsyncKVStore, loop_thread: LoopThread) -> None:
+        self._inner = inner
+        self._loop_thread = loop_thread
+        self._timeout: float | None = None
+
+    @property
+    def type(self) -> str:
+        """The store type it was created with (lower-cased)."""
+        return self._inner.type
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank (0 in a local store)."""
+        return self._inner.rank
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers share the store (1 in a local store)."""
+        return self._inner.num_workers
+
+    @property
+    def engine(self) -> Engine:
+        """The store's dependency engine."""
+        return self._inner.engine
+
+    def keys(self) -> list[Key]:
+        """The initialized keys, in initialization order."""
+        return self._inner.keys()
+
+    def _wait(self, waitable: Waitable) -> Any:
+        try:
+            return waitable.result(self._timeout)
+        except TimeoutError as exc:
+            if isinstance(exc, AKVError):
+                raise
+            raise WaitTimeoutError(str(exc)) from exc
+
+    def init(self, key: Key | list[Key], value: Any) -> None:
+        """See :meth:`AsyncKVStore.init`."""
+        self._wait(self._inner.init(key, value))
+
+    def push(self, key: Key | list[Key], value: Any, priority: int = 0) -> None:
+        """See :meth:`AsyncKVStore.push`."""
+        self._wait(self._inner.push(key, value, priority))
+
+    def pull(self, key: Key | list[Key], out: Any = None, priority: int = 0) -> Any:
+        """See :meth:`AsyncKVStore.pull`; returns ``out`` (or the new arrays)."""
+        return self._wait(self._inner.pull(key, out, priority))
+
+    def pushpull(self, key: Key | list[Key], value: Any, out: Any = None, priority: int = 0) -> Any:
+        """See :meth:`AsyncKVStore.pushpull`; returns ``out`` (``value`` when omitted)."""
+        return self._wait(self._inner.pushpull(key, value, out, priority))
+
+    def broadcast(self, key: Key | list[Key], value: Any, out: Any = None) -> Any:
+        """See :meth:`AsyncKVStore.broadcast`; returns ``out`` (or new arrays)."""
+        return self._wait(self._inner.broadcast(key, value, out))
+
+    def set_updater(self, updater: Updater | None) -> None:
+        """See :meth:`AsyncKVStore.set_updater`."""
+        self._inner.set_updater(updater)
+
+    def set_optimizer(self, optimizer: _optimizer.Optimizer) -> None:
+        """See :meth:`AsyncKVStore.set_optimizer`."""
+        self._wait(self._inner.set_optimizer(optimizer))
+
+    def save_optimizer_states(
+        self, fname: str | os.PathLike[str], dump_optimizer: bool = False
+    ) -> None:
+        """See :meth:`AsyncKVStore.save_optimizer_states`."""
+        self._wait(self._inner.save_optimizer_states(fname, dump_optimizer))
+
+    def load_optimizer_states(self, fname: str | os.PathLike[str]) -> None:
+        """See :meth:`AsyncKVStore.load_optimizer_states`."""
+        self._wait(self._inner.load_optimizer_states(fname))
+
+    def barrier(self) -> None:
+        """See :meth:`AsyncKVStore.barrier`."""
+        self._wait(self._inner.barrier())
+
+    def set_barrier_before_exit(self, barrier_before_exit: bool = True) -> None:
+        """See :meth:`AsyncKVStore.set_barrier_before_exit`."""
+        self._inner.set_barrier_before_exit(barrier_before_exit)
+
+    def close(self) -> None:
+        """Finish the work in flight, then release the engine and the loop thread.
+
+        Raises the first failure of work that no call reported. Idempotent.
+        """
+        if not self._loop_thread.running:
+            return
+        try:
+            self._loop_thread.run(_await(self._inner.close), self._timeout)
+        finally:
+            self._loop_thread.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return repr(self._inner).replace("AsyncKVStore", "KVStore", 1)
+
+
+async def _await(make: Callable[[], Any]) -> Any:
+    return await make()

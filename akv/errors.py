@@ -1,0 +1,104 @@
+"""The errors akv raises.
+
+Every error akv raises on purpose is an :class:`AKVError`. The subclasses exist so that a
+caller can catch one reason; each message names what was involved (the key, both shapes or
+dtypes, the rank, the server) so that it can be acted on without a debugger.
+
+Several subclasses also derive from the built-in exception a Python user would expect
+(``TypeError`` for a value of the wrong kind, ``ValueError`` for a wrong shape, ``KeyError``
+is deliberately *not* used because it quotes its message).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AKVError",
+    "ClosedError",
+    "DTypeMismatchError",
+    "DuplicateInitError",
+    "InvalidArgumentError",
+    "KeyNotInitializedError",
+    "MixedKeyKindsError",
+    "OptimizerError",
+    "ReentrantCallError",
+    "ShapeMismatchError",
+    "StateFormatError",
+    "UnknownStoreTypeError",
+    "WaitTimeoutError",
+]
+
+
+class AKVError(Exception):
+    """Base class of every error akv raises on purpose."""
+
+
+class InvalidArgumentError(AKVError, TypeError):
+    """An argument has the wrong kind or form (not an array, lists of different lengths...)."""
+
+
+class UnknownStoreTypeError(AKVError, ValueError):
+    """``create()`` was given a store type name akv does not know."""
+
+
+class KeyNotInitializedError(AKVError):
+    """A push or pull named a key that was never initialized with ``init``."""
+
+    def __init__(self, message: str, key: object = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class DuplicateInitError(AKVError):
+    """``init`` (or ``broadcast``) was called twice for the same key."""
+
+    def __init__(self, message: str, key: object = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class MixedKeyKindsError(AKVError, TypeError):
+    """A store keyed by ``int`` was given a ``str`` key, or the other way round."""
+
+
+class ShapeMismatchError(AKVError, ValueError):
+    """A value's shape differs from the shape the key was initialized with."""
+
+    def __init__(
+        self, message: str, key: object = None, expected: object = None, got: object = None
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.expected = expected
+        self.got = got
+
+
+class DTypeMismatchError(AKVError, TypeError):
+    """A value's dtype differs from the key's dtype; akv never casts silently."""
+
+    def __init__(
+        self, message: str, key: object = None, expected: object = None, got: object = None
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.expected = expected
+        self.got = got
+
+
+class ReentrantCallError(AKVError, RuntimeError):
+    """A store method was called from inside that store's own updater (it would deadlock)."""
+
+
+class ClosedError(AKVError, RuntimeError):
+    """The store was used after ``close()``."""
+
+
+class WaitTimeoutError(AKVError, TimeoutError):
+    """A blocking call did not complete within its timeout."""
+
+
+class OptimizerError(AKVError, ValueError):
+    """An optimizer or learning-rate scheduler was given a bad name or parameter."""
+
+
+class StateFormatError(AKVError, ValueError):
+    """A saved optimizer-state file is not in akv's format, or does not fit the store."""

@@ -1,0 +1,36 @@
+"""engine: a dependency engine for asyncio programs.
+
+Tasks declare the :class:`Var` s they read and write; the engine runs them in an order
+that respects those declarations (MXNet's versioned-var rules), by priority through a
+bounded number of slots, on the loop (coroutines), on worker threads (plain functions),
+inline, or on an executor registered for other hardware. See :class:`Engine`.
+
+This package never imports ``akv`` or ``transport``.
+"""
+
+from engine._engine import DEFAULT_SLOTS, Engine, EngineClosedError, EngineError, EngineStatistics
+from engine._executors import DoneCallback, Executor, LoopExecutor, ThreadExecutor
+from engine._graph import to_dot
+from engine._loop import LoopThread, new_event_loop, uvloop_available
+from engine._task import Failure, Task, Waitable
+from engine._var import Var
+
+__all__ = [
+    "DEFAULT_SLOTS",
+    "DoneCallback",
+    "Engine",
+    "EngineClosedError",
+    "EngineError",
+    "EngineStatistics",
+    "Executor",
+    "Failure",
+    "LoopExecutor",
+    "LoopThread",
+    "Task",
+    "ThreadExecutor",
+    "Var",
+    "Waitable",
+    "new_event_loop",
+    "to_dot",
+    "uvloop_available",
+]

@@ -1,0 +1,256 @@
+"""Tasks and the waitable results the engine hands out.
+
+A :class:`Waitable` is completed exactly once, from any thread, and can be waited for
+from a coroutine on any event loop (``await w``) or from any thread (``w.result(timeout)``).
+A :class:`Task` is the waitable for one function pushed to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine._var import Var
+
+__all__ = ["Failure", "Task", "Waitable"]
+
+WAITING = 0
+READY = 1
+RUNNING = 2
+DONE = 3
+FAILED = 4
+_STATE_NAMES = {
+    WAITING: "waiting",
+    READY: "ready",
+    RUNNING: "running",
+    DONE: "done",
+    FAILED: "failed",
+}
+
+
+class Failure:
+    """One failure, shared by the task that raised it and every task and var it reached.
+
+    ``delivered`` becomes True the first time the exception is raised to a user by a wait;
+    from then on the vars it reached no longer fail the tasks that use them.
+    """
+
+    __slots__ = ("delivered", "exception", "task_name")
+
+    def __init__(self, exception: BaseException, task_name: str) -> None:
+        self.exception = exception
+        self.task_name = task_name
+        self.delivered = False
+
+    def __repr__(self) -> str:
+        return f"<Failure in {self.task_name!r}: {self.exception!r}>"
+
+
+def add_note(exception: BaseException, text: str) -> None:
+    add_note = getattr(exception, "add_note", None)
+    if add_note is not None:
+        add_note(text)
+    else:  # Python 3.10 keeps the note for tooling even though it does not print it.
+        exception.__notes__ = [*getattr(exception, "__notes__", []), text]  # type: ignore[attr-defined]
+
+
+def _wake(loop: asyncio.AbstractEventLoop, thread_id: int, future: asyncio.Future[None]) -> None:
+    if threading.get_ident() == thread_id:
+        if not future.done():
+            future.set_result(None)
+    else:
+        loop.call_soon_threadsafe(_set_if_pending, future)
+
+
+def _set_if_pending(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class Waitable:
+    """Something that completes once: awaitable on any loop, waitable from any thread.
+
+    ``await w`` and ``w.result(timeout)`` return the value or raise the exception, every
+    time they are called. Raising marks the failure as delivered (see :class:`Failure`).
+    """
+
+    __slots__ = ("_callbacks", "_event", "_failure", "_lock", "_result", "_state", "name")
+
+    def __init__(self, lock: threading.Lock, name: str) -> None:
+        self._lock = lock
+        self.name = name
+        self._state = WAITING
+        self._result: Any = None
+        self._failure: Failure | None = None
+        self._event: threading.Event | None = None
+        self._callbacks: list[Callable[[Waitable], None]] | None = []
+
+    @property
+    def state(self) -> str:
+        """One of ``waiting``, ``ready``, ``running``, ``done``, ``failed``."""
+        return _STATE_NAMES[self._state]
+
+    def done(self) -> bool:
+        """True once the waitable has completed, successfully or not."""
+        return self._state >= DONE
+
+    def failed(self) -> bool:
+        """True when the waitable completed with an exception."""
+        return self._state == FAILED
+
+    def exception(self) -> BaseException | None:
+        """The exception it completed with (without raising or delivering it), else None."""
+        return self._failure.exception if self._failure is not None else None
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Block the calling thread until done; return the value or raise the exception.
+
+        Raises
+        ------
+        TimeoutError
+            When it has not completed within ``timeout`` seconds (it keeps running).
+        """
+        if self._state < DONE:
+            with self._lock:
+                if self._state < DONE:
+                    if self._event is None:
+                        self._event = threading.Event()
+                    event = self._event
+                else:
+                    event = None
+            if event is not None and not event.wait(timeout):
+                raise TimeoutError(f"{self.name!r} did not complete within {timeout} s")
+        return self._outcome()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if self._state < DONE:
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[None] = loop.create_future()
+            thread_id = threading.get_ident()
+            self._add_callback(lambda _: _wake(loop, thread_id, future))
+            yield from future.__await__()
+        return self._outcome()
+
+    def _outcome(self) -> Any:
+        failure = self._failure
+        if failure is not None:
+            failure.delivered = True
+            raise failure.exception
+        return self._result
+
+    def _add_callback(self, callback: Callable[[Waitable], None]) -> None:
+        with self._lock:
+            callbacks = self._callbacks
+            if callbacks is not None:
+                callbacks.append(callback)
+                return
+        callback(self)
+
+    def _complete_locked(
+        self, result: Any, failure: Failure | None
+    ) -> tuple[threading.Event | None, list[Callable[[Waitable], None]]]:
+        """Record the outcome (caller holds the lock); return what to notify after unlocking."""
+        self._result = result
+        self._failure = failure
+        self._state = FAILED if failure is not None else DONE
+        callbacks = self._callbacks or []
+        self._callbacks = None
+        return self._event, callbacks
+
+    @staticmethod
+    def _notify(
+        waitable: Waitable,
+        event: threading.Event | None,
+        callbacks: list[Callable[[Waitable], None]],
+    ) -> None:
+        if event is not None:
+            event.set()
+        for callback in callbacks:
+            callback(waitable)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {self.state}>"
+
+
+class Task(Waitable):
+    """One function pushed to the engine, with the vars it reads and writes.
+
+    Await it on any loop, or call :meth:`result` from any thread. ``id`` increases with
+    push order; ``name`` is the one given to ``push`` (by default the function's name).
+    """
+
+    __slots__ = (
+        "_deps",
+        "_given_name",
+        "args",
+        "executor",
+        "fn",
+        "id",
+        "is_wait",
+        "no_skip",
+        "priority",
+        "reads",
+        "writes",
+    )
+
+    def __init__(
+        self,
+        lock: threading.Lock,
+        task_id: int,
+        name: str | None,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        reads: tuple[Var, ...],
+        writes: tuple[Var, ...],
+        priority: int,
+        executor: str,
+        no_skip: bool,
+        is_wait: bool = False,
+    ) -> None:
+        self._lock = lock
+        self._state = WAITING
+        self._result: Any = None
+        self._failure: Failure | None = None
+        self._event: threading.Event | None = None
+        self._callbacks: list[Callable[[Waitable], None]] | None = []
+        self._given_name = name
+        self.id = task_id
+        self.fn = fn
+        self.args = args
+        self.reads = reads
+        self.writes = writes
+        self.priority = priority
+        self.executor = executor
+        self.no_skip = no_skip
+        self.is_wait = is_wait
+        self._deps = 0
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        """The name given to ``push``, else ``<function name>#<id>``."""
+        if self._given_name is None:
+            self._given_name = f"{getattr(self.fn, '__name__', 'task')}#{self.id}"
+        return self._given_name
+
+    def _inherited_failure(self) -> Failure | None:
+        """The undelivered failure on one of its vars (reads first, as MXNet), if any."""
+        for var in self.reads:
+            failure = var._failure
+            if failure is not None and not failure.delivered:
+                return failure
+        for var in self.writes:
+            failure = var._failure
+            if failure is not None and not failure.delivered:
+                return failure
+        return None
+
+    def __repr__(self) -> str:
+        return f"<Task #{self.id} {self.name!r} {self.state} priority={self.priority}>"
+
+
+def note_task(exception: BaseException, task: Task) -> None:
+    """Attach the failing task's name to its exception (shown under the traceback)."""
+    add_note(exception, f"raised in engine task {task.name!r} (#{task.id})")

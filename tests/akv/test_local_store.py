@@ -1,0 +1,474 @@
+"""The local store's meaning (MXNet's, measured on 1.9.1) and where akv does better."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+import akv
+from akv import (
+    ClosedError,
+    DTypeMismatchError,
+    DuplicateInitError,
+    InvalidArgumentError,
+    KeyNotInitializedError,
+    MixedKeyKindsError,
+    ReentrantCallError,
+    ShapeMismatchError,
+    UnknownStoreTypeError,
+)
+
+SHAPE = (2, 3)
+
+
+def ones(scale: float = 1.0, dtype=np.float32) -> np.ndarray:
+    return np.full(SHAPE, scale, dtype)
+
+
+@pytest.fixture
+def kv():
+    store = akv.create("local")
+    yield store
+    store.close()
+
+
+def add_twice(key, recv, stored):
+    stored += recv * 2
+
+
+# ------------------------------------------------------------ MXNet's documented examples
+
+
+def test_init_then_pull_gives_the_initial_value(kv):
+    kv.init("3", ones(2))
+    np.testing.assert_array_equal(kv.pull("3"), ones(2))
+
+
+def test_push_without_updater_replaces_the_stored_value(kv):
+    kv.init("3", ones(2))
+    kv.push("3", ones(8))
+    np.testing.assert_array_equal(kv.pull("3"), ones(8))
+    kv.push("3", ones(1))
+    np.testing.assert_array_equal(kv.pull("3"), ones(1))
+
+
+def test_a_list_of_values_for_one_key_is_summed(kv):
+    kv.init("3", ones(2))
+    kv.push("3", [ones(), ones(), ones(), ones()])
+    np.testing.assert_array_equal(kv.pull("3"), ones(4))
+
+
+def test_a_list_of_keys_takes_a_list_of_values(kv):
+    kv.init(["4", "5", "6"], [ones(), ones(), ones()])
+    kv.push(["4", "5", "6"], [ones(7), ones(8), ones(9)])
+    out = [np.zeros(SHAPE, np.float32) for _ in range(3)]
+    kv.pull(["4", "5", "6"], out=out)
+    assert [o[0, 0] for o in out] == [7, 8, 9]
+
+
+def test_updater_changes_the_stored_value_in_place(kv):
+    kv.init(3, ones(4))
+    kv.set_updater(add_twice)
+    np.testing.assert_array_equal(kv.pull(3), ones(4))
+    kv.push(3, ones())
+    np.testing.assert_array_equal(kv.pull(3), ones(6))
+
+
+def test_pull_into_a_list_of_outputs_fills_each(kv):
+    kv.init(3, ones(6))
+    outs = [np.zeros(SHAPE, np.float32) for _ in range(4)]
+    assert kv.pull(3, out=outs) is outs
+    for out in outs:
+        np.testing.assert_array_equal(out, ones(6))
+
+
+def test_updater_with_lists_of_lists(kv):
+    kv.init([5, 7, 9], [ones(), ones(), ones()])
+    kv.set_updater(add_twice)
+    kv.push([5, 7, 9], [ones(), ones(), ones()])
+    assert [kv.pull(k)[0, 0] for k in (5, 7, 9)] == [3, 3, 3]
+    kv.push([5, 7, 9], [[ones()] * 4, [ones()] * 4, [ones()] * 4])
+    assert [kv.pull(k)[0, 0] for k in (5, 7, 9)] == [11, 11, 11]
+
+
+def test_a_key_repeated_in_one_call_is_summed(kv):
+    kv.init(1, ones())
+    kv.push([1, 1, 1], [ones(1), ones(2), [ones(3), ones(4)]])
+    np.testing.assert_array_equal(kv.pull(1), ones(10))
+    first, second = kv.pull([1, 1])
+    np.testing.assert_array_equal(first, ones(10))
+    assert first is not second
+
+
+def test_pushpull_without_out_writes_into_the_value(kv):
+    kv.init(2, ones())
+    kv.set_updater(add_twice)
+    value = ones(3)
+    assert kv.pushpull(2, value) is value
+    np.testing.assert_array_equal(value, ones(7))
+
+
+def test_pushpull_into_out_leaves_the_pushed_value_alone(kv):
+    kv.init(2, ones())
+    value, out = ones(3), np.zeros(SHAPE, np.float32)
+    kv.pushpull(2, value, out=out)
+    np.testing.assert_array_equal(out, ones(3))
+    np.testing.assert_array_equal(value, ones(3))
+
+
+def test_broadcast_initializes_and_pulls_once_per_key(kv):
+    out = np.zeros(SHAPE, np.float32)
+    kv.broadcast("w", ones(5), out=out)
+    np.testing.assert_array_equal(out, ones(5))
+    with pytest.raises(DuplicateInitError, match="'w'"):
+        kv.broadcast("w", ones(6), out=out)
+    np.testing.assert_array_equal(kv.pull("w"), ones(5))
+
+
+def test_store_properties(kv):
+    assert (kv.type, kv.rank, kv.num_workers) == ("local", 0, 1)
+    kv.barrier()  # one worker: returns at once
+    kv.set_barrier_before_exit(False)
+
+
+def test_type_names_are_case_insensitive():
+    with akv.create("LOCAL") as store:
+        assert store.type == "local"
+
+
+def test_dtypes_are_kept(kv):
+    for key, dtype in enumerate([np.float16, np.float64, np.int32, np.int64, np.uint8]):
+        kv.init(key, np.arange(6, dtype=dtype).reshape(SHAPE))
+        kv.push(key, [np.ones(SHAPE, dtype), np.ones(SHAPE, dtype)])
+        pulled = kv.pull(key)
+        assert pulled.dtype == dtype
+        np.testing.assert_array_equal(pulled, np.full(SHAPE, 2, dtype))
+
+
+# ------------------------------------------------------------ value semantics (no aliasing)
+
+
+def test_changing_the_init_array_afterwards_does_not_change_the_store(kv):
+    source = ones(1)
+    kv.init(0, source)
+    source[:] = 99
+    np.testing.assert_array_equal(kv.pull(0), ones(1))
+
+
+def test_changing_the_pushed_array_afterwards_does_not_change_the_store(kv):
+    kv.init(0, ones())
+    pushed = ones(5)
+    kv.push(0, pushed)
+    pushed[:] = 99
+    np.testing.assert_array_equal(kv.pull(0), ones(5))
+
+
+def test_pull_never_hands_out_the_stored_array(kv):
+    kv.init(0, ones(5))
+    first = kv.pull(0)
+    first[:] = 99
+    np.testing.assert_array_equal(kv.pull(0), ones(5))
+
+
+async def test_async_push_copies_before_returning_even_when_not_awaited():
+    kv = await akv.create_async("local")
+    kv.init(0, ones())
+    gate = threading.Event()
+    kv.set_updater(lambda key, recv, stored: (gate.wait(5), np.copyto(stored, recv)))
+    big = np.ones((1 << 19,), np.float32)  # 2 MiB: the update runs on a worker thread
+    kv.init(1, big)
+    blocker = kv.push(1, big)
+    pushed = ones(7)
+    queued = kv.push(0, pushed)
+    pushed[:] = -1  # the push is still queued or running; the store read it already
+    gate.set()
+    await blocker
+    await queued
+    np.testing.assert_array_equal(await kv.pull(0), ones(7))
+    await kv.close()
+
+
+# ------------------------------------------------------------ errors: typed, named, nothing changed
+
+
+def test_shape_mismatch_names_the_key_and_both_shapes_and_changes_nothing(kv):
+    kv.init(3, ones(1))
+    with pytest.raises(ShapeMismatchError) as info:
+        kv.push(3, np.ones((3, 2), np.float32))
+    assert str(info.value) == (
+        "push to key 3: shape (3, 2) does not match the initialized shape (2, 3)"
+    )
+    assert (info.value.key, info.value.expected, info.value.got) == (3, (2, 3), (3, 2))
+    np.testing.assert_array_equal(kv.pull(3), ones(1))
+
+
+def test_dtype_mismatch_is_an_error_not_a_silent_cast(kv):
+    kv.init(3, ones(1))
+    with pytest.raises(DTypeMismatchError, match=r"dtype float64 does not match .* float32"):
+        kv.push(3, ones(2, np.float64))
+    np.testing.assert_array_equal(kv.pull(3), ones(1))
+    with pytest.raises(DTypeMismatchError, match="pull into key 3"):
+        kv.pull(3, out=np.zeros(SHAPE, np.float64))
+
+
+def test_a_bad_value_in_a_list_call_changes_no_key(kv):
+    kv.init([1, 2], [ones(1), ones(1)])
+    with pytest.raises(ShapeMismatchError, match="key 2"):
+        kv.push([1, 2], [ones(5), np.ones((4,), np.float32)])
+    assert [kv.pull(k)[0, 0] for k in (1, 2)] == [1, 1]
+
+
+def test_uninitialized_key_is_named(kv):
+    kv.init(1, ones())
+    with pytest.raises(KeyNotInitializedError, match="push to key 42: the key was never") as info:
+        kv.push(42, ones())
+    assert info.value.key == 42
+    with pytest.raises(KeyNotInitializedError, match="pull from key 42"):
+        kv.pull(42)
+
+
+def test_duplicate_init_is_an_error_and_keeps_the_first_value(kv):
+    kv.init(1, ones(1))
+    with pytest.raises(DuplicateInitError, match="init key 1: the key is already initialized"):
+        kv.init(1, ones(2))
+    with pytest.raises(DuplicateInitError, match="key 7"):
+        kv.init([7, 8, 7], [ones(), ones(), ones()])  # repeats caught anywhere, not only adjacent
+    assert kv.keys() == [1]  # nothing from the failed call was registered
+    np.testing.assert_array_equal(kv.pull(1), ones(1))
+
+
+def test_mixed_key_kinds_are_an_error(kv):
+    kv.init(1, ones())
+    with pytest.raises(MixedKeyKindsError, match="keyed by int, got str key 'a'"):
+        kv.init("a", ones())
+    with pytest.raises(MixedKeyKindsError, match="all be int or all be str"):
+        kv.push([1, "a"], [ones(), ones()])
+
+
+def test_unknown_store_type_is_an_error():
+    with pytest.raises(UnknownStoreTypeError, match="unknown store type 'horovod'"):
+        akv.create("horovod")
+    with pytest.raises(InvalidArgumentError, match="must be a str"):
+        akv.create(3)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="unknown store option"):
+        akv.create("local", bogus=1)
+
+
+def test_bad_arguments_are_typed_errors(kv):
+    kv.init(1, ones())
+    with pytest.raises(InvalidArgumentError, match="expected an array, got float"):
+        kv.push(1, 3.0)
+    with pytest.raises(InvalidArgumentError, match="2 keys need a list of 2 values"):
+        kv.push([1, 1], ones())
+    with pytest.raises(InvalidArgumentError, match="keys must be int or str"):
+        kv.push(1.5, ones())
+    with pytest.raises(InvalidArgumentError, match="keys must be int or str"):
+        kv.push(True, ones())
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        kv.pull(1, out=np.broadcast_to(np.float32(0), SHAPE))
+    with pytest.raises(InvalidArgumentError, match="one value per key"):
+        kv.init(2, [ones(), ones()])
+    with pytest.raises(InvalidArgumentError, match="empty list"):
+        kv.push(1, [])
+
+
+def test_numpy_integer_keys_are_ints(kv):
+    kv.init(np.int64(5), ones(3))
+    np.testing.assert_array_equal(kv.pull(5), ones(3))
+
+
+# ------------------------------------------------------------ updaters
+
+
+def test_updater_gets_the_key_as_given_str_stays_str(kv):
+    seen = []
+    kv.init("weight", ones())
+    kv.set_updater(lambda key, recv, stored: seen.append(key))
+    kv.push("weight", ones())
+    assert seen == ["weight"]
+
+
+def test_an_exception_in_the_updater_reaches_the_caller(kv):
+    kv.init(1, ones(1))
+
+    def broken(key, recv, stored):
+        raise ValueError(f"cannot update {key}")
+
+    kv.set_updater(broken)
+    with pytest.raises(ValueError, match="cannot update 1"):
+        kv.push(1, ones())
+    kv.set_updater(None)
+    np.testing.assert_array_equal(kv.pull(1), ones(1))  # delivered once; the key is usable
+
+
+def test_calling_the_store_from_its_updater_raises(kv):
+    kv.init(1, ones())
+    kv.set_updater(lambda key, recv, stored: kv.pull(1))
+    with pytest.raises(ReentrantCallError, match="inside that store's updater"):
+        kv.push(1, ones())
+
+
+def test_set_updater_rejects_non_callables(kv):
+    with pytest.raises(InvalidArgumentError, match="callable"):
+        kv.set_updater(3)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------ threads, loops, closing
+
+
+def test_many_threads_at_once_lose_no_update(kv):
+    kv.init(list(range(4)), [np.zeros(4, np.int64) for _ in range(4)])
+    kv.set_updater(lambda key, recv, stored: np.add(stored, recv, out=stored))
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for i in range(200):
+                key = (seed + i) % 4
+                kv.push(key, np.ones(4, np.int64))
+                kv.pull(key)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors
+    assert sum(int(kv.pull(k)[0]) for k in range(4)) == 800
+
+
+def test_blocking_store_works_inside_a_running_event_loop():
+    """As in Jupyter: the calling thread runs a loop of its own."""
+
+    async def notebook_cell() -> np.ndarray:
+        with akv.create("local") as store:
+            store.init(0, ones())
+            store.push(0, [ones(), ones()])
+            return store.pull(0)
+
+    np.testing.assert_array_equal(asyncio.run(notebook_cell()), ones(2))
+
+
+def test_closed_store_rejects_calls():
+    store = akv.create("local")
+    store.init(0, ones())
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(ClosedError, match="closed"):
+        store.push(0, ones())
+
+
+def test_store_is_a_context_manager():
+    with akv.create("local") as store:
+        store.init(0, ones())
+    with pytest.raises(ClosedError):
+        store.pull(0)
+
+
+def test_engine_is_exposed_for_metrics(kv):
+    kv.init(0, ones())
+    kv.push(0, ones())
+    stats = kv.engine.statistics()
+    assert stats.completed >= 2 and stats.failed == 0
+
+
+# ------------------------------------------------------------ the awaitable face
+
+
+async def test_fifty_unawaited_pushes_then_a_pull_see_all_fifty():
+    kv = await akv.create_async("local")
+    kv.init(0, np.zeros(3, np.float32))
+    kv.set_updater(lambda key, recv, stored: np.add(stored, recv, out=stored))
+    for _ in range(50):
+        kv.push(0, np.ones(3, np.float32))
+    np.testing.assert_array_equal(await kv.pull(0), np.full(3, 50, np.float32))
+    await kv.close()
+
+
+async def test_big_unawaited_work_keeps_order_across_worker_threads():
+    kv = await akv.create_async("local")
+    big = np.zeros(1 << 19, np.float32)  # above the inline bound: worker threads
+    kv.init(0, big)
+    kv.set_updater(lambda key, recv, stored: np.add(stored, recv, out=stored))
+    pulls = []
+    for _ in range(5):
+        kv.push(0, np.ones_like(big))
+        pulls.append(kv.pull(0))
+    results = [float((await p)[0]) for p in pulls]
+    assert results == [1, 2, 3, 4, 5]
+    await kv.close()
+
+
+async def test_async_errors_raise_at_the_call():
+    kv = await akv.create_async("local")
+    kv.init(0, ones())
+    with pytest.raises(ShapeMismatchError):
+        kv.push(0, np.ones(3, np.float32))  # no await needed: raised before scheduling
+    await kv.close()
+
+
+async def test_an_unawaited_failing_push_fails_the_next_pull():
+    kv = await akv.create_async("local")
+    kv.init(0, ones(1))
+
+    def broken(key, recv, stored):
+        raise RuntimeError("bad update")
+
+    kv.set_updater(broken)
+    kv.push(0, ones())
+    with pytest.raises(RuntimeError, match="bad update"):
+        await kv.pull(0)
+    await kv.close()
+
+
+async def test_close_raises_a_failure_nobody_awaited():
+    kv = await akv.create_async("local")
+    kv.init(0, ones(1))
+    kv.set_updater(lambda key, recv, stored: 1 / 0)
+    kv.push(0, ones())
+    with pytest.raises(ZeroDivisionError):
+        await kv.close()
+    with pytest.raises(ClosedError):
+        kv.pull(0)
+
+
+async def test_async_store_is_an_async_context_manager():
+    async with await akv.create_async("local") as kv:
+        kv.init("a", ones(2))
+        assert (await kv.pull("a"))[0, 0] == 2
+    with pytest.raises(ClosedError):
+        kv.pull("a")
+
+
+async def test_priority_orders_work_that_piles_up():
+    kv = await akv.create_async("local", slots=1)
+    gate = threading.Event()
+    started: list[str] = []
+
+    def updater(key, recv, stored):
+        if key == "blocker":
+            gate.wait(5)
+        started.append(key)
+
+    big = np.zeros(1 << 19, np.float32)
+    kv.init("blocker", big)
+    kv.init(["low", "mid", "high"], [ones(), ones(), ones()])
+    kv.set_updater(updater)
+    first = kv.push("blocker", big)  # holds the only slot on a worker thread
+    waits = [kv.push(k, ones(), priority=p) for k, p in (("low", -3), ("mid", -2), ("high", -1))]
+    gate.set()
+    await first
+    for wait in waits:
+        await wait
+    assert started == ["blocker", "high", "mid", "low"]
+    await kv.close()
+
+
+def test_async_store_cannot_be_constructed_directly():
+    with pytest.raises(TypeError, match="create_async"):
+        akv.AsyncKVStore()
