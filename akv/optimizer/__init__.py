@@ -1,0 +1,78 @@
+"""Optimizers for akv's key-value store: MXNet 1.9.1's, in pure NumPy.
+
+A store applies an optimizer through an :class:`Updater`, called as
+``updater(key, grad, weight)``, which changes ``weight`` in place. Optimizers are described
+by JSON-serialisable configs (:meth:`Optimizer.get_config`, :func:`from_config`) so that a
+server in another process can rebuild them, and updater states travel in a portable,
+pickle-free format (:meth:`Updater.dump_states`, :func:`encode_states`).
+
+Example
+-------
+>>> import numpy as np
+>>> from akv import optimizer
+>>> updater = optimizer.get_updater(optimizer.create("sgd", learning_rate=0.1))
+>>> weight = np.ones(3, np.float32)
+>>> updater(0, np.ones(3, np.float32), weight)
+>>> weight
+array([0.9, 0.9, 0.9], dtype=float32)
+"""
+
+from akv.optimizer import lr_scheduler
+from akv.optimizer._adaptive import FTRL, LAMB, AdaDelta, AdaGrad, Adam, RMSProp
+from akv.optimizer._base import (
+    CHUNK_ELEMENTS,
+    Index,
+    Optimizer,
+    State,
+    create,
+    from_config,
+    register,
+)
+from akv.optimizer._sgd import NAG, SGD, Signum
+from akv.optimizer._states import (
+    STATE_FORMAT_NAME,
+    STATE_FORMAT_VERSION,
+    SavedStates,
+    decode_states,
+    encode_states,
+)
+from akv.optimizer._updater import Updater, get_updater
+from akv.optimizer.lr_scheduler import (
+    CosineScheduler,
+    FactorScheduler,
+    LRScheduler,
+    MultiFactorScheduler,
+    PolyScheduler,
+)
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "FTRL",
+    "LAMB",
+    "NAG",
+    "SGD",
+    "STATE_FORMAT_NAME",
+    "STATE_FORMAT_VERSION",
+    "AdaDelta",
+    "AdaGrad",
+    "Adam",
+    "CosineScheduler",
+    "FactorScheduler",
+    "Index",
+    "LRScheduler",
+    "MultiFactorScheduler",
+    "Optimizer",
+    "PolyScheduler",
+    "RMSProp",
+    "SavedStates",
+    "Signum",
+    "State",
+    "Updater",
+    "create",
+    "decode_states",
+    "encode_states",
+    "from_config",
+    "get_updater",
+    "lr_scheduler",
+    "register",
+]

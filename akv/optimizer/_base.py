@@ -1,0 +1,672 @@
+"""The optimizer base class, the registry and the shared update machinery."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import numpy as np
+
+from akv.errors import (
+    DTypeMismatchError,
+    InvalidArgumentError,
+    OptimizerError,
+    ShapeMismatchError,
+)
+from akv.optimizer import lr_scheduler as _lr_scheduler
+
+Index = int | str
+"""A weight's index: the store's key, an ``int`` or a ``str`` as the caller gave it."""
+
+State = np.ndarray | tuple | list | None
+"""An optimizer state: ``None``, an array, or a tuple or list of states."""
+
+CHUNK_ELEMENTS = 1 << 17
+"""Elements per pass of the element-wise kernels (512 KiB of float32). An update makes
+several passes over its arrays (up to a dozen for Adam); made chunk by chunk, the chunks of
+the weight, gradient, states and scratch buffers stay in cache between passes instead of
+streaming through memory each time. Measured on a 2-core EPYC (1 MiB L2 per core, 32 MiB
+L3): for a 64 MiB array chunked passes take about 0.6 of the time of whole-array passes;
+64K to 512K elements perform alike, smaller chunks pay per-call overhead."""
+
+DEFAULT_LEARNING_RATE = 0.01
+"""The learning rate of an optimizer given neither ``learning_rate`` nor a scheduler."""
+
+DECAYED_NAME_SUFFIXES = ("_weight", "_gamma")
+"""With ``param_idx2name``, only names with these endings keep weight decay by default
+(MXNet 1.9.1's rule); every other name gets a weight-decay multiplier of 0."""
+
+_UNSUPPORTED = {
+    "sym": "MXNet Symbol objects do not exist in akv; use set_lr_mult/set_wd_mult",
+    "param_dict": "Gluon Parameter objects do not exist in akv; use set_lr_mult/set_wd_mult",
+}
+
+_REGISTRY: dict[str, type[Optimizer]] = {}
+
+
+def register(cls: type[Optimizer]) -> type[Optimizer]:
+    """Class decorator: make an optimizer creatable by :func:`create` and :func:`from_config`.
+
+    The registry name is the lower-cased class name (``"sgd"`` for ``SGD``); names are
+    case-insensitive. A config names the optimizer by this name, so a name must mean one
+    class everywhere: registering a different class under a taken name raises
+    :class:`~akv.errors.OptimizerError` (MXNet warns and replaces); registering the same class
+    again is a no-op.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
+        raise OptimizerError(f"register: {cls!r} is not a subclass of Optimizer")
+    name = cls.__name__.lower()
+    existing = _REGISTRY.get(name, cls)
+    if existing is not cls:
+        raise OptimizerError(
+            f"register: the name {name!r} already belongs to "
+            f"{existing.__module__}.{existing.__qualname__}"
+        )
+    _REGISTRY[name] = cls
+    return cls
+
+
+def create(name: str, **kwargs: Any) -> Optimizer:
+    """Build the optimizer registered as ``name`` (case-insensitive) with ``kwargs``.
+
+    Raises
+    ------
+    OptimizerError
+        Unknown name, unknown parameter, or a bad parameter value.
+    """
+    if not isinstance(name, str):
+        raise OptimizerError(f"optimizer name must be a str, got {name!r}")
+    cls = _REGISTRY.get(name.lower())
+    if cls is None:
+        raise OptimizerError(f"unknown optimizer {name!r} (known: {', '.join(sorted(_REGISTRY))})")
+    return cls(**kwargs)
+
+
+def from_config(config: Mapping[str, Any]) -> Optimizer:
+    """Rebuild an optimizer from :meth:`Optimizer.get_config`'s description.
+
+    The result has the same class, hyper-parameters, scheduler, ``idx2name`` and learning
+    rate and weight-decay multipliers; update counts are not part of a config (they travel
+    with the states, see :mod:`akv.optimizer` ``encode_states``).
+
+    Raises
+    ------
+    OptimizerError
+        The description is malformed or holds an unknown name or a bad value.
+    """
+    if not isinstance(config, Mapping):
+        raise OptimizerError(f"optimizer config must be a dict, got {type(config).__name__}")
+    unknown = set(config) - {"name", "params", "lr_scheduler", "lr_mult", "wd_mult"}
+    if unknown:
+        raise OptimizerError(f"optimizer config has unknown entries {sorted(unknown)}")
+    if "name" not in config:
+        raise OptimizerError("optimizer config has no 'name'")
+    params = config.get("params", {})
+    if not isinstance(params, Mapping):
+        raise OptimizerError(f"optimizer config 'params' must be a dict, got {params!r}")
+    params = dict(params)
+    if "lr_scheduler" in params:
+        raise OptimizerError("optimizer config: the scheduler belongs in 'lr_scheduler'")
+    if "param_idx2name" in params:
+        params["param_idx2name"] = _pairs_to_dict("param_idx2name", params["param_idx2name"])
+    scheduler = config.get("lr_scheduler")
+    if scheduler is not None:
+        params["lr_scheduler"] = _lr_scheduler.from_config(scheduler)
+    optimizer = create(config["name"], **params)
+    optimizer.set_lr_mult(_pairs_to_dict("lr_mult", config.get("lr_mult", [])))
+    optimizer.set_wd_mult(_pairs_to_dict("wd_mult", config.get("wd_mult", [])))
+    return optimizer
+
+
+def _pairs_to_dict(what: str, pairs: object) -> dict:
+    # JSON objects only have string keys, so mappings whose keys may be ints travel as
+    # lists of [key, value] pairs.
+    if isinstance(pairs, Mapping):
+        return dict(pairs)
+    if not isinstance(pairs, (list, tuple)) or not all(
+        isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in pairs
+    ):
+        raise OptimizerError(f"optimizer config: {what} must be a list of [key, value] pairs")
+    return {_check_index(what, key): value for key, value in pairs}
+
+
+def _dict_to_pairs(mapping: Mapping) -> list[list]:
+    return [[key, value] for key, value in mapping.items()]
+
+
+def _check_index(what: str, index: object) -> Index:
+    if isinstance(index, bool) or not isinstance(index, (numbers.Integral, str)):
+        raise OptimizerError(f"{what}: index {index!r} is neither an int nor a str")
+    return index if isinstance(index, str) else int(index)
+
+
+class Optimizer:
+    """Base class of akv's optimizers, with MXNet 1.9.1's parameters and behaviour.
+
+    An optimizer turns a gradient into an in-place change of a weight. The store calls it
+    through :class:`~akv.optimizer.Updater`, which keeps one state per weight; call
+    :meth:`create_state_multi_precision` once per weight and
+    :meth:`update_multi_precision` per gradient to drive it directly.
+
+    Parameters
+    ----------
+    rescale_grad : float, default 1.0
+        Every gradient is multiplied by this first (often ``1 / batch_size``).
+    param_idx2name : dict of int to str, optional
+        Names of the indexes. Learning-rate and weight-decay multipliers can then be given
+        by name, and every name that ends neither in ``_weight`` nor in ``_gamma``
+        (biases, ``_beta``, running statistics...) gets no weight decay by default.
+    wd : float, default 0.0
+        Weight decay (L2 regularisation) coefficient, ``>= 0``.
+    clip_gradient : float, optional
+        Clip each gradient element into ``[-clip_gradient, clip_gradient]`` (after
+        rescaling). ``None`` (default) or ``0`` turn clipping off, as in MXNet.
+    learning_rate : float, optional
+        The learning rate, ``>= 0``. ``None`` means the scheduler's rate, or 0.01 without a
+        scheduler. Given together with a scheduler, it replaces the scheduler's
+        ``base_lr`` (with a warning, as MXNet; see :mod:`akv.optimizer.lr_scheduler` for
+        what that changes).
+    lr_scheduler : LRScheduler, optional
+        Makes the learning rate a function of :attr:`num_update`.
+    begin_num_update : int, default 0
+        The update count each index starts from.
+    multi_precision : bool, default False
+        For float16 weights, keep a float32 master copy in the state, apply the update to it
+        in float32 and round the result into the weight.
+
+    Raises
+    ------
+    OptimizerError
+        An unknown parameter or a bad value; the message names the optimizer and the
+        parameter.
+
+    Notes
+    -----
+    MXNet's ``sym`` and ``param_dict`` (a Symbol and Gluon Parameters, which supplied
+    multipliers) are not supported: akv has neither; use :meth:`set_lr_mult` and
+    :meth:`set_wd_mult`. Sparse (``row_sparse``) updates are not implemented either;
+    ``lazy_update`` is accepted and has no effect.
+
+    A subclass either overrides :meth:`update` as in MXNet (using ``_update_count``,
+    ``_get_lr`` and ``_get_wd``), or implements ``_step(index, weight, grad, state, lr, wd)``
+    and lets :meth:`update` validate, count and look up the rates. To be describable by
+    :meth:`get_config` it lists its own constructor parameters in ``_CONFIG_PARAMS``.
+    """
+
+    _CONFIG_PARAMS: ClassVar[tuple[tuple[str, str], ...]] = ()
+    """(constructor parameter, attribute) pairs of a subclass's own parameters."""
+
+    _BASE_CONFIG_PARAMS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("rescale_grad", "rescale_grad"),
+        ("param_idx2name", "idx2name"),
+        ("wd", "wd"),
+        ("clip_gradient", "clip_gradient"),
+        ("learning_rate", "lr"),
+        ("begin_num_update", "begin_num_update"),
+        ("multi_precision", "multi_precision"),
+    )
+
+    _MASTER_COPY_FIRST: ClassVar[bool] = True
+    """Multi-precision state layout: ``(master, state)``, or ``(state, master)`` if False
+    (MXNet's SGD and NAG)."""
+
+    def __init__(
+        self,
+        rescale_grad: float = 1.0,
+        param_idx2name: Mapping[int, str] | None = None,
+        wd: float = 0.0,
+        clip_gradient: float | None = None,
+        learning_rate: float | None = None,
+        lr_scheduler: _lr_scheduler.LRScheduler | None = None,
+        begin_num_update: int = 0,
+        multi_precision: bool = False,
+        **unknown: Any,
+    ) -> None:
+        self._reject_unknown(unknown)
+        self.rescale_grad = self._real("rescale_grad", rescale_grad)
+        self.wd = self._real("wd", wd, minimum=0.0)
+        self.clip_gradient = self._real("clip_gradient", clip_gradient, minimum=0.0, none=True)
+        self.begin_num_update = self._integer("begin_num_update", begin_num_update)
+        self.multi_precision = self._boolean("multi_precision", multi_precision)
+        if lr_scheduler is not None and not isinstance(lr_scheduler, _lr_scheduler.LRScheduler):
+            raise OptimizerError(
+                f"{self._name}: lr_scheduler must be an LRScheduler, got {lr_scheduler!r}"
+            )
+        learning_rate = self._real("learning_rate", learning_rate, minimum=0.0, none=True)
+        self.lr_scheduler = lr_scheduler
+        if lr_scheduler is None and learning_rate is None:
+            learning_rate = DEFAULT_LEARNING_RATE
+        overrides = lr_scheduler is not None and learning_rate is not None
+        if overrides and lr_scheduler.base_lr != learning_rate:
+            warnings.warn(
+                f"{self._name}: learning_rate {learning_rate} replaces the scheduler's "
+                f"base_lr {lr_scheduler.base_lr}",
+                UserWarning,
+                stacklevel=3,
+            )
+            lr_scheduler.base_lr = learning_rate
+        self.lr = learning_rate
+        if param_idx2name is None:
+            param_idx2name = {}
+        if not isinstance(param_idx2name, Mapping) or not all(
+            isinstance(name, str) for name in param_idx2name.values()
+        ):
+            raise OptimizerError(
+                f"{self._name}: param_idx2name must be a dict of indexes to str names"
+            )
+        self.idx2name = {
+            _check_index(f"{self._name}: param_idx2name", index): name
+            for index, name in param_idx2name.items()
+        }
+        self.num_update = self.begin_num_update
+        self._index_update_count: dict[Index, int] = {}
+        self.lr_mult: dict[Index, float] = {}
+        self.wd_mult: dict[Index, float] = {}
+        self.set_lr_mult({})
+        self.set_wd_mult({})
+
+    # -- parameters -------------------------------------------------------------------------
+
+    @property
+    def _name(self) -> str:
+        return type(self).__name__
+
+    def _reject_unknown(self, unknown: Mapping[str, Any]) -> None:
+        for name in unknown:
+            if name in _UNSUPPORTED:
+                raise OptimizerError(f"{self._name}: parameter {name!r}: {_UNSUPPORTED[name]}")
+        if unknown:
+            known = sorted(
+                {p for p, _ in self._BASE_CONFIG_PARAMS}
+                | {p for p, _ in self._CONFIG_PARAMS}
+                | {"lr_scheduler"}
+            )
+            raise OptimizerError(
+                f"{self._name}: unknown parameter(s) {', '.join(map(repr, sorted(unknown)))} "
+                f"(known: {', '.join(known)})"
+            )
+
+    def _real(
+        self,
+        name: str,
+        value: object,
+        minimum: float | None = None,
+        below: float | None = None,
+        none: bool = False,
+        positive: bool = False,
+    ) -> float | None:
+        """Check a numeric parameter: finite, ``>= minimum``, ``< below``, ``> 0`` if
+        ``positive``; ``None`` allowed if ``none``."""
+        if value is None and none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise OptimizerError(f"{self._name}: {name} must be a number, got {value!r}")
+        result = float(value)
+        if not math.isfinite(result):
+            raise OptimizerError(f"{self._name}: {name} must be finite, got {value!r}")
+        if positive and result <= 0.0:
+            raise OptimizerError(f"{self._name}: {name} must be > 0, got {value!r}")
+        if minimum is not None and result < minimum:
+            raise OptimizerError(f"{self._name}: {name} must be >= {minimum}, got {value!r}")
+        if below is not None and result >= below:
+            raise OptimizerError(f"{self._name}: {name} must be < {below}, got {value!r}")
+        return result
+
+    def _fraction(self, name: str, value: object) -> float:
+        """Check a decay rate in ``[0, 1)``."""
+        return float(self._real(name, value, minimum=0.0, below=1.0))
+
+    def _integer(self, name: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise OptimizerError(f"{self._name}: {name} must be an int >= 0, got {value!r}")
+        return int(value)
+
+    def _boolean(self, name: str, value: object) -> bool:
+        if not isinstance(value, (bool, np.bool_)):
+            raise OptimizerError(f"{self._name}: {name} must be a bool, got {value!r}")
+        return bool(value)
+
+    def get_config(self) -> dict[str, Any]:
+        """A JSON-serialisable description from which :func:`from_config` rebuilds an equal
+        optimizer.
+
+        Returns
+        -------
+        dict
+            ``{"name": registry name, "params": {constructor parameter: current value},
+            "lr_scheduler": scheduler config or None, "lr_mult": [[index, mult], ...],
+            "wd_mult": [[index, mult], ...]}``. ``param_idx2name`` is a list of
+            ``[index, name]`` pairs, because JSON object keys are always strings.
+        """
+        params = {
+            name: getattr(self, attribute)
+            for name, attribute in (*self._BASE_CONFIG_PARAMS, *self._CONFIG_PARAMS)
+        }
+        params["param_idx2name"] = _dict_to_pairs(self.idx2name)
+        scheduler = self.lr_scheduler.get_config() if self.lr_scheduler is not None else None
+        return {
+            "name": self._name.lower(),
+            "params": params,
+            "lr_scheduler": scheduler,
+            "lr_mult": _dict_to_pairs(self.lr_mult),
+            "wd_mult": _dict_to_pairs(self.wd_mult),
+        }
+
+    def __repr__(self) -> str:
+        own = ", ".join(f"{p}={getattr(self, a)!r}" for p, a in self._CONFIG_PARAMS)
+        return f"{self._name}({own})" if own else f"{self._name}()"
+
+    # -- learning rate, multipliers and counts ----------------------------------------------
+
+    @property
+    def learning_rate(self) -> float:
+        """The current learning rate: the scheduler's at :attr:`num_update`, or ``lr``."""
+        if self.lr_scheduler is not None:
+            return self.lr_scheduler(self.num_update)
+        return self.lr
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Set the learning rate of an optimizer without a scheduler.
+
+        Raises
+        ------
+        OptimizerError
+            The optimizer has a scheduler (MXNet raises ``UserWarning``), or ``lr`` is
+            negative.
+        """
+        if self.lr_scheduler is not None:
+            raise OptimizerError(
+                f"{self._name}: set_learning_rate is not possible with an lr_scheduler; "
+                "change the scheduler instead"
+            )
+        self.lr = self._real("learning_rate", lr, minimum=0.0)
+
+    def set_lr_mult(self, args_lr_mult: Mapping[Index, float]) -> None:
+        """Replace the learning-rate multipliers.
+
+        Keys are indexes, or names from ``param_idx2name``; an index's own entry wins over
+        its name's. Indexes without an entry use 1.
+        """
+        self.lr_mult = self._multipliers("lr_mult", args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult: Mapping[Index, float]) -> None:
+        """Replace the weight-decay multipliers.
+
+        Keys are indexes or names as in :meth:`set_lr_mult`. Before ``args_wd_mult`` is
+        applied, every name in ``param_idx2name`` that ends neither in ``_weight`` nor in
+        ``_gamma`` gets 0 (MXNet's default: no decay of biases, ``_beta``...).
+        """
+        defaults = {
+            name: 0.0 for name in self.idx2name.values() if not name.endswith(DECAYED_NAME_SUFFIXES)
+        }
+        defaults.update(self._multipliers("wd_mult", args_wd_mult))
+        self.wd_mult = defaults
+
+    def _multipliers(self, what: str, mapping: Mapping[Index, float]) -> dict[Index, float]:
+        if not isinstance(mapping, Mapping):
+            raise OptimizerError(f"{self._name}: {what} must be a dict, got {mapping!r}")
+        result = {}
+        for key, value in mapping.items():
+            result[_check_index(f"{self._name}: {what}", key)] = self._real(
+                f"{what}[{key!r}]", value, minimum=0.0
+            )
+        return result
+
+    @property
+    def index_update_counts(self) -> Mapping[Index, int]:
+        """Updates applied per index so far (read-only view; starts at ``begin_num_update``)."""
+        return MappingProxyType(self._index_update_count)
+
+    def restore_update_counts(self, counts: Mapping[Index, int], num_update: int) -> None:
+        """Replace the per-index update counts and :attr:`num_update` (after a reload).
+
+        Raises
+        ------
+        OptimizerError
+            A count or ``num_update`` is not an int ``>= 0``.
+        """
+        restored = {
+            _check_index(f"{self._name}: update counts", index): self._integer(
+                f"update count of {index!r}", count
+            )
+            for index, count in counts.items()
+        }
+        self.num_update = self._integer("num_update", num_update)
+        self._index_update_count = restored
+
+    def _update_count(self, index: Index | Sequence[Index]) -> None:
+        """Count one update of ``index`` (or of each index in a list)."""
+        for idx in index if isinstance(index, (list, tuple)) else (index,):
+            count = self._index_update_count.get(idx, self.begin_num_update) + 1
+            self._index_update_count[idx] = count
+            self.num_update = max(count, self.num_update)
+
+    def _get_lr(self, index: Index) -> float:
+        """The learning rate of ``index``: current rate times its multiplier."""
+        lr = self.lr_scheduler(self.num_update) if self.lr_scheduler is not None else self.lr
+        if index in self.lr_mult:
+            return lr * self.lr_mult[index]
+        if index in self.idx2name:
+            return lr * self.lr_mult.get(self.idx2name[index], 1.0)
+        return lr
+
+    def _get_wd(self, index: Index) -> float:
+        """The weight decay of ``index``: ``wd`` times its multiplier."""
+        if index in self.wd_mult:
+            return self.wd * self.wd_mult[index]
+        if index in self.idx2name:
+            return self.wd * self.wd_mult.get(self.idx2name[index], 1.0)
+        return self.wd
+
+    # -- states and updates -----------------------------------------------------------------
+
+    def create_state(self, index: Index, weight: np.ndarray) -> State:
+        """The auxiliary state (momentum, moments...) of a new weight; ``None`` if none.
+
+        State arrays are new zero-filled C-contiguous arrays of the weight's shape and dtype.
+        """
+        return None
+
+    def create_state_multi_precision(self, index: Index, weight: np.ndarray) -> State:
+        """:meth:`create_state`, plus a float32 master copy of a float16 weight when
+        ``multi_precision`` is set (warns about float16 accumulation when it is not)."""
+        if weight.dtype == np.float16:
+            if self.multi_precision:
+                master = weight.astype(np.float32)
+                state = self.create_state(index, master)
+                return (master, state) if self._MASTER_COPY_FIRST else (state, master)
+            warnings.warn(
+                f"{self._name}: accumulating in float16 can lead to poor accuracy or slow "
+                "convergence; consider multi_precision=True",
+                UserWarning,
+                stacklevel=2,
+            )
+        return self.create_state(index, weight)
+
+    def update(self, index: Index, weight: np.ndarray, grad: np.ndarray, state: State) -> None:
+        """Apply one gradient to ``weight`` in place and advance ``state`` in place.
+
+        Counts the update of ``index`` (which advances :attr:`num_update` and, with it, the
+        scheduler) before the learning rate is looked up. ``grad`` is not modified.
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``weight`` is not a writeable floating-point NumPy array.
+        ShapeMismatchError, DTypeMismatchError
+            ``grad`` does not have the weight's shape or dtype.
+        """
+        grad = check_update_arrays(index, weight, grad)
+        self._update_count(index)
+        self._step(index, weight, grad, state, self._get_lr(index), self._get_wd(index))
+
+    def _step(
+        self,
+        index: Index,
+        weight: np.ndarray,
+        grad: np.ndarray,
+        state: State,
+        lr: float,
+        wd: float,
+    ) -> None:
+        raise NotImplementedError(f"{self._name} implements neither update nor _step")
+
+    def update_multi_precision(
+        self, index: Index, weight: np.ndarray, grad: np.ndarray, state: State
+    ) -> None:
+        """:meth:`update`, through the float32 master copy for float16 weights when
+        ``multi_precision`` is set: the gradient is cast to float32, the master copy and
+        the state are updated, and the master copy is rounded into ``weight``."""
+        if not (self.multi_precision and weight.dtype == np.float16):
+            self.update(index, weight, grad, state)
+            return
+        grad = check_update_arrays(index, weight, grad)
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise InvalidArgumentError(
+                f"{self._name}: index {index!r}: a multi-precision state is a pair of the "
+                f"master copy and the state, got {type(state).__name__}"
+            )
+        master, inner = state if self._MASTER_COPY_FIRST else (state[1], state[0])
+        self.update(index, master, grad.astype(np.float32), inner)
+        np.copyto(weight, master, casting="same_kind")
+
+
+def check_update_arrays(index: Index, weight: object, grad: object) -> np.ndarray:
+    """Check a weight and its gradient; return the gradient as an array."""
+    if not isinstance(weight, np.ndarray):
+        raise InvalidArgumentError(
+            f"update of index {index!r}: the weight must be a numpy.ndarray, "
+            f"got {type(weight).__name__}"
+        )
+    if weight.dtype.kind != "f":
+        raise InvalidArgumentError(
+            f"update of index {index!r}: the weight must be floating-point, got {weight.dtype}"
+        )
+    if not weight.flags.writeable:
+        raise InvalidArgumentError(f"update of index {index!r}: the weight is read-only")
+    grad = np.asarray(grad)
+    if grad.shape != weight.shape:
+        raise ShapeMismatchError(
+            f"update of index {index!r}: gradient shape {grad.shape} does not match the "
+            f"weight shape {weight.shape}",
+            key=index,
+            expected=weight.shape,
+            got=grad.shape,
+        )
+    if grad.dtype != weight.dtype:
+        raise DTypeMismatchError(
+            f"update of index {index!r}: gradient dtype {grad.dtype} does not match the "
+            f"weight dtype {weight.dtype}",
+            key=index,
+            expected=weight.dtype,
+            got=grad.dtype,
+        )
+    return grad
+
+
+# -- element-wise machinery ----------------------------------------------------------------
+
+_local = threading.local()
+
+
+def scratch(dtype: np.dtype, count: int) -> list[np.ndarray]:
+    """``count`` buffers of :data:`CHUNK_ELEMENTS` elements, owned by the calling thread and
+    reused by every update it runs (threads never share them)."""
+    cache = getattr(_local, "buffers", None)
+    if cache is None:
+        cache = _local.buffers = {}
+    buffers = cache.setdefault(np.dtype(dtype), [])
+    while len(buffers) < count:
+        buffers.append(np.empty(CHUNK_ELEMENTS, dtype))
+    return buffers[:count]
+
+
+def complement(decay: float, dtype: np.dtype) -> float:
+    """``1 - decay`` computed in ``dtype``, as MXNet's kernels compute it (``1.f - beta2``).
+
+    For ``beta2 = 0.999`` the float32 result is 1.3e-5 away (relatively) from the exact
+    0.001, which moves Adam's steps by about 6e-6 of their size; computing it MXNet's way
+    keeps akv's weights within float32 rounding of MXNet's.
+    """
+    kind = np.dtype(dtype).type
+    return float(kind(1.0) - kind(decay))
+
+
+def product(dtype: np.dtype, *factors: float) -> float:
+    """The product of scalar parameters rounded step by step to ``dtype``, as MXNet's kernels
+    form ``lr * wd`` from float32 parameters."""
+    kind = np.dtype(dtype).type
+    result = kind(1.0)
+    for factor in factors:
+        result = kind(result * kind(factor))
+    return float(result)
+
+
+def zeros_like(weight: np.ndarray) -> np.ndarray:
+    """A new C-contiguous zero array with the weight's shape and dtype."""
+    return np.zeros(weight.shape, weight.dtype)
+
+
+Kernel = Callable[..., None]
+
+
+def run_chunked(
+    kernel: Kernel,
+    weight: np.ndarray,
+    grad: np.ndarray,
+    states: Sequence[np.ndarray],
+    num_scratch: int,
+) -> None:
+    """Call ``kernel(w, g, *states, buffers)`` on aligned 1-D chunks of the arrays.
+
+    The kernel updates ``w`` and the state chunks in place and may use the scratch
+    ``buffers`` (of the weight's dtype, as long as the chunk) freely. Arrays that are not
+    C-contiguous are processed through contiguous copies that are written back.
+    """
+    for_write = [weight, *states]
+    flats = []
+    write_back = []
+    for array in for_write:
+        if array.flags.c_contiguous:
+            flats.append(array.reshape(-1))
+        else:
+            flat = np.ascontiguousarray(array).reshape(-1)
+            flats.append(flat)
+            write_back.append((array, flat))
+    flat_grad = np.ascontiguousarray(grad).reshape(-1)
+    buffers = scratch(weight.dtype, num_scratch)
+    for chunk in chunk_slices(flat_grad.size):
+        length = chunk.stop - chunk.start
+        kernel(
+            flats[0][chunk],
+            flat_grad[chunk],
+            *(flat[chunk] for flat in flats[1:]),
+            [buffer[:length] for buffer in buffers],
+        )
+    for array, flat in write_back:
+        np.copyto(array, flat.reshape(array.shape))
+
+
+def chunk_slices(size: int) -> Iterator[slice]:
+    """Consecutive slices of at most :data:`CHUNK_ELEMENTS` covering ``range(size)``."""
+    for start in range(0, size, CHUNK_ELEMENTS):
+        yield slice(start, min(size, start + CHUNK_ELEMENTS))
+
+
+def rescaled_clipped(
+    grad: np.ndarray, out: np.ndarray, rescale_grad: float, clip_gradient: float | None
+) -> np.ndarray:
+    """``clip(rescale_grad * grad, clip_gradient)`` in ``out``, or ``grad`` itself when that
+    is the identity (the result is then only to be read)."""
+    if rescale_grad != 1.0:
+        np.multiply(grad, rescale_grad, out=out)
+        grad = out
+    if clip_gradient:
+        np.clip(grad, -clip_gradient, clip_gradient, out=out)
+        grad = out
+    return grad

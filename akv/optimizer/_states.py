@@ -1,0 +1,372 @@
+"""akv's portable optimizer-state format: a NumPy ``.npz`` archive, never a pickle.
+
+The archive (an uncompressed zip, readable by ``numpy.load(..., allow_pickle=False)``)
+holds one ``.npy`` member per state array, named ``a0.npy``, ``a1.npy``..., and the member
+:data:`STRUCTURE_MEMBER`, UTF-8 JSON::
+
+    {"format": "akv.optimizer-states", "version": 1,
+     "key_kind": "int" | "str",
+     "keys": [key, ...],
+     "states": [tree, ...],                  # one per key, same order
+     "index_update_counts": [[key, count], ...],
+     "num_update": int,
+     "optimizer": optimizer config | null}
+
+where a state ``tree`` is ``null``, ``{"array": "a0", "shape": [...], "dtype": "<f4"}``,
+``{"tuple": [tree, ...]}`` or ``{"list": [tree, ...]}``. ``docs/optimizer.md`` describes
+the format for other readers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import numbers
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from akv.errors import InvalidArgumentError, MixedKeyKindsError, StateFormatError
+from akv.optimizer._base import Index, State
+
+__all__ = [
+    "STATE_FORMAT_NAME",
+    "STATE_FORMAT_VERSION",
+    "STRUCTURE_MEMBER",
+    "SavedStates",
+    "decode_states",
+    "encode_states",
+]
+
+STATE_FORMAT_NAME = "akv.optimizer-states"
+STATE_FORMAT_VERSION = 1
+STRUCTURE_MEMBER = "structure.json"
+
+MAX_STRUCTURE_BYTES = 64 << 20
+"""Largest structure member :func:`decode_states` reads (a guard against hostile input)."""
+
+_NPY_HEADER_SLACK_BYTES = 64 << 10
+"""Room for a ``.npy`` header beyond its data when sizing a member against its declaration."""
+
+_ARRAY_KINDS = "biufc"
+
+# What zipfile raises for malformed, truncated or unsupported archives.
+_ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError)
+
+
+@dataclass(frozen=True)
+class SavedStates:
+    """What :func:`decode_states` read.
+
+    Attributes
+    ----------
+    states : dict
+        Key to state (``None``, array, or tuples and lists of those). Every array is a new
+        writeable C-contiguous array that shares memory with no other.
+    index_update_counts : dict
+        Key to the number of updates applied to it.
+    num_update : int
+        The optimizer's ``num_update``.
+    optimizer_config : dict or None
+        The optimizer's :meth:`~akv.optimizer.Optimizer.get_config`, if it was saved.
+    """
+
+    states: dict[Index, State]
+    index_update_counts: dict[Index, int]
+    num_update: int
+    optimizer_config: dict[str, Any] | None = field(default=None)
+
+
+def encode_states(
+    states: Mapping[Index, State],
+    *,
+    index_update_counts: Mapping[Index, int] | None = None,
+    num_update: int = 0,
+    optimizer_config: Mapping[str, Any] | None = None,
+) -> bytes:
+    """Encode optimizer states (and optionally the optimizer's config) as bytes.
+
+    Parameters
+    ----------
+    states : mapping
+        Key (all ``int`` or all ``str``) to state: ``None``, a NumPy array, or a tuple or
+        list of states.
+    index_update_counts : mapping, optional
+        Key to the number of updates applied (``Optimizer.index_update_counts``).
+    num_update : int, default 0
+        ``Optimizer.num_update``.
+    optimizer_config : dict, optional
+        ``Optimizer.get_config()``, to be restored with the states.
+
+    Returns
+    -------
+    bytes
+        An archive that :func:`decode_states` turns back into equal states, bit for bit.
+
+    Raises
+    ------
+    MixedKeyKindsError
+        Keys of both kinds.
+    InvalidArgumentError
+        A key or count of the wrong type, or a state this format cannot hold (an object
+        array, a dict...).
+    """
+    counts = dict(index_update_counts or {})
+    keys = [_normalise_key(key) for key in states]
+    count_keys = [_normalise_key(key) for key in counts]
+    kinds = {type(key) for key in keys + count_keys}
+    if len(kinds) > 1:
+        raise MixedKeyKindsError("cannot encode states whose keys mix int and str")
+    key_kind = "str" if kinds == {str} else "int"
+    members: dict[str, np.ndarray] = {}
+    trees = [
+        _encode_tree(key, state, members, "state")
+        for key, state in zip(keys, states.values(), strict=True)
+    ]
+    for key, count in zip(count_keys, counts.values(), strict=True):
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            raise InvalidArgumentError(f"update count of key {key!r} must be an int >= 0")
+    if isinstance(num_update, bool) or not isinstance(num_update, numbers.Integral):
+        raise InvalidArgumentError(f"num_update must be an int, got {num_update!r}")
+    structure = {
+        "format": STATE_FORMAT_NAME,
+        "version": STATE_FORMAT_VERSION,
+        "key_kind": key_kind,
+        "keys": keys,
+        "states": trees,
+        "index_update_counts": [
+            [k, int(c)] for k, c in zip(count_keys, counts.values(), strict=True)
+        ],
+        "num_update": int(num_update),
+        "optimizer": dict(optimizer_config) if optimizer_config is not None else None,
+    }
+    try:
+        text = json.dumps(structure, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"the optimizer config is not JSON-serialisable: {exc}") from exc
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as archive:
+        archive.writestr(STRUCTURE_MEMBER, text.encode("utf-8"))
+        for name, array in members.items():
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def decode_states(data: bytes | bytearray | memoryview) -> SavedStates:
+    """Decode what :func:`encode_states` wrote.
+
+    Raises
+    ------
+    InvalidArgumentError
+        ``data`` is not bytes-like.
+    StateFormatError
+        ``data`` is not an archive of this format (corrupt, another format name, another
+        version), or its structure is inconsistent (an array whose shape or dtype differs
+        from its declaration, a missing member, bad keys or counts); the message says what.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"optimizer states must be bytes, got {type(data).__name__}")
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+    except _ZIP_ERRORS as exc:
+        raise StateFormatError(f"optimizer states are not an akv state archive: {exc}") from exc
+    with archive:
+        structure = _read_structure(archive)
+        key_kind = structure["key_kind"]
+        keys = structure["keys"]
+        trees = structure["states"]
+        if not isinstance(keys, list) or not isinstance(trees, list) or len(keys) != len(trees):
+            raise StateFormatError(
+                "optimizer states: 'keys' and 'states' are not lists of one length"
+            )
+        keys = [_decode_key(key, key_kind, "keys") for key in keys]
+        if len(set(keys)) != len(keys):
+            raise StateFormatError("optimizer states: a key appears twice")
+        used: set[str] = set()
+        states = {
+            key: _decode_tree(archive, key, tree, used, "state")
+            for key, tree in zip(keys, trees, strict=True)
+        }
+        counts = _decode_counts(structure["index_update_counts"], key_kind)
+        num_update = structure["num_update"]
+        if isinstance(num_update, bool) or not isinstance(num_update, int) or num_update < 0:
+            raise StateFormatError(f"optimizer states: bad num_update {num_update!r}")
+        config = structure["optimizer"]
+        if config is not None and not isinstance(config, dict):
+            raise StateFormatError("optimizer states: 'optimizer' is neither a config nor null")
+    return SavedStates(states, counts, num_update, config)
+
+
+# -- encoding helpers ----------------------------------------------------------------------
+
+
+def _normalise_key(key: object) -> Index:
+    if isinstance(key, (bool, np.bool_)) or not isinstance(key, (numbers.Integral, str)):
+        raise InvalidArgumentError(f"state key {key!r} is neither an int nor a str")
+    return key if isinstance(key, str) else int(key)
+
+
+def _encode_tree(key: Index, state: object, members: dict[str, np.ndarray], path: str) -> Any:
+    if state is None:
+        return None
+    if isinstance(state, np.ndarray):
+        if state.dtype.kind not in _ARRAY_KINDS or state.dtype.fields is not None:
+            raise InvalidArgumentError(
+                f"{path} of key {key!r}: arrays of dtype {state.dtype} cannot be saved"
+            )
+        name = f"a{len(members)}"
+        members[name] = state
+        return {"array": name, "shape": list(state.shape), "dtype": state.dtype.str}
+    if isinstance(state, (tuple, list)):
+        kind = "tuple" if isinstance(state, tuple) else "list"
+        return {
+            kind: [
+                _encode_tree(key, member, members, f"{path}[{i}]") for i, member in enumerate(state)
+            ]
+        }
+    raise InvalidArgumentError(
+        f"{path} of key {key!r}: a {type(state).__name__} cannot be saved "
+        "(states are None, numpy arrays, or tuples and lists of them)"
+    )
+
+
+# -- decoding helpers ----------------------------------------------------------------------
+
+
+def _read_structure(archive: zipfile.ZipFile) -> dict[str, Any]:
+    try:
+        info = archive.getinfo(STRUCTURE_MEMBER)
+    except KeyError:
+        raise StateFormatError(
+            f"optimizer states: the archive has no {STRUCTURE_MEMBER!r} member (not written by akv)"
+        ) from None
+    _check_stored(info)
+    if info.file_size > MAX_STRUCTURE_BYTES:
+        raise StateFormatError(
+            f"optimizer states: {STRUCTURE_MEMBER} is {info.file_size} bytes, more than "
+            f"MAX_STRUCTURE_BYTES ({MAX_STRUCTURE_BYTES})"
+        )
+    try:
+        structure = json.loads(archive.read(info).decode("utf-8"))
+    except (*_ZIP_ERRORS, UnicodeDecodeError) as exc:
+        raise StateFormatError(f"optimizer states: unreadable {STRUCTURE_MEMBER}: {exc}") from exc
+    if not isinstance(structure, dict):
+        raise StateFormatError(f"optimizer states: {STRUCTURE_MEMBER} is not a JSON object")
+    if structure.get("format") != STATE_FORMAT_NAME:
+        raise StateFormatError(
+            f"optimizer states: format {structure.get('format')!r} is not {STATE_FORMAT_NAME!r}"
+        )
+    if structure.get("version") != STATE_FORMAT_VERSION:
+        raise StateFormatError(
+            f"optimizer states: format version {structure.get('version')!r} is not supported "
+            f"(this akv reads version {STATE_FORMAT_VERSION})"
+        )
+    required = ("key_kind", "keys", "states", "index_update_counts", "num_update", "optimizer")
+    missing = [name for name in required if name not in structure]
+    if missing:
+        raise StateFormatError(f"optimizer states: {STRUCTURE_MEMBER} lacks {missing}")
+    if structure["key_kind"] not in ("int", "str"):
+        raise StateFormatError(
+            f"optimizer states: key_kind {structure['key_kind']!r} is neither 'int' nor 'str'"
+        )
+    return structure
+
+
+def _check_stored(info: zipfile.ZipInfo) -> None:
+    # akv writes plain stored members; refusing anything else keeps decompressors (and
+    # decompression bombs) out of the way of hostile input.
+    if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
+        raise StateFormatError(
+            f"optimizer states: member {info.filename} is compressed or encrypted "
+            "(akv writes neither)"
+        )
+
+
+def _decode_key(key: object, key_kind: str, where: str) -> Index:
+    expected = str if key_kind == "str" else int
+    if isinstance(key, bool) or not isinstance(key, expected):
+        raise StateFormatError(f"optimizer states: {where} holds {key!r}, not a {key_kind} key")
+    return key
+
+
+def _decode_counts(pairs: object, key_kind: str) -> dict[Index, int]:
+    if not isinstance(pairs, list):
+        raise StateFormatError("optimizer states: index_update_counts is not a list")
+    counts: dict[Index, int] = {}
+    for pair in pairs:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise StateFormatError(
+                f"optimizer states: index_update_counts entry {pair!r} is not a [key, count] pair"
+            )
+        key = _decode_key(pair[0], key_kind, "index_update_counts")
+        count = pair[1]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise StateFormatError(f"optimizer states: bad update count {count!r} of key {key!r}")
+        counts[key] = count
+    return counts
+
+
+def _decode_tree(
+    archive: zipfile.ZipFile, key: Index, tree: object, used: set[str], path: str
+) -> State:
+    if tree is None:
+        return None
+    if isinstance(tree, dict) and len(tree) == 1:
+        ((kind, members),) = tree.items()
+        if kind in ("tuple", "list") and isinstance(members, list):
+            decoded = [
+                _decode_tree(archive, key, member, used, f"{path}[{i}]")
+                for i, member in enumerate(members)
+            ]
+            return tuple(decoded) if kind == "tuple" else decoded
+    if isinstance(tree, dict) and set(tree) == {"array", "shape", "dtype"}:
+        return _read_array(archive, key, tree, used, path)
+    raise StateFormatError(f"optimizer states: {path} of key {key!r} is malformed: {tree!r}")
+
+
+def _read_array(
+    archive: zipfile.ZipFile, key: Index, ref: dict[str, Any], used: set[str], path: str
+) -> np.ndarray:
+    where = f"optimizer states: {path} of key {key!r}"
+    name, shape, dtype = ref["array"], ref["shape"], ref["dtype"]
+    if not isinstance(name, str) or name in used:
+        raise StateFormatError(f"{where}: array reference {name!r} is invalid or used twice")
+    used.add(name)
+    if not isinstance(shape, list) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+    ):
+        raise StateFormatError(f"{where}: bad shape {shape!r}")
+    try:
+        declared = np.dtype(dtype)
+    except (TypeError, ValueError) as exc:
+        raise StateFormatError(f"{where}: bad dtype {dtype!r}") from exc
+    if declared.kind not in _ARRAY_KINDS or declared.fields is not None:
+        raise StateFormatError(f"{where}: dtype {dtype!r} is not a numeric dtype")
+    try:
+        info = archive.getinfo(f"{name}.npy")
+    except KeyError:
+        raise StateFormatError(f"{where}: the archive has no member {name}.npy") from None
+    _check_stored(info)
+    expected_bytes = int(np.prod(shape, dtype=np.int64)) * declared.itemsize
+    if info.file_size > expected_bytes + _NPY_HEADER_SLACK_BYTES:
+        raise StateFormatError(
+            f"{where}: member {name}.npy is {info.file_size} bytes, too large for shape "
+            f"{tuple(shape)} and dtype {declared}"
+        )
+    try:
+        with archive.open(info) as member:
+            array = np.lib.format.read_array(member, allow_pickle=False)
+    except _ZIP_ERRORS as exc:
+        raise StateFormatError(f"{where}: member {name}.npy is unreadable: {exc}") from exc
+    if array.shape != tuple(shape) or array.dtype != declared:
+        raise StateFormatError(
+            f"{where}: member {name}.npy holds shape {array.shape} dtype {array.dtype}, "
+            f"declared shape {tuple(shape)} dtype {declared}"
+        )
+    if not (array.flags.c_contiguous and array.flags.writeable):
+        array = np.ascontiguousarray(array).copy()
+    return array

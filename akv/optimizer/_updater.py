@@ -1,0 +1,149 @@
+"""The updater: the callable a key-value store applies to each pushed gradient."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from akv.errors import InvalidArgumentError, OptimizerError, StateFormatError
+from akv.optimizer._base import Index, Optimizer, State, check_update_arrays, from_config
+from akv.optimizer._states import decode_states, encode_states
+
+__all__ = ["Updater", "get_updater"]
+
+
+class Updater:
+    """Apply an optimizer to weights identified by index, keeping one state per index.
+
+    Parameters
+    ----------
+    optimizer : Optimizer
+        The optimizer; :meth:`load_states` may replace it.
+
+    Attributes
+    ----------
+    optimizer : Optimizer
+    states : dict
+        Index to state, created on an index's first update.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        if not isinstance(optimizer, Optimizer):
+            raise InvalidArgumentError(
+                f"Updater needs an akv Optimizer, got {type(optimizer).__name__}"
+            )
+        self.optimizer = optimizer
+        self.states: dict[Index, State] = {}
+        # Loaded states not yet compared with their weight (the weight is only known at
+        # the index's next update).
+        self._unchecked: set[Index] = set()
+
+    def __call__(self, index: Index, grad: np.ndarray, weight: np.ndarray) -> None:
+        """Apply ``grad`` to ``weight`` in place.
+
+        On the first update of ``index`` its state is created from ``weight`` (with a
+        float32 master copy for float16 weights under ``multi_precision``). ``grad`` is not
+        modified. The index is used exactly as given (``int`` or ``str``).
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``index`` is neither an int nor a str, or ``weight`` is not a writeable
+            floating-point array.
+        ShapeMismatchError, DTypeMismatchError
+            ``grad`` does not match ``weight``.
+        StateFormatError
+            A state loaded by :meth:`load_states` does not fit ``weight``.
+        """
+        if isinstance(index, bool) or not isinstance(index, (int, str)):
+            raise InvalidArgumentError(f"updater index {index!r} is neither an int nor a str")
+        check_update_arrays(index, weight, grad)
+        if index not in self.states:
+            self.states[index] = self.optimizer.create_state_multi_precision(index, weight)
+        elif index in self._unchecked:
+            expected = self.optimizer.create_state_multi_precision(index, weight)
+            _check_state_fits(index, self.states[index], expected, "state")
+            self._unchecked.discard(index)
+        self.optimizer.update_multi_precision(index, weight, grad, self.states[index])
+
+    def dump_states(self, dump_optimizer: bool = False) -> bytes:
+        """Encode the states, the update counts and, if ``dump_optimizer``, the optimizer's
+        config, in akv's portable format (see ``encode_states``; no pickle).
+
+        Raises
+        ------
+        MixedKeyKindsError
+            The updater has seen both int and str indexes.
+        """
+        return encode_states(
+            self.states,
+            index_update_counts=self.optimizer.index_update_counts,
+            num_update=self.optimizer.num_update,
+            optimizer_config=self.optimizer.get_config() if dump_optimizer else None,
+        )
+
+    def load_states(self, data: bytes) -> None:
+        """Replace the states and update counts with those encoded in ``data``.
+
+        If ``data`` holds an optimizer config, the optimizer is replaced by one rebuilt from
+        it. Nothing changes when an error is raised. After a load, the next update of every
+        index is the one the dumping updater would have made. Each loaded state is checked
+        against its weight at that index's next update.
+
+        Raises
+        ------
+        StateFormatError
+            ``data`` is not in akv's format, or its optimizer config cannot be rebuilt.
+        """
+        saved = decode_states(data)
+        optimizer = self.optimizer
+        if saved.optimizer_config is not None:
+            try:
+                optimizer = from_config(saved.optimizer_config)
+            except OptimizerError as exc:
+                raise StateFormatError(
+                    f"optimizer states: the saved optimizer config cannot be rebuilt: {exc}"
+                ) from exc
+        optimizer.restore_update_counts(saved.index_update_counts, saved.num_update)
+        self.optimizer = optimizer
+        self.states = saved.states
+        self._unchecked = set(saved.states)
+
+
+def get_updater(optimizer: Optimizer) -> Updater:
+    """An :class:`Updater` for ``optimizer`` (MXNet's ``get_updater``)."""
+    return Updater(optimizer)
+
+
+def _check_state_fits(index: Index, state: State, expected: State, path: str) -> None:
+    def mismatch(detail: str) -> StateFormatError:
+        return StateFormatError(
+            f"loaded state of index {index!r} does not fit its weight: {path}: {detail}"
+        )
+
+    if expected is None or state is None:
+        if expected is not state:
+            raise mismatch(f"expected {_describe(expected)}, got {_describe(state)}")
+        return
+    if isinstance(expected, np.ndarray):
+        if not isinstance(state, np.ndarray):
+            raise mismatch(f"expected an array, got {_describe(state)}")
+        if state.shape != expected.shape or state.dtype != expected.dtype:
+            raise mismatch(
+                f"expected shape {expected.shape} dtype {expected.dtype}, "
+                f"got shape {state.shape} dtype {state.dtype}"
+            )
+        return
+    if not isinstance(state, (tuple, list)) or len(state) != len(expected):
+        raise mismatch(f"expected {_describe(expected)}, got {_describe(state)}")
+    for i, (member, expected_member) in enumerate(zip(state, expected, strict=True)):
+        _check_state_fits(index, member, expected_member, f"{path}[{i}]")
+
+
+def _describe(state: State) -> str:
+    if state is None:
+        return "no state"
+    if isinstance(state, np.ndarray):
+        return f"an array of shape {state.shape}"
+    if isinstance(state, (tuple, list)):
+        return f"a {type(state).__name__} of {len(state)}"
+    return f"a {type(state).__name__}"

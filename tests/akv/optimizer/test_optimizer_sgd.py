@@ -1,0 +1,136 @@
+"""SGD, NAG and Signum against values computed by hand from the documented formulas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from akv.optimizer import NAG, SGD, Signum, get_updater
+
+
+def f32(values):
+    return np.array(values, dtype=np.float32)
+
+
+def run(optimizer, weight, grads, index=0):
+    updater = get_updater(optimizer)
+    weight = f32(weight)
+    history = []
+    for grad in grads:
+        updater(index, f32(grad), weight)
+        history.append(weight.copy())
+    return history
+
+
+def test_sgd_takes_a_learning_rate_step_then_a_second_for_a_bigger_push():
+    first, second = run(SGD(learning_rate=0.1), [1.0], [[1.0], [2.0]])
+    assert first == pytest.approx([0.9])
+    assert second == pytest.approx([0.7])
+
+
+def test_sgd_momentum_with_weight_decay_follows_mxnet_formula():
+    # mom = 0.9 * mom - 0.1 * (g + 0.01 * w); w += mom
+    history = run(SGD(learning_rate=0.1, momentum=0.9, wd=0.01), [1.0], [[1.0]] * 3)
+    assert [h[0] for h in history] == pytest.approx([0.899, 0.707201, 0.4338747], rel=1e-6)
+
+
+def test_default_sgd_moves_zeros_by_minus_point_zero_one():
+    weight = np.zeros((2, 2), np.float32)
+    get_updater(SGD())(3, np.ones((2, 2), np.float32), weight)
+    np.testing.assert_allclose(weight, np.full((2, 2), -0.01), rtol=1e-6)
+
+
+def test_sgd_rescales_then_clips_and_decays_the_weight():
+    # w -= lr * (wd * w + clip(rescale * g, 0.3)), with g = [4, 0.2] -> clipped [0.3, 0.1]
+    optimizer = SGD(learning_rate=0.5, rescale_grad=0.5, clip_gradient=0.3, wd=0.1)
+    first, second = run(optimizer, [1.0, -2.0], [[4.0, 0.2]] * 2)
+    w = [1.0, -2.0]
+    expected = []
+    for _ in range(2):
+        w = [wi - 0.5 * (0.1 * wi + gc) for wi, gc in zip(w, [0.3, 0.1], strict=True)]
+        expected.append(w)
+    np.testing.assert_allclose(first, [0.8, -1.95], rtol=1e-6)
+    np.testing.assert_allclose(second, expected[1], rtol=1e-6)
+    np.testing.assert_allclose(second, [0.61, -1.9025], rtol=1e-6)
+
+
+def test_sgd_rescale_applies_to_the_gradient_before_momentum():
+    # mom = -lr * rescale * g = -0.1 * 0.5 * 2 = -0.1, then mom = 0.9 * -0.1 - 0.1 = -0.19
+    history = run(SGD(learning_rate=0.1, momentum=0.9, rescale_grad=0.5), [0.0], [[2.0]] * 2)
+    assert [h[0] for h in history] == pytest.approx([-0.1, -0.29], rel=1e-6)
+
+
+def test_sgd_without_momentum_keeps_no_state():
+    updater = get_updater(SGD(learning_rate=0.1))
+    updater(0, f32([1.0]), f32([1.0]))
+    assert updater.states == {0: None}
+
+
+def test_sgd_momentum_state_is_a_zero_initialised_array_of_the_weight_shape():
+    state = SGD(momentum=0.5).create_state(0, np.ones((3, 2), np.float32))
+    assert state.shape == (3, 2) and state.dtype == np.float32 and not state.any()
+
+
+def test_zero_clip_gradient_turns_clipping_off_as_in_mxnet():
+    (weight,) = run(SGD(learning_rate=1.0, clip_gradient=0), [0.0], [[5.0]])
+    assert weight == pytest.approx([-5.0])
+
+
+def test_nag_two_steps_with_weight_decay():
+    # MXNet's nag_mom_update: with total = g + wd * w,
+    #   mom *= m; w = (w - mom) + (m + 1) * (mom - lr * total); mom -= lr * (g + wd * w_new)
+    lr, m, wd = 0.1, 0.9, 0.1
+    w, mom = 1.0, 0.0
+    expected = []
+    for g in (1.0, 1.0):
+        total = g + wd * w
+        mom = m * mom
+        w = (w - mom) + (m + 1) * (mom - lr * total)
+        mom = mom - lr * (g + wd * w)
+        expected.append(w)
+    history = run(NAG(learning_rate=lr, momentum=m, wd=wd), [1.0], [[1.0], [1.0]])
+    assert [h[0] for h in history] == pytest.approx(expected, rel=1e-6)
+    assert expected == pytest.approx([0.791, 0.4985639], rel=1e-6)
+
+
+def test_nag_clips_the_rescaled_gradient_but_not_the_weight_decay():
+    # g = clip(0.5 * 3, 1) = 1; total = 1 + 0.1 * 1 = 1.1; w = 1 + 1.9 * (-0.11) = 0.791
+    (weight,) = run(
+        NAG(learning_rate=0.1, momentum=0.9, wd=0.1, clip_gradient=1.0, rescale_grad=0.5),
+        [1.0],
+        [[3.0]],
+    )
+    assert weight == pytest.approx([0.791], rel=1e-6)
+
+
+def test_nag_without_momentum_is_sgd():
+    history = run(NAG(learning_rate=0.1, wd=0.1), [1.0], [[1.0], [1.0]])
+    # w = (1 - lr * wd) * w - lr * g
+    assert [h[0] for h in history] == pytest.approx([0.89, 0.89 * 0.99 - 0.1], rel=1e-6)
+
+
+def test_signum_steps_by_the_sign_of_the_momentum_with_decoupled_decay():
+    # mom = 0.9 * mom - 0.1 * (g + wd * w); w = (1 - lr * wd_lh) * w + lr * sign(mom)
+    lr, m, wd, wd_lh = 0.1, 0.9, 0.1, 0.2
+    w, mom = [1.0, -1.0], [0.0, 0.0]
+    grad = [0.5, 0.05]
+    expected = []
+    for _ in range(2):
+        mom = [m * mi - (1 - m) * (gi + wd * wi) for mi, gi, wi in zip(mom, grad, w, strict=True)]
+        w = [(1 - lr * wd_lh) * wi + lr * float(np.sign(mi)) for wi, mi in zip(w, mom, strict=True)]
+        expected.append(w)
+    history = run(Signum(learning_rate=lr, momentum=m, wd=wd, wd_lh=wd_lh), [1, -1], [grad] * 2)
+    np.testing.assert_allclose(history, expected, rtol=1e-6)
+    np.testing.assert_allclose(history[1], [0.7624, -0.7624], rtol=1e-6)
+
+
+def test_signsgd_without_momentum_decays_then_steps_by_the_gradient_sign():
+    # w = (1 - lr * wd) * w - lr * sign(g); sign(0) = 0
+    history = run(Signum(learning_rate=0.1, momentum=0.0, wd=0.1), [1.0, -1.0], [[0.5, 0.0]] * 2)
+    np.testing.assert_allclose(history[0], [0.89, -0.99], rtol=1e-6)
+    np.testing.assert_allclose(history[1], [0.89 * 0.99 - 0.1, -0.99 * 0.99], rtol=1e-6)
+
+
+def test_signum_defaults_are_mxnets():
+    optimizer = Signum()
+    assert (optimizer.learning_rate, optimizer.momentum, optimizer.wd_lh) == (0.01, 0.9, 0.0)
