@@ -1,0 +1,376 @@
+"""A sans-IO parser of a stream of frames, shaped for :class:`asyncio.BufferedProtocol`.
+
+The protocol's ``get_buffer`` returns :meth:`FrameReader.get_buffer` and its ``buffer_updated``
+calls :meth:`FrameReader.buffer_updated`, which returns the messages completed so far. Small
+frames are received into one reused scratch buffer and parsed many at a time; the payload of a
+large array is received by the kernel straight into the buffer the application chose for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from transport.errors import FrameError
+from transport.frame import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    PREFIX_BYTES,
+    FrameHeader,
+    decode_header,
+    decode_prefix,
+)
+
+__all__ = [
+    "DEFAULT_DIRECT_THRESHOLD_BYTES",
+    "DEFAULT_SCRATCH_BYTES",
+    "Destinations",
+    "FrameReader",
+    "Message",
+    "ReaderStatistics",
+]
+
+#: Size of the buffer that small frames, headers and payload tails are received into.
+DEFAULT_SCRATCH_BYTES = 256 << 10
+#: An array whose outstanding payload is at least this big is received in place.
+DEFAULT_DIRECT_THRESHOLD_BYTES = 64 << 10
+
+#: The callback that chooses where each array of a frame is received (None: a fresh buffer).
+Destinations = Callable[[FrameHeader], Sequence[memoryview | None]]
+
+# What the reader is waiting for.
+_PREFIX, _HEADER, _BIG_HEADER, _PAYLOAD = range(4)
+# Which buffer get_buffer() handed out last.
+_NOTHING, _SCRATCH, _DIRECT, _BIG = range(4)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One received frame: its header and one buffer per array, in the header's order.
+
+    Each buffer is a ``memoryview`` of format ``"B"`` holding exactly the array's ``nbytes``:
+    the destination the application chose, or a fresh ``bytearray`` it owns from now on.
+    """
+
+    header: FrameHeader
+    buffers: tuple[memoryview, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderStatistics:
+    """Counters of a :class:`FrameReader` since it was made.
+
+    ``payload_bytes_direct`` were written by the caller (the kernel) straight into their
+    destinations; ``payload_bytes_copied`` arrived in the scratch buffer and were copied there.
+    """
+
+    messages: int
+    payload_bytes_direct: int
+    payload_bytes_copied: int
+
+
+class FrameReader:
+    """Parse a stream of frames into :class:`Message` objects, receiving payloads in place.
+
+    Parameters
+    ----------
+    destinations
+        Called once per frame, as soon as its header is decoded, with the
+        :class:`~transport.frame.FrameHeader`. Returns one entry per array: a writable,
+        C-contiguous buffer (ideally a ``memoryview`` cast to ``"B"``) of exactly that array's
+        ``nbytes`` to receive its payload into, or None for a fresh ``bytearray``. An exception
+        it raises propagates out of :meth:`buffer_updated` and breaks the reader.
+    max_payload_bytes
+        The largest payload accepted in one frame.
+    scratch_bytes
+        Size of the reused buffer that prefixes, headers and small payloads are received into.
+        Larger headers are accumulated in a buffer of their own (up to ``MAX_HEADER_BYTES``).
+    direct_threshold_bytes
+        When at least this many bytes of the current array are outstanding,
+        :meth:`get_buffer` returns the rest of the array's destination itself.
+
+    Notes
+    -----
+    Messages come out in stream order. Once any :class:`~transport.errors.FrameError` has been
+    raised the reader is broken and every later call raises one too: the stream is out of step
+    and its connection must be closed. Messages completed earlier in the call that failed are
+    dropped with it. The reader is not thread-safe; it belongs to one event loop.
+    """
+
+    def __init__(
+        self,
+        destinations: Destinations,
+        *,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+        direct_threshold_bytes: int = DEFAULT_DIRECT_THRESHOLD_BYTES,
+    ) -> None:
+        if max_payload_bytes < 0:
+            raise ValueError(f"max_payload_bytes {max_payload_bytes} is negative")
+        if scratch_bytes < PREFIX_BYTES:
+            raise ValueError(f"scratch_bytes {scratch_bytes} is below PREFIX_BYTES {PREFIX_BYTES}")
+        if direct_threshold_bytes < 1:
+            raise ValueError(f"direct_threshold_bytes {direct_threshold_bytes} is below 1")
+        self._destinations = destinations
+        self._max_payload_bytes = max_payload_bytes
+        self._direct_threshold_bytes = direct_threshold_bytes
+        self._scratch = memoryview(bytearray(scratch_bytes))
+        # Received bytes not parsed yet are self._scratch[self._start:self._end].
+        self._start = 0
+        self._end = 0
+        self._state = _PREFIX
+        self._handed = _NOTHING
+        self._handed_len = 0
+        self._header_len = 0
+        self._payload_len = 0
+        self._big_header: memoryview | None = None
+        self._big_filled = 0
+        self._header: FrameHeader | None = None
+        self._buffers: list[memoryview] = []
+        self._index = 0
+        self._current: memoryview = self._scratch[:0]
+        self._offset = 0
+        self._remaining = 0
+        self._broken: FrameError | None = None
+        self._messages = 0
+        self._direct_bytes = 0
+        self._copied_bytes = 0
+
+    # -------------------------------------------------------------- the protocol's face
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Return the (non-empty) buffer that the next received bytes must be written into.
+
+        ``sizehint`` is accepted for :class:`asyncio.BufferedProtocol` and ignored. Calling
+        again without :meth:`buffer_updated` in between is allowed and supersedes the earlier
+        buffer. While a large array's payload is outstanding the buffer is a slice of its
+        destination, never longer than what the array still needs.
+
+        Raises
+        ------
+        FrameError
+            When the reader is broken.
+        """
+        if self._broken is not None:
+            self._raise_broken()
+        if self._state == _PAYLOAD and self._remaining >= self._direct_threshold_bytes:
+            # The scratch buffer is empty here: parsing consumes all of it in this state.
+            self._handed = _DIRECT
+            self._handed_len = self._remaining
+            return self._current[self._offset :]
+        if self._state == _BIG_HEADER:
+            assert self._big_header is not None
+            self._handed = _BIG
+            self._handed_len = self._header_len - self._big_filled
+            return self._big_header[self._big_filled :]
+        start, end = self._start, self._end
+        if start == end:
+            self._start = self._end = end = 0
+        elif start:
+            # Only an incomplete prefix or header (which fits in scratch) is left: move it
+            # to the front so that the rest of it fits behind.
+            end -= start
+            self._scratch[:end] = self._scratch[start : self._end]
+            self._start, self._end = 0, end
+        self._handed = _SCRATCH
+        self._handed_len = len(self._scratch) - end
+        return self._scratch[end:]
+
+    def buffer_updated(self, nbytes: int) -> list[Message]:
+        """Account for ``nbytes`` written into the last buffer; return the completed messages.
+
+        Raises
+        ------
+        FrameError
+            When the stream holds an invalid frame, ``destinations`` returned an unusable
+            buffer, or the reader was broken before.
+        ValueError
+            When ``nbytes`` does not fit the buffer last returned by :meth:`get_buffer` (a bug of
+            the caller; the reader is left as it was).
+        """
+        if self._broken is not None:
+            self._raise_broken()
+        handed = self._handed
+        if not 0 <= nbytes <= self._handed_len:
+            raise ValueError(
+                f"buffer_updated({nbytes}) but the last buffer handed out holds "
+                f"{self._handed_len} bytes"
+            )
+        self._handed = _NOTHING
+        self._handed_len = 0
+        if not nbytes:
+            return []
+        messages: list[Message] = []
+        try:
+            if handed == _SCRATCH:
+                self._end += nbytes
+                self._parse(messages)
+            elif handed == _DIRECT:
+                self._direct_bytes += nbytes
+                self._offset += nbytes
+                self._remaining -= nbytes
+                if not self._remaining:
+                    self._next_array(messages)
+            else:
+                self._big_filled += nbytes
+                if self._big_filled == self._header_len:
+                    assert self._big_header is not None
+                    header = decode_header(self._big_header, self._payload_len)
+                    self._big_header = None
+                    self._begin_payload(header, messages)
+        except FrameError as exc:
+            self._broken = exc
+            raise
+        except BaseException as exc:
+            self._broken = FrameError(f"frame reader: stopped by {exc!r}")
+            raise
+        return messages
+
+    def eof(self) -> None:
+        """Note that the stream ended.
+
+        Raises
+        ------
+        FrameError
+            When the stream ended inside a frame (saying where), or the reader was broken.
+        """
+        if self._broken is not None:
+            self._raise_broken()
+        if self.idle:
+            return
+        self._broken = FrameError(f"stream ended inside a frame: {self._progress()}")
+        raise self._broken
+
+    @property
+    def idle(self) -> bool:
+        """True when no part of a message is buffered: the stream may end here cleanly."""
+        return self._state == _PREFIX and self._start == self._end
+
+    def statistics(self) -> ReaderStatistics:
+        """Return the reader's counters (messages, payload bytes received direct or copied)."""
+        return ReaderStatistics(self._messages, self._direct_bytes, self._copied_bytes)
+
+    # -------------------------------------------------------------- parsing
+
+    def _parse(self, messages: list[Message]) -> None:
+        """Consume the received bytes in scratch, as far as they go."""
+        view = self._scratch
+        start, end = self._start, self._end
+        while start < end:
+            state = self._state
+            if state == _PAYLOAD:
+                count = min(end - start, self._remaining)
+                offset = self._offset
+                self._current[offset : offset + count] = view[start : start + count]
+                start += count
+                self._copied_bytes += count
+                self._offset = offset + count
+                self._remaining -= count
+                if not self._remaining:
+                    self._next_array(messages)
+            elif state == _PREFIX:
+                if end - start < PREFIX_BYTES:
+                    break
+                header_len, payload_len = decode_prefix(
+                    view[start : start + PREFIX_BYTES], max_payload_bytes=self._max_payload_bytes
+                )
+                start += PREFIX_BYTES
+                self._header_len, self._payload_len = header_len, payload_len
+                if header_len > len(view):
+                    # Too big for scratch even once compacted: it gets a buffer of its own,
+                    # and what arrived so far (less than all of it) moves there.
+                    count = end - start
+                    big = memoryview(bytearray(header_len))
+                    big[:count] = view[start:end]
+                    start = end
+                    self._big_header, self._big_filled = big, count
+                    self._state = _BIG_HEADER
+                else:
+                    self._state = _HEADER
+            else:  # _HEADER: _BIG_HEADER never has bytes in scratch
+                header_len = self._header_len
+                if end - start < header_len:
+                    break
+                header = decode_header(view[start : start + header_len], self._payload_len)
+                start += header_len
+                self._begin_payload(header, messages)
+        self._start, self._end = start, end
+
+    def _begin_payload(self, header: FrameHeader, messages: list[Message]) -> None:
+        """Ask for the header's destinations and start receiving its payload."""
+        arrays = header.arrays
+        destinations = self._destinations(header)
+        if len(destinations) != len(arrays):
+            raise FrameError(
+                f"frame reader: destinations() returned {len(destinations)} buffers for a frame "
+                f"of {len(arrays)} arrays"
+            )
+        buffers = []
+        for index, (info, destination) in enumerate(zip(arrays, destinations, strict=True)):
+            if destination is None:
+                buffers.append(memoryview(bytearray(info.nbytes)))
+            else:
+                buffers.append(_as_destination(destination, index, info.key, info.nbytes))
+        self._header = header
+        self._buffers = buffers
+        self._index = -1
+        self._state = _PAYLOAD
+        self._next_array(messages)
+
+    def _next_array(self, messages: list[Message]) -> None:
+        """Move to the next array with bytes to receive, or complete the message."""
+        buffers = self._buffers
+        index = self._index + 1
+        while index < len(buffers):
+            buffer = buffers[index]
+            if len(buffer):
+                self._index = index
+                self._current = buffer
+                self._offset = 0
+                self._remaining = len(buffer)
+                return
+            index += 1
+        assert self._header is not None
+        messages.append(Message(self._header, tuple(buffers)))
+        self._messages += 1
+        self._header = None
+        self._buffers = []
+        self._current = self._scratch[:0]
+        self._state = _PREFIX
+
+    def _progress(self) -> str:
+        """Where in its frame the stream is, for error messages."""
+        held = self._end - self._start
+        if self._state == _PREFIX:
+            return f"{held} of {PREFIX_BYTES} prefix bytes received"
+        if self._state == _HEADER:
+            return f"{held} of {self._header_len} header bytes received"
+        if self._state == _BIG_HEADER:
+            return f"{self._big_filled} of {self._header_len} header bytes received"
+        done = sum(len(buffer) for buffer in self._buffers[: self._index]) + self._offset
+        return (
+            f"{done} of {self._payload_len} payload bytes received "
+            f"(array {self._index} of {len(self._buffers)})"
+        )
+
+    def _raise_broken(self) -> None:
+        raise FrameError(f"frame reader is broken by an earlier error: {self._broken}")
+
+
+def _as_destination(destination: object, index: int, key: object, nbytes: int) -> memoryview:
+    """Check that a destination can receive ``nbytes``; return it as a ``"B"`` memoryview."""
+    where = f"frame reader: destination of array {index} (key {key!r})"
+    try:
+        view = memoryview(destination)  # type: ignore[arg-type]
+    except TypeError:
+        raise FrameError(
+            f"{where} is a {type(destination).__name__}, not a writable buffer or None"
+        ) from None
+    if view.readonly:
+        raise FrameError(f"{where} is read-only")
+    if not view.c_contiguous:
+        raise FrameError(f"{where} is not contiguous")
+    if view.nbytes != nbytes:
+        raise FrameError(f"{where} holds {view.nbytes} bytes, the frame says {nbytes}")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B") if nbytes else memoryview(bytearray())
+    return view
