@@ -113,11 +113,11 @@ class KeyTable:
         )
 
     def add(
-        self, items: list[tuple[Key, np.ndarray]], new_var: Callable[[str], Var]
+        self, items: list[tuple[Key, np.ndarray]], make_entry: Callable[[Key, np.ndarray], Entry]
     ) -> list[Entry]:
         """Register new keys atomically: all of them, or (on any error) none.
 
-        ``new_var`` is called with a name to make each key's engine var.
+        ``make_entry(key, value)`` makes each key's entry (the backend's kind of entry).
 
         Raises
         ------
@@ -135,10 +135,7 @@ class KeyTable:
                         key=key,
                     )
                 seen.add(key)
-            entries = []
-            for key, array in items:
-                entry = Entry(key, tuple(array.shape), array.dtype, new_var(f"key {key!r}"))
-                entries.append(entry)
+            entries = [make_entry(key, array) for key, array in items]
             for entry in entries:
                 self._entries[entry.key] = entry
             self.kind = kind

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from akv import optimizer as _optimizer
 from akv._keys import Entry
 from akv.errors import AKVError
 from engine import Engine, Task
@@ -98,13 +99,36 @@ def _nothing() -> None:
 class LocalBackend:
     """Holds the values of a ``local`` store and schedules the work on them."""
 
-    type = "local"
     rank = 0
     num_workers = 1
+    broken: AKVError | None = None
 
     def __init__(self, engine: Engine, store: object) -> None:
         self._engine = engine
         self._store = store
+        self.type = "local"
+        self.updater: Updater | None = None
+        self._optimizer_updater: _optimizer.Updater | None = None
+
+    def new_entry(self, key: Any, array: np.ndarray) -> Entry:
+        """A key's entry, with an engine var of its own."""
+        return Entry(key, tuple(array.shape), array.dtype, self._engine.new_var(f"key {key!r}"))
+
+    def placement(self, entries: list[Entry]) -> dict[Any, list[tuple[int, int, int]]]:
+        """Everything lives here: one part per key, on 'server' 0."""
+        return {e.key: [(0, 0, e.size)] for e in entries}
+
+    def set_updater(self, updater: Updater | None) -> None:
+        """Use ``updater`` for pushes issued from now on."""
+        self.updater = updater
+        self._optimizer_updater = None
+
+    def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Task:
+        """Apply ``optimizer`` (per-key state created on first use) to later pushes."""
+        updater = _optimizer.get_updater(optimizer)
+        self.updater = updater
+        self._optimizer_updater = updater
+        return self.barrier()
 
     def init(self, entries: list[Entry], arrays: list[np.ndarray], executor: str) -> Task:
         """Copy the initial values (the store keeps no reference to the caller's arrays)."""
@@ -117,14 +141,9 @@ class LocalBackend:
             name="init",
         )
 
-    def push(
-        self,
-        staged: list[tuple[Entry, np.ndarray]],
-        updater: Updater | None,
-        priority: int,
-        executor: str,
-    ) -> Task:
+    def push(self, staged: list[tuple[Entry, np.ndarray]], priority: int, executor: str) -> Task:
         """Apply merged values: ``updater(key, merged, stored)``, or replace the stored value."""
+        updater = self.updater
         if len(staged) == 1:
             entry, buffer = staged[0]
             if updater is None:
@@ -189,30 +208,52 @@ class LocalBackend:
             name="pull",
         )
 
+    def pushpull(
+        self,
+        staged: list[tuple[Entry, np.ndarray]],
+        targets: list[tuple[Entry, list[np.ndarray]]],
+        result: Any,
+        priority: int,
+        executor: str,
+    ) -> Task:
+        """A push, then a pull ordered after it."""
+        self.push(staged, priority, executor)
+        return self.pull(targets, result, priority, executor)
+
     def barrier(self) -> Task:
         """Nothing to wait for: a local store has one worker."""
         return self._engine.push(_nothing, executor="inline", name="barrier")
 
-    def write_file(self, entries: list[Entry], path: Path, produce: Callable[[], bytes]) -> Task:
-        """Write ``produce()`` to ``path`` once every earlier push to ``entries`` is applied."""
+    def _require_optimizer(self, what: str) -> _optimizer.Updater:
+        if self._optimizer_updater is None:
+            raise AKVError(f"{what} needs an optimizer: call set_optimizer first")
+        return self._optimizer_updater
+
+    def save_states(self, entries: list[Entry], path: Path, dump_optimizer: bool) -> Task:
+        """Write the optimizer's states once every earlier push to ``entries`` is applied."""
+        updater = self._require_optimizer("save_optimizer_states")
 
         def write() -> None:
-            path.write_bytes(produce())
+            path.write_bytes(updater.dump_states(dump_optimizer))
 
         return self._engine.push(
             write, reads=[entry.var for entry in entries], name="save_optimizer_states"
         )
 
-    def read_file(self, entries: list[Entry], path: Path, consume: Callable[[bytes], None]) -> Task:
-        """Call ``consume(data)`` after earlier pushes to ``entries`` and before later ones."""
+    def load_states(self, entries: list[Entry], path: Path) -> Task:
+        """Load optimizer states after earlier pushes to ``entries`` and before later ones."""
+        updater = self._require_optimizer("load_optimizer_states")
 
         def read() -> None:
             try:
                 data = path.read_bytes()
             except OSError as exc:
                 raise AKVError(f"load_optimizer_states: cannot read {str(path)!r}: {exc}") from exc
-            consume(data)
+            updater.load_states(data)
 
         return self._engine.push(
             read, writes=[entry.var for entry in entries], name="load_optimizer_states"
         )
+
+    async def close(self, barrier_before_exit: bool) -> None:
+        """Nothing to leave: a local store has no peers."""

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from akv import _config
 from akv import optimizer as _optimizer
 from akv._args import Key, as_input_array, as_output_array, group, normalize_key, pairs
 from akv._keys import Entry, KeyTable, merge_into
@@ -32,15 +34,19 @@ from engine import Engine, LoopThread, Waitable
 __all__ = ["STORE_TYPES", "AsyncKVStore", "KVStore", "create", "create_async"]
 
 #: Store types ``create`` accepts.
-STORE_TYPES = ("local",)
+STORE_TYPES = ("local", "dist_sync", "dist_async")
 #: Work on at most this many bytes runs inline on the caller's thread in an AsyncKVStore;
 #: bigger pulls and updates go to the engine's worker threads so the event loop keeps
-#: running. Override with ``AKV_INLINE_MAX_BYTES``.
-INLINE_MAX_BYTES = int(os.environ.get("AKV_INLINE_MAX_BYTES", 1 << 20))
-#: Engine slots (tasks running at once) of a store. Override with ``AKV_ENGINE_SLOTS``.
+#: running. A thread hop costs about as much as copying 3 MB here, so below 16 MiB
+#: (under 2 ms of copying) inline wins. Override with ``AKV_INLINE_MAX_BYTES``.
+INLINE_MAX_BYTES = int(os.environ.get("AKV_INLINE_MAX_BYTES", 16 << 20))
+#: Engine slots (tasks running at once) of a local store. Override with ``AKV_ENGINE_SLOTS``.
 ENGINE_SLOTS = int(os.environ.get("AKV_ENGINE_SLOTS", max(4, os.cpu_count() or 1)))
+#: Engine slots of a distributed store: requests in flight at once (bounds the bytes queued
+#: on the network, so that priority decides what goes first).
+DIST_ENGINE_SLOTS = int(os.environ.get("AKV_DIST_SLOTS", 16))
 
-_OPTIONS = ("slots",)
+_OPTIONS = ("slots", "environ", "inline_max_bytes")
 
 
 def _check_type(name: object) -> str:
@@ -54,16 +60,37 @@ def _check_type(name: object) -> str:
     return lowered
 
 
-def _check_options(options: dict[str, Any]) -> int:
+def _check_options(store_type: str, options: dict[str, Any]) -> int:
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise InvalidArgumentError(
             f"unknown store option(s) {unknown}; known: {', '.join(_OPTIONS)}"
         )
-    slots = options.get("slots", ENGINE_SLOTS)
+    default = ENGINE_SLOTS if store_type == "local" else DIST_ENGINE_SLOTS
+    slots = options.get("slots", default)
     if not isinstance(slots, int) or slots < 1:
         raise InvalidArgumentError(f"slots must be an int >= 1, got {slots!r}")
+    inline = options.get("inline_max_bytes")
+    if inline is not None and (not isinstance(inline, int) or inline < 0):
+        raise InvalidArgumentError(f"inline_max_bytes must be an int >= 0, got {inline!r}")
     return slots
+
+
+def _dist_config(store_type: str, environ: Any) -> _config.Config | None:
+    """The job's configuration for a distributed type; runs a server or scheduler role."""
+    if store_type == "local":
+        return None
+    if environ is not None and not isinstance(environ, Mapping):
+        raise InvalidArgumentError(f"environ must be a mapping, got {type(environ).__name__}")
+    config = _config.from_env(environ)
+    if config.role != "worker":
+        # As with MXNet's launch scripts, the same command may start every role: a process
+        # whose role is server or scheduler serves that role, then exits.
+        from akv.scheduler import main as scheduler_main
+        from akv.server import main as server_main
+
+        sys.exit((server_main if config.role == "server" else scheduler_main)([]))
+    return config
 
 
 async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
@@ -74,12 +101,24 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
     name:
         The store type (see ``STORE_TYPES``); case-insensitive. Unknown names raise
         :class:`~akv.errors.UnknownStoreTypeError` (MXNet silently makes a local store).
+        ``dist_sync`` and ``dist_async`` join the job the environment describes (see
+        ``docs/distributed.md``) and return once every worker and server is reachable.
     slots:
-        How many engine tasks may run at once (default ``AKV_ENGINE_SLOTS``).
+        How many engine tasks may run at once (default ``AKV_ENGINE_SLOTS`` for a local
+        store, ``AKV_DIST_SLOTS`` requests in flight for a distributed one).
+    environ:
+        For distributed types, the variables to read instead of ``os.environ`` (to join a
+        job from a program that configures itself, or several jobs from one process).
+    inline_max_bytes:
+        Work on at most this many bytes runs on the calling thread, bigger work on the
+        engine's worker threads (default ``AKV_INLINE_MAX_BYTES``, 16 MiB). The blocking
+        store runs all array work on the calling thread unless this is given.
     """
     store_type = _check_type(name)
-    slots = _check_options(options)
-    return AsyncKVStore._create(store_type, slots, INLINE_MAX_BYTES)
+    slots = _check_options(store_type, options)
+    inline = options.get("inline_max_bytes", INLINE_MAX_BYTES)
+    config = _dist_config(store_type, options.get("environ"))
+    return await AsyncKVStore._open(store_type, slots, inline, config)
 
 
 def create(name: str = "local", **options: Any) -> KVStore:
@@ -89,19 +128,17 @@ def create(name: str = "local", **options: Any) -> KVStore:
     that runs an event loop of its own (Jupyter).
     """
     store_type = _check_type(name)
-    slots = _check_options(options)
+    slots = _check_options(store_type, options)
+    config = _dist_config(store_type, options.get("environ"))
     loop_thread = LoopThread(name="akv-store-loop")
     try:
-        inner = loop_thread.run(_create_on_loop(store_type, slots))
+        # The blocking face runs array work inline on the calling thread: it waits anyway.
+        inline = options.get("inline_max_bytes")
+        inner = loop_thread.run(AsyncKVStore._open(store_type, slots, inline, config))
     except BaseException:
         loop_thread.close()
         raise
     return KVStore(inner, loop_thread)
-
-
-async def _create_on_loop(store_type: str, slots: int) -> AsyncKVStore:
-    # The blocking face runs all work inline on the calling thread: the caller waits anyway.
-    return AsyncKVStore._create(store_type, slots, inline_max_bytes=None)
 
 
 class AsyncKVStore:
@@ -118,18 +155,33 @@ class AsyncKVStore:
         raise TypeError("use `await akv.create_async(type)` to make an AsyncKVStore")
 
     @classmethod
-    def _create(cls, store_type: str, slots: int, inline_max_bytes: int | None) -> AsyncKVStore:
+    async def _open(
+        cls,
+        store_type: str,
+        slots: int,
+        inline_max_bytes: int | None,
+        config: _config.Config | None,
+    ) -> AsyncKVStore:
         self = object.__new__(cls)
         self._engine = Engine(slots=slots, name=f"akv-{store_type}")
         self._keys = KeyTable()
-        self._backend = LocalBackend(self._engine, self)
         self._type = store_type
         self._inline_max_bytes = inline_max_bytes
-        self._updater: Updater | None = None
-        self._optimizer_updater: _optimizer.Updater | None = None
         self._barrier_before_exit = True
         self._closed = False
         self._closing: asyncio.Future[None] | None = None
+        if config is None:
+            self._backend: Any = LocalBackend(self._engine, self)
+        else:
+            from akv._dist import DistBackend
+
+            self._backend = DistBackend(self._engine, store_type, config)
+            try:
+                await self._backend.connect()
+            except BaseException:
+                await self._backend.close(barrier_before_exit=False)
+                await self._engine.aclose()
+                raise
         return self
 
     # ---------------------------------------------------------------- properties
@@ -175,7 +227,7 @@ class AsyncKVStore:
                     f"init key {k!r}: takes one value per key, got {len(values)}"
                 )
             items.append((k, as_input_array(values[0], k, "init value")))
-        entries = self._keys.add(items, self._engine.new_var)
+        entries = self._keys.add(items, self._backend.new_entry)
         arrays = [array for _, array in items]
         return self._backend.init(entries, arrays, self._executor(entries))
 
@@ -193,9 +245,7 @@ class AsyncKVStore:
         """
         self._check_usable()
         staged = self._stage(group(key, value, "push"))
-        return self._backend.push(
-            staged, self._updater, priority, self._executor(e for e, _ in staged)
-        )
+        return self._backend.push(staged, priority, self._executor(e for e, _ in staged))
 
     def pull(self, key: Key | list[Key], out: Any = None, priority: int = 0) -> Waitable:
         """Copy each key's value into ``out`` (an array, or a list of arrays that all get it).
@@ -220,8 +270,7 @@ class AsyncKVStore:
         staged = self._stage(group(key, value, "pushpull"))
         targets, result = self._targets(key, value if out is None else out)
         executor = self._executor(e for e, _ in staged)
-        self._backend.push(staged, self._updater, priority, executor)
-        return self._backend.pull(targets, result, priority, executor)
+        return self._backend.pushpull(staged, targets, result, priority, executor)
 
     def broadcast(self, key: Key | list[Key], value: Any, out: Any = None) -> Waitable:
         """Initialize ``key`` with ``value`` and pull it into ``out`` (MXNet: init + pull).
@@ -236,25 +285,26 @@ class AsyncKVStore:
 
         ``key`` is passed as the caller gave it (str keys stay str). ``recv`` is a buffer
         the store reuses: valid only during the call. ``None`` restores plain assignment.
-        An exception raised by the updater reaches the caller of the push.
+        An exception raised by the updater reaches the caller of the push. Distributed
+        stores refuse it (their servers apply updates: use :meth:`set_optimizer`).
         """
         self._check_usable()
         if updater is not None and not callable(updater):
             raise InvalidArgumentError(f"updater must be callable, got {type(updater).__name__}")
-        self._updater = updater
-        self._optimizer_updater = None
+        self._backend.set_updater(updater)
 
     def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Waitable:
-        """Apply ``optimizer`` to later pushes where the weights live (here: this store)."""
+        """Apply ``optimizer`` to later pushes where the weights live.
+
+        Locally, in this store; in a distributed store, on the servers, which receive its
+        name and hyper-parameters (JSON, never a pickle) and keep the per-key state.
+        """
         self._check_usable()
         if not isinstance(optimizer, _optimizer.Optimizer):
             raise InvalidArgumentError(
                 f"set_optimizer takes an akv.optimizer.Optimizer, got {type(optimizer).__name__}"
             )
-        updater = _optimizer.get_updater(optimizer)
-        self._updater = updater
-        self._optimizer_updater = updater
-        return self._backend.barrier()
+        return self._backend.set_optimizer(optimizer)
 
     def save_optimizer_states(
         self, fname: str | os.PathLike[str], dump_optimizer: bool = False
@@ -262,13 +312,11 @@ class AsyncKVStore:
         """Write the optimizer's per-key state (and, if asked, its configuration) to a file.
 
         The file (see ``docs/optimizer.md``) holds no pickle; it is written once every push
-        issued before the call has been applied.
+        issued before the call has been applied. In a distributed store the servers' states
+        are gathered into the same format (MXNet cannot save them at all).
         """
         self._check_usable()
-        updater = self._require_optimizer("save_optimizer_states")
-        return self._backend.write_file(
-            self._keys.entries(), Path(fname), lambda: updater.dump_states(dump_optimizer)
-        )
+        return self._backend.save_states(self._keys.entries(), Path(fname), dump_optimizer)
 
     def load_optimizer_states(self, fname: str | os.PathLike[str]) -> Waitable:
         """Load states saved by :meth:`save_optimizer_states` (after earlier pushes).
@@ -279,12 +327,21 @@ class AsyncKVStore:
             (from the awaitable) when the file is not akv's format or does not fit.
         """
         self._check_usable()
-        updater = self._require_optimizer("load_optimizer_states")
+        return self._backend.load_states(self._keys.entries(), Path(fname))
 
-        def consume(data: bytes) -> None:
-            updater.load_states(data)
+    def placement(
+        self, key: Key | list[Key] | None = None
+    ) -> dict[Key, list[tuple[int, int, int]]]:
+        """Where keys live: ``{key: [(server rank, first element, end element), ...]}``.
 
-        return self._backend.read_file(self._keys.entries(), Path(fname), consume)
+        A key below the big-array bound has one part; a bigger one a part on every server.
+        """
+        if key is None:
+            entries = self._keys.entries()
+        else:
+            keys = key if isinstance(key, (list, tuple)) else [key]
+            entries = [self._keys.get(normalize_key(k), "placement of") for k in keys]
+        return self._backend.placement(entries)
 
     def barrier(self) -> Waitable:
         """Wait for every worker to reach the barrier (at once in a local store).
@@ -326,7 +383,10 @@ class AsyncKVStore:
         try:
             await self._engine.wait_all()
         finally:
-            await self._engine.aclose()
+            try:
+                await self._backend.close(self._barrier_before_exit)
+            finally:
+                await self._engine.aclose()
 
     def _check_usable(self) -> None:
         if GUARD.store is self:
@@ -336,6 +396,8 @@ class AsyncKVStore:
             )
         if self._closed:
             raise ClosedError(f"the {self._type!r} store is closed")
+        if self._backend.broken is not None:
+            raise self._backend.broken
 
     def _executor(self, entries: Any) -> str:
         limit = self._inline_max_bytes
@@ -385,18 +447,14 @@ class AsyncKVStore:
         entry = self._keys.get(normalize_key(key), "pull from")
         return np.empty(entry.shape, entry.dtype)
 
-    def _require_optimizer(self, what: str) -> _optimizer.Updater:
-        if self._optimizer_updater is None:
-            raise AKVError(f"{what} needs an optimizer: call set_optimizer first")
-        return self._optimizer_updater
-
 
 class KVStore:
     """A blocking key-value store (create it with :func:`akv.create`).
 
     The same methods and meaning as :class:`AsyncKVStore`; each call returns once its
     work is done. Safe to use from several threads at once and from threads that run
-    an event loop of their own.
+    an event loop of their own. Network work runs on a private event-loop thread (uvloop
+    when installed); array work of a local store runs on the calling thread.
     """
 
     def __init__(self, inner: AsyncKVStore, loop_thread: LoopThread) -> None:
@@ -474,6 +532,12 @@ class KVStore:
         """See :meth:`AsyncKVStore.load_optimizer_states`."""
         self._wait(self._inner.load_optimizer_states(fname))
 
+    def placement(
+        self, key: Key | list[Key] | None = None
+    ) -> dict[Key, list[tuple[int, int, int]]]:
+        """See :meth:`AsyncKVStore.placement`."""
+        return self._inner.placement(key)
+
     def barrier(self) -> None:
         """See :meth:`AsyncKVStore.barrier`."""
         self._wait(self._inner.barrier())
@@ -483,7 +547,7 @@ class KVStore:
         self._inner.set_barrier_before_exit(barrier_before_exit)
 
     def close(self) -> None:
-        """Finish the work in flight, then release the engine and the loop thread.
+        """Finish the work in flight, then release the engine and the event loop.
 
         Raises the first failure of work that no call reported. Idempotent.
         """

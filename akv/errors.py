@@ -13,14 +13,23 @@ from __future__ import annotations
 
 __all__ = [
     "AKVError",
+    "AuthenticationError",
+    "BarrierTimeoutError",
     "ClosedError",
+    "ConfigError",
+    "ConnectTimeoutError",
     "DTypeMismatchError",
+    "DoublePushError",
     "DuplicateInitError",
     "InvalidArgumentError",
     "KeyNotInitializedError",
+    "LaunchError",
     "MixedKeyKindsError",
     "OptimizerError",
+    "PeerLostError",
     "ReentrantCallError",
+    "RoundTimeoutError",
+    "ServerError",
     "ShapeMismatchError",
     "StateFormatError",
     "UnknownStoreTypeError",
@@ -102,3 +111,50 @@ class OptimizerError(AKVError, ValueError):
 
 class StateFormatError(AKVError, ValueError):
     """A saved optimizer-state file is not in akv's format, or does not fit the store."""
+
+
+class ConfigError(AKVError, ValueError):
+    """The distributed configuration (environment or flags) is missing, malformed or wrong."""
+
+
+class ConnectTimeoutError(WaitTimeoutError):
+    """The scheduler or the servers could not be reached in time; says what is still missing."""
+
+
+class BarrierTimeoutError(WaitTimeoutError):
+    """Not every worker reached a barrier in time; ``missing`` lists the ranks that did not."""
+
+    def __init__(self, message: str, missing: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class RoundTimeoutError(WaitTimeoutError):
+    """A sync round did not get every worker's push in time; names the key and the ranks."""
+
+
+class DoublePushError(AKVError):
+    """A worker pushed a key again in dist_sync before the round it pushed into was complete."""
+
+
+class PeerLostError(AKVError, ConnectionError):
+    """A worker, server or the scheduler of the job died or stopped answering; names it."""
+
+
+class AuthenticationError(AKVError, PermissionError):
+    """A server or the scheduler refused the job's token (HTTP 401)."""
+
+
+class ServerError(AKVError):
+    """A server or the scheduler could not carry out a request; ``server`` names it."""
+
+    def __init__(self, message: str, server: str = "") -> None:
+        super().__init__(message)
+        self.server = server
+
+
+class LaunchError(AKVError, ValueError):
+    """akv-launch cannot go ahead: a bad flag, host file, environment or scheduler address.
+
+    The message names the flag, file line or variable and says what to do.
+    """

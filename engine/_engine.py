@@ -18,7 +18,7 @@ from functools import partial
 from types import CoroutineType
 from typing import Any
 
-from engine._executors import Executor, LoopExecutor, ThreadExecutor
+from engine._executors import Executor, FutureExecutor, LoopExecutor, ThreadExecutor
 from engine._graph import to_dot
 from engine._task import READY, RUNNING, WAITING, Failure, Task, Waitable, add_note, note_task
 from engine._var import Var
@@ -30,6 +30,7 @@ DEFAULT_SLOTS = 4
 INLINE = "inline"
 THREAD = "thread"
 LOOP = "loop"
+FUTURE = "future"
 
 
 class EngineError(Exception):
@@ -160,6 +161,7 @@ class Engine:
         self._executors: dict[str, Executor] = {
             THREAD: ThreadExecutor(slots, name=f"{name}-worker"),
             LOOP: self._loop_executor,
+            FUTURE: FutureExecutor(self._loop_executor),
         }
 
     # ------------------------------------------------------------------ public API
@@ -181,7 +183,7 @@ class Engine:
 
     def register_executor(self, kind: str, executor: Executor) -> None:
         """Make ``executor`` available to ``push(..., executor=kind)`` (the GPU seam)."""
-        if kind in (INLINE, THREAD, LOOP) or kind in self._executors:
+        if kind == INLINE or kind in self._executors:
             raise EngineError(f"an executor named {kind!r} is already registered")
         self._executors[kind] = executor
 

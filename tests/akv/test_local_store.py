@@ -174,11 +174,11 @@ def test_pull_never_hands_out_the_stored_array(kv):
 
 
 async def test_async_push_copies_before_returning_even_when_not_awaited():
-    kv = await akv.create_async("local")
+    kv = await akv.create_async("local", inline_max_bytes=1 << 20)
     kv.init(0, ones())
     gate = threading.Event()
     kv.set_updater(lambda key, recv, stored: (gate.wait(5), np.copyto(stored, recv)))
-    big = np.ones((1 << 19,), np.float32)  # 2 MiB: the update runs on a worker thread
+    big = np.ones((1 << 19,), np.float32)  # 2 MiB > 1 MiB: the update runs on a worker thread
     kv.init(1, big)
     blocker = kv.push(1, big)
     pushed = ones(7)
@@ -255,6 +255,10 @@ def test_unknown_store_type_is_an_error():
         akv.create(3)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="unknown store option"):
         akv.create("local", bogus=1)
+    with pytest.raises(InvalidArgumentError, match="slots must be an int >= 1"):
+        akv.create("local", slots=0)
+    with pytest.raises(InvalidArgumentError, match="inline_max_bytes must be an int >= 0"):
+        akv.create("local", inline_max_bytes=-1)
 
 
 def test_bad_arguments_are_typed_errors(kv):
@@ -391,7 +395,7 @@ async def test_fifty_unawaited_pushes_then_a_pull_see_all_fifty():
 
 
 async def test_big_unawaited_work_keeps_order_across_worker_threads():
-    kv = await akv.create_async("local")
+    kv = await akv.create_async("local", inline_max_bytes=1 << 20)
     big = np.zeros(1 << 19, np.float32)  # above the inline bound: worker threads
     kv.init(0, big)
     kv.set_updater(lambda key, recv, stored: np.add(stored, recv, out=stored))
@@ -446,7 +450,7 @@ async def test_async_store_is_an_async_context_manager():
 
 
 async def test_priority_orders_work_that_piles_up():
-    kv = await akv.create_async("local", slots=1)
+    kv = await akv.create_async("local", slots=1, inline_max_bytes=1 << 20)
     gate = threading.Event()
     started: list[str] = []
 

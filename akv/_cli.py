@@ -1,0 +1,52 @@
+"""The ``akv`` command: ``akv --version``, ``akv bench {local,engine,dist}``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+import akv
+from akv.bench import configure
+
+__all__ = ["main"]
+
+BENCHMARKS = {
+    "local": "akv.bench.local",
+    "engine": "akv.bench.engine",
+    "dist": "akv.bench.dist",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="akv", description="akv: an asyncio-native parameter server."
+    )
+    parser.add_argument("--version", action="version", version=f"akv {akv.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    bench = commands.add_parser(
+        "bench", help="measure akv against a floor measured in the same run"
+    )
+    bench.add_argument("suite", choices=sorted(BENCHMARKS), help="what to measure")
+    bench.add_argument("--quick", action="store_true", help="short rounds (a smoke run)")
+    bench.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``akv`` command line; return the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    configure(quick=args.quick)
+    module = importlib.import_module(BENCHMARKS[args.suite])
+    table = module.run()
+    table.write(sys.stdout, json_path=args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

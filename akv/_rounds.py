@@ -1,0 +1,162 @@
+"""A server's decisions about one key: rounds, their completion, and waiting pulls.
+
+Plain code without I/O or arrays (the server does the merging and sending). Every
+server holds one :class:`KeyRounds` per key it stores (per part, for a split key).
+
+Meaning, in ``dist_sync``:
+
+* round ``r`` of a key collects exactly one push from each of the ``num_workers`` workers,
+  counted by worker rank, not by request: a worker pushing again before round ``r`` is
+  complete gets :class:`~akv.errors.DoublePushError` and the round is not touched (MXNet
+  counts requests, so a double push silently closes the round with the wrong sum);
+* the first push of a round starts the round's merge buffer, later ones add to it; the
+  push that completes the round closes it, and the server applies the sum (through the
+  updater, or by assignment);
+* a pull must see the round of the puller's latest push to the key (the server keeps
+  track of it; a rejected push does not count) and is answered once that round has been
+  applied, so a pull issued after a push sees the result of that push's round.
+
+In ``dist_async`` every push is a round of its own, applied as it arrives; a pull is
+answered at once with the value as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from akv.errors import DoublePushError, ServerError
+
+__all__ = ["KeyRounds", "PushDecision"]
+
+
+@dataclass(frozen=True, slots=True)
+class PushDecision:
+    """What the server does with an accepted push.
+
+    ``first``: the push starts its round's merge buffer (else it is added to it).
+    ``closes``: the push completes round ``round``, which must now be applied.
+    """
+
+    first: bool
+    closes: bool
+    round: int
+
+
+class KeyRounds:
+    """The round bookkeeping of one key on one server."""
+
+    __slots__ = (
+        "_contributors",
+        "_last",
+        "_waiting",
+        "applied_round",
+        "closed_round",
+        "key",
+        "num_workers",
+        "opened_at",
+        "sync",
+    )
+
+    def __init__(self, key: Hashable, num_workers: int, sync: bool) -> None:
+        self.key = key
+        self.num_workers = num_workers
+        self.sync = sync
+        self.applied_round = 0
+        self.closed_round = 0
+        self.opened_at: float | None = None
+        self._contributors: set[int] = set()
+        self._last: dict[int, int] = {}
+        self._waiting: list[tuple[int, object]] = []
+
+    @property
+    def open_round(self) -> int:
+        """The round that pushes go into now."""
+        return self.closed_round + 1
+
+    def missing(self) -> list[int]:
+        """The workers whose push the open round still needs (sync; empty when none pushed)."""
+        if not self._contributors:
+            return []
+        return [w for w in range(self.num_workers) if w not in self._contributors]
+
+    def check_push(self, worker: int) -> None:
+        """Raise if ``worker`` may not push now (without changing anything).
+
+        Raises
+        ------
+        DoublePushError
+            When ``worker`` already pushed into the open round (dist_sync).
+        """
+        if not 0 <= worker < self.num_workers:
+            raise ServerError(f"push to key {self.key!r} from unknown worker rank {worker}")
+        if self.sync and worker in self._contributors:
+            raise DoublePushError(
+                f"worker {worker} pushed key {self.key!r} twice in round {self.open_round}; "
+                f"the round still waits for workers {self.missing()} (in dist_sync each "
+                "worker pushes a key once per round: pull before pushing again)"
+            )
+
+    def accept_push(self, worker: int, now: float) -> PushDecision:
+        """Count a push from ``worker`` (``now``: a clock reading, for round timeouts)."""
+        self.check_push(worker)
+        if not self.sync:
+            self.closed_round += 1
+            self._last[worker] = self.closed_round
+            return PushDecision(first=True, closes=True, round=self.closed_round)
+        self._last[worker] = self.open_round
+        first = not self._contributors
+        if first:
+            self.opened_at = now
+        self._contributors.add(worker)
+        if len(self._contributors) < self.num_workers:
+            return PushDecision(first=first, closes=False, round=self.open_round)
+        self.closed_round += 1
+        self._contributors.clear()
+        self.opened_at = None
+        return PushDecision(first=first, closes=True, round=self.closed_round)
+
+    def last_push_round(self, worker: int) -> int:
+        """The round that ``worker``'s latest accepted push went into (0: none yet)."""
+        return self._last.get(worker, 0)
+
+    def pull(self, after_round: int, ticket: object) -> bool:
+        """True when a pull that must see ``after_round`` can be answered now; else park it.
+
+        Raises
+        ------
+        ServerError
+            When ``after_round`` is beyond the open round (pushes this server never got).
+        """
+        if after_round > self.open_round:
+            raise ServerError(
+                f"pull of key {self.key!r} asks for round {after_round}, but this server "
+                f"has only seen pushes up to round {self.open_round}"
+            )
+        if not self.sync or after_round <= self.applied_round:
+            return True
+        self._waiting.append((after_round, ticket))
+        return False
+
+    def applied(self, round_no: int) -> list[object]:
+        """Mark round ``round_no`` applied; return the tickets of the pulls it answers."""
+        self.applied_round = max(self.applied_round, round_no)
+        if not self._waiting:
+            return []
+        ready = [t for r, t in self._waiting if r <= self.applied_round]
+        self._waiting = [(r, t) for r, t in self._waiting if r > self.applied_round]
+        return ready
+
+    def waiting_tickets(self) -> list[object]:
+        """Every parked pull's ticket."""
+        return [ticket for _, ticket in self._waiting]
+
+    def take_waiting(self) -> list[object]:
+        """Remove and return every parked pull's ticket (to fail them)."""
+        tickets = self.waiting_tickets()
+        self._waiting.clear()
+        return tickets
+
+    def overdue(self, now: float, timeout_s: float) -> bool:
+        """True when the open round has waited for its last pushes longer than ``timeout_s``."""
+        return self.opened_at is not None and now - self.opened_at > timeout_s

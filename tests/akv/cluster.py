@@ -1,0 +1,146 @@
+"""Test helpers: a whole job (scheduler, servers, workers) on 127.0.0.1, bounded in time.
+
+:class:`Cluster` runs the scheduler and the servers on a private event-loop thread of the
+test process and makes worker stores through ``akv.create_async(..., environ=...)``, so a
+test can drive several workers from one coroutine. :func:`launch` runs a real job through
+``akv-launch`` in subprocesses and returns its output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import akv
+from akv import _config
+from akv.scheduler import Scheduler
+from akv.server import ParameterServer
+from engine import LoopThread
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST_TIMEOUTS = {
+    "AKV_CONNECT_TIMEOUT_S": "20",
+    "AKV_BARRIER_TIMEOUT_S": "20",
+    "AKV_ROUND_TIMEOUT_S": "20",
+    "AKV_REQUEST_TIMEOUT_S": "30",
+    "AKV_HEARTBEAT_INTERVAL_S": "0.2",
+    "AKV_HEARTBEAT_TIMEOUT_S": "3",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def job_env(num_workers: int, num_servers: int, port: int, **extra: str) -> dict[str, str]:
+    env = {
+        "AKV_SCHEDULER_HOST": "127.0.0.1",
+        "AKV_SCHEDULER_PORT": str(port),
+        "AKV_NUM_WORKERS": str(num_workers),
+        "AKV_NUM_SERVERS": str(num_servers),
+        "AKV_TOKEN": secrets.token_hex(16),
+        **FAST_TIMEOUTS,
+    }
+    env.update(extra)
+    return env
+
+
+class Cluster:
+    """A scheduler and servers on a loop thread; workers made by :meth:`workers`."""
+
+    def __init__(self, num_workers: int = 2, num_servers: int = 1, **extra: str) -> None:
+        self.num_workers = num_workers
+        self.num_servers = num_servers
+        self.env = job_env(num_workers, num_servers, free_port(), **extra)
+        self.thread = LoopThread(name="test-cluster")
+        self.scheduler: Scheduler | None = None
+        self.servers: list[ParameterServer] = []
+        self._tasks: list[Any] = []
+
+    def __enter__(self) -> Cluster:
+        self.thread.run(self._start(), timeout=30)
+        return self
+
+    async def _start(self) -> None:
+        self.scheduler = Scheduler(_config.from_env({**self.env, "AKV_ROLE": "scheduler"}))
+        await self.scheduler.start()
+        self._tasks.append(asyncio.ensure_future(self.scheduler.run()))
+        for rank in range(self.num_servers):
+            env = {**self.env, "AKV_ROLE": "server", "AKV_RANK": str(rank)}
+            server = ParameterServer(_config.from_env(env))
+            self.servers.append(server)
+            await server.start()
+            self._tasks.append(asyncio.ensure_future(server.run()))
+
+    def worker_env(self, rank: int) -> dict[str, str]:
+        return {**self.env, "AKV_ROLE": "worker", "AKV_RANK": str(rank)}
+
+    async def workers(self, store_type: str = "dist_sync") -> list[akv.AsyncKVStore]:
+        """Every worker's store, created concurrently (they rendezvous)."""
+        return list(
+            await asyncio.gather(
+                *(
+                    akv.create_async(store_type, environ=self.worker_env(rank))
+                    for rank in range(self.num_workers)
+                )
+            )
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:
+            for server in self.servers:
+                await server.stop()
+            if self.scheduler is not None:
+                await self.scheduler.stop()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        try:
+            self.thread.run(stop(), timeout=30)
+        finally:
+            self.thread.close()
+
+
+def launch(
+    args: Sequence[str],
+    *,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``akv-launch ARGS`` (as ``python -m akv.launch``) and return what it printed.
+
+    The launcher runs in a process group of its own; if it outlives ``timeout`` the whole
+    group (the launcher and everything it started) is killed by its group id, and the test
+    fails.
+    """
+    full_env = {**os.environ, **FAST_TIMEOUTS, **(env or {})}
+    full_env.pop("AKV_TOKEN", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "akv.launch", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(
+            f"akv-launch {list(args)} ran past {timeout} s:\n{stdout}\n{stderr}"
+        ) from exc
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)

@@ -1,0 +1,293 @@
+"""A framed stream over one TCP (or TLS) connection: the bulk path for arrays.
+
+The connection starts as HTTP: the client sends an authenticated ``GET`` with
+``Upgrade: akv-stream/1`` and the server (an aiohttp handler) answers ``101 Switching
+Protocols``; from then on both sides exchange frames (:mod:`transport.frame`).
+:class:`StreamProtocol` is the thin asyncio side of it: a ``BufferedProtocol`` whose
+buffers come from a :class:`~transport._reader.FrameReader`, so that large payloads are
+received straight into the arrays they belong to, and whose writes are zero-copy
+(``writelines`` of memoryviews) with an exact "drained" signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Callable, Sequence
+
+from transport._reader import FrameReader, Message
+from transport.errors import AuthError, FrameError, RemoteError, TransportError
+from transport.frame import DEFAULT_MAX_PAYLOAD_BYTES, FrameHeader
+
+__all__ = [
+    "HANDSHAKE_MAX_BYTES",
+    "UPGRADE_PROTOCOL",
+    "StreamProtocol",
+    "open_stream",
+]
+
+#: The protocol name in the ``Upgrade`` header.
+UPGRADE_PROTOCOL = "akv-stream/1"
+#: Largest HTTP answer the client reads while upgrading.
+HANDSHAKE_MAX_BYTES = 64 << 10
+
+Destinations = Callable[[FrameHeader], Sequence[memoryview | None]]
+
+
+class StreamProtocol(asyncio.BufferedProtocol):
+    """One end of a framed stream.
+
+    ``on_message(message)`` is called on the loop for each complete message, in order.
+    ``on_lost(exc)`` once when the connection ends (``exc`` None for a clean close).
+    ``destinations(header)`` chooses where each array's payload is received.
+    """
+
+    def __init__(
+        self,
+        destinations: Destinations,
+        on_message: Callable[[Message], None],
+        on_lost: Callable[[BaseException | None], None],
+        *,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        handshake: bool = False,
+    ) -> None:
+        self._reader = FrameReader(destinations, max_payload_bytes=max_payload_bytes)
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self._paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._closed: asyncio.Future[BaseException | None] | None = None
+        self._handshake: bytearray | None = bytearray() if handshake else None
+        self._handshake_buffer = bytearray(HANDSHAKE_MAX_BYTES)
+        self.handshake_done: asyncio.Future[None] | None = None
+
+    # -------------------------------------------------------------- asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        loop = asyncio.get_running_loop()
+        self._closed = loop.create_future()
+        if self._handshake is not None:
+            self.handshake_done = loop.create_future()
+        # With a high-water mark of 0 every write the kernel did not take at once pauses us,
+        # and resume_writing() comes exactly when the buffer is empty again: an exact
+        # "these buffers are no longer referenced" signal for zero-copy sends.
+        self.transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[union-attr]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._handshake is not None:
+            return memoryview(self._handshake_buffer)
+        return self._reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._handshake is not None:
+            self._handshake_received(nbytes)
+            return
+        try:
+            messages = self._reader.buffer_updated(nbytes)
+        except FrameError as exc:
+            self.abort(exc)
+            return
+        for message in messages:
+            self._on_message(message)
+
+    def eof_received(self) -> bool | None:
+        try:
+            self._reader.eof()
+        except FrameError as exc:
+            self.abort(exc)
+        return None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._paused = False
+        self._wake_drain_waiters(exc)
+        if self.handshake_done is not None and not self.handshake_done.done():
+            self.handshake_done.set_exception(
+                TransportError(f"connection closed during the stream handshake: {exc}")
+            )
+        if self._closed is not None and not self._closed.done():
+            self._closed.set_result(exc)
+            self._on_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_drain_waiters(None)
+
+    # -------------------------------------------------------------- sending
+
+    def write(self, buffers: Sequence[bytes | memoryview]) -> None:
+        """Queue ``buffers`` in order (not copied: keep them unchanged until :meth:`drain`)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise TransportError("the stream is closed")
+        if len(buffers) == 1:
+            transport.write(buffers[0])
+        else:
+            transport.writelines(buffers)
+
+    async def drain(self) -> None:
+        """Return once everything written so far has been handed to the kernel."""
+        if not self._paused:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._drain_waiters.append(waiter)
+        await waiter
+
+    def _wake_drain_waiters(self, exc: BaseException | None) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            if waiter.done():
+                continue
+            if exc is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(TransportError(f"the stream was lost: {exc}"))
+
+    # -------------------------------------------------------------- closing
+
+    @property
+    def closing(self) -> bool:
+        """True once the connection is closing or closed."""
+        return self.transport is None or self.transport.is_closing()
+
+    async def wait_closed(self) -> BaseException | None:
+        """Wait until the connection is gone; return what ended it (None: a clean close)."""
+        assert self._closed is not None
+        return await asyncio.shield(self._closed)
+
+    def close(self) -> None:
+        """Close after the queued writes are sent."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """Drop the connection at once (after a protocol error ``exc``)."""
+        if self.transport is not None:
+            self.transport.abort()
+        if exc is not None and self._closed is not None and not self._closed.done():
+            self._closed.set_result(exc)
+            self._on_lost(exc)
+
+    # -------------------------------------------------------------- client handshake
+
+    def _handshake_received(self, nbytes: int) -> None:
+        assert self._handshake is not None and self.handshake_done is not None
+        self._handshake += self._handshake_buffer[:nbytes]
+        end = self._handshake.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._handshake) >= HANDSHAKE_MAX_BYTES:
+                self._fail_handshake(TransportError("the server's upgrade answer is too long"))
+            return
+        head = bytes(self._handshake[:end]).decode("latin-1")
+        rest = bytes(self._handshake[end + 4 :])
+        status_line, *header_lines = head.split("\r\n")
+        parts = status_line.split(" ", 2)
+        try:
+            status = int(parts[1])
+        except (IndexError, ValueError):
+            self._fail_handshake(TransportError(f"not an HTTP answer: {status_line!r}"))
+            return
+        if status != 101:
+            self._fail_handshake(_refusal(status, parts[2] if len(parts) > 2 else "", rest))
+            return
+        headers = {}
+        for line in header_lines:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if headers.get("upgrade", "").lower() != UPGRADE_PROTOCOL:
+            self._fail_handshake(
+                TransportError(f"the server upgraded to {headers.get('upgrade')!r}")
+            )
+            return
+        self._handshake = None
+        self.handshake_done.set_result(None)
+        if rest:
+            self._feed(rest)
+
+    def _feed(self, data: bytes) -> None:
+        """Hand bytes that arrived together with the handshake to the frame reader."""
+        view = memoryview(data)
+        while view:
+            buffer = self._reader.get_buffer(len(view))
+            count = min(len(buffer), len(view))
+            buffer[:count] = view[:count]
+            view = view[count:]
+            self.buffer_updated(count)
+
+    def _fail_handshake(self, exc: BaseException) -> None:
+        assert self.handshake_done is not None
+        if not self.handshake_done.done():
+            self.handshake_done.set_exception(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def _refusal(status: int, reason: str, body: bytes) -> TransportError:
+    text = body.decode("utf-8", "replace").strip()[:500]
+    message = f"HTTP {status} {reason}".strip() + (f": {text}" if text else "")
+    if status == 401:
+        return AuthError(message)
+    return RemoteError(status, message)
+
+
+async def open_stream(
+    host: str,
+    port: int,
+    token: str,
+    destinations: Destinations,
+    on_message: Callable[[Message], None],
+    on_lost: Callable[[BaseException | None], None],
+    *,
+    path: str = "/v1/stream",
+    ssl_context: ssl.SSLContext | None = None,
+    timeout_s: float = 30.0,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    client_id: str = "",
+) -> StreamProtocol:
+    """Connect, authenticate and upgrade to a framed stream; return its protocol.
+
+    Raises
+    ------
+    AuthError
+        When the server refused the token (401).
+    RemoteError
+        For any other refusal, with the HTTP status.
+    TransportError
+        When the connection failed or timed out (the cause is attached).
+    """
+    loop = asyncio.get_running_loop()
+
+    def factory() -> StreamProtocol:
+        return StreamProtocol(
+            destinations, on_message, on_lost, max_payload_bytes=max_payload_bytes, handshake=True
+        )
+
+    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    request = (
+        f"GET {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {token}\r\n"
+        f"Connection: Upgrade\r\nUpgrade: {UPGRADE_PROTOCOL}\r\nX-AKV-Client: {client_id}\r\n\r\n"
+    ).encode("latin-1")
+
+    async def connect() -> StreamProtocol:
+        _, protocol = await loop.create_connection(
+            factory,
+            host,
+            port,
+            ssl=ssl_context,
+            server_hostname=host if ssl_context is not None else None,
+        )
+        protocol.transport.write(request)  # type: ignore[union-attr]
+        assert protocol.handshake_done is not None
+        await protocol.handshake_done
+        return protocol
+
+    try:
+        return await asyncio.wait_for(connect(), timeout_s)
+    except TransportError:
+        raise
+    except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+        raise TransportError(f"cannot open a stream to {authority}: {exc!r}") from exc
