@@ -155,9 +155,10 @@ class _ServerLink:
             return
         status = message.header.aux
         if status != proto.OK:
-            request.future.set_exception(
-                proto.error_from_status(status, message.header.text, self.name)
-            )
+            error = proto.error_from_status(status, message.header.text, self.name)
+            request.future.set_exception(error)
+            if isinstance(error, PeerLostError):  # the job failed: nothing more will work
+                self._report_lost(error)
         elif request.sizes and (got := [i.nbytes for i in message.header.arrays]) != request.sizes:
             request.future.set_exception(
                 ServerError(

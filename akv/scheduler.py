@@ -6,8 +6,9 @@ environment (see ``docs/distributed.md``) or by flags. akv-launch starts it for 
 HTTP API (JSON; every request needs the job's token):
 
 ====================  ==========================================================
-``POST /v1/register`` ``{node_id, role, rank?, host, port, pid}`` -> ``{rank, servers}``
-                      once every node registered (202 ``{waiting}`` after a poll window)
+``POST /v1/register`` ``{node_id, role, rank?, host, port, pid, wait?}`` -> ``{rank,
+                      servers}`` once every node registered (202 ``{rank, waiting}`` after
+                      a poll window, or at once with ``wait: false``)
 ``POST /v1/barrier``  ``{node_id, number}`` -> 200 once every worker joined (else 202)
 ``POST /v1/heartbeat`` ``{node_id}`` -> ``{failure, stop}``
 ``POST /v1/lost``     ``{reporter, role, rank, detail}``: a peer vanished without closing
@@ -174,7 +175,10 @@ class Scheduler:
             raise RequestError(409, str(exc)) from None
         async with self._changed:
             self._changed.notify_all()
-        ready = await self._wait(lambda: self.roster.complete() or self.roster.failure)
+        if body.get("wait", True):
+            ready = await self._wait(lambda: self.roster.complete() or self.roster.failure)
+        else:
+            ready = self.roster.complete()
         self._refuse_if_failed()
         if not ready:
             return web.json_response(

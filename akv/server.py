@@ -188,6 +188,7 @@ class ParameterServer:
             "host": config.host,
             "port": self.port,
             "pid": os.getpid(),
+            "wait": False,  # a server needs only its rank, not the whole address book
         }
         last_note = ""
         while True:

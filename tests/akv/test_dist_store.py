@@ -308,3 +308,37 @@ async def test_many_keys_travel_in_one_request_per_server():
             assert pushes == [1, 1]  # one push request per server for 200 keys
             assert all(float(o[0]) == 2.0 for o in out)
         await close_all(stores)
+
+
+async def test_a_server_that_vanishes_fails_every_call_naming_it():
+    with Cluster(1, 1) as cluster:
+        (kv,) = await cluster.workers()
+        await kv.init(0, full(1.0))
+        server = cluster.servers[0]
+        cluster.thread.run(_drop_streams(server), timeout=10)  # as if its process died
+        with pytest.raises(akv.PeerLostError, match=r"server 0 at 127\.0\.0\.1:\d+ closed"):
+            await kv.pull(0)
+        with pytest.raises(akv.PeerLostError, match="server 0"):
+            kv.push(0, full(1.0))  # later calls fail at once
+        await kv.close()
+
+
+async def _drop_streams(server):
+    server._stopping = True  # it will not report the worker lost: it is the one "dying"
+    for link in list(server.links):
+        link.protocol.abort()
+
+
+async def test_a_worker_that_vanishes_fails_the_others_waiting_for_it():
+    with Cluster(2, 1) as cluster:
+        alive, doomed = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        await asyncio.gather(alive.init(0, full(0.0)), doomed.init(0, full(0.0)))
+        await alive.push(0, full(1.0))
+        waiting = asyncio.ensure_future(_pulled(alive))  # needs worker 1's push
+        await asyncio.sleep(0.1)
+        doomed._backend._heartbeat.stop()
+        for link in doomed._backend.links:
+            link.protocol.abort()  # no goodbye: as if the process died
+        with pytest.raises(akv.PeerLostError, match="worker 1"):
+            await asyncio.wait_for(waiting, 20)
+        await alive.close()

@@ -1,0 +1,51 @@
+"""A worker for fault tests: one rank misbehaves (dies, hangs, or kills a server)."""
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+
+import numpy as np
+
+import akv
+
+MODE = sys.argv[1]
+
+
+def server_pids() -> list[int]:
+    url = f"http://{os.environ['AKV_SCHEDULER_HOST']}:{os.environ['AKV_SCHEDULER_PORT']}/v1/status"
+    request = urllib.request.Request(
+        url, headers={"Authorization": f"Bearer {os.environ['AKV_TOKEN']}"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        nodes = json.load(answer)["nodes"]
+    return [n["pid"] for n in nodes if n["role"] == "server"]
+
+
+with akv.create("dist_sync") as kv:
+    kv.init(0, np.zeros(4, np.float32))
+    kv.push(0, np.ones(4, np.float32))
+    kv.pull(0)
+    if kv.rank == 1 and MODE == "die":
+        os._exit(3)
+    if kv.rank == 1 and MODE == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if kv.rank == 0 and MODE == "kill-server":
+        for pid in server_pids():
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+    started = time.monotonic()
+    try:
+        for _ in range(1000):
+            kv.push(0, np.ones(4, np.float32))
+            kv.pull(0)
+    except akv.AKVError as exc:
+        print(
+            f"rank {kv.rank} got {type(exc).__name__} after {time.monotonic() - started:.1f}"
+            f" s: {exc}",
+            flush=True,
+        )
+        kv.set_barrier_before_exit(False)
+        sys.exit(4)

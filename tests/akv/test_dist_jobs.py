@@ -1,0 +1,176 @@
+"""Whole jobs in separate processes through akv-launch, each bounded in time.
+
+Every process a test starts is ended by the launcher (by PID), and the launcher itself
+runs in a process group that the test kills if it outlives its timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.akv.cluster import FAST_TIMEOUTS, ROOT, free_port, job_env, launch
+
+JOBS = ROOT / "tests" / "akv" / "jobs"
+pytestmark = pytest.mark.timeout(180)
+
+
+def results(stdout: str) -> list[dict]:
+    lines = [line.split("] ", 1)[1] for line in stdout.splitlines() if line.startswith("[worker")]
+    return sorted(
+        (json.loads(line) for line in lines if line.startswith("{")), key=lambda r: r["rank"]
+    )
+
+
+@pytest.mark.parametrize(("workers", "servers"), [(2, 1), (3, 2)])
+def test_dist_sync_semantics_across_processes(workers, servers):
+    done = launch(
+        [
+            "-n",
+            str(workers),
+            "-s",
+            str(servers),
+            "--",
+            sys.executable,
+            str(JOBS / "semantics.py"),
+            "dist_sync",
+        ]
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = results(done.stdout)
+    total = sum(range(1, workers + 1))
+    assert [r["rank"] for r in seen] == list(range(workers))
+    for r in seen:
+        assert (r["num_workers"], r["type"]) == (workers, "dist_sync")
+        assert (r["init"], r["sum"], r["second"], r["pushpull"]) == (
+            10.0,
+            total,
+            total,
+            100.0 * total,
+        )
+        assert r["parts"] == servers  # 1.2M elements > 1e6: split over every server
+        assert r["sgd"] == pytest.approx(0.85)
+
+
+def test_dist_async_semantics_across_processes():
+    done = launch(
+        ["-n", "2", "-s", "2", "--", sys.executable, str(JOBS / "semantics.py"), "dist_async"]
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for r in results(done.stdout):
+        assert r["init"] == 10.0
+        assert r["sgd"] == pytest.approx(0.8)  # both pushes applied, each on arrival
+
+
+def test_the_training_example_runs_and_the_loss_falls():
+    done = launch(
+        ["-n", "2", "-s", "1", "--", sys.executable, "examples/train_dist.py", "--epochs", "4"]
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    finals = [line for line in done.stdout.splitlines() if "->" in line]
+    assert len(finals) == 2
+    for line in finals:
+        first, last = (float(x) for x in line.split("loss ")[1].split(" in ")[0].split(" -> "))
+        assert last < first
+    assert "epoch  4/4 [########################]" in done.stdout
+
+
+def test_a_worker_that_dies_fails_the_job_naming_its_rank():
+    done = launch(
+        ["-n", "2", "-s", "1", "--", sys.executable, str(JOBS / "faults.py"), "die"], timeout=90
+    )
+    assert done.returncode == 3
+    assert "worker 1" in done.stderr and "exited with code 3" in done.stderr
+
+
+def test_a_worker_that_hangs_is_found_by_heartbeats_and_named():
+    done = launch(
+        ["-n", "2", "-s", "1", "--", sys.executable, str(JOBS / "faults.py"), "hang"], timeout=90
+    )
+    assert done.returncode != 0
+    assert "rank 0 got PeerLostError" in done.stdout
+    assert "worker 1" in done.stdout.split("rank 0 got PeerLostError")[1].splitlines()[0]
+
+
+def test_a_server_that_dies_fails_the_job_and_the_worker_names_it():
+    done = launch(
+        ["-n", "1", "-s", "1", "--", sys.executable, str(JOBS / "faults.py"), "kill-server"],
+        timeout=90,
+    )
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "[worker 0] worker 0: server 0 at 127.0.0.1:" in output
+    assert "closed the connection" in output
+    assert "server 0" in output and "exited with signal SIGKILL" in output
+
+
+def test_a_misconfigured_environment_fails_at_once_with_a_clear_message():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AKV_", "DMLC_"))}
+    env.update(
+        {
+            "DMLC_ROLE": "worker",
+            "DMLC_PS_ROOT_URI": "127.0.0.1",
+            "DMLC_PS_ROOT_PORT": "9000",
+            "DMLC_NUM_WORKER": "1",
+        }
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", "import akv; akv.create('dist_sync')"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=ROOT,
+    )
+    assert done.returncode != 0
+    assert "ConfigError: DMLC_NUM_SERVER (or AKV_NUM_SERVERS) is not set" in done.stderr
+    env["DMLC_NUM_SERVER"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-m", "akv.server"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert "AKV_TOKEN is not set" in done.stderr
+
+
+def test_an_mxnet_style_script_serves_every_role_by_dmlc_role():
+    """tools/launch.py runs one command for every role; so can akv."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AKV_", "DMLC_"))}
+    env.update(
+        {
+            f"DMLC_{k}": v
+            for k, v in {"PS_ROOT_URI": "127.0.0.1", "NUM_WORKER": "1", "NUM_SERVER": "1"}.items()
+        }
+    )
+    env.update(FAST_TIMEOUTS)
+    port = free_port()
+    env.update({"DMLC_PS_ROOT_PORT": str(port), "AKV_TOKEN": job_env(1, 1, port)["AKV_TOKEN"]})
+    script = [sys.executable, str(JOBS / "mxnet_style.py")]
+    processes = [
+        subprocess.Popen(
+            script,
+            env={**env, "DMLC_ROLE": role},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for role in ("scheduler", "server", "worker")
+    ]
+    try:
+        outputs = [p.communicate(timeout=90) for p in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    assert [p.returncode for p in processes] == [0, 0, 0], outputs
+    assert "pulled [1.0, 1.0]" in outputs[2][0]
