@@ -1,0 +1,228 @@
+"""``akv bench local``: the local store against NumPy doing the same copies and adds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+import akv
+from akv.bench._report import Row, Table, time_per_call, time_per_call_async
+
+__all__ = ["run"]
+
+MIB = 1 << 20
+#: MXNet 1.9.1 on this project's 2-core machine (float32, one key), see docs/benchmarks.md.
+MXNET_S = {
+    "push+pull 4 MiB": 0.45e-3,
+    "push+pull 64 MiB": 14.6e-3,
+    "push 4 x 4 MiB (summed) + pull": 6.1e-3,
+    "push+pull 4 MiB with SGD": 6.6e-3,
+    "1000 keys x 16 floats, one list call": 1000 / 93_000,
+    "1000 keys x 16 floats, per-key loop": 1000 / 69_000,
+}
+SMALL_KEYS = 1000
+SMALL_SIZE = 16
+SGD_LR = 0.01
+
+
+def _floats(nbytes: int, value: float = 1.0) -> np.ndarray:
+    return np.full(nbytes // 4, value, np.float32)
+
+
+def _copy_floor(nbytes: int, copies: int) -> float:
+    src, dst = _floats(nbytes), _floats(nbytes, 0.0)
+    mid = _floats(nbytes, 0.0)
+
+    def two_copies() -> None:
+        np.copyto(mid, src)
+        np.copyto(dst, mid)
+
+    return time_per_call(two_copies) * copies / 2
+
+
+def _blocking_rows(table: Table, kv: akv.KVStore) -> None:
+    sizes = [4 * MIB, 64 * MIB]
+    for nbytes in sizes:
+        name = f"push+pull {nbytes // MIB} MiB"
+        value, out = _floats(nbytes), _floats(nbytes, 0.0)
+        kv.init(name, value)
+
+        def push_pull(name: str = name, value: np.ndarray = value, out: np.ndarray = out) -> None:
+            kv.push(name, value)
+            kv.pull(name, out=out)
+
+        table.add(
+            Row(
+                name,
+                time_per_call(push_pull),
+                _copy_floor(nbytes, 2),
+                "2 x np.copyto",
+                reference_s=MXNET_S[name],
+            )
+        )
+
+    name = "push 4 x 4 MiB (summed) + pull"
+    parts = [_floats(4 * MIB) for _ in range(4)]
+    out = _floats(4 * MIB, 0.0)
+    merge = _floats(4 * MIB, 0.0)
+    kv.init(name, parts[0])
+
+    def push_list() -> None:
+        kv.push(name, parts)
+        kv.pull(name, out=out)
+
+    def numpy_sum() -> None:
+        np.add(parts[0], parts[1], out=merge)
+        np.add(merge, parts[2], out=merge)
+        np.add(merge, parts[3], out=merge)
+        np.copyto(out, merge)
+
+    table.add(
+        Row(
+            name,
+            time_per_call(push_list),
+            time_per_call(numpy_sum),
+            "3 x np.add + np.copyto",
+            reference_s=MXNET_S[name],
+        )
+    )
+
+    name = "push+pull 4 MiB with SGD"
+    with akv.create("local") as sgd_store:
+        weight, grad, out = _floats(4 * MIB), _floats(4 * MIB, 1e-3), _floats(4 * MIB, 0.0)
+        sgd_store.init(0, weight)
+        sgd_store.set_optimizer(akv.optimizer.SGD(learning_rate=SGD_LR))
+
+        def push_sgd() -> None:
+            sgd_store.push(0, grad)
+            sgd_store.pull(0, out=out)
+
+        scratch = np.empty_like(weight)
+
+        def numpy_sgd() -> None:
+            np.multiply(grad, SGD_LR, out=scratch)
+            np.subtract(weight, scratch, out=weight)
+            np.copyto(out, weight)
+
+        table.add(
+            Row(
+                name,
+                time_per_call(push_sgd),
+                time_per_call(numpy_sgd),
+                "w -= lr*g in NumPy + np.copyto",
+                reference_s=MXNET_S[name],
+            )
+        )
+
+
+def _small_key_rows(table: Table, kv: akv.KVStore) -> None:
+    keys = [f"small/{i}" for i in range(SMALL_KEYS)]
+    values = [np.ones(SMALL_SIZE, np.float32) for _ in keys]
+    outs = [np.zeros(SMALL_SIZE, np.float32) for _ in keys]
+    kv.init(keys, values)
+    mids = [np.zeros(SMALL_SIZE, np.float32) for _ in keys]
+
+    def numpy_copies() -> None:
+        for value, mid, out in zip(values, mids, outs, strict=True):
+            np.copyto(mid, value)
+            np.copyto(out, mid)
+
+    floor = time_per_call(numpy_copies)
+
+    def list_call() -> None:
+        kv.push(keys, values)
+        kv.pull(keys, out=outs)
+
+    def per_key() -> None:
+        for key, value, out in zip(keys, values, outs, strict=True):
+            kv.push(key, value)
+            kv.pull(key, out=out)
+
+    for name, fn in (
+        ("1000 keys x 16 floats, one list call", list_call),
+        ("1000 keys x 16 floats, per-key loop", per_key),
+    ):
+        table.add(
+            Row(
+                name,
+                time_per_call(fn),
+                floor,
+                "2000 x np.copyto",
+                unit_ops=SMALL_KEYS,
+                reference_s=MXNET_S[name],
+            )
+        )
+
+
+async def _async_rows(table: Table) -> None:
+    async with await akv.create_async("local") as kv:
+        nbytes = 4 * MIB
+        value, out = _floats(nbytes), _floats(nbytes, 0.0)
+        kv.init("big", value)
+
+        async def push_pull() -> None:
+            kv.push("big", value)
+            await kv.pull("big", out=out)
+
+        name = "push+pull 4 MiB"
+        table.add(
+            Row(
+                f"async {name}",
+                await time_per_call_async(push_pull),
+                _copy_floor(nbytes, 2),
+                "2 x np.copyto",
+                reference_s=MXNET_S[name],
+            )
+        )
+
+        keys = [f"small/{i}" for i in range(SMALL_KEYS)]
+        values = [np.ones(SMALL_SIZE, np.float32) for _ in keys]
+        outs = [np.zeros(SMALL_SIZE, np.float32) for _ in keys]
+        kv.init(keys, values)
+        mids = [np.zeros(SMALL_SIZE, np.float32) for _ in keys]
+
+        def numpy_copies() -> None:
+            for v, mid, o in zip(values, mids, outs, strict=True):
+                np.copyto(mid, v)
+                np.copyto(o, mid)
+
+        floor = time_per_call(numpy_copies)
+
+        async def list_call() -> None:
+            kv.push(keys, values)
+            await kv.pull(keys, out=outs)
+
+        async def per_key() -> None:
+            for key, v, o in zip(keys, values, outs, strict=True):
+                await kv.push(key, v)
+                await kv.pull(key, out=o)
+
+        for name, fn in (
+            ("1000 keys x 16 floats, one list call", list_call),
+            ("1000 keys x 16 floats, per-key loop", per_key),
+        ):
+            table.add(
+                Row(
+                    f"async {name}",
+                    await time_per_call_async(fn),
+                    floor,
+                    "2000 x np.copyto",
+                    unit_ops=SMALL_KEYS,
+                    reference_s=MXNET_S[name],
+                )
+            )
+
+
+def run() -> Table:
+    """Measure the local store, blocking and async faces; return the table."""
+    table = Table("akv bench local (float32, one key unless noted; times per call)")
+    with akv.create("local") as kv:
+        _blocking_rows(table, kv)
+        _small_key_rows(table, kv)
+    asyncio.run(_async_rows(table))
+    table.notes.append(
+        "Targets (issue #2): push+pull within 1.3x of 2 x np.copyto; list-of-4 push 3x faster "
+        "than MXNet; SGD push+pull 4x faster; small keys at or above MXNet in both call styles."
+    )
+    return table

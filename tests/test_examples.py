@@ -1,0 +1,36 @@
+"""The examples run as their docstrings say, and they learn."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(script: str) -> str:
+    done = subprocess.run(
+        [sys.executable, f"examples/{script}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_quickstart_fits_the_weights():
+    out = run("quickstart.py")
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
+    assert losses[-1] < losses[0] / 100
+    assert float(out.rsplit(":", 1)[1]) < 0.5  # distance to the true weights
+
+
+def test_async_pipeline_learns_the_classifier():
+    out = run("async_pipeline.py")
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
+    assert losses[-1] < losses[0]
+    assert float(re.search(r"held-out accuracy ([0-9.]+)", out).group(1)) > 0.8
