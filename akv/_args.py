@@ -164,6 +164,9 @@ def group(keys: object, values: object, what: str) -> dict[Key, list[Any]]:
     The result maps each key to its values, in order of first appearance (a push sums
     them; a pull writes the value into each).
     """
+    kind = type(keys)
+    if (kind is int or kind is str) and type(values) is np.ndarray:
+        return {keys: [values]}  # type: ignore[dict-item]  # the common call, kept cheap
     grouped: dict[Key, list[Any]] = {}
     for key, values_of_key in pairs(keys, values, what):
         bucket = grouped.get(key)

@@ -83,17 +83,17 @@ class DistEntry(Entry):
         return array.reshape(-1)[part.start : part.stop]
 
 
+#: What a request's sender is told: ``on_reply(message, None)`` or ``on_reply(None, error)``.
+OnReply = Callable[["Message | None", "AKVError | None"], None]
+
+
 class _Request:
-    __slots__ = ("deadline", "destinations", "future", "op", "sizes")
+    __slots__ = ("deadline", "destinations", "on_reply", "op", "sizes")
 
     def __init__(
-        self,
-        future: asyncio.Future[Message],
-        destinations: list[memoryview | None],
-        op: int,
-        deadline: float,
+        self, on_reply: OnReply, destinations: list[memoryview | None], op: int, deadline: float
     ) -> None:
-        self.future = future
+        self.on_reply = on_reply
         self.destinations = destinations
         self.sizes = [None if d is None else d.nbytes for d in destinations]
         self.op = op
@@ -151,23 +151,24 @@ class _ServerLink:
 
     def _on_message(self, message: Message) -> None:
         request = self._pending.pop(message.header.seq, None)
-        if request is None or request.future.done():
+        if request is None:
             return
         status = message.header.aux
         if status != proto.OK:
             error = proto.error_from_status(status, message.header.text, self.name)
-            request.future.set_exception(error)
+            request.on_reply(None, error)
             if isinstance(error, PeerLostError):  # the job failed: nothing more will work
                 self._report_lost(error)
         elif request.sizes and (got := [i.nbytes for i in message.header.arrays]) != request.sizes:
-            request.future.set_exception(
+            request.on_reply(
+                None,
                 ServerError(
                     f"{self.name} answered with arrays of {got} bytes, expected {request.sizes}",
                     server=self.name,
-                )
+                ),
             )
         else:
-            request.future.set_result(message)
+            request.on_reply(message, None)
 
     def _on_lost(self, exc: BaseException | None) -> None:
         detail = f": {exc!r}" if exc else ""
@@ -179,53 +180,51 @@ class _ServerLink:
     def fail_all(self, error: AKVError) -> None:
         pending, self._pending = self._pending, {}
         for request in pending.values():
-            if not request.future.done():
-                request.future.set_exception(error)
+            request.on_reply(None, error)
 
     def sweep(self, now: float) -> None:
         """Fail the requests whose deadline passed (one timer for all, not one per request)."""
         late = [seq for seq, request in self._pending.items() if request.deadline < now]
         for seq in late:
             request = self._pending.pop(seq)
-            if not request.future.done():
-                request.future.set_exception(
-                    ServerError(
-                        f"{self.name} did not answer a "
-                        f"{proto.OP_NAMES.get(request.op, request.op)} request in time "
-                        "(AKV_REQUEST_TIMEOUT_S)",
-                        server=self.name,
-                    )
-                )
+            request.on_reply(
+                None,
+                ServerError(
+                    f"{self.name} did not answer a {proto.OP_NAMES.get(request.op, request.op)} "
+                    "request in time (AKV_REQUEST_TIMEOUT_S)",
+                    server=self.name,
+                ),
+            )
 
-    def start(
+    def send(
         self,
         op: int,
-        arrays: Sequence[tuple[Any, np.ndarray, int]] = (),
+        arrays: Sequence[tuple[Any, np.ndarray, int]],
+        on_reply: OnReply,
         *,
         text: str = "",
         destinations: list[memoryview | None] | None = None,
         timeout_s: float,
-    ) -> asyncio.Future[Message]:
-        """Send one request now; the future gets the reply, or the error the server reported.
+    ) -> None:
+        """Send one request now; ``on_reply`` gets the reply or the error, exactly once.
 
         With ``destinations``, the reply's arrays are received straight into them. The
         deadline is enforced by :meth:`sweep`, which the backend runs periodically.
         """
-        loop = self.loop
-        future: asyncio.Future[Message] = loop.create_future()
         if self.lost is not None:
-            future.set_exception(self.lost)
-            return future
+            on_reply(None, self.lost)
+            return
         assert self.protocol is not None
         self._seq += 1
         seq = self._seq
-        self._pending[seq] = _Request(future, destinations or [], op, loop.time() + timeout_s)
+        self._pending[seq] = _Request(
+            on_reply, destinations or [], op, self.loop.time() + timeout_s
+        )
         try:
             self.protocol.write(encode_frame(op, seq, arrays, text=text))
         except TransportError as exc:
-            self._pending.pop(seq, None)
-            future.set_exception(PeerLostError(f"{self.name}: cannot send ({exc})"))
-        return future
+            del self._pending[seq]
+            on_reply(None, PeerLostError(f"{self.name}: cannot send ({exc})"))
 
     async def request(
         self,
@@ -235,8 +234,19 @@ class _ServerLink:
         text: str = "",
         timeout_s: float,
     ) -> Message:
-        """:meth:`start` and wait for the reply."""
-        return await self.start(op, arrays, text=text, timeout_s=timeout_s)
+        """:meth:`send` and wait for the reply (for the less frequent control requests)."""
+        future: asyncio.Future[Message] = self.loop.create_future()
+
+        def on_reply(message: Message | None, error: AKVError | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(message)  # type: ignore[arg-type]
+
+        self.send(op, arrays, on_reply, text=text, timeout_s=timeout_s)
+        return await future
 
     def close(self) -> None:
         self.closing = True
@@ -534,31 +544,26 @@ class DistBackend:
             staged,
             writes=[e.var for e, _ in staged],
             priority=priority,
-            executor="future",
+            executor="callback",
             name="push",
         )
 
-    def _start_push(self, staged: list[tuple[DistEntry, np.ndarray]]) -> asyncio.Future[Any]:
+    def _start_push(self, staged: list[tuple[DistEntry, np.ndarray]], done: Any) -> None:
         batches: dict[int, list[tuple[Any, np.ndarray, int]]] = {}
         for entry, buffer in staged:
             for part in entry.parts:
                 batches.setdefault(part.server, []).append(
                     (entry.key, entry.wire_view(buffer, part), 0)
                 )
-        timeout = self._timeout()
-        futures = [
-            self.links[server].start(proto.PUSH, arrays, timeout_s=timeout)
-            for server, arrays in batches.items()
-        ]
 
-        def finish(_: list[Message]) -> None:
-            return None
-
-        def cleanup() -> None:
+        def finish() -> None:
             for entry, buffer in staged:
                 entry.give_buffer(buffer)
 
-        return _joined(self._loop, futures, finish, cleanup)
+        gather = _Gather(len(batches), finish, done)
+        timeout = self._timeout()
+        for server, arrays in batches.items():
+            self.links[server].send(proto.PUSH, arrays, gather.reply, timeout_s=timeout)
 
     def pull(
         self,
@@ -576,7 +581,7 @@ class DistBackend:
             None,
             reads=[e.var for e, _ in targets],
             priority=priority,
-            executor="future",
+            executor="callback",
             name="pull",
         )
 
@@ -597,7 +602,7 @@ class DistBackend:
             staged,
             writes=[e.var for e, _ in targets],
             priority=priority,
-            executor="future",
+            executor="callback",
             name="pushpull",
         )
 
@@ -606,7 +611,8 @@ class DistBackend:
         targets: list[tuple[DistEntry, list[np.ndarray]]],
         result: Any,
         staged: list[tuple[DistEntry, np.ndarray]] | None,
-    ) -> asyncio.Future[Any]:
+        done: Any,
+    ) -> None:
         requests: dict[int, tuple[list[tuple[Any, np.ndarray, int]], list[memoryview]]] = {}
         landing: list[tuple[np.ndarray, list[np.ndarray], DistEntry]] = []
         pushed = {id(e): b for e, b in staged} if staged is not None else {}
@@ -621,15 +627,12 @@ class DistBackend:
                 else:
                     arrays.append((entry.key, np.empty(0, entry.dtype), 0))
                 views.append(memoryview(entry.wire_view(receive, part)).cast("B"))
-        op = proto.PULL if staged is None else proto.PUSHPULL
-        timeout = self._timeout()
-        futures = [
-            self.links[server].start(op, arrays, destinations=views, timeout_s=timeout)
-            for server, (arrays, views) in requests.items()
-        ]
 
-        def finish(_: list[Message]) -> Any:
-            # The answers landed in ``receive`` (checked sizes); fill the other outputs.
+        def finish() -> Any:
+            if staged is not None:
+                for entry, buffer in staged:
+                    entry.give_buffer(buffer)
+            # The answers landed in ``receive`` (sizes checked); fill the other outputs.
             for receive, outs, entry in landing:
                 for out in outs:
                     if out is not receive:
@@ -638,12 +641,11 @@ class DistBackend:
                     entry.give_buffer(receive)
             return result
 
-        def cleanup() -> None:
-            if staged is not None:
-                for entry, buffer in staged:
-                    entry.give_buffer(buffer)
-
-        return _joined(self._loop, futures, finish, cleanup)
+        gather = _Gather(len(requests), finish, done)
+        op = proto.PULL if staged is None else proto.PUSHPULL
+        timeout = self._timeout()
+        for server, (arrays, views) in requests.items():
+            self.links[server].send(op, arrays, gather.reply, destinations=views, timeout_s=timeout)
 
     def barrier(self) -> Task:
         """Wait until every worker called barrier as often as this one (with a deadline)."""
@@ -775,40 +777,36 @@ class DistBackend:
                 await self._scheduler.close()
 
 
-def _joined(
-    loop: asyncio.AbstractEventLoop,
-    futures: list[asyncio.Future[Message]],
-    finish: Any,
-    cleanup: Any,
-) -> asyncio.Future[Any]:
-    """A future for ``finish(replies)`` once every request is answered (or the first error).
+class _Gather:
+    """Waits for the replies of one call's requests (one per server), then reports once.
 
-    ``cleanup()`` runs once all requests are over, whatever happened (the buffers they
-    send must not be reused before).
+    ``finish()`` runs when the last reply is in, whatever happened (the buffers the
+    requests sent may be reused from then on); its result is reported unless a request
+    failed, in which case the first error is.
     """
-    joined: asyncio.Future[Any] = loop.create_future()
-    remaining = len(futures)
 
-    def one_done(_: asyncio.Future[Message]) -> None:
-        nonlocal remaining
-        remaining -= 1
-        if remaining:
+    __slots__ = ("_done", "_error", "_finish", "_remaining")
+
+    def __init__(self, count: int, finish: Callable[[], Any], done: Any) -> None:
+        self._remaining = count
+        self._finish = finish
+        self._done = done
+        self._error: BaseException | None = None
+
+    def reply(self, message: Message | None, error: BaseException | None) -> None:
+        if error is not None and self._error is None:
+            self._error = error
+        self._remaining -= 1
+        if self._remaining:
             return
         try:
-            cleanup()
-            for future in futures:
-                error = future.exception()
-                if error is not None:
-                    raise error
-            result = finish([future.result() for future in futures])
-        except BaseException as exc:
-            joined.set_exception(exc)
+            result = self._finish()
+        except Exception as exc:
+            self._error = self._error or exc
+        if self._error is not None:
+            self._done(None, self._error)
         else:
-            joined.set_result(result)
-
-    for future in futures:
-        future.add_done_callback(one_done)
-    return joined
+            self._done(result, None)
 
 
 def _scheduler_error(exc: RemoteError) -> AKVError:

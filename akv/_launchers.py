@@ -14,6 +14,7 @@ it. It is split in two on purpose:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import queue
 import signal
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, Literal
 
@@ -250,6 +251,33 @@ def _count(labels: list[str], noun: str) -> str:
 # ------------------------------------------------------------------ the supervisor (I/O)
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """On Linux, a function that makes the child get SIGKILL when the launcher dies.
+
+    Children run in sessions of their own (so that each can be stopped as a group), which
+    also means that nothing stops them if the launcher itself is killed with SIGKILL; the
+    kernel's parent-death signal does. Resolved before the fork: the child only makes one
+    C call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the launcher died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
 def supervise(
     specs: Sequence[ProcessSpec],
     *,
@@ -411,6 +439,7 @@ class _Supervisor:
             env=dict(spec.env),
             pass_fds=spec.pass_fds,
             start_new_session=True,
+            preexec_fn=_die_with_parent(),
         )
         self._procs[index] = proc
         if spec.stdin is not None and proc.stdin is not None:

@@ -553,23 +553,29 @@ class ParameterServer:
                     closing.append((entry, None, decision.round))
             else:
                 closing.append((entry, buffer, decision.round))
-        executor = self._executor(entries)
-        if merges:
-            self.engine.push(
-                _merge, merges, writes=[e.var for e in entries], executor=executor, name="merge"
-            )
-        if closing:
-            self.engine.push(
-                self._apply,
-                closing,
-                writes=[e.var for e, _, _ in closing],
-                executor=executor,
-                name="apply",
-            )
+        self.engine.push(
+            self._land,
+            merges,
+            closing,
+            writes=[e.var for e in entries],
+            executor=self._executor(entries),
+            name="push",
+        )
         if header.op == proto.PUSHPULL:
             self._pull(link, header.seq, entries)
         else:
             self._reply(link, header.seq)
+
+    def _land(
+        self,
+        merges: list[tuple[ServerEntry, np.ndarray, bool]],
+        closing: list[tuple[ServerEntry, np.ndarray | None, int]],
+    ) -> None:
+        """A frame's pushes: merge them into their rounds, then apply the rounds they close."""
+        if merges:
+            _merge(merges)
+        if closing:
+            self._apply(closing)
 
     def _apply(self, items: list[tuple[ServerEntry, np.ndarray | None, int]]) -> None:
         """Apply rounds' sums (sync: the merge buffers; async: the pushed buffers)."""

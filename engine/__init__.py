@@ -9,7 +9,13 @@ This package never imports ``akv`` or ``transport``.
 """
 
 from engine._engine import DEFAULT_SLOTS, Engine, EngineClosedError, EngineError, EngineStatistics
-from engine._executors import DoneCallback, Executor, FutureExecutor, LoopExecutor, ThreadExecutor
+from engine._executors import (
+    CallbackExecutor,
+    DoneCallback,
+    Executor,
+    LoopExecutor,
+    ThreadExecutor,
+)
 from engine._graph import to_dot
 from engine._loop import LoopThread, new_event_loop, uvloop_available
 from engine._task import Failure, Task, Waitable
@@ -17,6 +23,7 @@ from engine._var import Var
 
 __all__ = [
     "DEFAULT_SLOTS",
+    "CallbackExecutor",
     "DoneCallback",
     "Engine",
     "EngineClosedError",
@@ -24,7 +31,6 @@ __all__ = [
     "EngineStatistics",
     "Executor",
     "Failure",
-    "FutureExecutor",
     "LoopExecutor",
     "LoopThread",
     "Task",

@@ -18,7 +18,7 @@ from functools import partial
 from types import CoroutineType
 from typing import Any
 
-from engine._executors import Executor, FutureExecutor, LoopExecutor, ThreadExecutor
+from engine._executors import CallbackExecutor, Executor, LoopExecutor, ThreadExecutor
 from engine._graph import to_dot
 from engine._task import READY, RUNNING, WAITING, Failure, Task, Waitable, add_note, note_task
 from engine._var import Var
@@ -30,7 +30,7 @@ DEFAULT_SLOTS = 4
 INLINE = "inline"
 THREAD = "thread"
 LOOP = "loop"
-FUTURE = "future"
+CALLBACK = "callback"
 
 
 class EngineError(Exception):
@@ -161,7 +161,7 @@ class Engine:
         self._executors: dict[str, Executor] = {
             THREAD: ThreadExecutor(slots, name=f"{name}-worker"),
             LOOP: self._loop_executor,
-            FUTURE: FutureExecutor(self._loop_executor),
+            CALLBACK: CallbackExecutor(self._loop_executor),
         }
 
     # ------------------------------------------------------------------ public API

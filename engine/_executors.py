@@ -7,8 +7,8 @@ The engine knows three kinds out of the box:
   work, where a hop to another thread would cost more than the work.
 * ``"thread"``: on the engine's pool of worker threads (NumPy releases the GIL there).
 * ``"loop"``: a coroutine function, run as an asyncio task on the engine's event loop.
-* ``"future"``: a plain function that starts work on the loop and returns a future
-  (cheaper than a coroutine for short network round trips).
+* ``"callback"``: a plain function that starts work on the loop and reports its end
+  through a callback (cheaper than a coroutine for short network round trips).
 
 Other kinds plug in through the :class:`Executor` protocol (the GPU kind runs functions on
 CuPy streams and reports completion when the stream's event fires): an executor receives
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from engine._loop import LoopThread
 
-__all__ = ["DoneCallback", "Executor", "FutureExecutor", "LoopExecutor", "ThreadExecutor"]
+__all__ = ["CallbackExecutor", "DoneCallback", "Executor", "LoopExecutor", "ThreadExecutor"]
 
 DoneCallback = Callable[[Any, "BaseException | None"], None]
 
@@ -154,14 +154,14 @@ class LoopExecutor:
             self._loop_thread = None
 
 
-class FutureExecutor:
-    """Runs functions that start work on the loop and return a future for its result.
+class CallbackExecutor:
+    """Runs functions that start work on the loop and report the end through a callback.
 
-    ``fn(*args)`` is called on the loop's thread (at once when the task becomes ready
-    there, else through ``call_soon_threadsafe``) and must return an ``asyncio.Future``;
-    the task completes when that future does. Unlike a coroutine task there is no
-    ``asyncio.Task`` to create and schedule, so a request/response round trip costs two
-    fewer turns of the loop: the form for short network operations.
+    ``fn(*args, done)`` is called on the loop's thread (at once when the task becomes ready
+    there, else through ``call_soon_threadsafe``); it starts the work and returns, and the
+    work calls ``done(result, None)`` or ``done(None, exc)`` exactly once, from the loop,
+    when it ends. There is no ``asyncio.Task`` or ``Future`` per task and no extra turn of
+    the loop: the form for short network round trips.
     """
 
     def __init__(self, loops: LoopExecutor) -> None:
@@ -181,22 +181,9 @@ class FutureExecutor:
     @staticmethod
     def _start(fn: Callable[..., Any], args: tuple[Any, ...], done: DoneCallback) -> None:
         try:
-            future = fn(*args)
+            fn(*args, done)
         except Exception as exc:
             done(None, exc)
-            return
-
-        def finished(future: asyncio.Future[Any]) -> None:
-            if future.cancelled():
-                done(None, asyncio.CancelledError(f"the future of {fn!r} was cancelled"))
-                return
-            exc = future.exception()
-            if exc is not None:
-                done(None, exc)
-            else:
-                done(future.result(), None)
-
-        future.add_done_callback(finished)
 
     def close(self) -> None:
         """Nothing of its own to release (the loop belongs to the LoopExecutor)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from transport.errors import FrameError
 from transport.frame import (
@@ -43,8 +44,7 @@ _PREFIX, _HEADER, _BIG_HEADER, _PAYLOAD = range(4)
 _NOTHING, _SCRATCH, _DIRECT, _BIG = range(4)
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
+class Message(NamedTuple):
     """One received frame: its header and one buffer per array, in the header's order.
 
     Each buffer is a ``memoryview`` of format ``"B"`` holding exactly the array's ``nbytes``:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -113,11 +113,11 @@ _NONE_DESCRIPTORS = [struct.Struct(f"<BBBBIqQ{ndim}Q") for ndim in range(MAX_NDI
 _STR_TAILS = [struct.Struct(f"<qQ{ndim}Q") for ndim in range(MAX_NDIM + 1)]
 
 
-@dataclass(frozen=True, slots=True)
-class ArrayInfo:
+class ArrayInfo(NamedTuple):
     """What a frame says about one array: its key, dtype, shape, size and tag.
 
     ``nbytes`` always equals ``prod(shape) * dtype.itemsize`` in a decoded header.
+    (Immutable; a NamedTuple because headers are built per message on the hot path.)
     """
 
     key: int | str | None
@@ -127,8 +127,7 @@ class ArrayInfo:
     tag: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class FrameHeader:
+class FrameHeader(NamedTuple):
     """A decoded header: the frame's fields and its arrays, in payload order.
 
     ``payload_len`` always equals the sum of the arrays' ``nbytes`` in a decoded header.
@@ -206,7 +205,7 @@ def encode_frame(
             non_empty.append(array)
             payload_len += nbytes
     buffers: list[bytes | memoryview] = [
-        _encode_header(op, flags, seq, aux, infos, text, payload_len)
+        _encode_header(op, flags, seq, aux, infos, text, payload_len, from_array=True)
     ]
     # Only now that every dtype is known to have a code can each array export its buffer.
     buffers.extend(memoryview(array).cast("B") for array in non_empty)  # type: ignore[arg-type]
@@ -259,15 +258,18 @@ def _encode_header(
     arrays: Sequence[tuple[int | str | None, np.dtype, tuple[int, ...], int, int]],
     text_str: str,
     payload_len: int,
+    from_array: bool = False,
 ) -> bytes:
-    """Validate and encode prefix and header from ``(key, dtype, shape, nbytes, tag)`` tuples."""
-    for name, value, high in (
-        ("op", op, U16_MAX),
-        ("flags", flags, U16_MAX),
-        ("seq", seq, U64_MAX),
-    ):
-        if type(value) is not int or not 0 <= value <= high:
-            _check_int(name, value, 0, high)
+    """Validate and encode prefix and header from ``(key, dtype, shape, nbytes, tag)`` tuples.
+
+    ``from_array``: the tuples were read off NumPy arrays (shape and nbytes agree).
+    """
+    if type(op) is not int or not 0 <= op <= U16_MAX:
+        _check_int("op", op, 0, U16_MAX)
+    if type(flags) is not int or not 0 <= flags <= U16_MAX:
+        _check_int("flags", flags, 0, U16_MAX)
+    if type(seq) is not int or not 0 <= seq <= U64_MAX:
+        _check_int("seq", seq, 0, U64_MAX)
     if type(aux) is not int or not I64_MIN <= aux <= I64_MAX:
         _check_int("aux", aux, I64_MIN, I64_MAX)
     if not isinstance(text_str, str):
@@ -277,31 +279,39 @@ def _encode_header(
         raise FrameError(
             f"encode: text of {len(text)} bytes exceeds MAX_TEXT_BYTES {MAX_TEXT_BYTES}"
         )
-    if len(arrays) > MAX_ARRAYS:
-        raise FrameError(f"encode: {len(arrays)} arrays exceed MAX_ARRAYS {MAX_ARRAYS}")
+    count = len(arrays)
+    if count > MAX_ARRAYS:
+        raise FrameError(f"encode: {count} arrays exceed MAX_ARRAYS {MAX_ARRAYS}")
 
-    parts = [b"", _FIXED.pack(op, flags, len(arrays), seq, aux, len(text))]
+    parts = [_FIXED.pack(op, flags, count, seq, aux, len(text))]
     total = 0
     for index, (key, dtype, shape, nbytes, tag) in enumerate(arrays):
-        parts.extend(_encode_descriptor(index, key, dtype, shape, nbytes, tag))
+        parts.append(_encode_descriptor(index, key, dtype, shape, nbytes, tag, from_array))
         total += nbytes
     parts.append(text)
     if payload_len != total:
         raise FrameError(
             f"encode: payload_len {payload_len} is not the arrays' total of {total} bytes"
         )
-    header_len = sum(len(part) for part in parts)
-    if header_len > MAX_HEADER_BYTES:
+    header = b"".join(parts)
+    if len(header) > MAX_HEADER_BYTES:
         raise FrameError(
-            f"encode: header of {header_len} bytes exceeds MAX_HEADER_BYTES {MAX_HEADER_BYTES}"
+            f"encode: header of {len(header)} bytes exceeds MAX_HEADER_BYTES {MAX_HEADER_BYTES}"
         )
-    parts[0] = _PREFIX.pack(MAGIC, VERSION, header_len, payload_len)
-    return b"".join(parts)
+    return _PREFIX.pack(MAGIC, VERSION, len(header), payload_len) + header
 
 
 def _encode_descriptor(
-    index: int, key: object, dtype: np.dtype, shape: tuple[int, ...], nbytes: int, tag: int
-) -> list[bytes]:
+    index: int,
+    key: object,
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    nbytes: int,
+    tag: int,
+    from_array: bool,
+) -> bytes:
+    """One array's descriptor. ``from_array``: shape and nbytes come from a NumPy array,
+    so they agree by construction and need no second check."""
     try:
         code = DTYPE_CODES[dtype]
     except (KeyError, TypeError):
@@ -311,31 +321,32 @@ def _encode_descriptor(
     ndim = len(shape)
     if ndim > MAX_NDIM:
         raise FrameError(f"encode: {_where(index, key)}: ndim {ndim} exceeds MAX_NDIM {MAX_NDIM}")
-    # The checks below run on every array; each falls back to _check_int for its message.
-    for dim in shape:
-        if type(dim) is not int or not 0 <= dim <= U64_MAX:
-            _check_int(f"{_where(index, key)}: dimension of shape {shape}", dim, 0, U64_MAX)
-    if type(nbytes) is not int or not 0 <= nbytes <= U64_MAX:
-        _check_int(f"{_where(index, key)}: nbytes", nbytes, 0, U64_MAX)
     if type(tag) is not int or not I64_MIN <= tag <= I64_MAX:
         _check_int(f"{_where(index, key)}: tag", tag, I64_MIN, I64_MAX)
-    expected = _array_bytes(shape, dtype.itemsize)
-    if expected is None:
-        raise FrameError(
-            f"encode: {_where(index, key)}: shape {shape} of {dtype} exceeds "
-            f"{MAX_ARRAY_BYTES} bytes"
-        )
-    if expected != nbytes:
-        raise FrameError(
-            f"encode: {_where(index, key)}: nbytes {nbytes} does not match shape {shape} of "
-            f"{dtype} ({expected} bytes)"
-        )
+    if not from_array:
+        # Each check falls back to _check_int for its message.
+        for dim in shape:
+            if type(dim) is not int or not 0 <= dim <= U64_MAX:
+                _check_int(f"{_where(index, key)}: dimension of shape {shape}", dim, 0, U64_MAX)
+        if type(nbytes) is not int or not 0 <= nbytes <= U64_MAX:
+            _check_int(f"{_where(index, key)}: nbytes", nbytes, 0, U64_MAX)
+        expected = _array_bytes(shape, dtype.itemsize)
+        if expected is None:
+            raise FrameError(
+                f"encode: {_where(index, key)}: shape {shape} of {dtype} exceeds "
+                f"{MAX_ARRAY_BYTES} bytes"
+            )
+        if expected != nbytes:
+            raise FrameError(
+                f"encode: {_where(index, key)}: nbytes {nbytes} does not match shape {shape} "
+                f"of {dtype} ({expected} bytes)"
+            )
     if type(key) is int or (isinstance(key, int) and not isinstance(key, bool)):
         if not I64_MIN <= key <= I64_MAX:
             _check_int(f"array {index}: key", key, I64_MIN, I64_MAX)
-        return [_INT_DESCRIPTORS[ndim].pack(KEY_INT, code, ndim, 0, 0, key, tag, nbytes, *shape)]
+        return _INT_DESCRIPTORS[ndim].pack(KEY_INT, code, ndim, 0, 0, key, tag, nbytes, *shape)
     if key is None:
-        return [_NONE_DESCRIPTORS[ndim].pack(KEY_NONE, code, ndim, 0, 0, tag, nbytes, *shape)]
+        return _NONE_DESCRIPTORS[ndim].pack(KEY_NONE, code, ndim, 0, 0, tag, nbytes, *shape)
     if isinstance(key, str):
         key_bytes = _utf8(key, f"array {index}: key")
         if len(key_bytes) > MAX_KEY_BYTES:
@@ -344,7 +355,7 @@ def _encode_descriptor(
                 f"MAX_KEY_BYTES {MAX_KEY_BYTES}"
             )
         head = _DESCRIPTOR.pack(KEY_STR, code, ndim, 0, len(key_bytes))
-        return [head, key_bytes, _STR_TAILS[ndim].pack(tag, nbytes, *shape)]
+        return head + key_bytes + _STR_TAILS[ndim].pack(tag, nbytes, *shape)
     raise FrameError(
         f"encode: array {index}: key {key!r} is a {type(key).__name__}; "
         "a key is an int, a str or None"

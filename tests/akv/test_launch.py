@@ -1034,3 +1034,28 @@ def test_a_missing_ssh_mpirun_or_srun_is_named_before_anything_starts(tmp_path, 
     environ = {"PATH": str(tmp_path), "AKV_TOKEN": TOKEN}
     with pytest.raises(LaunchError, match=f"runs `{tool}`, which is not on PATH"):
         launch(options, environ)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_children_die_with_a_launcher_killed_by_sigkill(reaper):
+    sleeper = "import os, sys, time; print(os.getpid(), flush=True); time.sleep(60)"
+    launcher = subprocess.Popen(
+        [PYTHON, "-m", "akv.launch", "-n", "2", "-s", "1", "--", PYTHON, "-c", sleeper],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "AKV_TOKEN"},
+    )
+    reaper.append(launcher.pid)
+    workers: list[int] = []
+    deadline = time.monotonic() + 30
+    while len(workers) < 2 and time.monotonic() < deadline:
+        line = launcher.stdout.readline()
+        if line.startswith("[worker"):
+            workers.append(int(line.split("] ", 1)[1]))
+    reaper.extend(workers)
+    assert len(workers) == 2
+    launcher.kill()  # no chance to clean up: the kernel's parent-death signal must do it
+    launcher.wait(10)
+    assert not wait_gone(workers, timeout_s=5.0)
