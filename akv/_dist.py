@@ -31,6 +31,7 @@ from akv import optimizer as _optimizer
 from akv._dist_states import merge_server_states, split_server_states
 from akv._keys import Entry
 from akv._placement import Part, place
+from akv._roles import client_ssl, scheduler_client
 from akv.errors import (
     AKVError,
     AuthenticationError,
@@ -49,7 +50,6 @@ from transport import (
     RemoteError,
     StreamProtocol,
     TransportError,
-    client_ssl_context,
     encode_frame,
     open_stream,
 )
@@ -120,11 +120,7 @@ class _ServerLink:
 
     async def open(self, config: _config.Config, worker: int, store_type: str) -> None:
         self.loop = asyncio.get_running_loop()
-        ssl_context = (
-            client_ssl_context(config.tls_ca, config.tls_cert, config.tls_key)
-            if config.tls
-            else None
-        )
+        ssl_context = client_ssl(config)
         self.protocol = await open_stream(
             self.host,
             self.port,
@@ -278,17 +274,8 @@ class _Heartbeat:
 
     async def _beat(self) -> None:
         config = self._config
-        ssl_context = (
-            client_ssl_context(config.tls_ca, config.tls_cert, config.tls_key)
-            if config.tls
-            else None
-        )
-        client = HttpClient(
-            config.scheduler_url,
-            config.token,
-            ssl_context=ssl_context,
-            timeout_s=max(5.0, config.timeouts.heartbeat_interval_s * 5),
-            retries=0,
+        client = scheduler_client(
+            config, max(5.0, config.timeouts.heartbeat_interval_s * 5), retries=0
         )
         answered = time.monotonic()
         try:
@@ -350,17 +337,7 @@ class DistBackend:
         """
         config = self.config
         self._loop = asyncio.get_running_loop()
-        ssl_context = (
-            client_ssl_context(config.tls_ca, config.tls_cert, config.tls_key)
-            if config.tls
-            else None
-        )
-        self._scheduler = HttpClient(
-            config.scheduler_url,
-            config.token,
-            ssl_context=ssl_context,
-            timeout_s=config.timeouts.request_s,
-        )
+        self._scheduler = scheduler_client(config, config.timeouts.request_s)
         deadline = time.monotonic() + config.timeouts.connect_s
         servers = await self._register(deadline)
         self.links = [_ServerLink(s["rank"], s["host"], s["port"], self.fail) for s in servers]
@@ -573,17 +550,7 @@ class DistBackend:
         executor: str,
     ) -> Task:
         """Fetch each key's value (in dist_sync: after the round of this worker's last push)."""
-        self._check()
-        return self._engine.push(
-            self._start_pull,
-            targets,
-            result,
-            None,
-            reads=[e.var for e, _ in targets],
-            priority=priority,
-            executor="callback",
-            name="pull",
-        )
+        return self._schedule_pull(targets, result, None, priority)
 
     def pushpull(
         self,
@@ -594,16 +561,28 @@ class DistBackend:
         executor: str,
     ) -> Task:
         """Push, then pull the result, in one request per server."""
+        return self._schedule_pull(targets, result, staged, priority)
+
+    def _schedule_pull(
+        self,
+        targets: list[tuple[DistEntry, list[np.ndarray]]],
+        result: Any,
+        staged: list[tuple[DistEntry, np.ndarray]] | None,
+        priority: int,
+    ) -> Task:
+        """A pull reads the keys; a pushpull (with ``staged`` values) writes them."""
         self._check()
+        key_vars = [e.var for e, _ in targets]
         return self._engine.push(
             self._start_pull,
             targets,
             result,
             staged,
-            writes=[e.var for e, _ in targets],
+            reads=key_vars if staged is None else (),
+            writes=key_vars if staged is not None else (),
             priority=priority,
             executor="callback",
-            name="pushpull",
+            name="pull" if staged is None else "pushpull",
         )
 
     def _start_pull(

@@ -69,28 +69,24 @@ class MixedKeyKindsError(AKVError, TypeError):
     """A store keyed by ``int`` was given a ``str`` key, or the other way round."""
 
 
-class ShapeMismatchError(AKVError, ValueError):
+class _Mismatch(AKVError):
+    """A value does not fit its key: ``key``, and what was ``expected`` and what was ``got``."""
+
+    def __init__(
+        self, message: str, key: object = None, expected: object = None, got: object = None
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.expected = expected
+        self.got = got
+
+
+class ShapeMismatchError(_Mismatch, ValueError):
     """A value's shape differs from the shape the key was initialized with."""
 
-    def __init__(
-        self, message: str, key: object = None, expected: object = None, got: object = None
-    ) -> None:
-        super().__init__(message)
-        self.key = key
-        self.expected = expected
-        self.got = got
 
-
-class DTypeMismatchError(AKVError, TypeError):
+class DTypeMismatchError(_Mismatch, TypeError):
     """A value's dtype differs from the key's dtype; akv never casts silently."""
-
-    def __init__(
-        self, message: str, key: object = None, expected: object = None, got: object = None
-    ) -> None:
-        super().__init__(message)
-        self.key = key
-        self.expected = expected
-        self.got = got
 
 
 class ReentrantCallError(AKVError, RuntimeError):

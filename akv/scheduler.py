@@ -21,10 +21,8 @@ Once the job failed, register and barrier answer 409 with the reason.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import socket
 import sys
 import time
@@ -34,9 +32,10 @@ from typing import Any
 from aiohttp import web
 
 from akv import _config
+from akv._roles import run_role, server_ssl
 from akv._roster import Roster
-from akv.errors import AKVError, ConfigError
-from transport import RequestError, create_app, serve, server_ssl_context
+from akv.errors import AKVError
+from transport import RequestError, create_app, serve
 
 __all__ = ["POLL_S", "Scheduler", "main"]
 
@@ -77,11 +76,7 @@ class Scheduler:
     async def start(self) -> int:
         """Listen (on the inherited socket, or the configured host and port); return the port."""
         config = self.config
-        ssl_context = (
-            server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca)
-            if config.tls_cert and config.tls_key
-            else None
-        )
+        ssl_context = server_ssl(config)
         sock = None
         if config.scheduler_fd is not None:
             sock = socket.socket(fileno=config.scheduler_fd)
@@ -266,63 +261,6 @@ class Scheduler:
 
 # ---------------------------------------------------------------------- command line
 
-FLAG_TO_ENV = {
-    "scheduler_host": "AKV_SCHEDULER_HOST",
-    "scheduler_port": "AKV_SCHEDULER_PORT",
-    "num_workers": "AKV_NUM_WORKERS",
-    "num_servers": "AKV_NUM_SERVERS",
-    "host": "AKV_HOST",
-    "port": "AKV_PORT",
-}
-
-
-def role_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """Flags shared by akv-scheduler and akv-server; each overrides its variable."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--scheduler-host", help="the scheduler's address (AKV_SCHEDULER_HOST)")
-    parser.add_argument("--scheduler-port", type=int, help="its port (AKV_SCHEDULER_PORT)")
-    parser.add_argument("--num-workers", type=int, help="workers in the job (AKV_NUM_WORKERS)")
-    parser.add_argument("--num-servers", type=int, help="servers in the job (AKV_NUM_SERVERS)")
-    parser.add_argument("--host", help="address a server binds and advertises (AKV_HOST)")
-    parser.add_argument("--port", type=int, help="port a server listens on, 0: any (AKV_PORT)")
-    parser.add_argument("--token-file", help="read AKV_TOKEN from this file")
-    return parser
-
-
-def config_from_args(
-    role: str, args: argparse.Namespace, environ: dict[str, str] | None = None
-) -> _config.Config:
-    """The configuration from the environment with the flags laid over it."""
-    env = dict(os.environ if environ is None else environ)
-    for flag, name in FLAG_TO_ENV.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            env[name] = str(value)
-            mxnet = {
-                "AKV_SCHEDULER_HOST": "DMLC_PS_ROOT_URI",
-                "AKV_SCHEDULER_PORT": "DMLC_PS_ROOT_PORT",
-                "AKV_NUM_WORKERS": "DMLC_NUM_WORKER",
-                "AKV_NUM_SERVERS": "DMLC_NUM_SERVER",
-            }.get(name)
-            if mxnet:
-                env.pop(mxnet, None)
-    if args.token_file:
-        try:
-            with open(args.token_file) as handle:
-                env["AKV_TOKEN"] = handle.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"--token-file {args.token_file!r}: {exc}") from None
-    return _config.from_env(env, role=role)
-
-
-def setup_logging(prefix: str) -> None:
-    """Log lines on stderr, named by the process's role."""
-    logging.basicConfig(
-        level=os.environ.get("AKV_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s {prefix} %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-
 
 async def run_scheduler(config: _config.Config) -> int:
     """Run a scheduler until the job ends; return the exit status."""
@@ -331,20 +269,7 @@ async def run_scheduler(config: _config.Config) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``akv-scheduler``: run the scheduler of one job; exit 0 when it ended well, 1 if not."""
-    args = role_parser("akv-scheduler", "Run the scheduler of an akv job.").parse_args(argv)
-    setup_logging("akv-scheduler")
-    try:
-        config = config_from_args("scheduler", args)
-    except ConfigError as exc:
-        print(f"akv-scheduler: {exc}", file=sys.stderr)
-        return 2
-    from engine import new_event_loop
-
-    loop = new_event_loop()
-    try:
-        return loop.run_until_complete(run_scheduler(config))
-    finally:
-        loop.close()
+    return run_role("scheduler", argv, "Run the scheduler of an akv job.", run_scheduler)
 
 
 if __name__ == "__main__":

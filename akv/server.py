@@ -32,10 +32,10 @@ from akv import _config
 from akv import _protocol as proto
 from akv import optimizer as _optimizer
 from akv._keys import Entry
+from akv._roles import run_role, scheduler_client, server_ssl
 from akv._rounds import KeyRounds
 from akv.errors import (
     AKVError,
-    ConfigError,
     ConnectTimeoutError,
     DTypeMismatchError,
     DuplicateInitError,
@@ -47,23 +47,19 @@ from akv.errors import (
     ShapeMismatchError,
     WaitTimeoutError,
 )
-from akv.scheduler import config_from_args, role_parser, setup_logging
 from engine import Engine
 from transport import (
     FrameError,
     FrameHeader,
-    HttpClient,
     Message,
     RequestError,
     StreamProtocol,
     TransportError,
-    client_ssl_context,
     create_app,
     decode_frame,
     encode_frame,
     frame_bytes,
     serve,
-    server_ssl_context,
     stream_route,
 )
 
@@ -140,17 +136,7 @@ class ParameterServer:
         self._init_waits: list[_InitWait] = []
         self._runner: web.AppRunner | None = None
         self.port = 0
-        ssl_context = (
-            client_ssl_context(config.tls_ca, config.tls_cert, config.tls_key)
-            if config.tls
-            else None
-        )
-        self.scheduler = HttpClient(
-            config.scheduler_url,
-            config.token,
-            ssl_context=ssl_context,
-            timeout_s=config.timeouts.request_s,
-        )
+        self.scheduler = scheduler_client(config, config.timeouts.request_s)
         self._stopping = False
 
     # ------------------------------------------------------------ lifecycle
@@ -166,11 +152,7 @@ class ParameterServer:
     async def start(self) -> int:
         """Listen, register with the scheduler; return the port."""
         config = self.config
-        ssl_context = (
-            server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca)
-            if config.tls_cert and config.tls_key
-            else None
-        )
+        ssl_context = server_ssl(config)
         self._runner, self.port = await serve(
             self.app(), config.host, config.port, ssl_context=ssl_context
         )
@@ -866,20 +848,7 @@ async def run_server(config: _config.Config) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``akv-server``: run one parameter server; exit 0 when the job ended well."""
-    args = role_parser("akv-server", "Run one parameter server of an akv job.").parse_args(argv)
-    setup_logging("akv-server")
-    try:
-        config = config_from_args("server", args)
-    except ConfigError as exc:
-        print(f"akv-server: {exc}", file=sys.stderr)
-        return 2
-    from engine import new_event_loop
-
-    loop = new_event_loop()
-    try:
-        return loop.run_until_complete(run_server(config))
-    finally:
-        loop.close()
+    return run_role("server", argv, "Run one parameter server of an akv job.", run_server)
 
 
 if __name__ == "__main__":

@@ -121,16 +121,20 @@ class LoopExecutor:
                     self._loop = self._loop_thread.loop
         return self._loop
 
-    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...], done: DoneCallback) -> None:
+    def call(self, callback: Callable[..., Any], *args: Any) -> None:
+        """``callback(*args)`` on the loop's thread: now if this is it, else soon."""
         loop = self.loop
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is loop:
-            self._start(fn, args, done)
+            callback(*args)
         else:
-            loop.call_soon_threadsafe(self._start, fn, args, done)
+            loop.call_soon_threadsafe(callback, *args)
+
+    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...], done: DoneCallback) -> None:
+        self.call(self._start, fn, args, done)
 
     def _start(self, fn: Callable[..., Any], args: tuple[Any, ...], done: DoneCallback) -> None:
         task = self.loop.create_task(self._run(fn, args, done))
@@ -168,15 +172,7 @@ class CallbackExecutor:
         self._loops = loops
 
     def submit(self, fn: Callable[..., Any], args: tuple[Any, ...], done: DoneCallback) -> None:
-        loop = self._loops.loop
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            self._start(fn, args, done)
-        else:
-            loop.call_soon_threadsafe(self._start, fn, args, done)
+        self._loops.call(self._start, fn, args, done)
 
     @staticmethod
     def _start(fn: Callable[..., Any], args: tuple[Any, ...], done: DoneCallback) -> None:

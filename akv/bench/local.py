@@ -116,7 +116,8 @@ def _blocking_rows(table: Table, kv: akv.KVStore) -> None:
         )
 
 
-def _small_key_rows(table: Table, kv: akv.KVStore) -> None:
+def _small_keys(kv: akv.KVStore | akv.AsyncKVStore):
+    """Initialize the small keys; return them, their values, outputs and the NumPy floor."""
     keys = [f"small/{i}" for i in range(SMALL_KEYS)]
     values = [np.ones(SMALL_SIZE, np.float32) for _ in keys]
     outs = [np.zeros(SMALL_SIZE, np.float32) for _ in keys]
@@ -128,7 +129,11 @@ def _small_key_rows(table: Table, kv: akv.KVStore) -> None:
             np.copyto(mid, value)
             np.copyto(out, mid)
 
-    floor = time_per_call(numpy_copies)
+    return keys, values, outs, time_per_call(numpy_copies)
+
+
+def _small_key_rows(table: Table, kv: akv.KVStore) -> None:
+    keys, values, outs, floor = _small_keys(kv)
 
     def list_call() -> None:
         kv.push(keys, values)
@@ -176,18 +181,7 @@ async def _async_rows(table: Table) -> None:
             )
         )
 
-        keys = [f"small/{i}" for i in range(SMALL_KEYS)]
-        values = [np.ones(SMALL_SIZE, np.float32) for _ in keys]
-        outs = [np.zeros(SMALL_SIZE, np.float32) for _ in keys]
-        kv.init(keys, values)
-        mids = [np.zeros(SMALL_SIZE, np.float32) for _ in keys]
-
-        def numpy_copies() -> None:
-            for v, mid, o in zip(values, mids, outs, strict=True):
-                np.copyto(mid, v)
-                np.copyto(o, mid)
-
-        floor = time_per_call(numpy_copies)
+        keys, values, outs, floor = _small_keys(kv)
 
         async def list_call() -> None:
             kv.push(keys, values)
