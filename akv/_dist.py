@@ -727,11 +727,17 @@ class DistBackend:
     # ------------------------------------------------------------ leaving
 
     async def close(self, barrier_before_exit: bool) -> None:
-        """Leave the job: barrier (if asked), say goodbye to each server and the scheduler."""
+        """Leave the job: barrier (if asked), say goodbye to each server and the scheduler.
+
+        A store that never finished joining only releases what it holds.
+        """
         if self._closed:
             return
         self._closed = True
+        joined = self.rank >= 0 and bool(self.links) and self._heartbeat is not None
         try:
+            if not joined:
+                return
             if barrier_before_exit and self.broken is None:
                 self._barriers += 1
                 await self._barrier(self._barriers)

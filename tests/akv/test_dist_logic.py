@@ -244,3 +244,33 @@ def test_servers_stop_after_every_worker_finished_and_the_job_ends_after_them():
     assert roster.servers_should_stop() and not roster.done()
     roster.finish("s")
     assert roster.done()
+
+
+def test_role_flags_override_the_environment(tmp_path):
+    from akv._roles import config_from_args, role_parser
+
+    token_file = tmp_path / "token"
+    token_file.write_text("f" * 32 + "\n")
+    args = role_parser("akv-server", "test").parse_args(
+        [
+            "--num-workers",
+            "3",
+            "--host",
+            "10.1.2.3",
+            "--port",
+            "7000",
+            "--token-file",
+            str(token_file),
+        ]
+    )
+    config = config_from_args("server", args, {**env(), "DMLC_ROLE": "server"})
+    assert (config.role, config.num_workers, config.host, config.port) == (
+        "server",
+        3,
+        "10.1.2.3",
+        7000,
+    )
+    assert config.token == "f" * 32
+    missing = role_parser("akv-server", "test").parse_args(["--token-file", "/no/such/file"])
+    with pytest.raises(ConfigError, match="--token-file '/no/such/file'"):
+        config_from_args("server", missing, env())

@@ -342,3 +342,41 @@ async def test_a_worker_that_vanishes_fails_the_others_waiting_for_it():
         with pytest.raises(akv.PeerLostError, match="worker 1"):
             await asyncio.wait_for(waiting, 20)
         await alive.close()
+
+
+async def test_a_barrier_that_times_out_names_the_ranks_that_never_came():
+    with Cluster(2, 1, AKV_BARRIER_TIMEOUT_S="1") as cluster:
+        first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        with pytest.raises(akv.BarrierTimeoutError, match=r"workers \[1\] never arrived") as info:
+            await first.barrier()
+        assert info.value.missing == (1,)
+        await second.barrier()  # catches up with barrier 1: nobody waits any more
+        await asyncio.gather(first.close(), second.close())
+
+
+async def test_a_round_that_times_out_names_the_workers_that_did_not_push():
+    with Cluster(2, 1, AKV_ROUND_TIMEOUT_S="1") as cluster:
+        first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        await asyncio.gather(first.init("w", full(0.0)), second.init("w", full(0.0)))
+        await first.push("w", full(1.0))
+        with pytest.raises(
+            akv.RoundTimeoutError,
+            match=r"round 1 of key 'w' waited 1 s for pushes from workers \[1\]",
+        ):
+            await first.pull("w")
+        await asyncio.gather(first.close(), second.close())
+
+
+async def test_joining_a_job_without_a_scheduler_times_out_saying_what_is_missing():
+    env = {**Cluster(1, 1).env, "AKV_ROLE": "worker", "AKV_CONNECT_TIMEOUT_S": "1"}
+    missing = r"scheduler at http://127\.0\.0\.1:\d+ is not"
+    with pytest.raises(akv.ConnectTimeoutError, match=missing):
+        await akv.create_async("dist_sync", environ=env)
+
+
+async def test_joining_waits_for_the_rest_of_the_job_and_says_what_is_missing():
+    with (
+        Cluster(2, 1, AKV_CONNECT_TIMEOUT_S="1") as cluster,
+        pytest.raises(akv.ConnectTimeoutError, match="1 of 2 workers and 0 of 1 servers"),
+    ):
+        await akv.create_async("dist_sync", environ=cluster.worker_env(0))

@@ -476,3 +476,72 @@ async def test_priority_orders_work_that_piles_up():
 def test_async_store_cannot_be_constructed_directly():
     with pytest.raises(TypeError, match="create_async"):
         akv.AsyncKVStore()
+
+
+# ------------------------------------------------------------ optimizers in the store
+
+
+def test_sgd_in_the_store_follows_mxnet(kv):
+    kv.init("w", np.ones(3, np.float32))
+    kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.1))
+    kv.push("w", np.ones(3, np.float32))
+    np.testing.assert_allclose(kv.pull("w"), np.full(3, 0.9), rtol=1e-6)
+    kv.push("w", np.full(3, 2.0, np.float32))
+    np.testing.assert_allclose(kv.pull("w"), np.full(3, 0.7), rtol=1e-6)
+
+
+def test_mxnets_default_sgd_on_zeros_gives_minus_a_hundredth(kv):
+    kv.init(3, np.zeros((2, 2), np.float32))
+    kv.set_optimizer(akv.optimizer.SGD())
+    kv.push(3, np.ones((2, 2), np.float32))
+    np.testing.assert_allclose(kv.pull(3), np.full((2, 2), -0.01), rtol=1e-6)
+
+
+def test_sgd_momentum_and_wd_in_the_store(kv):
+    kv.init(0, np.ones(1, np.float32))
+    kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01))
+    seen = []
+    for _ in range(3):
+        kv.push(0, np.ones(1, np.float32))
+        seen.append(float(kv.pull(0)[0]))
+    assert seen == pytest.approx([0.899, 0.707201, 0.4338747], rel=1e-6)
+
+
+def test_optimizer_states_round_trip_through_the_store(tmp_path):
+    path = tmp_path / "states.npz"
+    grads = [np.linspace(-1, 1, 5, dtype=np.float32) * step for step in (1, 2, 3, 4)]
+    with akv.create("local") as reference:  # four steps without interruption
+        reference.init("w", np.zeros(5, np.float32))
+        reference.set_optimizer(akv.optimizer.Adam(learning_rate=0.05))
+        for grad in grads:
+            reference.push("w", grad)
+        expected = reference.pull("w")
+    with akv.create("local") as first:  # two steps, save (with the optimizer)
+        first.init("w", np.zeros(5, np.float32))
+        first.set_optimizer(akv.optimizer.Adam(learning_rate=0.05))
+        for grad in grads[:2]:
+            first.push("w", grad)
+        first.save_optimizer_states(path, dump_optimizer=True)
+        halfway = first.pull("w")
+    with akv.create("local") as second:  # resume from the file: same weights as before
+        second.init("w", halfway)
+        second.set_optimizer(akv.optimizer.SGD(learning_rate=1.0))  # replaced by the file's
+        second.load_optimizer_states(path)
+        for grad in grads[2:]:
+            second.push("w", grad)
+        np.testing.assert_array_equal(second.pull("w"), expected)
+
+
+def test_saving_states_needs_an_optimizer_and_loading_checks_the_file(kv, tmp_path):
+    kv.init(0, ones())
+    with pytest.raises(akv.AKVError, match="needs an optimizer: call set_optimizer first"):
+        kv.save_optimizer_states(tmp_path / "x.npz")
+    kv.set_optimizer(akv.optimizer.SGD())
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not an archive")
+    with pytest.raises(akv.StateFormatError):
+        kv.load_optimizer_states(bad)
+    with pytest.raises(akv.AKVError, match="cannot read"):
+        kv.load_optimizer_states(tmp_path / "missing.npz")
+    with pytest.raises(InvalidArgumentError, match=r"takes an akv\.optimizer\.Optimizer"):
+        kv.set_optimizer("sgd")  # type: ignore[arg-type]
