@@ -514,7 +514,10 @@ class Optimizer:
         lr: float,
         wd: float,
     ) -> None:
-        raise NotImplementedError(f"{self._name} implements neither update nor _step")
+        raise OptimizerError(
+            f"{self._name} applies no update: use one of akv.optimizer's optimizers (SGD, "
+            "Adam, ...), or subclass Optimizer and override _step (or update)"
+        )
 
     def update_multi_precision(
         self, index: Index, weight: np.ndarray, grad: np.ndarray, state: State

@@ -128,7 +128,8 @@ class LRScheduler:
 
     Notes
     -----
-    Subclasses implement :meth:`__call__` and list their constructor parameters in
+    Used as it is, it is a constant schedule (after the warm-up). Subclasses override
+    :meth:`__call__` and list their constructor parameters in
     ``_CONFIG_PARAMS`` (parameter name, attribute name) so that :meth:`get_config` can
     describe them; :func:`register` makes them rebuildable.
     """
@@ -175,8 +176,13 @@ class LRScheduler:
         return self.warmup_begin_lr + increase
 
     def __call__(self, num_update: int) -> float:
-        """The learning rate after ``num_update`` updates."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement __call__")
+        """The learning rate after ``num_update`` updates.
+
+        The base scheduler keeps ``base_lr`` after the warm-up; subclasses decay it.
+        """
+        if num_update < self.warmup_steps:
+            return self.get_warmup_lr(num_update)
+        return self.base_lr
 
     def get_config(self) -> dict[str, Any]:
         """A JSON-serialisable description that :func:`from_config` turns back into an equal

@@ -292,7 +292,7 @@ def test_register_rejects_what_is_not_an_optimizer_class():
 
 
 def test_an_optimizer_without_an_update_says_so():
-    with pytest.raises(NotImplementedError, match="implements neither"):
+    with pytest.raises(OptimizerError, match="applies no update"):
         Optimizer().update(0, np.ones(1, np.float32), np.ones(1, np.float32), None)
 
 

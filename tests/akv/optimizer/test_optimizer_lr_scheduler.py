@@ -121,9 +121,9 @@ def test_poly_and_cosine_keep_decaying_from_their_constructed_base_lr():
         assert scheduler(0) == pytest.approx(1.0)
 
 
-def test_base_scheduler_is_abstract():
-    with pytest.raises(NotImplementedError):
-        LRScheduler()(1)
+def test_the_base_scheduler_is_constant_after_its_warmup():
+    scheduler = LRScheduler(base_lr=0.4, warmup_steps=4, warmup_begin_lr=0.0)
+    assert [scheduler(n) for n in (0, 2, 4, 100)] == pytest.approx([0.0, 0.2, 0.4, 0.4])
 
 
 @pytest.mark.parametrize(
