@@ -43,8 +43,10 @@ INLINE_MAX_BYTES = int(os.environ.get("AKV_INLINE_MAX_BYTES", 16 << 20))
 #: Engine slots (tasks running at once) of a local store. Override with ``AKV_ENGINE_SLOTS``.
 ENGINE_SLOTS = int(os.environ.get("AKV_ENGINE_SLOTS", max(4, os.cpu_count() or 1)))
 #: Engine slots of a distributed store: requests in flight at once (bounds the bytes queued
-#: on the network, so that priority decides what goes first).
-DIST_ENGINE_SLOTS = int(os.environ.get("AKV_DIST_SLOTS", 16))
+#: on the network, so that priority decides what goes first). A dist_sync pull holds its
+#: slot while it waits for the other workers' pushes, so keep it above the number of pulls
+#: a program leaves in flight without awaiting them.
+DIST_ENGINE_SLOTS = int(os.environ.get("AKV_DIST_SLOTS", 64))
 
 _OPTIONS = ("slots", "environ", "inline_max_bytes")
 
