@@ -54,7 +54,7 @@ class Entry:
 
     def check(self, array: np.ndarray, what: str) -> None:
         """Raise unless ``array`` has exactly the key's shape and dtype (no silent cast)."""
-        if array.shape != self.shape:
+        if array.shape != self.shape:  # (tuple compare: cheap)
             raise ShapeMismatchError(
                 f"{what} key {self.key!r}: shape {array.shape} does not match the "
                 f"initialized shape {self.shape}",
@@ -62,7 +62,7 @@ class Entry:
                 expected=self.shape,
                 got=array.shape,
             )
-        if array.dtype != self.dtype:
+        if array.dtype is not self.dtype and array.dtype != self.dtype:
             raise DTypeMismatchError(
                 f"{what} key {self.key!r}: dtype {array.dtype} does not match the "
                 f"initialized dtype {self.dtype} (akv never casts; convert it first)",

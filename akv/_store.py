@@ -231,7 +231,7 @@ class AsyncKVStore:
             items.append((k, as_input_array(values[0], k, "init value")))
         entries = self._keys.add(items, self._backend.new_entry)
         arrays = [array for _, array in items]
-        return self._backend.init(entries, arrays, self._executor(entries))
+        return self._backend.init(entries, arrays, self._executor(entries, False))
 
     def push(self, key: Key | list[Key], value: Any, priority: int = 0) -> Waitable:
         """Push values; the values given for one key (a list, or a repeated key) are summed.
@@ -247,7 +247,7 @@ class AsyncKVStore:
         """
         self._check_usable()
         staged = self._stage(group(key, value, "push"))
-        return self._backend.push(staged, priority, self._executor(e for e, _ in staged))
+        return self._backend.push(staged, priority, self._executor(staged))
 
     def pull(self, key: Key | list[Key], out: Any = None, priority: int = 0) -> Waitable:
         """Copy each key's value into ``out`` (an array, or a list of arrays that all get it).
@@ -262,7 +262,7 @@ class AsyncKVStore:
         """
         self._check_usable()
         targets, result = self._targets(key, out)
-        return self._backend.pull(targets, result, priority, self._executor(e for e, _ in targets))
+        return self._backend.pull(targets, result, priority, self._executor(targets))
 
     def pushpull(
         self, key: Key | list[Key], value: Any, out: Any = None, priority: int = 0
@@ -271,7 +271,7 @@ class AsyncKVStore:
         self._check_usable()
         staged = self._stage(group(key, value, "pushpull"))
         targets, result = self._targets(key, value if out is None else out)
-        executor = self._executor(e for e, _ in staged)
+        executor = self._executor(staged)
         return self._backend.pushpull(staged, targets, result, priority, executor)
 
     def broadcast(self, key: Key | list[Key], value: Any, out: Any = None) -> Waitable:
@@ -401,13 +401,15 @@ class AsyncKVStore:
         if self._backend.broken is not None:
             raise self._backend.broken
 
-    def _executor(self, entries: Any) -> str:
+    def _executor(self, items: list[Any], paired: bool = True) -> str:
+        """Inline for work on few bytes, else the worker threads (``items``: entries, or
+        ``(entry, ...)`` pairs when ``paired``)."""
         limit = self._inline_max_bytes
         if limit is None:
             return "inline"
         total = 0
-        for entry in entries:
-            total += entry.nbytes
+        for item in items:
+            total += item[0].nbytes if paired else item.nbytes
             if total > limit:
                 return "thread"
         return "inline"
@@ -415,6 +417,15 @@ class AsyncKVStore:
     def _stage(self, grouped: dict[Key, list[Any]]) -> list[tuple[Entry, np.ndarray]]:
         """Check every value, then merge each key's values into a staging buffer."""
         table = self._keys
+        if len(grouped) == 1:  # one key with one value: the common call, kept short
+            ((key, values),) = grouped.items()
+            if len(values) == 1:
+                entry = table.get(key, "push to")
+                array = as_input_array(values[0], key, "push value")
+                entry.check(array, "push to")
+                buffer = entry.take_buffer()
+                np.copyto(buffer, array)
+                return [(entry, buffer)]
         checked: list[tuple[Entry, list[np.ndarray]]] = []
         for key, values in grouped.items():
             entry = table.get(key, "push to")

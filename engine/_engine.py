@@ -20,7 +20,18 @@ from typing import Any
 
 from engine._executors import CallbackExecutor, Executor, LoopExecutor, ThreadExecutor
 from engine._graph import to_dot
-from engine._task import READY, RUNNING, WAITING, Failure, Task, Waitable, add_note, note_task
+from engine._task import (
+    DONE,
+    FAILED,
+    READY,
+    RUNNING,
+    WAITING,
+    Failure,
+    Task,
+    Waitable,
+    add_note,
+    note_task,
+)
 from engine._var import Var
 
 __all__ = ["DEFAULT_SLOTS", "Engine", "EngineClosedError", "EngineError", "EngineStatistics"]
@@ -468,24 +479,36 @@ class Engine:
                 self._completed += 1
                 for var in task.writes:
                     var._failure = None
-            granted: list[Task] = []
-            for var in task.reads:
-                granted += var._release(task, False)
-            for var in task.writes:
-                granted += var._release(task, True)
             ready = self._ready
-            for other in granted:
-                other._deps -= 1
-                if other._deps == 0:
-                    other._state = READY
-                    heapq.heappush(ready, (-other.priority, other.id, other))
+            for var in task.reads:
+                granted = var._release(task, False)
+                if granted:
+                    self._grant_locked(granted)
+            for var in task.writes:
+                granted = var._release(task, True)
+                if granted:
+                    self._grant_locked(granted)
             self._running -= 1
             del self._pending[task.id]
-            event, callbacks = task._complete_locked(result, failure)
-            startable = self._take_startable_locked()
+            # Task._complete_locked, inlined: this is the hot path of every task.
+            task._result = result
+            task._failure = failure
+            task._state = FAILED if failure is not None else DONE
+            callbacks = task._callbacks
+            task._callbacks = None
+            event = task._event
+            startable = self._take_startable_locked() if ready else []
         if event is not None or callbacks:
-            task._notify(task, event, callbacks)
+            task._notify(task, event, callbacks or [])
         return startable
+
+    def _grant_locked(self, granted: list[Task]) -> None:
+        ready = self._ready
+        for other in granted:
+            other._deps -= 1
+            if other._deps == 0:
+                other._state = READY
+                heapq.heappush(ready, (-other.priority, other.id, other))
 
     def _undelivered_failures_locked(self) -> list[Failure]:
         self._failures = [f for f in self._failures if not f.delivered]
