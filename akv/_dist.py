@@ -29,7 +29,7 @@ from akv import _config
 from akv import _protocol as proto
 from akv import optimizer as _optimizer
 from akv._dist_states import merge_server_states, split_server_states
-from akv._keys import Entry
+from akv._keys import Entry, merge_into
 from akv._placement import Part, place
 from akv._roles import client_ssl, scheduler_client
 from akv.errors import (
@@ -511,21 +511,55 @@ class DistBackend:
             "use set_optimizer (MXNet silently ignores the updater here)"
         )
 
+    @staticmethod
+    def _stage(
+        values: list[tuple[DistEntry, list[np.ndarray]]], borrow: bool
+    ) -> tuple[list[tuple[DistEntry, np.ndarray]], Callable[[], None]]:
+        """What to send per key, and how to give the staging buffers back afterwards.
+
+        ``borrow`` (the caller waits until the servers acknowledged): a key's single
+        C-contiguous array is sent as it is, without a copy; otherwise the values are
+        summed into a staging buffer now.
+        """
+        staged = []
+        owned = []
+        for entry, arrays in values:
+            if borrow and len(arrays) == 1 and arrays[0].flags.c_contiguous:
+                staged.append((entry, arrays[0]))
+            else:
+                buffer = merge_into(entry.take_buffer(), arrays)
+                staged.append((entry, buffer))
+                owned.append((entry, buffer))
+
+        def release() -> None:
+            for entry, buffer in owned:
+                entry.give_buffer(buffer)
+
+        return staged, release
+
     def push(
-        self, staged: list[tuple[DistEntry, np.ndarray]], priority: int, executor: str
+        self,
+        values: list[tuple[DistEntry, list[np.ndarray]]],
+        priority: int,
+        executor: str,
+        borrow: bool,
     ) -> Task:
-        """Send merged values to the servers that hold each key (or each part)."""
+        """Send summed values to the servers that hold each key (or each part)."""
         self._check()
+        staged, release = self._stage(values, borrow)
         return self._engine.push(
             self._start_push,
             staged,
+            release,
             writes=[e.var for e, _ in staged],
             priority=priority,
             executor="callback",
             name="push",
         )
 
-    def _start_push(self, staged: list[tuple[DistEntry, np.ndarray]], done: Any) -> None:
+    def _start_push(
+        self, staged: list[tuple[DistEntry, np.ndarray]], release: Callable[[], None], done: Any
+    ) -> None:
         batches: dict[int, list[tuple[Any, np.ndarray, int]]] = {}
         for entry, buffer in staged:
             for part in entry.parts:
@@ -533,11 +567,7 @@ class DistBackend:
                     (entry.key, entry.wire_view(buffer, part), 0)
                 )
 
-        def finish() -> None:
-            for entry, buffer in staged:
-                entry.give_buffer(buffer)
-
-        gather = _Gather(len(batches), finish, done)
+        gather = _Gather(len(batches), release, done)
         timeout = self._timeout()
         for server, arrays in batches.items():
             self.links[server].send(proto.PUSH, arrays, gather.reply, timeout_s=timeout)
@@ -550,24 +580,28 @@ class DistBackend:
         executor: str,
     ) -> Task:
         """Fetch each key's value (in dist_sync: after the round of this worker's last push)."""
-        return self._schedule_pull(targets, result, None, priority)
+        return self._schedule_pull(targets, result, None, _nothing, priority)
 
     def pushpull(
         self,
-        staged: list[tuple[DistEntry, np.ndarray]],
+        values: list[tuple[DistEntry, list[np.ndarray]]],
         targets: list[tuple[DistEntry, list[np.ndarray]]],
         result: Any,
         priority: int,
         executor: str,
+        borrow: bool,
     ) -> Task:
         """Push, then pull the result, in one request per server."""
-        return self._schedule_pull(targets, result, staged, priority)
+        self._check()
+        staged, release = self._stage(values, borrow)
+        return self._schedule_pull(targets, result, staged, release, priority)
 
     def _schedule_pull(
         self,
         targets: list[tuple[DistEntry, list[np.ndarray]]],
         result: Any,
         staged: list[tuple[DistEntry, np.ndarray]] | None,
+        release: Callable[[], None],
         priority: int,
     ) -> Task:
         """A pull reads the keys; a pushpull (with ``staged`` values) writes them."""
@@ -578,6 +612,7 @@ class DistBackend:
             targets,
             result,
             staged,
+            release,
             reads=key_vars if staged is None else (),
             writes=key_vars if staged is not None else (),
             priority=priority,
@@ -590,6 +625,7 @@ class DistBackend:
         targets: list[tuple[DistEntry, list[np.ndarray]]],
         result: Any,
         staged: list[tuple[DistEntry, np.ndarray]] | None,
+        release: Callable[[], None],
         done: Any,
     ) -> None:
         requests: dict[int, tuple[list[tuple[Any, np.ndarray, int]], list[memoryview]]] = {}
@@ -608,9 +644,7 @@ class DistBackend:
                 views.append(memoryview(entry.wire_view(receive, part)).cast("B"))
 
         def finish() -> Any:
-            if staged is not None:
-                for entry, buffer in staged:
-                    entry.give_buffer(buffer)
+            release()
             # The answers landed in ``receive`` (sizes checked); fill the other outputs.
             for receive, outs, entry in landing:
                 for out in outs:
@@ -792,6 +826,10 @@ class _Gather:
             self._done(None, self._error)
         else:
             self._done(result, None)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _scheduler_error(exc: RemoteError) -> AKVError:

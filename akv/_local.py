@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from akv import optimizer as _optimizer
-from akv._keys import Entry
+from akv._keys import Entry, merge_into
 from akv.errors import AKVError
 from engine import Engine, Task
 
@@ -57,18 +57,30 @@ def _update(store: object, updater: Updater, entry: Entry, staged: np.ndarray) -
         entry.give_buffer(staged)
 
 
-def _push_many(
-    store: object, updater: Updater | None, staged: list[tuple[Entry, np.ndarray]]
+def _land(
+    store: object,
+    updater: Updater | None,
+    pushed: list[tuple[Entry, list[np.ndarray], np.ndarray | None]],
 ) -> None:
-    for index, (entry, buffer) in enumerate(staged):
-        if updater is None:
-            _commit(entry, buffer)
-            continue
+    """Apply one push call, key by key.
+
+    Each key comes with its values and either a staging buffer holding their sum (made
+    at the call) or None: then the caller waits, and its arrays are read here directly.
+    """
+    for index, (entry, arrays, staged) in enumerate(pushed):
         try:
-            _update(store, updater, entry, buffer)
+            if updater is None:
+                if staged is not None:
+                    _commit(entry, staged)
+                else:
+                    merge_into(entry.value, arrays)  # type: ignore[arg-type]
+            else:
+                recv = staged if staged is not None else merge_into(entry.take_buffer(), arrays)
+                _update(store, updater, entry, recv)
         except BaseException:
-            for later, later_buffer in staged[index + 1 :]:
-                later.give_buffer(later_buffer)
+            for later, _, later_staged in pushed[index + 1 :]:
+                if later_staged is not None:
+                    later.give_buffer(later_staged)
             raise
 
 
@@ -141,40 +153,34 @@ class LocalBackend:
             name="init",
         )
 
-    def push(self, staged: list[tuple[Entry, np.ndarray]], priority: int, executor: str) -> Task:
-        """Apply merged values: ``updater(key, merged, stored)``, or replace the stored value."""
+    def push(
+        self,
+        values: list[tuple[Entry, list[np.ndarray]]],
+        priority: int,
+        executor: str,
+        borrow: bool,
+    ) -> Task:
+        """Apply checked values: ``updater(key, summed, stored)``, or replace the stored value.
+
+        ``borrow``: the caller waits until this is done, so its arrays are read in the task
+        (no staging copy, one buffer fewer); otherwise they are summed into staging buffers
+        now, before the call returns.
+        """
         updater = self.updater
-        if len(staged) == 1:
-            entry, buffer = staged[0]
-            if updater is None:
-                return self._engine.push(
-                    _commit,
-                    entry,
-                    buffer,
-                    writes=(entry.var,),
-                    priority=priority,
-                    executor="inline",
-                    name="push",
-                )
-            return self._engine.push(
-                _update,
-                self._store,
-                updater,
-                entry,
-                buffer,
-                writes=(entry.var,),
-                priority=priority,
-                executor=executor,
-                name="push",
-            )
+        pushed = [
+            (entry, arrays, None if borrow else merge_into(entry.take_buffer(), arrays))
+            for entry, arrays in values
+        ]
+        if updater is None and not borrow:
+            executor = "inline"  # committing staged buffers is a swap of references
         return self._engine.push(
-            _push_many,
+            _land,
             self._store,
             updater,
-            staged,
-            writes=[entry.var for entry, _ in staged],
+            pushed,
+            writes=[entry.var for entry, _ in values],
             priority=priority,
-            executor="inline" if updater is None else executor,
+            executor=executor,
             name="push",
         )
 
@@ -210,14 +216,15 @@ class LocalBackend:
 
     def pushpull(
         self,
-        staged: list[tuple[Entry, np.ndarray]],
+        values: list[tuple[Entry, list[np.ndarray]]],
         targets: list[tuple[Entry, list[np.ndarray]]],
         result: Any,
         priority: int,
         executor: str,
+        borrow: bool,
     ) -> Task:
         """A push, then a pull ordered after it."""
-        self.push(staged, priority, executor)
+        self.push(values, priority, executor, borrow)
         return self.pull(targets, result, priority, executor)
 
     def barrier(self) -> Task:

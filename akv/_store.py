@@ -19,7 +19,7 @@ import numpy as np
 from akv import _config
 from akv import optimizer as _optimizer
 from akv._args import Key, as_input_array, as_output_array, group, normalize_key, pairs
-from akv._keys import Entry, KeyTable, merge_into
+from akv._keys import Entry, KeyTable
 from akv._local import GUARD, LocalBackend, Updater
 from akv.errors import (
     AKVError,
@@ -136,7 +136,9 @@ def create(name: str = "local", **options: Any) -> KVStore:
     try:
         # The blocking face runs array work inline on the calling thread: it waits anyway.
         inline = options.get("inline_max_bytes")
-        inner = loop_thread.run(AsyncKVStore._open(store_type, slots, inline, config))
+        inner = loop_thread.run(
+            AsyncKVStore._open(store_type, slots, inline, config, caller_waits=True)
+        )
     except BaseException:
         loop_thread.close()
         raise
@@ -163,12 +165,16 @@ class AsyncKVStore:
         slots: int,
         inline_max_bytes: int | None,
         config: _config.Config | None,
+        caller_waits: bool = False,
     ) -> AsyncKVStore:
         self = object.__new__(cls)
         self._engine = Engine(slots=slots, name=f"akv-{store_type}")
         self._keys = KeyTable()
         self._type = store_type
         self._inline_max_bytes = inline_max_bytes
+        # The blocking face waits for every call, so a push may read the caller's arrays
+        # while it runs instead of copying them first (the async face must copy at once).
+        self._caller_waits = caller_waits
         self._barrier_before_exit = True
         self._closed = False
         self._closing: asyncio.Future[None] | None = None
@@ -246,8 +252,8 @@ class AsyncKVStore:
         MixedKeyKindsError, InvalidArgumentError
         """
         self._check_usable()
-        staged = self._stage(group(key, value, "push"))
-        return self._backend.push(staged, priority, self._executor(staged))
+        values = self._values(group(key, value, "push"))
+        return self._backend.push(values, priority, self._executor(values), self._caller_waits)
 
     def pull(self, key: Key | list[Key], out: Any = None, priority: int = 0) -> Waitable:
         """Copy each key's value into ``out`` (an array, or a list of arrays that all get it).
@@ -269,10 +275,12 @@ class AsyncKVStore:
     ) -> Waitable:
         """Push ``value``, then pull the result into ``out`` (into ``value`` when omitted)."""
         self._check_usable()
-        staged = self._stage(group(key, value, "pushpull"))
+        values = self._values(group(key, value, "pushpull"))
         targets, result = self._targets(key, value if out is None else out)
-        executor = self._executor(staged)
-        return self._backend.pushpull(staged, targets, result, priority, executor)
+        executor = self._executor(values)
+        return self._backend.pushpull(
+            values, targets, result, priority, executor, self._caller_waits
+        )
 
     def broadcast(self, key: Key | list[Key], value: Any, out: Any = None) -> Waitable:
         """Initialize ``key`` with ``value`` and pull it into ``out`` (MXNet: init + pull).
@@ -414,19 +422,10 @@ class AsyncKVStore:
                 return "thread"
         return "inline"
 
-    def _stage(self, grouped: dict[Key, list[Any]]) -> list[tuple[Entry, np.ndarray]]:
-        """Check every value, then merge each key's values into a staging buffer."""
+    def _values(self, grouped: dict[Key, list[Any]]) -> list[tuple[Entry, list[np.ndarray]]]:
+        """Check every pushed value against its key (nothing is scheduled before this)."""
         table = self._keys
-        if len(grouped) == 1:  # one key with one value: the common call, kept short
-            ((key, values),) = grouped.items()
-            if len(values) == 1:
-                entry = table.get(key, "push to")
-                array = as_input_array(values[0], key, "push value")
-                entry.check(array, "push to")
-                buffer = entry.take_buffer()
-                np.copyto(buffer, array)
-                return [(entry, buffer)]
-        checked: list[tuple[Entry, list[np.ndarray]]] = []
+        checked = []
         for key, values in grouped.items():
             entry = table.get(key, "push to")
             arrays = []
@@ -435,7 +434,7 @@ class AsyncKVStore:
                 entry.check(array, "push to")
                 arrays.append(array)
             checked.append((entry, arrays))
-        return [(entry, merge_into(entry.take_buffer(), arrays)) for entry, arrays in checked]
+        return checked
 
     def _targets(self, key: Any, out: Any) -> tuple[list[tuple[Entry, list[np.ndarray]]], Any]:
         """Check the pull outputs (making new ones when ``out`` is None)."""

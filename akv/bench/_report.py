@@ -7,6 +7,7 @@ akv / floor. Times are medians over several rounds so one slow round does not de
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import sys
@@ -15,7 +16,7 @@ from collections.abc import Awaitable, Callable, Generator
 from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
-__all__ = ["Row", "Table", "configure", "time_per_call", "time_per_call_async"]
+__all__ = ["Row", "Table", "compare", "compare_async", "configure", "time_per_call"]
 
 _SETTINGS = {"rounds": 5, "min_round_s": 0.05}
 
@@ -28,54 +29,88 @@ def configure(quick: bool) -> None:
         _SETTINGS.update(rounds=5, min_round_s=0.05)
 
 
-def _plan(rounds: int, min_round_s: float) -> Generator[int, float, float]:
-    """Yield how many calls to time next; receive the seconds they took; return the median.
+def _plan(
+    count: int, rounds: int, min_round_s: float
+) -> Generator[tuple[int, int], float, list[float]]:
+    """Yield which of ``count`` functions to time next and how many calls; receive the
+    seconds they took; return each function's median seconds per call.
 
-    The first rounds double the count until a round lasts ``min_round_s``; then
-    ``rounds`` rounds of that count are timed.
+    First each function's call count doubles until one round lasts ``min_round_s``; then
+    the functions take turns, round after round, so that a machine that speeds up or slows
+    down during the run affects them alike and their ratio stays fair.
     """
-    calls = 1
-    while True:
-        elapsed = yield calls
-        if elapsed >= min_round_s or calls >= 1 << 20:
-            break
-        calls = max(calls * 2, int(calls * min_round_s / max(elapsed, 1e-9)))
-    samples = [elapsed / calls]
-    for _ in range(rounds - 1):
-        samples.append((yield calls) / calls)
-    return statistics.median(samples)
+    counts = []
+    for index in range(count):
+        calls = 1
+        while True:
+            elapsed = yield index, calls
+            if elapsed >= min_round_s or calls >= 1 << 20:
+                break
+            calls = max(calls * 2, int(calls * min_round_s / max(elapsed, 1e-9)))
+        counts.append(calls)
+    samples: list[list[float]] = [[] for _ in range(count)]
+    for _ in range(rounds):
+        for index in range(count):
+            samples[index].append((yield index, counts[index]) / counts[index])
+    return [statistics.median(s) for s in samples]
+
+
+def compare(*fns: Callable[[], object], warmup: int = 2) -> list[float]:
+    """Median seconds per call of each function, timed in alternating rounds."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    plan = _plan(len(fns), _SETTINGS["rounds"], _SETTINGS["min_round_s"])
+    index, calls = next(plan)
+    try:
+        while True:
+            fn = fns[index]
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            index, calls = plan.send(time.perf_counter() - start)
+    except StopIteration as done:
+        return done.value
+
+
+async def compare_async(*fns: Callable[[], object], warmup: int = 2) -> list[float]:
+    """:func:`compare` where a function may be a coroutine function (awaited on the loop)."""
+    calls_of = [_call_async(fn) if asyncio.iscoroutinefunction(fn) else None for fn in fns]
+    for fn in fns:
+        for _ in range(warmup):
+            result = fn()
+            if asyncio.iscoroutine(result):
+                await result
+    plan = _plan(len(fns), _SETTINGS["rounds"], _SETTINGS["min_round_s"])
+    index, calls = next(plan)
+    try:
+        while True:
+            if calls_of[index] is not None:
+                elapsed = await calls_of[index](calls)  # type: ignore[misc]
+            else:
+                fn = fns[index]
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                elapsed = time.perf_counter() - start
+            index, calls = plan.send(elapsed)
+    except StopIteration as done:
+        return done.value
+
+
+def _call_async(fn: Callable[[], Awaitable[object]]) -> Callable[[int], Awaitable[float]]:
+    async def timed(calls: int) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            await fn()
+        return time.perf_counter() - start
+
+    return timed
 
 
 def time_per_call(fn: Callable[[], object], *, warmup: int = 2) -> float:
     """Median seconds per call of ``fn`` over several rounds (see :func:`configure`)."""
-    for _ in range(warmup):
-        fn()
-    plan = _plan(_SETTINGS["rounds"], _SETTINGS["min_round_s"])
-    calls = next(plan)
-    try:
-        while True:
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            calls = plan.send(time.perf_counter() - start)
-    except StopIteration as done:
-        return done.value
-
-
-async def time_per_call_async(fn: Callable[[], Awaitable[object]], *, warmup: int = 2) -> float:
-    """:func:`time_per_call` for a coroutine function, awaited on the running loop."""
-    for _ in range(warmup):
-        await fn()
-    plan = _plan(_SETTINGS["rounds"], _SETTINGS["min_round_s"])
-    calls = next(plan)
-    try:
-        while True:
-            start = time.perf_counter()
-            for _ in range(calls):
-                await fn()
-            calls = plan.send(time.perf_counter() - start)
-    except StopIteration as done:
-        return done.value
+    return compare(fn, warmup=warmup)[0]
 
 
 @dataclass

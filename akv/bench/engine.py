@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
-from akv.bench._report import Row, Table, time_per_call, time_per_call_async
+from akv.bench._report import Row, Table, compare, compare_async
 from engine import Engine
 
 __all__ = ["run"]
@@ -26,15 +26,17 @@ async def _anothing() -> None:
     return None
 
 
+def _add(table: Table, name: str, times: list[float], floor: str, unit_ops: int = 1) -> None:
+    table.add(Row(name, times[0], times[1], floor, unit_ops=unit_ops))
+
+
 def _inline_rows(table: Table, eng: Engine) -> None:
     var = eng.new_var()
-    table.add(
-        Row(
-            "inline task, free var (push)",
-            time_per_call(lambda: eng.push(_nothing, writes=(var,), executor="inline")),
-            time_per_call(_nothing),
-            "direct call",
-        )
+    _add(
+        table,
+        "inline task, free var (push)",
+        compare(lambda: eng.push(_nothing, writes=(var,), executor="inline"), _nothing),
+        "direct call",
     )
 
     vars_ = [eng.new_var() for _ in range(FAN_OUT)]
@@ -48,32 +50,17 @@ def _inline_rows(table: Table, eng: Engine) -> None:
         for _ in range(FAN_OUT + 1):
             _nothing()
 
-    table.add(
-        Row(
-            f"fan-out of {FAN_OUT} + join (inline)",
-            time_per_call(fan_out),
-            time_per_call(direct_fan_out),
-            f"{FAN_OUT + 1} direct calls",
-            unit_ops=FAN_OUT + 1,
-        )
+    _add(
+        table,
+        f"fan-out of {FAN_OUT} + join (inline)",
+        compare(fan_out, direct_fan_out),
+        f"{FAN_OUT + 1} direct calls",
+        unit_ops=FAN_OUT + 1,
     )
 
 
 def _thread_rows(table: Table, eng: Engine) -> None:
     var = eng.new_var()
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=eng.slots)
-    try:
-        floor = time_per_call(lambda: pool.submit(_nothing).result())
-    finally:
-        pool.shutdown()
-    table.add(
-        Row(
-            "worker-thread task, push + result()",
-            time_per_call(lambda: eng.push(_nothing, writes=(var,)).result()),
-            floor,
-            "pool.submit().result()",
-        )
-    )
 
     def chain() -> None:
         task = None
@@ -81,8 +68,17 @@ def _thread_rows(table: Table, eng: Engine) -> None:
             task = eng.push(_nothing, writes=(var,))
         task.result()  # type: ignore[union-attr]
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    try:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=eng.slots) as pool:
+        _add(
+            table,
+            "worker-thread task, push + result()",
+            compare(
+                lambda: eng.push(_nothing, writes=(var,)).result(),
+                lambda: pool.submit(_nothing).result(),
+            ),
+            "pool.submit().result()",
+        )
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
 
         def pool_chain() -> None:
             future = None
@@ -90,18 +86,13 @@ def _thread_rows(table: Table, eng: Engine) -> None:
                 future = pool.submit(_nothing)
             future.result()  # type: ignore[union-attr]
 
-        floor = time_per_call(pool_chain)
-    finally:
-        pool.shutdown()
-    table.add(
-        Row(
+        _add(
+            table,
             f"chain of {CHAIN_LENGTH} writes (worker threads)",
-            time_per_call(chain),
-            floor,
+            compare(chain, pool_chain),
             f"{CHAIN_LENGTH} x pool.submit (1 thread)",
             unit_ops=CHAIN_LENGTH,
         )
-    )
 
 
 async def _loop_rows(table: Table) -> None:
@@ -114,13 +105,11 @@ async def _loop_rows(table: Table) -> None:
     async def via_asyncio() -> None:
         await asyncio.create_task(_anothing())
 
-    table.add(
-        Row(
-            "coroutine task, push + await",
-            await time_per_call_async(via_engine),
-            await time_per_call_async(via_asyncio),
-            "create_task + await",
-        )
+    _add(
+        table,
+        "coroutine task, push + await",
+        await compare_async(via_engine, via_asyncio),
+        "create_task + await",
     )
     await eng.aclose()
 

@@ -1,13 +1,18 @@
-"""``akv bench local``: the local store against NumPy doing the same copies and adds."""
+"""``akv bench local``: the local store against NumPy doing the same copies and adds.
+
+Every row times akv and its floor in alternating rounds (see :func:`compare`), so the
+ratio holds even when the machine's speed drifts during the run.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import numpy as np
 
 import akv
-from akv.bench._report import Row, Table, time_per_call, time_per_call_async
+from akv.bench._report import Row, Table, compare, compare_async
 
 __all__ = ["run"]
 
@@ -30,20 +35,43 @@ def _floats(nbytes: int, value: float = 1.0) -> np.ndarray:
     return np.full(nbytes // 4, value, np.float32)
 
 
-def _copy_floor(nbytes: int, copies: int) -> float:
-    src, dst = _floats(nbytes), _floats(nbytes, 0.0)
-    mid = _floats(nbytes, 0.0)
+def _two_copies(nbytes: int) -> Callable[[], None]:
+    """The floor of a push+pull: the bytes copied in, then out, by NumPy."""
+    src, mid, dst = _floats(nbytes), _floats(nbytes, 0.0), _floats(nbytes, 0.0)
 
     def two_copies() -> None:
         np.copyto(mid, src)
         np.copyto(dst, mid)
 
-    return time_per_call(two_copies) * copies / 2
+    return two_copies
+
+
+def _small_keys(kv: akv.KVStore | akv.AsyncKVStore):
+    """Initialize the small keys; return them, their values, outputs, and the NumPy floor."""
+    keys = [f"small/{i}" for i in range(SMALL_KEYS)]
+    values = [np.ones(SMALL_SIZE, np.float32) for _ in keys]
+    outs = [np.zeros(SMALL_SIZE, np.float32) for _ in keys]
+    kv.init(keys, values)
+    mids = [np.zeros(SMALL_SIZE, np.float32) for _ in keys]
+
+    def numpy_copies() -> None:
+        for value, mid, out in zip(values, mids, outs, strict=True):
+            np.copyto(mid, value)
+            np.copyto(out, mid)
+
+    return keys, values, outs, numpy_copies
+
+
+def _row(
+    table: Table, name: str, times: list[float], floor: str, unit_ops: int = 1, prefix: str = ""
+) -> None:
+    table.add(
+        Row(prefix + name, times[0], times[1], floor, unit_ops=unit_ops, reference_s=MXNET_S[name])
+    )
 
 
 def _blocking_rows(table: Table, kv: akv.KVStore) -> None:
-    sizes = [4 * MIB, 64 * MIB]
-    for nbytes in sizes:
+    for nbytes in (4 * MIB, 64 * MIB):
         name = f"push+pull {nbytes // MIB} MiB"
         value, out = _floats(nbytes), _floats(nbytes, 0.0)
         kv.init(name, value)
@@ -52,20 +80,11 @@ def _blocking_rows(table: Table, kv: akv.KVStore) -> None:
             kv.push(name, value)
             kv.pull(name, out=out)
 
-        table.add(
-            Row(
-                name,
-                time_per_call(push_pull),
-                _copy_floor(nbytes, 2),
-                "2 x np.copyto",
-                reference_s=MXNET_S[name],
-            )
-        )
+        _row(table, name, compare(push_pull, _two_copies(nbytes)), "2 x np.copyto")
 
     name = "push 4 x 4 MiB (summed) + pull"
     parts = [_floats(4 * MIB) for _ in range(4)]
-    out = _floats(4 * MIB, 0.0)
-    merge = _floats(4 * MIB, 0.0)
+    out, merge = _floats(4 * MIB, 0.0), _floats(4 * MIB, 0.0)
     kv.init(name, parts[0])
 
     def push_list() -> None:
@@ -78,19 +97,12 @@ def _blocking_rows(table: Table, kv: akv.KVStore) -> None:
         np.add(merge, parts[3], out=merge)
         np.copyto(out, merge)
 
-    table.add(
-        Row(
-            name,
-            time_per_call(push_list),
-            time_per_call(numpy_sum),
-            "3 x np.add + np.copyto",
-            reference_s=MXNET_S[name],
-        )
-    )
+    _row(table, name, compare(push_list, numpy_sum), "3 x np.add + np.copyto")
 
     name = "push+pull 4 MiB with SGD"
     with akv.create("local") as sgd_store:
-        weight, grad, out = _floats(4 * MIB), _floats(4 * MIB, 1e-3), _floats(4 * MIB, 0.0)
+        weight, grad = _floats(4 * MIB), _floats(4 * MIB, 1e-3)
+        out, scratch = _floats(4 * MIB, 0.0), _floats(4 * MIB, 0.0)
         sgd_store.init(0, weight)
         sgd_store.set_optimizer(akv.optimizer.SGD(learning_rate=SGD_LR))
 
@@ -98,42 +110,16 @@ def _blocking_rows(table: Table, kv: akv.KVStore) -> None:
             sgd_store.push(0, grad)
             sgd_store.pull(0, out=out)
 
-        scratch = np.empty_like(weight)
-
         def numpy_sgd() -> None:
             np.multiply(grad, SGD_LR, out=scratch)
             np.subtract(weight, scratch, out=weight)
             np.copyto(out, weight)
 
-        table.add(
-            Row(
-                name,
-                time_per_call(push_sgd),
-                time_per_call(numpy_sgd),
-                "w -= lr*g in NumPy + np.copyto",
-                reference_s=MXNET_S[name],
-            )
-        )
-
-
-def _small_keys(kv: akv.KVStore | akv.AsyncKVStore):
-    """Initialize the small keys; return them, their values, outputs and the NumPy floor."""
-    keys = [f"small/{i}" for i in range(SMALL_KEYS)]
-    values = [np.ones(SMALL_SIZE, np.float32) for _ in keys]
-    outs = [np.zeros(SMALL_SIZE, np.float32) for _ in keys]
-    kv.init(keys, values)
-    mids = [np.zeros(SMALL_SIZE, np.float32) for _ in keys]
-
-    def numpy_copies() -> None:
-        for value, mid, out in zip(values, mids, outs, strict=True):
-            np.copyto(mid, value)
-            np.copyto(out, mid)
-
-    return keys, values, outs, time_per_call(numpy_copies)
+        _row(table, name, compare(push_sgd, numpy_sgd), "w -= lr*g in NumPy + np.copyto")
 
 
 def _small_key_rows(table: Table, kv: akv.KVStore) -> None:
-    keys, values, outs, floor = _small_keys(kv)
+    keys, values, outs, numpy_copies = _small_keys(kv)
 
     def list_call() -> None:
         kv.push(keys, values)
@@ -148,16 +134,7 @@ def _small_key_rows(table: Table, kv: akv.KVStore) -> None:
         ("1000 keys x 16 floats, one list call", list_call),
         ("1000 keys x 16 floats, per-key loop", per_key),
     ):
-        table.add(
-            Row(
-                name,
-                time_per_call(fn),
-                floor,
-                "2000 x np.copyto",
-                unit_ops=SMALL_KEYS,
-                reference_s=MXNET_S[name],
-            )
-        )
+        _row(table, name, compare(fn, numpy_copies), "2000 x np.copyto", unit_ops=SMALL_KEYS)
 
 
 async def _async_rows(table: Table) -> None:
@@ -171,17 +148,10 @@ async def _async_rows(table: Table) -> None:
             await kv.pull("big", out=out)
 
         name = "push+pull 4 MiB"
-        table.add(
-            Row(
-                f"async {name}",
-                await time_per_call_async(push_pull),
-                _copy_floor(nbytes, 2),
-                "2 x np.copyto",
-                reference_s=MXNET_S[name],
-            )
-        )
+        times = await compare_async(push_pull, _two_copies(nbytes))
+        _row(table, name, times, "2 x np.copyto", prefix="async ")
 
-        keys, values, outs, floor = _small_keys(kv)
+        keys, values, outs, numpy_copies = _small_keys(kv)
 
         async def list_call() -> None:
             kv.push(keys, values)
@@ -196,16 +166,8 @@ async def _async_rows(table: Table) -> None:
             ("1000 keys x 16 floats, one list call", list_call),
             ("1000 keys x 16 floats, per-key loop", per_key),
         ):
-            table.add(
-                Row(
-                    f"async {name}",
-                    await time_per_call_async(fn),
-                    floor,
-                    "2000 x np.copyto",
-                    unit_ops=SMALL_KEYS,
-                    reference_s=MXNET_S[name],
-                )
-            )
+            times = await compare_async(fn, numpy_copies)
+            _row(table, name, times, "2000 x np.copyto", unit_ops=SMALL_KEYS, prefix="async ")
 
 
 def run() -> Table:

@@ -380,3 +380,20 @@ async def test_joining_waits_for_the_rest_of_the_job_and_says_what_is_missing():
         pytest.raises(akv.ConnectTimeoutError, match="1 of 2 workers and 0 of 1 servers"),
     ):
         await akv.create_async("dist_sync", environ=cluster.worker_env(0))
+
+
+def test_the_blocking_face_sends_contiguous_arrays_and_stages_the_rest():
+    with Cluster(1, 1) as cluster:
+        kv = akv.create("dist_sync", environ=cluster.worker_env(0))
+        kv.init("w", np.zeros((3, 4), np.float32))
+        value = np.arange(12, dtype=np.float32).reshape(3, 4)
+        kv.push("w", value)  # sent from the caller's array itself
+        np.testing.assert_array_equal(kv.pull("w"), value)
+        transposed = np.arange(12, dtype=np.float32).reshape(4, 3).T  # not C-contiguous
+        kv.push("w", transposed)
+        np.testing.assert_array_equal(kv.pull("w"), transposed)
+        kv.push("w", [value, value])  # summed into a staging buffer first
+        np.testing.assert_array_equal(kv.pull("w"), 2 * value)
+        value[:] = -1  # the store holds no reference to the caller's array
+        np.testing.assert_array_equal(kv.pull("w"), 2 * np.arange(12).reshape(3, 4))
+        kv.close()
