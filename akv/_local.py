@@ -2,9 +2,12 @@
 
 Each key's stored array is written only by engine tasks that hold the key's var for
 writing, and read only by tasks that hold it for reading, so the engine's per-var order is
-the store's per-key order. Pushed values arrive already merged into a staging buffer that
-the store owns; without an updater the staging buffer *becomes* the stored array (no second
-copy) and the old stored array is kept as the next staging buffer.
+the store's per-key order.
+
+A push from the async face is summed into a staging buffer before the call returns (the
+caller may change its arrays at once); without an updater that buffer *becomes* the stored
+array (no second copy) and the old stored array becomes the next staging buffer. A push
+from the blocking face, whose caller waits, is summed straight into the stored array.
 """
 
 from __future__ import annotations

@@ -228,13 +228,19 @@ class Engine:
             raise EngineError(
                 f"unknown executor {executor!r}; known: {[INLINE, *sorted(self._executors)]}"
             )
-        write_vars = (
-            writes if type(writes) is tuple and len(writes) < 2 else tuple(dict.fromkeys(writes))
-        )
-        if reads:
-            read_vars = tuple(v for v in dict.fromkeys(reads) if v not in write_vars)
+        # One var (the common case) needs no deduplication.
+        kind = type(writes)
+        if (kind is tuple or kind is list) and len(writes) < 2:
+            write_vars = tuple(writes)
         else:
+            write_vars = tuple(dict.fromkeys(writes))
+        kind = type(reads)
+        if not reads:
             read_vars = ()
+        elif (kind is tuple or kind is list) and len(reads) == 1 and not write_vars:
+            read_vars = tuple(reads)
+        else:
+            read_vars = tuple(v for v in dict.fromkeys(reads) if v not in write_vars)
         for var in write_vars:
             if var._engine is not self:
                 raise EngineError(f"{var!r} belongs to another engine")
