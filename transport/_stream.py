@@ -56,7 +56,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._on_lost = on_lost
         self.transport: asyncio.Transport | None = None
         self._paused = False
-        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._drain_waiters: list[Callable[[BaseException | None], None]] = []
         self._closed: asyncio.Future[BaseException | None] | None = None
         self._handshake: bytearray | None = bytearray() if handshake else None
         self._handshake_buffer = bytearray(HANDSHAKE_MAX_BYTES)
@@ -129,23 +129,36 @@ class StreamProtocol(asyncio.BufferedProtocol):
         else:
             transport.writelines(buffers)
 
+    def when_drained(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Call ``callback(None)`` once everything written so far has been handed to the
+        kernel (at once if it has), or ``callback(error)`` if the connection is lost first."""
+        if not self._paused:
+            callback(None)
+        else:
+            self._drain_waiters.append(callback)
+
     async def drain(self) -> None:
         """Return once everything written so far has been handed to the kernel."""
         if not self._paused:
             return
         waiter = asyncio.get_running_loop().create_future()
-        self._drain_waiters.append(waiter)
+
+        def wake(exc: BaseException | None) -> None:
+            if waiter.done():
+                return
+            if exc is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(exc)
+
+        self._drain_waiters.append(wake)
         await waiter
 
     def _wake_drain_waiters(self, exc: BaseException | None) -> None:
         waiters, self._drain_waiters = self._drain_waiters, []
+        error = None if exc is None else TransportError(f"the stream was lost: {exc}")
         for waiter in waiters:
-            if waiter.done():
-                continue
-            if exc is None:
-                waiter.set_result(None)
-            else:
-                waiter.set_exception(TransportError(f"the stream was lost: {exc}"))
+            waiter(error)
 
     # -------------------------------------------------------------- closing
 
