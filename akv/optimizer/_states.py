@@ -53,8 +53,9 @@ _NPY_HEADER_SLACK_BYTES = 64 << 10
 
 _ARRAY_KINDS = "biufc"
 
-# What zipfile raises for malformed, truncated or unsupported archives.
-_ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError)
+# What zipfile raises for malformed, truncated or unsupported archives (RuntimeError covers
+# the NotImplementedError it raises for compression methods it does not know).
+_ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError)
 
 
 @dataclass(frozen=True)
