@@ -54,7 +54,7 @@ class Entry:
 
     def check(self, array: np.ndarray, what: str) -> None:
         """Raise unless ``array`` has exactly the key's shape and dtype (no silent cast)."""
-        if array.shape != self.shape:  # (tuple compare: cheap)
+        if array.shape != self.shape:
             raise ShapeMismatchError(
                 f"{what} key {self.key!r}: shape {array.shape} does not match the "
                 f"initialized shape {self.shape}",

@@ -53,8 +53,8 @@ _NPY_HEADER_SLACK_BYTES = 64 << 10
 
 _ARRAY_KINDS = "biufc"
 
-# What zipfile raises for malformed, truncated or unsupported archives (RuntimeError covers
-# the NotImplementedError it raises for compression methods it does not know).
+# What zipfile raises for malformed, truncated or unsupported archives (its error for an
+# unknown compression method is a RuntimeError subclass).
 _ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError)
 
 
