@@ -13,7 +13,6 @@ subclasses of :class:`AKVError`.
 """
 
 from akv import optimizer
-from akv._store import STORE_TYPES, AsyncKVStore, KVStore, create, create_async
 from akv.errors import (
     AKVError,
     AuthenticationError,
@@ -38,6 +37,7 @@ from akv.errors import (
     UnknownStoreTypeError,
     WaitTimeoutError,
 )
+from akv.store import STORE_TYPES, AsyncKVStore, KVStore, create, create_async
 
 __version__ = "0.1.0"
 

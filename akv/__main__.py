@@ -2,6 +2,6 @@
 
 import sys
 
-from akv._cli import main
+from akv.cli import main
 
 sys.exit(main())

@@ -102,8 +102,17 @@ def test_a_plain_wheel_carries_every_package_and_py_typed(tmp_path):
         assert f"{package}/py.typed" in names
     assert "akv/optimizer/__init__.py" in names
     assert "akv/bench/local.py" in names
+    for module in ("dist/worker", "dist/server", "dist/scheduler", "launch"):
+        assert f"akv/{module}/__init__.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "akv = akv._cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
+    for line in (
+        "akv = akv.cli:main",
+        "akv-launch = akv.launch:main",
+        "akv-server = akv.dist.server:main",
+        "akv-scheduler = akv.dist.scheduler:main",
+    ):
+        assert line in scripts
 
 
 def test_code_is_ruff_clean():

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import akv
-from akv import _config
-from akv.scheduler import Scheduler
-from akv.server import ParameterServer
+from akv.dist import config as _config
+from akv.dist.scheduler.service import Scheduler
+from akv.dist.server.service import ParameterServer
 from engine import LoopThread
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -130,7 +130,7 @@ def test_a_misconfigured_environment_fails_at_once_with_a_clear_message():
     assert "ConfigError: DMLC_NUM_SERVER (or AKV_NUM_SERVERS) is not set" in done.stderr
     env["DMLC_NUM_SERVER"] = "1"
     done = subprocess.run(
-        [sys.executable, "-m", "akv.server"],
+        [sys.executable, "-m", "akv.dist.server"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from akv import _config
-from akv._placement import Part, place, server_of
-from akv._roster import Roster
-from akv._rounds import KeyRounds
+from akv.dist import config as _config
+from akv.dist.placement import Part, place, server_of
+from akv.dist.scheduler.roster import Roster
+from akv.dist.server.rounds import KeyRounds
 from akv.errors import ConfigError, DoublePushError, ServerError
 
 TOKEN = "t" * 32
@@ -247,7 +247,7 @@ def test_servers_stop_after_every_worker_finished_and_the_job_ends_after_them():
 
 
 def test_role_flags_override_the_environment(tmp_path):
-    from akv._roles import config_from_args, role_parser
+    from akv.dist.roles import config_from_args, role_parser
 
     token_file = tmp_path / "token"
     token_file.write_text("f" * 32 + "\n")

@@ -12,7 +12,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from akv import _protocol as proto
+from akv.dist import protocol as proto
 from tests.akv.cluster import Cluster
 from transport import frame_bytes
 

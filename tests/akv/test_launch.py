@@ -24,9 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from akv._launchers import ExitRules, ProcessSpec, exit_code_of, status_text
 from akv.errors import AKVError
-from akv.launch import (
+from akv.launch.command import (
     MASK,
     Host,
     LaunchError,
@@ -41,6 +40,7 @@ from akv.launch import (
     plan,
     remote_script,
 )
+from akv.launch.supervisor import ExitRules, ProcessSpec, exit_code_of, status_text
 
 TOKEN = "f" * 64
 PYTHON = sys.executable
@@ -440,8 +440,8 @@ def test_local_plan_starts_scheduler_then_servers_then_workers_with_ranks_in_tha
         ("worker", 1),
     ]
     assert [s.label for s in specs] == ["scheduler", "server 0", "server 1", "worker 0", "worker 1"]
-    assert specs[0].argv == ("/py", "-m", "akv.scheduler")
-    assert specs[1].argv == ("/py", "-m", "akv.server")
+    assert specs[0].argv == ("/py", "-m", "akv.dist.scheduler")
+    assert specs[1].argv == ("/py", "-m", "akv.dist.server")
     assert specs[3].argv == ("python", "train.py")
 
 
@@ -507,7 +507,7 @@ def _ssh_plan() -> list[ProcessSpec]:
 def test_ssh_plan_places_servers_then_workers_round_robin_with_exact_ssh_commands():
     scheduler, server, worker0, worker1 = _ssh_plan()
     assert scheduler.host is None and scheduler.env["AKV_SCHEDULER_HOST"] == "10.0.0.1"
-    assert scheduler.argv == ("/py", "-m", "akv.scheduler")
+    assert scheduler.argv == ("/py", "-m", "akv.dist.scheduler")
     assert [(s.label, s.host) for s in (server, worker0, worker1)] == [
         ("server 0", "n1"),
         ("worker 0", "n2"),
@@ -530,7 +530,7 @@ def test_ssh_script_exports_the_environment_cds_and_runs_the_command():
     assert server.job_env["AKV_HOST"] == server.job_env["DMLC_NODE_HOST"] == "n1"
     assert worker0.job_env["AKV_RANK"] == "0" and "AKV_HOST" not in worker0.job_env
     assert server.stdin == remote_script(
-        server.job_env, "/work dir", ("python3", "-m", "akv.server")
+        server.job_env, "/work dir", ("python3", "-m", "akv.dist.server")
     )
     script = worker0.stdin
     assert "  export AKV_ROLE=worker\n" in script
@@ -631,7 +631,7 @@ def test_open_mpi_plan_is_two_mpiruns_forwarding_variables_by_name():
         *HOST_WRAPPER,
         "python3",
         "-m",
-        "akv.server",
+        "akv.dist.server",
     ]
     assert list(workers.argv) == [
         *head,
@@ -691,7 +691,7 @@ def test_slurm_plan_is_one_srun_step_per_role():
         *HOST_WRAPPER,
         "python3",
         "-m",
-        "akv.server",
+        "akv.dist.server",
     ]
 
 
@@ -905,7 +905,7 @@ def test_a_command_that_does_not_exist_exits_127(tmp_path, reaper):
 HELPER = textwrap.dedent(
     """
     import json, signal, sys
-    from akv.launch import LaunchOptions, launch
+    from akv.launch.command import LaunchOptions, launch
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
     sys.exit(launch(LaunchOptions(**json.loads(sys.argv[1])), terminate_grace_s=2))
     """

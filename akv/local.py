@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from akv import optimizer as _optimizer
-from akv._keys import Entry, merge_into
 from akv.errors import AKVError
+from akv.keys import Entry, merge_into
 from engine import Engine, Task
 
 __all__ = ["LocalBackend", "Updater", "UpdaterGuard"]

@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from akv import _config
-from akv import _protocol as proto
+from akv.dist import config as _config
+from akv.dist import protocol as proto
 from akv import optimizer as _optimizer
-from akv._dist_states import merge_server_states, split_server_states
-from akv._keys import Entry, merge_into
-from akv._placement import Part, place
-from akv._roles import client_ssl, scheduler_client
+from akv.dist.states import merge_server_states, split_server_states
+from akv.keys import Entry, merge_into
+from akv.dist.placement import Part, place
+from akv.dist.roles import client_ssl, scheduler_client
 from akv.errors import (
     AKVError,
     AuthenticationError,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from akv._args import Key, check_one_kind
+from akv.args import Key, check_one_kind
 from akv.errors import (
     DTypeMismatchError,
     DuplicateInitError,

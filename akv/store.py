@@ -16,11 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from akv import _config
 from akv import optimizer as _optimizer
-from akv._args import Key, as_input_array, as_output_array, group, normalize_key, pairs
-from akv._keys import Entry, KeyTable
-from akv._local import GUARD, LocalBackend, Updater
+from akv.args import Key, as_input_array, as_output_array, group, normalize_key, pairs
+from akv.dist import config as _config
 from akv.errors import (
     AKVError,
     ClosedError,
@@ -29,6 +27,8 @@ from akv.errors import (
     UnknownStoreTypeError,
     WaitTimeoutError,
 )
+from akv.keys import Entry, KeyTable
+from akv.local import GUARD, LocalBackend, Updater
 from engine import Engine, LoopThread, Waitable
 
 __all__ = ["STORE_TYPES", "AsyncKVStore", "KVStore", "create", "create_async"]
@@ -88,8 +88,8 @@ def _dist_config(store_type: str, environ: Any) -> _config.Config | None:
     if config.role != "worker":
         # As with MXNet's launch scripts, the same command may start every role: a process
         # whose role is server or scheduler serves that role, then exits.
-        from akv.scheduler import main as scheduler_main
-        from akv.server import main as server_main
+        from akv.dist.scheduler.service import main as scheduler_main
+        from akv.dist.server.service import main as server_main
 
         sys.exit((server_main if config.role == "server" else scheduler_main)([]))
     return config
@@ -181,7 +181,7 @@ class AsyncKVStore:
         if config is None:
             self._backend: Any = LocalBackend(self._engine, self)
         else:
-            from akv._dist import DistBackend
+            from akv.dist.worker.backend import DistBackend
 
             self._backend = DistBackend(self._engine, store_type, config)
             try:

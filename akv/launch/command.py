@@ -34,9 +34,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, NoReturn
 
-from akv._config import MIN_TOKEN_CHARS
-from akv._launchers import TERMINATE_GRACE_S, ProcessSpec, supervise
+from akv.dist.config import MIN_TOKEN_CHARS
 from akv.errors import LaunchError
+from akv.launch.supervisor import TERMINATE_GRACE_S, ProcessSpec, supervise
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -118,8 +118,8 @@ class LaunchOptions:
     """Everything the command line says, checked by :func:`validate`.
 
     ``scheduler_command`` and ``server_command`` replace the role commands
-    ``[PYTHON, "-m", "akv.scheduler"]`` and ``[PYTHON, "-m", "akv.server"]``; they are a seam
-    for tests and custom role programs and have no flag.
+    ``[PYTHON, "-m", "akv.dist.scheduler"]`` and ``[PYTHON, "-m", "akv.dist.server"]``;
+    they are a seam for tests and custom role programs and have no flag.
     """
 
     num_workers: int
@@ -443,13 +443,13 @@ def plan(
         ProcessSpec(
             role="scheduler",
             rank=None,
-            argv=options.scheduler_command or (here_python, "-m", "akv.scheduler"),
+            argv=options.scheduler_command or (here_python, "-m", "akv.dist.scheduler"),
             env={**inherited, **scheduler_env},
             job_env=scheduler_env,
             pass_fds=() if scheduler_fd is None else (scheduler_fd,),
         )
     ]
-    server_argv = options.server_command or (role_python, "-m", "akv.server")
+    server_argv = options.server_command or (role_python, "-m", "akv.dist.server")
     roles = [("server", server_argv, options.num_servers)]
     roles.append(("worker", tuple(options.command), options.num_workers))
     if options.launcher == "local":
@@ -795,7 +795,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C before the supervisor took over: nothing runs yet
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

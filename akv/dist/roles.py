@@ -9,7 +9,7 @@ import ssl
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 
-from akv import _config
+from akv.dist import config as _config
 from akv.errors import ConfigError
 from engine import new_event_loop
 from transport import HttpClient, client_ssl_context, server_ssl_context

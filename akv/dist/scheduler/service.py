@@ -31,15 +31,15 @@ from typing import Any
 
 from aiohttp import web
 
-from akv import _config
-from akv._roles import run_role, server_ssl
-from akv._roster import Roster
+from akv.dist import config as _config
+from akv.dist.roles import run_role, server_ssl
+from akv.dist.scheduler.roster import Roster
 from akv.errors import AKVError
 from transport import RequestError, create_app, serve
 
 __all__ = ["POLL_S", "Scheduler", "main"]
 
-log = logging.getLogger("akv.scheduler")
+log = logging.getLogger("akv.dist.scheduler")
 
 #: How long a register or barrier request is held before it is answered "still waiting".
 POLL_S = 2.0
@@ -272,5 +272,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_role("scheduler", argv, "Run the scheduler of an akv job.", run_scheduler)
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ or by flags (see ``docs/distributed.md``); akv-launch starts servers for you.
 
 Each worker opens one framed stream to each server (an authenticated HTTP Upgrade, see
 :mod:`transport`). Frames are received straight into the server's own buffers; the
-decisions about rounds are :class:`~akv._rounds.KeyRounds`'; the work on arrays (merging,
+decisions about rounds are :class:`~akv.dist.server.rounds.KeyRounds`'; the work on arrays (merging,
 applying, sending) runs as engine tasks on each key's var, so that per key a merge, the
 apply of its round and the pulls that read the result never overlap and keep their order.
 """
@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from akv import _config
-from akv import _protocol as proto
+from akv.dist import config as _config
+from akv.dist import protocol as proto
 from akv import optimizer as _optimizer
-from akv._keys import Entry
-from akv._roles import run_role, scheduler_client, server_ssl
-from akv._rounds import KeyRounds
+from akv.keys import Entry
+from akv.dist.roles import run_role, scheduler_client, server_ssl
+from akv.dist.server.rounds import KeyRounds
 from akv.errors import (
     AKVError,
     ConnectTimeoutError,
@@ -65,7 +65,7 @@ from transport import (
 
 __all__ = ["ParameterServer", "main"]
 
-log = logging.getLogger("akv.server")
+log = logging.getLogger("akv.dist.server")
 
 #: Work on arrays up to this size runs on the loop; bigger merges and updates on threads
 #: (a thread hop costs about as much as adding 3 MB here; 16 MiB is under 2 ms of adding).
@@ -852,5 +852,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_role("server", argv, "Run one parameter server of an akv job.", run_server)
 
 
-if __name__ == "__main__":
-    sys.exit(main())

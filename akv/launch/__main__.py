@@ -1,0 +1,5 @@
+import sys
+
+from akv.launch import main
+
+sys.exit(main())
