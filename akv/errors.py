@@ -24,13 +24,17 @@ __all__ = [
     "InvalidArgumentError",
     "KeyNotInitializedError",
     "LaunchError",
+    "MembershipError",
     "MixedKeyKindsError",
     "OptimizerError",
+    "OptimizerNotSetError",
     "PeerLostError",
     "ReentrantCallError",
+    "RoleError",
     "RoundTimeoutError",
     "ServerError",
     "ShapeMismatchError",
+    "StateFileError",
     "StateFormatError",
     "UnknownStoreTypeError",
     "WaitTimeoutError",
@@ -105,12 +109,24 @@ class OptimizerError(AKVError, ValueError):
     """An optimizer or learning-rate scheduler was given a bad name or parameter."""
 
 
+class OptimizerNotSetError(AKVError, RuntimeError):
+    """An optimizer-state call (save or load) came before any ``set_optimizer``."""
+
+
 class StateFormatError(AKVError, ValueError):
     """A saved optimizer-state file is not in akv's format, or does not fit the store."""
 
 
+class StateFileError(AKVError, OSError):
+    """An optimizer-state file could not be read or written; names the path and the cause."""
+
+
 class ConfigError(AKVError, ValueError):
     """The distributed configuration (environment or flags) is missing, malformed or wrong."""
+
+
+class RoleError(ConfigError):
+    """A call that needs a worker ran in a process whose role is server or scheduler."""
 
 
 class ConnectTimeoutError(WaitTimeoutError):
@@ -147,6 +163,11 @@ class ServerError(AKVError):
     def __init__(self, message: str, server: str = "") -> None:
         super().__init__(message)
         self.server = server
+
+
+class MembershipError(AKVError, ValueError):
+    """The scheduler refused a registration, heartbeat or barrier: an unknown node, a role
+    or rank that does not fit the job, a rank already taken. Names the node and the rank."""
 
 
 class LaunchError(AKVError, ValueError):
