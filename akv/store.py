@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from akv import limits
 from akv import optimizer as _optimizer
 from akv.args import Key, as_input_array, as_output_array, group, normalize_key, pairs
 from akv.dist import config as _config
@@ -35,18 +36,9 @@ __all__ = ["STORE_TYPES", "AsyncKVStore", "KVStore", "create", "create_async"]
 
 #: Store types ``create`` accepts.
 STORE_TYPES = ("local", "dist_sync", "dist_async")
-#: Work on at most this many bytes runs inline on the caller's thread in an AsyncKVStore;
-#: bigger pulls and updates go to the engine's worker threads so the event loop keeps
-#: running. A thread hop costs about as much as copying 3 MB here, so below 16 MiB
-#: (under 2 ms of copying) inline wins. Override with ``AKV_INLINE_MAX_BYTES``.
-INLINE_MAX_BYTES = int(os.environ.get("AKV_INLINE_MAX_BYTES", 16 << 20))
-#: Engine slots (tasks running at once) of a local store. Override with ``AKV_ENGINE_SLOTS``.
-ENGINE_SLOTS = int(os.environ.get("AKV_ENGINE_SLOTS", max(4, os.cpu_count() or 1)))
-#: Engine slots of a distributed store: requests in flight at once (bounds the bytes queued
-#: on the network, so that priority decides what goes first). A dist_sync pull holds its
-#: slot while it waits for the other workers' pushes, so keep it above the number of pulls
-#: a program leaves in flight without awaiting them.
-DIST_ENGINE_SLOTS = int(os.environ.get("AKV_DIST_SLOTS", 64))
+INLINE_MAX_BYTES = int(os.environ.get("AKV_INLINE_MAX_BYTES", limits.INLINE_MAX_BYTES))
+ENGINE_SLOTS = int(os.environ.get("AKV_ENGINE_SLOTS", limits.ENGINE_SLOTS))
+DIST_ENGINE_SLOTS = int(os.environ.get("AKV_DIST_SLOTS", limits.DIST_ENGINE_SLOTS))
 
 _OPTIONS = ("slots", "environ", "inline_max_bytes")
 

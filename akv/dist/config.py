@@ -14,29 +14,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from akv.errors import ConfigError
+from akv.limits import (
+    BARRIER_TIMEOUT_S,
+    BIGARRAY_BOUND,
+    CONNECT_TIMEOUT_S,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
+    MAX_BODY_BYTES,
+    MIN_TOKEN_CHARS,
+    REQUEST_TIMEOUT_S,
+    ROUND_TIMEOUT_S,
+)
 
 __all__ = ["ROLES", "Config", "Timeouts", "from_env"]
 
 ROLES = ("worker", "server", "scheduler")
-
-#: How long a node keeps trying to reach the scheduler and the others (seconds).
-CONNECT_TIMEOUT_S = 60.0
-#: How long a barrier waits for every worker (seconds).
-BARRIER_TIMEOUT_S = 300.0
-#: How long a sync round (and a pull waiting for it) waits for every worker's push.
-ROUND_TIMEOUT_S = 300.0
-#: How long one request to a server or the scheduler may take before it fails.
-REQUEST_TIMEOUT_S = 300.0
-#: How often every node tells the scheduler it is alive.
-HEARTBEAT_INTERVAL_S = 1.0
-#: After how long without a heartbeat a node counts as dead.
-HEARTBEAT_TIMEOUT_S = 10.0
-#: Arrays with at least this many elements are split over all servers (MXNet's bound).
-BIGARRAY_BOUND = 1_000_000
-#: Largest HTTP request body a server or the scheduler accepts (bytes); 413 past it.
-MAX_BODY_BYTES = 64 << 20
-#: Largest frame payload a stream accepts (bytes).
-MAX_PAYLOAD_BYTES = 16 << 30
 
 # (akv name, MXNet name or None)
 _ROLE = ("AKV_ROLE", "DMLC_ROLE")
@@ -61,7 +53,6 @@ TOKEN_HINT = (
     "`python -c 'import secrets; print(secrets.token_hex(32))'` and give the same value "
     "to every process of the job"
 )
-MIN_TOKEN_CHARS = 16
 
 
 @dataclass(frozen=True)

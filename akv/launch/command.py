@@ -34,9 +34,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, NoReturn
 
-from akv.dist.config import MIN_TOKEN_CHARS
 from akv.errors import LaunchError
 from akv.launch.supervisor import TERMINATE_GRACE_S, ProcessSpec, supervise
+from akv.limits import MIN_TOKEN_CHARS
 
 __all__ = [
     "DEFAULT_GRACE_S",

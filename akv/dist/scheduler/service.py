@@ -35,18 +35,13 @@ from akv.dist import config as _config
 from akv.dist.roles import run_role, server_ssl
 from akv.dist.scheduler.roster import Roster
 from akv.errors import AKVError
+from akv.limits import SCHEDULER_CHECK_INTERVAL_S, SCHEDULER_LINGER_S, SCHEDULER_POLL_S
 from transport import RequestError, create_app, serve
 
-__all__ = ["POLL_S", "Scheduler", "main"]
+__all__ = ["Scheduler", "main"]
 
 log = logging.getLogger("akv.dist.scheduler")
 
-#: How long a register or barrier request is held before it is answered "still waiting".
-POLL_S = 2.0
-#: How often the scheduler looks for silent nodes.
-CHECK_INTERVAL_S = 0.5
-#: After the job failed or ended, how long the scheduler stays up so every node hears it.
-LINGER_S = 3.0
 
 
 class Scheduler:
@@ -102,7 +97,7 @@ class Scheduler:
             await self.start()
         try:
             while True:
-                await asyncio.sleep(CHECK_INTERVAL_S)
+                await asyncio.sleep(SCHEDULER_CHECK_INTERVAL_S)
                 async with self._changed:
                     dead = self.roster.check(time.monotonic())
                     if dead:
@@ -120,7 +115,7 @@ class Scheduler:
     def _linger_s(self) -> float:
         if self.roster.failure is None:
             return 0.0
-        return max(LINGER_S, 2 * self.config.timeouts.heartbeat_interval_s)
+        return max(SCHEDULER_LINGER_S, 2 * self.config.timeouts.heartbeat_interval_s)
 
     async def stop(self) -> None:
         """Stop listening. Idempotent."""
@@ -146,7 +141,7 @@ class Scheduler:
     async def _wait(self, predicate: Any) -> bool:
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(predicate), POLL_S)
+                await asyncio.wait_for(self._changed.wait_for(predicate), SCHEDULER_POLL_S)
             except asyncio.TimeoutError:
                 return False
         return True

@@ -34,6 +34,15 @@ from akv import optimizer as _optimizer
 from akv.keys import Entry
 from akv.dist.roles import run_role, scheduler_client, server_ssl
 from akv.dist.server.rounds import KeyRounds
+from akv.limits import (
+    CONNECT_RETRY_S,
+    GOODBYE_TIMEOUT_S,
+    INLINE_MAX_BYTES,
+    MAX_PAYLOAD_BYTES,
+    ROUND_CHECK_INTERVAL_S,
+    SERVER_ENGINE_SLOTS,
+    SMALL_REPLY_BYTES,
+)
 from akv.errors import (
     AKVError,
     ConnectTimeoutError,
@@ -66,16 +75,6 @@ from transport import (
 __all__ = ["ParameterServer", "main"]
 
 log = logging.getLogger("akv.dist.server")
-
-#: Work on arrays up to this size runs on the loop; bigger merges and updates on threads
-#: (a thread hop costs about as much as adding 3 MB here; 16 MiB is under 2 ms of adding).
-INLINE_MAX_BYTES = 16 << 20
-#: Pull answers up to this size are copied and sent at once (bigger ones are sent from the
-#: stored arrays themselves, holding them for reading until the kernel took the bytes).
-SMALL_REPLY_BYTES = 64 << 10
-#: How often the server looks for rounds that waited too long.
-ROUND_CHECK_INTERVAL_S = 0.5
-SERVER_SLOTS = max(4, os.cpu_count() or 1)
 
 
 class ServerEntry(Entry):
@@ -126,7 +125,7 @@ class ParameterServer:
         self.node_id = uuid.uuid4().hex
         self.rank: int | None = config.rank
         self.name = "server ?"
-        self.engine = Engine(slots=SERVER_SLOTS, name="akv-server")
+        self.engine = Engine(slots=SERVER_ENGINE_SLOTS, name="akv-server")
         self._loop_thread = threading.get_ident()
         self.entries: dict[Any, ServerEntry] = {}
         self.store_type: str | None = None
@@ -196,7 +195,7 @@ class ParameterServer:
             if note != last_note:
                 log.info("server waiting: %s", note)
                 last_note = note
-            await asyncio.sleep(0.2 if answer is None else 0.0)
+            await asyncio.sleep(CONNECT_RETRY_S if answer is None else 0.0)
 
     async def run(self) -> int:
         """Serve until the scheduler says stop; return 0, or 1 when the job failed."""
@@ -244,7 +243,7 @@ class ParameterServer:
             link.protocol.close()
         with contextlib.suppress(TransportError, AKVError):  # it may be gone already
             await self.scheduler.json(
-                "POST", "/v1/finish", {"node_id": self.node_id}, timeout_s=5.0
+                "POST", "/v1/finish", {"node_id": self.node_id}, timeout_s=GOODBYE_TIMEOUT_S
             )
         await self.scheduler.close()
         await self.engine.aclose()
@@ -786,7 +785,7 @@ class _WorkerLink:
             self._destinations,
             self._on_message,
             self._on_lost,
-            max_payload_bytes=_config.MAX_PAYLOAD_BYTES,
+            max_payload_bytes=MAX_PAYLOAD_BYTES,
         )
 
     @property

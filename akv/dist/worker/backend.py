@@ -31,6 +31,15 @@ from akv import optimizer as _optimizer
 from akv.dist.states import merge_server_states, split_server_states
 from akv.keys import Entry, merge_into
 from akv.dist.placement import Part, place
+from akv.limits import (
+    CONNECT_RETRY_S,
+    GOODBYE_TIMEOUT_S,
+    HEARTBEAT_REQUEST_INTERVALS,
+    HEARTBEAT_STOP_S,
+    MAX_PAYLOAD_BYTES,
+    MIN_HEARTBEAT_REQUEST_S,
+    SWEEP_INTERVAL_S,
+)
 from akv.dist.roles import client_ssl, scheduler_client
 from akv.errors import (
     AKVError,
@@ -59,11 +68,6 @@ __all__ = ["DistBackend", "DistEntry"]
 log = logging.getLogger("akv.dist")
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-#: How long to wait between connection attempts while the job assembles.
-CONNECT_RETRY_S = 0.2
-#: How often requests are checked against their deadline.
-SWEEP_INTERVAL_S = 0.25
-
 
 class DistEntry(Entry):
     """A key as a worker knows it: where its parts live."""
@@ -130,7 +134,7 @@ class _ServerLink:
             self._on_lost,
             ssl_context=ssl_context,
             timeout_s=config.timeouts.connect_s,
-            max_payload_bytes=_config.MAX_PAYLOAD_BYTES,
+            max_payload_bytes=MAX_PAYLOAD_BYTES,
             client_id=f"{worker} {store_type}",
         )
 
@@ -275,7 +279,12 @@ class _Heartbeat:
     async def _beat(self) -> None:
         config = self._config
         client = scheduler_client(
-            config, max(5.0, config.timeouts.heartbeat_interval_s * 5), retries=0
+            config,
+            max(
+                MIN_HEARTBEAT_REQUEST_S,
+                config.timeouts.heartbeat_interval_s * HEARTBEAT_REQUEST_INTERVALS,
+            ),
+            retries=0,
         )
         answered = time.monotonic()
         try:
@@ -301,7 +310,7 @@ class _Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self._config.timeouts.heartbeat_interval_s + 6.0)
+            self._thread.join(self._config.timeouts.heartbeat_interval_s + HEARTBEAT_STOP_S)
 
 
 class DistBackend:
@@ -778,7 +787,7 @@ class DistBackend:
             if self.broken is None:
                 await asyncio.gather(
                     *(
-                        link.request(proto.CLOSE, timeout_s=10.0)
+                        link.request(proto.CLOSE, timeout_s=GOODBYE_TIMEOUT_S)
                         for link in self.links
                         if link.lost is None
                     )

@@ -1,0 +1,86 @@
+"""Every limit of akv's stores, servers and scheduler, named once, with its unit.
+
+A limit that a user may change names the environment variable that overrides it; the
+variable is read where the limit is used: when a store is created (``AKV_INLINE_MAX_BYTES``,
+``AKV_ENGINE_SLOTS``, ``AKV_DIST_SLOTS``) or when a distributed process reads its
+configuration (:func:`akv.dist.config.from_env`, every other variable). The launcher's own
+limits live in :mod:`akv.launch`. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import os
+
+# ---------------------------------------------------------------- the store faces
+
+#: Array work on at most this many bytes runs inline on the caller's thread of an
+#: AsyncKVStore (and on a server's loop); bigger work runs on the engine's worker threads.
+#: A thread hop costs about as much as copying 3 MB, so below 16 MiB (under 2 ms of
+#: copying) inline wins. ``AKV_INLINE_MAX_BYTES``.
+INLINE_MAX_BYTES = 16 << 20
+#: Engine slots (tasks running at once) of a local store. ``AKV_ENGINE_SLOTS``.
+ENGINE_SLOTS = max(4, os.cpu_count() or 1)
+#: Engine slots of a distributed store: requests in flight at once (bounds the bytes queued
+#: on the network, so that priority decides what goes first). A dist_sync pull holds its
+#: slot while it waits for the other workers' pushes, so keep it above the number of pulls
+#: a program leaves in flight without awaiting them. ``AKV_DIST_SLOTS``.
+DIST_ENGINE_SLOTS = 64
+
+# ---------------------------------------------------------------- deadlines (seconds)
+
+#: How long a node keeps trying to reach the scheduler and the others, and how long a
+#: worker's init waits for rank 0's values. ``AKV_CONNECT_TIMEOUT_S``.
+CONNECT_TIMEOUT_S = 60.0
+#: How long a barrier waits for every worker. ``AKV_BARRIER_TIMEOUT_S``.
+BARRIER_TIMEOUT_S = 300.0
+#: How long a sync round (and a pull waiting for it) waits for every worker's push.
+#: ``AKV_ROUND_TIMEOUT_S``.
+ROUND_TIMEOUT_S = 300.0
+#: How long one request to a server or the scheduler may take. ``AKV_REQUEST_TIMEOUT_S``.
+REQUEST_TIMEOUT_S = 300.0
+#: How often every node tells the scheduler it is alive. ``AKV_HEARTBEAT_INTERVAL_S``.
+HEARTBEAT_INTERVAL_S = 1.0
+#: After how long without a heartbeat a node counts as dead. ``AKV_HEARTBEAT_TIMEOUT_S``.
+HEARTBEAT_TIMEOUT_S = 10.0
+#: A heartbeat request's own deadline: this many heartbeat intervals, at least
+#: :data:`MIN_HEARTBEAT_REQUEST_S`.
+HEARTBEAT_REQUEST_INTERVALS = 5
+MIN_HEARTBEAT_REQUEST_S = 5.0
+#: How long a leaving node waits for each goodbye (to a server, to the scheduler).
+GOODBYE_TIMEOUT_S = 10.0
+#: How long the worker's heartbeat thread may take to stop, beyond one interval.
+HEARTBEAT_STOP_S = 6.0
+
+# ---------------------------------------------------------------- polling (seconds)
+
+#: How long a node waits between attempts while the job assembles.
+CONNECT_RETRY_S = 0.2
+#: How often a worker checks its outstanding requests against their deadlines.
+SWEEP_INTERVAL_S = 0.25
+#: How often a server looks for rounds and init waits that waited too long.
+ROUND_CHECK_INTERVAL_S = 0.5
+#: How long the scheduler holds a register or barrier request before it answers
+#: "still waiting".
+SCHEDULER_POLL_S = 2.0
+#: How often the scheduler looks for silent nodes.
+SCHEDULER_CHECK_INTERVAL_S = 0.5
+#: After the job failed or ended, how long the scheduler stays up so every node hears it.
+SCHEDULER_LINGER_S = 3.0
+
+# ---------------------------------------------------------------- sizes
+
+#: Arrays with at least this many elements are split over all servers (MXNet's
+#: ``MXNET_KVSTORE_BIGARRAY_BOUND``). ``AKV_BIGARRAY_BOUND``.
+BIGARRAY_BOUND = 1_000_000
+#: Largest HTTP request body a server or the scheduler accepts (bytes); 413 past it.
+#: ``AKV_MAX_BODY_BYTES``.
+MAX_BODY_BYTES = 64 << 20
+#: Largest frame payload a stream accepts (bytes).
+MAX_PAYLOAD_BYTES = 16 << 30
+#: Pull answers up to this many bytes are copied and sent at once; bigger ones are sent
+#: from the stored arrays themselves, held for reading until the kernel took the bytes.
+SMALL_REPLY_BYTES = 64 << 10
+#: Engine slots of a server.
+SERVER_ENGINE_SLOTS = max(4, os.cpu_count() or 1)
+#: The shortest token a job accepts (characters). ``AKV_TOKEN`` sets the token.
+MIN_TOKEN_CHARS = 16
