@@ -26,18 +26,21 @@ from akv.limits import (
     ROUND_TIMEOUT_S,
 )
 
-__all__ = ["ROLES", "Config", "Timeouts", "from_env"]
+__all__ = ["ROLES", "TWIN_VARIABLES", "Config", "Timeouts", "from_env"]
 
 ROLES = ("worker", "server", "scheduler")
 
-# (akv name, MXNet name or None)
+# Each setting's akv name and its MXNet twin (None: akv's alone). The one table of them:
+# the launcher sets both of each pair, and a process accepts either (both only if equal).
 _ROLE = ("AKV_ROLE", "DMLC_ROLE")
 _HOST = ("AKV_SCHEDULER_HOST", "DMLC_PS_ROOT_URI")
 _PORT = ("AKV_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT")
 _WORKERS = ("AKV_NUM_WORKERS", "DMLC_NUM_WORKER")
 _SERVERS = ("AKV_NUM_SERVERS", "DMLC_NUM_SERVER")
-_BOUND = ("AKV_BIGARRAY_BOUND", "MXNET_KVSTORE_BIGARRAY_BOUND")
 _NODE_HOST = ("AKV_HOST", "DMLC_NODE_HOST")
+_BOUND = ("AKV_BIGARRAY_BOUND", "MXNET_KVSTORE_BIGARRAY_BOUND")
+#: The variable pairs the launcher sets: akv's name and MXNet's twin (always equal).
+TWIN_VARIABLES: tuple[tuple[str, str], ...] = (_ROLE, _HOST, _PORT, _WORKERS, _SERVERS, _NODE_HOST)
 _RANK_SOURCES = ("AKV_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 _TIMEOUTS = {
     "connect_s": ("AKV_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S),

@@ -85,12 +85,7 @@ def config_from_args(
         value = getattr(args, flag, None)
         if value is not None:
             env[name] = str(value)
-            mxnet = {
-                "AKV_SCHEDULER_HOST": "DMLC_PS_ROOT_URI",
-                "AKV_SCHEDULER_PORT": "DMLC_PS_ROOT_PORT",
-                "AKV_NUM_WORKERS": "DMLC_NUM_WORKER",
-                "AKV_NUM_SERVERS": "DMLC_NUM_SERVER",
-            }.get(name)
+            mxnet = dict(_config.TWIN_VARIABLES).get(name)
             if mxnet:
                 env.pop(mxnet, None)
     if args.token_file:

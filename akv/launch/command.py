@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, NoReturn
 
+from akv.dist.config import TWIN_VARIABLES
 from akv.errors import LaunchError
 from akv.launch.supervisor import TERMINATE_GRACE_S, ProcessSpec, supervise
 from akv.limits import MIN_TOKEN_CHARS
@@ -85,15 +86,6 @@ MASK = "<masked>"
 PORT_PLACEHOLDER = "<port>"
 FD_PLACEHOLDER = "<fd>"
 
-#: Variable pairs the launcher sets: akv's name and MXNet's twin (always equal).
-TWIN_VARIABLES = (
-    ("AKV_ROLE", "DMLC_ROLE"),
-    ("AKV_SCHEDULER_HOST", "DMLC_PS_ROOT_URI"),
-    ("AKV_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT"),
-    ("AKV_NUM_WORKERS", "DMLC_NUM_WORKER"),
-    ("AKV_NUM_SERVERS", "DMLC_NUM_SERVER"),
-    ("AKV_HOST", "DMLC_NODE_HOST"),
-)
 #: Variables that belong to the launcher: ``--env`` may not set them, and values inherited
 #: from the launcher's own environment are dropped so a stale one cannot leak into the job.
 OWNED_VARIABLES = frozenset(
