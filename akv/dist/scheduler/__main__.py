@@ -1,0 +1,5 @@
+import sys
+
+from akv.dist.scheduler import main
+
+sys.exit(main())

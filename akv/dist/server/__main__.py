@@ -1,0 +1,5 @@
+import sys
+
+from akv.dist.server import main
+
+sys.exit(main())
