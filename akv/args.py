@@ -7,11 +7,14 @@ scheduled, so a bad argument raises at the call that caused it and changes nothi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import numpy as np
 
 from akv.errors import InvalidArgumentError, MixedKeyKindsError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = [
     "Key",
@@ -37,16 +40,15 @@ def normalize_key(key: object) -> Key:
     InvalidArgumentError
         For any other type (``bool`` included: ``True`` is not a key).
     """
-    kind = type(key)
-    if kind is int or kind is str:
-        return key  # type: ignore[return-value]
+    if type(key) is int or type(key) is str:
+        return key
     if isinstance(key, np.integer):
         return int(key)
     if isinstance(key, str):
         return str(key)
     if isinstance(key, int) and not isinstance(key, bool):
         return int(key)
-    raise InvalidArgumentError(f"keys must be int or str, got {key!r} of type {kind.__name__}")
+    raise InvalidArgumentError(f"keys must be int or str, got {key!r} of type {type(key).__name__}")
 
 
 def key_kind(key: Key) -> type:
@@ -92,7 +94,8 @@ def as_input_array(value: object, key: Key, what: str) -> np.ndarray:
             return np.asarray(value)
         if hasattr(value, "__dlpack__"):
             return np.from_dlpack(value)
-        return np.asarray(memoryview(value))  # type: ignore[arg-type]
+        # Only trying tells whether it exports a buffer: memoryview raises TypeError if not.
+        return np.asarray(memoryview(cast("Buffer", value)))
     except (TypeError, ValueError, BufferError, RuntimeError) as exc:
         raise InvalidArgumentError(
             f"{what} for key {key!r}: cannot view {type(value).__name__} as an array: {exc}"
@@ -119,7 +122,7 @@ def as_output_array(out: object, key: Key) -> np.ndarray:
     return array
 
 
-def _is_list(value: object) -> bool:
+def _is_list(value: object) -> TypeGuard[list[Any] | tuple[Any, ...]]:
     return isinstance(value, (list, tuple))
 
 
@@ -133,22 +136,22 @@ def pairs(keys: object, values: object, what: str) -> list[tuple[Key, list[Any]]
     if not _is_list(keys):
         key = normalize_key(keys)
         if _is_list(values):
-            items = list(values)  # type: ignore[arg-type]
+            items = list(values)
             if not items:
                 raise InvalidArgumentError(f"{what} for key {key!r}: empty list of values")
             return [(key, items)]
         return [(key, [values])]
-    key_list = [normalize_key(k) for k in keys]  # type: ignore[union-attr]
+    key_list = [normalize_key(k) for k in keys]
     if not key_list:
         raise InvalidArgumentError(f"{what}: empty list of keys")
     check_one_kind(key_list, None)
-    if not _is_list(values) or len(values) != len(key_list):  # type: ignore[arg-type]
-        got = len(values) if _is_list(values) else "a single value"  # type: ignore[arg-type]
+    if not _is_list(values) or len(values) != len(key_list):
+        got = len(values) if _is_list(values) else "a single value"
         raise InvalidArgumentError(
             f"{what}: {len(key_list)} keys need a list of {len(key_list)} values, got {got}"
         )
     result = []
-    for key, value in zip(key_list, values, strict=True):  # type: ignore[arg-type]
+    for key, value in zip(key_list, values, strict=True):
         if _is_list(value):
             if not value:
                 raise InvalidArgumentError(f"{what} for key {key!r}: empty list of values")
@@ -164,9 +167,8 @@ def group(keys: object, values: object, what: str) -> dict[Key, list[Any]]:
     The result maps each key to its values, in order of first appearance (a push sums
     them; a pull writes the value into each).
     """
-    kind = type(keys)
-    if (kind is int or kind is str) and type(values) is np.ndarray:
-        return {keys: [values]}  # type: ignore[dict-item]  # the common call, kept cheap
+    if (type(keys) is int or type(keys) is str) and type(values) is np.ndarray:
+        return {keys: [values]}  # the common call, kept cheap
     grouped: dict[Key, list[Any]] = {}
     for key, values_of_key in pairs(keys, values, what):
         bucket = grouped.get(key)

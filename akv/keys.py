@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,29 +17,64 @@ from akv.errors import (
 )
 from engine import Var
 
-__all__ = ["MAX_SPARE_BUFFERS", "Entry", "KeyTable", "merge_into"]
+__all__ = ["MAX_SPARE_BUFFERS", "Entry", "KeyTable", "Part", "merge_into"]
 
 #: Staging buffers kept per key for reuse (fresh pages cost about twice a warm copy).
 MAX_SPARE_BUFFERS = 2
 
 
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Elements ``[start, stop)`` of a key's flattened value, held by server ``server``."""
+
+    server: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        """How many elements the part holds."""
+        return self.stop - self.start
+
+
 class Entry:
-    """One initialized key: its shape, dtype, engine var, and reusable staging buffers.
+    """One initialized key: its shape, dtype, engine var, where it lives, and reusable
+    staging buffers.
 
     ``value`` is the backend's array for the key (the stored value in a local store).
+    ``parts`` says which server holds which elements (one part, on "server" 0, for a key
+    that lives in this process).
     """
 
-    __slots__ = ("_spares", "dtype", "key", "nbytes", "shape", "size", "value", "var")
+    __slots__ = ("_spares", "dtype", "key", "nbytes", "parts", "shape", "size", "value", "var")
 
-    def __init__(self, key: Key, shape: tuple[int, ...], dtype: np.dtype, var: Var) -> None:
+    def __init__(
+        self,
+        key: Key,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        var: Var,
+        parts: tuple[Part, ...] | None = None,
+    ) -> None:
         self.key = key
         self.shape = shape
         self.dtype = dtype
         self.size = int(np.prod(shape, dtype=np.int64))
         self.nbytes = self.size * dtype.itemsize
         self.var = var
+        self.parts = parts if parts is not None else (Part(0, 0, self.size),)
         self.value: np.ndarray | None = None
         self._spares: list[np.ndarray] = []
+
+    def wire_view(self, array: np.ndarray, part: Part) -> np.ndarray:
+        """The piece of ``array`` (C-contiguous, the key's shape) that ``part`` covers."""
+        if len(self.parts) == 1:
+            return array
+        return array.reshape(-1)[part.start : part.stop]
+
+    def layout(self) -> tuple[tuple[int, ...], list[tuple[int, int, int]]]:
+        """The key's shape and its parts as (server, first element, end element)."""
+        return self.shape, [(p.server, p.start, p.stop) for p in self.parts]
 
     def take_buffer(self) -> np.ndarray:
         """A C-contiguous array of the key's shape and dtype that nobody else uses."""

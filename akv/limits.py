@@ -46,6 +46,9 @@ HEARTBEAT_TIMEOUT_S = 10.0
 #: :data:`MIN_HEARTBEAT_REQUEST_S`.
 HEARTBEAT_REQUEST_INTERVALS = 5
 MIN_HEARTBEAT_REQUEST_S = 5.0
+#: How much longer than the connect timeout a worker's init waits for a server's answer
+#: (the server itself answers at the connect timeout).
+INIT_CHECK_MARGIN_S = 5.0
 #: How long a leaving node waits for each goodbye (to a server, to the scheduler).
 GOODBYE_TIMEOUT_S = 10.0
 #: How long the worker's heartbeat thread may take to stop, beyond one interval.

@@ -13,20 +13,18 @@ from the blocking face, whose caller waits, is summed straight into the stored a
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from akv import optimizer as _optimizer
-from akv.errors import AKVError
+from akv.args import Key
+from akv.backend import KeyArrays, Updater
+from akv.errors import AKVError, OptimizerNotSetError, StateFileError
 from akv.keys import Entry, merge_into
 from engine import Engine, Task
 
-__all__ = ["LocalBackend", "Updater", "UpdaterGuard"]
-
-Updater = Callable[[Any, np.ndarray, np.ndarray], None]
+__all__ = ["LocalBackend", "UpdaterGuard"]
 
 
 class UpdaterGuard(threading.local):
@@ -34,7 +32,9 @@ class UpdaterGuard(threading.local):
 
     store: object = None
 
-    def run(self, store: object, updater: Updater, key: Any, recv: np.ndarray, stored: Any) -> None:
+    def run(
+        self, store: object, updater: Updater, key: Key, recv: np.ndarray, stored: np.ndarray
+    ) -> None:
         previous = self.store
         self.store = store
         try:
@@ -54,6 +54,7 @@ def _commit(entry: Entry, staged: np.ndarray) -> None:
 
 
 def _update(store: object, updater: Updater, entry: Entry, staged: np.ndarray) -> None:
+    assert entry.value is not None  # set by init, which every push is ordered after
     try:
         GUARD.run(store, updater, entry.key, staged, entry.value)
     finally:
@@ -76,7 +77,8 @@ def _land(
                 if staged is not None:
                     _commit(entry, staged)
                 else:
-                    merge_into(entry.value, arrays)  # type: ignore[arg-type]
+                    assert entry.value is not None  # set by init, ordered before
+                    merge_into(entry.value, arrays)
             else:
                 recv = staged if staged is not None else merge_into(entry.take_buffer(), arrays)
                 _update(store, updater, entry, recv)
@@ -87,14 +89,15 @@ def _land(
             raise
 
 
-def _copy_out(entry: Entry, outs: list[np.ndarray], result: Any) -> Any:
+def _copy_out(entry: Entry, outs: list[np.ndarray], result: object) -> object:
     stored = entry.value
+    assert stored is not None  # set by init, which every pull is ordered after
     for out in outs:
         np.copyto(out, stored)
     return result
 
 
-def _pull_many(targets: list[tuple[Entry, list[np.ndarray]]], result: Any) -> Any:
+def _pull_many(targets: KeyArrays, result: object) -> object:
     for entry, outs in targets:
         _copy_out(entry, outs, None)
     return result
@@ -118,20 +121,32 @@ class LocalBackend:
     num_workers = 1
     broken: AKVError | None = None
 
-    def __init__(self, engine: Engine, store: object) -> None:
+    def __init__(self, engine: Engine, store: object, inline_max_bytes: int | None) -> None:
+        """``store``: the store whose updater calls are guarded against re-entry.
+        ``inline_max_bytes``: work on at most this many bytes runs on the calling thread,
+        bigger work on the engine's threads (None: always on the calling thread)."""
         self._engine = engine
         self._store = store
+        self._inline_max_bytes = inline_max_bytes
         self.type = "local"
         self.updater: Updater | None = None
         self._optimizer_updater: _optimizer.Updater | None = None
 
-    def new_entry(self, key: Any, array: np.ndarray) -> Entry:
+    def _executor(self, entries: list[Entry]) -> str:
+        """Inline for work on few bytes, else the worker threads."""
+        limit = self._inline_max_bytes
+        if limit is None:
+            return "inline"
+        total = 0
+        for entry in entries:
+            total += entry.nbytes
+            if total > limit:
+                return "thread"
+        return "inline"
+
+    def new_entry(self, key: Key, array: np.ndarray) -> Entry:
         """A key's entry, with an engine var of its own."""
         return Entry(key, tuple(array.shape), array.dtype, self._engine.new_var(f"key {key!r}"))
-
-    def placement(self, entries: list[Entry]) -> dict[Any, list[tuple[int, int, int]]]:
-        """Everything lives here: one part per key, on 'server' 0."""
-        return {e.key: [(0, 0, e.size)] for e in entries}
 
     def set_updater(self, updater: Updater | None) -> None:
         """Use ``updater`` for pushes issued from now on."""
@@ -145,24 +160,18 @@ class LocalBackend:
         self._optimizer_updater = updater
         return self.barrier()
 
-    def init(self, entries: list[Entry], arrays: list[np.ndarray], executor: str) -> Task:
+    def init(self, entries: list[Entry], arrays: list[np.ndarray]) -> Task:
         """Copy the initial values (the store keeps no reference to the caller's arrays)."""
         return self._engine.push(
             _store_initial,
             entries,
             arrays,
             writes=[entry.var for entry in entries],
-            executor=executor,
+            executor=self._executor(entries),
             name="init",
         )
 
-    def push(
-        self,
-        values: list[tuple[Entry, list[np.ndarray]]],
-        priority: int,
-        executor: str,
-        borrow: bool,
-    ) -> Task:
+    def push(self, values: KeyArrays, priority: int, borrow: bool) -> Task:
         """Apply checked values: ``updater(key, summed, stored)``, or replace the stored value.
 
         ``borrow``: the caller waits until this is done, so its arrays are read in the task
@@ -176,6 +185,8 @@ class LocalBackend:
         ]
         if updater is None and not borrow:
             executor = "inline"  # committing staged buffers is a swap of references
+        else:
+            executor = self._executor([entry for entry, _ in values])
         return self._engine.push(
             _land,
             self._store,
@@ -187,14 +198,9 @@ class LocalBackend:
             name="push",
         )
 
-    def pull(
-        self,
-        targets: list[tuple[Entry, list[np.ndarray]]],
-        result: Any,
-        priority: int,
-        executor: str,
-    ) -> Task:
+    def pull(self, targets: KeyArrays, result: object, priority: int) -> Task:
         """Copy each key's stored value into each of its outputs; the task returns ``result``."""
+        executor = self._executor([entry for entry, _ in targets])
         if len(targets) == 1:
             entry, outs = targets[0]
             return self._engine.push(
@@ -218,17 +224,11 @@ class LocalBackend:
         )
 
     def pushpull(
-        self,
-        values: list[tuple[Entry, list[np.ndarray]]],
-        targets: list[tuple[Entry, list[np.ndarray]]],
-        result: Any,
-        priority: int,
-        executor: str,
-        borrow: bool,
+        self, values: KeyArrays, targets: KeyArrays, result: object, priority: int, borrow: bool
     ) -> Task:
         """A push, then a pull ordered after it."""
-        self.push(values, priority, executor, borrow)
-        return self.pull(targets, result, priority, executor)
+        self.push(values, priority, borrow)
+        return self.pull(targets, result, priority)
 
     def barrier(self) -> Task:
         """Nothing to wait for: a local store has one worker."""
@@ -236,7 +236,7 @@ class LocalBackend:
 
     def _require_optimizer(self, what: str) -> _optimizer.Updater:
         if self._optimizer_updater is None:
-            raise AKVError(f"{what} needs an optimizer: call set_optimizer first")
+            raise OptimizerNotSetError(f"{what} needs an optimizer: call set_optimizer first")
         return self._optimizer_updater
 
     def save_states(self, entries: list[Entry], path: Path, dump_optimizer: bool) -> Task:
@@ -244,7 +244,13 @@ class LocalBackend:
         updater = self._require_optimizer("save_optimizer_states")
 
         def write() -> None:
-            path.write_bytes(updater.dump_states(dump_optimizer))
+            data = updater.dump_states(dump_optimizer)
+            try:
+                path.write_bytes(data)
+            except OSError as exc:
+                raise StateFileError(
+                    f"save_optimizer_states: cannot write {str(path)!r}: {exc}"
+                ) from exc
 
         return self._engine.push(
             write, reads=[entry.var for entry in entries], name="save_optimizer_states"
@@ -258,7 +264,9 @@ class LocalBackend:
             try:
                 data = path.read_bytes()
             except OSError as exc:
-                raise AKVError(f"load_optimizer_states: cannot read {str(path)!r}: {exc}") from exc
+                raise StateFileError(
+                    f"load_optimizer_states: cannot read {str(path)!r}: {exc}"
+                ) from exc
             updater.load_states(data)
 
         return self._engine.push(

@@ -19,26 +19,41 @@ import numpy as np
 from akv import limits
 from akv import optimizer as _optimizer
 from akv.args import Key, as_input_array, as_output_array, group, normalize_key, pairs
-from akv.dist import config as _config
+from akv.backend import Backend, KeyArrays, Updater
+from akv.dist.config import Config, from_env
 from akv.errors import (
     AKVError,
     ClosedError,
+    ConfigError,
     InvalidArgumentError,
     ReentrantCallError,
+    RoleError,
     UnknownStoreTypeError,
     WaitTimeoutError,
 )
-from akv.keys import Entry, KeyTable
-from akv.local import GUARD, LocalBackend, Updater
+from akv.keys import KeyTable
+from akv.local import GUARD, LocalBackend
 from engine import Engine, LoopThread, Waitable
 
 __all__ = ["STORE_TYPES", "AsyncKVStore", "KVStore", "create", "create_async"]
 
 #: Store types ``create`` accepts.
 STORE_TYPES = ("local", "dist_sync", "dist_async")
-INLINE_MAX_BYTES = int(os.environ.get("AKV_INLINE_MAX_BYTES", limits.INLINE_MAX_BYTES))
-ENGINE_SLOTS = int(os.environ.get("AKV_ENGINE_SLOTS", limits.ENGINE_SLOTS))
-DIST_ENGINE_SLOTS = int(os.environ.get("AKV_DIST_SLOTS", limits.DIST_ENGINE_SLOTS))
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    """``name`` from the environment (read at each store's creation), or ``default``."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be at least {minimum}")
+    return value
+
 
 _OPTIONS = ("slots", "environ", "inline_max_bytes")
 
@@ -60,7 +75,10 @@ def _check_options(store_type: str, options: dict[str, Any]) -> int:
         raise InvalidArgumentError(
             f"unknown store option(s) {unknown}; known: {', '.join(_OPTIONS)}"
         )
-    default = ENGINE_SLOTS if store_type == "local" else DIST_ENGINE_SLOTS
+    if store_type == "local":
+        default = _env_int("AKV_ENGINE_SLOTS", limits.ENGINE_SLOTS, 1)
+    else:
+        default = _env_int("AKV_DIST_SLOTS", limits.DIST_ENGINE_SLOTS, 1)
     slots = options.get("slots", default)
     if not isinstance(slots, int) or slots < 1:
         raise InvalidArgumentError(f"slots must be an int >= 1, got {slots!r}")
@@ -70,21 +88,32 @@ def _check_options(store_type: str, options: dict[str, Any]) -> int:
     return slots
 
 
-def _dist_config(store_type: str, environ: Any) -> _config.Config | None:
-    """The job's configuration for a distributed type; runs a server or scheduler role."""
+def _dist_config(store_type: str, environ: object, blocking: bool) -> Config | None:
+    """The job's configuration for a distributed type.
+
+    As with MXNet's launch scripts, the same command may start every role: in a process
+    whose role is server or scheduler, the blocking :func:`create` serves that role and
+    exits the process; :func:`create_async` raises :class:`~akv.errors.RoleError` (it
+    runs inside the caller's event loop, which it must not end).
+    """
     if store_type == "local":
         return None
     if environ is not None and not isinstance(environ, Mapping):
         raise InvalidArgumentError(f"environ must be a mapping, got {type(environ).__name__}")
-    config = _config.from_env(environ)
-    if config.role != "worker":
-        # As with MXNet's launch scripts, the same command may start every role: a process
-        # whose role is server or scheduler serves that role, then exits.
-        from akv.dist.scheduler.service import main as scheduler_main
-        from akv.dist.server.service import main as server_main
+    config = from_env(environ)
+    if config.role == "worker":
+        return config
+    command = "akv-server" if config.role == "server" else "akv-scheduler"
+    if not blocking:
+        raise RoleError(
+            f"create_async({store_type!r}) was called in a process whose role is "
+            f"{config.role} (DMLC_ROLE/AKV_ROLE): run `{command}` for that role, or use "
+            "the blocking akv.create, which serves the role and exits"
+        )
+    from akv.dist.scheduler import main as scheduler_main
+    from akv.dist.server import main as server_main
 
-        sys.exit((server_main if config.role == "server" else scheduler_main)([]))
-    return config
+    sys.exit((server_main if config.role == "server" else scheduler_main)([]))
 
 
 async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
@@ -110,8 +139,10 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
     """
     store_type = _check_type(name)
     slots = _check_options(store_type, options)
-    inline = options.get("inline_max_bytes", INLINE_MAX_BYTES)
-    config = _dist_config(store_type, options.get("environ"))
+    inline = options.get("inline_max_bytes")
+    if inline is None:
+        inline = _env_int("AKV_INLINE_MAX_BYTES", limits.INLINE_MAX_BYTES, 0)
+    config = _dist_config(store_type, options.get("environ"), blocking=False)
     return await AsyncKVStore._open(store_type, slots, inline, config)
 
 
@@ -123,7 +154,7 @@ def create(name: str = "local", **options: Any) -> KVStore:
     """
     store_type = _check_type(name)
     slots = _check_options(store_type, options)
-    config = _dist_config(store_type, options.get("environ"))
+    config = _dist_config(store_type, options.get("environ"), blocking=True)
     loop_thread = LoopThread(name="akv-store-loop")
     try:
         # The blocking face runs array work inline on the calling thread: it waits anyway.
@@ -147,6 +178,15 @@ class AsyncKVStore:
     never changes the store, and a pull never hands out the stored array.
     """
 
+    _engine: Engine
+    _keys: KeyTable
+    _type: str
+    _backend: Backend
+    _caller_waits: bool
+    _barrier_before_exit: bool
+    _closed: bool
+    _closing: asyncio.Future[None] | None
+
     def __init__(self) -> None:
         raise TypeError("use `await akv.create_async(type)` to make an AsyncKVStore")
 
@@ -156,22 +196,21 @@ class AsyncKVStore:
         store_type: str,
         slots: int,
         inline_max_bytes: int | None,
-        config: _config.Config | None,
+        config: Config | None,
         caller_waits: bool = False,
     ) -> AsyncKVStore:
         self = object.__new__(cls)
         self._engine = Engine(slots=slots, name=f"akv-{store_type}")
         self._keys = KeyTable()
         self._type = store_type
-        self._inline_max_bytes = inline_max_bytes
         # The blocking face waits for every call, so a push may read the caller's arrays
         # while it runs instead of copying them first (the async face must copy at once).
         self._caller_waits = caller_waits
         self._barrier_before_exit = True
         self._closed = False
-        self._closing: asyncio.Future[None] | None = None
+        self._closing = None
         if config is None:
-            self._backend: Any = LocalBackend(self._engine, self)
+            self._backend = LocalBackend(self._engine, self, inline_max_bytes)
         else:
             from akv.dist.worker.backend import DistBackend
 
@@ -229,7 +268,7 @@ class AsyncKVStore:
             items.append((k, as_input_array(values[0], k, "init value")))
         entries = self._keys.add(items, self._backend.new_entry)
         arrays = [array for _, array in items]
-        return self._backend.init(entries, arrays, self._executor(entries, False))
+        return self._backend.init(entries, arrays)
 
     def push(self, key: Key | list[Key], value: Any, priority: int = 0) -> Waitable:
         """Push values; the values given for one key (a list, or a repeated key) are summed.
@@ -245,7 +284,7 @@ class AsyncKVStore:
         """
         self._check_usable()
         values = self._values(group(key, value, "push"))
-        return self._backend.push(values, priority, self._executor(values), self._caller_waits)
+        return self._backend.push(values, priority, self._caller_waits)
 
     def pull(self, key: Key | list[Key], out: Any = None, priority: int = 0) -> Waitable:
         """Copy each key's value into ``out`` (an array, or a list of arrays that all get it).
@@ -260,7 +299,7 @@ class AsyncKVStore:
         """
         self._check_usable()
         targets, result = self._targets(key, out)
-        return self._backend.pull(targets, result, priority, self._executor(targets))
+        return self._backend.pull(targets, result, priority)
 
     def pushpull(
         self, key: Key | list[Key], value: Any, out: Any = None, priority: int = 0
@@ -269,10 +308,7 @@ class AsyncKVStore:
         self._check_usable()
         values = self._values(group(key, value, "pushpull"))
         targets, result = self._targets(key, value if out is None else out)
-        executor = self._executor(values)
-        return self._backend.pushpull(
-            values, targets, result, priority, executor, self._caller_waits
-        )
+        return self._backend.pushpull(values, targets, result, priority, self._caller_waits)
 
     def broadcast(self, key: Key | list[Key], value: Any, out: Any = None) -> Waitable:
         """Initialize ``key`` with ``value`` and pull it into ``out`` (MXNet: init + pull).
@@ -343,7 +379,7 @@ class AsyncKVStore:
         else:
             keys = key if isinstance(key, (list, tuple)) else [key]
             entries = [self._keys.get(normalize_key(k), "placement of") for k in keys]
-        return self._backend.placement(entries)
+        return {entry.key: entry.layout()[1] for entry in entries}
 
     def barrier(self) -> Waitable:
         """Wait for every worker to reach the barrier (at once in a local store).
@@ -401,20 +437,7 @@ class AsyncKVStore:
         if self._backend.broken is not None:
             raise self._backend.broken
 
-    def _executor(self, items: list[Any], paired: bool = True) -> str:
-        """Inline for work on few bytes, else the worker threads (``items``: entries, or
-        ``(entry, ...)`` pairs when ``paired``)."""
-        limit = self._inline_max_bytes
-        if limit is None:
-            return "inline"
-        total = 0
-        for item in items:
-            total += item[0].nbytes if paired else item.nbytes
-            if total > limit:
-                return "thread"
-        return "inline"
-
-    def _values(self, grouped: dict[Key, list[Any]]) -> list[tuple[Entry, list[np.ndarray]]]:
+    def _values(self, grouped: dict[Key, list[Any]]) -> KeyArrays:
         """Check every pushed value against its key (nothing is scheduled before this)."""
         table = self._keys
         checked = []
@@ -428,7 +451,7 @@ class AsyncKVStore:
             checked.append((entry, arrays))
         return checked
 
-    def _targets(self, key: Any, out: Any) -> tuple[list[tuple[Entry, list[np.ndarray]]], Any]:
+    def _targets(self, key: Any, out: Any) -> tuple[KeyArrays, Any]:
         """Check the pull outputs (making new ones when ``out`` is None)."""
         table = self._keys
         if out is None:

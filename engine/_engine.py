@@ -229,15 +229,15 @@ class Engine:
                 f"unknown executor {executor!r}; known: {[INLINE, *sorted(self._executors)]}"
             )
         # One var (the common case) needs no deduplication.
-        kind = type(writes)
-        if (kind is tuple or kind is list) and len(writes) < 2:
+        write_vars: tuple[Var, ...]
+        read_vars: tuple[Var, ...]
+        if (type(writes) is tuple or type(writes) is list) and len(writes) < 2:
             write_vars = tuple(writes)
         else:
             write_vars = tuple(dict.fromkeys(writes))
-        kind = type(reads)
         if not reads:
             read_vars = ()
-        elif (kind is tuple or kind is list) and len(reads) == 1 and not write_vars:
+        elif (type(reads) is tuple or type(reads) is list) and len(reads) == 1 and not write_vars:
             read_vars = tuple(reads)
         else:
             read_vars = tuple(v for v in dict.fromkeys(reads) if v not in write_vars)

@@ -8,6 +8,7 @@ A :class:`Task` is the waitable for one function pushed to the engine.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
@@ -50,11 +51,10 @@ class Failure:
 
 
 def add_note(exception: BaseException, text: str) -> None:
-    add_note = getattr(exception, "add_note", None)
-    if add_note is not None:
-        add_note(text)
+    if sys.version_info >= (3, 11):
+        exception.add_note(text)
     else:  # Python 3.10 keeps the note for tooling even though it does not print it.
-        exception.__notes__ = [*getattr(exception, "__notes__", []), text]  # type: ignore[attr-defined]
+        vars(exception)["__notes__"] = [*getattr(exception, "__notes__", []), text]
 
 
 def _wake(loop: asyncio.AbstractEventLoop, thread_id: int, future: asyncio.Future[None]) -> None:
@@ -77,16 +77,21 @@ class Waitable:
     time they are called. Raising marks the failure as delivered (see :class:`Failure`).
     """
 
-    __slots__ = ("_callbacks", "_event", "_failure", "_lock", "_result", "_state", "name")
+    __slots__ = ("_callbacks", "_event", "_failure", "_lock", "_name", "_result", "_state")
 
     def __init__(self, lock: threading.Lock, name: str) -> None:
         self._lock = lock
-        self.name = name
+        self._name = name
         self._state = WAITING
         self._result: Any = None
         self._failure: Failure | None = None
         self._event: threading.Event | None = None
         self._callbacks: list[Callable[[Waitable], None]] | None = []
+
+    @property
+    def name(self) -> str:
+        """What the waitable is called in errors, graphs and reprs."""
+        return self._name
 
     @property
     def state(self) -> str:
@@ -229,7 +234,7 @@ class Task(Waitable):
         self._deps = 0
 
     @property
-    def name(self) -> str:  # type: ignore[override]
+    def name(self) -> str:
         """The name given to ``push``, else ``<function name>#<id>``."""
         if self._given_name is None:
             self._given_name = f"{getattr(self.fn, '__name__', 'task')}#{self.id}"

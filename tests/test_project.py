@@ -115,6 +115,18 @@ def test_a_plain_wheel_carries_every_package_and_py_typed(tmp_path):
         assert line in scripts
 
 
+def test_types_are_checked():
+    # No paths: mypy checks the `files` of pyproject's [tool.mypy], at the strictness set there.
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_code_is_ruff_clean():
     check = subprocess.run(
         [sys.executable, "-m", "ruff", "check", str(ROOT)],

@@ -170,8 +170,8 @@ async def serve(
     else:
         site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)
     await site.start()
-    server = site._server  # aiohttp keeps the asyncio server here; its sockets give the port
-    bound = server.sockets[0].getsockname()[1] if server and server.sockets else port
+    addresses = runner.addresses  # (host, port, ...) of each listening socket
+    bound: int = addresses[0][1] if addresses else port
     return runner, bound
 
 

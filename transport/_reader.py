@@ -356,11 +356,15 @@ class FrameReader:
         raise FrameError(f"frame reader is broken by an earlier error: {self._broken}")
 
 
-def _as_destination(destination: object, index: int, key: object, nbytes: int) -> memoryview:
-    """Check that a destination can receive ``nbytes``; return it as a ``"B"`` memoryview."""
+def _as_destination(destination: memoryview, index: int, key: object, nbytes: int) -> memoryview:
+    """Check that a destination can receive ``nbytes``; return it as a ``"B"`` memoryview.
+
+    Any object with a writable buffer works (a NumPy array, a ``bytearray``); anything else
+    is refused here, whatever its static type.
+    """
     where = f"frame reader: destination of array {index} (key {key!r})"
     try:
-        view = memoryview(destination)  # type: ignore[arg-type]
+        view = memoryview(destination)
     except TypeError:
         raise FrameError(
             f"{where} is a {type(destination).__name__}, not a writable buffer or None"

@@ -12,12 +12,14 @@ received straight into the arrays they belong to, and whose writes are zero-copy
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import cast
 
-from transport._reader import FrameReader, Message
+from transport._reader import Destinations, FrameReader, Message
 from transport.errors import AuthError, FrameError, RemoteError, TransportError
-from transport.frame import DEFAULT_MAX_PAYLOAD_BYTES, FrameHeader
+from transport.frame import DEFAULT_MAX_PAYLOAD_BYTES
 
 __all__ = [
     "HANDSHAKE_MAX_BYTES",
@@ -30,8 +32,12 @@ __all__ = [
 UPGRADE_PROTOCOL = "akv-stream/1"
 #: Largest HTTP answer the client reads while upgrading.
 HANDSHAKE_MAX_BYTES = 64 << 10
-
-Destinations = Callable[[FrameHeader], Sequence[memoryview | None]]
+#: Request headers that :func:`open_stream` writes itself, so a caller may not pass them.
+_OWN_HEADERS = frozenset(
+    {"host", "authorization", "connection", "upgrade", "content-length", "transfer-encoding"}
+)
+#: An HTTP header name (RFC 9110's token).
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 class StreamProtocol(asyncio.BufferedProtocol):
@@ -65,7 +71,10 @@ class StreamProtocol(asyncio.BufferedProtocol):
     # -------------------------------------------------------------- asyncio callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A stream connection always gets a full transport. No isinstance check: uvloop's
+        # transports have every method of asyncio.Transport without deriving from it.
+        stream = cast(asyncio.Transport, transport)
+        self.transport = stream
         loop = asyncio.get_running_loop()
         self._closed = loop.create_future()
         if self._handshake is not None:
@@ -73,7 +82,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         # With a high-water mark of 0 every write the kernel did not take at once pauses us,
         # and resume_writing() comes exactly when the buffer is empty again: an exact
         # "these buffers are no longer referenced" signal for zero-copy sends.
-        self.transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[union-attr]
+        stream.set_write_buffer_limits(high=0, low=0)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._handshake is not None:
@@ -259,12 +268,21 @@ async def open_stream(
     ssl_context: ssl.SSLContext | None = None,
     timeout_s: float = 30.0,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-    client_id: str = "",
+    headers: Mapping[str, str] | None = None,
 ) -> StreamProtocol:
     """Connect, authenticate and upgrade to a framed stream; return its protocol.
 
+    ``headers`` are sent with the upgrade request, in order and as given, for the
+    application to read on the other side (``request.headers`` in ``stream_route``'s
+    ``make_protocol``); nothing is sent beyond the authentication and the upgrade itself.
+
     Raises
     ------
+    ValueError
+        Before connecting, when a header name is not an HTTP token, a value holds a line
+        break or a character outside Latin-1, or a name is one that the upgrade request
+        sets itself (``Host``, ``Authorization``, ``Connection``, ``Upgrade``,
+        ``Content-Length``, ``Transfer-Encoding``).
     AuthError
         When the server refused the token (401).
     RemoteError
@@ -282,18 +300,18 @@ async def open_stream(
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     request = (
         f"GET {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {token}\r\n"
-        f"Connection: Upgrade\r\nUpgrade: {UPGRADE_PROTOCOL}\r\nX-AKV-Client: {client_id}\r\n\r\n"
-    ).encode("latin-1")
+        f"Connection: Upgrade\r\nUpgrade: {UPGRADE_PROTOCOL}\r\n"
+    ).encode("latin-1") + _header_lines(headers or {})
 
     async def connect() -> StreamProtocol:
-        _, protocol = await loop.create_connection(
+        transport, protocol = await loop.create_connection(
             factory,
             host,
             port,
             ssl=ssl_context,
             server_hostname=host if ssl_context is not None else None,
         )
-        protocol.transport.write(request)  # type: ignore[union-attr]
+        transport.write(request)
         assert protocol.handshake_done is not None
         await protocol.handshake_done
         return protocol
@@ -304,3 +322,21 @@ async def open_stream(
         raise
     except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
         raise TransportError(f"cannot open a stream to {authority}: {exc!r}") from exc
+
+
+def _header_lines(headers: Mapping[str, str]) -> bytes:
+    """The request's extra header lines and the blank line that ends it, checked first."""
+    lines = []
+    for name, value in headers.items():
+        if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+            raise ValueError(f"open_stream: {name!r} is not an HTTP header name")
+        if name.lower() in _OWN_HEADERS:
+            raise ValueError(f"open_stream: the upgrade request sets the {name} header itself")
+        if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
+            raise ValueError(f"open_stream: header {name}: {value!r} is not a one-line str")
+        try:
+            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+        except UnicodeEncodeError:
+            raise ValueError(f"open_stream: header {name}: {value!r} is not Latin-1") from None
+    lines.append(b"\r\n")
+    return b"".join(lines)

@@ -208,7 +208,7 @@ def encode_frame(
         _encode_header(op, flags, seq, aux, infos, text, payload_len, from_array=True)
     ]
     # Only now that every dtype is known to have a code can each array export its buffer.
-    buffers.extend(memoryview(array).cast("B") for array in non_empty)  # type: ignore[arg-type]
+    buffers.extend(array.data.cast("B") for array in non_empty)
     return buffers
 
 

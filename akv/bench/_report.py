@@ -14,19 +14,25 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import asdict, dataclass, field
-from typing import TextIO
+from typing import TextIO, TypedDict
 
 __all__ = ["Row", "Table", "compare", "compare_async", "configure", "time_per_call"]
 
-_SETTINGS = {"rounds": 5, "min_round_s": 0.05}
+
+class _Settings(TypedDict):
+    rounds: int
+    min_round_s: float
+
+
+_SETTINGS: _Settings = {"rounds": 5, "min_round_s": 0.05}
 
 
 def configure(quick: bool) -> None:
     """Quick mode (a smoke run: 2 short rounds per measurement) or full mode (5 rounds)."""
     if quick:
-        _SETTINGS.update(rounds=2, min_round_s=0.005)
+        _SETTINGS.update({"rounds": 2, "min_round_s": 0.005})
     else:
-        _SETTINGS.update(rounds=5, min_round_s=0.05)
+        _SETTINGS.update({"rounds": 5, "min_round_s": 0.05})
 
 
 def _plan(
@@ -70,7 +76,8 @@ def compare(*fns: Callable[[], object], warmup: int = 2) -> list[float]:
                 fn()
             index, calls = plan.send(time.perf_counter() - start)
     except StopIteration as done:
-        return done.value
+        medians: list[float] = done.value
+        return medians
 
 
 async def compare_async(*fns: Callable[[], object], warmup: int = 2) -> list[float]:
@@ -85,8 +92,9 @@ async def compare_async(*fns: Callable[[], object], warmup: int = 2) -> list[flo
     index, calls = next(plan)
     try:
         while True:
-            if calls_of[index] is not None:
-                elapsed = await calls_of[index](calls)  # type: ignore[misc]
+            timed = calls_of[index]
+            if timed is not None:
+                elapsed = await timed(calls)
             else:
                 fn = fns[index]
                 start = time.perf_counter()
@@ -95,7 +103,8 @@ async def compare_async(*fns: Callable[[], object], warmup: int = 2) -> list[flo
                 elapsed = time.perf_counter() - start
             index, calls = plan.send(elapsed)
     except StopIteration as done:
-        return done.value
+        medians: list[float] = done.value
+        return medians
 
 
 def _call_async(fn: Callable[[], Awaitable[object]]) -> Callable[[int], Awaitable[float]]:

@@ -17,11 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 import akv
+from akv.args import Key
 from akv.bench._raw import RawEcho, round_trip
 from akv.bench._report import _SETTINGS, Row, Table
 
@@ -53,29 +55,7 @@ def _measure(kv: akv.KVStore, rounds: int, scale: float) -> dict[str, float]:
     results: dict[str, float] = {}
     for name, nbytes, calls in CASES:
         calls = max(1, int(calls * scale))
-        if name.startswith(str(SMALL_KEYS)):
-            keys = [f"{name}/{i}" for i in range(SMALL_KEYS)]
-            values = [np.ones(16, np.float32) for _ in keys]
-            outs = [np.zeros(16, np.float32) for _ in keys]
-            kv.init(keys, values)
-
-            def call(keys=keys, values=values, outs=outs) -> None:
-                kv.push(keys, values)
-                kv.pull(keys, out=outs)
-        else:
-            value = np.ones(nbytes // 4, np.float32)
-            out = np.zeros_like(value)
-            kv.init(name, value)
-            if name.endswith("pull") and "push" not in name:
-
-                def call(name=name, out=out) -> None:
-                    kv.pull(name, out=out)
-            else:
-
-                def call(name=name, value=value, out=out) -> None:
-                    kv.push(name, value)
-                    kv.pull(name, out=out)
-
+        call = _operation(kv, name, nbytes)
         for _ in range(2):
             call()
         samples = []
@@ -87,6 +67,36 @@ def _measure(kv: akv.KVStore, rounds: int, scale: float) -> dict[str, float]:
             samples.append((time.perf_counter() - start) / calls)
         results[name] = statistics.median(samples)
     return results
+
+
+def _operation(kv: akv.KVStore, name: str, nbytes: int) -> Callable[[], None]:
+    """Initialize the keys of the case ``name``; return the call that it times."""
+    if name.startswith(str(SMALL_KEYS)):
+        keys: list[Key] = [f"{name}/{i}" for i in range(SMALL_KEYS)]
+        values = [np.ones(16, np.float32) for _ in keys]
+        outs = [np.zeros(16, np.float32) for _ in keys]
+        kv.init(keys, values)
+
+        def push_pull_many() -> None:
+            kv.push(keys, values)
+            kv.pull(keys, out=outs)
+
+        return push_pull_many
+    value = np.ones(nbytes // 4, np.float32)
+    out = np.zeros_like(value)
+    kv.init(name, value)
+    if name.endswith("pull") and "push" not in name:
+
+        def pull() -> None:
+            kv.pull(name, out=out)
+
+        return pull
+
+    def push_pull() -> None:
+        kv.push(name, value)
+        kv.pull(name, out=out)
+
+    return push_pull
 
 
 def worker_main(argv: list[str] | None = None) -> int:
@@ -132,7 +142,8 @@ def _job(num_servers: int, rounds: int, scale: float) -> dict[str, float]:
                 f"({completed.returncode}):\n{completed.stdout[-3000:]}\n"
                 f"{completed.stderr[-3000:]}"
             )
-        return json.loads(Path(out).read_text())
+        results: dict[str, float] = json.loads(Path(out).read_text())
+        return results
 
 
 def run() -> Table:

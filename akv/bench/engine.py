@@ -63,10 +63,9 @@ def _thread_rows(table: Table, eng: Engine) -> None:
     var = eng.new_var()
 
     def chain() -> None:
-        task = None
-        for _ in range(CHAIN_LENGTH):
-            task = eng.push(_nothing, writes=(var,))
-        task.result()  # type: ignore[union-attr]
+        for _ in range(CHAIN_LENGTH - 1):
+            eng.push(_nothing, writes=(var,))
+        eng.push(_nothing, writes=(var,)).result()
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=eng.slots) as pool:
         _add(
@@ -81,10 +80,9 @@ def _thread_rows(table: Table, eng: Engine) -> None:
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
 
         def pool_chain() -> None:
-            future = None
-            for _ in range(CHAIN_LENGTH):
-                future = pool.submit(_nothing)
-            future.result()  # type: ignore[union-attr]
+            for _ in range(CHAIN_LENGTH - 1):
+                pool.submit(_nothing)
+            pool.submit(_nothing).result()
 
         _add(
             table,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 import akv
+from akv.args import Key
 from akv.bench._report import Row, Table, compare, compare_async
 
 __all__ = ["run"]
@@ -46,9 +47,11 @@ def _two_copies(nbytes: int) -> Callable[[], None]:
     return two_copies
 
 
-def _small_keys(kv: akv.KVStore | akv.AsyncKVStore):
+def _small_keys(
+    kv: akv.KVStore | akv.AsyncKVStore,
+) -> tuple[list[Key], list[np.ndarray], list[np.ndarray], Callable[[], None]]:
     """Initialize the small keys; return them, their values, outputs, and the NumPy floor."""
-    keys = [f"small/{i}" for i in range(SMALL_KEYS)]
+    keys: list[Key] = [f"small/{i}" for i in range(SMALL_KEYS)]
     values = [np.ones(SMALL_SIZE, np.float32) for _ in keys]
     outs = [np.zeros(SMALL_SIZE, np.float32) for _ in keys]
     kv.init(keys, values)

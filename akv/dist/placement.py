@@ -10,23 +10,10 @@ part per server so they travel to all servers in parallel.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+
+from akv.keys import Part
 
 __all__ = ["Part", "place", "server_of"]
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    """Elements ``[start, stop)`` of a key's flattened value, held by server ``server``."""
-
-    server: int
-    start: int
-    stop: int
-
-    @property
-    def size(self) -> int:
-        """How many elements the part holds."""
-        return self.stop - self.start
 
 
 def server_of(key: int | str, num_servers: int) -> int:

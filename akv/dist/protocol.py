@@ -1,11 +1,13 @@
-"""What akv's frames mean between a worker and a server (op codes, flags, status codes).
+"""What akv's frames mean between a worker and a server: ops, status codes, the client header.
 
 Every request frame carries a sequence number chosen by the worker; the server answers
-each request with one ``REPLY`` frame of the same ``seq`` whose ``aux`` is a status code
-(0 = done) and whose ``text`` holds the error message when it is not. Errors raised on a
-server reach the worker as the same :mod:`akv.errors` class.
+each request with one :attr:`Op.REPLY` frame of the same ``seq`` whose ``aux`` is a status
+code (:data:`OK` = done) and whose ``text`` holds the error message when it is not. Errors
+raised on a server reach the worker as the same :mod:`akv.errors` class
+(:func:`status_of` and :func:`error_from_status` are inverses on every class listed in
+:data:`STATUS_CLASSES`).
 
-Ops (arrays carry the key; ``tag`` as noted):
+Ops (arrays carry the key):
 
 * ``INIT``: rank 0's initial values (the server's part of each key).
 * ``INIT_CHECK``: another worker's ``init``; ``text`` is JSON ``[[key, shape, dtype], ...]``;
@@ -20,41 +22,68 @@ Ops (arrays carry the key; ``tag`` as noted):
 * ``SAVE_STATES``: ``text`` is JSON ``{"dump_optimizer": bool}``; answered with one uint8
   array, the server's states in akv's state format (see ``docs/optimizer.md``).
 * ``LOAD_STATES``: one uint8 array in that format, for this server's keys.
+
+Adding an op: a member here, a branch in
+:meth:`akv.dist.server.state.ServerState.message_completed`, and the worker call that sends
+it (``docs/architecture.md``). Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import json
+from enum import IntEnum
+from typing import Final
 
 from akv import errors
 
-__all__ = ["OP_NAMES", "error_from_status", "status_of"]
+__all__ = [
+    "CLIENT_HEADER",
+    "DIST_STORE_TYPES",
+    "OK",
+    "STATUS_CLASSES",
+    "Op",
+    "client_header",
+    "decode_meta",
+    "encode_meta",
+    "error_from_status",
+    "op_label",
+    "parse_client_header",
+    "status_of",
+]
 
-INIT = 1
-INIT_CHECK = 2
-PUSH = 3
-PULL = 4
-PUSHPULL = 5
-CLOSE = 6
-SET_OPTIMIZER = 7
-SAVE_STATES = 8
-LOAD_STATES = 9
-REPLY = 100
-OP_NAMES = {
-    INIT: "init",
-    INIT_CHECK: "init_check",
-    PUSH: "push",
-    PULL: "pull",
-    PUSHPULL: "pushpull",
-    CLOSE: "close",
-    SET_OPTIMIZER: "set_optimizer",
-    SAVE_STATES: "save_states",
-    LOAD_STATES: "load_states",
-    REPLY: "reply",
-}
 
-OK = 0
-_STATUS_CLASSES: dict[int, type[errors.AKVError]] = {
+class Op(IntEnum):
+    """A frame's ``op`` field."""
+
+    INIT = 1
+    INIT_CHECK = 2
+    PUSH = 3
+    PULL = 4
+    PUSHPULL = 5
+    CLOSE = 6
+    SET_OPTIMIZER = 7
+    SAVE_STATES = 8
+    LOAD_STATES = 9
+    REPLY = 100
+
+    @property
+    def label(self) -> str:
+        """The op's name as messages print it (``push``, ``init_check``)."""
+        return self.name.lower()
+
+
+def op_label(op: int) -> str:
+    """The name of ``op`` for a message, also for a number no :class:`Op` has."""
+    try:
+        return Op(op).label
+    except ValueError:
+        return f"op {op}"
+
+
+#: ``aux`` of a reply that carries no error.
+OK: Final = 0
+#: The status code of each error class a server sends back; anything else is INTERNAL.
+STATUS_CLASSES: Final[dict[int, type[errors.AKVError]]] = {
     1: errors.KeyNotInitializedError,
     2: errors.ShapeMismatchError,
     3: errors.DTypeMismatchError,
@@ -67,40 +96,81 @@ _STATUS_CLASSES: dict[int, type[errors.AKVError]] = {
     10: errors.InvalidArgumentError,
     11: errors.ServerError,
     12: errors.WaitTimeoutError,
+    13: errors.OptimizerNotSetError,
 }
-_CODES = {cls: code for code, cls in _STATUS_CLASSES.items()}
-INTERNAL = 11
+INTERNAL: Final = 11
+_CODES: Final[dict[type[BaseException], int]] = {cls: code for code, cls in STATUS_CLASSES.items()}
 
 #: Header a worker sends when it opens a stream: ``"<rank> <store type>"``.
-CLIENT_HEADER = "X-AKV-Client"
+CLIENT_HEADER: Final = "X-AKV-Client"
+#: The store types whose workers talk to servers.
+DIST_STORE_TYPES: Final = ("dist_sync", "dist_async")
 
 
 def status_of(exc: BaseException) -> int:
-    """The status code for an exception raised while serving a request."""
+    """The status code for an exception raised while serving a request (its nearest listed
+    class; :data:`INTERNAL` for anything else)."""
     for cls in type(exc).__mro__:
-        code = _CODES.get(cls)  # type: ignore[arg-type]
+        code = _CODES.get(cls)
         if code is not None:
             return code
     return INTERNAL
 
 
 def error_from_status(status: int, text: str, server: str) -> errors.AKVError:
-    """The error a worker raises for a non-zero status from ``server``."""
-    cls = _STATUS_CLASSES.get(status, errors.ServerError)
+    """The error a worker raises for a non-zero status from ``server`` (named in it)."""
+    cls = STATUS_CLASSES.get(status, errors.ServerError)
     if cls is errors.ServerError:
         return errors.ServerError(f"{server}: {text}", server=server)
     return cls(f"{text} (on {server})")
 
 
-def encode_meta(items: list[tuple[object, tuple[int, ...], str]]) -> str:
+def client_header(rank: int, store_type: str) -> str:
+    """The :data:`CLIENT_HEADER` value of worker ``rank`` opening a ``store_type`` store."""
+    return f"{rank} {store_type}"
+
+
+def parse_client_header(text: str) -> tuple[int, str]:
+    """The worker rank and store type in a :data:`CLIENT_HEADER` value.
+
+    Raises
+    ------
+    InvalidArgumentError
+        When it is not ``"<rank> <store type>"`` with a known distributed store type.
+    """
+    try:
+        rank_text, store_type = text.split()
+        rank = int(rank_text)
+    except ValueError:
+        raise errors.InvalidArgumentError(
+            f"{CLIENT_HEADER} must be '<rank> <store type>', got {text[:64]!r}"
+        ) from None
+    if store_type not in DIST_STORE_TYPES:
+        raise errors.InvalidArgumentError(f"unknown store type {store_type[:64]!r}")
+    return rank, store_type
+
+
+def encode_meta(items: list[tuple[int | str, tuple[int, ...], str]]) -> str:
     """``INIT_CHECK``'s text: the keys with their (part) shapes and dtypes."""
     return json.dumps([[key, list(shape), dtype] for key, shape, dtype in items])
 
 
 def decode_meta(text: str) -> list[tuple[int | str, tuple[int, ...], str]]:
-    """The inverse of :func:`encode_meta`; raises ``InvalidArgumentError`` when malformed."""
+    """The inverse of :func:`encode_meta`.
+
+    Raises
+    ------
+    InvalidArgumentError
+        When ``text`` is not a list of ``[key, shape, dtype]`` with int or str keys.
+    """
     try:
         items = json.loads(text)
-        return [(key, tuple(int(n) for n in shape), str(dtype)) for key, shape, dtype in items]
+        decoded = [(key, tuple(int(n) for n in shape), str(dtype)) for key, shape, dtype in items]
     except (ValueError, TypeError) as exc:
         raise errors.InvalidArgumentError(f"malformed init_check request: {exc}") from None
+    for key, _, _ in decoded:
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise errors.InvalidArgumentError(
+                f"malformed init_check request: key {key!r} is not an int or a str"
+            )
+    return decoded

@@ -141,7 +141,13 @@ class Adam(Optimizer):
         rescale, clip = self.rescale_grad, self.clip_gradient
         beta1, beta2, epsilon = self.beta1, self.beta2, self.epsilon
 
-        def kernel(w, g, mean, var, buffers) -> None:
+        def kernel(
+            w: np.ndarray,
+            g: np.ndarray,
+            mean: np.ndarray,
+            var: np.ndarray,
+            buffers: list[np.ndarray],
+        ) -> None:
             decayed, work = buffers
             g = _decayed_gradient(g, w, decayed, work, rescale, wd, clip)
             _moving_average(mean, g, beta1, work)
@@ -152,7 +158,7 @@ class Adam(Optimizer):
             np.multiply(work, -lr, out=work)
             np.add(w, work, out=w)
 
-        mean, var = state
+        mean, var = self._state_arrays(index, state, 2)
         run_chunked(kernel, weight, grad, (mean, var), num_scratch=2)
 
 
@@ -197,7 +203,9 @@ class AdaGrad(Optimizer):
     ) -> None:
         rescale, clip, eps = self.rescale_grad, self.clip_gradient, self.float_stable_eps
 
-        def kernel(w, g, history, buffers) -> None:
+        def kernel(
+            w: np.ndarray, g: np.ndarray, history: np.ndarray, buffers: list[np.ndarray]
+        ) -> None:
             clipped, work, decay = buffers
             g = rescaled_clipped(g, clipped, rescale, clip)
             np.multiply(g, g, out=work)
@@ -211,7 +219,7 @@ class AdaGrad(Optimizer):
             np.multiply(work, -lr, out=work)
             np.add(w, work, out=w)
 
-        run_chunked(kernel, weight, grad, (state,), num_scratch=3)
+        run_chunked(kernel, weight, grad, (self._state_array(index, state),), num_scratch=3)
 
 
 @register
@@ -296,7 +304,7 @@ class RMSProp(Optimizer):
         rescale, clip, clip_weights = self.rescale_grad, self.clip_gradient, self.clip_weights
         gamma1, gamma2, epsilon = self.gamma1, self.gamma2, self.epsilon
 
-        def plain(w, g, n, buffers) -> None:
+        def plain(w: np.ndarray, g: np.ndarray, n: np.ndarray, buffers: list[np.ndarray]) -> None:
             decayed, work = buffers
             g = _decayed_gradient(g, w, decayed, work, rescale, wd, clip)
             _moving_square_average(n, g, gamma1, work)
@@ -308,7 +316,14 @@ class RMSProp(Optimizer):
             if clip_weights:
                 np.clip(w, -clip_weights, clip_weights, out=w)
 
-        def centered(w, g, n, mean, delta, buffers) -> None:
+        def centered(
+            w: np.ndarray,
+            g: np.ndarray,
+            n: np.ndarray,
+            mean: np.ndarray,
+            delta: np.ndarray,
+            buffers: list[np.ndarray],
+        ) -> None:
             decayed, work = buffers
             g = _decayed_gradient(g, w, decayed, work, rescale, wd, clip)
             _moving_square_average(n, g, gamma1, work)
@@ -326,7 +341,8 @@ class RMSProp(Optimizer):
                 np.clip(w, -clip_weights, clip_weights, out=w)
 
         kernel = centered if self.centered else plain
-        run_chunked(kernel, weight, grad, tuple(state), num_scratch=2)
+        states = self._state_arrays(index, state, 3 if self.centered else 1)
+        run_chunked(kernel, weight, grad, states, num_scratch=2)
 
 
 @register
@@ -377,7 +393,13 @@ class AdaDelta(Optimizer):
     ) -> None:
         rescale, clip, rho, epsilon = self.rescale_grad, self.clip_gradient, self.rho, self.epsilon
 
-        def kernel(w, g, acc_g, acc_delta, buffers) -> None:
+        def kernel(
+            w: np.ndarray,
+            g: np.ndarray,
+            acc_g: np.ndarray,
+            acc_delta: np.ndarray,
+            buffers: list[np.ndarray],
+        ) -> None:
             clipped, delta, work = buffers
             g = rescaled_clipped(g, clipped, rescale, clip)
             _moving_square_average(acc_g, g, rho, work)
@@ -393,7 +415,7 @@ class AdaDelta(Optimizer):
                 np.add(delta, work, out=delta)
             np.subtract(w, delta, out=w)
 
-        acc_g, acc_delta = state
+        acc_g, acc_delta = self._state_arrays(index, state, 2)
         run_chunked(kernel, weight, grad, (acc_g, acc_delta), num_scratch=3)
 
 
@@ -449,7 +471,9 @@ class FTRL(Optimizer):
         rescale, clip, lamda1, beta = self.rescale_grad, self.clip_gradient, self.lamda1, self.beta
         (masks,) = scratch(np.dtype(bool), 1)
 
-        def kernel(w, g, z, n, buffers) -> None:
+        def kernel(
+            w: np.ndarray, g: np.ndarray, z: np.ndarray, n: np.ndarray, buffers: list[np.ndarray]
+        ) -> None:
             clipped, square, work, other = buffers
             g = rescaled_clipped(g, clipped, rescale, clip)
             np.multiply(g, g, out=square)
@@ -474,7 +498,7 @@ class FTRL(Optimizer):
             mask = np.greater(work, lamda1, out=masks[: w.size])
             np.multiply(other, mask, out=w)
 
-        z, n = state
+        z, n = self._state_arrays(index, state, 2)
         run_chunked(kernel, weight, grad, (z, n), num_scratch=4)
 
 
@@ -574,7 +598,14 @@ class LAMB(Optimizer):
         ratio = np.empty(weight.shape, weight.dtype)
         sums = [0.0, 0.0]  # squared norms of the weight and of the ratio
 
-        def phase1(w, g, mean, var, r, buffers) -> None:
+        def phase1(
+            w: np.ndarray,
+            g: np.ndarray,
+            mean: np.ndarray,
+            var: np.ndarray,
+            r: np.ndarray,
+            buffers: list[np.ndarray],
+        ) -> None:
             clipped, work = buffers
             g = rescaled_clipped(g, clipped, rescale, clip)
             _moving_average(mean, g, beta1, work)
@@ -590,7 +621,7 @@ class LAMB(Optimizer):
             sums[0] += _squared_norm(w)
             sums[1] += _squared_norm(r)
 
-        mean, var = state
+        mean, var = self._state_arrays(index, state, 2)
         run_chunked(phase1, weight, grad, (mean, var, ratio), num_scratch=2)
         weight_norm, ratio_norm = math.sqrt(sums[0]), math.sqrt(sums[1])
         if self.lower_bound:
@@ -600,7 +631,7 @@ class LAMB(Optimizer):
         if weight_norm > 0.0 and ratio_norm > 0.0:
             lr *= weight_norm / ratio_norm
 
-        def phase2(w, r, buffers) -> None:
+        def phase2(w: np.ndarray, r: np.ndarray, buffers: list[np.ndarray]) -> None:
             np.multiply(r, -lr, out=r)
             np.add(w, r, out=w)
 

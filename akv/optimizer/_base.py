@@ -8,7 +8,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, TypeAlias, overload
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from akv.optimizer import lr_scheduler as _lr_scheduler
 Index = int | str
 """A weight's index: the store's key, an ``int`` or a ``str`` as the caller gave it."""
 
-State = np.ndarray | tuple | list | None
+State: TypeAlias = np.ndarray | tuple["State", ...] | list["State"] | None
 """An optimizer state: ``None``, an array, or a tuple or list of states."""
 
 CHUNK_ELEMENTS = 1 << 17
@@ -123,7 +123,7 @@ def from_config(config: Mapping[str, Any]) -> Optimizer:
     return optimizer
 
 
-def _pairs_to_dict(what: str, pairs: object) -> dict:
+def _pairs_to_dict(what: str, pairs: object) -> dict[Any, Any]:
     # JSON objects only have string keys, so mappings whose keys may be ints travel as
     # lists of [key, value] pairs.
     if isinstance(pairs, Mapping):
@@ -135,7 +135,7 @@ def _pairs_to_dict(what: str, pairs: object) -> dict:
     return {_check_index(what, key): value for key, value in pairs}
 
 
-def _dict_to_pairs(mapping: Mapping) -> list[list]:
+def _dict_to_pairs(mapping: Mapping[Any, Any]) -> list[list[Any]]:
     return [[key, value] for key, value in mapping.items()]
 
 
@@ -241,8 +241,11 @@ class Optimizer:
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is None and learning_rate is None:
             learning_rate = DEFAULT_LEARNING_RATE
-        overrides = lr_scheduler is not None and learning_rate is not None
-        if overrides and lr_scheduler.base_lr != learning_rate:
+        if (
+            lr_scheduler is not None
+            and learning_rate is not None
+            and lr_scheduler.base_lr != learning_rate
+        ):
             warnings.warn(
                 f"{self._name}: learning_rate {learning_rate} replaces the scheduler's "
                 f"base_lr {lr_scheduler.base_lr}",
@@ -291,6 +294,29 @@ class Optimizer:
                 f"(known: {', '.join(known)})"
             )
 
+    @overload
+    def _real(
+        self,
+        name: str,
+        value: object,
+        minimum: float | None = None,
+        below: float | None = None,
+        none: Literal[False] = False,
+        positive: bool = False,
+    ) -> float: ...
+
+    @overload
+    def _real(
+        self,
+        name: str,
+        value: object,
+        minimum: float | None = None,
+        below: float | None = None,
+        *,
+        none: bool,
+        positive: bool = False,
+    ) -> float | None: ...
+
     def _real(
         self,
         name: str,
@@ -319,7 +345,7 @@ class Optimizer:
 
     def _fraction(self, name: str, value: object) -> float:
         """Check a decay rate in ``[0, 1)``."""
-        return float(self._real(name, value, minimum=0.0, below=1.0))
+        return self._real(name, value, minimum=0.0, below=1.0)
 
     def _integer(self, name: str, value: object) -> int:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
@@ -366,8 +392,17 @@ class Optimizer:
     @property
     def learning_rate(self) -> float:
         """The current learning rate: the scheduler's at :attr:`num_update`, or ``lr``."""
+        return self._base_lr()
+
+    def _base_lr(self) -> float:
+        """The learning rate before multipliers.
+
+        ``lr`` is None only when a scheduler was given without ``learning_rate``.
+        """
         if self.lr_scheduler is not None:
             return self.lr_scheduler(self.num_update)
+        if self.lr is None:
+            raise OptimizerError(f"{self._name}: lr is None and there is no lr_scheduler")
         return self.lr
 
     def set_learning_rate(self, lr: float) -> None:
@@ -401,7 +436,7 @@ class Optimizer:
         applied, every name in ``param_idx2name`` that ends neither in ``_weight`` nor in
         ``_gamma`` gets 0 (MXNet's default: no decay of biases, ``_beta``...).
         """
-        defaults = {
+        defaults: dict[Index, float] = {
             name: 0.0 for name in self.idx2name.values() if not name.endswith(DECAYED_NAME_SUFFIXES)
         }
         defaults.update(self._multipliers("wd_mult", args_wd_mult))
@@ -410,7 +445,7 @@ class Optimizer:
     def _multipliers(self, what: str, mapping: Mapping[Index, float]) -> dict[Index, float]:
         if not isinstance(mapping, Mapping):
             raise OptimizerError(f"{self._name}: {what} must be a dict, got {mapping!r}")
-        result = {}
+        result: dict[Index, float] = {}
         for key, value in mapping.items():
             result[_check_index(f"{self._name}: {what}", key)] = self._real(
                 f"{what}[{key!r}]", value, minimum=0.0
@@ -448,7 +483,7 @@ class Optimizer:
 
     def _get_lr(self, index: Index) -> float:
         """The learning rate of ``index``: current rate times its multiplier."""
-        lr = self.lr_scheduler(self.num_update) if self.lr_scheduler is not None else self.lr
+        lr = self._base_lr()
         if index in self.lr_mult:
             return lr * self.lr_mult[index]
         if index in self.idx2name:
@@ -519,6 +554,38 @@ class Optimizer:
             "Adam, ...), or subclass Optimizer and override _step (or update)"
         )
 
+    def _state_array(self, index: Index, state: State) -> np.ndarray:
+        """``state`` as the one array that :meth:`create_state` made it.
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``state`` is not an array.
+        """
+        if isinstance(state, np.ndarray):
+            return state
+        raise InvalidArgumentError(
+            f"{self._name}: index {index!r}: the state must be an array (as create_state "
+            f"makes it), got {_describe_state(state)}"
+        )
+
+    def _state_arrays(self, index: Index, state: State, count: int) -> tuple[np.ndarray, ...]:
+        """``state`` as the tuple or list of ``count`` arrays that :meth:`create_state` made.
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``state`` is anything else.
+        """
+        if isinstance(state, (tuple, list)) and len(state) == count:
+            arrays = tuple(member for member in state if isinstance(member, np.ndarray))
+            if len(arrays) == count:
+                return arrays
+        raise InvalidArgumentError(
+            f"{self._name}: index {index!r}: the state must be {count} arrays (as create_state "
+            f"makes it), got {_describe_state(state)}"
+        )
+
     def update_multi_precision(
         self, index: Index, weight: np.ndarray, grad: np.ndarray, state: State
     ) -> None:
@@ -535,6 +602,11 @@ class Optimizer:
                 f"master copy and the state, got {type(state).__name__}"
             )
         master, inner = state if self._MASTER_COPY_FIRST else (state[1], state[0])
+        if not isinstance(master, np.ndarray):
+            raise InvalidArgumentError(
+                f"{self._name}: index {index!r}: the master copy of a multi-precision state "
+                f"must be a numpy.ndarray, got {type(master).__name__}"
+            )
         self.update(index, master, grad.astype(np.float32), inner)
         np.copyto(weight, master, casting="same_kind")
 
@@ -572,6 +644,13 @@ def check_update_arrays(index: Index, weight: object, grad: object) -> np.ndarra
     return grad
 
 
+def _describe_state(state: State) -> str:
+    if isinstance(state, (tuple, list)):
+        members = ", ".join(type(member).__name__ for member in state)
+        return f"a {type(state).__name__} of ({members})"
+    return f"a {type(state).__name__}"
+
+
 # -- element-wise machinery ----------------------------------------------------------------
 
 _local = threading.local()
@@ -580,7 +659,7 @@ _local = threading.local()
 def scratch(dtype: np.dtype, count: int) -> list[np.ndarray]:
     """``count`` buffers of :data:`CHUNK_ELEMENTS` elements, owned by the calling thread and
     reused by every update it runs (threads never share them)."""
-    cache = getattr(_local, "buffers", None)
+    cache: dict[np.dtype, list[np.ndarray]] | None = getattr(_local, "buffers", None)
     if cache is None:
         cache = _local.buffers = {}
     buffers = cache.setdefault(np.dtype(dtype), [])

@@ -111,7 +111,9 @@ class SGD(Optimizer):
         step = product(weight.dtype, lr, 1.0 if clip else rescale)
         decay = product(weight.dtype, lr, wd)
 
-        def kernel(w: np.ndarray, g: np.ndarray, mom: np.ndarray, buffers: list) -> None:
+        def kernel(
+            w: np.ndarray, g: np.ndarray, mom: np.ndarray, buffers: list[np.ndarray]
+        ) -> None:
             buffer, decayed = buffers
             if clip:
                 g = rescaled_clipped(g, buffer, rescale, clip)
@@ -123,7 +125,7 @@ class SGD(Optimizer):
             np.subtract(mom, buffer, out=mom)
             np.add(w, mom, out=w)
 
-        run_chunked(kernel, weight, grad, (state,), num_scratch=2)
+        run_chunked(kernel, weight, grad, (self._state_array(index, state),), num_scratch=2)
 
 
 @register
@@ -180,7 +182,9 @@ class NAG(Optimizer):
 
         # MXNet's order: mom *= momentum; weight = (weight - mom) + (momentum + 1) *
         # (mom - lr * total); mom -= lr * (g + wd * new weight).
-        def kernel(w: np.ndarray, g: np.ndarray, mom: np.ndarray, buffers: list) -> None:
+        def kernel(
+            w: np.ndarray, g: np.ndarray, mom: np.ndarray, buffers: list[np.ndarray]
+        ) -> None:
             clipped, total, work = buffers
             g = rescaled_clipped(g, clipped, rescale, clip)
             if wd:
@@ -200,7 +204,7 @@ class NAG(Optimizer):
             np.multiply(total, lr, out=work)
             np.subtract(mom, work, out=mom)
 
-        run_chunked(kernel, weight, grad, (state,), num_scratch=3)
+        run_chunked(kernel, weight, grad, (self._state_array(index, state),), num_scratch=3)
 
 
 @register
@@ -264,7 +268,7 @@ class Signum(Optimizer):
         if state is None:
             decay = 1.0 - lr * (wd + wd_lh)
 
-            def sign_kernel(w: np.ndarray, g: np.ndarray, buffers: list) -> None:
+            def sign_kernel(w: np.ndarray, g: np.ndarray, buffers: list[np.ndarray]) -> None:
                 (work,) = buffers
                 g = rescaled_clipped(g, work, rescale, None)
                 np.sign(g, out=work)
@@ -279,7 +283,9 @@ class Signum(Optimizer):
 
         keep = complement(momentum, weight.dtype)
 
-        def kernel(w: np.ndarray, g: np.ndarray, mom: np.ndarray, buffers: list) -> None:
+        def kernel(
+            w: np.ndarray, g: np.ndarray, mom: np.ndarray, buffers: list[np.ndarray]
+        ) -> None:
             clipped, work = buffers
             g = rescaled_clipped(g, clipped, rescale, clip)
             np.multiply(mom, momentum, out=mom)
@@ -294,4 +300,4 @@ class Signum(Optimizer):
             np.multiply(work, lr, out=work)
             np.add(w, work, out=w)
 
-        run_chunked(kernel, weight, grad, (state,), num_scratch=2)
+        run_chunked(kernel, weight, grad, (self._state_array(index, state),), num_scratch=2)

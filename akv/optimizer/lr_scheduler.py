@@ -392,8 +392,9 @@ class PolyScheduler(_DecayToFinal):
             return self.get_warmup_lr(num_update)
         if num_update > self.max_update:
             return self.final_lr
-        remaining = 1 - self._progress(num_update)
-        return self.final_lr + (self.base_lr_orig - self.final_lr) * pow(remaining, self.power)
+        # Real, not complex: the remaining fraction is in [0, 1] here.
+        scale: float = pow(1 - self._progress(num_update), self.power)
+        return self.final_lr + (self.base_lr_orig - self.final_lr) * scale
 
 
 @register

@@ -54,7 +54,7 @@ async def test_a_wrong_or_missing_token_gets_401_and_changes_nothing(token):
         assert status == 401 and b"missing or wrong token" in body
         assert set(cluster.scheduler.roster.nodes) == nodes_before
 
-        push = frame_bytes(proto.PUSH, 1, [("w", np.full(4, 99.0, np.float32), 0)])
+        push = frame_bytes(proto.Op.PUSH, 1, [("w", np.full(4, 99.0, np.float32), 0)])
         status, _ = await post(
             server_url(cluster) + "/v1/frame",
             token,
@@ -80,7 +80,7 @@ async def test_the_right_token_can_use_the_frame_route():
     with Cluster(1, 1) as cluster:
         (kv,) = await cluster.workers()
         await kv.init(7, np.arange(3, dtype=np.int64))
-        pull = frame_bytes(proto.PULL, 5, [(7, np.empty(0, np.int64), 0)])
+        pull = frame_bytes(proto.Op.PULL, 5, [(7, np.empty(0, np.int64), 0)])
         status, body = await post(
             server_url(cluster) + "/v1/frame",
             cluster.env["AKV_TOKEN"],
@@ -91,7 +91,7 @@ async def test_the_right_token_can_use_the_frame_route():
         from transport import decode_frame
 
         header, buffers = decode_frame(body)
-        assert (header.op, header.seq, header.aux) == (proto.REPLY, 5, proto.OK)
+        assert (header.op, header.seq, header.aux) == (proto.Op.REPLY, 5, proto.OK)
         np.testing.assert_array_equal(np.frombuffer(buffers[0], np.int64), [0, 1, 2])
         await kv.close()
 
@@ -99,7 +99,7 @@ async def test_the_right_token_can_use_the_frame_route():
 async def test_an_oversized_body_gets_413():
     with Cluster(1, 1, AKV_MAX_BODY_BYTES="4096") as cluster:
         token = cluster.env["AKV_TOKEN"]
-        big = frame_bytes(proto.PUSH, 1, [("w", np.zeros(4096, np.float32), 0)])
+        big = frame_bytes(proto.Op.PUSH, 1, [("w", np.zeros(4096, np.float32), 0)])
         status, body = await post(
             server_url(cluster) + "/v1/frame",
             token,
@@ -149,7 +149,7 @@ async def test_garbage_on_a_stream_closes_only_that_stream():
         link.protocol.transport.write(b"AKV\x01" + b"\xff" * 60)  # a corrupt frame
         with pytest.raises(Exception, match="server 0"):
             await asyncio.wait_for(kv.pull(1), 10)
-        assert cluster.servers[0].failure is not None  # the worker's stream broke: job failed
+        assert cluster.servers[0].state.failure is not None  # the worker's stream broke: job failed
         await kv.close()
 
 

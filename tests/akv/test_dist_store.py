@@ -113,7 +113,7 @@ async def test_str_keys_and_big_arrays_split_over_servers():
             assert len(placement["small"]) == 1
             np.testing.assert_array_equal(out, np.arange(1000).reshape(10, 100) * 3)
             np.testing.assert_array_equal(small, np.full(10, 3.0))
-        keys_per_server = [set(server.entries) for server in cluster.servers]
+        keys_per_server = [set(server.state.entries) for server in cluster.servers]
         assert all("big" in keys for keys in keys_per_server)  # a part on each server
         await close_all(stores)
 
@@ -296,10 +296,11 @@ async def test_many_keys_travel_in_one_request_per_server():
         async def body(kv):
             keys = [f"k{i}" for i in range(200)]
             await kv.init(keys, [np.zeros(4, np.float32)] * len(keys))
-            sent = [link._seq for link in kv._backend.links]
+            sent = [link.requests_sent for link in kv._backend.links]
             await kv.push(keys, [np.ones(4, np.float32)] * len(keys))
             pushes = [
-                link._seq - before for link, before in zip(kv._backend.links, sent, strict=True)
+                link.requests_sent - before
+                for link, before in zip(kv._backend.links, sent, strict=True)
             ]
             out = await kv.pull(keys)
             return pushes, out
@@ -324,8 +325,8 @@ async def test_a_server_that_vanishes_fails_every_call_naming_it():
 
 
 async def _drop_streams(server):
-    server._stopping = True  # it will not report the worker lost: it is the one "dying"
-    for link in list(server.links):
+    server.state.stopping = True  # it will not report the worker lost: it is the one "dying"
+    for link in list(server.links.values()):
         link.protocol.abort()
 
 

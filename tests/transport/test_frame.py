@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -43,7 +44,7 @@ def split(frame: bytes) -> tuple[bytes, int]:
 
 
 def raw_header(
-    descriptors: list[bytes] = (),  # type: ignore[assignment]
+    descriptors: Sequence[bytes] = (),
     *,
     text: bytes = b"",
     count: int | None = None,

@@ -24,8 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from akv.errors import DoublePushError, ServerError
+
+#: What a parked pull is remembered by (the server's pull ticket).
+T = TypeVar("T")
 
 __all__ = ["KeyRounds", "PushDecision"]
 
@@ -43,8 +47,9 @@ class PushDecision:
     round: int
 
 
-class KeyRounds:
-    """The round bookkeeping of one key on one server."""
+class KeyRounds(Generic[T]):
+    """The round bookkeeping of one key on one server; ``T`` is the type of the tickets of
+    parked pulls."""
 
     __slots__ = (
         "_contributors",
@@ -67,7 +72,7 @@ class KeyRounds:
         self.opened_at: float | None = None
         self._contributors: set[int] = set()
         self._last: dict[int, int] = {}
-        self._waiting: list[tuple[int, object]] = []
+        self._waiting: list[tuple[int, T]] = []
 
     @property
     def open_round(self) -> int:
@@ -120,8 +125,8 @@ class KeyRounds:
         """The round that ``worker``'s latest accepted push went into (0: none yet)."""
         return self._last.get(worker, 0)
 
-    def pull(self, after_round: int, ticket: object) -> bool:
-        """True when a pull that must see ``after_round`` can be answered now; else park it.
+    def check_pull(self, after_round: int) -> None:
+        """Raise if a pull that must see ``after_round`` can never be answered.
 
         Raises
         ------
@@ -133,12 +138,21 @@ class KeyRounds:
                 f"pull of key {self.key!r} asks for round {after_round}, but this server "
                 f"has only seen pushes up to round {self.open_round}"
             )
+
+    def pull(self, after_round: int, ticket: T) -> bool:
+        """True when a pull that must see ``after_round`` can be answered now; else park
+        ``ticket`` until that round is applied. Call :meth:`check_pull` first."""
+        self.check_pull(after_round)
         if not self.sync or after_round <= self.applied_round:
             return True
         self._waiting.append((after_round, ticket))
         return False
 
-    def applied(self, round_no: int) -> list[object]:
+    def waiting_rounds(self) -> list[tuple[int, T]]:
+        """Every parked pull: the round it waits for, and its ticket."""
+        return list(self._waiting)
+
+    def applied(self, round_no: int) -> list[T]:
         """Mark round ``round_no`` applied; return the tickets of the pulls it answers."""
         self.applied_round = max(self.applied_round, round_no)
         if not self._waiting:
@@ -147,11 +161,11 @@ class KeyRounds:
         self._waiting = [(r, t) for r, t in self._waiting if r > self.applied_round]
         return ready
 
-    def waiting_tickets(self) -> list[object]:
+    def waiting_tickets(self) -> list[T]:
         """Every parked pull's ticket."""
         return [ticket for _, ticket in self._waiting]
 
-    def take_waiting(self) -> list[object]:
+    def take_waiting(self) -> list[T]:
         """Remove and return every parked pull's ticket (to fail them)."""
         tickets = self.waiting_tickets()
         self._waiting.clear()

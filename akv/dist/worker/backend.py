@@ -1,13 +1,15 @@
-"""The worker side of ``dist_sync`` and ``dist_async`` stores.
+"""The worker side of ``dist_sync`` and ``dist_async`` stores: store calls to engine tasks.
 
-A worker registers with the scheduler (which gives it its rank and the servers'
-addresses), opens one framed stream to every server, and from then on turns each store
-call into one engine task whose coroutine sends one request per server involved (many
-keys in one call travel in one request per server; a split key's parts travel to all
-servers at once) and waits for the answers. Pulled values are received straight into the
-caller's output arrays. A thread of its own sends heartbeats, so a busy event loop is never
-mistaken for a dead worker; when the scheduler reports the job failed, or a server's
-stream breaks, every waiting call fails with an error naming the process involved.
+A worker registers with the scheduler (:class:`~akv.dist.membership.Membership`, which
+gives it its rank and the servers' addresses), opens one stream to every server
+(:class:`~akv.dist.worker.link.ServerLink`), and from then on turns each store call into
+one engine task that sends one request per server involved (many keys in one call travel
+in one request per server, :func:`~akv.dist.worker.requests.by_server`; a split key's
+parts travel to all servers at once) and completes when every answer is in. Pulled values
+are received straight into the caller's output arrays. Heartbeats run on a thread of their
+own, so a busy event loop is never mistaken for a dead worker; when the scheduler reports
+the job failed, or a server's stream breaks, every waiting call fails with an error naming
+the process involved.
 """
 
 from __future__ import annotations
@@ -15,32 +17,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from akv.dist import config as _config
-from akv.dist import protocol as proto
 from akv import optimizer as _optimizer
+from akv.args import Key
+from akv.dist.config import Config
+from akv.dist.membership import Membership, scheduler_refusal
+from akv.dist.placement import place
+from akv.dist.protocol import Op, encode_meta
 from akv.dist.states import merge_server_states, split_server_states
-from akv.keys import Entry, merge_into
-from akv.dist.placement import Part, place
-from akv.limits import (
-    CONNECT_RETRY_S,
-    GOODBYE_TIMEOUT_S,
-    HEARTBEAT_REQUEST_INTERVALS,
-    HEARTBEAT_STOP_S,
-    MAX_PAYLOAD_BYTES,
-    MIN_HEARTBEAT_REQUEST_S,
-    SWEEP_INTERVAL_S,
-)
-from akv.dist.roles import client_ssl, scheduler_client
+from akv.dist.worker.link import ServerLink
+from akv.dist.worker.requests import by_server
 from akv.errors import (
     AKVError,
     AuthenticationError,
@@ -49,288 +43,53 @@ from akv.errors import (
     InvalidArgumentError,
     PeerLostError,
     ServerError,
+    StateFileError,
+)
+from akv.keys import Entry, Part, merge_into
+from akv.limits import (
+    CONNECT_RETRY_S,
+    GOODBYE_TIMEOUT_S,
+    HEARTBEAT_STOP_S,
+    INIT_CHECK_MARGIN_S,
+    SWEEP_INTERVAL_S,
 )
 from engine import Engine, LoopThread, Task
-from transport import (
-    AuthError,
-    FrameHeader,
-    HttpClient,
-    Message,
-    RemoteError,
-    StreamProtocol,
-    TransportError,
-    encode_frame,
-    open_stream,
-)
+from transport import AuthError, Message, RemoteError, TransportError
 
-__all__ = ["DistBackend", "DistEntry"]
+__all__ = ["DistBackend"]
 
 log = logging.getLogger("akv.dist")
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
-class DistEntry(Entry):
-    """A key as a worker knows it: where its parts live."""
-
-    __slots__ = ("parts",)
-
-    def __init__(
-        self, key: Any, shape: tuple[int, ...], dtype: np.dtype, var: Any, parts: tuple[Part, ...]
-    ) -> None:
-        super().__init__(key, shape, dtype, var)
-        self.parts = parts
-
-    def wire_view(self, array: np.ndarray, part: Part) -> np.ndarray:
-        """The piece of ``array`` (C-contiguous, the key's shape) that ``part`` covers."""
-        if len(self.parts) == 1:
-            return array
-        return array.reshape(-1)[part.start : part.stop]
-
-
-#: What a request's sender is told: ``on_reply(message, None)`` or ``on_reply(None, error)``.
-OnReply = Callable[["Message | None", "AKVError | None"], None]
-
-
-class _Request:
-    __slots__ = ("deadline", "destinations", "on_reply", "op", "sizes")
-
-    def __init__(
-        self, on_reply: OnReply, destinations: list[memoryview | None], op: int, deadline: float
-    ) -> None:
-        self.on_reply = on_reply
-        self.destinations = destinations
-        self.sizes = [None if d is None else d.nbytes for d in destinations]
-        self.op = op
-        self.deadline = deadline
-
-
-class _ServerLink:
-    """The stream from this worker to one server, with requests matched to replies."""
-
-    def __init__(
-        self, rank: int, host: str, port: int, on_lost: Callable[[AKVError], None]
-    ) -> None:
-        self.rank = rank
-        self._report_lost = on_lost
-        self.name = f"server {rank} at {host}:{port}"
-        self.host = host
-        self.port = port
-        self.protocol: StreamProtocol | None = None
-        self._pending: dict[int, _Request] = {}
-        self._seq = 0
-        self.lost: AKVError | None = None
-        self.closing = False
-        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
-
-    async def open(self, config: _config.Config, worker: int, store_type: str) -> None:
-        self.loop = asyncio.get_running_loop()
-        ssl_context = client_ssl(config)
-        self.protocol = await open_stream(
-            self.host,
-            self.port,
-            config.token,
-            self._destinations,
-            self._on_message,
-            self._on_lost,
-            ssl_context=ssl_context,
-            timeout_s=config.timeouts.connect_s,
-            max_payload_bytes=MAX_PAYLOAD_BYTES,
-            client_id=f"{worker} {store_type}",
-        )
-
-    def _destinations(self, header: FrameHeader) -> list[memoryview | None]:
-        request = self._pending.get(header.seq)
-        if request is None or header.aux != proto.OK or len(header.arrays) != len(request.sizes):
-            return [None] * len(header.arrays)
-        if any(
-            size is not None and size != info.nbytes
-            for size, info in zip(request.sizes, header.arrays, strict=True)
-        ):
-            return [None] * len(header.arrays)
-        return request.destinations
-
-    def _on_message(self, message: Message) -> None:
-        request = self._pending.pop(message.header.seq, None)
-        if request is None:
-            return
-        status = message.header.aux
-        if status != proto.OK:
-            error = proto.error_from_status(status, message.header.text, self.name)
-            request.on_reply(None, error)
-            if isinstance(error, PeerLostError):  # the job failed: nothing more will work
-                self._report_lost(error)
-        elif request.sizes and (got := [i.nbytes for i in message.header.arrays]) != request.sizes:
-            request.on_reply(
-                None,
-                ServerError(
-                    f"{self.name} answered with arrays of {got} bytes, expected {request.sizes}",
-                    server=self.name,
-                ),
-            )
-        else:
-            request.on_reply(message, None)
-
-    def _on_lost(self, exc: BaseException | None) -> None:
-        detail = f": {exc!r}" if exc else ""
-        self.lost = PeerLostError(f"{self.name} closed the connection{detail} (did it die?)")
-        self.fail_all(self.lost)
-        if not self.closing:
-            self._report_lost(self.lost)
-
-    def fail_all(self, error: AKVError) -> None:
-        pending, self._pending = self._pending, {}
-        for request in pending.values():
-            request.on_reply(None, error)
-
-    def sweep(self, now: float) -> None:
-        """Fail the requests whose deadline passed (one timer for all, not one per request)."""
-        late = [seq for seq, request in self._pending.items() if request.deadline < now]
-        for seq in late:
-            request = self._pending.pop(seq)
-            request.on_reply(
-                None,
-                ServerError(
-                    f"{self.name} did not answer a {proto.OP_NAMES.get(request.op, request.op)} "
-                    "request in time (AKV_REQUEST_TIMEOUT_S)",
-                    server=self.name,
-                ),
-            )
-
-    def send(
-        self,
-        op: int,
-        arrays: Sequence[tuple[Any, np.ndarray, int]],
-        on_reply: OnReply,
-        *,
-        text: str = "",
-        destinations: list[memoryview | None] | None = None,
-        timeout_s: float,
-    ) -> None:
-        """Send one request now; ``on_reply`` gets the reply or the error, exactly once.
-
-        With ``destinations``, the reply's arrays are received straight into them. The
-        deadline is enforced by :meth:`sweep`, which the backend runs periodically.
-        """
-        if self.lost is not None:
-            on_reply(None, self.lost)
-            return
-        assert self.protocol is not None
-        self._seq += 1
-        seq = self._seq
-        self._pending[seq] = _Request(
-            on_reply, destinations or [], op, self.loop.time() + timeout_s
-        )
-        try:
-            self.protocol.write(encode_frame(op, seq, arrays, text=text))
-        except TransportError as exc:
-            del self._pending[seq]
-            on_reply(None, PeerLostError(f"{self.name}: cannot send ({exc})"))
-
-    async def request(
-        self,
-        op: int,
-        arrays: Sequence[tuple[Any, np.ndarray, int]] = (),
-        *,
-        text: str = "",
-        timeout_s: float,
-    ) -> Message:
-        """:meth:`send` and wait for the reply (for the less frequent control requests)."""
-        future: asyncio.Future[Message] = self.loop.create_future()
-
-        def on_reply(message: Message | None, error: AKVError | None) -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(message)  # type: ignore[arg-type]
-
-        self.send(op, arrays, on_reply, text=text, timeout_s=timeout_s)
-        return await future
-
-    def close(self) -> None:
-        self.closing = True
-        if self.protocol is not None:
-            self.protocol.close()
-
-
-class _Heartbeat:
-    """Tells the scheduler every interval that this worker lives, from a thread of its own."""
-
-    def __init__(self, config: _config.Config, node_id: str, on_failure: Any) -> None:
-        self._config = config
-        self._node_id = node_id
-        self._on_failure = on_failure
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="akv-heartbeat", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        loop_thread = LoopThread(name="akv-heartbeat-loop")
-        try:
-            loop_thread.run(self._beat())
-        except Exception as exc:  # reported, never swallowed: the store fails with it
-            self._on_failure(f"the heartbeat to the scheduler failed: {exc!r}")
-        finally:
-            loop_thread.close()
-
-    async def _beat(self) -> None:
-        config = self._config
-        client = scheduler_client(
-            config,
-            max(
-                MIN_HEARTBEAT_REQUEST_S,
-                config.timeouts.heartbeat_interval_s * HEARTBEAT_REQUEST_INTERVALS,
-            ),
-            retries=0,
-        )
-        answered = time.monotonic()
-        try:
-            while not self._stop.is_set():
-                try:
-                    answer = await client.json("POST", "/v1/heartbeat", {"node_id": self._node_id})
-                    answered = time.monotonic()
-                    if answer.get("failure"):
-                        self._on_failure(answer["failure"])
-                        return
-                except (TransportError, ValueError) as exc:
-                    silent = time.monotonic() - answered
-                    if silent > config.timeouts.heartbeat_timeout_s:
-                        self._on_failure(
-                            f"the scheduler at {config.scheduler_url} has not "
-                            f"answered for {silent:.1f} s ({exc})"
-                        )
-                        return
-                await asyncio.sleep(config.timeouts.heartbeat_interval_s)
-        finally:
-            await client.close()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self._config.timeouts.heartbeat_interval_s + HEARTBEAT_STOP_S)
+#: What an engine task of the ``callback`` executor is given to report its end.
+Done = Callable[[Any, BaseException | None], None]
+#: One array of a request: (key, the array or its part, tag).
+WireArray = tuple[Key | None, np.ndarray, int]
 
 
 class DistBackend:
-    """Runs a worker's store calls against the job's servers."""
+    """Runs a worker's store calls against the job's servers (see the module docstring)."""
 
-    def __init__(self, engine: Engine, store_type: str, config: _config.Config) -> None:
+    def __init__(self, engine: Engine, store_type: str, config: Config) -> None:
         self._engine = engine
         self.type = store_type
         self.config = config
         self.num_workers = config.num_workers
-        self.rank = -1
-        self.node_id = uuid.uuid4().hex
-        self.links: list[_ServerLink] = []
+        self.membership = Membership(config, "worker", uuid.uuid4().hex)
+        self.links: list[ServerLink] = []
         self.broken: AKVError | None = None
-        self._scheduler: HttpClient | None = None
         self._heartbeat: _Heartbeat | None = None
         self._barriers = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank (-1 until it joined the job)."""
+        rank = self.membership.rank
+        return -1 if rank is None or not self.links else rank
 
     # ------------------------------------------------------------ joining the job
 
@@ -346,33 +105,36 @@ class DistBackend:
         """
         config = self.config
         self._loop = asyncio.get_running_loop()
-        self._scheduler = scheduler_client(config, config.timeouts.request_s)
         deadline = time.monotonic() + config.timeouts.connect_s
-        servers = await self._register(deadline)
-        self.links = [_ServerLink(s["rank"], s["host"], s["port"], self.fail) for s in servers]
-        for link in self.links:
-            while True:
-                try:
-                    await link.open(config, self.rank, self.type)
-                    break
-                except AuthError as exc:
-                    raise AuthenticationError(
-                        f"{link.name} refused this job's token: {exc}"
-                    ) from exc
-                except RemoteError as exc:
-                    raise ServerError(
-                        f"{link.name} refused the stream: {exc}", server=link.name
-                    ) from exc
-                except TransportError as exc:
-                    if time.monotonic() > deadline:
-                        raise ConnectTimeoutError(
-                            f"worker {self.rank} could not reach {link.name} within "
-                            f"{config.timeouts.connect_s:g} s: {exc}"
-                        ) from exc
-                    await asyncio.sleep(CONNECT_RETRY_S)
-        self._heartbeat = _Heartbeat(config, self.node_id, self._failed_from_thread)
+        answer = await self.membership.register(0, deadline)
+        rank = int(answer["rank"])
+        links = [ServerLink(s["rank"], s["host"], s["port"], self.fail) for s in answer["servers"]]
+        for link in links:
+            await self._open(link, rank, deadline)
+        self.links = links
+        self._heartbeat = _Heartbeat(self.membership, self._failed_from_thread)
         self._heartbeat.start()
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        self._sweeper = self._loop.create_task(self._sweep())
+        self._sweeper.add_done_callback(self._sweeper_ended)
+
+    async def _open(self, link: ServerLink, rank: int, deadline: float) -> None:
+        while True:
+            try:
+                await link.open(self.config, rank, self.type)
+                return
+            except AuthError as exc:
+                raise AuthenticationError(f"{link.name} refused this job's token: {exc}") from exc
+            except RemoteError as exc:
+                raise ServerError(
+                    f"{link.name} refused the stream: {exc}", server=link.name
+                ) from exc
+            except TransportError as exc:
+                if time.monotonic() > deadline:
+                    raise ConnectTimeoutError(
+                        f"worker {rank} could not reach {link.name} within "
+                        f"{self.config.timeouts.connect_s:g} s: {exc}"
+                    ) from exc
+                await asyncio.sleep(CONNECT_RETRY_S)
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
@@ -382,45 +144,9 @@ class DistBackend:
             for link in self.links:
                 link.sweep(now)
 
-    async def _register(self, deadline: float) -> list[dict[str, Any]]:
-        config = self.config
-        assert self._scheduler is not None
-        body = {
-            "node_id": self.node_id,
-            "role": "worker",
-            "rank": config.rank,
-            "host": config.host,
-            "port": 0,
-            "pid": os.getpid(),
-        }
-        last_note = ""
-        while True:
-            try:
-                answer = await self._scheduler.json("POST", "/v1/register", body)
-            except AuthError as exc:
-                raise AuthenticationError(f"the scheduler refused this job's token: {exc}") from exc
-            except RemoteError as exc:
-                raise _scheduler_error(exc) from exc
-            except TransportError as exc:
-                answer, note = (
-                    None,
-                    (f"the scheduler at {config.scheduler_url} is not reachable ({exc})"),
-                )
-            else:
-                note = answer.get("waiting", "")
-                self.rank = int(answer["rank"])
-                body["rank"] = self.rank
-                if "servers" in answer:
-                    return list(answer["servers"])
-            if time.monotonic() > deadline:
-                raise ConnectTimeoutError(
-                    f"worker gave up joining the job after {config.timeouts.connect_s:g} s: {note}"
-                )
-            if note != last_note:
-                log.info("worker waiting: %s", note)
-                last_note = note
-            if answer is None:
-                await asyncio.sleep(CONNECT_RETRY_S)
+    def _sweeper_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(PeerLostError(f"the request deadline check failed: {task.exception()!r}"))
 
     def _failed_from_thread(self, reason: str) -> None:
         loop = self._loop
@@ -437,22 +163,15 @@ class DistBackend:
 
     # ------------------------------------------------------------ keys
 
-    def new_entry(self, key: Any, array: np.ndarray) -> DistEntry:
+    def new_entry(self, key: Key, array: np.ndarray) -> Entry:
+        """A key's entry: its engine var and where its parts live."""
         if isinstance(key, int) and not INT64_MIN <= key <= INT64_MAX:
             raise InvalidArgumentError(
                 f"init key {key}: int keys of a distributed store must fit in 64 bits"
             )
         parts = place(key, int(array.size), len(self.links), self.config.bigarray_bound)
-        return DistEntry(
-            key, tuple(array.shape), array.dtype, self._engine.new_var(f"key {key!r}"), parts
-        )
-
-    def placement(self, entries: list[DistEntry]) -> dict[Any, list[tuple[int, int, int]]]:
-        """Each key's parts as (server rank, first element, end element)."""
-        return {e.key: [(p.server, p.start, p.stop) for p in e.parts] for e in entries}
-
-    def _timeout(self) -> float:
-        return self.config.timeouts.request_s
+        var = self._engine.new_var(f"key {key!r}")
+        return Entry(key, tuple(array.shape), array.dtype, var, parts)
 
     def _check(self) -> None:
         if self.broken is not None:
@@ -460,60 +179,45 @@ class DistBackend:
 
     # ------------------------------------------------------------ the work
 
-    def init(self, entries: list[DistEntry], arrays: list[np.ndarray], executor: str) -> Task:
+    def init(self, entries: list[Entry], arrays: list[np.ndarray]) -> Task:
         """Rank 0 sends the initial values; the others check theirs agree and wait for them."""
         self._check()
+        writes = [e.var for e in entries]
         if self.rank == 0:
             copies = [np.ascontiguousarray(a).copy() for a in arrays]
             return self._engine.push(
-                self._init_values,
-                entries,
-                copies,
-                writes=[e.var for e in entries],
-                executor="loop",
-                name="init",
+                self._init_values, entries, copies, writes=writes, executor="loop", name="init"
             )
         return self._engine.push(
-            self._init_check, entries, writes=[e.var for e in entries], executor="loop", name="init"
+            self._init_check, entries, writes=writes, executor="loop", name="init"
         )
 
-    async def _init_values(self, entries: list[DistEntry], copies: list[np.ndarray]) -> None:
-        batches: dict[int, list[tuple[Any, np.ndarray, int]]] = {}
-        for entry, copy in zip(entries, copies, strict=True):
-            for part in entry.parts:
-                batches.setdefault(part.server, []).append(
-                    (entry.key, entry.wire_view(copy, part), 0)
-                )
-        await self._each(proto.INIT, batches)
+    async def _init_values(self, entries: list[Entry], copies: list[np.ndarray]) -> None:
+        batches = by_server(zip(entries, copies, strict=True), _part_of)
+        await self._each(Op.INIT, batches)
 
-    async def _init_check(self, entries: list[DistEntry]) -> None:
-        metas: dict[int, list[tuple[Any, tuple[int, ...], str]]] = {}
-        for entry in entries:
-            for part in entry.parts:
-                shape = entry.shape if len(entry.parts) == 1 else (part.size,)
-                metas.setdefault(part.server, []).append((entry.key, shape, str(entry.dtype)))
+    async def _init_check(self, entries: list[Entry]) -> None:
+        metas = by_server(((e, None) for e in entries), _meta_of)
+        timeout = self.config.timeouts.connect_s + INIT_CHECK_MARGIN_S
         await asyncio.gather(
             *(
                 self.links[server].request(
-                    proto.INIT_CHECK,
-                    text=proto.encode_meta(items),
-                    timeout_s=self.config.timeouts.connect_s + 5,
+                    Op.INIT_CHECK, text=encode_meta(items), timeout_s=timeout
                 )
                 for server, items in metas.items()
             )
         )
 
-    async def _each(
-        self, op: int, batches: dict[int, list[tuple[Any, np.ndarray, int]]]
-    ) -> list[Message]:
+    async def _each(self, op: Op, batches: dict[int, list[WireArray]]) -> list[Message]:
+        timeout = self.config.timeouts.request_s
         return await asyncio.gather(
             *(
-                self.links[server].request(op, arrays, timeout_s=self._timeout())
+                self.links[server].request(op, arrays, timeout_s=timeout)
                 for server, arrays in batches.items()
             )
         )
 
-    def set_updater(self, updater: Any) -> None:
+    def set_updater(self, updater: object) -> None:
         """Refuse: in a distributed store the servers apply updates (use set_optimizer)."""
         raise InvalidArgumentError(
             f"set_updater has no effect on a {self.type} store: the servers apply the updates; "
@@ -522,8 +226,8 @@ class DistBackend:
 
     @staticmethod
     def _stage(
-        values: list[tuple[DistEntry, list[np.ndarray]]], borrow: bool
-    ) -> tuple[list[tuple[DistEntry, np.ndarray]], Callable[[], None]]:
+        values: list[tuple[Entry, list[np.ndarray]]], borrow: bool
+    ) -> tuple[list[tuple[Entry, np.ndarray]], Callable[[], None]]:
         """What to send per key, and how to give the staging buffers back afterwards.
 
         ``borrow`` (the caller waits until the servers acknowledged): a key's single
@@ -547,11 +251,7 @@ class DistBackend:
         return staged, release
 
     def push(
-        self,
-        values: list[tuple[DistEntry, list[np.ndarray]]],
-        priority: int,
-        executor: str,
-        borrow: bool,
+        self, values: list[tuple[Entry, list[np.ndarray]]], priority: int, borrow: bool
     ) -> Task:
         """Send summed values to the servers that hold each key (or each part)."""
         self._check()
@@ -567,37 +267,29 @@ class DistBackend:
         )
 
     def _start_push(
-        self, staged: list[tuple[DistEntry, np.ndarray]], release: Callable[[], None], done: Any
+        self,
+        staged: list[tuple[Entry, np.ndarray]],
+        release: Callable[[], None],
+        done: Done,
     ) -> None:
-        batches: dict[int, list[tuple[Any, np.ndarray, int]]] = {}
-        for entry, buffer in staged:
-            for part in entry.parts:
-                batches.setdefault(part.server, []).append(
-                    (entry.key, entry.wire_view(buffer, part), 0)
-                )
-
+        batches = by_server(staged, _part_of)
         gather = _Gather(len(batches), release, done)
-        timeout = self._timeout()
+        timeout = self.config.timeouts.request_s
         for server, arrays in batches.items():
-            self.links[server].send(proto.PUSH, arrays, gather.reply, timeout_s=timeout)
+            self.links[server].send(Op.PUSH, arrays, gather.reply, timeout_s=timeout)
 
     def pull(
-        self,
-        targets: list[tuple[DistEntry, list[np.ndarray]]],
-        result: Any,
-        priority: int,
-        executor: str,
+        self, targets: list[tuple[Entry, list[np.ndarray]]], result: Any, priority: int
     ) -> Task:
         """Fetch each key's value (in dist_sync: after the round of this worker's last push)."""
         return self._schedule_pull(targets, result, None, _nothing, priority)
 
     def pushpull(
         self,
-        values: list[tuple[DistEntry, list[np.ndarray]]],
-        targets: list[tuple[DistEntry, list[np.ndarray]]],
+        values: list[tuple[Entry, list[np.ndarray]]],
+        targets: list[tuple[Entry, list[np.ndarray]]],
         result: Any,
         priority: int,
-        executor: str,
         borrow: bool,
     ) -> Task:
         """Push, then pull the result, in one request per server."""
@@ -607,9 +299,9 @@ class DistBackend:
 
     def _schedule_pull(
         self,
-        targets: list[tuple[DistEntry, list[np.ndarray]]],
+        targets: list[tuple[Entry, list[np.ndarray]]],
         result: Any,
-        staged: list[tuple[DistEntry, np.ndarray]] | None,
+        staged: list[tuple[Entry, np.ndarray]] | None,
         release: Callable[[], None],
         priority: int,
     ) -> Task:
@@ -631,26 +323,27 @@ class DistBackend:
 
     def _start_pull(
         self,
-        targets: list[tuple[DistEntry, list[np.ndarray]]],
+        targets: list[tuple[Entry, list[np.ndarray]]],
         result: Any,
-        staged: list[tuple[DistEntry, np.ndarray]] | None,
+        staged: list[tuple[Entry, np.ndarray]] | None,
         release: Callable[[], None],
-        done: Any,
+        done: Done,
     ) -> None:
-        requests: dict[int, tuple[list[tuple[Any, np.ndarray, int]], list[memoryview]]] = {}
-        landing: list[tuple[np.ndarray, list[np.ndarray], DistEntry]] = []
         pushed = {id(e): b for e, b in staged} if staged is not None else {}
+        landing: list[tuple[np.ndarray, list[np.ndarray], Entry]] = []
         for entry, outs in targets:
             first = outs[0]
             receive = first if first.flags.c_contiguous else entry.take_buffer()
             landing.append((receive, outs, entry))
-            for part in entry.parts:
-                arrays, views = requests.setdefault(part.server, ([], []))
-                if staged is not None:
-                    arrays.append((entry.key, entry.wire_view(pushed[id(entry)], part), 0))
-                else:
-                    arrays.append((entry.key, np.empty(0, entry.dtype), 0))
-                views.append(memoryview(entry.wire_view(receive, part)).cast("B"))
+
+        def piece(entry: Entry, part: Part, receive: np.ndarray) -> tuple[WireArray, memoryview]:
+            if staged is not None:
+                sent = entry.wire_view(pushed[id(entry)], part)
+            else:
+                sent = np.empty(0, entry.dtype)
+            return (entry.key, sent, 0), entry.wire_view(receive, part).data.cast("B")
+
+        requests = by_server(((entry, receive) for receive, _, entry in landing), piece)
 
         def finish() -> Any:
             release()
@@ -664,9 +357,11 @@ class DistBackend:
             return result
 
         gather = _Gather(len(requests), finish, done)
-        op = proto.PULL if staged is None else proto.PUSHPULL
-        timeout = self._timeout()
-        for server, (arrays, views) in requests.items():
+        op = Op.PULL if staged is None else Op.PUSHPULL
+        timeout = self.config.timeouts.request_s
+        for server, pieces in requests.items():
+            arrays = [array for array, _ in pieces]
+            views = [view for _, view in pieces]
             self.links[server].send(op, arrays, gather.reply, destinations=views, timeout_s=timeout)
 
     def barrier(self) -> Task:
@@ -676,16 +371,14 @@ class DistBackend:
         return self._engine.push(self._barrier, self._barriers, executor="loop", name="barrier")
 
     async def _barrier(self, number: int) -> None:
-        assert self._scheduler is not None
         deadline = time.monotonic() + self.config.timeouts.barrier_s
+        body = {"node_id": self.membership.node_id, "number": number}
         while True:
             self._check()
             try:
-                answer = await self._scheduler.json(
-                    "POST", "/v1/barrier", {"node_id": self.node_id, "number": number}
-                )
+                answer = await self.membership.client.json("POST", "/v1/barrier", body)
             except RemoteError as exc:
-                raise _scheduler_error(exc) from exc
+                raise scheduler_refusal(exc) from exc
             except TransportError as exc:
                 raise PeerLostError(f"the scheduler did not answer a barrier: {exc}") from exc
             if "passed" in answer:
@@ -703,15 +396,16 @@ class DistBackend:
         self._check()
         text = json.dumps(optimizer.get_config())
         return self._engine.push(
-            self._to_all, proto.SET_OPTIMIZER, text, executor="loop", name="set_optimizer"
+            self._to_all, Op.SET_OPTIMIZER, text, executor="loop", name="set_optimizer"
         )
 
-    async def _to_all(self, op: int, text: str) -> list[Message]:
+    async def _to_all(self, op: Op, text: str) -> list[Message]:
+        timeout = self.config.timeouts.request_s
         return await asyncio.gather(
-            *(link.request(op, text=text, timeout_s=self._timeout()) for link in self.links)
+            *(link.request(op, text=text, timeout_s=timeout) for link in self.links)
         )
 
-    def save_states(self, entries: list[DistEntry], path: Path, dump_optimizer: bool) -> Task:
+    def save_states(self, entries: list[Entry], path: Path, dump_optimizer: bool) -> Task:
         """Gather every server's optimizer states into one file (after earlier pushes)."""
         self._check()
         return self._engine.push(
@@ -724,17 +418,18 @@ class DistBackend:
             name="save_optimizer_states",
         )
 
-    async def _save_states(self, entries: list[DistEntry], path: Path, dump: bool) -> None:
-        text = json.dumps({"dump_optimizer": dump})
-        replies = await self._to_all(proto.SAVE_STATES, text)
+    async def _save_states(self, entries: list[Entry], path: Path, dump: bool) -> None:
+        replies = await self._to_all(Op.SAVE_STATES, json.dumps({"dump_optimizer": dump}))
         parts = [bytes(reply.buffers[0]) for reply in replies]
-        data = merge_server_states(
-            parts,
-            {e.key: (e.shape, [(p.server, p.start, p.stop) for p in e.parts]) for e in entries},
-        )
-        await asyncio.to_thread(path.write_bytes, data)
+        data = merge_server_states(parts, {e.key: e.layout() for e in entries})
+        try:
+            await asyncio.to_thread(path.write_bytes, data)
+        except OSError as exc:
+            raise StateFileError(
+                f"save_optimizer_states: cannot write {str(path)!r}: {exc}"
+            ) from exc
 
-    def load_states(self, entries: list[DistEntry], path: Path) -> Task:
+    def load_states(self, entries: list[Entry], path: Path) -> Task:
         """Send each server its share of a states file (after earlier pushes, before later)."""
         self._check()
         return self._engine.push(
@@ -746,22 +441,19 @@ class DistBackend:
             name="load_optimizer_states",
         )
 
-    async def _load_states(self, entries: list[DistEntry], path: Path) -> None:
+    async def _load_states(self, entries: list[Entry], path: Path) -> None:
         try:
             data = await asyncio.to_thread(path.read_bytes)
         except OSError as exc:
-            raise AKVError(f"load_optimizer_states: cannot read {str(path)!r}: {exc}") from exc
-        shares = split_server_states(
-            data,
-            len(self.links),
-            {e.key: (e.shape, [(p.server, p.start, p.stop) for p in e.parts]) for e in entries},
-        )
+            raise StateFileError(
+                f"load_optimizer_states: cannot read {str(path)!r}: {exc}"
+            ) from exc
+        shares = split_server_states(data, len(self.links), {e.key: e.layout() for e in entries})
+        timeout = self.config.timeouts.request_s
         await asyncio.gather(
             *(
                 link.request(
-                    proto.LOAD_STATES,
-                    [(None, np.frombuffer(share, np.uint8), 0)],
-                    timeout_s=self._timeout(),
+                    Op.LOAD_STATES, [(None, np.frombuffer(share, np.uint8), 0)], timeout_s=timeout
                 )
                 for link, share in zip(self.links, shares, strict=True)
             )
@@ -777,7 +469,7 @@ class DistBackend:
         if self._closed:
             return
         self._closed = True
-        joined = self.rank >= 0 and bool(self.links) and self._heartbeat is not None
+        joined = self.rank >= 0 and self._heartbeat is not None
         try:
             if not joined:
                 return
@@ -787,13 +479,12 @@ class DistBackend:
             if self.broken is None:
                 await asyncio.gather(
                     *(
-                        link.request(proto.CLOSE, timeout_s=GOODBYE_TIMEOUT_S)
+                        link.request(Op.CLOSE, timeout_s=GOODBYE_TIMEOUT_S)
                         for link in self.links
                         if link.lost is None
                     )
                 )
-                if self._scheduler is not None:
-                    await self._scheduler.json("POST", "/v1/finish", {"node_id": self.node_id})
+                await self.membership.finish()
         finally:
             if self._sweeper is not None:
                 self._sweeper.cancel()
@@ -801,8 +492,36 @@ class DistBackend:
                 link.close()
             if self._heartbeat is not None:
                 await asyncio.to_thread(self._heartbeat.stop)
-            if self._scheduler is not None:
-                await self._scheduler.close()
+            await self.membership.close()
+
+
+class _Heartbeat:
+    """Runs :meth:`Membership.heartbeats` on a thread and loop of its own."""
+
+    def __init__(self, membership: Membership, on_failure: Callable[[str], None]) -> None:
+        self._membership = membership
+        self._on_failure = on_failure
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="akv-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        loop_thread = LoopThread(name="akv-heartbeat-loop")
+        try:
+            loop_thread.run(self._membership.heartbeats(self._on_failure, self._stop.is_set))
+        except Exception as exc:  # reported, never swallowed: the store fails with it
+            self._on_failure(f"the heartbeat to the scheduler failed: {exc!r}")
+        finally:
+            loop_thread.close()
+
+    def stop(self) -> None:
+        """Stop beating and wait for the thread (at most one interval and a margin)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            interval = self._membership.config.timeouts.heartbeat_interval_s
+            self._thread.join(interval + HEARTBEAT_STOP_S)
 
 
 class _Gather:
@@ -815,18 +534,22 @@ class _Gather:
 
     __slots__ = ("_done", "_error", "_finish", "_remaining")
 
-    def __init__(self, count: int, finish: Callable[[], Any], done: Any) -> None:
+    def __init__(self, count: int, finish: Callable[[], Any], done: Done) -> None:
         self._remaining = count
         self._finish = finish
         self._done = done
         self._error: BaseException | None = None
+        if count == 0:
+            self._complete()
 
-    def reply(self, message: Message | None, error: BaseException | None) -> None:
+    def reply(self, message: Message | None, error: AKVError | None) -> None:
         if error is not None and self._error is None:
             self._error = error
         self._remaining -= 1
-        if self._remaining:
-            return
+        if not self._remaining:
+            self._complete()
+
+    def _complete(self) -> None:
         try:
             result = self._finish()
         except Exception as exc:
@@ -837,11 +560,14 @@ class _Gather:
             self._done(result, None)
 
 
+def _part_of(entry: Entry, part: Part, array: np.ndarray) -> WireArray:
+    return (entry.key, entry.wire_view(array, part), 0)
+
+
+def _meta_of(entry: Entry, part: Part, _: None) -> tuple[Key, tuple[int, ...], str]:
+    shape = entry.shape if len(entry.parts) == 1 else (part.size,)
+    return (entry.key, shape, str(entry.dtype))
+
+
 def _nothing() -> None:
     return None
-
-
-def _scheduler_error(exc: RemoteError) -> AKVError:
-    if exc.status == 409:
-        return PeerLostError(f"the scheduler refused: {exc}")
-    return ServerError(f"the scheduler: {exc}", server="scheduler")

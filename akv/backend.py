@@ -1,0 +1,101 @@
+"""What a store's backend does: the one seam between the store faces and where values live.
+
+:class:`~akv.store.AsyncKVStore` checks every argument, then hands checked work to its
+backend, which schedules it as engine tasks on the keys' vars and returns them. The local
+backend (:mod:`akv.local`) holds values in this process; the distributed one
+(:mod:`akv.dist.worker`) sends them to the job's servers. A new store type (a GPU store,
+say) is a new class that satisfies :class:`Backend`, chosen in :mod:`akv.store`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from akv import optimizer as _optimizer
+from akv.args import Key
+from akv.errors import AKVError
+from akv.keys import Entry
+from engine import Task
+
+__all__ = ["Backend", "KeyArrays", "Updater"]
+
+#: ``updater(key, received, stored)``: changes ``stored`` in place.
+Updater = Callable[[Key, np.ndarray, np.ndarray], None]
+#: Each key's entry with the arrays given for it (pushed values, or pull outputs).
+KeyArrays = list[tuple[Entry, list[np.ndarray]]]
+
+
+class Backend(Protocol):
+    """The work behind one store.
+
+    Every method that returns a :class:`~engine.Task` has scheduled its work on the
+    keys' vars before it returns, so that per key the work keeps call order. Values are
+    checked by the store first: shapes and dtypes match their keys, keys exist.
+    ``borrow`` means the caller waits for the task, so its arrays may be read while the
+    task runs instead of being copied first.
+    """
+
+    #: This worker's rank and how many workers share the store.
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def num_workers(self) -> int: ...
+
+    #: The error that broke the store (every later call raises it), or None.
+    broken: AKVError | None
+
+    def new_entry(self, key: Key, array: np.ndarray) -> Entry:
+        """A new key's entry (its var, and where its parts live), for a value like ``array``."""
+        ...
+
+    def set_updater(self, updater: Updater | None) -> None:
+        """Use ``updater`` for later pushes (None: assignment)."""
+        ...
+
+    def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Task:
+        """Apply ``optimizer`` to later pushes, where the weights live."""
+        ...
+
+    def init(self, entries: list[Entry], arrays: list[np.ndarray]) -> Task:
+        """Store the first value of each new key."""
+        ...
+
+    def push(self, values: KeyArrays, priority: int, borrow: bool) -> Task:
+        """Sum each key's values and apply the sum."""
+        ...
+
+    def pull(self, targets: KeyArrays, result: object, priority: int) -> Task:
+        """Copy each key's value into its outputs; the task's result is ``result``."""
+        ...
+
+    def pushpull(
+        self,
+        values: KeyArrays,
+        targets: KeyArrays,
+        result: object,
+        priority: int,
+        borrow: bool,
+    ) -> Task:
+        """A push, then a pull that sees it."""
+        ...
+
+    def barrier(self) -> Task:
+        """Wait for every worker."""
+        ...
+
+    def save_states(self, entries: list[Entry], path: Path, dump_optimizer: bool) -> Task:
+        """Write the optimizer's states after earlier pushes."""
+        ...
+
+    def load_states(self, entries: list[Entry], path: Path) -> Task:
+        """Load optimizer states after earlier pushes and before later ones."""
+        ...
+
+    async def close(self, barrier_before_exit: bool) -> None:
+        """Leave: release what the backend holds (peers, threads)."""
+        ...

@@ -1,0 +1,186 @@
+"""One process's membership in a job: registering with the scheduler, heartbeats, goodbye.
+
+Workers and servers both use :class:`Membership`: a worker registers and waits for the
+whole address book (every server), a server only for its rank. Heartbeats run on a loop
+of their own choosing (a worker runs them on a thread of their own, so that a busy event
+loop is never mistaken for a dead worker) and report a failed job or a silent scheduler
+to a callback, once per cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from akv.dist.config import Config
+from akv.dist.roles import scheduler_client
+from akv.errors import (
+    AKVError,
+    AuthenticationError,
+    ConnectTimeoutError,
+    MembershipError,
+    PeerLostError,
+    ServerError,
+)
+from akv.limits import (
+    CONNECT_RETRY_S,
+    GOODBYE_TIMEOUT_S,
+    HEARTBEAT_REQUEST_INTERVALS,
+    MIN_HEARTBEAT_REQUEST_S,
+)
+from transport import AuthError, HttpClient, RemoteError, TransportError
+
+__all__ = ["Membership", "scheduler_refusal"]
+
+log = logging.getLogger("akv.dist")
+
+
+class Membership:
+    """The scheduler's view of this process (``role``: ``"worker"`` or ``"server"``).
+
+    :attr:`client` is this process's HTTP client for the scheduler, bound to the loop
+    that first used it; heartbeats use a client of their own on their own loop.
+    """
+
+    def __init__(self, config: Config, role: str, node_id: str) -> None:
+        self.config = config
+        self.role = role
+        self.node_id = node_id
+        self.rank: int | None = config.rank
+        self._client: HttpClient | None = None
+
+    @property
+    def client(self) -> HttpClient:
+        """The HTTP client for the scheduler (made on first use)."""
+        if self._client is None:
+            self._client = scheduler_client(self.config, self.config.timeouts.request_s)
+        return self._client
+
+    async def register(self, port: int, deadline: float) -> dict[str, Any]:
+        """Join the job; return the scheduler's answer once this process has its rank
+        (a worker: and every server's address, under ``"servers"``).
+
+        Raises
+        ------
+        AuthenticationError
+            The scheduler refused the job's token.
+        MembershipError, PeerLostError, ServerError
+            The scheduler refused the registration (the job failed, or a rank or role
+            that does not fit).
+        ConnectTimeoutError
+            ``deadline`` (a ``time.monotonic()`` reading) passed first; says what was
+            missing.
+        """
+        config = self.config
+        body: dict[str, Any] = {
+            "node_id": self.node_id,
+            "role": self.role,
+            "rank": self.rank,
+            "host": config.host,
+            "port": port,
+            "pid": os.getpid(),
+            # A server needs only its rank: workers find it through the address book.
+            "wait": self.role == "worker",
+        }
+        last_note = ""
+        while True:
+            answer: dict[str, Any] | None
+            try:
+                answer = await self.client.json("POST", "/v1/register", body)
+            except AuthError as exc:
+                raise AuthenticationError(f"the scheduler refused this job's token: {exc}") from exc
+            except RemoteError as exc:
+                raise scheduler_refusal(exc) from exc
+            except TransportError as exc:
+                answer = None
+                note = f"the scheduler at {config.scheduler_url} is not reachable ({exc})"
+            if answer is not None:
+                note = str(answer.get("waiting", ""))
+                if "rank" in answer:
+                    self.rank = body["rank"] = int(answer["rank"])
+                    if self.role != "worker" or "servers" in answer:
+                        return answer
+            if time.monotonic() > deadline:
+                raise ConnectTimeoutError(
+                    f"{self.role} gave up joining the job after "
+                    f"{config.timeouts.connect_s:g} s: {note}"
+                )
+            if note != last_note:
+                log.info("%s waiting: %s", self.role, note)
+                last_note = note
+            if answer is None:
+                await asyncio.sleep(CONNECT_RETRY_S)
+
+    async def heartbeats(
+        self, on_failure: Callable[[str], None], should_stop: Callable[[], bool]
+    ) -> bool:
+        """Tell the scheduler every interval that this process lives, until
+        ``should_stop()`` or the scheduler says the job is over.
+
+        ``on_failure(reason)`` is called when the scheduler reports the job failed, and when
+        it has not answered for the heartbeat timeout (then this returns). Returns True
+        when the scheduler said stop, False otherwise. Runs on the calling loop, with an
+        HTTP client of its own.
+        """
+        timeouts = self.config.timeouts
+        request_s = max(
+            MIN_HEARTBEAT_REQUEST_S, timeouts.heartbeat_interval_s * HEARTBEAT_REQUEST_INTERVALS
+        )
+        client = scheduler_client(self.config, request_s, retries=0)
+        answered = time.monotonic()
+        reported = ""
+        try:
+            while not should_stop():
+                try:
+                    answer = await client.json("POST", "/v1/heartbeat", {"node_id": self.node_id})
+                    answered = time.monotonic()
+                except (TransportError, ValueError) as exc:
+                    silent = time.monotonic() - answered
+                    if silent > timeouts.heartbeat_timeout_s:
+                        on_failure(
+                            f"the scheduler at {self.config.scheduler_url} has not answered "
+                            f"for {silent:.1f} s ({exc})"
+                        )
+                        return False
+                    answer = {}
+                failure = answer.get("failure") if isinstance(answer, dict) else None
+                if failure and failure != reported:
+                    reported = str(failure)
+                    on_failure(reported)
+                if isinstance(answer, dict) and answer.get("stop"):
+                    return True
+                await asyncio.sleep(timeouts.heartbeat_interval_s)
+            return False
+        finally:
+            await client.close()
+
+    async def report_lost(self, reporter: str, role: str, rank: int, detail: str) -> None:
+        """Tell the scheduler that ``role`` ``rank`` vanished (``reporter`` saw it)."""
+        body = {"reporter": reporter, "role": role, "rank": rank, "detail": detail}
+        await self.client.json("POST", "/v1/lost", body)
+
+    async def finish(self) -> None:
+        """Say goodbye to the scheduler (this process is done with the job)."""
+        await self.client.json(
+            "POST", "/v1/finish", {"node_id": self.node_id}, timeout_s=GOODBYE_TIMEOUT_S
+        )
+
+    async def close(self) -> None:
+        """Close the HTTP client. Idempotent."""
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+
+def scheduler_refusal(exc: RemoteError) -> AKVError:
+    """The error for a scheduler's HTTP refusal: 409 means the job failed or the request
+    conflicts with it; 400 a registration or barrier that does not fit."""
+    if exc.status == 409:
+        return PeerLostError(f"the scheduler refused: {exc}")
+    if exc.status == 400:
+        return MembershipError(f"the scheduler refused: {exc}")
+    return ServerError(f"the scheduler: {exc}", server="scheduler")

@@ -1,0 +1,719 @@
+"""A parameter server's decisions, as a state machine without I/O.
+
+:class:`ServerState` takes events and returns instructions, as h11's ``Connection`` and
+Dask's ``WorkerState.handle_stimulus`` do. The service (:mod:`akv.dist.server.service`)
+feeds it what happened on the wire and on the clock, and carries out what it returns:
+
+events (methods)                          instructions (returned)
+----------------------------------------  ----------------------------------------------
+:meth:`~ServerState.admit`: a worker      :class:`Reply`: answer a request "done"
+opens a stream or sends one frame         :class:`ReplyError`: answer it with an error
+:meth:`~ServerState.header_arrived`:      :class:`Land`: merge pushes into their rounds
+where a frame's payloads go (a Plan)      and apply the rounds they close (array work)
+:meth:`~ServerState.message_completed`    :class:`SendValues`: answer a pull with values
+:meth:`~ServerState.rounds_applied`,      :class:`InstallOptimizer`, :class:`SaveStates`,
+:meth:`~ServerState.update_failed`        :class:`LoadStates`: optimizer work on the keys
+:meth:`~ServerState.peer_lost`            :class:`FailJob`: the job failed; tell the
+:meth:`~ServerState.job_failed`           scheduler (and who vanished, if a worker did)
+:meth:`~ServerState.tick`: the clock
+
+It owns the keys and their rounds (:class:`~akv.dist.server.rounds.KeyRounds`), pull
+tickets, init waits, the job's store type, optimizer installation and deduplication, and
+the overdue checks. :meth:`~ServerState.validate` checks its invariants. Array work
+(merging, applying, copying out) is the service's, through the engine, so that per key a
+merge, the apply of its round and the pulls that read the result keep their order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from akv import optimizer as _optimizer
+from akv.dist.protocol import DIST_STORE_TYPES, Op, decode_meta, op_label
+from akv.dist.server.rounds import KeyRounds
+from akv.errors import (
+    AKVError,
+    DTypeMismatchError,
+    DuplicateInitError,
+    InvalidArgumentError,
+    KeyNotInitializedError,
+    MembershipError,
+    OptimizerNotSetError,
+    PeerLostError,
+    RoundTimeoutError,
+    ServerError,
+    ShapeMismatchError,
+    WaitTimeoutError,
+)
+from akv.keys import Entry
+from akv.limits import INLINE_MAX_BYTES, SMALL_REPLY_BYTES
+from engine import Var
+from transport import FrameHeader
+
+__all__ = [
+    "FailJob",
+    "InitWait",
+    "InstallOptimizer",
+    "Instruction",
+    "Land",
+    "LoadStates",
+    "Peer",
+    "Plan",
+    "PullTicket",
+    "Reply",
+    "ReplyError",
+    "SaveStates",
+    "SendValues",
+    "ServerEntry",
+    "ServerState",
+]
+
+Key: TypeAlias = "int | str"
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """One way a worker sends requests: its stream, or a single HTTP request."""
+
+    worker: int
+    id: int
+    stream: bool = True
+
+
+class ServerEntry(Entry):
+    """A key (or this server's part of a split key) as the server holds it."""
+
+    __slots__ = ("merged", "rounds")
+
+    def __init__(self, key: Key, value: np.ndarray, var: Var, sync: bool, num_workers: int):
+        super().__init__(key, tuple(value.shape), value.dtype, var)
+        self.value: np.ndarray = value
+        self.merged: np.ndarray | None = None
+        self.rounds: KeyRounds[PullTicket] = KeyRounds(key, num_workers, sync)
+
+
+@dataclass(eq=False)
+class PullTicket:
+    """A pull (or the pull half of a pushpull) waiting for rounds to be applied."""
+
+    peer: Peer
+    seq: int
+    entries: list[ServerEntry]
+    remaining: int = 0
+    answered: bool = False
+
+
+@dataclass(eq=False)
+class InitWait:
+    """Another worker's init, waiting for rank 0's values of its keys."""
+
+    peer: Peer
+    seq: int
+    items: list[tuple[Key, tuple[int, ...], str]]
+    deadline: float
+
+
+@dataclass
+class Plan:
+    """What to do with a frame's arrays, decided when its header arrived: the key each
+    payload belongs to and the buffer it is received into (None: not received), or the
+    error that refuses the whole frame."""
+
+    entries: list[ServerEntry | None] = field(default_factory=list)
+    buffers: list[np.ndarray | None] = field(default_factory=list)
+    error: AKVError | None = None
+
+
+# ---------------------------------------------------------------------- instructions
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Answer request ``seq`` of ``peer``: done, with no arrays."""
+
+    peer: Peer
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyError:
+    """Answer request ``seq`` of ``peer`` with ``error``. ``cause`` is an unexpected
+    exception behind it (the service logs it with its traceback)."""
+
+    peer: Peer
+    seq: int
+    error: AKVError
+    cause: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Land:
+    """One frame's pushes: add ``merges`` (entry, buffer, first of its round) to their
+    rounds' sums, then apply ``closing`` (entry, buffer or None for the merge buffer,
+    round), in one task that writes every key in ``entries``. Report the outcome with
+    :meth:`ServerState.rounds_applied` and :meth:`ServerState.update_failed`."""
+
+    entries: tuple[ServerEntry, ...]
+    merges: tuple[tuple[ServerEntry, np.ndarray, bool], ...]
+    closing: tuple[tuple[ServerEntry, np.ndarray | None, int], ...]
+    inline: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SendValues:
+    """Answer ``ticket`` with its keys' values, read in order after earlier writes.
+    ``copy``: small enough to copy and send at once (else send the stored arrays and
+    hold them for reading until the bytes left)."""
+
+    ticket: PullTicket
+    copy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class InstallOptimizer:
+    """After every earlier write to ``entries``, call
+    :meth:`ServerState.install_optimizer` with these, then reply."""
+
+    peer: Peer
+    seq: int
+    optimizer: _optimizer.Optimizer
+    config: dict[str, Any]
+    entries: tuple[ServerEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveStates:
+    """After earlier writes to ``entries``, answer with ``updater``'s states as one uint8
+    array (``dump``: with the optimizer's configuration)."""
+
+    peer: Peer
+    seq: int
+    updater: _optimizer.Updater
+    dump: bool
+    entries: tuple[ServerEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStates:
+    """After earlier writes to ``entries``, load ``data`` into ``updater``, then reply."""
+
+    peer: Peer
+    seq: int
+    updater: _optimizer.Updater
+    data: bytes
+    entries: tuple[ServerEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FailJob:
+    """The job failed for ``reason``: log it, and tell the scheduler that ``lost_worker``
+    vanished (``detail`` says how) when that is the cause."""
+
+    reason: str
+    lost_worker: int | None = None
+    detail: str = ""
+
+
+Instruction: TypeAlias = (
+    "Reply | ReplyError | Land | SendValues | InstallOptimizer | SaveStates | LoadStates | FailJob"
+)
+
+
+# ---------------------------------------------------------------------- the state
+
+
+class ServerState:
+    """Everything one server decides (see the module docstring).
+
+    Parameters
+    ----------
+    name:
+        How the server is named in messages (``"server 0"``); may change once the
+        scheduler gave it a rank (set :attr:`name`).
+    num_workers:
+        The job's workers, ranks ``0 .. num_workers - 1``.
+    init_timeout_s:
+        How long a worker's init waits for rank 0's values.
+    new_var:
+        Makes the engine var of a new key (named for it).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        num_workers: int,
+        init_timeout_s: float,
+        new_var: Callable[[str], Var],
+    ) -> None:
+        self.name = name
+        self.num_workers = num_workers
+        self.init_timeout_s = init_timeout_s
+        self._new_var = new_var
+        self.entries: dict[Key, ServerEntry] = {}
+        self.store_type: str | None = None
+        self.updater: _optimizer.Updater | None = None
+        self.optimizer_config: dict[str, Any] | None = None
+        self.failure: str | None = None
+        self.stopping = False
+        self.peers: dict[int, Peer] = {}
+        self._goodbyes: set[int] = set()
+        self._init_waits: list[InitWait] = []
+        self._next_peer = 0
+
+    @property
+    def sync(self) -> bool:
+        """Whether rounds collect one push per worker (``dist_sync``)."""
+        return self.store_type != "dist_async"
+
+    def workers_connected(self) -> list[int]:
+        """The ranks of the workers with an open stream."""
+        return sorted(peer.worker for peer in self.peers.values())
+
+    # ------------------------------------------------------------ events: connections
+
+    def admit(self, worker: int, store_type: str, stream: bool) -> Peer:
+        """A worker opens its stream (``stream``) or sends a single frame.
+
+        The first worker fixes the job's store type; every later one must match.
+
+        Raises
+        ------
+        InvalidArgumentError
+            An unknown store type.
+        MembershipError
+            A rank out of range, a store type other than the job's, or a second stream
+            from the same worker. Nothing changes.
+        """
+        if store_type not in DIST_STORE_TYPES:
+            raise InvalidArgumentError(f"unknown store type {store_type!r}")
+        if not 0 <= worker < self.num_workers:
+            raise MembershipError(
+                f"worker rank {worker} is out of range for {self.num_workers} workers"
+            )
+        if self.store_type is not None and store_type != self.store_type:
+            raise MembershipError(
+                f"worker {worker} opened a {store_type} store, but this job's workers use "
+                f"{self.store_type}: every worker must create the same store type"
+            )
+        if stream and any(peer.worker == worker for peer in self.peers.values()):
+            raise MembershipError(f"worker {worker} is already connected to {self.name}")
+        self.store_type = store_type
+        self._next_peer += 1
+        peer = Peer(worker, self._next_peer, stream)
+        if stream:
+            self.peers[peer.id] = peer
+        return peer
+
+    def peer_lost(self, peer: Peer, exc: BaseException | None) -> list[Instruction]:
+        """``peer``'s stream ended (``exc``: why, if known). Without a goodbye first, the
+        worker died: the job fails."""
+        self.peers.pop(peer.id, None)
+        said_goodbye = peer.id in self._goodbyes
+        self._goodbyes.discard(peer.id)
+        if said_goodbye or self.stopping or not peer.stream:
+            return []
+        detail = (
+            f"its stream to {self.name} ended ({exc!r})"
+            if exc
+            else f"its stream to {self.name} ended without a goodbye"
+        )
+        reason = (
+            f"worker {peer.worker} disconnected from {self.name} without closing its store: "
+            f"{detail}"
+        )
+        if self.failure is not None:
+            return self._fail_waiters()
+        self.failure = reason
+        return [FailJob(reason, lost_worker=peer.worker, detail=detail), *self._fail_waiters()]
+
+    def job_failed(self, reason: str) -> list[Instruction]:
+        """The job failed (the scheduler said so): answer every waiting pull and init with
+        the reason. Only the first reason is kept."""
+        out: list[Instruction] = []
+        if self.failure is None:
+            self.failure = reason
+            out.append(FailJob(reason))
+        out.extend(self._fail_waiters())
+        return out
+
+    def _fail_waiters(self) -> list[Instruction]:
+        error = PeerLostError(self.failure or "the job failed")
+        out: list[Instruction] = []
+        for entry in self.entries.values():
+            out.extend(self._fail_tickets(entry.rounds.take_waiting(), error))
+        out.extend(ReplyError(w.peer, w.seq, error) for w in self._init_waits)
+        self._init_waits.clear()
+        return out
+
+    # ------------------------------------------------------------ events: frames
+
+    def header_arrived(self, peer: Peer, header: FrameHeader) -> Plan:
+        """Where each payload of the frame that ``header`` starts is received.
+
+        Push payloads land in buffers of their keys (never the stored values); init
+        payloads in fresh arrays. A frame with any bad key, shape or dtype gets a plan
+        with ``error`` set, and :meth:`message_completed` refuses it whole.
+        """
+        plan = Plan()
+        if header.op == Op.INIT:
+            for info in header.arrays:
+                if info.key in self.entries:
+                    plan.error = plan.error or DuplicateInitError(
+                        f"init key {info.key!r}: {self.name} already holds it", key=info.key
+                    )
+                plan.entries.append(None)
+                plan.buffers.append(np.empty(info.shape, info.dtype))
+            return plan
+        if header.op in (Op.PUSH, Op.PUSHPULL):
+            for info in header.arrays:
+                entry = self.entries.get(info.key) if info.key is not None else None
+                buffer = None
+                if entry is None:
+                    plan.error = plan.error or KeyNotInitializedError(
+                        f"push to key {info.key!r}: the key was never initialized", key=info.key
+                    )
+                elif info.shape != entry.shape:
+                    plan.error = plan.error or ShapeMismatchError(
+                        f"push to key {info.key!r}: shape {info.shape} does not match the "
+                        f"stored shape {entry.shape} on {self.name}",
+                        key=info.key,
+                    )
+                elif info.dtype != entry.dtype:
+                    plan.error = plan.error or DTypeMismatchError(
+                        f"push to key {info.key!r}: dtype {info.dtype} does not match the "
+                        f"stored dtype {entry.dtype} on {self.name}",
+                        key=info.key,
+                    )
+                else:
+                    buffer = entry.take_buffer()
+                plan.entries.append(entry)
+                plan.buffers.append(buffer)
+            return plan
+        plan.entries = [None] * len(header.arrays)
+        plan.buffers = [None] * len(header.arrays)
+        return plan
+
+    def message_completed(
+        self,
+        peer: Peer,
+        header: FrameHeader,
+        buffers: Sequence[memoryview | bytes],
+        plan: Plan,
+        now: float,
+    ) -> list[Instruction]:
+        """A whole request arrived (its payloads in the buffers that ``plan``, made by
+        :meth:`header_arrived` for this frame, chose); decide what it does.
+
+        A refused request changes nothing and is answered with its error; one that failed
+        unexpectedly is answered with a :class:`~akv.errors.ServerError`.
+        """
+        try:
+            if plan.error is not None:
+                raise plan.error
+            return self._dispatch(peer, header, buffers, plan, now)
+        except Exception as exc:
+            for entry, buffer in zip(plan.entries, plan.buffers, strict=True):
+                if entry is not None and buffer is not None:
+                    entry.give_buffer(buffer)
+            if isinstance(exc, AKVError):
+                return [ReplyError(peer, header.seq, exc)]
+            error = ServerError(
+                f"{op_label(header.op)} request failed on {self.name}: {type(exc).__name__}: {exc}",
+                server=self.name,
+            )
+            return [ReplyError(peer, header.seq, error, cause=exc)]
+
+    def _dispatch(
+        self,
+        peer: Peer,
+        header: FrameHeader,
+        buffers: Sequence[memoryview | bytes],
+        plan: Plan,
+        now: float,
+    ) -> list[Instruction]:
+        op, seq = header.op, header.seq
+        if op in (Op.PUSH, Op.PUSHPULL):
+            return self._push(peer, header, plan, now)
+        if op == Op.PULL:
+            return self._pull(peer, seq, [self._entry(i.key, "pull from") for i in header.arrays])
+        if op == Op.INIT:
+            return self._init(peer, header, plan)
+        if op == Op.INIT_CHECK:
+            return self._init_check(peer, seq, decode_meta(header.text), now)
+        if op == Op.SET_OPTIMIZER:
+            return self._set_optimizer(peer, seq, header.text)
+        if op == Op.SAVE_STATES:
+            return self._save_states(peer, seq, header.text)
+        if op == Op.LOAD_STATES:
+            if len(buffers) != 1:
+                raise InvalidArgumentError(f"load_states carries one array, got {len(buffers)}")
+            return self._load_states(peer, seq, bytes(buffers[0]))
+        if op == Op.CLOSE:
+            self._goodbyes.add(peer.id)
+            return [Reply(peer, seq)]
+        raise InvalidArgumentError(f"unknown op {op}")
+
+    def _entry(self, key: Key | None, what: str) -> ServerEntry:
+        entry = self.entries.get(key) if key is not None else None
+        if entry is None:
+            raise KeyNotInitializedError(
+                f"{what} key {key!r}: the key was never initialized (on {self.name})", key=key
+            )
+        return entry
+
+    def _push(self, peer: Peer, header: FrameHeader, plan: Plan, now: float) -> list[Instruction]:
+        """Count a frame's pushes (all or nothing), then merge and apply them in one task."""
+        entries = [e for e in plan.entries if e is not None]
+        buffers = [b for b in plan.buffers if b is not None]
+        seen: set[Key] = set()
+        for entry in entries:
+            if entry.key in seen:
+                raise InvalidArgumentError(
+                    f"push names key {entry.key!r} twice in one request (worker {peer.worker})"
+                )
+            seen.add(entry.key)
+            entry.rounds.check_push(peer.worker)
+        merges = []
+        closing: list[tuple[ServerEntry, np.ndarray | None, int]] = []
+        for entry, buffer in zip(entries, buffers, strict=True):
+            decision = entry.rounds.accept_push(peer.worker, now)
+            if self.sync:
+                merges.append((entry, buffer, decision.first))
+                if decision.closes:
+                    closing.append((entry, None, decision.round))
+            else:
+                closing.append((entry, buffer, decision.round))
+        nbytes = sum(entry.nbytes for entry in entries)
+        out: list[Instruction] = [
+            Land(tuple(entries), tuple(merges), tuple(closing), nbytes <= INLINE_MAX_BYTES)
+        ]
+        if header.op == Op.PUSHPULL:
+            out.extend(self._pull(peer, header.seq, entries))
+        else:
+            out.append(Reply(peer, header.seq))
+        return out
+
+    def _pull(self, peer: Peer, seq: int, entries: list[ServerEntry]) -> list[Instruction]:
+        after = [entry.rounds.last_push_round(peer.worker) for entry in entries]
+        for entry, after_round in zip(entries, after, strict=True):
+            entry.rounds.check_pull(after_round)  # refuse before parking anywhere
+        ticket = PullTicket(peer, seq, entries)
+        for entry, after_round in zip(entries, after, strict=True):
+            if not entry.rounds.pull(after_round, ticket):
+                ticket.remaining += 1
+        if ticket.remaining:
+            return []
+        return [self._send(ticket)]
+
+    def _send(self, ticket: PullTicket) -> SendValues:
+        ticket.answered = True
+        return SendValues(ticket, sum(e.nbytes for e in ticket.entries) <= SMALL_REPLY_BYTES)
+
+    def _init(self, peer: Peer, header: FrameHeader, plan: Plan) -> list[Instruction]:
+        keys = [info.key for info in header.arrays]
+        if any(key is None for key in keys) or len(set(keys)) != len(keys):
+            raise InvalidArgumentError(
+                f"init from worker {peer.worker} names a key twice or carries no key"
+            )
+        for info, buffer in zip(header.arrays, plan.buffers, strict=True):
+            assert info.key is not None and buffer is not None  # checked above; planned
+            self.entries[info.key] = ServerEntry(
+                info.key, buffer, self._new_var(f"key {info.key!r}"), self.sync, self.num_workers
+            )
+        out: list[Instruction] = [Reply(peer, header.seq)]
+        out.extend(self._release_init_waits())
+        return out
+
+    def _init_check(
+        self, peer: Peer, seq: int, items: list[tuple[Key, tuple[int, ...], str]], now: float
+    ) -> list[Instruction]:
+        for key, shape, dtype in items:
+            entry = self.entries.get(key)
+            if entry is not None:
+                self._check_init_agrees(peer, key, shape, dtype, entry)
+        self._init_waits.append(InitWait(peer, seq, items, now + self.init_timeout_s))
+        return self._release_init_waits()
+
+    def _check_init_agrees(
+        self, peer: Peer, key: Key, shape: tuple[int, ...], dtype: str, entry: ServerEntry
+    ) -> None:
+        if entry.shape != shape or str(entry.dtype) != dtype:
+            raise ShapeMismatchError(
+                f"init key {key!r} on worker {peer.worker}: shape {shape} and dtype {dtype} "
+                f"differ from worker 0's {entry.shape} {entry.dtype}",
+                key=key,
+            )
+
+    def _release_init_waits(self) -> list[Instruction]:
+        out: list[Instruction] = []
+        still = []
+        for wait in self._init_waits:
+            if not all(key in self.entries for key, _, _ in wait.items):
+                still.append(wait)
+                continue
+            try:
+                for key, shape, dtype in wait.items:
+                    self._check_init_agrees(wait.peer, key, shape, dtype, self.entries[key])
+            except AKVError as exc:
+                out.append(ReplyError(wait.peer, wait.seq, exc))
+            else:
+                out.append(Reply(wait.peer, wait.seq))
+        self._init_waits = still
+        return out
+
+    # ------------------------------------------------------------ the optimizer
+
+    def _set_optimizer(self, peer: Peer, seq: int, text: str) -> list[Instruction]:
+        try:
+            config = json.loads(text)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"optimizer configuration is not JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise InvalidArgumentError("optimizer configuration must be a JSON object")
+        optimizer = _optimizer.from_config(config)
+        if self.optimizer_config == config:
+            return [Reply(peer, seq)]  # every worker sends it; the same again changes nothing
+        return [InstallOptimizer(peer, seq, optimizer, config, tuple(self.entries.values()))]
+
+    def install_optimizer(self, optimizer: _optimizer.Optimizer, config: dict[str, Any]) -> None:
+        """Use ``optimizer`` from now on (the service calls this once every earlier write
+        finished). The same optimizer with new hyper-parameters keeps states and counts."""
+        previous = self.updater
+        if previous is not None and previous.optimizer.get_config()["name"] == config.get("name"):
+            current = previous.optimizer
+            optimizer.restore_update_counts(current.index_update_counts, current.num_update)
+            previous.optimizer = optimizer
+        else:
+            self.updater = _optimizer.get_updater(optimizer)
+        self.optimizer_config = config
+
+    def _require_updater(self, what: str) -> _optimizer.Updater:
+        if self.updater is None:
+            raise OptimizerNotSetError(
+                f"{what}: no optimizer is set on {self.name} (call set_optimizer first)"
+            )
+        return self.updater
+
+    def _save_states(self, peer: Peer, seq: int, text: str) -> list[Instruction]:
+        try:
+            request = json.loads(text or "{}")
+            dump = bool(request.get("dump_optimizer", False))
+        except (ValueError, AttributeError) as exc:
+            raise InvalidArgumentError(f"malformed save_states request: {exc}") from None
+        updater = self._require_updater("save_optimizer_states")
+        return [SaveStates(peer, seq, updater, dump, tuple(self.entries.values()))]
+
+    def _load_states(self, peer: Peer, seq: int, data: bytes) -> list[Instruction]:
+        updater = self._require_updater("load_optimizer_states")
+        return [LoadStates(peer, seq, updater, data, tuple(self.entries.values()))]
+
+    # ------------------------------------------------------------ events: array work done
+
+    def rounds_applied(self, done: Sequence[tuple[ServerEntry, int]]) -> list[Instruction]:
+        """Each (key, round) in ``done`` was applied: answer the pulls that waited for it."""
+        out: list[Instruction] = []
+        for entry, round_no in done:
+            for ticket in entry.rounds.applied(round_no):
+                ticket.remaining -= 1
+                if ticket.remaining == 0 and not ticket.answered:
+                    out.append(self._send(ticket))
+        return out
+
+    def update_failed(
+        self, entry: ServerEntry, round_no: int, exc: BaseException
+    ) -> list[Instruction]:
+        """Applying round ``round_no`` of ``entry`` raised ``exc``: the pulls waiting for it
+        get a :class:`~akv.errors.ServerError` naming the key, the round and the server."""
+        error = ServerError(
+            f"the update of key {entry.key!r} in round {round_no} failed on "
+            f"{self.name}: {type(exc).__name__}: {exc}",
+            server=self.name,
+        )
+        return self._fail_tickets(entry.rounds.applied(round_no), error)
+
+    def _fail_tickets(self, tickets: list[PullTicket], error: AKVError) -> list[Instruction]:
+        out: list[Instruction] = []
+        for ticket in tickets:
+            if not ticket.answered:
+                ticket.answered = True
+                out.append(ReplyError(ticket.peer, ticket.seq, error))
+        return out
+
+    # ------------------------------------------------------------ events: the clock
+
+    def tick(self, now: float, round_timeout_s: float) -> list[Instruction]:
+        """Fail the pulls of rounds that waited longer than ``round_timeout_s`` for their
+        last pushes, and the inits that waited too long for rank 0's values."""
+        out: list[Instruction] = []
+        for entry in self.entries.values():
+            rounds = entry.rounds
+            if rounds.waiting_tickets() and rounds.overdue(now, round_timeout_s):
+                error = RoundTimeoutError(
+                    f"round {rounds.open_round} of key {entry.key!r} waited "
+                    f"{round_timeout_s:g} s for pushes from workers {rounds.missing()} "
+                    f"(on {self.name})"
+                )
+                out.extend(self._fail_tickets(rounds.take_waiting(), error))
+        still = []
+        for wait in self._init_waits:
+            if now <= wait.deadline:
+                still.append(wait)
+                continue
+            missing = [k for k, _, _ in wait.items if k not in self.entries]
+            out.append(
+                ReplyError(
+                    wait.peer,
+                    wait.seq,
+                    WaitTimeoutError(
+                        f"keys {missing} were not initialized by worker 0 within "
+                        f"{self.init_timeout_s:g} s"
+                    ),
+                )
+            )
+        self._init_waits = still
+        return out
+
+    # ------------------------------------------------------------ checks
+
+    def validate(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant (for tests)."""
+        assert self.store_type in (None, *DIST_STORE_TYPES), self.store_type
+        assert not self.entries or self.store_type is not None, "keys before any worker"
+        workers = [peer.worker for peer in self.peers.values()]
+        assert len(workers) == len(set(workers)), f"two streams of one worker: {workers}"
+        parked: dict[int, int] = {}
+        tickets: dict[int, PullTicket] = {}
+        for key, entry in self.entries.items():
+            rounds = entry.rounds
+            assert entry.key == key and rounds.key == key, key
+            assert rounds.sync == self.sync, f"key {key!r} has the wrong round kind"
+            assert 0 <= rounds.applied_round <= rounds.closed_round, (key, rounds.applied_round)
+            assert entry.value.shape == entry.shape and entry.value.dtype == entry.dtype, key
+            for round_no, ticket in rounds.waiting_rounds():
+                assert rounds.applied_round < round_no <= rounds.open_round, (key, round_no)
+                assert not ticket.answered, f"answered ticket still parked on {key!r}"
+                parked[id(ticket)] = parked.get(id(ticket), 0) + 1
+                tickets[id(ticket)] = ticket
+            if not rounds.sync:
+                assert not rounds.waiting_tickets(), f"async key {key!r} parks pulls"
+        for ticket_id, count in parked.items():
+            assert tickets[ticket_id].remaining == count, "ticket count differs from parking"
+        for wait in self._init_waits:
+            assert not all(k in self.entries for k, _, _ in wait.items), "init wait not released"
+        if self.failure is not None:
+            assert not parked and not self._init_waits, "waits left after the job failed"
+
+    def status(self) -> dict[str, Any]:
+        """What the status page shows (JSON-ready)."""
+        return {
+            "keys": len(self.entries),
+            "store_type": self.store_type,
+            "workers_connected": self.workers_connected(),
+            "failure": self.failure,
+            "optimizer": None if self.optimizer_config is None else self.optimizer_config["name"],
+        }

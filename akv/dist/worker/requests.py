@@ -1,0 +1,156 @@
+"""A worker's bookkeeping of its requests to one server, and batching by server.
+
+Pure: no sockets and no clock of its own. :class:`RequestTable` numbers requests, decides
+where a reply's arrays land, matches replies to requests, and fails the requests whose
+deadline passed when :meth:`RequestTable.sweep` is given the time. Each of its methods
+returns the :class:`Outcome` list to deliver; the link (:mod:`akv.dist.worker.link`)
+delivers them. :func:`by_server` groups a call's keys (or key parts) into one request per
+server; every store call uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, TypeVar
+
+from akv.dist.protocol import OK, error_from_status, op_label
+from akv.errors import AKVError, ServerError
+from akv.keys import Entry, Part
+from transport import FrameHeader, Message
+
+__all__ = ["OnReply", "Outcome", "Request", "RequestTable", "by_server"]
+
+#: What a request's sender is told: ``on_reply(message, None)`` or ``on_reply(None, error)``.
+OnReply = Callable[["Message | None", "AKVError | None"], None]
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+def by_server(
+    items: Iterable[tuple[Entry, T]], piece: Callable[[Entry, Part, T], U]
+) -> dict[int, list[U]]:
+    """``piece(entry, part, value)`` for every part of every entry, grouped by the server
+    that holds the part (one request per server), in the order of ``items``."""
+    batches: dict[int, list[U]] = {}
+    for entry, value in items:
+        for part in entry.parts:
+            batches.setdefault(part.server, []).append(piece(entry, part, value))
+    return batches
+
+
+class Request:
+    """One request waiting for its reply."""
+
+    __slots__ = ("deadline", "destinations", "on_reply", "op", "sizes")
+
+    def __init__(
+        self, on_reply: OnReply, destinations: list[memoryview], op: int, deadline: float
+    ) -> None:
+        self.on_reply = on_reply
+        self.destinations = destinations
+        self.sizes = [d.nbytes for d in destinations]
+        self.op = op
+        self.deadline = deadline
+
+
+class Outcome(NamedTuple):
+    """Deliver ``message`` or ``error`` to ``request.on_reply``."""
+
+    request: Request
+    message: Message | None
+    error: AKVError | None
+
+    def deliver(self) -> None:
+        """Tell the request's sender (exactly once per request)."""
+        self.request.on_reply(self.message, self.error)
+
+
+class RequestTable:
+    """The outstanding requests on one server's stream (``server``: its name)."""
+
+    def __init__(self, server: str) -> None:
+        self.server = server
+        self._pending: dict[int, Request] = {}
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    @property
+    def sent(self) -> int:
+        """How many requests were numbered so far."""
+        return self._seq
+
+    def add(
+        self,
+        op: int,
+        on_reply: OnReply,
+        destinations: list[memoryview] | None,
+        deadline: float,
+    ) -> int:
+        """Remember a request about to be sent; return its sequence number.
+
+        With ``destinations``, the reply's arrays must have exactly their sizes and are
+        received straight into them.
+        """
+        self._seq += 1
+        self._pending[self._seq] = Request(on_reply, destinations or [], op, deadline)
+        return self._seq
+
+    def forget(self, seq: int) -> Request | None:
+        """Drop request ``seq`` (it could not be sent)."""
+        return self._pending.pop(seq, None)
+
+    def destinations(self, header: FrameHeader) -> list[memoryview | None]:
+        """Where the arrays of the reply that ``header`` starts land: the request's
+        destinations when the reply is a success of the expected sizes, else nowhere."""
+        request = self._pending.get(header.seq)
+        nowhere: list[memoryview | None] = [None] * len(header.arrays)
+        if request is None or header.aux != OK or len(header.arrays) != len(request.sizes):
+            return nowhere
+        if any(
+            size != info.nbytes for size, info in zip(request.sizes, header.arrays, strict=True)
+        ):
+            return nowhere
+        return list(request.destinations)
+
+    def reply(self, message: Message) -> list[Outcome]:
+        """A reply arrived: the outcome of its request (none for an unknown ``seq``).
+
+        A non-zero status becomes the error class the server raised; a success with arrays
+        of other sizes than the request expects is a :class:`~akv.errors.ServerError`.
+        """
+        header = message.header
+        request = self._pending.pop(header.seq, None)
+        if request is None:
+            return []
+        if header.aux != OK:
+            return [Outcome(request, None, error_from_status(header.aux, header.text, self.server))]
+        got = [info.nbytes for info in header.arrays]
+        if request.sizes and got != request.sizes:
+            error = ServerError(
+                f"{self.server} answered with arrays of {got} bytes, expected {request.sizes}",
+                server=self.server,
+            )
+            return [Outcome(request, None, error)]
+        return [Outcome(request, message, None)]
+
+    def sweep(self, now: float) -> list[Outcome]:
+        """Fail the requests whose deadline is before ``now`` (one timer for all)."""
+        late = [seq for seq, request in self._pending.items() if request.deadline < now]
+        outcomes = []
+        for seq in late:
+            request = self._pending.pop(seq)
+            error = ServerError(
+                f"{self.server} did not answer a {op_label(request.op)} request in time "
+                "(AKV_REQUEST_TIMEOUT_S)",
+                server=self.server,
+            )
+            outcomes.append(Outcome(request, None, error))
+        return outcomes
+
+    def fail_all(self, error: AKVError) -> list[Outcome]:
+        """Fail every outstanding request with ``error``."""
+        pending, self._pending = self._pending, {}
+        return [Outcome(request, None, error) for request in pending.values()]

@@ -1,0 +1,156 @@
+"""A test helper that plays several workers against one :class:`ServerState`, no sockets.
+
+Requests are encoded and decoded with the real frame code, fed to the state as the
+service would (header, then the whole message), and the instructions it returns are
+carried out at once, synchronously: array work with the same ``land`` function the service
+runs, replies recorded per (worker, seq). ``hold_updates`` keeps array work queued until
+:meth:`Players.finish_updates`, to look at the state between a push and its apply.
+After every event the state's invariants are checked.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from akv.dist.protocol import Op
+from akv.dist.server.state import (
+    FailJob,
+    InstallOptimizer,
+    Instruction,
+    Land,
+    LoadStates,
+    Peer,
+    Reply,
+    ReplyError,
+    SaveStates,
+    SendValues,
+    ServerState,
+)
+from akv.dist.server.updates import land
+from engine import Var
+from transport import decode_frame, frame_bytes
+
+OK = "ok"
+
+
+class Players:
+    """``num_workers`` workers of a ``store_type`` job talking to one server state."""
+
+    def __init__(
+        self, num_workers: int = 2, store_type: str = "dist_sync", init_timeout_s: float = 5.0
+    ) -> None:
+        ids = itertools.count()
+        self.state = ServerState(
+            "server 0", num_workers, init_timeout_s, lambda name: Var(None, next(ids), name)
+        )
+        self.peers: list[Peer] = [
+            self.state.admit(worker, store_type, stream=True) for worker in range(num_workers)
+        ]
+        self.now = 0.0
+        self.replies: dict[tuple[int, int], Any] = {}
+        self.failures: list[FailJob] = []
+        self.held: list[Land] = []
+        self.hold_updates = False
+        self._seq = itertools.count(1)
+
+    # ---------------------------------------------------------------- requests
+
+    def send(
+        self,
+        worker: int,
+        op: Op,
+        arrays: list[tuple[Any, np.ndarray]] | None = None,
+        text: str = "",
+    ) -> int:
+        """Worker ``worker`` sends one request; returns its seq (look up :meth:`reply`)."""
+        seq = next(self._seq)
+        wire = [(key, array, 0) for key, array in arrays or []]
+        data = frame_bytes(op, seq, wire, text=text)
+        header, buffers = decode_frame(data)
+        peer = self.peers[worker]
+        plan = self.state.header_arrived(peer, header)
+        for buffer, target in zip(buffers, plan.buffers, strict=True):
+            if target is not None:
+                memoryview(target).cast("B")[:] = buffer
+        self.run(self.state.message_completed(peer, header, buffers, plan, self.now))
+        return seq
+
+    def init(self, worker: int, values: dict[Any, np.ndarray]) -> int:
+        return self.send(worker, Op.INIT, list(values.items()))
+
+    def push(self, worker: int, values: dict[Any, np.ndarray]) -> int:
+        return self.send(worker, Op.PUSH, list(values.items()))
+
+    def pull(self, worker: int, keys: list[Any], dtype: Any = np.float32) -> int:
+        return self.send(worker, Op.PULL, [(key, np.empty(0, dtype)) for key in keys])
+
+    def reply(self, worker: int, seq: int) -> Any:
+        """What request ``seq`` of ``worker`` got: ``"ok"``, an error, a ``{key: array}``
+        of pulled values, or bytes (saved states); KeyError while it waits."""
+        return self.replies[(worker, seq)]
+
+    def waiting(self, worker: int, seq: int) -> bool:
+        return (worker, seq) not in self.replies
+
+    # ---------------------------------------------------------------- events
+
+    def lose(self, worker: int, exc: BaseException | None = None) -> None:
+        self.run(self.state.peer_lost(self.peers[worker], exc))
+
+    def tick(self, now: float, round_timeout_s: float = 10.0) -> None:
+        self.now = now
+        self.run(self.state.tick(now, round_timeout_s))
+
+    def finish_updates(self) -> None:
+        held, self.held = self.held, []
+        for work in held:
+            self._land(work)
+
+    # ---------------------------------------------------------------- carrying out
+
+    def run(self, instructions: list[Instruction]) -> None:
+        for instruction in instructions:
+            self._carry_out(instruction)
+        self.state.validate()
+
+    def _answer(self, peer: Peer, seq: int, what: Any) -> None:
+        key = (peer.worker, seq)
+        assert key not in self.replies, f"request {key} answered twice"
+        self.replies[key] = what
+
+    def _carry_out(self, instruction: Instruction) -> None:
+        if isinstance(instruction, Reply):
+            self._answer(instruction.peer, instruction.seq, OK)
+        elif isinstance(instruction, ReplyError):
+            self._answer(instruction.peer, instruction.seq, instruction.error)
+        elif isinstance(instruction, Land):
+            if self.hold_updates:
+                self.held.append(instruction)
+            else:
+                self._land(instruction)
+        elif isinstance(instruction, SendValues):
+            ticket = instruction.ticket
+            values = {e.key: e.value.copy() for e in ticket.entries}
+            self._answer(ticket.peer, ticket.seq, values)
+        elif isinstance(instruction, InstallOptimizer):
+            self.state.install_optimizer(instruction.optimizer, instruction.config)
+            self._answer(instruction.peer, instruction.seq, OK)
+        elif isinstance(instruction, SaveStates):
+            data = instruction.updater.dump_states(instruction.dump)
+            self._answer(instruction.peer, instruction.seq, data)
+        elif isinstance(instruction, LoadStates):
+            instruction.updater.load_states(instruction.data)
+            self._answer(instruction.peer, instruction.seq, OK)
+        elif isinstance(instruction, FailJob):
+            self.failures.append(instruction)
+        else:  # pragma: no cover - a new instruction nobody taught this helper
+            raise AssertionError(f"unknown instruction {instruction!r}")
+
+    def _land(self, work: Land) -> None:
+        done, failed = land(work, self.state.updater)
+        self.run(self.state.rounds_applied(done))
+        for entry, round_no, exc in failed:
+            self.run(self.state.update_failed(entry, round_no, exc))

@@ -1,0 +1,369 @@
+"""The server's state machine, driven by several workers at once without sockets."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from akv import optimizer
+from akv.dist.protocol import Op, encode_meta
+from akv.errors import (
+    DoublePushError,
+    DTypeMismatchError,
+    DuplicateInitError,
+    InvalidArgumentError,
+    KeyNotInitializedError,
+    MembershipError,
+    OptimizerError,
+    OptimizerNotSetError,
+    PeerLostError,
+    RoundTimeoutError,
+    ServerError,
+    ShapeMismatchError,
+    WaitTimeoutError,
+)
+from tests.akv.dist.server.players import OK, Players
+
+
+def f32(*values: float) -> np.ndarray:
+    return np.array(values, np.float32)
+
+
+def started(num_workers: int = 2, store_type: str = "dist_sync", **keys: np.ndarray) -> Players:
+    players = Players(num_workers, store_type)
+    values = keys or {"w": f32(0, 0)}
+    assert players.reply(0, players.init(0, dict(values))) == OK
+    return players
+
+
+# ---------------------------------------------------------------- sync rounds
+
+
+def test_a_sync_round_applies_once_every_worker_pushed():
+    players = started(3)
+    players.push(0, {"w": f32(1, 2)})
+    players.push(1, {"w": f32(10, 20)})
+    entry = players.state.entries["w"]
+    assert entry.rounds.applied_round == 0 and entry.rounds.missing() == [2]
+    np.testing.assert_array_equal(entry.value, f32(0, 0))
+    players.push(2, {"w": f32(100, 200)})
+    assert entry.rounds.applied_round == 1
+    np.testing.assert_array_equal(entry.value, f32(111, 222))  # assignment: the sum
+
+
+def test_a_pull_after_a_push_waits_for_that_round():
+    players = started(2)
+    players.push(0, {"w": f32(1, 1)})
+    pull = players.pull(0, ["w"])
+    assert players.waiting(0, pull)
+    players.push(1, {"w": f32(2, 2)})
+    np.testing.assert_array_equal(players.reply(0, pull)["w"], f32(3, 3))
+
+
+def test_a_pull_waits_for_the_apply_not_only_the_last_push():
+    players = started(2)
+    players.hold_updates = True
+    players.push(0, {"w": f32(1, 1)})
+    pull = players.pull(0, ["w"])
+    players.push(1, {"w": f32(2, 2)})
+    assert players.waiting(0, pull)  # the round is closed but not yet applied
+    players.finish_updates()
+    np.testing.assert_array_equal(players.reply(0, pull)["w"], f32(3, 3))
+
+
+def test_a_pull_of_several_keys_is_answered_once_all_are_ready():
+    players = started(2, a=f32(0), b=f32(0))
+    players.push(0, {"a": f32(1)})
+    players.push(1, {"a": f32(1)})
+    players.push(0, {"b": f32(5)})
+    pull = players.pull(0, ["a", "b"])
+    assert players.waiting(0, pull)
+    players.push(1, {"b": f32(5)})
+    reply = players.reply(0, pull)
+    assert float(reply["a"][0]) == 2.0 and float(reply["b"][0]) == 10.0
+
+
+def test_a_pull_without_a_push_is_answered_at_once():
+    players = started(2)
+    np.testing.assert_array_equal(players.reply(1, players.pull(1, ["w"]))["w"], f32(0, 0))
+
+
+def test_pushpull_answers_with_the_round_it_pushed_into():
+    players = started(2)
+    first = players.send(0, Op.PUSHPULL, [("w", f32(1, 1))])
+    assert players.waiting(0, first)
+    second = players.send(1, Op.PUSHPULL, [("w", f32(3, 3))])
+    for worker, seq in ((0, first), (1, second)):
+        np.testing.assert_array_equal(players.reply(worker, seq)["w"], f32(4, 4))
+
+
+def test_a_double_push_is_refused_and_the_round_keeps_its_count():
+    players = started(2)
+    players.push(0, {"w": f32(1, 1)})
+    again = players.push(0, {"w": f32(7, 7)})
+    error = players.reply(0, again)
+    assert isinstance(error, DoublePushError) and "waits for workers [1]" in str(error)
+    players.push(1, {"w": f32(2, 2)})
+    np.testing.assert_array_equal(players.state.entries["w"].value, f32(3, 3))
+
+
+def test_rounds_follow_each_other():
+    players = started(2)
+    for round_no in range(1, 4):
+        players.push(0, {"w": f32(round_no, 0)})
+        players.push(1, {"w": f32(round_no, 0)})
+        assert players.state.entries["w"].rounds.applied_round == round_no
+    np.testing.assert_array_equal(players.state.entries["w"].value, f32(6, 0))
+
+
+# ---------------------------------------------------------------- refused frames
+
+
+@pytest.mark.parametrize(
+    ("values", "error", "words"),
+    [
+        ({"w": f32(1, 1), "nope": f32(1)}, KeyNotInitializedError, "never initialized"),
+        ({"w": f32(1, 1), "v": f32(1, 2, 3)}, ShapeMismatchError, "shape (3,)"),
+        ({"w": f32(1, 1), "v": np.ones(2, np.float64)}, DTypeMismatchError, "float64"),
+    ],
+)
+def test_a_frame_with_one_bad_key_is_refused_whole(values, error, words):
+    players = started(2, w=f32(0, 0), v=f32(0, 0))
+    reply = players.reply(0, players.push(0, values))
+    assert isinstance(reply, error) and words in str(reply)
+    assert players.state.entries["w"].rounds.missing() == []  # the good key was not counted
+    assert players.state.entries["w"].rounds.last_push_round(0) == 0
+
+
+def test_a_push_frame_naming_a_key_twice_is_refused_and_counts_nothing():
+    players = started(2)
+    reply = players.reply(0, players.send(0, Op.PUSH, [("w", f32(1, 1)), ("w", f32(1, 1))]))
+    assert isinstance(reply, InvalidArgumentError) and "twice" in str(reply)
+    players.push(0, {"w": f32(1, 1)})  # not a double push: the refused frame counted nothing
+    players.push(1, {"w": f32(2, 2)})
+    np.testing.assert_array_equal(players.state.entries["w"].value, f32(3, 3))
+
+
+def test_an_unknown_op_is_an_error_reply():
+    players = started(2)
+    reply = players.reply(0, players.send(0, 42))
+    assert isinstance(reply, InvalidArgumentError) and "unknown op 42" in str(reply)
+
+
+def test_a_pull_of_a_key_nobody_initialized_names_it():
+    players = started(2)
+    reply = players.reply(1, players.pull(1, ["ghost"]))
+    assert isinstance(reply, KeyNotInitializedError) and "'ghost'" in str(reply)
+
+
+# ---------------------------------------------------------------- init
+
+
+def test_a_second_init_of_a_key_is_refused():
+    players = started(2)
+    reply = players.reply(0, players.init(0, {"w": f32(5, 5)}))
+    assert isinstance(reply, DuplicateInitError)
+    np.testing.assert_array_equal(players.state.entries["w"].value, f32(0, 0))
+
+
+def test_another_workers_init_waits_for_rank_0s_values():
+    players = Players(2)
+    check = players.send(1, Op.INIT_CHECK, text=encode_meta([("w", (2,), "float32")]))
+    assert players.waiting(1, check)
+    players.init(0, {"w": f32(0, 0)})
+    assert players.reply(1, check) == OK
+
+
+def test_an_init_that_disagrees_with_rank_0_names_both_shapes():
+    players = started(2)
+    check = players.send(1, Op.INIT_CHECK, text=encode_meta([("w", (3,), "float32")]))
+    error = players.reply(1, check)
+    assert isinstance(error, ShapeMismatchError) and "(3,)" in str(error) and "(2,)" in str(error)
+
+
+def test_an_init_wait_that_outlives_its_deadline_names_the_missing_keys():
+    players = Players(2)
+    check = players.send(1, Op.INIT_CHECK, text=encode_meta([("w", (2,), "float32")]))
+    players.tick(4.0)
+    assert players.waiting(1, check)
+    players.tick(6.0)
+    error = players.reply(1, check)
+    assert isinstance(error, WaitTimeoutError) and "['w']" in str(error)
+
+
+def test_a_malformed_init_check_is_refused():
+    players = Players(2)
+    error = players.reply(1, players.send(1, Op.INIT_CHECK, text="[[1, 2]"))
+    assert isinstance(error, InvalidArgumentError) and "init_check" in str(error)
+
+
+# ---------------------------------------------------------------- deadlines and failures
+
+
+def test_a_round_that_waits_too_long_fails_its_pulls_naming_the_missing_workers():
+    players = started(3)
+    players.now = 1.0
+    players.push(0, {"w": f32(1, 1)})
+    pull = players.pull(0, ["w"])
+    players.tick(5.0, round_timeout_s=10.0)
+    assert players.waiting(0, pull)
+    players.tick(11.5, round_timeout_s=10.0)
+    error = players.reply(0, pull)
+    assert isinstance(error, RoundTimeoutError) and "workers [1, 2]" in str(error)
+
+
+def test_a_worker_lost_without_goodbye_fails_the_job_and_its_waiters():
+    players = started(2)
+    players.push(0, {"w": f32(1, 1)})
+    pull = players.pull(0, ["w"])
+    players.lose(1, ConnectionResetError("reset"))
+    (failure,) = players.failures
+    assert failure.lost_worker == 1 and "worker 1 disconnected" in failure.reason
+    error = players.reply(0, pull)
+    assert isinstance(error, PeerLostError) and "worker 1" in str(error)
+    assert players.state.failure is not None
+
+
+def test_a_worker_that_said_goodbye_may_leave():
+    players = started(2)
+    assert players.reply(1, players.send(1, Op.CLOSE)) == OK
+    players.lose(1)
+    assert players.failures == [] and players.state.failure is None
+    assert players.state.workers_connected() == [0]
+
+
+def test_a_job_failure_answers_every_waiter_once_and_keeps_the_first_reason():
+    players = started(2)
+    players.push(0, {"w": f32(1, 1)})
+    pull = players.pull(0, ["w"])
+    check = players.send(1, Op.INIT_CHECK, text=encode_meta([("v", (1,), "float32")]))
+    players.run(players.state.job_failed("server 1 died"))
+    players.run(players.state.job_failed("something later"))
+    assert [f.reason for f in players.failures] == ["server 1 died"]
+    for worker, seq in ((0, pull), (1, check)):
+        error = players.reply(worker, seq)
+        assert isinstance(error, PeerLostError) and "server 1 died" in str(error)
+
+
+def test_a_failing_update_fails_the_pulls_of_its_round_naming_key_and_round():
+    players = started(2)
+
+    def explode(key, received, stored):
+        raise FloatingPointError("nan in the gradient")
+
+    players.state.updater = explode  # an updater object is only ever called
+    players.push(0, {"w": f32(1, 1)})
+    pull = players.pull(0, ["w"])
+    players.push(1, {"w": f32(1, 1)})
+    error = players.reply(0, pull)
+    assert isinstance(error, ServerError)
+    assert "key 'w' in round 1" in str(error) and "nan in the gradient" in str(error)
+
+
+# ---------------------------------------------------------------- async
+
+
+def test_async_pushes_apply_as_they_arrive_and_pulls_never_wait():
+    players = started(2, "dist_async")
+    players.push(0, {"w": f32(1, 1)})
+    np.testing.assert_array_equal(players.reply(0, players.pull(0, ["w"]))["w"], f32(1, 1))
+    players.push(0, {"w": f32(2, 2)})  # no double push in async
+    players.push(1, {"w": f32(5, 5)})
+    np.testing.assert_array_equal(players.state.entries["w"].value, f32(5, 5))
+    assert players.state.entries["w"].rounds.applied_round == 3
+
+
+# ---------------------------------------------------------------- admission
+
+
+def test_admission_names_what_does_not_fit():
+    players = Players(2, "dist_sync")
+    with pytest.raises(MembershipError, match="already connected"):
+        players.state.admit(0, "dist_sync", stream=True)
+    with pytest.raises(MembershipError, match="every worker must create the same store type"):
+        players.state.admit(1, "dist_async", stream=False)
+    with pytest.raises(MembershipError, match="out of range for 2 workers"):
+        players.state.admit(2, "dist_sync", stream=True)
+    with pytest.raises(InvalidArgumentError, match="unknown store type"):
+        players.state.admit(1, "local", stream=False)
+    one_shot = players.state.admit(0, "dist_sync", stream=False)  # a single frame may come
+    assert not one_shot.stream and players.state.workers_connected() == [0, 1]
+
+
+# ---------------------------------------------------------------- the optimizer
+
+
+def sgd_text(**params: float) -> str:
+    return json.dumps(optimizer.SGD(**params).get_config())
+
+
+def test_every_worker_sends_the_optimizer_and_it_is_installed_once():
+    players = started(2)
+    text = sgd_text(learning_rate=0.1)
+    assert players.reply(0, players.send(0, Op.SET_OPTIMIZER, text=text)) == OK
+    updater = players.state.updater
+    assert players.reply(1, players.send(1, Op.SET_OPTIMIZER, text=text)) == OK
+    assert players.state.updater is updater
+    players.push(0, {"w": f32(1, 1)})
+    players.push(1, {"w": f32(1, 1)})
+    np.testing.assert_allclose(players.state.entries["w"].value, f32(-0.2, -0.2))
+
+
+def test_new_hyper_parameters_keep_the_optimizers_states():
+    players = started(2)
+    players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.1, momentum=0.9))
+    players.push(0, {"w": f32(1, 1)})
+    players.push(1, {"w": f32(1, 1)})
+    updater = players.state.updater
+    states = updater.states.copy()
+    players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.01, momentum=0.9))
+    assert players.state.updater is updater and updater.states.keys() == states.keys()
+    assert updater.optimizer.learning_rate == pytest.approx(0.01)
+
+
+def test_a_bad_optimizer_configuration_is_refused_and_changes_nothing():
+    players = started(2)
+    not_json = players.reply(0, players.send(0, Op.SET_OPTIMIZER, text="{"))
+    assert isinstance(not_json, InvalidArgumentError)
+    unknown = players.reply(0, players.send(0, Op.SET_OPTIMIZER, text='{"name": "nope"}'))
+    assert isinstance(unknown, OptimizerError)
+    assert players.state.updater is None and players.state.optimizer_config is None
+
+
+def test_saving_or_loading_states_without_an_optimizer_says_so():
+    players = started(2)
+    save = players.reply(0, players.send(0, Op.SAVE_STATES, text="{}"))
+    assert isinstance(save, OptimizerNotSetError) and "server 0" in str(save)
+    load = players.reply(0, players.send(0, Op.LOAD_STATES, [(None, np.zeros(4, np.uint8))]))
+    assert isinstance(load, OptimizerNotSetError)
+
+
+def test_states_saved_by_one_state_load_into_another():
+    players = started(2)
+    players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.1, momentum=0.9))
+    players.push(0, {"w": f32(1, 1)})
+    players.push(1, {"w": f32(1, 1)})
+    data = players.reply(0, players.send(0, Op.SAVE_STATES, text='{"dump_optimizer": false}'))
+    other = started(2)
+    other.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.1, momentum=0.9))
+    array = np.frombuffer(data, np.uint8)
+    assert other.reply(0, other.send(0, Op.LOAD_STATES, [(None, array)])) == OK
+    np.testing.assert_array_equal(
+        other.state.updater.states["w"], players.state.updater.states["w"]
+    )
+
+
+# ---------------------------------------------------------------- invariants
+
+
+def test_validate_catches_a_ticket_whose_count_is_wrong():
+    players = started(2)
+    players.push(0, {"w": f32(1, 1)})
+    players.pull(0, ["w"])
+    players.state.validate()
+    (ticket,) = players.state.entries["w"].rounds.waiting_tickets()
+    ticket.remaining = 2
+    with pytest.raises(AssertionError, match="ticket count"):
+        players.state.validate()

@@ -1,0 +1,83 @@
+"""A worker's request table and batching by server, without sockets."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from akv.dist.protocol import OK, Op, status_of
+from akv.dist.worker.requests import RequestTable, by_server
+from akv.errors import DoublePushError, ServerError
+from akv.keys import Entry, Part
+from engine import Var
+from transport import Message, decode_frame, frame_bytes
+
+
+def reply(seq: int, arrays=(), aux: int = OK, text: str = "") -> Message:
+    header, buffers = decode_frame(frame_bytes(Op.REPLY, seq, arrays, aux=aux, text=text))
+    return Message(header, buffers)
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.got: list[tuple[object, object]] = []
+
+    def __call__(self, message, error) -> None:
+        self.got.append((message, error))
+
+
+def test_a_reply_lands_in_the_requests_destinations_and_completes_it_once():
+    table = RequestTable("server 0")
+    out = np.zeros(3, np.float32)
+    calls = Calls()
+    seq = table.add(Op.PULL, calls, [memoryview(out).cast("B")], deadline=10.0)
+    message = reply(seq, [("w", np.ones(3, np.float32), 0)])
+    assert table.destinations(message.header)[0].nbytes == 12
+    for outcome in table.reply(message):
+        outcome.deliver()
+    assert calls.got == [(message, None)] and len(table) == 0
+    assert table.reply(message) == []  # a second reply for the same seq is ignored
+
+
+def test_a_reply_of_other_sizes_lands_nowhere_and_is_an_error():
+    table = RequestTable("server 0")
+    out = np.zeros(3, np.float32)
+    seq = table.add(Op.PULL, Calls(), [memoryview(out).cast("B")], deadline=10.0)
+    message = reply(seq, [("w", np.ones(4, np.float32), 0)])
+    assert table.destinations(message.header) == [None]
+    (outcome,) = table.reply(message)
+    assert isinstance(outcome.error, ServerError) and "[16] bytes, expected [12]" in str(
+        outcome.error
+    )
+
+
+def test_an_error_reply_becomes_the_servers_error_class():
+    table = RequestTable("server 2 at h:1")
+    seq = table.add(Op.PUSH, Calls(), None, deadline=10.0)
+    error = DoublePushError("pushed twice")
+    message = reply(seq, aux=status_of(error), text=str(error))
+    assert table.destinations(message.header) == []
+    (outcome,) = table.reply(message)
+    assert isinstance(outcome.error, DoublePushError) and "server 2 at h:1" in str(outcome.error)
+
+
+def test_sweep_fails_only_the_requests_past_their_deadline_naming_op_and_server():
+    table = RequestTable("server 1")
+    early = table.add(Op.PUSH, Calls(), None, deadline=1.0)
+    late = table.add(Op.PULL, Calls(), None, deadline=5.0)
+    (outcome,) = table.sweep(2.0)
+    assert "did not answer a push request" in str(outcome.error)
+    assert table.sweep(2.0) == [] and len(table) == 1
+    assert [o.request.op for o in table.fail_all(ServerError("gone"))] == [Op.PULL]
+    assert early != late and table.sent == 2
+
+
+def test_by_server_makes_one_batch_per_server_in_call_order():
+    split = Entry(
+        "big", (6,), np.dtype(np.float32), Var(None, 0, "big"), (Part(0, 0, 3), Part(1, 3, 6))
+    )
+    whole = Entry("small", (2,), np.dtype(np.float32), Var(None, 1, "small"), (Part(1, 0, 2),))
+    big, small = np.arange(6, dtype=np.float32), np.ones(2, np.float32)
+    batches = by_server(
+        [(split, big), (whole, small)], lambda e, p, a: (e.key, e.wire_view(a, p).tolist())
+    )
+    assert batches == {0: [("big", [0, 1, 2])], 1: [("big", [3, 4, 5]), ("small", [1, 1])]}
