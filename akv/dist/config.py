@@ -8,6 +8,7 @@ setting raises :class:`ConfigError` naming the variable and saying what to set.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from akv.limits import (
     ROUND_TIMEOUT_S,
 )
 
-__all__ = ["ROLES", "TWIN_VARIABLES", "Config", "Timeouts", "from_env"]
+__all__ = ["LOG_LEVELS", "ROLES", "TWIN_VARIABLES", "Config", "Timeouts", "from_env"]
 
 ROLES = ("worker", "server", "scheduler")
 
@@ -41,6 +42,14 @@ _NODE_HOST = ("AKV_HOST", "DMLC_NODE_HOST")
 _BOUND = ("AKV_BIGARRAY_BOUND", "MXNET_KVSTORE_BIGARRAY_BOUND")
 #: The variable pairs the launcher sets: akv's name and MXNet's twin (always equal).
 TWIN_VARIABLES: tuple[tuple[str, str], ...] = (_ROLE, _HOST, _PORT, _WORKERS, _SERVERS, _NODE_HOST)
+#: The names ``AKV_LOG_LEVEL`` accepts (in any case); a number (``logging``'s) works too.
+LOG_LEVELS = {
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARNING": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+}
 _RANK_SOURCES = ("AKV_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 _TIMEOUTS = {
     "connect_s": ("AKV_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S),
@@ -90,6 +99,7 @@ class Config:
     tls_key: str | None = None
     tls_ca: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
+    log_level: int = logging.INFO
 
     @property
     def scheduler_url(self) -> str:
@@ -105,8 +115,9 @@ class Config:
 
 
 def _pick(
-    environ: Mapping[str, str], names: tuple[str, str | None], required: bool, what: str
-) -> str | None:
+    environ: Mapping[str, str], names: tuple[str, str | None], what: str
+) -> tuple[str, str] | None:
+    """The variable of a pair that is set and its value (None: neither is set)."""
     akv_name, mxnet_name = names
     akv_value = environ.get(akv_name)
     mxnet_value = environ.get(mxnet_name) if mxnet_name else None
@@ -115,21 +126,52 @@ def _pick(
             f"{akv_name}={akv_value!r} contradicts {mxnet_name}={mxnet_value!r}: set one of "
             f"them, or both to the same {what}"
         )
-    value = akv_value if akv_value is not None else mxnet_value
-    if value is None and required:
+    if akv_value is not None:
+        return akv_name, akv_value
+    if mxnet_name is not None and mxnet_value is not None:
+        return mxnet_name, mxnet_value
+    return None
+
+
+def _require(
+    environ: Mapping[str, str], names: tuple[str, str | None], what: str
+) -> tuple[str, str]:
+    """As :func:`_pick`, but a variable that neither name sets is an error."""
+    picked = _pick(environ, names, what)
+    if picked is None:
+        akv_name, mxnet_name = names
         either = f"{mxnet_name} (or {akv_name})" if mxnet_name else akv_name
         raise ConfigError(f"{either} is not set: set it to {what}")
-    return value
+    return picked
 
 
-def _int(value: str, name: str, minimum: int, what: str) -> int:
+def _int(value: str, name: str, minimum: int, what: str, maximum: int | None = None) -> int:
     try:
         number = int(value)
     except ValueError:
         raise ConfigError(f"{name}={value!r} is not an integer: set it to {what}") from None
     if number < minimum:
         raise ConfigError(f"{name}={number} must be at least {minimum}: set it to {what}")
+    if maximum is not None and number > maximum:
+        raise ConfigError(f"{name}={number} is out of range: set it to {what}")
     return number
+
+
+def _log_level(environ: Mapping[str, str]) -> int:
+    value = environ.get("AKV_LOG_LEVEL")
+    if value is None or not value.strip():
+        return logging.INFO
+    text = value.strip()
+    if text.isdigit():
+        return int(text)
+    level = LOG_LEVELS.get(text.upper())
+    if level is None:
+        raise ConfigError(
+            f"AKV_LOG_LEVEL={value!r} is not a log level: set it to "
+            f"{', '.join(list(LOG_LEVELS)[:-1])} or {list(LOG_LEVELS)[-1]} (any case), "
+            "or to a number"
+        )
+    return level
 
 
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -150,32 +192,25 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
 
     ``role`` overrides ``AKV_ROLE``/``DMLC_ROLE`` (the ``akv-server`` entry point knows its
     role). Raises :class:`ConfigError` on the first missing, malformed or contradictory
-    setting, naming the variable and what to set.
+    setting, naming the variable that was read and what to set. ``AKV_LOG_LEVEL`` (a name
+    of :data:`LOG_LEVELS` in any case, or a number; default INFO) becomes ``log_level``.
     """
     env = os.environ if environ is None else environ
     if role is None:
-        role = _pick(env, _ROLE, True, "worker, server or scheduler")
+        role = _require(env, _ROLE, "worker, server or scheduler")[1]
     if role not in ROLES:
         raise ConfigError(
             f"DMLC_ROLE (or AKV_ROLE) is {role!r}: set it to worker, server or scheduler"
         )
-    host = _pick(env, _HOST, True, "the scheduler's host name or IP address")
-    port_text = _pick(env, _PORT, True, "the scheduler's TCP port")
-    port = _int(port_text, _PORT[1], 1, "the scheduler's TCP port (1-65535)")  # type: ignore[arg-type]
+    host = _require(env, _HOST, "the scheduler's host name or IP address")[1]
+    port_name, port_text = _require(env, _PORT, "the scheduler's TCP port")
+    port = _int(port_text, port_name, 1, "the scheduler's TCP port (1-65535)")
     if port > 65535:
-        raise ConfigError(f"{_PORT[1]}={port} is not a TCP port: set it to 1-65535")
-    workers = _int(
-        _pick(env, _WORKERS, True, "the number of workers"),
-        _WORKERS[1],
-        1,  # type: ignore[arg-type]
-        "the number of workers",
-    )
-    servers = _int(
-        _pick(env, _SERVERS, True, "the number of servers"),
-        _SERVERS[1],
-        1,  # type: ignore[arg-type]
-        "the number of servers",
-    )
+        raise ConfigError(f"{port_name}={port} is not a TCP port: set it to 1-65535")
+    workers_name, workers_text = _require(env, _WORKERS, "the number of workers")
+    workers = _int(workers_text, workers_name, 1, "the number of workers")
+    servers_name, servers_text = _require(env, _SERVERS, "the number of servers")
+    servers = _int(servers_text, servers_name, 1, "the number of servers")
     token = env.get("AKV_TOKEN")
     if not token:
         raise ConfigError(f"AKV_TOKEN is not set: {TOKEN_HINT}")
@@ -186,27 +221,30 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         )
     rank = None
     if role != "scheduler":
-        for name in _RANK_SOURCES:
-            if env.get(name) is not None:
-                rank = _int(env[name], name, 0, f"this {role}'s rank")
-                break
-        limit = workers if role == "worker" else servers
-        if rank is not None and rank >= limit:
-            raise ConfigError(
-                f"rank {rank} (from {name}) is out of range for {limit} "
-                f"{role}s: ranks go from 0 to {limit - 1}"
-            )
-    bound_text = _pick(env, _BOUND, False, "a number of elements")
+        source = next((name for name in _RANK_SOURCES if env.get(name) is not None), None)
+        if source is not None:
+            rank = _int(env[source], source, 0, f"this {role}'s rank")
+            limit = workers if role == "worker" else servers
+            if rank >= limit:
+                raise ConfigError(
+                    f"rank {rank} (from {source}) is out of range for {limit} "
+                    f"{role}s: ranks go from 0 to {limit - 1}"
+                )
     bound = BIGARRAY_BOUND
-    if bound_text is not None:
+    picked_bound = _pick(env, _BOUND, "a number of elements")
+    if picked_bound is not None:
+        bound_name, bound_text = picked_bound
         try:
             bound = int(float(bound_text))
-        except ValueError:
-            raise ConfigError(f"{_BOUND[0]}={bound_text!r} is not a number of elements") from None
+        except (ValueError, OverflowError):
+            raise ConfigError(f"{bound_name}={bound_text!r} is not a number of elements") from None
         if bound < 1:
-            raise ConfigError(f"{_BOUND[0]}={bound_text!r} must be at least 1")
-    node_host = _pick(env, _NODE_HOST, False, "the address this server binds") or "127.0.0.1"
-    server_port = _int(env.get("AKV_PORT", "0"), "AKV_PORT", 0, "a TCP port or 0 for any")
+            raise ConfigError(f"{bound_name}={bound_text!r} must be at least 1")
+    picked_host = _pick(env, _NODE_HOST, "the address this server binds")
+    node_host = (picked_host[1] if picked_host else "") or "127.0.0.1"
+    server_port = _int(
+        env.get("AKV_PORT", "0"), "AKV_PORT", 0, "a TCP port (1-65535) or 0 for any", 65535
+    )
     fd_text = env.get("AKV_SCHEDULER_FD")
     scheduler_fd = _int(fd_text, "AKV_SCHEDULER_FD", 0, "an inherited socket") if fd_text else None
     max_body = _int(
@@ -233,9 +271,10 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
     timeouts = Timeouts(
         **{key: _seconds(env, name, default) for key, (name, default) in _TIMEOUTS.items()}
     )
+    log_level = _log_level(env)
     return Config(
         role=role,
-        scheduler_host=host,  # type: ignore[arg-type]
+        scheduler_host=host,
         scheduler_port=port,
         num_workers=workers,
         num_servers=servers,
@@ -250,4 +289,5 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         tls_key=tls_key,
         tls_ca=tls_ca,
         timeouts=timeouts,
+        log_level=log_level,
     )

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from akv.dist.config import Config
+from akv.dist.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
 from akv.dist.roles import scheduler_client
 from akv.errors import (
     AKVError,
@@ -177,10 +178,11 @@ class Membership:
 
 
 def scheduler_refusal(exc: RemoteError) -> AKVError:
-    """The error for a scheduler's HTTP refusal: 409 means the job failed or the request
-    conflicts with it; 400 a registration or barrier that does not fit."""
-    if exc.status == 409:
+    """The error for a scheduler's HTTP refusal: the job failed (``JOB_FAILED_STATUS``), or
+    a registration, heartbeat or barrier that does not fit the job (``REFUSED_STATUS``);
+    anything else is the scheduler's own failure."""
+    if exc.status == JOB_FAILED_STATUS:
         return PeerLostError(f"the scheduler refused: {exc}")
-    if exc.status == 400:
+    if exc.status == REFUSED_STATUS:
         return MembershipError(f"the scheduler refused: {exc}")
     return ServerError(f"the scheduler: {exc}", server="scheduler")

@@ -39,7 +39,9 @@ from akv import errors
 __all__ = [
     "CLIENT_HEADER",
     "DIST_STORE_TYPES",
+    "JOB_FAILED_STATUS",
     "OK",
+    "REFUSED_STATUS",
     "STATUS_CLASSES",
     "Op",
     "client_header",
@@ -100,6 +102,12 @@ STATUS_CLASSES: Final[dict[int, type[errors.AKVError]]] = {
 }
 INTERNAL: Final = 11
 _CODES: Final[dict[type[BaseException], int]] = {cls: code for code, cls in STATUS_CLASSES.items()}
+
+#: The scheduler's HTTP status when it refuses a request because the job failed.
+JOB_FAILED_STATUS: Final = 409
+#: Its status when a registration, heartbeat or barrier does not fit the job (a rank
+#: already taken, an unknown node, a barrier out of turn).
+REFUSED_STATUS: Final = 422
 
 #: Header a worker sends when it opens a stream: ``"<rank> <store type>"``.
 CLIENT_HEADER: Final = "X-AKV-Client"

@@ -1,14 +1,11 @@
 """Run the processes of one akv job and apply its exit rules (the I/O half of akv-launch).
 
-:mod:`akv.launch` decides *what* to run (a list of :class:`ProcessSpec`); this module runs
-it. It is split in two on purpose:
-
-* :class:`ExitRules` is pure: it is told "this process exited with this status" and
-  answers with a :class:`Decision` (go on, give the scheduler and servers their grace, or
-  stop the job with this exit code and this message). Tests drive it without processes.
-* :func:`supervise` starts the processes (each in its own session, so each is its own
-  process group), prefixes their output, feeds exit events to the rules, and at the end
-  stops every process group it started, by PID: SIGTERM, a grace, then SIGKILL.
+:mod:`akv.launch.plans` decides *what* to run (a list of :class:`ProcessSpec`) and
+:class:`~akv.launch.rules.ExitRules` decides what each exit means; this module only does
+the I/O. :func:`supervise` starts the processes (each in its own session, so each is its
+own process group), prefixes their output (and copies it to their ``--log-dir`` files),
+feeds exit events to the rules, and at the end stops every process group it started, by
+PID: SIGTERM, a grace, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -23,234 +20,28 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import BinaryIO, Literal
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, BinaryIO
 
-__all__ = [
-    "OUTPUT_SETTLE_S",
-    "TERMINATE_GRACE_S",
-    "Decision",
-    "ExitRules",
-    "ProcessSpec",
-    "exit_code_of",
-    "status_text",
-    "supervise",
-]
+from akv.errors import LaunchError
+from akv.launch.limits import (
+    MAX_LINE_BYTES,
+    OUTPUT_SETTLE_S,
+    POLL_INTERVAL_S,
+    REPORT_GRACE_S,
+    TERMINATE_GRACE_S,
+)
+from akv.launch.rules import Decision, ExitRules
+from akv.launch.spec import ProcessSpec
 
-#: How long a process group gets between SIGTERM and SIGKILL when the job is stopped (s).
-TERMINATE_GRACE_S = 5.0
-#: After a process exits, how long its last output lines may take to arrive before the
-#: launcher reports the exit anyway (a grandchild may hold the pipe open) (s).
-OUTPUT_SETTLE_S = 0.5
-#: Longest piece of a child's output printed as one line; longer lines are split (bytes).
-MAX_LINE_BYTES = 64 << 10
-#: How often the supervisor looks at the clock and at process groups while it waits (s).
-POLL_INTERVAL_S = 0.05
+__all__ = ["supervise"]
 
-ROLES = ("scheduler", "server", "worker")
+#: What :func:`signal.signal` takes and returns: a function, ``SIG_DFL``/``SIG_IGN``, or
+#: ``None`` (a handler not installed from Python).
+_SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
-
-@dataclass(frozen=True)
-class ProcessSpec:
-    """One process (or, for ``mpi``/``slurm``, one ``mpirun``/``srun`` group) to start.
-
-    Attributes
-    ----------
-    role
-        ``"scheduler"``, ``"server"`` or ``"worker"``.
-    rank
-        The role rank this process gets (``AKV_RANK``), or ``None``: the scheduler has none,
-        and an ``mpirun``/``srun`` group's processes take theirs from the MPI/Slurm rank.
-    argv
-        The exact command started on this machine (for ``ssh``: the ``ssh`` command).
-    env
-        The complete environment of the process started on this machine.
-    job_env
-        The variables akv-launch sets for this process (a subset of ``env``, or for ``ssh``
-        the variables the remote script exports). What ``--dry-run`` shows.
-    stdin
-        Text written to the process's standard input, which then stays open until the job
-        stops (the ``ssh`` launcher's remote script); ``None``: stdin is ``/dev/null``.
-    host
-        Where the process runs, for messages; ``None`` for this machine or a whole group.
-    count
-        How many processes this spec starts (``mpirun -n``, ``srun --ntasks``); 1 otherwise.
-    pass_fds
-        File descriptors the process inherits (the scheduler's listening socket).
-    """
-
-    role: str
-    rank: int | None
-    argv: tuple[str, ...]
-    env: Mapping[str, str] = field(repr=False)
-    job_env: Mapping[str, str] = field(repr=False)
-    stdin: str | None = field(default=None, repr=False)
-    host: str | None = None
-    count: int = 1
-    pass_fds: tuple[int, ...] = ()
-
-    @property
-    def label(self) -> str:
-        """How output lines and messages name this process: ``scheduler``, ``worker 0``,
-        ``servers`` (a whole ``mpirun``/``srun`` group)."""
-        if self.role == "scheduler":
-            return "scheduler"
-        if self.rank is None:
-            return f"{self.role}s"
-        return f"{self.role} {self.rank}"
-
-    def describe(self, pid: int | None) -> str:
-        """``worker 1 on node2 (pid 1234)``: the label, the host and the local PID."""
-        where = f" on {self.host}" if self.host else ""
-        started = f" (pid {pid})" if pid is not None else ""
-        return f"{self.label}{where}{started}"
-
-
-# ------------------------------------------------------------------ the exit rules (pure)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What the supervisor does next.
-
-    ``continue``: keep waiting. ``drain``: every worker finished; start the grace period for
-    the scheduler and servers. ``stop``: end the job with ``exit_code``. ``message`` (may be
-    empty) is printed by the launcher as ``akv-launch: <message>``.
-    """
-
-    action: Literal["continue", "drain", "stop"]
-    exit_code: int = 0
-    message: str = ""
-
-
-def exit_code_of(returncode: int) -> int:
-    """The shell's exit code for a child's status: the code itself, or 128+N for signal N."""
-    return returncode if returncode >= 0 else 128 - returncode
-
-
-def status_text(returncode: int) -> str:
-    """``code 3`` or ``signal SIGKILL`` for a :attr:`subprocess.Popen.returncode`."""
-    if returncode >= 0:
-        return f"code {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = str(-returncode)
-    return f"signal {name}"
-
-
-class ExitRules:
-    """The job's exit rules, as a state machine with no I/O.
-
-    * The first worker that fails (non-zero code or a signal), in the order the exits are
-      reported, decides the exit code; the job stops.
-    * A scheduler or server that fails while workers still run fails the job with its code;
-      one that exits 0 then is only reported (a worker may close its store and go on).
-    * When every worker exited 0 the decision is ``drain``: the scheduler and servers get
-      ``grace_s`` to stop on their own (:meth:`grace_expired` then says to stop with 0); one
-      that fails meanwhile fails the job (it may have lost state it was saving).
-    * A signal to the launcher (:meth:`interrupted`) stops the job with 128+N.
-
-    Parameters
-    ----------
-    specs
-        The job's processes, in start order; events name them by index.
-    grace_s
-        The grace period, only for messages (the supervisor keeps the clock).
-    """
-
-    def __init__(self, specs: Sequence[ProcessSpec], grace_s: float) -> None:
-        self._specs = list(specs)
-        self._grace_s = grace_s
-        self._running: set[int] = set()
-        self._pids: dict[int, int] = {}
-        self._draining = False
-
-    @property
-    def running(self) -> frozenset[int]:
-        """Indices of the processes started and not yet reported as exited."""
-        return frozenset(self._running)
-
-    def started(self, index: int, pid: int) -> None:
-        """Record that process ``index`` runs as ``pid``."""
-        self._running.add(index)
-        self._pids[index] = pid
-
-    def start_failed(self, index: int, error: OSError) -> Decision:
-        """Process ``index`` could not be started: stop the job (127 if not found, else 126)."""
-        code = 127 if isinstance(error, FileNotFoundError) else 126
-        who = self._specs[index].describe(None)
-        return Decision("stop", code, f"could not start {who}: {error}; stopping the job")
-
-    def exited(self, index: int, returncode: int) -> Decision:
-        """Process ``index`` exited with ``returncode`` (negative: killed by that signal)."""
-        self._running.discard(index)
-        spec = self._specs[index]
-        who = spec.describe(self._pids.get(index))
-        status = status_text(returncode)
-        failed = returncode != 0
-        code = exit_code_of(returncode)
-        workers_left = self._running_labels("worker")
-        if spec.role == "worker":
-            if failed:
-                return Decision("stop", code, f"{who} exited with {status}; stopping the job")
-            if workers_left:
-                return Decision("continue", 0, f"{who} exited with {status}")
-            return self._all_workers_done(f"{who} exited with {status}")
-        if failed:
-            if workers_left:
-                return Decision(
-                    "stop",
-                    code,
-                    f"{who} exited with {status} while {_count(workers_left, 'worker')} still "
-                    "ran; stopping the job",
-                )
-            return Decision("stop", code, f"{who} exited with {status} after every worker finished")
-        if self._draining and not self._running:
-            return Decision("stop", 0, f"{who} exited with {status}; every process finished")
-        return Decision("continue", 0, f"{who} exited with {status}")
-
-    def grace_expired(self) -> Decision:
-        """The grace after the last worker ran out: stop what is left, exit 0."""
-        left = ", ".join(self._running_labels())
-        return Decision(
-            "stop",
-            0,
-            f"{left} still running {self._grace_s:g} s after every worker finished; terminating",
-        )
-
-    def interrupted(self, signo: int) -> Decision:
-        """The launcher got signal ``signo`` (Ctrl-C, SIGTERM): stop with 128+N."""
-        name = signal.Signals(signo).name
-        return Decision("stop", 128 + signo, f"interrupted by {name}; stopping the job")
-
-    def _all_workers_done(self, what: str) -> Decision:
-        if not self._running:
-            return Decision("stop", 0, f"{what}; every process finished")
-        self._draining = True
-        left = ", ".join(self._running_labels())
-        return Decision(
-            "drain",
-            0,
-            f"{what}; every worker finished: waiting up to {self._grace_s:g} s for {left} to stop",
-        )
-
-    def _running_labels(self, role: str | None = None) -> list[str]:
-        return [
-            self._specs[i].label
-            for i in sorted(self._running)
-            if role is None or self._specs[i].role == role
-        ]
-
-
-def _count(labels: list[str], noun: str) -> str:
-    return f"1 {noun}" if len(labels) == 1 else f"{len(labels)} {noun}s"
-
-
-# ------------------------------------------------------------------ the supervisor (I/O)
-
-
+#: ``prctl`` option that sets the signal a process gets when its parent dies (Linux).
 PR_SET_PDEATHSIG = 1
 
 
@@ -295,6 +86,8 @@ def supervise(
     (``stderr``) as one write, prefixed ``[label] ``, so lines never interleave; a final line
     without a newline gets one, and lines longer than :data:`MAX_LINE_BYTES` are split. Each
     exit is judged by :class:`ExitRules` and reported on ``stderr`` as ``akv-launch: ...``.
+    A spec with a ``log_path`` also has its stdout and stderr lines, with the same prefix,
+    written to that file, which is created (or emptied) before anything starts.
 
     Before it returns (normally, on an exception, or on SIGINT/SIGTERM) it sends SIGTERM to
     every process group it started, waits up to ``terminate_grace_s`` for them to empty, and
@@ -304,7 +97,7 @@ def supervise(
     Parameters
     ----------
     specs
-        The processes, from :func:`akv.launch.plan`.
+        The processes, from :func:`akv.launch.plans.plan`.
     grace_s
         Once every worker exited 0, how long the others get to stop on their own.
     terminate_grace_s
@@ -326,6 +119,11 @@ def supervise(
         The exit code :class:`ExitRules` decided: 0, the first failing worker's code (128+N
         for signal N), a failing scheduler's or server's code, 128+N for an interruption,
         126/127 when a process could not be started.
+
+    Raises
+    ------
+    LaunchError
+        A ``log_path`` cannot be opened for writing; nothing was started.
     """
     supervisor = _Supervisor(
         specs,
@@ -352,7 +150,9 @@ class _Supervisor:
         self._terminate_grace_s = terminate_grace_s
         self._stdout = stdout
         self._stderr = stderr
-        self._write_lock = threading.Lock()
+        # Reentrant: a failed log write reports itself while the lock is held.
+        self._write_lock = threading.RLock()
+        self._logs: dict[int, BinaryIO] = {}
         # SimpleQueue.put is reentrant: the signal handlers may call it at any point.
         self._events: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -364,6 +164,7 @@ class _Supervisor:
         previous = self._install_signal_handlers() if handle_signals else {}
         decision = Decision("continue")
         try:
+            self._open_logs()
             for index, spec in enumerate(self._specs):
                 if self._signo is not None:
                     break
@@ -378,10 +179,14 @@ class _Supervisor:
             if self._signo is not None and decision.action != "stop":
                 decision = rules.interrupted(self._signo)
             deadline: float | None = None
+            expired = rules.grace_expired
             while decision.action != "stop":
                 if decision.action == "drain":
-                    deadline = time.monotonic() + self._grace_s
-                decision = self._next_decision(rules, deadline)
+                    deadline, expired = time.monotonic() + self._grace_s, rules.grace_expired
+                elif decision.action == "report":
+                    deadline = time.monotonic() + REPORT_GRACE_S
+                    expired = rules.report_expired
+                decision = self._next_decision(deadline, expired, rules)
                 if decision.action != "stop" and decision.message:
                     self._say(decision.message)
             self._say(decision.message)
@@ -390,18 +195,22 @@ class _Supervisor:
             for sock in inherited:
                 sock.close()
             self._stop_all()
+            self._close_logs()
             for signo, handler in previous.items():
                 signal.signal(signo, handler)
 
     # ---- events
 
-    def _next_decision(self, rules: ExitRules, deadline: float | None) -> Decision:
+    def _next_decision(
+        self, deadline: float | None, expired: Callable[[], Decision], rules: ExitRules
+    ) -> Decision:
+        """The next event's decision; ``expired()``'s once ``deadline`` passes first."""
         while True:
             timeout = POLL_INTERVAL_S * 10
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return rules.grace_expired()
+                    return expired()
                 timeout = min(timeout, remaining)
             try:
                 kind, index, value = self._events.get(timeout=timeout)
@@ -412,16 +221,16 @@ class _Supervisor:
             self._let_output_settle(index)
             return rules.exited(index, value)
 
-    def _install_signal_handlers(self) -> dict[int, object]:
+    def _install_signal_handlers(self) -> dict[int, _SignalHandler]:
         if threading.current_thread() is not threading.main_thread():
             return {}
 
-        def on_signal(signo: int, frame: object) -> None:
+        def on_signal(signo: int, frame: FrameType | None) -> None:
             if self._signo is None:
                 self._signo = signo
             self._events.put(("signal", -1, signo))
 
-        previous: dict[int, object] = {}
+        previous: dict[int, _SignalHandler] = {}
         for signo in (signal.SIGINT, signal.SIGTERM):
             if signal.getsignal(signo) is signal.SIG_IGN:
                 continue  # started with it ignored (nohup, `&` in a script): keep it so
@@ -451,10 +260,10 @@ class _Supervisor:
         prefix = f"[{spec.label}] ".encode()
         pumps = [
             threading.Thread(
-                target=self._pump, args=(proc.stdout, prefix, self._stdout), daemon=True
+                target=self._pump, args=(index, proc.stdout, prefix, self._stdout), daemon=True
             ),
             threading.Thread(
-                target=self._pump, args=(proc.stderr, prefix, self._stderr), daemon=True
+                target=self._pump, args=(index, proc.stderr, prefix, self._stderr), daemon=True
             ),
         ]
         self._pumps[index] = pumps
@@ -466,7 +275,7 @@ class _Supervisor:
     def _wait(self, index: int, proc: subprocess.Popen[bytes]) -> None:
         self._events.put(("exit", index, proc.wait()))
 
-    def _pump(self, stream: BinaryIO, prefix: bytes, out: BinaryIO) -> None:
+    def _pump(self, index: int, stream: BinaryIO, prefix: bytes, out: BinaryIO) -> None:
         with stream:
             while True:
                 try:
@@ -477,12 +286,51 @@ class _Supervisor:
                     return
                 if not line.endswith(b"\n"):
                     line += b"\n"
-                with self._write_lock:
-                    try:
-                        out.write(prefix + line)
-                        out.flush()
-                    except (OSError, ValueError):
-                        pass  # keep draining, so the child never blocks on a full pipe
+                self._emit(index, out, prefix + line)
+
+    def _emit(self, index: int, out: BinaryIO, line: bytes) -> None:
+        """Write one prefixed line to ``out`` and to process ``index``'s log file."""
+        with self._write_lock:
+            try:
+                out.write(line)
+                out.flush()
+            except (OSError, ValueError):
+                pass  # keep draining, so the child never blocks on a full pipe
+            log = self._logs.get(index)
+            if log is None:
+                return
+            try:
+                log.write(line)
+                log.flush()
+            except (OSError, ValueError) as exc:
+                del self._logs[index]
+                with contextlib.suppress(OSError, ValueError):
+                    log.close()
+                self._say(
+                    f"cannot write {self._specs[index].log_path}: {exc}; the rest of "
+                    f"{self._specs[index].label}'s output goes to the console only"
+                )
+
+    # ---- log files
+
+    def _open_logs(self) -> None:
+        for index, spec in enumerate(self._specs):
+            if spec.log_path is None:
+                continue
+            try:
+                # Closed by _close_logs, under the lock the pumps write under.
+                self._logs[index] = open(spec.log_path, "wb")  # noqa: SIM115
+            except OSError as exc:
+                raise LaunchError(
+                    f"--log-dir: cannot write {spec.log_path}: {exc}; nothing was started"
+                ) from exc
+
+    def _close_logs(self) -> None:
+        with self._write_lock:
+            logs, self._logs = list(self._logs.values()), {}
+        for log in logs:
+            with contextlib.suppress(OSError):
+                log.close()
 
     def _let_output_settle(self, index: int) -> None:
         deadline = time.monotonic() + OUTPUT_SETTLE_S

@@ -20,6 +20,8 @@ from akv import (
     KeyNotInitializedError,
     ShapeMismatchError,
 )
+from akv.dist.protocol import Op
+from akv.dist.worker.link import ServerLink
 from tests.akv.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(60)
@@ -383,18 +385,31 @@ async def test_joining_waits_for_the_rest_of_the_job_and_says_what_is_missing():
         await akv.create_async("dist_sync", environ=cluster.worker_env(0))
 
 
-def test_the_blocking_face_sends_contiguous_arrays_and_stages_the_rest():
+def test_the_blocking_face_sends_contiguous_arrays_and_stages_the_rest(monkeypatch):
+    sent: list[np.ndarray] = []
+    real_send = ServerLink.send
+
+    def spy(self, op, arrays, on_reply, **kwargs):
+        if op == Op.PUSH:
+            sent.extend(array for _, array, _ in arrays)
+        return real_send(self, op, arrays, on_reply, **kwargs)
+
+    monkeypatch.setattr(ServerLink, "send", spy)
     with Cluster(1, 1) as cluster:
         kv = akv.create("dist_sync", environ=cluster.worker_env(0))
         kv.init("w", np.zeros((3, 4), np.float32))
         value = np.arange(12, dtype=np.float32).reshape(3, 4)
         kv.push("w", value)  # sent from the caller's array itself
+        assert np.shares_memory(sent[-1], value)
         np.testing.assert_array_equal(kv.pull("w"), value)
         transposed = np.arange(12, dtype=np.float32).reshape(4, 3).T  # not C-contiguous
         kv.push("w", transposed)
+        assert not np.shares_memory(sent[-1], transposed)  # staged into a buffer of the key
         np.testing.assert_array_equal(kv.pull("w"), transposed)
         kv.push("w", [value, value])  # summed into a staging buffer first
+        assert not np.shares_memory(sent[-1], value)
         np.testing.assert_array_equal(kv.pull("w"), 2 * value)
         value[:] = -1  # the store holds no reference to the caller's array
         np.testing.assert_array_equal(kv.pull("w"), 2 * np.arange(12).reshape(3, 4))
+        assert len(sent) == 3
         kv.close()

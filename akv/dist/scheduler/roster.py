@@ -1,7 +1,8 @@
 """The scheduler's decisions: who is in the job, barriers, liveness, and when it ends.
 
 Plain code without I/O; the clock is passed in. The HTTP handlers of
-:mod:`akv.scheduler` only translate requests into these calls and the answers back.
+:mod:`akv.dist.scheduler.service` only translate requests into these calls and the
+answers (small frozen records) back.
 
 * **Registration.** Every node registers with an id of its own making (retries are
   idempotent) and, optionally, the rank it wants (from ``AKV_RANK`` or an MPI/SLURM rank);
@@ -10,19 +11,37 @@ Plain code without I/O; the clock is passed in. The HTTP handlers of
 * **Barriers.** A worker's ``n``-th barrier call joins barrier ``n`` (the worker counts, so
   a retried request is harmless); it is passed when every worker joined it.
 * **Liveness.** Each node heartbeats. A node silent for longer than the timeout, or one a
-  server saw disconnect without closing, fails the job; from then on every answer carries
-  the reason, which names the node.
+  server saw disconnect without closing, fails the job; from then on registrations and
+  barriers are refused with the reason, which names the node, and heartbeats carry it.
 * **The end.** A worker that closed its store says so; when every worker has, servers are
-  told to stop; once every server stopped, the scheduler may exit.
+  told to stop; once every server stopped (or the job failed) the scheduler lingers a
+  little, so that every node hears the news, and exits.
+
+A request that does not fit the job (an unknown node, a role or rank that does not fit,
+a rank already taken, a barrier out of order) raises :class:`MembershipError`; one that
+comes after the job failed raises :class:`PeerLostError` with the reason.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from akv.errors import ServerError
+from akv.errors import MembershipError, PeerLostError
+from akv.limits import HEARTBEAT_INTERVAL_S, SCHEDULER_LINGER_S
 
-__all__ = ["Node", "Roster"]
+__all__ = [
+    "BarrierState",
+    "HeartbeatAnswer",
+    "Node",
+    "NodeStatus",
+    "Registration",
+    "Roster",
+    "RosterStatistics",
+    "ServerAddress",
+]
+
+#: The roles that register with the scheduler.
+MEMBER_ROLES = ("worker", "server")
 
 
 @dataclass
@@ -40,31 +59,111 @@ class Node:
     dead: bool = False
 
     def describe(self) -> str:
+        """``"worker 1 (pid 4121 on 10.0.0.2)"``: how messages name the node."""
         return f"{self.role} {self.rank} (pid {self.pid} on {self.host})"
+
+
+@dataclass(frozen=True)
+class ServerAddress:
+    """Where workers reach one server."""
+
+    rank: int
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a registered node is told: its rank and, once every node registered, the
+    address book (``servers``, by rank); until then ``servers`` is None and ``waiting``
+    says what is missing."""
+
+    rank: int
+    servers: tuple[ServerAddress, ...] | None
+    waiting: str = ""
+
+
+@dataclass(frozen=True)
+class BarrierState:
+    """A barrier: the worker ranks that have not joined it yet (none: it is passed)."""
+
+    number: int
+    missing: tuple[int, ...]
+
+    @property
+    def passed(self) -> bool:
+        return not self.missing
+
+
+@dataclass(frozen=True)
+class HeartbeatAnswer:
+    """What a heartbeat is told: why the job failed (None: it did not), and whether the
+    servers should stop."""
+
+    failure: str | None
+    stop: bool
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """A node as :meth:`Roster.statistics` reports it."""
+
+    role: str
+    rank: int
+    host: str
+    port: int
+    pid: int
+    finished: bool
+    dead: bool
+
+
+@dataclass(frozen=True)
+class RosterStatistics:
+    """The roster at one moment, for people and monitoring (``GET /v1/status``)."""
+
+    failure: str | None
+    complete: bool
+    nodes: tuple[NodeStatus, ...]
 
 
 @dataclass
 class _Barrier:
     arrived: set[int] = field(default_factory=set)
-    opened_at: float = 0.0
 
 
 class Roster:
-    """The scheduler's state (see the module docstring)."""
+    """The scheduler's state (see the module docstring).
 
-    def __init__(self, num_workers: int, num_servers: int, heartbeat_timeout_s: float) -> None:
+    Parameters
+    ----------
+    num_workers, num_servers:
+        The job's size.
+    heartbeat_timeout_s:
+        A node silent for longer than this is dead (``AKV_HEARTBEAT_TIMEOUT_S``).
+    heartbeat_interval_s:
+        How often nodes heartbeat (``AKV_HEARTBEAT_INTERVAL_S``): after a failure the
+        scheduler stays up for two intervals (at least ``SCHEDULER_LINGER_S``), so that
+        every node's next heartbeat hears the reason.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        num_servers: int,
+        heartbeat_timeout_s: float,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+    ) -> None:
         self.num_workers = num_workers
         self.num_servers = num_servers
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
         self.nodes: dict[str, Node] = {}
         self.failure: str | None = None
         self._barriers: dict[int, _Barrier] = {}
         self._barrier_calls: dict[int, int] = {}
+        self._ended_at: float | None = None
 
     # ------------------------------------------------------------ registration
-
-    def _count(self, role: str) -> int:
-        return self.num_workers if role == "worker" else self.num_servers
 
     def register(
         self,
@@ -76,35 +175,66 @@ class Roster:
         now: float,
         rank: int | None = None,
     ) -> Node:
-        """Add a node (or return it again for a retry); raise when it cannot join."""
+        """Add a node (or return it again for a retry).
+
+        Raises
+        ------
+        MembershipError
+            The role is not ``worker`` or ``server``; the rank is out of range or taken;
+            every rank of the role is taken.
+        PeerLostError
+            The job failed already.
+        """
+        self._refuse_if_failed()
         known = self.nodes.get(node_id)
         if known is not None:
             known.last_seen = now
             return known
-        if role not in ("worker", "server"):
-            raise ServerError(f"cannot register role {role!r}: only workers and servers join")
+        if role not in MEMBER_ROLES:
+            raise MembershipError(f"cannot register role {role!r}: only workers and servers join")
         taken = {n.rank for n in self.nodes.values() if n.role == role}
         limit = self._count(role)
         if rank is None:
             free = [r for r in range(limit) if r not in taken]
             if not free:
-                raise ServerError(
+                raise MembershipError(
                     f"a {role} from {host} (pid {pid}) tried to join, but all {limit} "
                     f"{role} ranks are taken: is a process of another job using this "
                     "scheduler, or were too many started?"
                 )
             rank = free[0]
         elif not 0 <= rank < limit:
-            raise ServerError(f"{role} rank {rank} is out of range 0..{limit - 1}")
+            raise MembershipError(
+                f"a {role} from {host} (pid {pid}) asked for {role} rank {rank}, which is "
+                f"out of range 0..{limit - 1}"
+            )
         elif rank in taken:
             holder = next(n for n in self.nodes.values() if n.role == role and n.rank == rank)
-            raise ServerError(
+            raise MembershipError(
                 f"{role} rank {rank} is already taken by {holder.describe()}; a {role} from "
                 f"{host} (pid {pid}) asked for it too"
             )
         node = Node(node_id, role, rank, host, port, pid, now)
         self.nodes[node_id] = node
         return node
+
+    def registration(self, node_id: str) -> Registration:
+        """What a registered node is told now (see :class:`Registration`).
+
+        Raises :class:`MembershipError` for an unknown node and :class:`PeerLostError`
+        once the job failed.
+        """
+        self._refuse_if_failed()
+        node = self.node(node_id)
+        if not self.complete():
+            return Registration(node.rank, None, self.missing())
+        servers = tuple(ServerAddress(s.rank, s.host, s.port) for s in self.servers())
+        return Registration(node.rank, servers)
+
+    def registration_settled(self) -> bool:
+        """True once a waiting registration can be answered: every node registered, or
+        the job failed."""
+        return self.complete() or self.failure is not None
 
     def complete(self) -> bool:
         """True once every worker and server registered."""
@@ -115,8 +245,8 @@ class Roster:
 
     def missing(self) -> str:
         """What registration still waits for, in words."""
-        workers = sorted(n.rank for n in self.nodes.values() if n.role == "worker")
-        servers = sorted(n.rank for n in self.nodes.values() if n.role == "server")
+        workers = self._ranks("worker")
+        servers = self._ranks("server")
         return (
             f"{self.num_workers - len(workers)} of {self.num_workers} workers and "
             f"{self.num_servers - len(servers)} of {self.num_servers} servers have not "
@@ -128,27 +258,48 @@ class Roster:
         return sorted((n for n in self.nodes.values() if n.role == "server"), key=lambda n: n.rank)
 
     def node(self, node_id: str) -> Node:
-        """A registered node; raise for an unknown id."""
+        """A registered node; :class:`MembershipError` for an unknown id."""
         node = self.nodes.get(node_id)
         if node is None:
-            raise ServerError(f"unknown node id {node_id!r}: register first")
+            raise MembershipError(f"unknown node id {node_id!r}: register first")
         return node
 
     # ------------------------------------------------------------ barriers
 
-    def arrive(self, node_id: str, number: int, now: float) -> None:
-        """A worker joins its ``number``-th barrier (1, 2, ...); repeating a call is harmless."""
+    def arrive(self, node_id: str, number: int, now: float) -> BarrierState:
+        """A worker joins its ``number``-th barrier (1, 2, ...); repeating a call is harmless,
+        and a call counts as a sign of life. Returns the barrier's state.
+
+        Raises
+        ------
+        MembershipError
+            The node is unknown or not a worker, or ``number`` is neither the worker's
+            last barrier nor the next one.
+        PeerLostError
+            The job failed already.
+        """
+        self._refuse_if_failed()
         node = self.node(node_id)
+        node.last_seen = now
         if node.role != "worker":
-            raise ServerError(f"{node.describe()} called a barrier; only workers do")
+            raise MembershipError(f"{node.describe()} called a barrier; only workers do")
         previous = self._barrier_calls.get(node.rank, 0)
         if number not in (previous, previous + 1):
-            raise ServerError(
+            raise MembershipError(
                 f"worker {node.rank} joined barrier {number} but its last one was {previous}"
             )
         self._barrier_calls[node.rank] = number
-        barrier = self._barriers.setdefault(number, _Barrier(opened_at=now))
-        barrier.arrived.add(node.rank)
+        self._barriers.setdefault(number, _Barrier()).arrived.add(node.rank)
+        return self.barrier(number)
+
+    def barrier(self, number: int) -> BarrierState:
+        """Barrier ``number`` now; :class:`PeerLostError` once the job failed."""
+        self._refuse_if_failed()
+        return BarrierState(number, tuple(self.barrier_missing(number)))
+
+    def barrier_settled(self, number: int) -> bool:
+        """True once a waiting barrier call can be answered: passed, or the job failed."""
+        return self.passed(number) or self.failure is not None
 
     def passed(self, number: int) -> bool:
         """True once every worker joined barrier ``number``."""
@@ -163,16 +314,18 @@ class Roster:
 
     # ------------------------------------------------------------ liveness and the end
 
-    def heartbeat(self, node_id: str, now: float) -> Node:
-        """Note that a node is alive."""
-        node = self.node(node_id)
-        node.last_seen = now
-        return node
+    def heartbeat(self, node_id: str, now: float) -> HeartbeatAnswer:
+        """Note that a node is alive; tell it whether the job failed and whether servers
+        should stop. Raises :class:`MembershipError` for an unknown node."""
+        self.node(node_id).last_seen = now
+        return HeartbeatAnswer(self.failure, self.servers_should_stop())
 
-    def fail(self, reason: str) -> None:
-        """Fail the job (the first reason is kept)."""
-        if self.failure is None:
-            self.failure = reason
+    def fail(self, reason: str) -> bool:
+        """Fail the job; the first reason is kept. Returns True when this call failed it."""
+        if self.failure is not None:
+            return False
+        self.failure = reason
+        return True
 
     def check(self, now: float) -> list[Node]:
         """Find nodes silent for longer than the timeout; they fail the job. Returns them."""
@@ -190,19 +343,27 @@ class Roster:
                 )
         return dead
 
-    def lost(self, reporter: str, role: str, rank: int, detail: str) -> None:
-        """A node saw a peer disconnect without closing: fail the job naming it."""
+    def lost(self, reporter: str, role: str, rank: int, detail: str) -> str | None:
+        """A node saw a peer disconnect without closing: fail the job naming it.
+
+        Returns the failure this report caused, or None (the peer had finished, or the
+        job had failed already).
+        """
         peer = next((n for n in self.nodes.values() if n.role == role and n.rank == rank), None)
         if peer is not None and peer.finished:
-            return
+            return None
         name = peer.describe() if peer else f"{role} {rank}"
         if peer is not None:
             peer.dead = True
-        self.fail(f"{name} disconnected from {reporter} without closing: {detail}")
+        if self.fail(f"{name} disconnected from {reporter} without closing: {detail}"):
+            return self.failure
+        return None
 
-    def finish(self, node_id: str) -> None:
-        """A node closed cleanly (a worker its store, a server its service)."""
+    def finish(self, node_id: str) -> bool:
+        """A node closed cleanly (a worker its store, a server its service). Returns
+        whether the servers should stop now. :class:`MembershipError` for an unknown node."""
         self.node(node_id).finished = True
+        return self.servers_should_stop()
 
     def servers_should_stop(self) -> bool:
         """True once every worker finished (or the job failed)."""
@@ -219,3 +380,67 @@ class Roster:
             and len(servers) == self.num_servers
             and all(n.finished or n.dead for n in servers)
         )
+
+    def exit_status(self, now: float) -> int | None:
+        """The scheduler's exit status once it should exit (0: the job ended well, 1: it
+        failed), or None while it should keep serving.
+
+        The first call that sees the job over notes the time; the scheduler exits after
+        lingering :meth:`linger_s` beyond it, so that the nodes' last requests are answered.
+        """
+        if not (self.done() or self.failure is not None):
+            return None
+        if self._ended_at is None:
+            self._ended_at = now
+            return None
+        if now - self._ended_at <= self.linger_s():
+            return None
+        return 1 if self.failure is not None else 0
+
+    def linger_s(self) -> float:
+        """How long the scheduler stays up once the job is over: nothing after a good end,
+        two heartbeat intervals (at least ``SCHEDULER_LINGER_S``) after a failure."""
+        if self.failure is None:
+            return 0.0
+        return max(SCHEDULER_LINGER_S, 2 * self.heartbeat_interval_s)
+
+    # ------------------------------------------------------------ for people and tests
+
+    def statistics(self) -> RosterStatistics:
+        """The roster now, as a frozen record (nodes by role, then rank)."""
+        nodes = tuple(
+            NodeStatus(n.role, n.rank, n.host, n.port, n.pid, n.finished, n.dead)
+            for n in sorted(self.nodes.values(), key=lambda n: (n.role, n.rank))
+        )
+        return RosterStatistics(self.failure, self.complete(), nodes)
+
+    def validate_state(self) -> None:
+        """Check the roster's invariants; raise :class:`AssertionError` naming a broken one.
+
+        Every node's role is a member role and its rank is in range and its own; no role
+        has more nodes than the job's size; every barrier arrival is a worker's rank.
+        """
+        for role in MEMBER_ROLES:
+            ranks = self._ranks(role)
+            if len(ranks) != len(set(ranks)):
+                raise AssertionError(f"two {role}s hold the same rank: {ranks}")
+            if any(not 0 <= r < self._count(role) for r in ranks):
+                raise AssertionError(f"a {role} rank is out of range: {ranks}")
+        if any(n.role not in MEMBER_ROLES for n in self.nodes.values()):
+            raise AssertionError("a node has a role that does not register")
+        worker_ranks = set(self._ranks("worker"))
+        for number, barrier in self._barriers.items():
+            if not barrier.arrived <= worker_ranks:
+                raise AssertionError(f"barrier {number} counts ranks no worker holds")
+
+    # ------------------------------------------------------------ helpers
+
+    def _count(self, role: str) -> int:
+        return self.num_workers if role == "worker" else self.num_servers
+
+    def _ranks(self, role: str) -> list[int]:
+        return sorted(n.rank for n in self.nodes.values() if n.role == role)
+
+    def _refuse_if_failed(self) -> None:
+        if self.failure is not None:
+            raise PeerLostError(f"the job failed: {self.failure}")

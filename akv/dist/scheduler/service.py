@@ -1,7 +1,10 @@
 """The scheduler of a distributed job: rendezvous, rank assignment, barriers, liveness.
 
-Run it with ``akv-scheduler`` (or ``python -m akv.scheduler``), configured by the
+Run it with ``akv-scheduler`` (or ``python -m akv.dist.scheduler``), configured by the
 environment (see ``docs/distributed.md``) or by flags. akv-launch starts it for you.
+
+Every decision is :class:`~akv.dist.scheduler.roster.Roster`'s; the handlers here only
+read a request, call the roster, and write its answer.
 
 HTTP API (JSON; every request needs the job's token):
 
@@ -9,14 +12,18 @@ HTTP API (JSON; every request needs the job's token):
 ``POST /v1/register`` ``{node_id, role, rank?, host, port, pid, wait?}`` -> ``{rank,
                       servers}`` once every node registered (202 ``{rank, waiting}`` after
                       a poll window, or at once with ``wait: false``)
-``POST /v1/barrier``  ``{node_id, number}`` -> 200 once every worker joined (else 202)
+``POST /v1/barrier``  ``{node_id, number}`` -> 200 ``{passed}`` once every worker joined
+                      (else 202 ``{waiting}``, the missing ranks)
 ``POST /v1/heartbeat`` ``{node_id}`` -> ``{failure, stop}``
 ``POST /v1/lost``     ``{reporter, role, rank, detail}``: a peer vanished without closing
-``POST /v1/finish``   ``{node_id}``: the node closed cleanly
+``POST /v1/finish``   ``{node_id}``: the node closed cleanly -> ``{stop}``
 ``GET /v1/status``    the roster, for people and monitoring
 ====================  ==========================================================
 
-Once the job failed, register and barrier answer 409 with the reason.
+A malformed body gets 400. A request the roster refuses gets 409 ``{error}``: one that does
+not fit the job (:class:`~akv.errors.MembershipError`: an unknown node, a role or rank that
+does not fit, a rank taken, a barrier out of order), and, once the job failed, every
+registration and barrier (the error carries the reason).
 """
 
 from __future__ import annotations
@@ -24,9 +31,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from aiohttp import web
@@ -34,28 +41,33 @@ from aiohttp import web
 from akv.dist import config as _config
 from akv.dist.roles import run_role, server_ssl
 from akv.dist.scheduler.roster import Roster
-from akv.errors import AKVError
-from akv.limits import SCHEDULER_CHECK_INTERVAL_S, SCHEDULER_LINGER_S, SCHEDULER_POLL_S
+from akv.errors import MembershipError, PeerLostError
+from akv.dist.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
+from akv.limits import SCHEDULER_CHECK_INTERVAL_S, SCHEDULER_POLL_S
 from transport import RequestError, create_app, serve
 
-__all__ = ["Scheduler", "main"]
+__all__ = ["Scheduler", "main", "run_scheduler"]
 
 log = logging.getLogger("akv.dist.scheduler")
 
-
-
 class Scheduler:
-    """The scheduler service: an aiohttp app over a :class:`~akv._roster.Roster`."""
+    """The scheduler service: an aiohttp app over a :class:`~akv.dist.scheduler.roster.Roster`.
+
+    It starts no task of its own: :meth:`run` is its one loop (liveness checks and the
+    end of the job), and whoever starts it awaits it, so its errors reach the caller.
+    """
 
     def __init__(self, config: _config.Config) -> None:
         self.config = config
         self.roster = Roster(
-            config.num_workers, config.num_servers, config.timeouts.heartbeat_timeout_s
+            config.num_workers,
+            config.num_servers,
+            config.timeouts.heartbeat_timeout_s,
+            config.timeouts.heartbeat_interval_s,
         )
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.port = 0
-        self._ended_at: float | None = None
 
     def app(self) -> web.Application:
         """The HTTP application (token check and body limit included)."""
@@ -71,7 +83,6 @@ class Scheduler:
     async def start(self) -> int:
         """Listen (on the inherited socket, or the configured host and port); return the port."""
         config = self.config
-        ssl_context = server_ssl(config)
         sock = None
         if config.scheduler_fd is not None:
             sock = socket.socket(fileno=config.scheduler_fd)
@@ -79,7 +90,7 @@ class Scheduler:
             self.app(),
             config.scheduler_host,
             config.scheduler_port,
-            ssl_context=ssl_context,
+            ssl_context=server_ssl(config),
             sock=sock,
         )
         log.info(
@@ -92,30 +103,26 @@ class Scheduler:
         return self.port
 
     async def run(self) -> int:
-        """Serve until the job ended (0) or failed (1), then linger briefly and stop."""
+        """Serve until the job ended (0) or failed (1), then stop listening.
+
+        Every ``SCHEDULER_CHECK_INTERVAL_S`` the roster looks for silent nodes and says
+        whether the scheduler should exit (it lingers after a failure, so that every node
+        hears the reason). Errors propagate to the caller; the listener stops either way.
+        """
         if self._runner is None:
             await self.start()
         try:
             while True:
                 await asyncio.sleep(SCHEDULER_CHECK_INTERVAL_S)
-                async with self._changed:
-                    dead = self.roster.check(time.monotonic())
-                    if dead:
-                        log.error("job failed: %s", self.roster.failure)
-                        self._changed.notify_all()
-                if self.roster.done() or self.roster.failure is not None:
-                    if self._ended_at is None:
-                        self._ended_at = time.monotonic()
-                    elif time.monotonic() - self._ended_at > self._linger_s():
-                        break
-            return 1 if self.roster.failure is not None else 0
+                now = time.monotonic()
+                if self.roster.check(now):
+                    log.error("job failed: %s", self.roster.failure)
+                    await self._notify()
+                status = self.roster.exit_status(now)
+                if status is not None:
+                    return status
         finally:
             await self.stop()
-
-    def _linger_s(self) -> float:
-        if self.roster.failure is None:
-            return 0.0
-        return max(SCHEDULER_LINGER_S, 2 * self.config.timeouts.heartbeat_interval_s)
 
     async def stop(self) -> None:
         """Stop listening. Idempotent."""
@@ -125,118 +132,75 @@ class Scheduler:
 
     # ------------------------------------------------------------ handlers
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise RequestError(400, f"the body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise RequestError(400, "the body must be a JSON object")
-        return body
-
-    def _refuse_if_failed(self) -> None:
-        if self.roster.failure is not None:
-            raise RequestError(409, f"the job failed: {self.roster.failure}")
-
-    async def _wait(self, predicate: Any) -> bool:
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(predicate), SCHEDULER_POLL_S)
-            except asyncio.TimeoutError:
-                return False
-        return True
-
     async def _register(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        self._refuse_if_failed()
-        try:
-            node = self.roster.register(
-                str(body["node_id"]),
-                str(body["role"]),
-                str(body["host"]),
-                int(body["port"]),
-                int(body.get("pid", 0)),
-                time.monotonic(),
-                rank=None if body.get("rank") is None else int(body["rank"]),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RequestError(400, f"malformed registration: {exc!r}") from None
-        except AKVError as exc:
-            raise RequestError(409, str(exc)) from None
-        async with self._changed:
-            self._changed.notify_all()
-        if body.get("wait", True):
-            ready = await self._wait(lambda: self.roster.complete() or self.roster.failure)
-        else:
-            ready = self.roster.complete()
-        self._refuse_if_failed()
-        if not ready:
-            return web.json_response(
-                {"rank": node.rank, "waiting": self.roster.missing()}, status=202
-            )
-        servers = [{"rank": s.rank, "host": s.host, "port": s.port} for s in self.roster.servers()]
-        return web.json_response({"rank": node.rank, "servers": servers})
+        body = await _body(request)
+        with _malformed("registration"):
+            node_id = str(body["node_id"])
+            role = str(body["role"])
+            host = str(body["host"])
+            port = int(body["port"])
+            pid = int(body.get("pid", 0))
+            rank = None if body.get("rank") is None else int(body["rank"])
+            wait = bool(body.get("wait", True))
+        with _refusals():
+            self.roster.register(node_id, role, host, port, pid, time.monotonic(), rank=rank)
+        await self._notify()
+        if wait:
+            await self._wait_for(self.roster.registration_settled)
+        with _refusals():
+            answer = self.roster.registration(node_id)
+        if answer.servers is None:
+            return web.json_response({"rank": answer.rank, "waiting": answer.waiting}, status=202)
+        servers = [{"rank": s.rank, "host": s.host, "port": s.port} for s in answer.servers]
+        return web.json_response({"rank": answer.rank, "servers": servers})
 
     async def _barrier(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        self._refuse_if_failed()
-        try:
+        body = await _body(request)
+        with _malformed("barrier request"):
+            node_id = str(body["node_id"])
             number = int(body["number"])
-            self.roster.arrive(str(body["node_id"]), number, time.monotonic())
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RequestError(400, f"malformed barrier request: {exc!r}") from None
-        except AKVError as exc:
-            raise RequestError(409, str(exc)) from None
-        async with self._changed:
-            self._changed.notify_all()
-        passed = await self._wait(lambda: self.roster.passed(number) or self.roster.failure)
-        self._refuse_if_failed()
-        if not passed:
-            return web.json_response({"waiting": self.roster.barrier_missing(number)}, status=202)
+        with _refusals():
+            self.roster.arrive(node_id, number, time.monotonic())
+        await self._notify()
+        await self._wait_for(lambda: self.roster.barrier_settled(number))
+        with _refusals():
+            state = self.roster.barrier(number)
+        if not state.passed:
+            return web.json_response({"waiting": list(state.missing)}, status=202)
         return web.json_response({"passed": number})
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        try:
-            self.roster.heartbeat(str(body["node_id"]), time.monotonic())
-        except KeyError as exc:
-            raise RequestError(400, f"malformed heartbeat: {exc!r}") from None
-        except AKVError as exc:
-            raise RequestError(409, str(exc)) from None
-        return web.json_response(
-            {"failure": self.roster.failure, "stop": self.roster.servers_should_stop()}
-        )
+        body = await _body(request)
+        with _malformed("heartbeat"):
+            node_id = str(body["node_id"])
+        with _refusals():
+            answer = self.roster.heartbeat(node_id, time.monotonic())
+        return web.json_response({"failure": answer.failure, "stop": answer.stop})
 
     async def _lost(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        try:
-            self.roster.lost(
-                str(body["reporter"]),
-                str(body["role"]),
-                int(body["rank"]),
-                str(body.get("detail", "")),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RequestError(400, f"malformed report: {exc!r}") from None
-        if self.roster.failure is not None:
-            log.error("job failed: %s", self.roster.failure)
-        async with self._changed:
-            self._changed.notify_all()
+        body = await _body(request)
+        with _malformed("report"):
+            reporter = str(body["reporter"])
+            role = str(body["role"])
+            rank = int(body["rank"])
+            detail = str(body.get("detail", ""))
+        failure = self.roster.lost(reporter, role, rank, detail)
+        if failure is not None:
+            log.error("job failed: %s", failure)
+        await self._notify()
         return web.json_response({"failure": self.roster.failure})
 
     async def _finish(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        try:
-            self.roster.finish(str(body["node_id"]))
-        except KeyError as exc:
-            raise RequestError(400, f"malformed request: {exc!r}") from None
-        except AKVError as exc:
-            raise RequestError(409, str(exc)) from None
-        async with self._changed:
-            self._changed.notify_all()
-        return web.json_response({"stop": self.roster.servers_should_stop()})
+        body = await _body(request)
+        with _malformed("request"):
+            node_id = str(body["node_id"])
+        with _refusals():
+            stop = self.roster.finish(node_id)
+        await self._notify()
+        return web.json_response({"stop": stop})
 
     async def _status(self, request: web.Request) -> web.Response:
+        statistics = self.roster.statistics()
         nodes = [
             {
                 "role": n.role,
@@ -247,11 +211,55 @@ class Scheduler:
                 "finished": n.finished,
                 "dead": n.dead,
             }
-            for n in sorted(self.roster.nodes.values(), key=lambda n: (n.role, n.rank))
+            for n in statistics.nodes
         ]
         return web.json_response(
-            {"failure": self.roster.failure, "nodes": nodes, "complete": self.roster.complete()}
+            {"failure": statistics.failure, "nodes": nodes, "complete": statistics.complete}
         )
+
+    # ------------------------------------------------------------ waiting
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _wait_for(self, settled: Callable[[], bool]) -> None:
+        """Wait until ``settled()`` or ``SCHEDULER_POLL_S`` passed (the caller answers
+        "still waiting" then, and the node asks again)."""
+        async with self._changed:
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait_for(settled), SCHEDULER_POLL_S)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise RequestError(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the body must be a JSON object")
+    return body
+
+
+@contextmanager
+def _malformed(what: str) -> Iterator[None]:
+    """Reading a body's fields: a missing field or a value of the wrong kind is a 400."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RequestError(400, f"malformed {what}: {exc!r}") from None
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """Calling the roster: the job failed is a 409, a request that does not fit it a 422,
+    each with its message."""
+    try:
+        yield
+    except PeerLostError as exc:
+        raise RequestError(JOB_FAILED_STATUS, str(exc)) from None
+    except MembershipError as exc:
+        raise RequestError(REFUSED_STATUS, str(exc)) from None
 
 
 # ---------------------------------------------------------------------- command line
@@ -263,7 +271,6 @@ async def run_scheduler(config: _config.Config) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``akv-scheduler``: run the scheduler of one job; exit 0 when it ended well, 1 if not."""
+    """``akv-scheduler``: run the scheduler of one job; exit 0 when it ended well, 1 if not,
+    2 when its configuration is wrong."""
     return run_role("scheduler", argv, "Run the scheduler of an akv job.", run_scheduler)
-
-

@@ -32,6 +32,7 @@ from akv.dist.config import Config
 from akv.dist.membership import Membership, scheduler_refusal
 from akv.dist.placement import place
 from akv.dist.protocol import Op, encode_meta
+from akv.dist.roles import default_worker_logging
 from akv.dist.states import merge_server_states, split_server_states
 from akv.dist.worker.link import ServerLink
 from akv.dist.worker.requests import by_server
@@ -104,6 +105,7 @@ class DistBackend:
             When the scheduler or a server refused the token.
         """
         config = self.config
+        default_worker_logging(config.log_level)  # "worker waiting: ..." reaches stderr
         self._loop = asyncio.get_running_loop()
         deadline = time.monotonic() + config.timeouts.connect_s
         answer = await self.membership.register(0, deadline)

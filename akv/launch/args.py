@@ -1,0 +1,300 @@
+"""The ``akv-launch`` command line: parse it into :class:`LaunchOptions` and check them.
+
+Pure: no file, process or socket is touched (``-H`` is only a path here). The rule for
+where the worker command starts is :func:`split_command`'s; everything :func:`validate`
+rejects is a :class:`~akv.errors.LaunchError` naming the flag and what to pass instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, NoReturn
+
+from akv import __version__
+from akv.dist.config import TWIN_VARIABLES
+from akv.errors import LaunchError
+from akv.launch.limits import DEFAULT_GRACE_S
+
+__all__ = [
+    "LAUNCHERS",
+    "LOCAL_SCHEDULER_HOST",
+    "OWNED_VARIABLES",
+    "REMOTE_LAUNCHERS",
+    "LaunchOptions",
+    "SplitCommandLine",
+    "parse_args",
+    "split_command",
+    "validate",
+]
+
+LAUNCHERS = ("local", "ssh", "mpi", "slurm")
+REMOTE_LAUNCHERS = ("ssh", "mpi", "slurm")
+#: Where the local launcher's scheduler listens.
+LOCAL_SCHEDULER_HOST = "127.0.0.1"
+#: Variables that belong to the launcher: ``--env`` may not set them, and values inherited
+#: from the launcher's own environment are dropped so a stale one cannot leak into the job.
+OWNED_VARIABLES = frozenset(
+    [name for pair in TWIN_VARIABLES for name in pair]
+    + ["AKV_TOKEN", "AKV_RANK", "AKV_SCHEDULER_FD", "PYTHONUNBUFFERED"]
+)
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_EXAMPLE = "akv-launch -n 2 -s 1 python train.py"
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Everything the command line says, checked by :func:`validate`.
+
+    ``scheduler_command`` and ``server_command`` replace the role commands
+    ``[PYTHON, "-m", "akv.dist.scheduler"]`` and ``[PYTHON, "-m", "akv.dist.server"]``;
+    they are a seam for tests and custom role programs and have no flag.
+    """
+
+    num_workers: int
+    num_servers: int
+    command: tuple[str, ...]
+    launcher: str = "local"
+    hostfile: str | None = None
+    scheduler_host: str | None = None
+    python: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    dry_run: bool = False
+    grace_s: float = DEFAULT_GRACE_S
+    log_dir: str | None = None
+    scheduler_command: tuple[str, ...] | None = None
+    server_command: tuple[str, ...] | None = None
+
+
+def parse_args(argv: Sequence[str]) -> LaunchOptions:
+    """Turn a command line (without the program name) into checked :class:`LaunchOptions`.
+
+    The worker command starts where :func:`split_command` says: after the first ``--``, or
+    at the first word that is neither an option nor an option's value. ``-h``/``--help``
+    and ``--version`` print and raise :class:`SystemExit` (0). Raises :class:`LaunchError`
+    for a flag argparse rejects, for anything :func:`validate` rejects, and when there is no
+    command.
+    """
+    split = split_command(argv)
+    args = _parser()[0].parse_args(split.options)
+    command = split.command
+    if not command and not split.separated:
+        raise LaunchError(
+            f"missing command: give the worker command after the options, e.g. `{_EXAMPLE}`"
+        )
+    env: dict[str, str] = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise LaunchError(f"--env {item!r} is not NAME=VALUE")
+        env[name] = value
+    options = LaunchOptions(
+        num_workers=args.num_workers,
+        num_servers=args.num_servers if args.num_servers is not None else args.num_workers,
+        command=tuple(command),
+        launcher=args.launcher,
+        hostfile=args.hostfile,
+        scheduler_host=args.scheduler_host,
+        python=args.python,
+        env=env,
+        dry_run=args.dry_run,
+        grace_s=args.grace_s,
+        log_dir=args.log_dir,
+    )
+    validate(options)
+    return options
+
+
+class SplitCommandLine(NamedTuple):
+    """A command line cut in two by :func:`split_command`."""
+
+    #: The launcher's words (options and their values), for argparse.
+    options: list[str]
+    #: The worker command's words.
+    command: list[str]
+    #: Whether a ``--`` separated them.
+    separated: bool
+
+
+def split_command(argv: Sequence[str]) -> SplitCommandLine:
+    """Split a command line into the launcher's options and the worker command.
+
+    Words are read from the left. ``--`` ends the options: the command is what follows it.
+    Otherwise the first word that is not an option (does not start with ``-``, or is a lone
+    ``-``) and is not the value of the option before it starts the command, and every word
+    from there on is the command's (``-n 2 python train.py -n 5`` gives ``-n 5`` to
+    ``train.py``). An option that takes a value takes the next word (unless it is ``--``,
+    or the value is attached: ``-n2``, ``--num-workers=2``); one that takes several
+    (``--env``) also takes each following word that contains ``=`` and does not start with
+    ``-``. Long options may be abbreviated as argparse allows (``--num-w``). Unknown
+    options take no value; argparse then rejects them.
+    """
+    actions = _parser()[1]
+    words = list(argv)
+    index = 0
+    while index < len(words):
+        word = words[index]
+        if word == "--":
+            return SplitCommandLine(words[:index], words[index + 1 :], True)
+        if word == "-" or not word.startswith("-"):
+            return SplitCommandLine(words[:index], words[index:], False)
+        index += 1 + _values_taken(word, words[index + 1 :], actions)
+    return SplitCommandLine(words, [], False)
+
+
+def validate(options: LaunchOptions) -> None:
+    """Check options that need no file or network; raise :class:`LaunchError` on the first
+    problem, saying which flag and what to pass instead."""
+    if options.num_workers < 1:
+        raise LaunchError(f"-n/--num-workers is {options.num_workers}: a job needs >= 1 worker")
+    if options.num_servers < 1:
+        raise LaunchError(f"-s/--num-servers is {options.num_servers}: a job needs >= 1 server")
+    if not options.command:
+        raise LaunchError(f"missing command after `--`: give the worker command, e.g. `{_EXAMPLE}`")
+    if options.launcher not in LAUNCHERS:
+        raise LaunchError(
+            f"unknown launcher {options.launcher!r}: use one of {', '.join(LAUNCHERS)}"
+        )
+    if not math.isfinite(options.grace_s) or options.grace_s < 0:
+        raise LaunchError(f"--grace-s is {options.grace_s}: give a number of seconds >= 0")
+    if options.log_dir is not None and not options.log_dir:
+        raise LaunchError("--log-dir is empty: give a directory (it is created if missing)")
+    remote = options.launcher in REMOTE_LAUNCHERS
+    if remote and not options.scheduler_host:
+        raise LaunchError(
+            f"--launcher {options.launcher} needs --scheduler-host: pass the address of this "
+            "machine that the other hosts can reach (the scheduler runs here and listens there)"
+        )
+    if not remote and options.scheduler_host:
+        raise LaunchError(
+            "--scheduler-host is for the ssh, mpi and slurm launchers; the local launcher's "
+            f"scheduler listens on {LOCAL_SCHEDULER_HOST}"
+        )
+    if options.launcher == "ssh" and not options.hostfile:
+        raise LaunchError("--launcher ssh needs -H HOSTFILE: the hosts to place processes on")
+    if options.launcher == "local" and options.hostfile:
+        raise LaunchError(
+            "-H/--hostfile is for the ssh, mpi and slurm launchers; the local launcher runs "
+            "every process on this machine"
+        )
+    for name in options.env:
+        if not _NAME.match(name):
+            raise LaunchError(f"--env {name}=...: {name!r} is not a variable name")
+        if name == "AKV_TOKEN":
+            raise LaunchError(
+                "--env AKV_TOKEN=... would put the job's secret on the command line: export "
+                "AKV_TOKEN in the launcher's environment instead (it is then reused)"
+            )
+        if name in OWNED_VARIABLES:
+            raise LaunchError(
+                f"--env {name}=...: akv-launch sets {name} itself (from -n, -s, "
+                "--scheduler-host and the process's role and rank)"
+            )
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise LaunchError(message)
+
+
+def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
+    """The argparse parser, and its options (for :func:`split_command`)."""
+    parser = _Parser(
+        prog="akv-launch",
+        usage="%(prog)s -n WORKERS [options] [--] CMD...",
+        description="Start an akv job (one scheduler, SERVERS servers, WORKERS workers "
+        "running CMD) and supervise it: output is prefixed per process, the first failing "
+        "worker's exit code is the job's, and every process started is stopped at the end. "
+        "CMD starts at the first word that is not an option or an option's value (or after "
+        "`--`); every word from there on is CMD's.",
+        epilog="Examples: akv-launch -n 2 -s 1 python train.py --epochs 3; "
+        "akv-launch -n 2 --log-dir logs -- python train.py",
+    )
+    add = parser.add_argument
+    actions = [
+        add(
+            "-n",
+            "--num-workers",
+            type=int,
+            required=True,
+            metavar="WORKERS",
+            help="number of workers (required, >= 1)",
+        ),
+        add(
+            "-s",
+            "--num-servers",
+            type=int,
+            metavar="SERVERS",
+            help="number of servers (>= 1; default: WORKERS, as MXNet)",
+        ),
+        add("--launcher", default="local", help="local (default), ssh, mpi or slurm"),
+        add("-H", "--hostfile", help="lines: host, host:port or host slots=N"),
+        add(
+            "--scheduler-host",
+            help="this machine's address the other hosts reach the scheduler at "
+            "(required for ssh, mpi and slurm)",
+        ),
+        add(
+            "--python",
+            help="Python for servers (default: this Python locally, python3 on other hosts)",
+        ),
+        add(
+            "--env",
+            action="extend",
+            nargs="+",
+            default=[],
+            metavar="K=V",
+            help="extra variables for every process (each following word with `=` is one)",
+        ),
+        add("--dry-run", action="store_true", help="print the commands, run nothing"),
+        add(
+            "--grace-s",
+            type=float,
+            default=DEFAULT_GRACE_S,
+            metavar="SECONDS",
+            help="once every worker exited 0, how long the scheduler and servers get to stop "
+            f"on their own (default {DEFAULT_GRACE_S:g})",
+        ),
+        add(
+            "--log-dir",
+            metavar="DIR",
+            help="also write each process's prefixed output lines (stdout and stderr) to "
+            "DIR/scheduler.log, DIR/server-RANK.log and DIR/worker-RANK.log (mpi and slurm: "
+            "one DIR/servers.log and DIR/workers.log per group); DIR is created, the files "
+            "are overwritten",
+        ),
+        add("--version", action="version", version=f"akv-launch {__version__}"),
+    ]
+    return parser, actions
+
+
+def _values_taken(word: str, rest: Sequence[str], actions: Sequence[argparse.Action]) -> int:
+    """How many of the words ``rest`` after option ``word`` are its values."""
+    if word.startswith("--"):
+        if "=" in word:
+            return 0
+        action = _long_option(word, actions)
+    else:
+        if len(word) > 2:  # -n2: the value is attached
+            return 0
+        action = next((a for a in actions if word in a.option_strings), None)
+    if action is None or action.nargs == 0 or not rest or rest[0] == "--":
+        return 0
+    if action.nargs != "+":
+        return 1
+    taken = 1
+    while taken < len(rest) and "=" in rest[taken] and not rest[taken].startswith("-"):
+        taken += 1
+    return taken
+
+
+def _long_option(word: str, actions: Sequence[argparse.Action]) -> argparse.Action | None:
+    """The action of long option ``word``, spelled out or abbreviated to a unique prefix."""
+    exact = [a for a in actions if word in a.option_strings]
+    if exact:
+        return exact[0]
+    matches = [a for a in actions if any(s.startswith(word) for s in a.option_strings)]
+    return matches[0] if len(matches) == 1 else None

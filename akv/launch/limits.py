@@ -1,0 +1,43 @@
+"""Every limit of akv-launch, named once, with its unit.
+
+The store's, servers' and scheduler's limits are in :mod:`akv.limits`; these are the
+launcher's own. Only ``DEFAULT_GRACE_S`` has a flag (``--grace-s``); no environment variable
+overrides any of them. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "MAX_LINE_BYTES",
+    "MPI_VERSION_TIMEOUT_S",
+    "OUTPUT_SETTLE_S",
+    "POLL_INTERVAL_S",
+    "REPORT_GRACE_S",
+    "TERMINATE_GRACE_S",
+    "TOKEN_BYTES",
+]
+
+#: How long the scheduler and servers get to stop on their own once every worker exited 0,
+#: before they are terminated (seconds; ``--grace-s``).
+DEFAULT_GRACE_S = 15.0
+#: When the scheduler or a server fails while workers run, how long the workers get to
+#: notice, say which process failed, and exit on their own before the job is stopped
+#: (seconds). akv's workers notice a dead server at once (its stream ends) and a dead
+#: scheduler within AKV_HEARTBEAT_TIMEOUT_S.
+REPORT_GRACE_S = 5.0
+#: How long a process group gets between SIGTERM and SIGKILL when the job is stopped, here
+#: and in the ``ssh`` launcher's remote script (seconds).
+TERMINATE_GRACE_S = 5.0
+#: After a process exits, how long its last output lines may take to arrive before the
+#: launcher reports the exit anyway (a grandchild may hold the pipe open) (seconds).
+OUTPUT_SETTLE_S = 0.5
+#: Longest piece of a child's output printed as one line; longer lines are split (bytes).
+MAX_LINE_BYTES = 64 << 10
+#: How often the supervisor looks at the clock and at process groups while it waits
+#: (seconds).
+POLL_INTERVAL_S = 0.05
+#: How long ``mpirun --version`` may take (seconds).
+MPI_VERSION_TIMEOUT_S = 10.0
+#: Random bytes in a job token (``secrets.token_hex`` gives twice as many hex characters).
+TOKEN_BYTES = 32

@@ -1,0 +1,186 @@
+"""The job's exit rules: which exit ends the job, with which code (pure, no I/O).
+
+:class:`ExitRules` is told "this process started", "this process exited with this status",
+"the grace ran out", "the launcher got this signal", and answers each with a
+:class:`Decision`: go on, give the scheduler and servers their grace, or stop the job with
+this exit code and this message. :func:`akv.launch.supervisor.supervise` feeds it real
+events; tests drive it with a few lines.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from akv.launch.limits import REPORT_GRACE_S
+from akv.launch.spec import ProcessSpec
+
+__all__ = ["Decision", "ExitRules", "exit_code_of", "status_text"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the supervisor does next.
+
+    ``continue``: keep waiting. ``drain``: every worker finished; start the grace period for
+    the scheduler and servers. ``report``: the scheduler or a server failed; give the
+    workers their report grace to say so and exit. ``stop``: end the job with ``exit_code``.
+    ``message`` (may be empty) is printed by the launcher as ``akv-launch: <message>``.
+    """
+
+    action: Literal["continue", "drain", "report", "stop"]
+    exit_code: int = 0
+    message: str = ""
+
+
+def exit_code_of(returncode: int) -> int:
+    """The shell's exit code for a child's status: the code itself, or 128+N for signal N."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def status_text(returncode: int) -> str:
+    """``code 3`` or ``signal SIGKILL`` for a :attr:`subprocess.Popen.returncode`."""
+    if returncode >= 0:
+        return f"code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = str(-returncode)
+    return f"signal {name}"
+
+
+class ExitRules:
+    """The job's exit rules, as a state machine with no I/O.
+
+    * The first worker that fails (non-zero code or a signal), in the order the exits are
+      reported, decides the exit code; the job stops.
+    * A scheduler or server that fails while workers still run fails the job with its code;
+      the decision is ``report``: the workers get ``report_grace_s`` to notice, name the
+      failed process and exit on their own (:meth:`report_expired` then says to stop). One
+      that exits 0 then is only reported (a worker may close its store and go on).
+    * When every worker exited 0 the decision is ``drain``: the scheduler and servers get
+      ``grace_s`` to stop on their own (:meth:`grace_expired` then says to stop with 0); one
+      that fails meanwhile fails the job (it may have lost state it was saving).
+    * A signal to the launcher (:meth:`interrupted`) stops the job with 128+N.
+
+    Parameters
+    ----------
+    specs
+        The job's processes, in start order; events name them by index.
+    grace_s, report_grace_s
+        The grace periods, only for messages (the supervisor keeps the clock).
+    """
+
+    def __init__(
+        self, specs: Sequence[ProcessSpec], grace_s: float, report_grace_s: float = REPORT_GRACE_S
+    ) -> None:
+        self._specs = list(specs)
+        self._grace_s = grace_s
+        self._report_grace_s = report_grace_s
+        self._failure: Decision | None = None
+        self._running: set[int] = set()
+        self._pids: dict[int, int] = {}
+        self._draining = False
+
+    @property
+    def running(self) -> frozenset[int]:
+        """Indices of the processes started and not yet reported as exited."""
+        return frozenset(self._running)
+
+    def started(self, index: int, pid: int) -> None:
+        """Record that process ``index`` runs as ``pid``."""
+        self._running.add(index)
+        self._pids[index] = pid
+
+    def start_failed(self, index: int, error: OSError) -> Decision:
+        """Process ``index`` could not be started: stop the job (127 if not found, else 126)."""
+        code = 127 if isinstance(error, FileNotFoundError) else 126
+        who = self._specs[index].describe(None)
+        return Decision("stop", code, f"could not start {who}: {error}; stopping the job")
+
+    def exited(self, index: int, returncode: int) -> Decision:
+        """Process ``index`` exited with ``returncode`` (negative: killed by that signal)."""
+        self._running.discard(index)
+        spec = self._specs[index]
+        who = spec.describe(self._pids.get(index))
+        status = status_text(returncode)
+        failed = returncode != 0
+        code = exit_code_of(returncode)
+        workers_left = self._running_labels("worker")
+        if self._failure is not None:  # the job failed already: the workers are winding down
+            if workers_left:
+                return Decision("continue", 0, f"{who} exited with {status}")
+            return Decision(
+                "stop", self._failure.exit_code, f"{who} exited with {status}; stopping the job"
+            )
+        if spec.role == "worker":
+            if failed:
+                return Decision("stop", code, f"{who} exited with {status}; stopping the job")
+            if workers_left:
+                return Decision("continue", 0, f"{who} exited with {status}")
+            return self._all_workers_done(f"{who} exited with {status}")
+        if failed:
+            if workers_left:
+                what = (
+                    f"{who} exited with {status} while {_count(workers_left, 'worker')} still ran"
+                )
+                self._failure = Decision("stop", code, what)
+                return Decision(
+                    "report",
+                    code,
+                    f"{what}; the job failed: waiting up to {self._report_grace_s:g} s for the "
+                    "workers to report it and exit",
+                )
+            return Decision("stop", code, f"{who} exited with {status} after every worker finished")
+        if self._draining and not self._running:
+            return Decision("stop", 0, f"{who} exited with {status}; every process finished")
+        return Decision("continue", 0, f"{who} exited with {status}")
+
+    def grace_expired(self) -> Decision:
+        """The grace after the last worker ran out: stop what is left, exit 0."""
+        left = ", ".join(self._running_labels())
+        return Decision(
+            "stop",
+            0,
+            f"{left} still running {self._grace_s:g} s after every worker finished; terminating",
+        )
+
+    def report_expired(self) -> Decision:
+        """The workers' report grace ran out: stop the job with the failed process's code."""
+        assert self._failure is not None, "report_expired without a failure"
+        left = ", ".join(self._running_labels("worker"))
+        return Decision(
+            "stop",
+            self._failure.exit_code,
+            f"{left} still running {self._report_grace_s:g} s after {self._failure.message}; "
+            "stopping the job",
+        )
+
+    def interrupted(self, signo: int) -> Decision:
+        """The launcher got signal ``signo`` (Ctrl-C, SIGTERM): stop with 128+N."""
+        name = signal.Signals(signo).name
+        return Decision("stop", 128 + signo, f"interrupted by {name}; stopping the job")
+
+    def _all_workers_done(self, what: str) -> Decision:
+        if not self._running:
+            return Decision("stop", 0, f"{what}; every process finished")
+        self._draining = True
+        left = ", ".join(self._running_labels())
+        return Decision(
+            "drain",
+            0,
+            f"{what}; every worker finished: waiting up to {self._grace_s:g} s for {left} to stop",
+        )
+
+    def _running_labels(self, role: str | None = None) -> list[str]:
+        return [
+            self._specs[i].label
+            for i in sorted(self._running)
+            if role is None or self._specs[i].role == role
+        ]
+
+
+def _count(labels: list[str], noun: str) -> str:
+    return f"1 {noun}" if len(labels) == 1 else f"{len(labels)} {noun}s"

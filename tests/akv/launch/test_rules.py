@@ -1,0 +1,116 @@
+"""The exit rules, driven without processes: which exit ends the job, with which code."""
+
+from __future__ import annotations
+
+import signal
+
+from akv.launch.rules import ExitRules, exit_code_of, status_text
+from akv.launch.spec import ProcessSpec
+
+
+def _specs() -> list[ProcessSpec]:
+    def spec(role, rank):
+        return ProcessSpec(role, rank, ("x",), {}, {})
+
+    return [spec("scheduler", None), spec("server", 0), spec("worker", 0), spec("worker", 1)]
+
+
+def _rules() -> ExitRules:
+    rules = ExitRules(_specs(), grace_s=15)
+    for index, pid in enumerate([100, 101, 102, 103]):
+        rules.started(index, pid)
+    return rules
+
+
+def test_first_failing_worker_decides_the_exit_code():
+    rules = _rules()
+    decision = rules.exited(3, 3)
+    assert (decision.action, decision.exit_code) == ("stop", 3)
+    assert decision.message == "worker 1 (pid 103) exited with code 3; stopping the job"
+
+
+def test_a_signal_death_is_reported_as_such_with_128_plus_signo():
+    decision = _rules().exited(2, -signal.SIGKILL)
+    assert (decision.action, decision.exit_code) == ("stop", 137)
+    assert "worker 0 (pid 102) exited with signal SIGKILL" in decision.message
+    assert (status_text(-15), exit_code_of(-15), exit_code_of(4)) == ("signal SIGTERM", 143, 4)
+
+
+def test_server_failure_while_workers_run_fails_the_job_after_the_workers_report_it():
+    rules = _rules()
+    decision = rules.exited(1, 1)
+    assert (decision.action, decision.exit_code) == ("report", 1)
+    assert decision.message == (
+        "server 0 (pid 101) exited with code 1 while 2 workers still ran; the job failed: "
+        "waiting up to 5 s for the workers to report it and exit"
+    )
+    assert rules.exited(2, 4).action == "continue"  # the server's failure decides the code
+    last = rules.exited(3, 4)
+    assert (last.action, last.exit_code) == ("stop", 1)
+    assert last.message == "worker 1 (pid 103) exited with code 4; stopping the job"
+
+
+def test_workers_that_do_not_exit_after_a_server_failure_are_stopped_after_the_grace():
+    rules = _rules()
+    rules.exited(1, -signal.SIGKILL)
+    rules.exited(2, 4)
+    decision = rules.report_expired()
+    assert (decision.action, decision.exit_code) == ("stop", 137)
+    assert decision.message == (
+        "worker 1 still running 5 s after server 0 (pid 101) exited with signal SIGKILL while "
+        "2 workers still ran; stopping the job"
+    )
+
+
+def test_a_server_that_exits_0_early_is_only_reported():
+    decision = _rules().exited(1, 0)
+    assert decision.action == "continue"
+    assert decision.message == "server 0 (pid 101) exited with code 0"
+
+
+def test_when_every_worker_exits_0_the_others_get_their_grace_then_are_terminated():
+    rules = _rules()
+    assert rules.exited(2, 0).action == "continue"
+    drain = rules.exited(3, 0)
+    assert drain.action == "drain"
+    assert "waiting up to 15 s for scheduler, server 0 to stop" in drain.message
+    expired = rules.grace_expired()
+    assert (expired.action, expired.exit_code) == ("stop", 0)
+    assert expired.message == (
+        "scheduler, server 0 still running 15 s after every worker finished; terminating"
+    )
+
+
+def test_the_job_ends_with_0_when_the_others_stop_on_their_own_in_the_grace():
+    rules = _rules()
+    rules.exited(2, 0)
+    rules.exited(3, 0)
+    assert rules.exited(0, 0).action == "continue"
+    assert (rules.exited(1, 0).action, rules.running) == ("stop", frozenset())
+
+
+def test_a_server_that_fails_during_the_grace_fails_the_job():
+    rules = _rules()
+    rules.exited(2, 0)
+    rules.exited(3, 0)
+    decision = rules.exited(1, 2)
+    assert (decision.action, decision.exit_code) == ("stop", 2)
+    assert "after every worker finished" in decision.message
+
+
+def test_interruption_exits_128_plus_signo():
+    assert _rules().interrupted(signal.SIGINT).exit_code == 130
+    assert _rules().interrupted(signal.SIGTERM).exit_code == 143
+
+
+def test_a_process_that_cannot_start_stops_the_job_with_127():
+    decision = _rules().start_failed(2, FileNotFoundError(2, "No such file", "trian.py"))
+    assert (decision.action, decision.exit_code) == ("stop", 127)
+    assert decision.message.startswith("could not start worker 0: ")
+
+
+def test_processes_are_named_by_role_rank_host_and_pid():
+    assert ProcessSpec("worker", 1, ("x",), {}, {}, host="node2").describe(1234) == (
+        "worker 1 on node2 (pid 1234)"
+    )
+    assert ProcessSpec("server", None, ("x",), {}, {}, count=3).describe(None) == "servers"
