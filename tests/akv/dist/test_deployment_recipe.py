@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.akv.cluster import FAST_TIMEOUTS, ROOT, free_port
+from tests.akv.dist.cluster import FAST_TIMEOUTS, ROOT, free_port
 
 DOC = ROOT / "docs" / "deployment.md"
 SECTION = "## By hand, on three hosts"

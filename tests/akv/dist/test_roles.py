@@ -21,7 +21,7 @@ from akv.dist.roles import (
 )
 from akv.dist.scheduler import main as scheduler_main
 from akv.errors import ConfigError
-from tests.akv.cluster import ROOT
+from tests.akv.dist.cluster import ROOT
 
 TOKEN = "t" * 32
 JOB = {

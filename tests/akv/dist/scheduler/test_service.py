@@ -11,7 +11,7 @@ import pytest
 
 from akv.dist import config as _config
 from akv.dist.scheduler import Scheduler
-from tests.akv.cluster import free_port, job_env
+from tests.akv.dist.cluster import free_port, job_env
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,7 +25,7 @@ from akv.dist.scheduler.service import Scheduler
 from akv.dist.server.service import ParameterServer
 from engine import LoopThread
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FAST_TIMEOUTS = {
     "AKV_CONNECT_TIMEOUT_S": "20",
     "AKV_BARRIER_TIMEOUT_S": "20",

@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from tests.akv.cluster import FAST_TIMEOUTS, ROOT, free_port, job_env, launch
+from tests.akv.dist.cluster import FAST_TIMEOUTS, ROOT, free_port, job_env, launch
 
-JOBS = ROOT / "tests" / "akv" / "jobs"
+JOBS = ROOT / "tests" / "akv" / "dist" / "jobs"
 pytestmark = pytest.mark.timeout(180)
 
 

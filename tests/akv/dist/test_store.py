@@ -22,7 +22,7 @@ from akv import (
 )
 from akv.dist.protocol import Op
 from akv.dist.worker.link import ServerLink
-from tests.akv.cluster import Cluster
+from tests.akv.dist.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(60)
 SHAPE = (2, 3)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from akv.dist import protocol as proto
-from tests.akv.cluster import Cluster
+from tests.akv.dist.cluster import Cluster
 from transport import frame_bytes
 
 pytestmark = pytest.mark.timeout(60)
