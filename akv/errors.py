@@ -15,6 +15,7 @@ __all__ = [
     "AKVError",
     "AuthenticationError",
     "BarrierTimeoutError",
+    "BenchmarkError",
     "ClosedError",
     "ConfigError",
     "ConnectTimeoutError",
@@ -168,6 +169,10 @@ class ServerError(AKVError):
 class MembershipError(AKVError, ValueError):
     """The scheduler refused a registration, heartbeat or barrier: an unknown node, a role
     or rank that does not fit the job, a rank already taken. Names the node and the rank."""
+
+
+class BenchmarkError(AKVError, RuntimeError):
+    """A benchmark could not run to the end (its job failed); carries the job's output."""
 
 
 class LaunchError(AKVError, ValueError):

@@ -11,6 +11,12 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+import tomllib
+
 import akv
 import akv.errors
 import engine
@@ -48,6 +54,70 @@ def test_engine_and_transport_import_neither_akv_nor_each_other(package):
             for name in names:
                 top = name.split(".")[0]
                 assert top not in FORBIDDEN[package], f"{path} imports {name}"
+
+
+def _imports(path: Path) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.append(node.module or "")
+    return names
+
+
+#: What a pure module (one that decides, see docs/architecture.md) must not import.
+IO_MODULES = {"asyncio", "socket", "selectors", "subprocess", "threading", "aiohttp", "ssl"}
+#: A lock is no I/O: the key table is shared by the threads that call a blocking store.
+PURE_EXCEPTIONS = {"akv.keys": {"threading"}}
+#: akv's pure modules: those mypy checks with the strict flags (pyproject.toml).
+PURE_AKV_MODULES = [
+    name
+    for override in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"][
+        "overrides"
+    ]
+    if "disallow_untyped_defs" in override
+    for name in override["module"]
+    if name.startswith("akv") and not name.endswith("*")
+]
+
+
+@pytest.mark.parametrize("module", PURE_AKV_MODULES)
+def test_pure_modules_do_no_io(module):
+    path = ROOT / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = ROOT / module.replace(".", "/") / "__init__.py"
+    allowed = PURE_EXCEPTIONS.get(module, set())
+    for name in _imports(path):
+        top = name.split(".")[0]
+        assert top not in IO_MODULES - allowed, f"{module} imports {name}"
+        assert name not in ("engine._loop", "transport._http", "transport._stream"), name
+
+
+def test_the_pure_modules_include_the_servers_state_machine():
+    assert {"akv.dist.server.state", "akv.dist.worker.requests", "akv.launch.rules"} <= set(
+        PURE_AKV_MODULES
+    )
+
+
+def test_no_source_or_test_file_is_ignored_by_git():
+    files = [
+        str(path.relative_to(ROOT))
+        for top in ("akv", "engine", "transport", "tests", "examples", "docs")
+        for path in (ROOT / top).rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
+    ]
+    result = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--stdin"],
+        input="\n".join(files),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    if result.returncode == 128:
+        pytest.skip(f"not a git checkout: {result.stderr.strip()}")
+    assert result.stdout == "", f"ignored by .gitignore: {result.stdout}"
 
 
 def test_version_option():

@@ -137,7 +137,7 @@ def _job(num_servers: int, rounds: int, scale: float) -> dict[str, float]:
         ]
         completed = subprocess.run(command, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
         if completed.returncode != 0 or not os.path.exists(out):
-            raise akv.AKVError(
+            raise akv.BenchmarkError(
                 f"the benchmark job with {num_servers} server(s) failed "
                 f"({completed.returncode}):\n{completed.stdout[-3000:]}\n"
                 f"{completed.stderr[-3000:]}"

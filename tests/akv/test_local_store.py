@@ -252,7 +252,7 @@ def test_unknown_store_type_is_an_error():
     with pytest.raises(UnknownStoreTypeError, match="unknown store type 'horovod'"):
         akv.create("horovod")
     with pytest.raises(InvalidArgumentError, match="must be a str"):
-        akv.create(3)  # type: ignore[arg-type]
+        akv.create(3)
     with pytest.raises(InvalidArgumentError, match="unknown store option"):
         akv.create("local", bogus=1)
     with pytest.raises(InvalidArgumentError, match="slots must be an int >= 1"):
@@ -317,7 +317,7 @@ def test_calling_the_store_from_its_updater_raises(kv):
 
 def test_set_updater_rejects_non_callables(kv):
     with pytest.raises(InvalidArgumentError, match="callable"):
-        kv.set_updater(3)  # type: ignore[arg-type]
+        kv.set_updater(3)
 
 
 # ------------------------------------------------------------ threads, loops, closing
@@ -544,4 +544,4 @@ def test_saving_states_needs_an_optimizer_and_loading_checks_the_file(kv, tmp_pa
     with pytest.raises(akv.AKVError, match="cannot read"):
         kv.load_optimizer_states(tmp_path / "missing.npz")
     with pytest.raises(InvalidArgumentError, match=r"takes an akv\.optimizer\.Optimizer"):
-        kv.set_optimizer("sgd")  # type: ignore[arg-type]
+        kv.set_optimizer("sgd")
