@@ -132,13 +132,13 @@ class LocalBackend:
         self.updater: Updater | None = None
         self._optimizer_updater: _optimizer.Updater | None = None
 
-    def _executor(self, entries: list[Entry]) -> str:
-        """Inline for work on few bytes, else the worker threads."""
+    def _executor(self, items: KeyArrays) -> str:
+        """Inline for work on few bytes (the keys' sizes), else the worker threads."""
         limit = self._inline_max_bytes
         if limit is None:
             return "inline"
         total = 0
-        for entry in entries:
+        for entry, _ in items:
             total += entry.nbytes
             if total > limit:
                 return "thread"
@@ -167,7 +167,7 @@ class LocalBackend:
             entries,
             arrays,
             writes=[entry.var for entry in entries],
-            executor=self._executor(entries),
+            executor=self._executor([(e, [a]) for e, a in zip(entries, arrays, strict=True)]),
             name="init",
         )
 
@@ -186,7 +186,7 @@ class LocalBackend:
         if updater is None and not borrow:
             executor = "inline"  # committing staged buffers is a swap of references
         else:
-            executor = self._executor([entry for entry, _ in values])
+            executor = self._executor(values)
         return self._engine.push(
             _land,
             self._store,
@@ -200,7 +200,7 @@ class LocalBackend:
 
     def pull(self, targets: KeyArrays, result: object, priority: int) -> Task:
         """Copy each key's stored value into each of its outputs; the task returns ``result``."""
-        executor = self._executor([entry for entry, _ in targets])
+        executor = self._executor(targets)
         if len(targets) == 1:
             entry, outs = targets[0]
             return self._engine.push(

@@ -20,11 +20,10 @@ from akv import limits
 from akv import optimizer as _optimizer
 from akv.args import Key, as_input_array, as_output_array, group, normalize_key, pairs
 from akv.backend import Backend, KeyArrays, Updater
-from akv.dist.config import Config, from_env
+from akv.dist.config import Config, from_env, int_setting
 from akv.errors import (
     AKVError,
     ClosedError,
-    ConfigError,
     InvalidArgumentError,
     ReentrantCallError,
     RoleError,
@@ -44,15 +43,7 @@ STORE_TYPES = ("local", "dist_sync", "dist_async")
 def _env_int(name: str, default: int, minimum: int) -> int:
     """``name`` from the environment (read at each store's creation), or ``default``."""
     text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"{name}={text!r} is not an integer") from None
-    if value < minimum:
-        raise ConfigError(f"{name}={value} must be at least {minimum}")
-    return value
+    return default if text is None else int_setting(text, name, minimum, "a whole number")
 
 
 _OPTIONS = ("slots", "environ", "inline_max_bytes")

@@ -120,6 +120,19 @@ def test_no_source_or_test_file_is_ignored_by_git():
     assert result.stdout == "", f"ignored by .gitignore: {result.stdout}"
 
 
+def test_every_test_file_is_collected():
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    collected = {line.split("::")[0] for line in result.stdout.splitlines() if "::" in line}
+    on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")}
+    assert on_disk - collected == set(), "test files pytest does not collect"
+
+
 def test_version_option():
     result = subprocess.run(
         [sys.executable, "-m", "akv", "--version"], capture_output=True, text=True, timeout=60

@@ -27,7 +27,7 @@ from akv.limits import (
     ROUND_TIMEOUT_S,
 )
 
-__all__ = ["LOG_LEVELS", "ROLES", "TWIN_VARIABLES", "Config", "Timeouts", "from_env"]
+__all__ = ["LOG_LEVELS", "ROLES", "TWIN_VARIABLES", "Config", "Timeouts", "from_env", "int_setting"]
 
 ROLES = ("worker", "server", "scheduler")
 
@@ -145,7 +145,9 @@ def _require(
     return picked
 
 
-def _int(value: str, name: str, minimum: int, what: str, maximum: int | None = None) -> int:
+def int_setting(value: str, name: str, minimum: int, what: str, maximum: int | None = None) -> int:
+    """``value`` of variable ``name`` as an int in ``[minimum, maximum]``; a
+    :class:`ConfigError` naming the variable and ``what`` to set it to otherwise."""
     try:
         number = int(value)
     except ValueError:
@@ -204,13 +206,13 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         )
     host = _require(env, _HOST, "the scheduler's host name or IP address")[1]
     port_name, port_text = _require(env, _PORT, "the scheduler's TCP port")
-    port = _int(port_text, port_name, 1, "the scheduler's TCP port (1-65535)")
+    port = int_setting(port_text, port_name, 1, "the scheduler's TCP port (1-65535)")
     if port > 65535:
         raise ConfigError(f"{port_name}={port} is not a TCP port: set it to 1-65535")
     workers_name, workers_text = _require(env, _WORKERS, "the number of workers")
-    workers = _int(workers_text, workers_name, 1, "the number of workers")
+    workers = int_setting(workers_text, workers_name, 1, "the number of workers")
     servers_name, servers_text = _require(env, _SERVERS, "the number of servers")
-    servers = _int(servers_text, servers_name, 1, "the number of servers")
+    servers = int_setting(servers_text, servers_name, 1, "the number of servers")
     token = env.get("AKV_TOKEN")
     if not token:
         raise ConfigError(f"AKV_TOKEN is not set: {TOKEN_HINT}")
@@ -223,7 +225,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
     if role != "scheduler":
         source = next((name for name in _RANK_SOURCES if env.get(name) is not None), None)
         if source is not None:
-            rank = _int(env[source], source, 0, f"this {role}'s rank")
+            rank = int_setting(env[source], source, 0, f"this {role}'s rank")
             limit = workers if role == "worker" else servers
             if rank >= limit:
                 raise ConfigError(
@@ -242,12 +244,12 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
             raise ConfigError(f"{bound_name}={bound_text!r} must be at least 1")
     picked_host = _pick(env, _NODE_HOST, "the address this server binds")
     node_host = (picked_host[1] if picked_host else "") or "127.0.0.1"
-    server_port = _int(
+    server_port = int_setting(
         env.get("AKV_PORT", "0"), "AKV_PORT", 0, "a TCP port (1-65535) or 0 for any", 65535
     )
     fd_text = env.get("AKV_SCHEDULER_FD")
-    scheduler_fd = _int(fd_text, "AKV_SCHEDULER_FD", 0, "an inherited socket") if fd_text else None
-    max_body = _int(
+    scheduler_fd = int_setting(fd_text, "AKV_SCHEDULER_FD", 0, "an inherited socket") if fd_text else None
+    max_body = int_setting(
         env.get("AKV_MAX_BODY_BYTES", str(MAX_BODY_BYTES)),
         "AKV_MAX_BODY_BYTES",
         1,

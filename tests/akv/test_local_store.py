@@ -545,3 +545,19 @@ def test_saving_states_needs_an_optimizer_and_loading_checks_the_file(kv, tmp_pa
         kv.load_optimizer_states(tmp_path / "missing.npz")
     with pytest.raises(InvalidArgumentError, match=r"takes an akv\.optimizer\.Optimizer"):
         kv.set_optimizer("sgd")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("AKV_ENGINE_SLOTS", "many"), ("AKV_ENGINE_SLOTS", "0"), ("AKV_INLINE_MAX_BYTES", "-1")],
+)
+async def test_a_bad_store_variable_is_a_config_error_naming_it(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(akv.ConfigError, match=variable):
+        await akv.create_async("local")
+
+
+def test_store_variables_are_read_when_a_store_is_created(monkeypatch):
+    monkeypatch.setenv("AKV_ENGINE_SLOTS", "3")
+    with akv.create("local") as kv:
+        assert kv.engine.statistics().slots == 3

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import numpy as np
 
@@ -468,27 +468,31 @@ class ServerState:
 
     def _push(self, peer: Peer, header: FrameHeader, plan: Plan, now: float) -> list[Instruction]:
         """Count a frame's pushes (all or nothing), then merge and apply them in one task."""
-        entries = [e for e in plan.entries if e is not None]
-        buffers = [b for b in plan.buffers if b is not None]
+        # A plan without an error has an entry and a buffer for every array.
+        entries = cast("list[ServerEntry]", plan.entries)
+        buffers = cast("list[np.ndarray]", plan.buffers)
+        worker = peer.worker
         seen: set[Key] = set()
         for entry in entries:
             if entry.key in seen:
                 raise InvalidArgumentError(
-                    f"push names key {entry.key!r} twice in one request (worker {peer.worker})"
+                    f"push names key {entry.key!r} twice in one request (worker {worker})"
                 )
             seen.add(entry.key)
-            entry.rounds.check_push(peer.worker)
+            entry.rounds.check_push(worker)
         merges = []
         closing: list[tuple[ServerEntry, np.ndarray | None, int]] = []
+        nbytes = 0
+        sync = self.sync
         for entry, buffer in zip(entries, buffers, strict=True):
-            decision = entry.rounds.accept_push(peer.worker, now)
-            if self.sync:
+            decision = entry.rounds.accept_checked_push(worker, now)
+            nbytes += entry.nbytes
+            if sync:
                 merges.append((entry, buffer, decision.first))
                 if decision.closes:
                     closing.append((entry, None, decision.round))
             else:
                 closing.append((entry, buffer, decision.round))
-        nbytes = sum(entry.nbytes for entry in entries)
         out: list[Instruction] = [
             Land(tuple(entries), tuple(merges), tuple(closing), nbytes <= INLINE_MAX_BYTES)
         ]
@@ -499,12 +503,13 @@ class ServerState:
         return out
 
     def _pull(self, peer: Peer, seq: int, entries: list[ServerEntry]) -> list[Instruction]:
-        after = [entry.rounds.last_push_round(peer.worker) for entry in entries]
+        worker = peer.worker
+        after = [entry.rounds.last_push_round(worker) for entry in entries]
         for entry, after_round in zip(entries, after, strict=True):
             entry.rounds.check_pull(after_round)  # refuse before parking anywhere
         ticket = PullTicket(peer, seq, entries)
         for entry, after_round in zip(entries, after, strict=True):
-            if not entry.rounds.pull(after_round, ticket):
+            if not entry.rounds.pull_checked(after_round, ticket):
                 ticket.remaining += 1
         if ticket.remaining:
             return []

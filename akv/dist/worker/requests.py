@@ -10,7 +10,7 @@ server; every store call uses it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, TypeVar
 
 from akv.dist.protocol import OK, error_from_status, op_label
@@ -102,7 +102,7 @@ class RequestTable:
         """Drop request ``seq`` (it could not be sent)."""
         return self._pending.pop(seq, None)
 
-    def destinations(self, header: FrameHeader) -> list[memoryview | None]:
+    def destinations(self, header: FrameHeader) -> Sequence[memoryview | None]:
         """Where the arrays of the reply that ``header`` starts land: the request's
         destinations when the reply is a success of the expected sizes, else nowhere."""
         request = self._pending.get(header.seq)
@@ -113,7 +113,7 @@ class RequestTable:
             size != info.nbytes for size, info in zip(request.sizes, header.arrays, strict=True)
         ):
             return nowhere
-        return list(request.destinations)
+        return request.destinations
 
     def reply(self, message: Message) -> list[Outcome]:
         """A reply arrived: the outcome of its request (none for an unknown ``seq``).

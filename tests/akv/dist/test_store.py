@@ -22,7 +22,7 @@ from akv import (
 )
 from akv.dist.protocol import Op
 from akv.dist.worker.link import ServerLink
-from tests.akv.dist.cluster import Cluster
+from tests.akv.dist.cluster import Cluster, free_port, job_env
 
 pytestmark = pytest.mark.timeout(60)
 SHAPE = (2, 3)
@@ -413,3 +413,12 @@ def test_the_blocking_face_sends_contiguous_arrays_and_stages_the_rest(monkeypat
         np.testing.assert_array_equal(kv.pull("w"), 2 * np.arange(12).reshape(3, 4))
         assert len(sent) == 3
         kv.close()
+
+
+@pytest.mark.parametrize("role", ["server", "scheduler"])
+async def test_create_async_in_a_server_or_scheduler_role_says_what_to_run(role):
+    env = job_env(1, 1, free_port(), AKV_ROLE=role)
+    command = f"akv-{role}"
+    with pytest.raises(akv.RoleError, match=f"run `{command}`") as caught:
+        await akv.create_async("dist_sync", environ=env)
+    assert isinstance(caught.value, akv.ConfigError)  # and nothing ran: no sys.exit
