@@ -104,7 +104,10 @@ class Cluster:
                 await self.scheduler.stop()
             for task in self._tasks:
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            outcomes = await asyncio.gather(*self._tasks, return_exceptions=True)
+            for outcome in outcomes:  # a server or scheduler that crashed fails the test
+                if isinstance(outcome, Exception):
+                    raise outcome
 
         try:
             self.thread.run(stop(), timeout=30)
