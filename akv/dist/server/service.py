@@ -36,7 +36,7 @@ from akv.dist.server.state import (
     Land,
     LoadStates,
     Peer,
-    Plan,
+    Landing,
     PullTicket,
     Reply,
     ReplyError,
@@ -221,11 +221,11 @@ class ParameterServer:
         link = _OneShotLink()
         self.links[peer.id] = link
         try:
-            plan = self.state.header_arrived(peer, header)
-            for buffer, target in zip(buffers, plan.buffers, strict=True):
+            landing = self.state.header_arrived(peer, header)
+            for buffer, target in zip(buffers, landing.buffers, strict=True):
                 if target is not None:
                     target.data.cast("B")[:] = buffer
-            self.message(peer, Message(header, tuple(buffers)), plan)
+            self.message(peer, Message(header, tuple(buffers)), landing)
             reply = await asyncio.wait_for(link.reply, self.config.timeouts.request_s)
         except asyncio.TimeoutError:
             raise RequestError(504, "no answer in time") from None
@@ -233,11 +233,11 @@ class ParameterServer:
             del self.links[peer.id]
         return web.Response(body=reply, content_type="application/octet-stream")
 
-    def message(self, peer: Peer, message: Message, plan: Plan) -> None:
+    def message(self, peer: Peer, message: Message, landing: Landing) -> None:
         """A whole frame arrived from ``peer``: let the state decide, then do it."""
         header = message.header
         now = asyncio.get_running_loop().time()
-        self.execute(self.state.message_completed(peer, header, message.buffers, plan, now))
+        self.execute(self.state.message_completed(peer, header, message.buffers, landing, now))
 
     def lost(self, peer: Peer, exc: BaseException | None) -> None:
         """``peer``'s stream ended."""
@@ -414,7 +414,7 @@ class _StreamLink:
     def __init__(self, server: ParameterServer, peer: Peer) -> None:
         self.server = server
         self.peer = peer
-        self._plans: dict[int, Plan] = {}
+        self._landings: dict[int, Landing] = {}
         self.protocol = StreamProtocol(
             self._destinations, self._on_message, self._on_lost, max_payload_bytes=MAX_PAYLOAD_BYTES
         )
@@ -430,12 +430,12 @@ class _StreamLink:
         self.protocol.when_drained(callback)
 
     def _destinations(self, header: FrameHeader) -> list[memoryview | None]:
-        plan = self.server.state.header_arrived(self.peer, header)
-        self._plans[header.seq] = plan
-        return [None if b is None else b.data.cast("B") for b in plan.buffers]
+        landing = self.server.state.header_arrived(self.peer, header)
+        self._landings[header.seq] = landing
+        return [None if b is None else b.data.cast("B") for b in landing.buffers]
 
     def _on_message(self, message: Message) -> None:
-        self.server.message(self.peer, message, self._plans.pop(message.header.seq))
+        self.server.message(self.peer, message, self._landings.pop(message.header.seq))
 
     def _on_lost(self, exc: BaseException | None) -> None:
         self.server.lost(self.peer, exc)

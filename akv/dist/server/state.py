@@ -9,7 +9,7 @@ events (methods)                          instructions (returned)
 :meth:`~ServerState.admit`: a worker      :class:`Reply`: answer a request "done"
 opens a stream or sends one frame         :class:`ReplyError`: answer it with an error
 :meth:`~ServerState.header_arrived`:      :class:`Land`: merge pushes into their rounds
-where a frame's payloads go (a Plan)      and apply the rounds they close (array work)
+where a frame's payloads land             and apply the rounds they close (array work)
 :meth:`~ServerState.message_completed`    :class:`SendValues`: answer a pull with values
 :meth:`~ServerState.rounds_applied`,      :class:`InstallOptimizer`, :class:`SaveStates`,
 :meth:`~ServerState.update_failed`        :class:`LoadStates`: optimizer work on the keys
@@ -63,7 +63,7 @@ __all__ = [
     "Land",
     "LoadStates",
     "Peer",
-    "Plan",
+    "Landing",
     "PullTicket",
     "Reply",
     "ReplyError",
@@ -119,7 +119,7 @@ class InitWait:
 
 
 @dataclass
-class Plan:
+class Landing:
     """What to do with a frame's arrays, decided when its header arrived: the key each
     payload belongs to and the buffer it is received into (None: not received), or the
     error that refuses the whole frame."""
@@ -352,72 +352,72 @@ class ServerState:
 
     # ------------------------------------------------------------ events: frames
 
-    def header_arrived(self, peer: Peer, header: FrameHeader) -> Plan:
+    def header_arrived(self, peer: Peer, header: FrameHeader) -> Landing:
         """Where each payload of the frame that ``header`` starts is received.
 
         Push payloads land in buffers of their keys (never the stored values); init
-        payloads in fresh arrays. A frame with any bad key, shape or dtype gets a plan
+        payloads in fresh arrays. A frame with any bad key, shape or dtype gets a landing
         with ``error`` set, and :meth:`message_completed` refuses it whole.
         """
-        plan = Plan()
+        landing = Landing()
         if header.op == Op.INIT:
             for info in header.arrays:
                 if info.key in self.entries:
-                    plan.error = plan.error or DuplicateInitError(
+                    landing.error = landing.error or DuplicateInitError(
                         f"init key {info.key!r}: {self.name} already holds it", key=info.key
                     )
-                plan.entries.append(None)
-                plan.buffers.append(np.empty(info.shape, info.dtype))
-            return plan
+                landing.entries.append(None)
+                landing.buffers.append(np.empty(info.shape, info.dtype))
+            return landing
         if header.op in (Op.PUSH, Op.PUSHPULL):
             for info in header.arrays:
                 entry = self.entries.get(info.key) if info.key is not None else None
                 buffer = None
                 if entry is None:
-                    plan.error = plan.error or KeyNotInitializedError(
+                    landing.error = landing.error or KeyNotInitializedError(
                         f"push to key {info.key!r}: the key was never initialized", key=info.key
                     )
                 elif info.shape != entry.shape:
-                    plan.error = plan.error or ShapeMismatchError(
+                    landing.error = landing.error or ShapeMismatchError(
                         f"push to key {info.key!r}: shape {info.shape} does not match the "
                         f"stored shape {entry.shape} on {self.name}",
                         key=info.key,
                     )
                 elif info.dtype != entry.dtype:
-                    plan.error = plan.error or DTypeMismatchError(
+                    landing.error = landing.error or DTypeMismatchError(
                         f"push to key {info.key!r}: dtype {info.dtype} does not match the "
                         f"stored dtype {entry.dtype} on {self.name}",
                         key=info.key,
                     )
                 else:
                     buffer = entry.take_buffer()
-                plan.entries.append(entry)
-                plan.buffers.append(buffer)
-            return plan
-        plan.entries = [None] * len(header.arrays)
-        plan.buffers = [None] * len(header.arrays)
-        return plan
+                landing.entries.append(entry)
+                landing.buffers.append(buffer)
+            return landing
+        landing.entries = [None] * len(header.arrays)
+        landing.buffers = [None] * len(header.arrays)
+        return landing
 
     def message_completed(
         self,
         peer: Peer,
         header: FrameHeader,
         buffers: Sequence[memoryview | bytes],
-        plan: Plan,
+        landing: Landing,
         now: float,
     ) -> list[Instruction]:
-        """A whole request arrived (its payloads in the buffers that ``plan``, made by
+        """A whole request arrived (its payloads in the buffers that ``landing``, made by
         :meth:`header_arrived` for this frame, chose); decide what it does.
 
         A refused request changes nothing and is answered with its error; one that failed
         unexpectedly is answered with a :class:`~akv.errors.ServerError`.
         """
         try:
-            if plan.error is not None:
-                raise plan.error
-            return self._dispatch(peer, header, buffers, plan, now)
+            if landing.error is not None:
+                raise landing.error
+            return self._dispatch(peer, header, buffers, landing, now)
         except Exception as exc:
-            for entry, buffer in zip(plan.entries, plan.buffers, strict=True):
+            for entry, buffer in zip(landing.entries, landing.buffers, strict=True):
                 if entry is not None and buffer is not None:
                     entry.give_buffer(buffer)
             if isinstance(exc, AKVError):
@@ -433,16 +433,16 @@ class ServerState:
         peer: Peer,
         header: FrameHeader,
         buffers: Sequence[memoryview | bytes],
-        plan: Plan,
+        landing: Landing,
         now: float,
     ) -> list[Instruction]:
         op, seq = header.op, header.seq
         if op in (Op.PUSH, Op.PUSHPULL):
-            return self._push(peer, header, plan, now)
+            return self._push(peer, header, landing, now)
         if op == Op.PULL:
             return self._pull(peer, seq, [self._entry(i.key, "pull from") for i in header.arrays])
         if op == Op.INIT:
-            return self._init(peer, header, plan)
+            return self._init(peer, header, landing)
         if op == Op.INIT_CHECK:
             return self._init_check(peer, seq, decode_meta(header.text), now)
         if op == Op.SET_OPTIMIZER:
@@ -466,11 +466,11 @@ class ServerState:
             )
         return entry
 
-    def _push(self, peer: Peer, header: FrameHeader, plan: Plan, now: float) -> list[Instruction]:
+    def _push(self, peer: Peer, header: FrameHeader, landing: Landing, now: float) -> list[Instruction]:
         """Count a frame's pushes (all or nothing), then merge and apply them in one task."""
-        # A plan without an error has an entry and a buffer for every array.
-        entries = cast("list[ServerEntry]", plan.entries)
-        buffers = cast("list[np.ndarray]", plan.buffers)
+        # A landing without an error has an entry and a buffer for every array.
+        entries = cast("list[ServerEntry]", landing.entries)
+        buffers = cast("list[np.ndarray]", landing.buffers)
         worker = peer.worker
         seen: set[Key] = set()
         for entry in entries:
@@ -519,14 +519,14 @@ class ServerState:
         ticket.answered = True
         return SendValues(ticket, sum(e.nbytes for e in ticket.entries) <= SMALL_REPLY_BYTES)
 
-    def _init(self, peer: Peer, header: FrameHeader, plan: Plan) -> list[Instruction]:
+    def _init(self, peer: Peer, header: FrameHeader, landing: Landing) -> list[Instruction]:
         keys = [info.key for info in header.arrays]
         if any(key is None for key in keys) or len(set(keys)) != len(keys):
             raise InvalidArgumentError(
                 f"init from worker {peer.worker} names a key twice or carries no key"
             )
-        for info, buffer in zip(header.arrays, plan.buffers, strict=True):
-            assert info.key is not None and buffer is not None  # checked above; planned
+        for info, buffer in zip(header.arrays, landing.buffers, strict=True):
+            assert info.key is not None and buffer is not None  # checked above; chosen
             self.entries[info.key] = ServerEntry(
                 info.key, buffer, self._new_var(f"key {info.key!r}"), self.sync, self.num_workers
             )

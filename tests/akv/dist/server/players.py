@@ -71,11 +71,11 @@ class Players:
         data = frame_bytes(op, seq, wire, text=text)
         header, buffers = decode_frame(data)
         peer = self.peers[worker]
-        plan = self.state.header_arrived(peer, header)
-        for buffer, target in zip(buffers, plan.buffers, strict=True):
+        landing = self.state.header_arrived(peer, header)
+        for buffer, target in zip(buffers, landing.buffers, strict=True):
             if target is not None:
                 memoryview(target).cast("B")[:] = buffer
-        self.run(self.state.message_completed(peer, header, buffers, plan, self.now))
+        self.run(self.state.message_completed(peer, header, buffers, landing, self.now))
         return seq
 
     def init(self, worker: int, values: dict[Any, np.ndarray]) -> int:
