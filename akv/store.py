@@ -101,10 +101,13 @@ def _dist_config(store_type: str, environ: object, blocking: bool) -> Config | N
             f"{config.role} (DMLC_ROLE/AKV_ROLE): run `{command}` for that role, or use "
             "the blocking akv.create, which serves the role and exits"
         )
-    from akv.dist.scheduler import main as scheduler_main
-    from akv.dist.server import main as server_main
+    from akv.dist.roles import serve_role
+    from akv.dist.scheduler.service import run_scheduler
+    from akv.dist.server.service import run_server
 
-    sys.exit((server_main if config.role == "server" else scheduler_main)([]))
+    sys.exit(
+        serve_role(config.role, config, run_server if config.role == "server" else run_scheduler)
+    )
 
 
 async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:

@@ -35,6 +35,7 @@ __all__ = [
     "role_parser",
     "run_role",
     "scheduler_client",
+    "serve_role",
     "server_ssl",
     "setup_logging",
 ]
@@ -357,7 +358,16 @@ def run_role(
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
-    setup_logging(prog, config.log_level)
+    return serve_role(role, config, serve)
+
+
+def serve_role(
+    role: str, config: _config.Config, serve: Callable[[_config.Config], Awaitable[int]]
+) -> int:
+    """Run ``serve(config)`` on a new event loop with ``role``'s logging set up; return its
+    exit status. (:func:`run_role` after the flags; also what ``akv.create`` runs in a
+    process whose role is server or scheduler.)"""
+    setup_logging(f"akv-{role}", config.log_level)
     loop = new_event_loop()
     try:
         return loop.run_until_complete(serve(config))

@@ -8,6 +8,10 @@ test is a whole job on 127.0.0.1 without process start-up costs.
 from __future__ import annotations
 
 import asyncio
+import time
+import sys
+import subprocess
+import os
 
 import numpy as np
 import pytest
@@ -422,3 +426,28 @@ async def test_create_async_in_a_server_or_scheduler_role_says_what_to_run(role)
     with pytest.raises(akv.RoleError, match=f"run `{command}`") as caught:
         await akv.create_async("dist_sync", environ=env)
     assert isinstance(caught.value, akv.ConfigError)  # and nothing ran: no sys.exit
+
+
+def test_create_in_a_scheduler_role_serves_with_the_environ_it_was_given():
+    env = job_env(1, 1, free_port(), AKV_ROLE="scheduler")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("AKV_", "DMLC_"))}
+    script = f"import akv; akv.create('dist_sync', environ={env!r})"
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean,  # the configuration is only in the mapping
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = process.stderr.readline()
+            lines.append(line)
+            if "listening" in line or not line:
+                break
+        assert any("akv-scheduler listening" in line for line in lines), lines
+        assert process.poll() is None  # serving, as the role says
+    finally:
+        process.kill()
+        process.wait(timeout=10)
