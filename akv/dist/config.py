@@ -29,6 +29,9 @@ from akv.limits import (
 
 __all__ = ["LOG_LEVELS", "ROLES", "TWIN_VARIABLES", "Config", "Timeouts", "from_env", "int_setting"]
 
+#: The address a server binds and advertises unless AKV_HOST/DMLC_NODE_HOST says otherwise.
+DEFAULT_NODE_HOST = "127.0.0.1"
+
 ROLES = ("worker", "server", "scheduler")
 
 # Each setting's akv name and its MXNet twin (None: akv's alone). The one table of them:
@@ -90,7 +93,7 @@ class Config:
     num_servers: int
     token: str = field(repr=False)
     rank: int | None = None
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_NODE_HOST
     port: int = 0
     scheduler_fd: int | None = None
     bigarray_bound: int = BIGARRAY_BOUND
@@ -243,7 +246,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         if bound < 1:
             raise ConfigError(f"{bound_name}={bound_text!r} must be at least 1")
     picked_host = _pick(env, _NODE_HOST, "the address this server binds")
-    node_host = (picked_host[1] if picked_host else "") or "127.0.0.1"
+    node_host = (picked_host[1] if picked_host else "") or DEFAULT_NODE_HOST
     server_port = int_setting(
         env.get("AKV_PORT", "0"), "AKV_PORT", 0, "a TCP port (1-65535) or 0 for any", 65535
     )

@@ -20,10 +20,11 @@ HTTP API (JSON; every request needs the job's token):
 ``GET /v1/status``    the roster, for people and monitoring
 ====================  ==========================================================
 
-A malformed body gets 400. A request the roster refuses gets 409 ``{error}``: one that does
-not fit the job (:class:`~akv.errors.MembershipError`: an unknown node, a role or rank that
-does not fit, a rank taken, a barrier out of order), and, once the job failed, every
-registration and barrier (the error carries the reason).
+A malformed body gets 400. A request that does not fit the job gets 422 ``{error}``
+(:class:`~akv.errors.MembershipError`: an unknown node, a role or rank that does not fit, a
+rank taken, a barrier out of order); once the job failed, every registration and barrier
+gets 409 ``{error}`` with the reason (``akv.dist.protocol.JOB_FAILED_STATUS`` and
+``REFUSED_STATUS``; a worker raises ``PeerLostError`` and ``MembershipError`` for them).
 """
 
 from __future__ import annotations
