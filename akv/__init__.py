@@ -42,7 +42,15 @@ from akv.errors import (
     UnknownStoreTypeError,
     WaitTimeoutError,
 )
-from akv.store import STORE_TYPES, AsyncKVStore, KVStore, create, create_async
+from akv.store import (
+    STORE_TYPES,
+    AsyncKVStore,
+    KVStore,
+    StoreType,
+    create,
+    create_async,
+    store_type,
+)
 
 __version__ = "0.1.0"
 
@@ -75,10 +83,12 @@ __all__ = [
     "ShapeMismatchError",
     "StateFileError",
     "StateFormatError",
+    "StoreType",
     "UnknownStoreTypeError",
     "WaitTimeoutError",
     "__version__",
     "create",
     "create_async",
     "optimizer",
+    "store_type",
 ]

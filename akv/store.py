@@ -11,6 +11,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,76 @@ from akv.keys import KeyTable
 from akv.local import GUARD, LocalBackend
 from engine import Engine, LoopThread, Waitable
 
-__all__ = ["STORE_TYPES", "AsyncKVStore", "KVStore", "create", "create_async"]
+__all__ = [
+    "STORE_TYPES",
+    "AsyncKVStore",
+    "KVStore",
+    "StoreType",
+    "create",
+    "create_async",
+    "store_type",
+]
 
-#: Store types ``create`` accepts.
-STORE_TYPES = ("local", "dist_sync", "dist_async")
+# Every name MXNet 1.9.1 documents or its tests use, with what it means here: where values
+# are aggregated ("local", or a distributed mode) and whether aggregation is asked of the
+# devices. MXNet decides by substring ("dist", "_async", "device"); akv lists the names, so
+# that a typo is an error instead of a silent local store.
+_MEANINGS: dict[str, tuple[str, bool]] = {
+    "local": ("local", False),
+    "local_allreduce_cpu": ("local", False),
+    "local_update_cpu": ("local", False),
+    "local_allreduce_device": ("local", True),
+    "device": ("local", True),
+    "nccl": ("local", True),
+    "dist_sync": ("dist_sync", False),
+    "dist_async": ("dist_async", False),
+    "dist_sync_device": ("dist_sync", True),
+    "dist_async_device": ("dist_async", True),
+    "dist_device_sync": ("dist_sync", True),
+    "dist_device_async": ("dist_async", True),
+}
+#: Store types ``create`` accepts (case-insensitive).
+STORE_TYPES = tuple(_MEANINGS)
+
+
+@dataclass(frozen=True)
+class StoreType:
+    """What a store type name means.
+
+    ``name``: as the user gave it (``kv.type`` reports it). ``mode``: ``"local"``,
+    ``"dist_sync"`` or ``"dist_async"``. ``device``: aggregation on the devices was asked
+    for (``device``, ``nccl``, ``*_device``); with host values it changes nothing, as in
+    MXNet with CPU contexts.
+    """
+
+    name: str
+    mode: str
+    device: bool
+
+    @property
+    def distributed(self) -> bool:
+        """Whether workers talk to parameter servers."""
+        return self.mode != "local"
+
+
+def store_type(name: object) -> StoreType:
+    """The meaning of a store type name (see ``STORE_TYPES``).
+
+    Raises
+    ------
+    InvalidArgumentError
+        ``name`` is not a str.
+    UnknownStoreTypeError
+        Any other name (MXNet silently makes a local store).
+    """
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"store type must be a str, got {type(name).__name__}")
+    meaning = _MEANINGS.get(name.lower())
+    if meaning is None:
+        raise UnknownStoreTypeError(
+            f"unknown store type {name!r}; akv knows: {', '.join(STORE_TYPES)}"
+        )
+    return StoreType(name, *meaning)
 
 
 def _env_int(name: str, default: int, minimum: int) -> int:
@@ -49,24 +116,13 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 _OPTIONS = ("slots", "environ", "inline_max_bytes")
 
 
-def _check_type(name: object) -> str:
-    if not isinstance(name, str):
-        raise InvalidArgumentError(f"store type must be a str, got {type(name).__name__}")
-    lowered = name.lower()
-    if lowered not in STORE_TYPES:
-        raise UnknownStoreTypeError(
-            f"unknown store type {name!r}; akv knows: {', '.join(STORE_TYPES)}"
-        )
-    return lowered
-
-
-def _check_options(store_type: str, options: dict[str, Any]) -> int:
+def _check_options(kind: StoreType, options: dict[str, Any]) -> int:
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise InvalidArgumentError(
             f"unknown store option(s) {unknown}; known: {', '.join(_OPTIONS)}"
         )
-    if store_type == "local":
+    if not kind.distributed:
         default = _env_int("AKV_ENGINE_SLOTS", limits.ENGINE_SLOTS, 1)
     else:
         default = _env_int("AKV_DIST_SLOTS", limits.DIST_ENGINE_SLOTS, 1)
@@ -79,7 +135,7 @@ def _check_options(store_type: str, options: dict[str, Any]) -> int:
     return slots
 
 
-def _dist_config(store_type: str, environ: object, blocking: bool) -> Config | None:
+def _dist_config(kind: StoreType, environ: object, blocking: bool) -> Config | None:
     """The job's configuration for a distributed type.
 
     As with MXNet's launch scripts, the same command may start every role: in a process
@@ -87,7 +143,7 @@ def _dist_config(store_type: str, environ: object, blocking: bool) -> Config | N
     exits the process; :func:`create_async` raises :class:`~akv.errors.RoleError` (it
     runs inside the caller's event loop, which it must not end).
     """
-    if store_type == "local":
+    if not kind.distributed:
         return None
     if environ is not None and not isinstance(environ, Mapping):
         raise InvalidArgumentError(f"environ must be a mapping, got {type(environ).__name__}")
@@ -97,7 +153,7 @@ def _dist_config(store_type: str, environ: object, blocking: bool) -> Config | N
     command = "akv-server" if config.role == "server" else "akv-scheduler"
     if not blocking:
         raise RoleError(
-            f"create_async({store_type!r}) was called in a process whose role is "
+            f"create_async({kind.name!r}) was called in a process whose role is "
             f"{config.role} (DMLC_ROLE/AKV_ROLE): run `{command}` for that role, or use "
             "the blocking akv.create, which serves the role and exits"
         )
@@ -116,10 +172,15 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
     Parameters
     ----------
     name:
-        The store type (see ``STORE_TYPES``); case-insensitive. Unknown names raise
+        The store type (see ``STORE_TYPES`` and :func:`store_type`); case-insensitive, and
+        reported by ``type`` as given. Unknown names raise
         :class:`~akv.errors.UnknownStoreTypeError` (MXNet silently makes a local store).
-        ``dist_sync`` and ``dist_async`` join the job the environment describes (see
-        ``docs/distributed.md``) and return once every worker and server is reachable.
+        ``local`` and its MXNet variants (``local_allreduce_cpu``, ``local_update_cpu``, and
+        ``device``, ``local_allreduce_device``, ``nccl``, which hold host values like
+        MXNet's device store with CPU contexts) keep values in this process. The ``dist_*``
+        names join the job the environment describes (see ``docs/distributed.md``) and
+        return once every worker and server is reachable; their ``_device`` variants mean
+        the same with host values.
     slots:
         How many engine tasks may run at once (default ``AKV_ENGINE_SLOTS`` for a local
         store, ``AKV_DIST_SLOTS`` requests in flight for a distributed one).
@@ -131,13 +192,13 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
         engine's worker threads (default ``AKV_INLINE_MAX_BYTES``, 16 MiB). The blocking
         store runs all array work on the calling thread unless this is given.
     """
-    store_type = _check_type(name)
-    slots = _check_options(store_type, options)
+    kind = store_type(name)
+    slots = _check_options(kind, options)
     inline = options.get("inline_max_bytes")
     if inline is None:
         inline = _env_int("AKV_INLINE_MAX_BYTES", limits.INLINE_MAX_BYTES, 0)
-    config = _dist_config(store_type, options.get("environ"), blocking=False)
-    return await AsyncKVStore._open(store_type, slots, inline, config)
+    config = _dist_config(kind, options.get("environ"), blocking=False)
+    return await AsyncKVStore._open(kind, slots, inline, config)
 
 
 def create(name: str = "local", **options: Any) -> KVStore:
@@ -146,16 +207,14 @@ def create(name: str = "local", **options: Any) -> KVStore:
     Takes the same arguments as :func:`create_async`; usable from any thread, also one
     that runs an event loop of its own (Jupyter).
     """
-    store_type = _check_type(name)
-    slots = _check_options(store_type, options)
-    config = _dist_config(store_type, options.get("environ"), blocking=True)
+    kind = store_type(name)
+    slots = _check_options(kind, options)
+    config = _dist_config(kind, options.get("environ"), blocking=True)
     loop_thread = LoopThread(name="akv-store-loop")
     try:
         # The blocking face runs array work inline on the calling thread: it waits anyway.
         inline = options.get("inline_max_bytes")
-        inner = loop_thread.run(
-            AsyncKVStore._open(store_type, slots, inline, config, caller_waits=True)
-        )
+        inner = loop_thread.run(AsyncKVStore._open(kind, slots, inline, config, caller_waits=True))
     except BaseException:
         loop_thread.close()
         raise
@@ -187,16 +246,16 @@ class AsyncKVStore:
     @classmethod
     async def _open(
         cls,
-        store_type: str,
+        kind: StoreType,
         slots: int,
         inline_max_bytes: int | None,
         config: Config | None,
         caller_waits: bool = False,
     ) -> AsyncKVStore:
         self = object.__new__(cls)
-        self._engine = Engine(slots=slots, name=f"akv-{store_type}")
+        self._engine = Engine(slots=slots, name=f"akv-{kind.name}")
         self._keys = KeyTable()
-        self._type = store_type
+        self._type = kind.name
         # The blocking face waits for every call, so a push may read the caller's arrays
         # while it runs instead of copying them first (the async face must copy at once).
         self._caller_waits = caller_waits
@@ -208,7 +267,7 @@ class AsyncKVStore:
         else:
             from akv.dist.worker.backend import DistBackend
 
-            self._backend = DistBackend(self._engine, store_type, config)
+            self._backend = DistBackend(self._engine, kind.mode, config)
             try:
                 await self._backend.connect()
             except BaseException:
@@ -221,7 +280,7 @@ class AsyncKVStore:
 
     @property
     def type(self) -> str:
-        """The store type it was created with (lower-cased)."""
+        """The store type name as it was given to ``create`` (MXNet reports it so too)."""
         return self._type
 
     @property
@@ -485,7 +544,7 @@ class KVStore:
 
     @property
     def type(self) -> str:
-        """The store type it was created with (lower-cased)."""
+        """The store type name as it was given to ``create`` (MXNet reports it so too)."""
         return self._inner.type
 
     @property

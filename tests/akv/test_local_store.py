@@ -136,7 +136,7 @@ def test_store_properties(kv):
 
 def test_type_names_are_case_insensitive():
     with akv.create("LOCAL") as store:
-        assert store.type == "local"
+        assert store.type == "LOCAL"  # reported as given, as MXNet does
 
 
 def test_dtypes_are_kept(kv):
@@ -561,3 +561,56 @@ def test_store_variables_are_read_when_a_store_is_created(monkeypatch):
     monkeypatch.setenv("AKV_ENGINE_SLOTS", "3")
     with akv.create("local") as kv:
         assert kv.engine.statistics().slots == 3
+
+
+# ---------------------------------------------------------------- MXNet's store type names
+
+LOCAL_NAMES = [
+    "local",
+    "local_allreduce_cpu",
+    "local_update_cpu",
+    "local_allreduce_device",
+    "device",
+    "nccl",
+]
+
+
+@pytest.mark.parametrize("name", LOCAL_NAMES)
+def test_every_mxnet_local_or_device_name_makes_a_store_with_host_values(name):
+    with akv.create(name) as kv:
+        assert kv.type == name  # MXNet: create('local_allreduce_cpu').type == that name
+        kv.init(0, np.zeros(3, np.float32))
+        kv.push(0, [np.ones(3, np.float32), np.full(3, 2.0, np.float32)])
+        np.testing.assert_array_equal(kv.pull(0), np.full(3, 3.0, np.float32))
+
+
+def test_the_type_is_reported_as_given_and_matched_without_case():
+    with akv.create("Local_AllReduce_CPU") as kv:
+        assert kv.type == "Local_AllReduce_CPU" and kv.rank == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "mode", "device"),
+    [
+        ("local", "local", False),
+        ("local_update_cpu", "local", False),
+        ("device", "local", True),
+        ("nccl", "local", True),
+        ("dist_sync", "dist_sync", False),
+        ("dist_async", "dist_async", False),
+        ("dist_sync_device", "dist_sync", True),
+        ("dist_device_sync", "dist_sync", True),
+        ("dist_async_device", "dist_async", True),
+        ("DIST_DEVICE_ASYNC", "dist_async", True),
+    ],
+)
+def test_a_store_type_name_means_what_mxnet_means(name, mode, device):
+    meaning = akv.store_type(name)
+    assert (meaning.name, meaning.mode, meaning.device) == (name, mode, device)
+    assert meaning.distributed == (mode != "local")
+
+
+@pytest.mark.parametrize("name", ["dist", "local_sync", "dist_sync_gpu", "kvstore", ""])
+def test_names_mxnet_would_silently_accept_are_refused(name):
+    with pytest.raises(UnknownStoreTypeError, match="akv knows: local, local_allreduce_cpu"):
+        akv.create(name)

@@ -28,8 +28,11 @@ def results(stdout: str) -> list[dict]:
     )
 
 
-@pytest.mark.parametrize(("workers", "servers"), [(2, 1), (3, 2)])
-def test_dist_sync_semantics_across_processes(workers, servers):
+@pytest.mark.parametrize(
+    ("workers", "servers", "store_type"),
+    [(2, 1, "dist_sync"), (3, 2, "dist_sync"), (2, 2, "dist_sync_device")],
+)
+def test_dist_sync_semantics_across_processes(workers, servers, store_type):
     done = launch(
         [
             "-n",
@@ -39,7 +42,7 @@ def test_dist_sync_semantics_across_processes(workers, servers):
             "--",
             sys.executable,
             str(JOBS / "semantics.py"),
-            "dist_sync",
+            store_type,
         ]
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -47,7 +50,7 @@ def test_dist_sync_semantics_across_processes(workers, servers):
     total = sum(range(1, workers + 1))
     assert [r["rank"] for r in seen] == list(range(workers))
     for r in seen:
-        assert (r["num_workers"], r["type"]) == (workers, "dist_sync")
+        assert (r["num_workers"], r["type"]) == (workers, store_type)
         assert (r["init"], r["sum"], r["second"], r["pushpull"]) == (
             10.0,
             total,
@@ -58,12 +61,14 @@ def test_dist_sync_semantics_across_processes(workers, servers):
         assert r["sgd"] == pytest.approx(0.85)
 
 
-def test_dist_async_semantics_across_processes():
+@pytest.mark.parametrize("store_type", ["dist_async", "dist_device_async"])
+def test_dist_async_semantics_across_processes(store_type):
     done = launch(
-        ["-n", "2", "-s", "2", "--", sys.executable, str(JOBS / "semantics.py"), "dist_async"]
+        ["-n", "2", "-s", "2", "--", sys.executable, str(JOBS / "semantics.py"), store_type]
     )
     assert done.returncode == 0, done.stdout + done.stderr
     for r in results(done.stdout):
+        assert r["type"] == store_type
         assert r["init"] == 10.0
         assert r["sgd"] == pytest.approx(0.8)  # both pushes applied, each on arrival
 

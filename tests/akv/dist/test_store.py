@@ -451,3 +451,21 @@ def test_create_in_a_scheduler_role_serves_with_the_environ_it_was_given():
     finally:
         process.kill()
         process.wait(timeout=10)
+
+
+async def test_the_device_variants_of_dist_sync_keep_dist_sync_meaning_with_host_values():
+    with Cluster(2, 1) as cluster:
+        names = ["dist_sync_device", "dist_device_sync"]
+        stores = await asyncio.gather(
+            *(
+                akv.create_async(name, environ=cluster.worker_env(rank))
+                for rank, name in enumerate(names)
+            )
+        )
+        assert sorted(kv.type for kv in stores) == sorted(names)
+        await asyncio.gather(*(kv.init("w", full(0.0)) for kv in stores))
+        await asyncio.gather(*(kv.push("w", full(kv.rank + 1.0)) for kv in stores))
+        for kv in stores:
+            np.testing.assert_array_equal(await kv.pull("w"), full(3.0))  # summed over both
+        assert cluster.servers[0].state.store_type == "dist_sync"
+        await close_all(stores)

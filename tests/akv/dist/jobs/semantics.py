@@ -9,12 +9,13 @@ import akv
 
 
 def main(store_type: str) -> None:
+    sync = akv.store_type(store_type).mode == "dist_sync"
     with akv.create(store_type) as kv:
         r = kv.rank + 1
         seen = {"rank": kv.rank, "num_workers": kv.num_workers, "type": kv.type}
         kv.init(3, np.full((2, 3), 10.0 * r, np.float32))
         seen["init"] = float(kv.pull(3)[0, 0])
-        if store_type == "dist_sync":
+        if sync:
             kv.push(3, np.full((2, 3), r, np.float32))
             seen["sum"] = float(kv.pull(3)[0, 0])
             kv.push(3, np.full((2, 3), r, np.float32))
@@ -24,7 +25,7 @@ def main(store_type: str) -> None:
         kv.init(20, np.ones(1_200_000, np.float32))  # above the big-array bound: split
         seen["parts"] = len(kv.placement(20)[20])
         kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.1))
-        if store_type == "dist_sync":
+        if sync:
             kv.push(20, np.full(1_200_000, 1.5 / kv.num_workers, np.float32))
             seen["sgd"] = float(kv.pull(20)[-1])
         else:
