@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -17,7 +18,30 @@ from akv.errors import (
 )
 from engine import Var
 
-__all__ = ["MAX_SPARE_BUFFERS", "Entry", "KeyTable", "Part", "merge_into"]
+__all__ = [
+    "MAX_SPARE_BUFFERS",
+    "Described",
+    "Entry",
+    "KeyTable",
+    "Part",
+    "VarFactory",
+    "merge_into",
+]
+
+#: Makes the engine var of a new key, named for it (``Engine.new_var``). Deciders that create
+#: keys are given one, so that they need not know the engine.
+VarFactory = Callable[[str], Var]
+
+
+class Described(Protocol):
+    """What :meth:`Entry.check` reads: an array, or a frame's description of one."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
 
 #: Staging buffers kept per key for reuse (fresh pages cost about twice a warm copy).
 MAX_SPARE_BUFFERS = 2
@@ -88,7 +112,7 @@ class Entry:
         if len(self._spares) < MAX_SPARE_BUFFERS:
             self._spares.append(buffer)
 
-    def check(self, array: np.ndarray, what: str) -> None:
+    def check(self, array: Described, what: str) -> None:
         """Raise unless ``array`` has exactly the key's shape and dtype (no silent cast)."""
         if array.shape != self.shape:
             raise ShapeMismatchError(

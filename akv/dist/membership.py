@@ -148,11 +148,13 @@ class Membership:
                         )
                         return False
                     answer = {}
-                failure = answer.get("failure") if isinstance(answer, dict) else None
+                if not isinstance(answer, dict):
+                    answer = {}
+                failure = answer.get("failure")
                 if failure and failure != reported:
                     reported = str(failure)
                     on_failure(reported)
-                if isinstance(answer, dict) and answer.get("stop"):
+                if answer.get("stop"):
                     return True
                 await asyncio.sleep(timeouts.heartbeat_interval_s)
             return False

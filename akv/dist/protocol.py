@@ -68,16 +68,12 @@ class Op(IntEnum):
     LOAD_STATES = 9
     REPLY = 100
 
-    @property
-    def label(self) -> str:
-        """The op's name as messages print it (``push``, ``init_check``)."""
-        return self.name.lower()
-
 
 def op_label(op: int) -> str:
-    """The name of ``op`` for a message, also for a number no :class:`Op` has."""
+    """The name of ``op`` as messages print it (``push``, ``init_check``), also for a number
+    no :class:`Op` has (``op 77``)."""
     try:
-        return Op(op).label
+        return Op(op).name.lower()
     except ValueError:
         return f"op {op}"
 

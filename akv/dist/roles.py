@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import ssl
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -48,7 +49,7 @@ def client_ssl(config: _config.Config) -> ssl.SSLContext | None:
     """TLS for connecting to the job's servers and scheduler, or None without TLS."""
     if not config.tls:
         return None
-    if config.tls_ca is None:
+    if config.tls_ca is None:  # a Config made without from_env
         raise ConfigError(
             "AKV_TLS_CERT is set but AKV_TLS_CA is not: set AKV_TLS_CA to the CA bundle "
             "that signed the job's certificates"
@@ -265,15 +266,8 @@ def flag_hint(message: str, flags: Sequence[Flag]) -> str | None:
 def _find_variable(message: str, name: str) -> int:
     """Where ``name`` occurs in ``message`` as a whole word (AKV_HOST is not in
     AKV_SCHEDULER_HOST), or -1."""
-    start = 0
-    while (at := message.find(name, start)) >= 0:
-        before = message[at - 1] if at else " "
-        end = at + len(name)
-        after = message[end] if end < len(message) else " "
-        if not (before.isalnum() or before == "_") and not (after.isalnum() or after == "_"):
-            return at
-        start = at + 1
-    return -1
+    found = re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", message)
+    return -1 if found is None else found.start()
 
 
 # ---------------------------------------------------------------------- logging

@@ -111,10 +111,6 @@ class KeyRounds(Generic[T]):
             As :meth:`check_push` (nothing changes then).
         """
         self.check_push(worker)
-        return self.accept_checked_push(worker, now)
-
-    def accept_checked_push(self, worker: int, now: float) -> PushDecision:
-        """:meth:`accept_push` for a push that :meth:`check_push` accepted just before."""
         if not self.sync:
             self.closed_round += 1
             self._last[worker] = self.closed_round
@@ -159,10 +155,6 @@ class KeyRounds(Generic[T]):
             As :meth:`check_pull`.
         """
         self.check_pull(after_round)
-        return self.pull_checked(after_round, ticket)
-
-    def pull_checked(self, after_round: int, ticket: T) -> bool:
-        """:meth:`pull` for an ``after_round`` that :meth:`check_pull` accepted."""
         if not self.sync or after_round <= self.applied_round:
             return True
         self._waiting.append((after_round, ticket))

@@ -50,9 +50,8 @@ from akv.errors import (
     ShapeMismatchError,
     WaitTimeoutError,
 )
-from akv.keys import Entry
+from akv.keys import Entry, VarFactory
 from akv.limits import INLINE_MAX_BYTES, SMALL_REPLY_BYTES
-from engine import Var
 from transport import FrameHeader
 
 __all__ = [
@@ -90,8 +89,10 @@ class ServerEntry(Entry):
 
     __slots__ = ("merged", "rounds")
 
-    def __init__(self, key: Key, value: np.ndarray, var: Var, sync: bool, num_workers: int):
-        super().__init__(key, tuple(value.shape), value.dtype, var)
+    def __init__(
+        self, key: Key, value: np.ndarray, new_var: VarFactory, sync: bool, num_workers: int
+    ) -> None:
+        super().__init__(key, tuple(value.shape), value.dtype, new_var(f"key {key!r}"))
         self.value: np.ndarray = value
         self.merged: np.ndarray | None = None
         self.rounds: KeyRounds[PullTicket] = KeyRounds(key, num_workers, sync)
@@ -248,7 +249,7 @@ class ServerState:
         name: str,
         num_workers: int,
         init_timeout_s: float,
-        new_var: Callable[[str], Var],
+        new_var: VarFactory,
     ) -> None:
         self.name = name
         self.num_workers = num_workers
@@ -373,22 +374,15 @@ class ServerState:
             for info in header.arrays:
                 entry = self.entries.get(info.key) if info.key is not None else None
                 buffer = None
-                if entry is None:
-                    landing.error = landing.error or KeyNotInitializedError(
-                        f"push to key {info.key!r}: the key was never initialized", key=info.key
-                    )
-                elif info.shape != entry.shape:
-                    landing.error = landing.error or ShapeMismatchError(
-                        f"push to key {info.key!r}: shape {info.shape} does not match the "
-                        f"stored shape {entry.shape} on {self.name}",
-                        key=info.key,
-                    )
-                elif info.dtype != entry.dtype:
-                    landing.error = landing.error or DTypeMismatchError(
-                        f"push to key {info.key!r}: dtype {info.dtype} does not match the "
-                        f"stored dtype {entry.dtype} on {self.name}",
-                        key=info.key,
-                    )
+                try:
+                    if entry is None:
+                        raise KeyNotInitializedError(
+                            f"push to key {info.key!r}: the key was never initialized",
+                            key=info.key,
+                        )
+                    entry.check(info, "push to")
+                except AKVError as exc:
+                    landing.error = landing.error or exc
                 else:
                     buffer = entry.take_buffer()
                 landing.entries.append(entry)
@@ -485,7 +479,7 @@ class ServerState:
         nbytes = 0
         sync = self.sync
         for entry, buffer in zip(entries, buffers, strict=True):
-            decision = entry.rounds.accept_checked_push(worker, now)
+            decision = entry.rounds.accept_push(worker, now)
             nbytes += entry.nbytes
             if sync:
                 merges.append((entry, buffer, decision.first))
@@ -509,7 +503,7 @@ class ServerState:
             entry.rounds.check_pull(after_round)  # refuse before parking anywhere
         ticket = PullTicket(peer, seq, entries)
         for entry, after_round in zip(entries, after, strict=True):
-            if not entry.rounds.pull_checked(after_round, ticket):
+            if not entry.rounds.pull(after_round, ticket):
                 ticket.remaining += 1
         if ticket.remaining:
             return []
@@ -528,7 +522,7 @@ class ServerState:
         for info, buffer in zip(header.arrays, landing.buffers, strict=True):
             assert info.key is not None and buffer is not None  # checked above; chosen
             self.entries[info.key] = ServerEntry(
-                info.key, buffer, self._new_var(f"key {info.key!r}"), self.sync, self.num_workers
+                info.key, buffer, self._new_var, self.sync, self.num_workers
             )
         out: list[Instruction] = [Reply(peer, header.seq)]
         out.extend(self._release_init_waits())

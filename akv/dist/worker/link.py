@@ -65,11 +65,12 @@ class ServerLink:
         )
 
     def _on_message(self, message: Message) -> None:
-        outcomes = self._table.reply(message)
-        _deliver(outcomes)
-        for outcome in outcomes:
-            if isinstance(outcome.error, PeerLostError):  # the job failed: nothing will work
-                self._report_lost(outcome.error)
+        outcome = self._table.reply(message)
+        if outcome is None:
+            return
+        outcome.deliver()
+        if isinstance(outcome.error, PeerLostError):  # the job failed: nothing will work
+            self._report_lost(outcome.error)
 
     def _on_lost(self, exc: BaseException | None) -> None:
         detail = f": {exc!r}" if exc else ""

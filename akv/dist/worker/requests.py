@@ -115,8 +115,8 @@ class RequestTable:
             return nowhere
         return request.destinations
 
-    def reply(self, message: Message) -> list[Outcome]:
-        """A reply arrived: the outcome of its request (none for an unknown ``seq``).
+    def reply(self, message: Message) -> Outcome | None:
+        """A reply arrived: the outcome of its request (None for an unknown ``seq``).
 
         A non-zero status becomes the error class the server raised; a success with arrays
         of other sizes than the request expects is a :class:`~akv.errors.ServerError`.
@@ -124,17 +124,17 @@ class RequestTable:
         header = message.header
         request = self._pending.pop(header.seq, None)
         if request is None:
-            return []
+            return None
         if header.aux != OK:
-            return [Outcome(request, None, error_from_status(header.aux, header.text, self.server))]
+            return Outcome(request, None, error_from_status(header.aux, header.text, self.server))
         got = [info.nbytes for info in header.arrays]
         if request.sizes and got != request.sizes:
             error = ServerError(
                 f"{self.server} answered with arrays of {got} bytes, expected {request.sizes}",
                 server=self.server,
             )
-            return [Outcome(request, None, error)]
-        return [Outcome(request, message, None)]
+            return Outcome(request, None, error)
+        return Outcome(request, message, None)
 
     def sweep(self, now: float) -> list[Outcome]:
         """Fail the requests whose deadline is before ``now`` (one timer for all)."""
