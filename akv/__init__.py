@@ -24,6 +24,8 @@ from akv.errors import (
     DoublePushError,
     DTypeMismatchError,
     DuplicateInitError,
+    GPUUnavailableError,
+    ImmutableOutputError,
     InvalidArgumentError,
     KeyNotInitializedError,
     LaunchError,
@@ -40,6 +42,7 @@ from akv.errors import (
     StateFileError,
     StateFormatError,
     UnknownStoreTypeError,
+    UnsupportedDTypeError,
     WaitTimeoutError,
 )
 from akv.store import (
@@ -67,6 +70,8 @@ __all__ = [
     "DTypeMismatchError",
     "DoublePushError",
     "DuplicateInitError",
+    "GPUUnavailableError",
+    "ImmutableOutputError",
     "InvalidArgumentError",
     "KVStore",
     "KeyNotInitializedError",
@@ -85,6 +90,7 @@ __all__ = [
     "StateFormatError",
     "StoreType",
     "UnknownStoreTypeError",
+    "UnsupportedDTypeError",
     "WaitTimeoutError",
     "__version__",
     "create",

@@ -7,19 +7,14 @@ scheduled, so a bad argument raises at the call that caused it and changes nothi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeGuard, cast
+from typing import Any, TypeGuard
 
 import numpy as np
 
 from akv.errors import InvalidArgumentError, MixedKeyKindsError
 
-if TYPE_CHECKING:
-    from typing_extensions import Buffer
-
 __all__ = [
     "Key",
-    "as_input_array",
-    "as_output_array",
     "check_one_kind",
     "group",
     "key_kind",
@@ -70,56 +65,6 @@ def check_one_kind(keys: Sequence[Key], store_kind: type | None) -> type:
             f"{_KIND_NAMES[kind]} key {keys[0]!r} (one kind of key per store)"
         )
     return kind
-
-
-def as_input_array(value: object, key: Key, what: str) -> np.ndarray:
-    """View ``value`` as a NumPy array without copying when possible.
-
-    Accepts NumPy arrays and anything NumPy can view: the array interface, the buffer
-    protocol, DLPack (PyTorch and JAX CPU arrays).
-    """
-    if type(value) is np.ndarray:
-        return value
-    if isinstance(value, np.ndarray):
-        return np.asarray(value)
-    if (
-        isinstance(value, (list, tuple, dict, str, bytes, int, float, complex, bool))
-        or value is None
-    ):
-        raise InvalidArgumentError(
-            f"{what} for key {key!r}: expected an array, got {type(value).__name__}"
-        )
-    try:
-        if hasattr(value, "__array__") or hasattr(value, "__array_interface__"):
-            return np.asarray(value)
-        if hasattr(value, "__dlpack__"):
-            return np.from_dlpack(value)
-        # Only trying tells whether it exports a buffer: memoryview raises TypeError if not.
-        return np.asarray(memoryview(cast("Buffer", value)))
-    except (TypeError, ValueError, BufferError, RuntimeError) as exc:
-        raise InvalidArgumentError(
-            f"{what} for key {key!r}: cannot view {type(value).__name__} as an array: {exc}"
-        ) from exc
-
-
-def as_output_array(out: object, key: Key) -> np.ndarray:
-    """A writable NumPy view of ``out`` that shares its memory (pull writes into it).
-
-    Raises
-    ------
-    InvalidArgumentError
-        When ``out`` is not an array, or is read-only.
-    """
-    if type(out) is np.ndarray:
-        array = out
-    else:
-        array = as_input_array(out, key, "pull output")
-    if not array.flags.writeable:
-        raise InvalidArgumentError(
-            f"pull output for key {key!r} is read-only ({type(out).__name__}); "
-            "pass a writable array"
-        )
-    return array
 
 
 def _is_list(value: object) -> TypeGuard[list[Any] | tuple[Any, ...]]:

@@ -49,6 +49,10 @@ class Backend(Protocol):
     #: The error that broke the store (every later call raises it), or None.
     broken: AKVError | None
 
+    #: Whether values given on a GPU are handed over as they are (the backend moves them
+    #: itself); when False the store copies them to the host first.
+    keeps_gpu_arrays: bool
+
     def new_entry(self, key: Key, array: np.ndarray) -> Entry:
         """A new key's entry (its var, and where its parts live), for a value like ``array``."""
         ...

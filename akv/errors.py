@@ -22,6 +22,8 @@ __all__ = [
     "DTypeMismatchError",
     "DoublePushError",
     "DuplicateInitError",
+    "GPUUnavailableError",
+    "ImmutableOutputError",
     "InvalidArgumentError",
     "KeyNotInitializedError",
     "LaunchError",
@@ -38,6 +40,7 @@ __all__ = [
     "StateFileError",
     "StateFormatError",
     "UnknownStoreTypeError",
+    "UnsupportedDTypeError",
     "WaitTimeoutError",
 ]
 
@@ -92,6 +95,20 @@ class ShapeMismatchError(_Mismatch, ValueError):
 
 class DTypeMismatchError(_Mismatch, TypeError):
     """A value's dtype differs from the key's dtype; akv never casts silently."""
+
+
+class UnsupportedDTypeError(InvalidArgumentError):
+    """A value's dtype cannot be held where it would have to live (bfloat16 without
+    ``ml_dtypes``, bfloat16 on a GPU through CuPy, a dtype the wire cannot carry). The
+    message names the key, the dtype and what to do instead."""
+
+
+class ImmutableOutputError(InvalidArgumentError):
+    """A pull was given an output that cannot be written in place (a JAX array)."""
+
+
+class GPUUnavailableError(AKVError, RuntimeError):
+    """A GPU array was given, or GPU work asked for, where CuPy or a GPU is missing."""
 
 
 class ReentrantCallError(AKVError, RuntimeError):

@@ -10,6 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from akv.args import Key, check_one_kind
+from akv.arrays import NUMPY, Array, Origin, cupy_module
 from akv.errors import (
     DTypeMismatchError,
     DuplicateInitError,
@@ -67,10 +68,24 @@ class Entry:
 
     ``value`` is the backend's array for the key (the stored value in a local store).
     ``parts`` says which server holds which elements (one part, on "server" 0, for a key
-    that lives in this process).
+    that lives in this process). ``device`` is the GPU the key's value and merge buffers
+    live on, or None for host memory. ``origin`` is the library of the key's first value,
+    which new pull outputs are made in.
     """
 
-    __slots__ = ("_spares", "dtype", "key", "nbytes", "parts", "shape", "size", "value", "var")
+    __slots__ = (
+        "_spares",
+        "device",
+        "dtype",
+        "key",
+        "nbytes",
+        "origin",
+        "parts",
+        "shape",
+        "size",
+        "value",
+        "var",
+    )
 
     def __init__(
         self,
@@ -79,6 +94,8 @@ class Entry:
         dtype: np.dtype,
         var: Var,
         parts: tuple[Part, ...] | None = None,
+        device: int | None = None,
+        origin: Origin = NUMPY,
     ) -> None:
         self.key = key
         self.shape = shape
@@ -87,8 +104,10 @@ class Entry:
         self.nbytes = self.size * dtype.itemsize
         self.var = var
         self.parts = parts if parts is not None else (Part(0, 0, self.size),)
-        self.value: np.ndarray | None = None
-        self._spares: list[np.ndarray] = []
+        self.device = device
+        self.origin = origin
+        self.value: Array | None = None
+        self._spares: list[Array] = []
 
     def wire_view(self, array: np.ndarray, part: Part) -> np.ndarray:
         """The piece of ``array`` (C-contiguous, the key's shape) that ``part`` covers."""
@@ -100,14 +119,19 @@ class Entry:
         """The key's shape and its parts as (server, first element, end element)."""
         return self.shape, [(p.server, p.start, p.stop) for p in self.parts]
 
-    def take_buffer(self) -> np.ndarray:
-        """A C-contiguous array of the key's shape and dtype that nobody else uses."""
+    def take_buffer(self) -> Array:
+        """A C-contiguous array of the key's shape and dtype that nobody else uses, on the
+        key's device."""
         try:
             return self._spares.pop()
         except IndexError:
-            return np.empty(self.shape, self.dtype)
+            if self.device is None:
+                return np.empty(self.shape, self.dtype)
+            cupy = cupy_module()
+            with cupy.cuda.Device(self.device):
+                return cupy.empty(self.shape, self.dtype)
 
-    def give_buffer(self, buffer: np.ndarray) -> None:
+    def give_buffer(self, buffer: Array) -> None:
         """Return a buffer taken with :meth:`take_buffer` (or the old stored array)."""
         if len(self._spares) < MAX_SPARE_BUFFERS:
             self._spares.append(buffer)
@@ -202,8 +226,10 @@ class KeyTable:
         return entries
 
 
-def merge_into(buffer: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
-    """Write the sum of ``arrays`` (all of ``buffer``'s shape and dtype) into ``buffer``."""
+def merge_into(buffer: Array, arrays: list[Array]) -> Array:
+    """Write the sum of ``arrays`` (all of ``buffer``'s shape and dtype) into ``buffer``.
+
+    All on the host, or all on ``buffer``'s GPU (NumPy's functions dispatch to CuPy)."""
     if len(arrays) == 1:
         np.copyto(buffer, arrays[0])
         return buffer

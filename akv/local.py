@@ -19,6 +19,7 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
+from akv.arrays import Array, copy_into
 from akv.backend import KeyArrays, Updater
 from akv.errors import AKVError, OptimizerNotSetError, StateFileError
 from akv.keys import Entry, merge_into
@@ -89,11 +90,11 @@ def _land(
             raise
 
 
-def _copy_out(entry: Entry, outs: list[np.ndarray], result: object) -> object:
+def _copy_out(entry: Entry, outs: list[Array], result: object) -> object:
     stored = entry.value
     assert stored is not None  # set by init, which every pull is ordered after
     for out in outs:
-        np.copyto(out, stored)
+        copy_into(out, stored)
     return result
 
 
@@ -120,6 +121,7 @@ class LocalBackend:
     rank = 0
     num_workers = 1
     broken: AKVError | None = None
+    keeps_gpu_arrays = False
 
     def __init__(self, engine: Engine, store: object, inline_max_bytes: int | None) -> None:
         """``store``: the store whose updater calls are guarded against re-entry.

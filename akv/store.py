@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from akv import limits
 from akv import optimizer as _optimizer
-from akv.args import Key, as_input_array, as_output_array, group, normalize_key, pairs
+from akv.args import Key, group, normalize_key, pairs
+from akv.arrays import Array, Origin, finisher, is_gpu, read, to_host, write_view
 from akv.backend import Backend, KeyArrays, Updater
 from akv.dist.config import Config, from_env, int_setting
 from akv.errors import (
@@ -31,9 +30,9 @@ from akv.errors import (
     UnknownStoreTypeError,
     WaitTimeoutError,
 )
-from akv.keys import KeyTable
+from akv.keys import Entry, KeyTable
 from akv.local import GUARD, LocalBackend
-from engine import Engine, LoopThread, Waitable
+from engine import Engine, LoopThread, Waitable, then
 
 __all__ = [
     "STORE_TYPES",
@@ -313,13 +312,22 @@ class AsyncKVStore:
         """
         self._check_usable()
         items = []
+        origins: dict[Key, Origin] = {}
         for k, values in pairs(key, value, "init"):
             if len(values) != 1:
                 raise InvalidArgumentError(
                     f"init key {k!r}: takes one value per key, got {len(values)}"
                 )
-            items.append((k, as_input_array(values[0], k, "init value")))
-        entries = self._keys.add(items, self._backend.new_entry)
+            array, origins[k] = read(values[0], k, "init value")
+            items.append((k, self._placed(array)))
+        backend = self._backend
+
+        def new_entry(k: Key, array: Array) -> Entry:
+            entry = backend.new_entry(k, array)
+            entry.origin = origins[k]
+            return entry
+
+        entries = self._keys.add(items, new_entry)
         arrays = [array for _, array in items]
         return self._backend.init(entries, arrays)
 
@@ -342,8 +350,11 @@ class AsyncKVStore:
     def pull(self, key: Key | list[Key], out: Any = None, priority: int = 0) -> Waitable:
         """Copy each key's value into ``out`` (an array, or a list of arrays that all get it).
 
-        Without ``out``, new arrays are made; the awaitable's result is ``out`` (or those
-        new arrays, shaped as ``key``). A pull sees every push issued before it.
+        Without ``out``, new arrays are made, of the kind each key was initialized with (a
+        torch tensor on the same device for a torch key, a JAX array for a JAX key, else
+        NumPy or CuPy); the awaitable's result is ``out`` (or those new arrays, shaped as
+        ``key``). Outputs are written in place (a torch tensor keeps its storage). A pull
+        sees every push issued before it.
 
         Raises
         ------
@@ -351,8 +362,17 @@ class AsyncKVStore:
         MixedKeyKindsError, InvalidArgumentError
         """
         self._check_usable()
-        targets, result = self._targets(key, out)
-        return self._backend.pull(targets, result, priority)
+        if out is not None:
+            targets = self._targets(key, out)
+            return self._backend.pull(targets, out, priority)
+        keys = key if isinstance(key, (list, tuple)) else [key]
+        one = keys is not key
+        made = [self._new_output(k) for k in keys]
+        result = made[0][0] if one else [obj for obj, _, _ in made]
+        targets = self._targets(key, made[0][1] if one else [view for _, view, _ in made])
+        task = self._backend.pull(targets, result, priority)
+        finish = finisher([origin for _, _, origin in made], one)
+        return task if finish is None else then(task, finish)
 
     def pushpull(
         self, key: Key | list[Key], value: Any, out: Any = None, priority: int = 0
@@ -360,7 +380,8 @@ class AsyncKVStore:
         """Push ``value``, then pull the result into ``out`` (into ``value`` when omitted)."""
         self._check_usable()
         values = self._values(group(key, value, "pushpull"))
-        targets, result = self._targets(key, value if out is None else out)
+        result = value if out is None else out
+        targets = self._targets(key, result)
         return self._backend.pushpull(values, targets, result, priority, self._caller_waits)
 
     def broadcast(self, key: Key | list[Key], value: Any, out: Any = None) -> Waitable:
@@ -498,34 +519,38 @@ class AsyncKVStore:
             entry = table.get(key, "push to")
             arrays = []
             for value in values:
-                array = as_input_array(value, key, "push value")
+                array = read(value, key, "push value")[0]
                 entry.check(array, "push to")
-                arrays.append(array)
+                arrays.append(self._placed(array))
             checked.append((entry, arrays))
         return checked
 
-    def _targets(self, key: Any, out: Any) -> tuple[KeyArrays, Any]:
-        """Check the pull outputs (making new ones when ``out`` is None)."""
+    def _placed(self, array: Array) -> Array:
+        """``array``, copied to the host when it is on a GPU and the backend holds host values."""
+        if is_gpu(array) and not self._backend.keeps_gpu_arrays:
+            return to_host(array)
+        return array
+
+    def _targets(self, key: Any, out: Any) -> KeyArrays:
+        """Check the pull outputs: writable views of them, grouped by key."""
         table = self._keys
-        if out is None:
-            if isinstance(key, (list, tuple)):
-                out = [self._new_output(k) for k in key]
-            else:
-                out = self._new_output(key)
         targets = []
         for k, outs in group(key, out, "pull").items():
             entry = table.get(k, "pull from")
             arrays = []
             for o in outs:
-                array = as_output_array(o, k)
+                array = write_view(o, k)
                 entry.check(array, "pull into")
                 arrays.append(array)
             targets.append((entry, arrays))
-        return targets, out
+        return targets
 
-    def _new_output(self, key: Any) -> np.ndarray:
+    def _new_output(self, key: Any) -> tuple[object, Array, Origin]:
+        """A new output for ``key``, of the kind of its first value: the object, a writable
+        view of it, and the key's origin."""
         entry = self._keys.get(normalize_key(key), "pull from")
-        return np.empty(entry.shape, entry.dtype)
+        obj, view = entry.origin.new(entry.shape, entry.dtype)
+        return obj, view, entry.origin
 
 
 class KVStore:

@@ -3,7 +3,8 @@
 Tasks declare the :class:`Var` s they read and write; the engine runs them in an order
 that respects those declarations (MXNet's versioned-var rules), by priority through a
 bounded number of slots, on the loop (coroutines), on worker threads (plain functions),
-inline, or on an executor registered for other hardware. See :class:`Engine`.
+inline, or on an executor registered for other hardware (:class:`GPUExecutor` runs
+functions on CUDA streams). See :class:`Engine`.
 
 This package never imports ``akv`` or ``transport``.
 """
@@ -16,14 +17,25 @@ from engine._executors import (
     LoopExecutor,
     ThreadExecutor,
 )
+from engine._gpu import (
+    CudaDriver,
+    CupyDriver,
+    GPUContext,
+    GPUExecutor,
+    GPUStatistics,
+    GPUWork,
+    gpu_available,
+)
 from engine._graph import to_dot
 from engine._loop import LoopThread, new_event_loop, uvloop_available
-from engine._task import Failure, Task, Waitable
+from engine._task import Failure, Task, Waitable, then
 from engine._var import Var
 
 __all__ = [
     "DEFAULT_SLOTS",
     "CallbackExecutor",
+    "CudaDriver",
+    "CupyDriver",
     "DoneCallback",
     "Engine",
     "EngineClosedError",
@@ -31,13 +43,19 @@ __all__ = [
     "EngineStatistics",
     "Executor",
     "Failure",
+    "GPUContext",
+    "GPUExecutor",
+    "GPUStatistics",
+    "GPUWork",
     "LoopExecutor",
     "LoopThread",
     "Task",
     "ThreadExecutor",
     "Var",
     "Waitable",
+    "gpu_available",
     "new_event_loop",
+    "then",
     "to_dot",
     "uvloop_available",
 ]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine._var import Var
 
-__all__ = ["Failure", "Task", "Waitable"]
+__all__ = ["Failure", "Task", "Waitable", "then"]
 
 WAITING = 0
 READY = 1
@@ -178,6 +178,39 @@ class Waitable:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.state}>"
+
+
+class _Then(Waitable):
+    """Completes with ``fn(result)`` when its source succeeds, else with its failure."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, source: Waitable, fn: Callable[[Any], Any], name: str) -> None:
+        super().__init__(threading.Lock(), name)
+        self._fn = fn
+        source._add_callback(self._source_done)
+
+    def _source_done(self, source: Waitable) -> None:
+        failure = source._failure
+        result = None
+        if failure is None:
+            try:
+                result = self._fn(source._result)
+            except Exception as exc:
+                failure = Failure(exc, self.name)
+        with self._lock:
+            event, callbacks = self._complete_locked(result, failure)
+        self._notify(self, event, callbacks)
+
+
+def then(source: Waitable, fn: Callable[[Any], Any]) -> Waitable:
+    """A waitable that completes with ``fn(result)`` once ``source`` has completed.
+
+    ``fn`` runs on the thread that completes ``source`` (or here, when it has already
+    completed). When ``source`` fails, the result fails with the *same* failure, so raising
+    it through either one delivers it; when ``fn`` raises, only the result fails.
+    """
+    return _Then(source, fn, f"then({source.name})")
 
 
 class Task(Waitable):

@@ -35,6 +35,7 @@ from transport.errors import (
 )
 from transport.frame import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    DTYPE_CODES,
     ArrayInfo,
     FrameHeader,
     as_array,
@@ -49,6 +50,7 @@ __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "DTYPE_CODES",
     "UPGRADE_PROTOCOL",
     "ArrayInfo",
     "AuthError",

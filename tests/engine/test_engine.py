@@ -503,3 +503,43 @@ def test_tasks_can_be_pushed_from_many_threads_at_once(eng):
     eng.wait_all().result(WAIT_S)
     assert counter[0] == 800
     assert var.version == 800
+
+
+# -- then: a waitable derived from another -------------------------------------------------
+
+
+def test_then_completes_with_the_function_of_the_result(eng):
+    gate = Gate()
+    task = eng.push(gate, executor="thread")
+    derived = engine.then(task, lambda _: "converted")
+    assert not derived.done()
+    gate.opened.set()
+    assert derived.result(WAIT_S) == "converted"
+    finished = eng.push(lambda: 3, executor="inline")
+    assert engine.then(finished, lambda n: n * 2).result(WAIT_S) == 6
+
+
+async def test_then_shares_the_sources_failure_so_it_is_delivered_once(eng):
+    def boom():
+        raise ValueError("boom")
+
+    var = eng.new_var()
+    task = eng.push(boom, writes=[var], executor="inline")
+    derived = engine.then(task, lambda _: pytest.fail("never called on failure"))
+    with pytest.raises(ValueError, match="boom"):
+        await derived
+    assert task.exception() is derived.exception()
+    # Delivered through the derived waitable: the var is usable again.
+    assert eng.push(lambda: "ok", reads=[var], executor="inline").result(WAIT_S) == "ok"
+
+
+def test_then_fails_alone_when_its_function_raises(eng):
+    task = eng.push(lambda: 1, executor="inline")
+
+    def convert(_):
+        raise RuntimeError("cannot convert")
+
+    derived = engine.then(task, convert)
+    with pytest.raises(RuntimeError, match="cannot convert"):
+        derived.result(WAIT_S)
+    assert task.result(WAIT_S) == 1

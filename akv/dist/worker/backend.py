@@ -28,6 +28,7 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
+from akv.arrays import copy_into, is_gpu
 from akv.dist.config import Config
 from akv.dist.membership import Membership, scheduler_refusal
 from akv.dist.placement import place
@@ -45,6 +46,7 @@ from akv.errors import (
     PeerLostError,
     ServerError,
     StateFileError,
+    UnsupportedDTypeError,
 )
 from akv.keys import Entry, Part, merge_into
 from akv.limits import (
@@ -55,7 +57,7 @@ from akv.limits import (
     SWEEP_INTERVAL_S,
 )
 from engine import Engine, LoopThread, Task
-from transport import AuthError, Message, RemoteError, TransportError
+from transport import DTYPE_CODES, AuthError, Message, RemoteError, TransportError
 
 __all__ = ["DistBackend"]
 
@@ -80,6 +82,7 @@ class DistBackend:
         self.membership = Membership(config, "worker", uuid.uuid4().hex)
         self.links: list[ServerLink] = []
         self.broken: AKVError | None = None
+        self.keeps_gpu_arrays = False
         self._heartbeat: _Heartbeat | None = None
         self._barriers = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -170,6 +173,12 @@ class DistBackend:
         if isinstance(key, int) and not INT64_MIN <= key <= INT64_MAX:
             raise InvalidArgumentError(
                 f"init key {key}: int keys of a distributed store must fit in 64 bits"
+            )
+        if array.dtype not in DTYPE_CODES:
+            known = ", ".join(str(dtype) for dtype in DTYPE_CODES)
+            raise UnsupportedDTypeError(
+                f"init key {key!r}: dtype {array.dtype} cannot travel to the servers (the "
+                f"wire carries {known}); convert the value first (bfloat16: to float32)"
             )
         parts = place(key, int(array.size), len(self.links), self.config.bigarray_bound)
         var = self._engine.new_var(f"key {key!r}")
@@ -335,7 +344,8 @@ class DistBackend:
         landing: list[tuple[np.ndarray, list[np.ndarray], Entry]] = []
         for entry, outs in targets:
             first = outs[0]
-            receive = first if first.flags.c_contiguous else entry.take_buffer()
+            host = type(first) is np.ndarray or not is_gpu(first)
+            receive = first if host and first.flags.c_contiguous else entry.take_buffer()
             landing.append((receive, outs, entry))
 
         def piece(entry: Entry, part: Part, receive: np.ndarray) -> tuple[WireArray, memoryview]:
@@ -353,7 +363,7 @@ class DistBackend:
             for receive, outs, entry in landing:
                 for out in outs:
                     if out is not receive:
-                        np.copyto(out, receive)
+                        copy_into(out, receive)
                 if receive is not outs[0]:
                     entry.give_buffer(receive)
             return result
