@@ -49,6 +49,7 @@ __all__ = [
     "cupy_module",
     "device_of",
     "finisher",
+    "is_cupy",
     "is_gpu",
     "read",
     "to_host",
@@ -102,6 +103,11 @@ def bfloat16(key: object, what: str) -> np.dtype:
             "pip install 'akv[interop]' (or ml_dtypes), or convert it to float32 first"
         ) from exc
     return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_cupy(value: object) -> bool:
+    """Whether ``value`` is a CuPy array (without importing CuPy)."""
+    return _framework(value, "cupy", "ndarray")
 
 
 def is_gpu(array: Array) -> bool:

@@ -22,7 +22,6 @@ from akv.optimizer._base import (
     register,
     rescaled_clipped,
     run_chunked,
-    scratch,
     zeros_like,
 )
 
@@ -469,7 +468,6 @@ class FTRL(Optimizer):
         wd: float,
     ) -> None:
         rescale, clip, lamda1, beta = self.rescale_grad, self.clip_gradient, self.lamda1, self.beta
-        (masks,) = scratch(np.dtype(bool), 1)
 
         def kernel(
             w: np.ndarray, g: np.ndarray, z: np.ndarray, n: np.ndarray, buffers: list[np.ndarray]
@@ -495,8 +493,8 @@ class FTRL(Optimizer):
             np.subtract(other, z, out=other)
             np.divide(other, work, out=other)
             np.abs(z, out=work)
-            mask = np.greater(work, lamda1, out=masks[: w.size])
-            np.multiply(other, mask, out=w)
+            np.greater(work, lamda1, out=work)  # the mask, as 0.0 and 1.0
+            np.multiply(other, work, out=w)
 
         z, n = self._state_arrays(index, state, 2)
         run_chunked(kernel, weight, grad, (z, n), num_scratch=4)
@@ -595,7 +593,7 @@ class LAMB(Optimizer):
             var_correction = float(kind(1.0) - kind(beta2) ** kind(t))
         else:
             mean_correction = var_correction = 1.0
-        ratio = np.empty(weight.shape, weight.dtype)
+        ratio = zeros_like(weight)
         sums = [0.0, 0.0]  # squared norms of the weight and of the ratio
 
         def phase1(

@@ -8,10 +8,11 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal, TypeAlias, overload
+from typing import Any, ClassVar, Literal, TypeAlias, TypeGuard, cast, overload
 
 import numpy as np
 
+from akv.arrays import cupy_module, is_cupy
 from akv.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
@@ -24,7 +25,8 @@ Index = int | str
 """A weight's index: the store's key, an ``int`` or a ``str`` as the caller gave it."""
 
 State: TypeAlias = np.ndarray | tuple["State", ...] | list["State"] | None
-"""An optimizer state: ``None``, an array, or a tuple or list of states."""
+"""An optimizer state: ``None``, an array, or a tuple or list of states. For a weight on a
+GPU the arrays are CuPy arrays on the weight's device."""
 
 CHUNK_ELEMENTS = 1 << 17
 """Elements per pass of the element-wise kernels (512 KiB of float32). An update makes
@@ -562,7 +564,7 @@ class Optimizer:
         InvalidArgumentError
             ``state`` is not an array.
         """
-        if isinstance(state, np.ndarray):
+        if is_array(state):
             return state
         raise InvalidArgumentError(
             f"{self._name}: index {index!r}: the state must be an array (as create_state "
@@ -578,7 +580,7 @@ class Optimizer:
             ``state`` is anything else.
         """
         if isinstance(state, (tuple, list)) and len(state) == count:
-            arrays = tuple(member for member in state if isinstance(member, np.ndarray))
+            arrays = tuple(member for member in state if is_array(member))
             if len(arrays) == count:
                 return arrays
         raise InvalidArgumentError(
@@ -602,7 +604,7 @@ class Optimizer:
                 f"master copy and the state, got {type(state).__name__}"
             )
         master, inner = state if self._MASTER_COPY_FIRST else (state[1], state[0])
-        if not isinstance(master, np.ndarray):
+        if not is_array(master):
             raise InvalidArgumentError(
                 f"{self._name}: index {index!r}: the master copy of a multi-precision state "
                 f"must be a numpy.ndarray, got {type(master).__name__}"
@@ -611,20 +613,36 @@ class Optimizer:
         np.copyto(weight, master, casting="same_kind")
 
 
+def is_array(value: object) -> TypeGuard[np.ndarray]:
+    """Whether ``value`` is a NumPy array, or a CuPy array (typed as NumPy's: CuPy has no
+    stubs, and the optimizers use only what both have)."""
+    return isinstance(value, np.ndarray) or is_cupy(value)
+
+
 def check_update_arrays(index: Index, weight: object, grad: object) -> np.ndarray:
-    """Check a weight and its gradient; return the gradient as an array."""
-    if not isinstance(weight, np.ndarray):
+    """Check a weight and its gradient; return the gradient as an array.
+
+    The weight is a NumPy array, or a CuPy array whose gradient is on the same GPU.
+    """
+    if not is_array(weight):
         raise InvalidArgumentError(
-            f"update of index {index!r}: the weight must be a numpy.ndarray, "
-            f"got {type(weight).__name__}"
+            f"update of index {index!r}: the weight must be a numpy.ndarray (or a "
+            f"cupy.ndarray), got {type(weight).__name__}"
         )
     if weight.dtype.kind != "f":
         raise InvalidArgumentError(
             f"update of index {index!r}: the weight must be floating-point, got {weight.dtype}"
         )
-    if not weight.flags.writeable:
-        raise InvalidArgumentError(f"update of index {index!r}: the weight is read-only")
-    grad = np.asarray(grad)
+    if isinstance(weight, np.ndarray):
+        if not weight.flags.writeable:
+            raise InvalidArgumentError(f"update of index {index!r}: the weight is read-only")
+        grad = np.asarray(grad)
+    elif not is_cupy(grad) or cast(Any, grad).device != cast(Any, weight).device:
+        raise InvalidArgumentError(
+            f"update of index {index!r}: the weight is on GPU {cast(Any, weight).device.id}, "
+            f"and its gradient must be a cupy.ndarray there too, got {type(grad).__name__}"
+        )
+    assert is_array(grad)
     if grad.shape != weight.shape:
         raise ShapeMismatchError(
             f"update of index {index!r}: gradient shape {grad.shape} does not match the "
@@ -690,8 +708,12 @@ def product(dtype: np.dtype, *factors: float) -> float:
 
 
 def zeros_like(weight: np.ndarray) -> np.ndarray:
-    """A new C-contiguous zero array with the weight's shape and dtype."""
-    return np.zeros(weight.shape, weight.dtype)
+    """A new C-contiguous zero array with the weight's shape and dtype, where it lives."""
+    if isinstance(weight, np.ndarray):
+        return np.zeros(weight.shape, weight.dtype)
+    gpu = cast(Any, weight)
+    with gpu.device:
+        return cast(np.ndarray, cupy_module().zeros(gpu.shape, gpu.dtype))
 
 
 Kernel = Callable[..., None]
@@ -709,7 +731,14 @@ def run_chunked(
     The kernel updates ``w`` and the state chunks in place and may use the scratch
     ``buffers`` (of the weight's dtype, as long as the chunk) freely. Arrays that are not
     C-contiguous are processed through contiguous copies that are written back.
+
+    On a GPU (CuPy arrays) there is one chunk, the whole arrays: the kernel's NumPy calls
+    dispatch to CuPy (NumPy's ``__array_ufunc__`` and ``__array_function__`` protocols), so
+    the same kernel, written once, runs there, with scratch buffers from CuPy's pool.
     """
+    if not isinstance(weight, np.ndarray):
+        _run_whole(kernel, weight, grad, states, num_scratch)
+        return
     for_write = [weight, *states]
     flats = []
     write_back = []
@@ -732,6 +761,23 @@ def run_chunked(
         )
     for array, flat in write_back:
         np.copyto(array, flat.reshape(array.shape))
+
+
+def _run_whole(
+    kernel: Kernel,
+    weight: np.ndarray,
+    grad: np.ndarray,
+    states: Sequence[np.ndarray],
+    num_scratch: int,
+) -> None:
+    cupy = cupy_module()
+    with cast(Any, weight).device:
+        flats = [cupy.ascontiguousarray(array).reshape(-1) for array in (weight, *states)]
+        buffers = [cupy.empty(weight.size, weight.dtype) for _ in range(num_scratch)]
+        kernel(flats[0], cupy.ascontiguousarray(grad).reshape(-1), *flats[1:], buffers)
+        for array, flat in zip((weight, *states), flats, strict=True):
+            if not array.flags.c_contiguous:
+                cupy.copyto(array, flat.reshape(array.shape))
 
 
 def chunk_slices(size: int) -> Iterator[slice]:

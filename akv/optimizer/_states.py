@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from akv.arrays import is_cupy, to_host
 from akv.errors import InvalidArgumentError, MixedKeyKindsError, StateFormatError
 from akv.optimizer._base import Index, State
 
@@ -214,6 +215,8 @@ def _normalise_key(key: object) -> Index:
 def _encode_tree(key: Index, state: object, members: dict[str, np.ndarray], path: str) -> Any:
     if state is None:
         return None
+    if is_cupy(state):
+        state = to_host(state)  # saved from the GPU, loaded onto the weight's device
     if isinstance(state, np.ndarray):
         if state.dtype.kind not in _ARRAY_KINDS or state.dtype.fields is not None:
             raise InvalidArgumentError(

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from akv.arrays import copy_into, is_cupy
 from akv.errors import InvalidArgumentError, OptimizerError, StateFormatError
-from akv.optimizer._base import Index, Optimizer, State, check_update_arrays, from_config
+from akv.optimizer._base import (
+    Index,
+    Optimizer,
+    State,
+    check_update_arrays,
+    from_config,
+    is_array,
+    zeros_like,
+)
 from akv.optimizer._states import decode_states, encode_states
 
 __all__ = ["Updater", "get_updater"]
@@ -62,6 +71,7 @@ class Updater:
         elif index in self._unchecked:
             expected = self.optimizer.create_state_multi_precision(index, weight)
             _check_state_fits(index, self.states[index], expected, "state")
+            self.states[index] = _placed_like(self.states[index], expected)
             self._unchecked.discard(index)
         self.optimizer.update_multi_precision(index, weight, grad, self.states[index])
 
@@ -124,8 +134,8 @@ def _check_state_fits(index: Index, state: State, expected: State, path: str) ->
         if expected is not state:
             raise mismatch(f"expected {_describe(expected)}, got {_describe(state)}")
         return
-    if isinstance(expected, np.ndarray):
-        if not isinstance(state, np.ndarray):
+    if is_array(expected):
+        if not is_array(state):
             raise mismatch(f"expected an array, got {_describe(state)}")
         if state.shape != expected.shape or state.dtype != expected.dtype:
             raise mismatch(
@@ -139,10 +149,25 @@ def _check_state_fits(index: Index, state: State, expected: State, path: str) ->
         _check_state_fits(index, member, expected_member, f"{path}[{i}]")
 
 
+def _placed_like(state: State, expected: State) -> State:
+    """``state`` (loaded into host memory) moved to where ``expected``'s arrays live."""
+    if state is None or expected is None:
+        return state
+    if isinstance(state, (tuple, list)):
+        assert isinstance(expected, (tuple, list))
+        placed = [_placed_like(s, e) for s, e in zip(state, expected, strict=True)]
+        return tuple(placed) if isinstance(state, tuple) else placed
+    if isinstance(state, np.ndarray) and is_array(expected) and is_cupy(expected):
+        target = zeros_like(expected)
+        copy_into(target, state)
+        return target
+    return state
+
+
 def _describe(state: State) -> str:
     if state is None:
         return "no state"
-    if isinstance(state, np.ndarray):
+    if is_array(state):
         return f"an array of shape {state.shape}"
     if isinstance(state, (tuple, list)):
         return f"a {type(state).__name__} of {len(state)}"
