@@ -1,0 +1,399 @@
+"""Data-parallel PyTorch training through an akv store: :class:`DistributedOptimizer`.
+
+>>> import akv, akv.torch, torch
+>>> model = torch.nn.Linear(3, 1)
+>>> with akv.create("local") as kv:
+...     opt = akv.torch.DistributedOptimizer(
+...         model.named_parameters(), kv, akv.optimizer.SGD(learning_rate=0.1)
+...     )
+...     model(torch.ones(2, 3)).sum().backward()  # each gradient is pushed when it is ready
+...     opt.step()  # the updated weights are pulled into the parameters, in place
+...     opt.zero_grad()
+
+The optimizer is akv's (MXNet's), and it runs where the weights live: in the store for a
+``local`` store, on the parameter servers for a ``dist_*`` store. Each worker keeps a copy
+of the parameters, pushes its gradients and pulls the updated weights; the store sums the
+gradients of every worker before the update (MXNet's meaning). See ``docs/torch.md``.
+
+This module imports torch; ``import akv`` never imports it (use ``import akv.torch``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from akv import optimizer as _optimizer
+from akv.args import Key
+from akv.errors import DoublePushError, InvalidArgumentError
+from akv.store import AsyncKVStore, KVStore
+from engine import Waitable
+
+__all__ = ["DistributedOptimizer"]
+
+Params = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+
+
+def _describe(value: object) -> str:
+    kind = type(value)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _collect(params: object) -> list[tuple[Key, torch.Tensor]]:
+    """``(key, tensor)`` for every parameter given, in order (frozen ones included).
+
+    Names are the keys of named parameters; otherwise a parameter's key is its position.
+    """
+    if isinstance(params, torch.Tensor):
+        raise InvalidArgumentError(
+            "DistributedOptimizer: params must be an iterable of parameters "
+            "(model.parameters()) or of (name, parameter) pairs (model.named_parameters()), "
+            "got a single tensor; wrap it in a list"
+        )
+    if isinstance(params, Mapping):
+        params = list(params.items())
+    if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
+        raise InvalidArgumentError(
+            "DistributedOptimizer: params must be an iterable of parameters or of "
+            f"(name, parameter) pairs, got {_describe(params)}"
+        )
+    items: list[tuple[Key, torch.Tensor]] = []
+    named: bool | None = None
+    for position, item in enumerate(params):
+        if isinstance(item, dict):
+            raise InvalidArgumentError(
+                f"DistributedOptimizer: params item {position} is a dict: parameter groups "
+                "(torch.optim's per-group options) are not supported; set per-parameter "
+                "learning rates with optimizer.set_lr_mult / set_wd_mult"
+            )
+        if isinstance(item, tuple) and len(item) == 2:
+            name, tensor = item
+            if not isinstance(name, str):
+                raise InvalidArgumentError(
+                    f"DistributedOptimizer: params item {position}: a parameter's name must "
+                    f"be a str, got {_describe(name)}"
+                )
+            key: Key = name
+            label = f"parameter {name!r}"
+            is_named = True
+        else:
+            tensor, key, label, is_named = item, position, f"parameter {position}", False
+        if named is not None and named != is_named:
+            raise InvalidArgumentError(
+                f"DistributedOptimizer: params item {position} ({label}) mixes named and "
+                "unnamed parameters; pass model.named_parameters() or model.parameters()"
+            )
+        named = is_named
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgumentError(
+                f"DistributedOptimizer: {label} must be a torch.Tensor (a Parameter), got "
+                f"{_describe(tensor)}"
+            )
+        items.append((key, tensor))
+    return items
+
+
+def _trainable(items: list[tuple[Key, torch.Tensor]]) -> list[tuple[Key, torch.Tensor]]:
+    """The parameters that require grad; refuses duplicates, non-leaves and sparse layouts."""
+    seen_keys: set[Key] = set()
+    seen_tensors: dict[int, Key] = {}
+    kept = []
+    for key, tensor in items:
+        if key in seen_keys:
+            raise InvalidArgumentError(f"DistributedOptimizer: parameter {key!r} is given twice")
+        seen_keys.add(key)
+        if not tensor.requires_grad:
+            continue
+        if id(tensor) in seen_tensors:
+            raise InvalidArgumentError(
+                f"DistributedOptimizer: parameter {key!r} is the same tensor as parameter "
+                f"{seen_tensors[id(tensor)]!r}; give each parameter once"
+            )
+        seen_tensors[id(tensor)] = key
+        if not tensor.is_leaf:
+            raise InvalidArgumentError(
+                f"DistributedOptimizer: parameter {key!r} is not a leaf tensor (it was "
+                "computed from other tensors); only leaves accumulate gradients"
+            )
+        if tensor.layout != torch.strided:
+            raise InvalidArgumentError(
+                f"DistributedOptimizer: parameter {key!r} has layout {tensor.layout}; only "
+                "dense (strided) parameters are supported"
+            )
+        kept.append((key, tensor))
+    return kept
+
+
+class DistributedOptimizer:
+    """Train torch parameters with an akv store: gradients pushed, weights pulled.
+
+    Parameters
+    ----------
+    params:
+        ``model.named_parameters()`` (keys are the names), ``model.parameters()`` (keys are
+        the positions 0, 1, ... in the order given), or a mapping from names to parameters.
+        Parameters with ``requires_grad=False`` are skipped (their keys stay unused).
+    kv:
+        A blocking store from :func:`akv.create` (``local``, ``dist_sync``, ``dist_async``
+        or their variants). Its keys must be of the kind the parameters use and must not
+        be initialized yet. The store stays the caller's: close it yourself.
+    optimizer:
+        An :class:`akv.optimizer.Optimizer`, given to ``kv.set_optimizer``: it runs where
+        the weights live (in a local store, on the servers in a distributed one).
+    backward_passes_per_step:
+        How many backward passes accumulate a gradient before it is pushed (default 1).
+
+    Guarantees
+    ----------
+    * On return every worker's parameters hold rank 0's values: every worker initializes
+      the keys with its own values, the store keeps rank 0's, and every worker pulls them
+      into its parameters in place.
+    * A parameter's gradient is pushed (with ``priority=-index``, MXNet's order: earlier
+      layers first) from a hook as soon as backward has accumulated it; the hook does not
+      wait for the push. The gradient's memory is read until :meth:`step` returns, so it
+      must not be changed before then.
+    * :meth:`step` waits for every push of the step, then pulls the updated weights into
+      the parameters of the gradients it pushed, in place: a parameter's storage
+      (``data_ptr()``) never changes. Once it returns, every worker of a ``dist_sync``
+      store holds the same weights.
+    * Gradients of all workers are summed before the optimizer sees them; use
+      ``rescale_grad=1/kv.num_workers`` to average them.
+    * Argument errors raise :class:`~akv.errors.InvalidArgumentError` naming the argument
+      or parameter; a push or pull that failed raises its error from :meth:`step`.
+    """
+
+    def __init__(
+        self,
+        params: Params,
+        kv: KVStore,
+        optimizer: _optimizer.Optimizer,
+        *,
+        backward_passes_per_step: int = 1,
+    ) -> None:
+        if isinstance(kv, AsyncKVStore):
+            raise InvalidArgumentError(
+                "DistributedOptimizer: kv must be a blocking store from akv.create(...), got "
+                "an AsyncKVStore (akv.create_async); the optimizer waits for the store in "
+                "step(), which would block the event loop the AsyncKVStore runs on"
+            )
+        if not isinstance(kv, KVStore):
+            raise InvalidArgumentError(
+                f"DistributedOptimizer: kv must be an akv.KVStore (from akv.create), got "
+                f"{_describe(kv)}"
+            )
+        if not isinstance(optimizer, _optimizer.Optimizer):
+            hint = (
+                " (a torch optimizer cannot run where the weights live: use akv's, e.g. "
+                "akv.optimizer.SGD(learning_rate=..., momentum=..., wd=...))"
+                if isinstance(optimizer, torch.optim.Optimizer)
+                else ""
+            )
+            raise InvalidArgumentError(
+                "DistributedOptimizer: optimizer must be an akv.optimizer.Optimizer, got "
+                f"{_describe(optimizer)}{hint}"
+            )
+        if (
+            not isinstance(backward_passes_per_step, int)
+            or isinstance(backward_passes_per_step, bool)
+            or backward_passes_per_step < 1
+        ):
+            raise InvalidArgumentError(
+                "DistributedOptimizer: backward_passes_per_step must be an int >= 1, got "
+                f"{backward_passes_per_step!r}"
+            )
+        given = _collect(params)
+        if not given:
+            raise InvalidArgumentError("DistributedOptimizer: params is empty")
+        trainable = _trainable(given)
+        if not trainable:
+            raise InvalidArgumentError(
+                f"DistributedOptimizer: none of the {len(given)} parameters in params requires grad"
+            )
+        self._kv = kv
+        self._optimizer = optimizer
+        self._passes = backward_passes_per_step
+        self._keys: list[Key] = [key for key, _ in trainable]
+        self._params: list[torch.Tensor] = [tensor for _, tensor in trainable]
+        # MXNet's trainers: priority -index, so the first layers' work comes back first.
+        self._priorities = [-index for index in range(len(trainable))]
+        self._lock = threading.Lock()
+        self._ready = [0] * len(trainable)  # backward passes seen since the last step
+        self._pushes: dict[int, Waitable] = {}  # slot -> push in flight this step
+
+        kv.init(self._keys, [p.detach() for p in self._params])  # rank 0's values are kept
+        kv.set_optimizer(optimizer)
+        kv.pull(self._keys, out=[p.detach() for p in self._params])
+        _bump_versions(self._params)
+        self._handles = [
+            param.register_post_accumulate_grad_hook(self._hook(slot))
+            for slot, param in enumerate(self._params)
+        ]
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def kv(self) -> KVStore:
+        """The store the gradients are pushed to."""
+        return self._kv
+
+    @property
+    def optimizer(self) -> _optimizer.Optimizer:
+        """The akv optimizer given to the store."""
+        return self._optimizer
+
+    @property
+    def keys(self) -> list[Key]:
+        """The store keys of the trained parameters, in order (index = priority order)."""
+        return list(self._keys)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The trained parameters (those that require grad), in the order of :attr:`keys`."""
+        return list(self._params)
+
+    # ------------------------------------------------------------------ training
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Finish the step: wait for the pushes, pull the new weights into the parameters.
+
+        ``closure`` (optional, as torch's optimizers): called first, with grad enabled, to
+        recompute the loss; its result is returned. A parameter whose gradient was not
+        pushed by its hook but is not None (set by hand, or fewer backward passes than
+        ``backward_passes_per_step``) is pushed here; one whose gradient is None is left
+        alone, as torch's optimizers do. Raises the first error of a push or pull, after
+        waiting for all of them.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pushed = self._finish_pushes()
+        pulls = [
+            (
+                slot,
+                self._kv._inner.pull(
+                    self._keys[slot],
+                    out=self._params[slot].detach(),
+                    priority=self._priorities[slot],
+                ),
+            )
+            for slot in pushed
+        ]
+        self._wait_all(pulls)
+        _bump_versions([self._params[slot] for slot in pushed])
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients as ``torch.optim.Optimizer.zero_grad`` does.
+
+        Waits first for the pushes still reading the gradients. What was pushed stays
+        pushed: :meth:`step` still pulls it (and reports its failure), and a gradient
+        pushed since the last step is not pushed again before the next one.
+        """
+        with self._lock:
+            pending = list(self._pushes.values())
+        for waitable in pending:
+            # Only to let the push finish reading the gradient: step() (or close()) reports
+            # its failure.
+            with contextlib.suppress(Exception):
+                self._kv._wait(waitable)
+        for param in self._params:
+            grad = param.grad
+            if grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+                continue
+            if grad.grad_fn is not None:
+                grad.detach_()
+            else:
+                grad.requires_grad_(False)
+            grad.zero_()
+
+    def close(self) -> None:
+        """Wait for pushes in flight and remove the hooks; the store stays open. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._wait_all(self._take_pushes())
+
+    def __repr__(self) -> str:
+        return (
+            f"<DistributedOptimizer {len(self._keys)} parameters, "
+            f"{type(self._optimizer).__name__} on {self._kv!r}>"
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _hook(self, slot: int) -> Callable[[torch.Tensor], None]:
+        def pushed_when_ready(param: torch.Tensor) -> None:
+            with self._lock:
+                passes = self._ready[slot] + 1
+                if passes > self._passes:
+                    raise DoublePushError(
+                        f"DistributedOptimizer: the gradient of parameter "
+                        f"{self._keys[slot]!r} was ready {passes} times since the last "
+                        f"step() (backward_passes_per_step={self._passes}): call step() "
+                        "between backward passes, or raise backward_passes_per_step"
+                    )
+                self._ready[slot] = passes
+                if passes < self._passes:
+                    return
+                self._push(slot)
+
+        return pushed_when_ready
+
+    def _push(self, slot: int) -> None:
+        """Push the gradient of ``slot`` without waiting (holding the lock)."""
+        grad = self._params[slot].grad
+        assert grad is not None
+        self._pushes[slot] = self._kv._inner.push(
+            self._keys[slot], grad.detach(), priority=self._priorities[slot]
+        )
+
+    def _finish_pushes(self) -> list[int]:
+        """Push what the hooks did not, wait for every push; the slots pushed, in order."""
+        with self._lock:
+            for slot, param in enumerate(self._params):
+                if slot not in self._pushes and param.grad is not None:
+                    self._push(slot)
+        pending = self._take_pushes()
+        self._wait_all(pending)
+        return sorted(slot for slot, _ in pending)
+
+    def _take_pushes(self) -> list[tuple[int, Waitable]]:
+        with self._lock:
+            pending = list(self._pushes.items())
+            self._pushes = {}
+            self._ready = [0] * len(self._params)
+        return pending
+
+    def _wait_all(self, work: list[tuple[int, Waitable]]) -> None:
+        """Wait for every piece of work, then raise the first failure (if any)."""
+        first: BaseException | None = None
+        for _, waitable in work:
+            try:
+                self._kv._wait(waitable)
+            except BaseException as exc:  # raised below, once everything has finished
+                first = exc if first is None else first
+        if first is not None:
+            raise first
+
+
+def _bump_versions(params: list[torch.Tensor]) -> None:
+    """Tell autograd the parameters changed (the store wrote them through NumPy views).
+
+    A graph that saved a parameter before the write then fails at backward, as it would
+    after ``torch.optim``'s in-place update, instead of using the new values silently.
+    """
+    increment: Callable[[torch.Tensor], None] | None = getattr(
+        torch.autograd.graph, "increment_version", None
+    )
+    if increment is None:
+        return
+    for param in params:
+        increment(param)

@@ -1,0 +1,370 @@
+"""akv.torch.DistributedOptimizer: torch's SGD step for step, MXNet's meaning across workers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import akv
+from akv import ClosedError, DoublePushError, DuplicateInitError, InvalidArgumentError
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
+DistributedOptimizer = pytest.importorskip("akv.torch").DistributedOptimizer
+F = torch.nn.functional
+
+FEATURES, HIDDEN, CLASSES, BATCH = 8, 16, 4, 12
+# MXNet's SGD and torch's differ in the order of float32 operations only.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def mlp(seed: int = 0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, CLASSES)
+    )
+
+
+def batches(steps: int, size: int = BATCH, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(size, FEATURES, generator=generator),
+            torch.randint(0, CLASSES, (size,), generator=generator),
+        )
+        for _ in range(steps)
+    ]
+
+
+def train_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def assert_same_weights(model, reference):
+    for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
+        np.testing.assert_allclose(
+            got.detach().numpy(), want.detach().numpy(), rtol=RTOL, atol=ATOL, err_msg=name
+        )
+
+
+@pytest.fixture
+def kv():
+    store = akv.create("local")
+    yield store
+    store.close()
+
+
+# ---------------------------------------------------------------- one worker = torch's SGD
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named_parameters", "parameters"])
+@pytest.mark.parametrize(("momentum", "wd"), [(0.0, 0.0), (0.9, 0.0), (0.0, 1e-2), (0.9, 1e-3)])
+def test_one_worker_steps_as_torch_sgd(kv, named, momentum, wd):
+    model, reference = mlp(), mlp()
+    params = model.named_parameters() if named else model.parameters()
+    opt = DistributedOptimizer(
+        params, kv, akv.optimizer.SGD(learning_rate=0.1, momentum=momentum, wd=wd)
+    )
+    torch_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=momentum, weight_decay=wd)
+    assert opt.keys == (["0.weight", "0.bias", "2.weight", "2.bias"] if named else [0, 1, 2, 3])
+    assert kv.keys() == opt.keys
+    pointers = [p.data_ptr() for p in model.parameters()]
+    losses = []
+    for x, y in batches(6):
+        losses.append(train_step(model, opt, x, y))
+        train_step(reference, torch_opt, x, y)
+        assert_same_weights(model, reference)
+    assert [p.data_ptr() for p in model.parameters()] == pointers  # updated in place
+    assert losses[-1] < losses[0]
+
+
+def test_gradient_accumulation_matches_torch(kv):
+    model, reference = mlp(), mlp()
+    opt = DistributedOptimizer(
+        model.parameters(),
+        kv,
+        akv.optimizer.SGD(learning_rate=0.05, momentum=0.9),
+        backward_passes_per_step=2,
+    )
+    torch_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    data = batches(6)
+    for step in range(3):
+        opt.zero_grad()
+        torch_opt.zero_grad()
+        for x, y in data[2 * step : 2 * step + 2]:
+            F.cross_entropy(model(x), y).backward()
+            F.cross_entropy(reference(x), y).backward()
+        opt.step()
+        torch_opt.step()
+        assert_same_weights(model, reference)
+
+
+def test_frozen_parameters_are_skipped_and_keep_their_positions(kv):
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    opt = DistributedOptimizer(model.parameters(), kv, akv.optimizer.SGD(learning_rate=0.1))
+    assert opt.keys == [1, 2, 3]
+    assert kv.keys() == [1, 2, 3]
+    assert opt.params == [model[0].bias, model[2].weight, model[2].bias]
+    before = model[0].bias.detach().clone()
+    for x, y in batches(2):
+        train_step(model, opt, x, y)
+    assert torch.equal(model[0].weight, frozen)
+    assert not torch.equal(model[0].bias.detach(), before)
+
+
+def test_a_parameter_without_gradient_is_left_alone_as_torch_does(kv):
+    model, unused = mlp(), torch.nn.Parameter(torch.ones(3))
+    named = [*model.named_parameters(), ("unused", unused)]
+    opt = DistributedOptimizer(named, kv, akv.optimizer.SGD(learning_rate=0.1, wd=0.5))
+    for x, y in batches(2):
+        train_step(model, opt, x, y)
+    assert torch.equal(unused.detach(), torch.ones(3))  # with wd, a zero-grad push would decay
+
+
+def test_a_gradient_set_by_hand_is_pushed_by_step(kv):
+    weight = torch.nn.Parameter(torch.ones(4))
+    opt = DistributedOptimizer([weight], kv, akv.optimizer.SGD(learning_rate=0.5))
+    weight.grad = torch.full((4,), 2.0)
+    opt.step()
+    assert torch.equal(weight.detach(), torch.zeros(4))
+
+
+def test_each_gradient_is_pushed_when_ready_with_priority_minus_index(kv):
+    model = mlp()
+    opt = DistributedOptimizer(model.named_parameters(), kv, akv.optimizer.SGD(learning_rate=0.1))
+    inner, pushed, during_backward = kv._inner, [], []
+    original_push = inner.push
+
+    def recording_push(key, value, priority=0):
+        pushed.append((key, priority))
+        during_backward.append(backward_running[0])
+        return original_push(key, value, priority)
+
+    inner.push = recording_push
+    backward_running = [False]
+    x, y = batches(1)[0]
+    loss = F.cross_entropy(model(x), y)
+    backward_running[0] = True
+    loss.backward()
+    backward_running[0] = False
+    assert {key: priority for key, priority in pushed} == {
+        "0.weight": 0,
+        "0.bias": -1,
+        "2.weight": -2,
+        "2.bias": -3,
+    }
+    assert pushed[0][0].startswith("2.")  # the last layer's gradient is ready first
+    assert all(during_backward)
+    opt.step()
+
+
+def test_zero_grad_as_torch(kv):
+    model = mlp()
+    opt = DistributedOptimizer(model.parameters(), kv, akv.optimizer.SGD(learning_rate=0.1))
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    grad = model[0].weight.grad
+    opt.zero_grad(set_to_none=False)
+    assert model[0].weight.grad is grad and not grad.any()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_step_returns_the_closure_loss(kv):
+    model = mlp()
+    opt = DistributedOptimizer(model.parameters(), kv, akv.optimizer.SGD(learning_rate=0.1))
+    x, y = batches(1)[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    first = opt.step(closure)
+    assert opt.step(closure).item() < first.item()
+
+
+def test_a_graph_older_than_the_step_fails_at_backward_as_with_torch(kv):
+    model = mlp()
+    opt = DistributedOptimizer(model.parameters(), kv, akv.optimizer.SGD(learning_rate=0.1))
+    x, y = batches(1)[0]
+    old = F.cross_entropy(model(x), y)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        old.backward()
+
+
+def test_a_second_backward_before_step_is_refused(kv):
+    model = mlp()
+    DistributedOptimizer(model.named_parameters(), kv, akv.optimizer.SGD(learning_rate=0.1))
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(DoublePushError, match=r"parameter '2\.bias' was ready 2 times"):
+        F.cross_entropy(model(x), y).backward()
+
+
+def test_close_removes_the_hooks(kv):
+    model = mlp()
+    opt = DistributedOptimizer(model.parameters(), kv, akv.optimizer.SGD(learning_rate=0.1))
+    opt.close()
+    x, y = batches(1)[0]
+    for _ in range(2):
+        F.cross_entropy(model(x), y).backward()  # no hook: no push, no DoublePushError
+    opt.close()
+
+
+def test_a_closed_store_fails_the_backward_that_pushes():
+    store = akv.create("local")
+    model = mlp()
+    DistributedOptimizer(model.parameters(), store, akv.optimizer.SGD(learning_rate=0.1))
+    store.close()
+    x, y = batches(1)[0]
+    with pytest.raises(ClosedError):
+        F.cross_entropy(model(x), y).backward()
+
+
+def test_keys_already_in_the_store_are_refused(kv):
+    model = mlp()
+    DistributedOptimizer(model.parameters(), kv, akv.optimizer.SGD(learning_rate=0.1))
+    with pytest.raises(DuplicateInitError):
+        DistributedOptimizer(model.parameters(), kv, akv.optimizer.SGD(learning_rate=0.1))
+
+
+# ---------------------------------------------------------------- bad arguments
+
+
+def sgd():
+    return akv.optimizer.SGD(learning_rate=0.1)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda m, kv: (m.parameters(), kv, torch.optim.SGD(m.parameters(), lr=0.1)),
+            r"optimizer must be an akv\.optimizer\.Optimizer, got torch\.optim\.sgd\.SGD "
+            r"\(a torch optimizer",
+        ),
+        (lambda m, kv: (m.parameters(), kv, "sgd"), "optimizer must be .* got builtins.str"),
+        (lambda m, kv: ([], kv, sgd()), "params is empty"),
+        (
+            lambda m, kv: (m.parameters(), None, sgd()),
+            r"kv must be an akv\.KVStore \(from akv\.create\), got builtins\.NoneType",
+        ),
+        (lambda m, kv: (m.parameters(), kv._inner, sgd()), "got an AsyncKVStore"),
+        (lambda m, kv: (m[0].weight, kv, sgd()), "got a single tensor"),
+        (lambda m, kv: (42, kv, sgd()), "params must be an iterable .* got builtins.int"),
+        (
+            lambda m, kv: ([{"params": list(m.parameters())}], kv, sgd()),
+            "parameter groups",
+        ),
+        (
+            lambda m, kv: ([("w", m[0].weight), m[0].bias], kv, sgd()),
+            r"params item 1 \(parameter 1\) mixes named and unnamed",
+        ),
+        (lambda m, kv: ([(3, m[0].weight)], kv, sgd()), "name must be a str, got builtins.int"),
+        (
+            lambda m, kv: ([("w", np.ones(3))], kv, sgd()),
+            r"parameter 'w' must be a torch.Tensor .* got numpy.ndarray",
+        ),
+        (
+            lambda m, kv: ([("a", m[0].weight), ("b", m[0].weight)], kv, sgd()),
+            r"parameter 'b' is the same tensor as parameter 'a'",
+        ),
+        (
+            lambda m, kv: ([("a", m[0].weight), ("a", m[0].bias)], kv, sgd()),
+            r"parameter 'a' is given twice",
+        ),
+        (
+            lambda m, kv: ([("w2", m[0].weight * 2)], kv, sgd()),
+            r"parameter 'w2' is not a leaf tensor",
+        ),
+        (
+            lambda m, kv: ([p.detach() for p in m.parameters()], kv, sgd()),
+            "none of the 4 parameters in params requires grad",
+        ),
+    ],
+)
+def test_bad_arguments_raise_invalid_argument_naming_it(kv, make, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        DistributedOptimizer(*make(mlp(), kv))
+    assert kv.keys() == []  # nothing was initialized
+
+
+@pytest.mark.parametrize("passes", [0, -1, 1.5, True])
+def test_bad_backward_passes_per_step(kv, passes):
+    with pytest.raises(InvalidArgumentError, match="backward_passes_per_step must be an int"):
+        DistributedOptimizer(mlp().parameters(), kv, sgd(), backward_passes_per_step=passes)
+
+
+def test_importing_akv_does_not_import_torch():
+    code = "import sys, akv; assert 'torch' not in sys.modules, 'akv imported torch'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+# ---------------------------------------------------------------- several workers
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("rescale_grad", [1.0, 0.5], ids=["summed", "averaged"])
+def test_two_dist_sync_workers_sum_gradients_and_end_equal(rescale_grad):
+    from tests.akv.dist.cluster import Cluster
+
+    steps, lr, momentum, wd = 4, 0.1, 0.9, 1e-3
+    data = batches(steps, size=2 * BATCH)
+
+    # Each worker starts elsewhere: rank 0's values win. (Built here: torch's generator is
+    # shared by the threads.)
+    models = [mlp(seed=10 + rank) for rank in range(2)]
+
+    def worker(env):
+        with akv.create("dist_sync", environ=env) as store:
+            rank = store.rank
+            model = models[rank]
+            opt = DistributedOptimizer(
+                model.named_parameters(),
+                store,
+                akv.optimizer.SGD(
+                    learning_rate=lr, momentum=momentum, wd=wd, rescale_grad=rescale_grad
+                ),
+            )
+            start = [p.detach().clone() for p in model.parameters()]
+            for x, y in data:
+                mine = slice(rank * BATCH, (rank + 1) * BATCH)
+                train_step(model, opt, x[mine], y[mine])
+            return rank, start, model
+
+    with Cluster(num_workers=2, num_servers=1) as cluster, ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(worker, [cluster.worker_env(r) for r in range(2)]))
+    outcomes.sort(key=lambda outcome: outcome[0])
+    (_, start0, model0), (_, start1, model1) = outcomes
+    for a, b, initial in zip(start0, start1, mlp(seed=10).parameters(), strict=True):
+        assert torch.equal(a, initial) and torch.equal(b, initial)
+    for a, b in zip(model0.parameters(), model1.parameters(), strict=True):
+        assert torch.equal(a, b)  # both pulled the same weights
+
+    # The reference: one torch model, whose gradient is the sum of the workers' gradients
+    # (each the mean over its half batch), times rescale_grad.
+    reference = mlp(seed=10)
+    torch_opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=momentum, weight_decay=wd)
+    for x, y in data:
+        torch_opt.zero_grad()
+        halves = [
+            F.cross_entropy(reference(x[h]), y[h]) for h in (slice(0, BATCH), slice(BATCH, None))
+        ]
+        (rescale_grad * sum(halves)).backward()
+        torch_opt.step()
+    assert_same_weights(model0, reference)
