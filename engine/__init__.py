@@ -28,7 +28,7 @@ from engine._gpu import (
 )
 from engine._graph import to_dot
 from engine._loop import LoopThread, new_event_loop, uvloop_available
-from engine._task import Failure, Task, Waitable, then
+from engine._task import Failure, Task, Waitable, gather, then
 from engine._var import Var
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "ThreadExecutor",
     "Var",
     "Waitable",
+    "gather",
     "gpu_available",
     "new_event_loop",
     "then",

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine._var import Var
 
-__all__ = ["Failure", "Task", "Waitable", "then"]
+__all__ = ["Failure", "Task", "Waitable", "gather", "then"]
 
 WAITING = 0
 READY = 1
@@ -211,6 +211,43 @@ def then(source: Waitable, fn: Callable[[Any], Any]) -> Waitable:
     it through either one delivers it; when ``fn`` raises, only the result fails.
     """
     return _Then(source, fn, f"then({source.name})")
+
+
+class _Gather(Waitable):
+    """Completes once all its sources have: with ``result``, or the first source's failure."""
+
+    __slots__ = ("_left", "_result_value", "_sources")
+
+    def __init__(self, sources: list[Waitable], result: Any, name: str) -> None:
+        super().__init__(threading.Lock(), name)
+        self._sources = sources
+        self._result_value = result
+        self._left = len(sources)
+        for source in sources:
+            source._add_callback(self._one_done)
+
+    def _one_done(self, _: Waitable) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+            failure = next((s._failure for s in self._sources if s._failure is not None), None)
+            event, callbacks = self._complete_locked(
+                None if failure is not None else self._result_value, failure
+            )
+            self._sources = []
+        self._notify(self, event, callbacks)
+
+
+def gather(sources: list[Waitable], result: Any = None) -> Waitable:
+    """A waitable that completes once every one of ``sources`` has completed.
+
+    It completes with ``result``, or, when sources failed, with the failure of the first
+    failed one in the list (the *same* failure: raising it delivers it).
+    """
+    if not sources:
+        raise ValueError("gather() needs at least one waitable")
+    return _Gather(list(sources), result, f"gather({', '.join(s.name for s in sources)})")
 
 
 class Task(Waitable):
