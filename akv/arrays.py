@@ -51,6 +51,7 @@ __all__ = [
     "finisher",
     "is_cupy",
     "is_gpu",
+    "pinned_empty",
     "read",
     "to_host",
     "write_view",
@@ -85,6 +86,14 @@ def _require_cupy(key: object, what: str) -> Any:
             "pip install 'akv[gpu]' (or move it to the CPU first)"
         )
     return cupy
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A NumPy array in page-locked host memory (copies to and from a GPU run at full speed
+    and asynchronously); needs CuPy."""
+    import cupyx
+
+    return cast(np.ndarray, cupyx.empty_pinned(shape, dtype))
 
 
 def bfloat16(key: object, what: str) -> np.dtype:

@@ -19,7 +19,7 @@ from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.errors import AKVError
 from akv.keys import Entry
-from engine import Task
+from engine import Waitable
 
 __all__ = ["Backend", "KeyArrays", "Updater"]
 
@@ -32,11 +32,11 @@ KeyArrays = list[tuple[Entry, list[np.ndarray]]]
 class Backend(Protocol):
     """The work behind one store.
 
-    Every method that returns a :class:`~engine.Task` has scheduled its work on the
-    keys' vars before it returns, so that per key the work keeps call order. Values are
-    checked by the store first: shapes and dtypes match their keys, keys exist.
-    ``borrow`` means the caller waits for the task, so its arrays may be read while the
-    task runs instead of being copied first.
+    Every method that returns a :class:`~engine.Waitable` (an engine task, or several
+    gathered) has scheduled its work on the keys' vars before it returns, so that per key
+    the work keeps call order. Values are checked by the store first: shapes and dtypes
+    match their keys, keys exist. ``borrow`` means the caller waits for the task, so its
+    arrays may be read while the task runs instead of being copied first.
     """
 
     #: This worker's rank and how many workers share the store.
@@ -61,19 +61,19 @@ class Backend(Protocol):
         """Use ``updater`` for later pushes (None: assignment)."""
         ...
 
-    def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Task:
+    def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Waitable:
         """Apply ``optimizer`` to later pushes, where the weights live."""
         ...
 
-    def init(self, entries: list[Entry], arrays: list[np.ndarray]) -> Task:
+    def init(self, entries: list[Entry], arrays: list[np.ndarray]) -> Waitable:
         """Store the first value of each new key."""
         ...
 
-    def push(self, values: KeyArrays, priority: int, borrow: bool) -> Task:
+    def push(self, values: KeyArrays, priority: int, borrow: bool) -> Waitable:
         """Sum each key's values and apply the sum."""
         ...
 
-    def pull(self, targets: KeyArrays, result: object, priority: int) -> Task:
+    def pull(self, targets: KeyArrays, result: object, priority: int) -> Waitable:
         """Copy each key's value into its outputs; the task's result is ``result``."""
         ...
 
@@ -84,19 +84,19 @@ class Backend(Protocol):
         result: object,
         priority: int,
         borrow: bool,
-    ) -> Task:
+    ) -> Waitable:
         """A push, then a pull that sees it."""
         ...
 
-    def barrier(self) -> Task:
+    def barrier(self) -> Waitable:
         """Wait for every worker."""
         ...
 
-    def save_states(self, entries: list[Entry], path: Path, dump_optimizer: bool) -> Task:
+    def save_states(self, entries: list[Entry], path: Path, dump_optimizer: bool) -> Waitable:
         """Write the optimizer's states after earlier pushes."""
         ...
 
-    def load_states(self, entries: list[Entry], path: Path) -> Task:
+    def load_states(self, entries: list[Entry], path: Path) -> Waitable:
         """Load optimizer states after earlier pushes and before later ones."""
         ...
 

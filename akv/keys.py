@@ -10,7 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from akv.args import Key, check_one_kind
-from akv.arrays import NUMPY, Array, Origin, cupy_module
+from akv.arrays import NUMPY, Array, Origin, cupy_module, pinned_empty
 from akv.errors import (
     DTypeMismatchError,
     DuplicateInitError,
@@ -70,7 +70,8 @@ class Entry:
     ``parts`` says which server holds which elements (one part, on "server" 0, for a key
     that lives in this process). ``device`` is the GPU the key's value and merge buffers
     live on, or None for host memory. ``origin`` is the library of the key's first value,
-    which new pull outputs are made in.
+    which new pull outputs are made in. ``pinned``: host staging buffers are allocated in
+    page-locked memory (for asynchronous copies to and from a GPU).
     """
 
     __slots__ = (
@@ -81,6 +82,7 @@ class Entry:
         "nbytes",
         "origin",
         "parts",
+        "pinned",
         "shape",
         "size",
         "value",
@@ -106,6 +108,7 @@ class Entry:
         self.parts = parts if parts is not None else (Part(0, 0, self.size),)
         self.device = device
         self.origin = origin
+        self.pinned = False
         self.value: Array | None = None
         self._spares: list[Array] = []
 
@@ -126,14 +129,20 @@ class Entry:
             return self._spares.pop()
         except IndexError:
             if self.device is None:
+                if self.pinned:
+                    return pinned_empty(self.shape, self.dtype)
                 return np.empty(self.shape, self.dtype)
             cupy = cupy_module()
             with cupy.cuda.Device(self.device):
                 return cupy.empty(self.shape, self.dtype)
 
     def give_buffer(self, buffer: Array) -> None:
-        """Return a buffer taken with :meth:`take_buffer` (or the old stored array)."""
-        if len(self._spares) < MAX_SPARE_BUFFERS:
+        """Return a buffer taken with :meth:`take_buffer` (or the old stored array).
+
+        GPU buffers are not kept: CuPy's pool reuses them in stream order, which a spare
+        list could not (a buffer may still be read by queued work when it is given back).
+        """
+        if self.device is None and len(self._spares) < MAX_SPARE_BUFFERS:
             self._spares.append(buffer)
 
     def check(self, array: Described, what: str) -> None:

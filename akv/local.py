@@ -23,7 +23,7 @@ from akv.arrays import Array, copy_into
 from akv.backend import KeyArrays, Updater
 from akv.errors import AKVError, OptimizerNotSetError, StateFileError
 from akv.keys import Entry, merge_into
-from engine import Engine, Task
+from engine import Engine, Task, Waitable
 
 __all__ = ["LocalBackend", "UpdaterGuard"]
 
@@ -162,7 +162,7 @@ class LocalBackend:
         self._optimizer_updater = updater
         return self.barrier()
 
-    def init(self, entries: list[Entry], arrays: list[np.ndarray]) -> Task:
+    def init(self, entries: list[Entry], arrays: list[np.ndarray]) -> Waitable:
         """Copy the initial values (the store keeps no reference to the caller's arrays)."""
         return self._engine.push(
             _store_initial,
@@ -173,7 +173,7 @@ class LocalBackend:
             name="init",
         )
 
-    def push(self, values: KeyArrays, priority: int, borrow: bool) -> Task:
+    def push(self, values: KeyArrays, priority: int, borrow: bool) -> Waitable:
         """Apply checked values: ``updater(key, summed, stored)``, or replace the stored value.
 
         ``borrow``: the caller waits until this is done, so its arrays are read in the task
@@ -200,7 +200,7 @@ class LocalBackend:
             name="push",
         )
 
-    def pull(self, targets: KeyArrays, result: object, priority: int) -> Task:
+    def pull(self, targets: KeyArrays, result: object, priority: int) -> Waitable:
         """Copy each key's stored value into each of its outputs; the task returns ``result``."""
         executor = self._executor(targets)
         if len(targets) == 1:
@@ -227,7 +227,7 @@ class LocalBackend:
 
     def pushpull(
         self, values: KeyArrays, targets: KeyArrays, result: object, priority: int, borrow: bool
-    ) -> Task:
+    ) -> Waitable:
         """A push, then a pull ordered after it."""
         self.push(values, priority, borrow)
         return self.pull(targets, result, priority)

@@ -20,6 +20,7 @@ from akv import optimizer as _optimizer
 from akv.args import Key, group, normalize_key, pairs
 from akv.arrays import Array, Origin, finisher, is_gpu, read, to_host, write_view
 from akv.backend import Backend, KeyArrays, Updater
+from akv.device import DeviceBackend
 from akv.dist.config import Config, from_env, int_setting
 from akv.errors import (
     AKVError,
@@ -112,7 +113,7 @@ def _env_int(name: str, default: int, minimum: int) -> int:
     return default if text is None else int_setting(text, name, minimum, "a whole number")
 
 
-_OPTIONS = ("slots", "environ", "inline_max_bytes")
+_OPTIONS = ("slots", "environ", "inline_max_bytes", "devices")
 
 
 def _check_options(kind: StoreType, options: dict[str, Any]) -> int:
@@ -131,6 +132,21 @@ def _check_options(kind: StoreType, options: dict[str, Any]) -> int:
     inline = options.get("inline_max_bytes")
     if inline is not None and (not isinstance(inline, int) or inline < 0):
         raise InvalidArgumentError(f"inline_max_bytes must be an int >= 0, got {inline!r}")
+    devices = options.get("devices")
+    if devices is not None:
+        if not kind.device or kind.distributed:
+            raise InvalidArgumentError(
+                f"devices= is an option of the local device stores (device, "
+                f"local_allreduce_device, nccl), not of {kind.name!r}"
+            )
+        if (
+            not isinstance(devices, (list, tuple))
+            or not devices
+            or not all(type(d) is int and d >= 0 for d in devices)
+        ):
+            raise InvalidArgumentError(
+                f"devices must be a non-empty list of GPU numbers (ints >= 0), got {devices!r}"
+            )
     return slots
 
 
@@ -174,18 +190,23 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
         The store type (see ``STORE_TYPES`` and :func:`store_type`); case-insensitive, and
         reported by ``type`` as given. Unknown names raise
         :class:`~akv.errors.UnknownStoreTypeError` (MXNet silently makes a local store).
-        ``local`` and its MXNet variants (``local_allreduce_cpu``, ``local_update_cpu``, and
-        ``device``, ``local_allreduce_device``, ``nccl``, which hold host values like
-        MXNet's device store with CPU contexts) keep values in this process. The ``dist_*``
-        names join the job the environment describes (see ``docs/distributed.md``) and
-        return once every worker and server is reachable; their ``_device`` variants mean
-        the same with host values.
+        ``local`` and its MXNet variants (``local_allreduce_cpu``, ``local_update_cpu``) keep
+        values in host memory (GPU values given to them are copied to the host). ``device``
+        (also ``local_allreduce_device``, ``nccl``) keeps keys initialized from GPU arrays
+        on GPUs and reduces there, and keys initialized from host arrays as ``local`` does
+        (see ``docs/gpu.md``). The ``dist_*`` names join the job the environment describes
+        (see ``docs/distributed.md``) and return once every worker and server is
+        reachable; their ``_device`` variants reduce GPU values on the GPU first and stage
+        them through pinned host memory.
     slots:
         How many engine tasks may run at once (default ``AKV_ENGINE_SLOTS`` for a local
         store, ``AKV_DIST_SLOTS`` requests in flight for a distributed one).
     environ:
         For distributed types, the variables to read instead of ``os.environ`` (to join a
         job from a program that configures itself, or several jobs from one process).
+    devices:
+        For the local device stores, the GPUs keys may be placed on (default: every GPU an
+        init value came from so far).
     inline_max_bytes:
         Work on at most this many bytes runs on the calling thread, bigger work on the
         engine's worker threads (default ``AKV_INLINE_MAX_BYTES``, 16 MiB). The blocking
@@ -197,7 +218,7 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
     if inline is None:
         inline = _env_int("AKV_INLINE_MAX_BYTES", limits.INLINE_MAX_BYTES, 0)
     config = _dist_config(kind, options.get("environ"), blocking=False)
-    return await AsyncKVStore._open(kind, slots, inline, config)
+    return await AsyncKVStore._open(kind, slots, inline, config, options.get("devices"))
 
 
 def create(name: str = "local", **options: Any) -> KVStore:
@@ -213,7 +234,11 @@ def create(name: str = "local", **options: Any) -> KVStore:
     try:
         # The blocking face runs array work inline on the calling thread: it waits anyway.
         inline = options.get("inline_max_bytes")
-        inner = loop_thread.run(AsyncKVStore._open(kind, slots, inline, config, caller_waits=True))
+        inner = loop_thread.run(
+            AsyncKVStore._open(
+                kind, slots, inline, config, options.get("devices"), caller_waits=True
+            )
+        )
     except BaseException:
         loop_thread.close()
         raise
@@ -249,6 +274,7 @@ class AsyncKVStore:
         slots: int,
         inline_max_bytes: int | None,
         config: Config | None,
+        devices: list[int] | None = None,
         caller_waits: bool = False,
     ) -> AsyncKVStore:
         self = object.__new__(cls)
@@ -261,12 +287,14 @@ class AsyncKVStore:
         self._barrier_before_exit = True
         self._closed = False
         self._closing = None
-        if config is None:
+        if config is None and kind.device:
+            self._backend = DeviceBackend(self._engine, self, inline_max_bytes, devices)
+        elif config is None:
             self._backend = LocalBackend(self._engine, self, inline_max_bytes)
         else:
             from akv.dist.worker.backend import DistBackend
 
-            self._backend = DistBackend(self._engine, kind.mode, config)
+            self._backend = DistBackend(self._engine, kind.mode, config, device=kind.device)
             try:
                 await self._backend.connect()
             except BaseException:

@@ -28,7 +28,8 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
-from akv.arrays import copy_into, is_gpu
+from akv.arrays import Array, copy_into, cupy_module, device_of, is_gpu, to_host
+from akv.device import GPU, from_pinned, reduce_at_call, register_gpu_executor, to_pinned
 from akv.dist.config import Config
 from akv.dist.membership import Membership, scheduler_refusal
 from akv.dist.placement import place
@@ -56,7 +57,7 @@ from akv.limits import (
     INIT_CHECK_MARGIN_S,
     SWEEP_INTERVAL_S,
 )
-from engine import Engine, LoopThread, Task
+from engine import Engine, GPUExecutor, GPUWork, LoopThread, Task, Var, Waitable, gather, then
 from transport import DTYPE_CODES, AuthError, Message, RemoteError, TransportError
 
 __all__ = ["DistBackend"]
@@ -74,7 +75,17 @@ WireArray = tuple[Key | None, np.ndarray, int]
 class DistBackend:
     """Runs a worker's store calls against the job's servers (see the module docstring)."""
 
-    def __init__(self, engine: Engine, store_type: str, config: Config) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        store_type: str,
+        config: Config,
+        device: bool = False,
+        gpu_executor: Callable[[], GPUExecutor] = GPUExecutor,
+    ) -> None:
+        """``device``: a ``*_device`` store, which reduces GPU values on their GPU and
+        stages them through pinned host memory (otherwise the store hands this backend
+        host values only). ``gpu_executor`` makes the engine's GPU executor."""
         self._engine = engine
         self.type = store_type
         self.config = config
@@ -82,7 +93,9 @@ class DistBackend:
         self.membership = Membership(config, "worker", uuid.uuid4().hex)
         self.links: list[ServerLink] = []
         self.broken: AKVError | None = None
-        self.keeps_gpu_arrays = False
+        self.keeps_gpu_arrays = device
+        self._gpu_executor = gpu_executor
+        self._gpu_registered = False
         self._heartbeat: _Heartbeat | None = None
         self._barriers = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -182,7 +195,13 @@ class DistBackend:
             )
         parts = place(key, int(array.size), len(self.links), self.config.bigarray_bound)
         var = self._engine.new_var(f"key {key!r}")
-        return Entry(key, tuple(array.shape), array.dtype, var, parts)
+        entry = Entry(key, tuple(array.shape), array.dtype, var, parts)
+        if is_gpu(array):
+            if not self._gpu_registered:
+                register_gpu_executor(self._engine, self._gpu_executor)
+                self._gpu_registered = True
+            entry.pinned = True  # staged through page-locked memory
+        return entry
 
     def _check(self) -> None:
         if self.broken is not None:
@@ -195,7 +214,7 @@ class DistBackend:
         self._check()
         writes = [e.var for e in entries]
         if self.rank == 0:
-            copies = [np.ascontiguousarray(a).copy() for a in arrays]
+            copies = [np.ascontiguousarray(to_host(a)).copy() for a in arrays]
             return self._engine.push(
                 self._init_values, entries, copies, writes=writes, executor="loop", name="init"
             )
@@ -235,20 +254,25 @@ class DistBackend:
             "use set_optimizer (MXNet silently ignores the updater here)"
         )
 
-    @staticmethod
     def _stage(
-        values: list[tuple[Entry, list[np.ndarray]]], borrow: bool
+        self, values: list[tuple[Entry, list[Array]]], borrow: bool, priority: int
     ) -> tuple[list[tuple[Entry, np.ndarray]], Callable[[], None]]:
         """What to send per key, and how to give the staging buffers back afterwards.
 
         ``borrow`` (the caller waits until the servers acknowledged): a key's single
         C-contiguous array is sent as it is, without a copy; otherwise the values are
-        summed into a staging buffer now.
+        summed into a staging buffer now. GPU values (``*_device`` stores) are summed on
+        their GPU now and copied into a pinned buffer by a GPU task that the send follows.
         """
         staged = []
         owned = []
+        pinned = self._reduce_on_gpus(values, priority) if self.keeps_gpu_arrays else {}
         for entry, arrays in values:
-            if borrow and len(arrays) == 1 and arrays[0].flags.c_contiguous:
+            buffer = pinned.get(id(entry))
+            if buffer is not None:
+                staged.append((entry, buffer))
+                owned.append((entry, buffer))
+            elif borrow and len(arrays) == 1 and arrays[0].flags.c_contiguous:
                 staged.append((entry, arrays[0]))
             else:
                 buffer = merge_into(entry.take_buffer(), arrays)
@@ -261,12 +285,42 @@ class DistBackend:
 
         return staged, release
 
+    def _reduce_on_gpus(
+        self, values: list[tuple[Entry, list[Array]]], priority: int
+    ) -> dict[int, np.ndarray]:
+        """Sum each key's GPU values on the GPU (at the call, on the caller's stream), and
+        schedule their copies into pinned buffers (a GPU task per device, on a copy stream,
+        writing the keys' vars so that the sends follow). Returns ``id(entry) -> pinned``."""
+        by_device: dict[int, list[tuple[Array, np.ndarray, Any]]] = {}
+        vars_of: dict[int, list[Var]] = {}
+        pinned: dict[int, np.ndarray] = {}
+        for entry, arrays in values:
+            device = next((d for a in arrays if (d := device_of(a)) is not None), None)
+            if device is None:
+                continue
+            cupy = cupy_module()
+            with cupy.cuda.Device(device):
+                summed, event = reduce_at_call(device, arrays, cupy.empty(entry.shape, entry.dtype))
+            pinned[id(entry)] = buffer = entry.take_buffer()
+            by_device.setdefault(device, []).append((summed, buffer, event))
+            vars_of.setdefault(device, []).append(entry.var)
+        for device, staged in by_device.items():
+            self._engine.push(
+                GPUWork(to_pinned, device=device, kind="copy"),
+                staged,
+                writes=vars_of[device],
+                priority=priority,
+                executor=GPU,
+                name="stage",
+            )
+        return pinned
+
     def push(
         self, values: list[tuple[Entry, list[np.ndarray]]], priority: int, borrow: bool
     ) -> Task:
         """Send summed values to the servers that hold each key (or each part)."""
         self._check()
-        staged, release = self._stage(values, borrow)
+        staged, release = self._stage(values, borrow, priority)
         return self._engine.push(
             self._start_push,
             staged,
@@ -284,14 +338,14 @@ class DistBackend:
         done: Done,
     ) -> None:
         batches = by_server(staged, _part_of)
-        gather = _Gather(len(batches), release, done)
+        replies = _Gather(len(batches), release, done)
         timeout = self.config.timeouts.request_s
         for server, arrays in batches.items():
-            self.links[server].send(Op.PUSH, arrays, gather.reply, timeout_s=timeout)
+            self.links[server].send(Op.PUSH, arrays, replies.reply, timeout_s=timeout)
 
     def pull(
         self, targets: list[tuple[Entry, list[np.ndarray]]], result: Any, priority: int
-    ) -> Task:
+    ) -> Waitable:
         """Fetch each key's value (in dist_sync: after the round of this worker's last push)."""
         return self._schedule_pull(targets, result, None, _nothing, priority)
 
@@ -302,10 +356,10 @@ class DistBackend:
         result: Any,
         priority: int,
         borrow: bool,
-    ) -> Task:
+    ) -> Waitable:
         """Push, then pull the result, in one request per server."""
         self._check()
-        staged, release = self._stage(values, borrow)
+        staged, release = self._stage(values, borrow, priority)
         return self._schedule_pull(targets, result, staged, release, priority)
 
     def _schedule_pull(
@@ -315,22 +369,54 @@ class DistBackend:
         staged: list[tuple[Entry, np.ndarray]] | None,
         release: Callable[[], None],
         priority: int,
-    ) -> Task:
-        """A pull reads the keys; a pushpull (with ``staged`` values) writes them."""
+    ) -> Waitable:
+        """A pull reads the keys; a pushpull (with ``staged`` values) writes them.
+
+        In a ``*_device`` store, GPU outputs are landed in pinned buffers and copied to
+        their GPUs by GPU tasks (on copy streams) that follow the pull.
+        """
         self._check()
+        landed: list[tuple[Entry, np.ndarray, list[Array]]] = []
+        if self.keeps_gpu_arrays:
+            targets, landed = _land_in_pinned(targets)
         key_vars = [e.var for e, _ in targets]
-        return self._engine.push(
+        landing = [self._engine.new_var("landing")] if landed else []
+        task = self._engine.push(
             self._start_pull,
             targets,
             result,
             staged,
             release,
             reads=key_vars if staged is None else (),
-            writes=key_vars if staged is not None else (),
+            writes=(key_vars if staged is not None else []) + landing,
             priority=priority,
             executor="callback",
             name="pull" if staged is None else "pushpull",
         )
+        if not landed:
+            return task
+        by_device: dict[int, list[tuple[Array, list[Array]]]] = {}
+        for _, buffer, outs in landed:
+            for out in outs:
+                by_device.setdefault(int(out.device.id), []).append((buffer, [out]))
+        copies = [
+            self._engine.push(
+                GPUWork(from_pinned, device=device, kind="copy"),
+                items,
+                reads=landing,
+                priority=priority,
+                executor=GPU,
+                name="land",
+            )
+            for device, items in by_device.items()
+        ]
+
+        def give_back(_: object) -> Any:
+            for entry, buffer, _outs in landed:
+                entry.give_buffer(buffer)
+            return result
+
+        return then(gather([task, *copies]), give_back)
 
     def _start_pull(
         self,
@@ -368,13 +454,13 @@ class DistBackend:
                     entry.give_buffer(receive)
             return result
 
-        gather = _Gather(len(requests), finish, done)
+        replies = _Gather(len(requests), finish, done)
         op = Op.PULL if staged is None else Op.PUSHPULL
         timeout = self.config.timeouts.request_s
         for server, pieces in requests.items():
             arrays = [array for array, _ in pieces]
             views = [view for _, view in pieces]
-            self.links[server].send(op, arrays, gather.reply, destinations=views, timeout_s=timeout)
+            self.links[server].send(op, arrays, replies.reply, destinations=views, timeout_s=timeout)
 
     def barrier(self) -> Task:
         """Wait until every worker called barrier as often as this one (with a deadline)."""
@@ -534,6 +620,24 @@ class _Heartbeat:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             interval = self._membership.config.timeouts.heartbeat_interval_s
             self._thread.join(interval + HEARTBEAT_STOP_S)
+
+
+def _land_in_pinned(
+    targets: list[tuple[Entry, list[Array]]],
+) -> tuple[list[tuple[Entry, list[Array]]], list[tuple[Entry, np.ndarray, list[Array]]]]:
+    """Pull targets with each key's GPU outputs replaced by one pinned host buffer, and the
+    ``(entry, pinned buffer, GPU outputs)`` to copy once the answers landed."""
+    host_targets = []
+    landed = []
+    for entry, outs in targets:
+        gpu_outs = [out for out in outs if is_gpu(out)]
+        if not gpu_outs:
+            host_targets.append((entry, outs))
+            continue
+        buffer = entry.take_buffer()
+        host_targets.append((entry, [buffer, *(out for out in outs if not is_gpu(out))]))
+        landed.append((entry, buffer, gpu_outs))
+    return host_targets, landed
 
 
 class _Gather:
