@@ -8,10 +8,10 @@ test is a whole job on 127.0.0.1 without process start-up costs.
 from __future__ import annotations
 
 import asyncio
-import time
-import sys
-import subprocess
 import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -23,6 +23,7 @@ from akv import (
     InvalidArgumentError,
     KeyNotInitializedError,
     ShapeMismatchError,
+    UnsupportedDTypeError,
 )
 from akv.dist.protocol import Op
 from akv.dist.worker.link import ServerLink
@@ -468,4 +469,40 @@ async def test_the_device_variants_of_dist_sync_keep_dist_sync_meaning_with_host
         for kv in stores:
             np.testing.assert_array_equal(await kv.pull("w"), full(3.0))  # summed over both
         assert cluster.servers[0].state.store_type == "dist_sync"
+        await close_all(stores)
+
+
+async def test_a_dtype_the_wire_cannot_carry_is_refused_at_init_on_every_rank():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 in NumPy needs ml_dtypes")
+    with Cluster(2, 1) as cluster:
+        stores = await cluster.workers()
+
+        async def body(kv):
+            with pytest.raises(UnsupportedDTypeError, match=r"bfloat16.*float32"):
+                kv.init("w", np.zeros(4, ml_dtypes.bfloat16))
+            assert kv.keys() == []
+            await kv.init("w", np.zeros(4, np.float32))  # the key is still free
+            return (await kv.pull("w")).dtype
+
+        assert await each(stores, body) == [np.float32, np.float32]
+        await close_all(stores)
+
+
+async def test_torch_tensors_in_a_distributed_store():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    with Cluster(2, 1) as cluster:
+        stores = await cluster.workers()
+
+        async def body(kv):
+            param = torch.nn.Parameter(torch.full((2, 3), float(kv.rank)))
+            await kv.init("w", param)
+            await kv.push("w", torch.ones(2, 3).t().contiguous().t())  # strided: staged
+            before = param.data_ptr()
+            assert await kv.pull("w", out=param) is param
+            assert param.data_ptr() == before
+            pulled = await kv.pull("w")
+            assert isinstance(pulled, torch.Tensor)
+            return float(param.detach()[1, 2]), float(pulled[0, 0])
+
+        assert await each(stores, body) == [(2.0, 2.0), (2.0, 2.0)]
         await close_all(stores)
