@@ -1,4 +1,4 @@
-"""The ``akv`` command: ``akv --version``, ``akv bench {local,engine,dist}``."""
+"""The ``akv`` command: ``akv --version``, ``akv bench {local,engine,dist,device}``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import akv
 from akv.bench import configure
+from akv.errors import AKVError
 
 __all__ = ["main"]
 
@@ -16,6 +17,7 @@ BENCHMARKS = {
     "local": "akv.bench.local",
     "engine": "akv.bench.engine",
     "dist": "akv.bench.dist",
+    "device": "akv.bench.device",
 }
 
 
@@ -35,15 +37,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``akv`` command line; return the exit status."""
+    """Run the ``akv`` command line; return the exit status.
+
+    A suite that cannot run (an :class:`akv.AKVError`, such as ``akv bench device`` without
+    CuPy or a GPU) prints ``akv bench: <message>`` to stderr, without a traceback, and
+    returns 1.
+    """
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     configure(quick=args.quick)
-    module = importlib.import_module(BENCHMARKS[args.suite])
-    table = module.run()
+    try:
+        module = importlib.import_module(BENCHMARKS[args.suite])
+        table = module.run()
+    except AKVError as exc:
+        print(f"akv bench: {exc}", file=sys.stderr)
+        return 1
     table.write(sys.stdout, json_path=args.json)
     return 0
 
