@@ -160,6 +160,9 @@ def copy_into(dst: Array, src: Array) -> None:
                 dst.set(np.ascontiguousarray(src))
             else:
                 cupy.copyto(dst, cupy.asarray(src))
+            # From pageable memory the copy call returns once the source is staged, not
+            # once ``dst`` is written: wait, so that the copy is done when this returns.
+            cupy.cuda.get_current_stream().synchronize()
         else:
             cupy.copyto(dst, src)
 

@@ -24,8 +24,10 @@ the store's engine when the first GPU key is initialized.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from akv.args import Key
 from akv.arrays import Array, copy_into, cupy_module, device_of, is_gpu, to_host
@@ -40,6 +42,7 @@ __all__ = [
     "MergePlacement",
     "copy_async",
     "from_pinned",
+    "record_on_callers",
     "reduce_at_call",
     "register_gpu_executor",
     "to_pinned",
@@ -76,14 +79,36 @@ class MergePlacement:
 
 
 def _to_device(array: Array, device: int) -> Array:
-    """``array`` on GPU ``device``: itself, or a copy on the current stream there."""
-    if device_of(array) == device:
+    """``array`` on GPU ``device``: itself, or a copy on the current stream there.
+
+    A copy from another GPU is ordered on both: it waits (on the GPU) for the work queued so
+    far on the caller's current stream of the source GPU, and work queued there later waits
+    for the copy (so the caller may overwrite the array once the call returns).
+    """
+    source = device_of(array)
+    if source == device:
         return array
     cupy = cupy_module()
+    if source is None:  # host memory: staged at the call, copied on the current stream
+        with cupy.cuda.Device(device):
+            copy = cupy.empty(array.shape, array.dtype)
+            copy.set(np.ascontiguousarray(array))
+            return copy
+    with cupy.cuda.Device(source):
+        array = cupy.ascontiguousarray(array)
+        source_stream = cupy.cuda.get_current_stream()
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(source_stream)
     with cupy.cuda.Device(device):
+        stream = cupy.cuda.get_current_stream()
+        stream.wait_event(ready)
         copy = cupy.empty(array.shape, array.dtype)
-        copy_into(copy, array)
-        return copy
+        cupy.copyto(copy, array)  # a peer copy, on this stream
+        copied = cupy.cuda.Event(disable_timing=True)
+        copied.record(stream)
+    with cupy.cuda.Device(source):
+        source_stream.wait_event(copied)
+    return copy
 
 
 def reduce_at_call(device: int, arrays: list[Array], buffer: Array) -> tuple[Array, Any]:
@@ -109,7 +134,8 @@ def _stage(entry: Entry, arrays: list[Array]) -> tuple[Array, Any]:
 
 
 def copy_async(dst: Array, src: Array, stream: Any) -> None:
-    """Enqueue ``dst <- src`` on ``stream``: between a GPU and pinned host memory, or on one GPU.
+    """Enqueue ``dst <- src`` on ``stream``: between a GPU and pinned host memory, or from a
+    GPU (the stream's) to a GPU.
 
     With pinned host memory the copy is asynchronous (a pageable one would block the thread).
     A non-contiguous GPU side goes through a contiguous GPU buffer.
@@ -117,8 +143,7 @@ def copy_async(dst: Array, src: Array, stream: Any) -> None:
     cupy = cupy_module()
     runtime = cupy.cuda.runtime
     if is_gpu(dst) and is_gpu(src):
-        with stream:
-            cupy.copyto(dst, src)
+        _gpu_to_gpu(dst, src, stream)
         return
     gpu, host = (dst, src) if is_gpu(dst) else (src, dst)
     with gpu.device:
@@ -141,6 +166,34 @@ def copy_async(dst: Array, src: Array, stream: Any) -> None:
                     cupy.copyto(gpu, contiguous)
 
 
+def _gpu_to_gpu(dst: Array, src: Array, stream: Any) -> None:
+    """``dst <- src``, ordered on ``stream`` (of ``src``'s GPU): a peer copy to another GPU is
+    a memcpy on the stream; a strided ``dst`` there is then filled on its own GPU, on the
+    current stream there, between event waits (CuPy's ``copyto`` would run that part on the
+    other GPU's stream, unordered with ``stream``)."""
+    cupy = cupy_module()
+    with stream:
+        if device_of(dst) == device_of(src):
+            cupy.copyto(dst, src)
+            return
+        src = cupy.ascontiguousarray(src)
+        if dst.flags.c_contiguous:
+            cupy.copyto(dst, src)  # a peer memcpy, on the stream
+            return
+        with dst.device:
+            landing = cupy.empty(dst.shape, dst.dtype)
+        cupy.copyto(landing, src)
+        landed = cupy.cuda.Event(disable_timing=True)
+        landed.record(stream)
+    with dst.device:
+        other = cupy.cuda.get_current_stream()
+        other.wait_event(landed)
+        cupy.copyto(dst, landing)
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(other)
+    stream.wait_event(done)
+
+
 def to_pinned(staged: list[tuple[Array, Array, Any]], ctx: GPUContext) -> None:
     """A GPU task: copy each summed GPU buffer into its pinned host buffer once its event
     has fired (``staged``: ``[(gpu buffer, pinned buffer, event), ...]``)."""
@@ -149,11 +202,31 @@ def to_pinned(staged: list[tuple[Array, Array, Any]], ctx: GPUContext) -> None:
         copy_async(pinned, gpu, ctx.stream)
 
 
-def from_pinned(landed: list[tuple[Array, list[Array]]], ctx: GPUContext) -> None:
-    """A GPU task: copy each pinned host buffer into its GPU outputs."""
+def from_pinned(
+    landed: list[tuple[Array, list[Array]]], events: list[Any], ctx: GPUContext
+) -> None:
+    """A GPU task: copy each pinned host buffer into its GPU outputs, after ``events`` (see
+    :func:`record_on_callers`)."""
+    ctx.after(*events)
     for pinned, outs in landed:
         for out in outs:
             copy_async(out, pinned, ctx.stream)
+
+
+def record_on_callers(arrays: Iterable[Array]) -> list[Any]:
+    """Events recorded now on the calling thread's current stream of each GPU that ``arrays``
+    live on. A task that writes the arrays (pull outputs) waits for them (``ctx.after``): it
+    writes after the work the caller queued on them before the call (a fill, a kernel that
+    still reads them, the reuse of freed memory by CuPy's pool)."""
+    cupy = cupy_module()
+    events: dict[int, Any] = {}
+    for array in arrays:
+        device = device_of(array)
+        if device is not None and device not in events:
+            with cupy.cuda.Device(device):
+                events[device] = event = cupy.cuda.Event(disable_timing=True)
+                event.record()
+    return list(events.values())
 
 
 def register_gpu_executor(engine: Engine, make: Callable[[], GPUExecutor]) -> None:
@@ -190,10 +263,14 @@ def _land_gpu(
             GUARD.run(store, updater, entry.key, buffer, entry.value)
 
 
-def _pull_gpu(targets: KeyArrays, result: object, ctx: GPUContext) -> object:
+def _pull_gpu(targets: KeyArrays, result: object, events: list[Any], ctx: GPUContext) -> object:
+    ctx.after(*events)
     for entry, outs in targets:
         for out in outs:
-            copy_into(out, entry.value)
+            if is_gpu(out):
+                copy_async(out, entry.value, ctx.stream)  # on this task's stream
+            else:
+                copy_into(out, entry.value)  # waits for the copy (host memory)
     return result
 
 
@@ -308,6 +385,7 @@ class DeviceBackend(LocalBackend):
                     GPUWork(_pull_gpu, device=device, kind="copy"),
                     items,
                     result,
+                    record_on_callers(out for _, outs in items for out in outs),
                     reads=[entry.var for entry, _ in items],
                     priority=priority,
                     executor=GPU,

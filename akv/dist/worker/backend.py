@@ -29,7 +29,14 @@ import numpy as np
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.arrays import Array, copy_into, cupy_module, device_of, is_gpu, to_host
-from akv.device import GPU, from_pinned, reduce_at_call, register_gpu_executor, to_pinned
+from akv.device import (
+    GPU,
+    from_pinned,
+    record_on_callers,
+    reduce_at_call,
+    register_gpu_executor,
+    to_pinned,
+)
 from akv.dist.config import Config
 from akv.dist.membership import Membership, scheduler_refusal
 from akv.dist.placement import place
@@ -197,11 +204,17 @@ class DistBackend:
         var = self._engine.new_var(f"key {key!r}")
         entry = Entry(key, tuple(array.shape), array.dtype, var, parts)
         if is_gpu(array):
-            if not self._gpu_registered:
-                register_gpu_executor(self._engine, self._gpu_executor)
-                self._gpu_registered = True
-            entry.pinned = True  # staged through page-locked memory
+            self._gpu_ready(entry)
         return entry
+
+    def _gpu_ready(self, entry: Entry) -> None:
+        """A GPU value or output for ``entry``: its staging buffers are page-locked from now
+        on, and the engine has a GPU executor (registered on first use: a key initialized
+        from host memory may be pushed GPU values later)."""
+        entry.pinned = True
+        if not self._gpu_registered:
+            register_gpu_executor(self._engine, self._gpu_executor)
+            self._gpu_registered = True
 
     def _check(self) -> None:
         if self.broken is not None:
@@ -298,6 +311,7 @@ class DistBackend:
             device = next((d for a in arrays if (d := device_of(a)) is not None), None)
             if device is None:
                 continue
+            self._gpu_ready(entry)
             cupy = cupy_module()
             with cupy.cuda.Device(device):
                 summed, event = reduce_at_call(device, arrays, cupy.empty(entry.shape, entry.dtype))
@@ -378,6 +392,9 @@ class DistBackend:
         self._check()
         landed: list[tuple[Entry, np.ndarray, list[Array]]] = []
         if self.keeps_gpu_arrays:
+            for target, arrays in targets:
+                if any(is_gpu(array) for array in arrays):
+                    self._gpu_ready(target)
             targets, landed = _land_in_pinned(targets)
         key_vars = [e.var for e, _ in targets]
         landing = [self._engine.new_var("landing")] if landed else []
@@ -399,11 +416,15 @@ class DistBackend:
         for _, buffer, outs in landed:
             for out in outs:
                 by_device.setdefault(int(out.device.id), []).append((buffer, [out]))
+        # The copies read the keys too: work issued later on a key (a push, then another pull
+        # into the same outputs) waits for them, as it waits for the pull.
+        landed_vars = [entry.var for entry, _, _ in landed]
         copies = [
             self._engine.push(
                 GPUWork(from_pinned, device=device, kind="copy"),
                 items,
-                reads=landing,
+                record_on_callers(out for _, outs in items for out in outs),
+                reads=landing + landed_vars,
                 priority=priority,
                 executor=GPU,
                 name="land",
