@@ -24,7 +24,7 @@ array.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -53,6 +53,7 @@ __all__ = [
     "is_gpu",
     "pinned_empty",
     "read",
+    "record_on_callers",
     "to_host",
     "write_view",
 ]
@@ -138,11 +139,12 @@ def to_host(array: Array) -> np.ndarray:
     return cast(np.ndarray, array.get())
 
 
-def copy_into(dst: Array, src: Array) -> None:
+def copy_into(dst: Array, src: Array, after: Sequence[Any] = ()) -> None:
     """Copy ``src`` into ``dst`` (same shape and dtype), wherever each of them lives.
 
     Host to host is ``np.copyto``; between a GPU and the host CuPy copies (synchronously,
     for pageable host memory); GPU to GPU is a copy on the current stream of ``dst``'s device.
+    A GPU ``dst`` is written after the events ``after`` (see :func:`record_on_callers`).
     """
     if type(dst) is np.ndarray and type(src) is np.ndarray:
         np.copyto(dst, src)
@@ -155,6 +157,8 @@ def copy_into(dst: Array, src: Array) -> None:
         return
     cupy = cupy_module()
     with cupy.cuda.Device(dst.device.id):
+        for event in after:
+            cupy.cuda.get_current_stream().wait_event(event)
         if not is_gpu(src):
             if dst.flags.c_contiguous:
                 dst.set(np.ascontiguousarray(src))
@@ -165,6 +169,22 @@ def copy_into(dst: Array, src: Array) -> None:
             cupy.cuda.get_current_stream().synchronize()
         else:
             cupy.copyto(dst, src)
+
+
+def record_on_callers(arrays: Iterable[Array]) -> list[Any]:
+    """Events recorded now on the calling thread's current stream of each GPU that ``arrays``
+    live on. A task that writes the arrays (pull outputs) waits for them (``ctx.after``): it
+    writes after the work the caller queued on them before the call (a fill, a kernel that
+    still reads them, the reuse of freed memory by CuPy's pool)."""
+    cupy = cupy_module()
+    events: dict[int, Any] = {}
+    for array in arrays:
+        device = device_of(array)
+        if device is not None and device not in events:
+            with cupy.cuda.Device(device):
+                events[device] = event = cupy.cuda.Event(disable_timing=True)
+                event.record()
+    return list(events.values())
 
 
 class Origin:

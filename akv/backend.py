@@ -11,17 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
+from akv.arrays import is_gpu, record_on_callers
 from akv.errors import AKVError
 from akv.keys import Entry
 from engine import Waitable
 
-__all__ = ["Backend", "KeyArrays", "Updater"]
+__all__ = ["Backend", "KeyArrays", "Updater", "caller_events"]
 
 #: ``updater(key, received, stored)``: changes ``stored`` in place.
 Updater = Callable[[Key, np.ndarray, np.ndarray], None]
@@ -103,3 +104,17 @@ class Backend(Protocol):
     async def close(self, barrier_before_exit: bool) -> None:
         """Leave: release what the backend holds (peers, threads)."""
         ...
+
+
+_NO_EVENTS: list[Any] = []
+
+
+def caller_events(targets: KeyArrays) -> list[Any]:
+    """Events recorded now on the caller's current streams of the GPUs that pull outputs
+    live on; a backend writes GPU outputs after them (its copy may run on another thread,
+    whose current stream is not the caller's). Host outputs cost a type check each."""
+    for _, outs in targets:
+        for out in outs:
+            if type(out) is not np.ndarray and is_gpu(out):
+                return record_on_callers(o for _, os in targets for o in os)
+    return _NO_EVENTS

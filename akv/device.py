@@ -24,13 +24,21 @@ the store's engine when the first GPU key is initialized.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from akv.args import Key
-from akv.arrays import Array, copy_into, cupy_module, device_of, is_gpu, to_host
+from akv.arrays import (
+    Array,
+    copy_into,
+    cupy_module,
+    device_of,
+    is_gpu,
+    record_on_callers,
+    to_host,
+)
 from akv.backend import KeyArrays, Updater
 from akv.errors import GPUUnavailableError, InvalidArgumentError
 from akv.keys import Entry, merge_into
@@ -42,7 +50,6 @@ __all__ = [
     "MergePlacement",
     "copy_async",
     "from_pinned",
-    "record_on_callers",
     "reduce_at_call",
     "register_gpu_executor",
     "to_pinned",
@@ -211,22 +218,6 @@ def from_pinned(
     for pinned, outs in landed:
         for out in outs:
             copy_async(out, pinned, ctx.stream)
-
-
-def record_on_callers(arrays: Iterable[Array]) -> list[Any]:
-    """Events recorded now on the calling thread's current stream of each GPU that ``arrays``
-    live on. A task that writes the arrays (pull outputs) waits for them (``ctx.after``): it
-    writes after the work the caller queued on them before the call (a fill, a kernel that
-    still reads them, the reuse of freed memory by CuPy's pool)."""
-    cupy = cupy_module()
-    events: dict[int, Any] = {}
-    for array in arrays:
-        device = device_of(array)
-        if device is not None and device not in events:
-            with cupy.cuda.Device(device):
-                events[device] = event = cupy.cuda.Event(disable_timing=True)
-                event.record()
-    return list(events.values())
 
 
 def register_gpu_executor(engine: Engine, make: Callable[[], GPUExecutor]) -> None:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.arrays import Array, copy_into
-from akv.backend import KeyArrays, Updater
+from akv.backend import KeyArrays, Updater, caller_events
 from akv.errors import AKVError, OptimizerNotSetError, StateFileError
 from akv.keys import Entry, merge_into
 from engine import Engine, Task, Waitable
@@ -90,17 +91,17 @@ def _land(
             raise
 
 
-def _copy_out(entry: Entry, outs: list[Array], result: object) -> object:
+def _copy_out(entry: Entry, outs: list[Array], result: object, after: list[Any]) -> object:
     stored = entry.value
     assert stored is not None  # set by init, which every pull is ordered after
     for out in outs:
-        copy_into(out, stored)
+        copy_into(out, stored, after)
     return result
 
 
-def _pull_many(targets: KeyArrays, result: object) -> object:
+def _pull_many(targets: KeyArrays, result: object, after: list[Any]) -> object:
     for entry, outs in targets:
-        _copy_out(entry, outs, None)
+        _copy_out(entry, outs, None, after)
     return result
 
 
@@ -201,8 +202,12 @@ class LocalBackend:
         )
 
     def pull(self, targets: KeyArrays, result: object, priority: int) -> Waitable:
-        """Copy each key's stored value into each of its outputs; the task returns ``result``."""
+        """Copy each key's stored value into each of its outputs; the task returns ``result``.
+
+        GPU outputs are written after the work the caller queued on them before the call.
+        """
         executor = self._executor(targets)
+        after = caller_events(targets)
         if len(targets) == 1:
             entry, outs = targets[0]
             return self._engine.push(
@@ -210,6 +215,7 @@ class LocalBackend:
                 entry,
                 outs,
                 result,
+                after,
                 reads=(entry.var,),
                 priority=priority,
                 executor=executor,
@@ -219,6 +225,7 @@ class LocalBackend:
             _pull_many,
             targets,
             result,
+            after,
             reads=[entry.var for entry, _ in targets],
             priority=priority,
             executor=executor,

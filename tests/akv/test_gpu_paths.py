@@ -589,3 +589,26 @@ async def test_pull_outputs_are_written_after_the_callers_queued_work_on_them(cu
         cupy.synchronize_all()
         assert [peek(o).tolist() for o in outs] == [[6.0] * 8] * 2
         await dist.close()
+
+
+async def test_host_stores_write_gpu_outputs_after_the_callers_queued_work(cupy):
+    """The same for the local and dist_sync stores, whose copies run on an engine or loop
+    thread: its current stream is not the one the caller queued the fills on."""
+    async with await akv.create_async("local", inline_max_bytes=0) as kv:
+        await kv.init("w", np.full(8, 6.0, F32))
+        with cupy.cuda.Stream(non_blocking=True):
+            out = cupy.zeros(8, F32)
+            pulled = kv.pull("w", out=out)
+        await pulled
+        cupy.synchronize_all()
+        assert peek(out).tolist() == [6.0] * 8
+    with Cluster(1, 1) as cluster:  # dist_sync writes GPU outputs on the loop thread
+        (dist,) = await cluster.workers("dist_sync")
+        await dist.init("w", np.full(8, 6.0, F32))
+        with cupy.cuda.Stream(non_blocking=True):
+            outs = [cupy.zeros(8, F32), cupy.zeros(8, F32)]
+            pulled = dist.pull("w", out=outs)
+        await pulled
+        cupy.synchronize_all()
+        assert [peek(o).tolist() for o in outs] == [[6.0] * 8] * 2
+        await dist.close()

@@ -28,15 +28,17 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
-from akv.arrays import Array, copy_into, cupy_module, device_of, is_gpu, to_host
-from akv.device import (
-    GPU,
-    from_pinned,
+from akv.backend import caller_events
+from akv.arrays import (
+    Array,
+    copy_into,
+    cupy_module,
+    device_of,
+    is_gpu,
     record_on_callers,
-    reduce_at_call,
-    register_gpu_executor,
-    to_pinned,
+    to_host,
 )
+from akv.device import GPU, from_pinned, reduce_at_call, register_gpu_executor, to_pinned
 from akv.dist.config import Config
 from akv.dist.membership import Membership, scheduler_refusal
 from akv.dist.placement import place
@@ -404,6 +406,9 @@ class DistBackend:
             result,
             staged,
             release,
+            # GPU outputs of a host store are written on the loop thread: after the work
+            # the caller queued on them (on its own streams) before the call.
+            caller_events(targets),
             reads=key_vars if staged is None else (),
             writes=(key_vars if staged is not None else []) + landing,
             priority=priority,
@@ -445,6 +450,7 @@ class DistBackend:
         result: Any,
         staged: list[tuple[Entry, np.ndarray]] | None,
         release: Callable[[], None],
+        after: list[Any],
         done: Done,
     ) -> None:
         pushed = {id(e): b for e, b in staged} if staged is not None else {}
@@ -470,7 +476,7 @@ class DistBackend:
             for receive, outs, entry in landing:
                 for out in outs:
                     if out is not receive:
-                        copy_into(out, receive)
+                        copy_into(out, receive, after)
                 if receive is not outs[0]:
                     entry.give_buffer(receive)
             return result
@@ -481,7 +487,9 @@ class DistBackend:
         for server, pieces in requests.items():
             arrays = [array for array, _ in pieces]
             views = [view for _, view in pieces]
-            self.links[server].send(op, arrays, replies.reply, destinations=views, timeout_s=timeout)
+            self.links[server].send(
+                op, arrays, replies.reply, destinations=views, timeout_s=timeout
+            )
 
     def barrier(self) -> Task:
         """Wait until every worker called barrier as often as this one (with a deadline)."""
