@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import threading
@@ -736,48 +737,36 @@ def run_chunked(
     dispatch to CuPy (NumPy's ``__array_ufunc__`` and ``__array_function__`` protocols), so
     the same kernel, written once, runs there, with scratch buffers from CuPy's pool.
     """
-    if not isinstance(weight, np.ndarray):
-        _run_whole(kernel, weight, grad, states, num_scratch)
-        return
-    for_write = [weight, *states]
-    flats = []
-    write_back = []
-    for array in for_write:
-        if array.flags.c_contiguous:
-            flats.append(array.reshape(-1))
+    on_host = isinstance(weight, np.ndarray)
+    xp: Any = np if on_host else cupy_module()
+    with contextlib.nullcontext() if on_host else cast(Any, weight).device:
+        for_write = [weight, *states]
+        flats = []
+        write_back = []
+        for array in for_write:
+            if array.flags.c_contiguous:
+                flats.append(array.reshape(-1))
+            else:
+                flat = xp.ascontiguousarray(array).reshape(-1)
+                flats.append(flat)
+                write_back.append((array, flat))
+        flat_grad = xp.ascontiguousarray(grad).reshape(-1)
+        size = flat_grad.size
+        if on_host:
+            buffers, chunks = scratch(weight.dtype, num_scratch), chunk_slices(size)
         else:
-            flat = np.ascontiguousarray(array).reshape(-1)
-            flats.append(flat)
-            write_back.append((array, flat))
-    flat_grad = np.ascontiguousarray(grad).reshape(-1)
-    buffers = scratch(weight.dtype, num_scratch)
-    for chunk in chunk_slices(flat_grad.size):
-        length = chunk.stop - chunk.start
-        kernel(
-            flats[0][chunk],
-            flat_grad[chunk],
-            *(flat[chunk] for flat in flats[1:]),
-            [buffer[:length] for buffer in buffers],
-        )
-    for array, flat in write_back:
-        np.copyto(array, flat.reshape(array.shape))
-
-
-def _run_whole(
-    kernel: Kernel,
-    weight: np.ndarray,
-    grad: np.ndarray,
-    states: Sequence[np.ndarray],
-    num_scratch: int,
-) -> None:
-    cupy = cupy_module()
-    with cast(Any, weight).device:
-        flats = [cupy.ascontiguousarray(array).reshape(-1) for array in (weight, *states)]
-        buffers = [cupy.empty(weight.size, weight.dtype) for _ in range(num_scratch)]
-        kernel(flats[0], cupy.ascontiguousarray(grad).reshape(-1), *flats[1:], buffers)
-        for array, flat in zip((weight, *states), flats, strict=True):
-            if not array.flags.c_contiguous:
-                cupy.copyto(array, flat.reshape(array.shape))
+            buffers = [xp.empty(size, weight.dtype) for _ in range(num_scratch)]
+            chunks = iter([slice(0, size)])
+        for chunk in chunks:
+            length = chunk.stop - chunk.start
+            kernel(
+                flats[0][chunk],
+                flat_grad[chunk],
+                *(flat[chunk] for flat in flats[1:]),
+                [buffer[:length] for buffer in buffers],
+            )
+        for array, flat in write_back:
+            xp.copyto(array, flat.reshape(array.shape))
 
 
 def chunk_slices(size: int) -> Iterator[slice]:
