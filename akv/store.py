@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from akv import limits
 from akv import optimizer as _optimizer
 from akv.args import Key, group, normalize_key, pairs
@@ -547,6 +549,10 @@ class AsyncKVStore:
             entry = table.get(key, "push to")
             arrays = []
             for value in values:
+                if type(value) is np.ndarray:  # the common case, kept cheap
+                    entry.check(value, "push to")
+                    arrays.append(value)
+                    continue
                 array = read(value, key, "push value")[0]
                 entry.check(array, "push to")
                 arrays.append(self._placed(array))
@@ -567,7 +573,7 @@ class AsyncKVStore:
             entry = table.get(k, "pull from")
             arrays = []
             for o in outs:
-                array = write_view(o, k)
+                array = o if type(o) is np.ndarray and o.flags.writeable else write_view(o, k)
                 entry.check(array, "pull into")
                 arrays.append(array)
             targets.append((entry, arrays))
