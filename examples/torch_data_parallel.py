@@ -4,7 +4,9 @@ Run it with the launcher (one scheduler, the servers and the workers on this mac
 
     akv-launch -n 2 -s 1 -- python examples/torch_data_parallel.py
 
-It trains on the GPU where there is one, else on the CPU. Every worker trains the same
+It trains on the GPU where there is one (and CuPy, which akv reads CUDA tensors with), else
+on the CPU. The store is ``dist_sync_device``: on a GPU the gradients are summed there and
+staged through pinned memory; on the CPU it is ``dist_sync``. Every worker trains the same
 torch model on its own shard of the training set. ``akv.torch.DistributedOptimizer`` makes
 every worker start from rank 0's weights, pushes each gradient to the servers as soon as
 backward has computed it, and in ``step()`` pulls the weights the servers updated (SGD with
@@ -26,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import akv
+import akv.arrays
 import akv.torch
 
 HIDDEN = 64
@@ -66,9 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--store", default="dist_sync")
+    parser.add_argument("--store", default="dist_sync_device")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and akv.arrays.cupy_module() is None:
+        print("CUDA is here but CuPy is not (pip install 'akv[gpu]'): training on the CPU")
+        device = "cpu"
     torch.set_num_threads(1)  # several workers share this machine's cores
 
     with akv.create(args.store) as kv:
