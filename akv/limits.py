@@ -42,6 +42,9 @@ REQUEST_TIMEOUT_S = 300.0
 HEARTBEAT_INTERVAL_S = 1.0
 #: After how long without a heartbeat a node counts as dead. ``AKV_HEARTBEAT_TIMEOUT_S``.
 HEARTBEAT_TIMEOUT_S = 10.0
+#: How long a worker whose stream to a server was cut asks the scheduler who failed,
+#: before it fails the job naming that server.
+BLAME_TIMEOUT_S = 2.0
 #: A heartbeat request's own deadline: this many heartbeat intervals, at least
 #: :data:`MIN_HEARTBEAT_REQUEST_S`.
 HEARTBEAT_REQUEST_INTERVALS = 5

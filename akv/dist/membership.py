@@ -65,6 +65,10 @@ class Membership:
         """Join the job; return the scheduler's answer once this process has its rank
         (a worker: and every server's address, under ``"servers"``).
 
+        ``port`` is the port this process listens on (a worker: 0); the scheduler records
+        it with the bound host, and gives workers the advertised address
+        (:meth:`~akv.dist.config.Config.advertised`).
+
         Raises
         ------
         AuthenticationError
@@ -75,6 +79,8 @@ class Membership:
         ConnectTimeoutError
             ``deadline`` (a ``time.monotonic()`` reading) passed first; says what was
             missing.
+        ConfigError
+            A server that binds a wildcard address has no advertised address.
         """
         config = self.config
         body: dict[str, Any] = {
@@ -160,6 +166,20 @@ class Membership:
             return False
         finally:
             await client.close()
+
+    async def blame(self, role: str, rank: int, detail: str, timeout_s: float) -> str | None:
+        """Report that ``role`` ``rank`` cut its connection to this process, and return the
+        job's failure as the scheduler knows it: the first process that failed, by role, rank
+        and address (which may be another than the one that cut the connection: a server
+        closes its streams once it learns the job failed). None when the scheduler does not
+        answer within ``timeout_s``."""
+        body = {"reporter": self.node_id, "role": role, "rank": rank, "detail": detail}
+        try:
+            answer = await asyncio.wait_for(self.client.json("POST", "/v1/lost", body), timeout_s)
+        except (TransportError, ValueError, asyncio.TimeoutError, RemoteError):
+            return None
+        failure = answer.get("failure") if isinstance(answer, dict) else None
+        return str(failure) if failure else None
 
     async def report_lost(self, reporter: str, role: str, rank: int, detail: str) -> None:
         """Tell the scheduler that ``role`` ``rank`` vanished (``reporter`` saw it)."""

@@ -9,6 +9,7 @@ events; tests drive it with a few lines.
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +18,21 @@ from typing import Literal
 from akv.launch.limits import REPORT_GRACE_S
 from akv.launch.spec import ProcessSpec
 
-__all__ = ["Decision", "ExitRules", "exit_code_of", "status_text"]
+__all__ = ["Decision", "ExitRules", "exit_code_of", "scheduler_verdict", "status_text"]
+
+#: What the scheduler logs when it fails the job (``akv.dist.scheduler.service``).
+_VERDICT = re.compile(r"\bjob failed: (.+)$")
+
+
+def scheduler_verdict(line: str) -> str | None:
+    """The reason in a scheduler's "job failed: REASON" log line, else None.
+
+    The scheduler is the one process that knows which process failed first (by role, rank,
+    pid and host); the others only see the consequences (a server closing its streams once
+    it learned the news, a worker's request failing). The launcher quotes it in its summary.
+    """
+    match = _VERDICT.search(line.rstrip("\n"))
+    return match.group(1) if match else None
 
 
 @dataclass(frozen=True)

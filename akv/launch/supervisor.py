@@ -32,7 +32,7 @@ from akv.launch.limits import (
     REPORT_GRACE_S,
     TERMINATE_GRACE_S,
 )
-from akv.launch.rules import Decision, ExitRules
+from akv.launch.rules import Decision, ExitRules, scheduler_verdict
 from akv.launch.spec import ProcessSpec
 
 __all__ = ["supervise"]
@@ -158,6 +158,8 @@ class _Supervisor:
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._pumps: dict[int, list[threading.Thread]] = {}
         self._signo: int | None = None
+        #: The scheduler's "job failed: ..." reason, the first one it logged.
+        self._verdict: str | None = None
 
     def run(self, inherited: Sequence[socket.socket], handle_signals: bool) -> int:
         rules = ExitRules(self._specs, self._grace_s)
@@ -190,6 +192,8 @@ class _Supervisor:
                 if decision.action != "stop" and decision.message:
                     self._say(decision.message)
             self._say(decision.message)
+            if decision.exit_code != 0 and self._verdict is not None:
+                self._say(f"the scheduler's verdict: the job failed: {self._verdict}")
             return decision.exit_code
         finally:
             for sock in inherited:
@@ -286,6 +290,8 @@ class _Supervisor:
                     return
                 if not line.endswith(b"\n"):
                     line += b"\n"
+                if self._verdict is None and self._specs[index].role == "scheduler":
+                    self._verdict = scheduler_verdict(line.decode(errors="replace"))
                 self._emit(index, out, prefix + line)
 
     def _emit(self, index: int, out: BinaryIO, line: bytes) -> None:

@@ -28,7 +28,6 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
-from akv.backend import caller_events
 from akv.arrays import (
     Array,
     copy_into,
@@ -38,6 +37,7 @@ from akv.arrays import (
     record_on_callers,
     to_host,
 )
+from akv.backend import caller_events
 from akv.device import GPU, from_pinned, reduce_at_call, register_gpu_executor, to_pinned
 from akv.dist.config import Config
 from akv.dist.membership import Membership, scheduler_refusal
@@ -60,6 +60,7 @@ from akv.errors import (
 )
 from akv.keys import Entry, Part, merge_into
 from akv.limits import (
+    BLAME_TIMEOUT_S,
     CONNECT_RETRY_S,
     GOODBYE_TIMEOUT_S,
     HEARTBEAT_STOP_S,
@@ -109,6 +110,7 @@ class DistBackend:
         self._barriers = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._blames: set[asyncio.Task[None]] = set()
         self._closed = False
 
     @property
@@ -135,7 +137,10 @@ class DistBackend:
         deadline = time.monotonic() + config.timeouts.connect_s
         answer = await self.membership.register(0, deadline)
         rank = int(answer["rank"])
-        links = [ServerLink(s["rank"], s["host"], s["port"], self.fail) for s in answer["servers"]]
+        links = [
+            ServerLink(s["rank"], s["host"], s["port"], self.fail, self._cut)
+            for s in answer["servers"]
+        ]
         for link in links:
             await self._open(link, rank, deadline)
         self.links = links
@@ -179,6 +184,29 @@ class DistBackend:
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self.fail, PeerLostError(reason))
+
+    def _cut(self, link: ServerLink, error: AKVError) -> None:
+        """A server's stream ended without a goodbye: ask the scheduler who failed (within
+        :data:`BLAME_TIMEOUT_S`), then fail the job naming that process. The server that cut
+        the stream is often not the culprit: servers close their streams once they learn
+        that the job failed (a worker died, another server hangs)."""
+        if self.broken is not None or self._loop is None:
+            self.fail(self.broken or error)
+            return
+        task = self._loop.create_task(self._blame(link, error))
+        self._blames.add(task)
+        task.add_done_callback(self._blames.discard)
+
+    async def _blame(self, link: ServerLink, error: AKVError) -> None:
+        failure = await self.membership.blame("server", link.rank, str(error), BLAME_TIMEOUT_S)
+        if failure is None:
+            self.fail(error)
+        else:
+            self.fail(
+                PeerLostError(
+                    f"the job failed: {failure} (seen as {link.name} cutting its connection)"
+                )
+            )
 
     def fail(self, error: AKVError) -> None:
         """The job failed: every waiting request and every later call raises ``error``."""

@@ -26,12 +26,20 @@ __all__ = ["ServerLink"]
 class ServerLink:
     """This worker's stream to server ``rank`` at ``host:port``.
 
-    ``on_lost(error)`` is called when the stream ends without :meth:`close`, or when a
-    server reports that the job failed (then nothing more will work).
+    ``on_lost(error)`` is called when a server reports that the job failed (then nothing
+    more will work). ``on_cut(link, error)`` is called when the stream ends without
+    :meth:`close`: the requests in flight, and those sent from then on, stay pending until
+    the backend fails them (with the name of whoever the scheduler says failed: the server
+    that closed the stream may only be passing the news on), or their deadline passes.
     """
 
     def __init__(
-        self, rank: int, host: str, port: int, on_lost: Callable[[AKVError], None]
+        self,
+        rank: int,
+        host: str,
+        port: int,
+        on_lost: Callable[[AKVError], None],
+        on_cut: Callable[[ServerLink, AKVError], None],
     ) -> None:
         self.rank = rank
         self.host = host
@@ -40,6 +48,7 @@ class ServerLink:
         self.lost: AKVError | None = None
         self.closing = False
         self._report_lost = on_lost
+        self._report_cut = on_cut
         self._table = RequestTable(self.name)
         #: The stream (None until :meth:`open`).
         self.protocol: StreamProtocol | None = None
@@ -75,9 +84,10 @@ class ServerLink:
     def _on_lost(self, exc: BaseException | None) -> None:
         detail = f": {exc!r}" if exc else ""
         self.lost = PeerLostError(f"{self.name} closed the connection{detail} (did it die?)")
-        _deliver(self._table.fail_all(self.lost))
-        if not self.closing:
-            self._report_lost(self.lost)
+        if self.closing:
+            _deliver(self._table.fail_all(self.lost))
+        else:
+            self._report_cut(self, self.lost)
 
     @property
     def requests_sent(self) -> int:
@@ -107,6 +117,10 @@ class ServerLink:
         With ``destinations``, the reply's arrays are received straight into them. The
         deadline is enforced by :meth:`sweep`, which the backend runs periodically.
         """
+        if self.lost is not None and self._loop is not None and not self.closing:
+            # Cut: parked until the backend knows whom to blame (or the deadline passes).
+            self._table.add(op, on_reply, destinations, self._loop.time() + timeout_s)
+            return
         if self.lost is not None:
             on_reply(None, self.lost)
             return

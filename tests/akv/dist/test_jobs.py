@@ -113,11 +113,44 @@ def test_a_server_that_dies_fails_the_job_and_the_worker_names_it():
     # The worker names the dead server by rank and address before the job stops: the
     # launcher gives workers time to report a server's death (REPORT_GRACE_S).
     assert re.search(
-        r"\[worker 0\] .*worker 0: server 0 at 127\.0\.0\.1:\d+ closed the connection", output
+        r"\[worker 0\] .*worker 0: the job failed: server 0 \(pid \d+ on 127\.0\.0\.1\)", output
     ), output
     assert "[worker 0] rank 0 got PeerLostError" in output
     assert "server 0" in output and "exited with signal SIGKILL" in output
     assert "waiting up to 5 s for the workers to report it" in output
+
+
+def test_a_killed_worker_is_blamed_by_the_survivor_and_the_launcher():
+    """Two servers close their streams once the job failed; the survivor and the launcher
+    still name worker 1, the process that died (issue #9)."""
+    done = launch(
+        ["-n", "2", "-s", "2", "--", sys.executable, str(JOBS / "faults.py"), "kill-worker"],
+        timeout=90,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 128 + signal.SIGKILL, output
+    got = re.search(r"rank 0 got PeerLostError after [\d.]+ s: (.*)", output)
+    assert got is not None, output
+    # From a server's refusal ("worker 1 disconnected from server 0 ...") or from the
+    # scheduler after a cut stream ("the job failed: worker 1 (pid ...) ..."): worker 1 first.
+    assert re.match(r"(the job failed: )?worker 1 ", got.group(1)), got.group(1)
+    assert "worker 1" in output and "exited with signal SIGKILL" in output
+
+
+def test_a_hanging_server_is_blamed_by_the_workers_and_the_launcher():
+    done = launch(
+        ["-n", "2", "-s", "2", "--", sys.executable, str(JOBS / "faults.py"), "stop-server"],
+        timeout=90,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    blamed = re.findall(r"rank \d got PeerLostError after [\d.]+ s: (.*)", output)
+    assert blamed, output
+    for message in blamed:
+        assert re.match(r"(the job failed: )?server 1 ", message), message
+    verdict = re.search(r"akv-launch: the scheduler's verdict: the job failed: (.*)", output)
+    assert verdict is not None, output
+    assert verdict.group(1).startswith("server 1 (pid"), verdict.group(1)
 
 
 def test_a_misconfigured_environment_fails_at_once_with_a_clear_message():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -506,3 +507,41 @@ async def test_torch_tensors_in_a_distributed_store():
 
         assert await each(stores, body) == [(2.0, 2.0), (2.0, 2.0)]
         await close_all(stores)
+
+
+async def test_a_vanished_worker_is_blamed_even_when_a_server_cuts_the_stream():
+    """Servers close their streams once the job failed; the survivors ask the scheduler who
+    failed instead of blaming the server that cut them off (issue #9)."""
+    with Cluster(2, 2) as cluster:
+        alive, doomed = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        await asyncio.gather(alive.init(0, full(0.0)), doomed.init(0, full(0.0)))
+        doomed._backend._heartbeat.stop()
+        for link in doomed._backend.links:
+            link.closing = True  # a dead process reports nothing
+            link.protocol.abort()  # no goodbye: as if the process died
+        deadline = time.monotonic() + 20
+        while cluster.scheduler.roster.failure is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert "worker 1" in str(cluster.scheduler.roster.failure)
+        for server in cluster.servers:  # the servers stop, cutting the survivor's streams
+            cluster.thread.run(_drop_streams(server), timeout=10)
+        with pytest.raises(akv.PeerLostError) as info:
+            await asyncio.wait_for(alive.pull(0), 20)
+        message = str(info.value)
+        assert message.startswith("the job failed: worker 1 (pid"), message
+        assert "seen as server" in message  # how this worker learned it, named last
+        await alive.close()
+
+
+async def test_a_server_that_cuts_its_streams_is_blamed_when_it_is_the_one_that_failed():
+    with Cluster(1, 2) as cluster:
+        (kv,) = await cluster.workers()
+        await kv.init(0, full(1.0))
+        cluster.thread.run(_drop_streams(cluster.servers[1]), timeout=10)
+        deadline = time.monotonic() + 20
+        while kv._backend.broken is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with pytest.raises(akv.PeerLostError) as info:
+            await kv.pull(0)
+        assert re.match(r"the job failed: server \d \(pid \d+ on 127\.0\.0\.1", str(info.value))
+        await kv.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from akv.launch.rules import ExitRules, exit_code_of, status_text
+from akv.launch.rules import ExitRules, exit_code_of, scheduler_verdict, status_text
 from akv.launch.spec import ProcessSpec
 
 
@@ -114,3 +114,11 @@ def test_processes_are_named_by_role_rank_host_and_pid():
         "worker 1 on node2 (pid 1234)"
     )
     assert ProcessSpec("server", None, ("x",), {}, {}, count=3).describe(None) == "servers"
+
+
+def test_the_scheduler_verdict_is_read_from_its_job_failed_line():
+    line = (
+        "2026-12-03 09:00:00,000 akv.dist.scheduler ERROR job failed: worker 1 (pid 7 on h) died\n"
+    )
+    assert scheduler_verdict(line) == "worker 1 (pid 7 on h) died"
+    assert scheduler_verdict("scheduler waiting: 1 of 2 workers have not registered") is None

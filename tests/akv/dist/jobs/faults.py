@@ -15,13 +15,15 @@ MODE = sys.argv[1]
 
 
 def server_pids() -> list[int]:
+    """The servers' pids, in rank order."""
     url = f"http://{os.environ['AKV_SCHEDULER_HOST']}:{os.environ['AKV_SCHEDULER_PORT']}/v1/status"
     request = urllib.request.Request(
         url, headers={"Authorization": f"Bearer {os.environ['AKV_TOKEN']}"}
     )
     with urllib.request.urlopen(request, timeout=10) as answer:
         nodes = json.load(answer)["nodes"]
-    return [n["pid"] for n in nodes if n["role"] == "server"]
+    servers = sorted((n for n in nodes if n["role"] == "server"), key=lambda n: n["rank"])
+    return [n["pid"] for n in servers]
 
 
 with akv.create("dist_sync") as kv:
@@ -36,9 +38,14 @@ with akv.create("dist_sync") as kv:
         for pid in server_pids():
             os.kill(pid, signal.SIGKILL)
         time.sleep(0.5)
+    if kv.rank == 1 and MODE == "kill-worker":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kv.rank == 0 and MODE == "stop-server":
+        os.kill(server_pids()[-1], signal.SIGSTOP)  # the last server hangs
     started = time.monotonic()
     try:
-        for _ in range(1000):
+        # Until the failure reaches this worker (a hanging server is found by heartbeats).
+        while time.monotonic() - started < 60:
             kv.push(0, np.ones(4, np.float32))
             kv.pull(0)
     except akv.AKVError as exc:
