@@ -1,4 +1,4 @@
-"""The ``akv`` command: ``akv --version``, ``akv bench {local,engine,dist,device}``."""
+"""The ``akv`` command: ``akv --version``, ``akv bench {local,engine,dist,device,soak}``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ BENCHMARKS = {
     "local": "akv.bench.local",
     "engine": "akv.bench.engine",
     "dist": "akv.bench.dist",
+    "soak": "akv.bench.soak",
     "device": "akv.bench.device",
 }
 
