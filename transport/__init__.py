@@ -5,7 +5,9 @@
 * :class:`FrameReader`: a sans-IO stream parser that lands large payloads straight in the
   buffers they belong to.
 * :func:`create_app` / :func:`serve` / :class:`HttpClient`: aiohttp for the control plane
-  (routing, token authentication in constant time, body limits, TLS, status codes).
+  (routing, token authentication in constant time, body limits, TLS, status codes), and
+  bounds on what a hostile peer may hold (idle and slow connections time out, connections
+  per address are capped); :func:`parse_json` decodes what peers send, strictly.
 * :func:`stream_route` / :func:`open_stream` / :class:`StreamProtocol`: an authenticated
   HTTP Upgrade to a framed stream for bulk arrays (zero-copy sends, receives into
   preallocated buffers).
@@ -14,21 +16,27 @@ This package never imports ``akv`` or ``engine``.
 """
 
 from transport._http import (
+    CLIENT_MISTAKE_LOG_INTERVAL_S,
     DEFAULT_HOST,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_JSON_MAX_DEPTH,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS_PER_PEER,
     HttpClient,
     RequestError,
     client_ssl_context,
     create_app,
+    parse_json,
     serve,
     server_ssl_context,
     stream_route,
 )
-from transport._reader import FrameReader, Message, ReaderStatistics
+from transport._reader import DISCARD, Destination, Discard, FrameReader, Message, ReaderStatistics
 from transport._stream import UPGRADE_PROTOCOL, StreamProtocol, open_stream
 from transport.errors import (
     AuthError,
     FrameError,
+    JSONError,
     PayloadTooLargeError,
     RemoteError,
     TransportError,
@@ -47,17 +55,25 @@ from transport.frame import (
 )
 
 __all__ = [
+    "CLIENT_MISTAKE_LOG_INTERVAL_S",
     "DEFAULT_HOST",
+    "DEFAULT_IDLE_TIMEOUT_S",
+    "DEFAULT_JSON_MAX_DEPTH",
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_CONNECTIONS_PER_PEER",
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "DISCARD",
     "DTYPE_CODES",
     "UPGRADE_PROTOCOL",
     "ArrayInfo",
     "AuthError",
+    "Destination",
+    "Discard",
     "FrameError",
     "FrameHeader",
     "FrameReader",
     "HttpClient",
+    "JSONError",
     "Message",
     "PayloadTooLargeError",
     "ReaderStatistics",
@@ -74,6 +90,7 @@ __all__ = [
     "encode_frame",
     "frame_bytes",
     "open_stream",
+    "parse_json",
     "serve",
     "server_ssl_context",
     "stream_route",

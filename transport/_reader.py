@@ -4,13 +4,17 @@ The protocol's ``get_buffer`` returns :meth:`FrameReader.get_buffer` and its ``b
 calls :meth:`FrameReader.buffer_updated`, which returns the messages completed so far. Small
 frames are received into one reused scratch buffer and parsed many at a time; the payload of a
 large array is received by the kernel straight into the buffer the application chose for it.
+The payload of an array the application refuses (:data:`DISCARD`) is read through the scratch
+buffer and dropped, so a header that declares a huge payload never makes the reader allocate
+it.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Final, Literal, NamedTuple, TypeAlias
 
 from transport.errors import FrameError
 from transport.frame import (
@@ -24,7 +28,10 @@ from transport.frame import (
 __all__ = [
     "DEFAULT_DIRECT_THRESHOLD_BYTES",
     "DEFAULT_SCRATCH_BYTES",
+    "DISCARD",
+    "Destination",
     "Destinations",
+    "Discard",
     "FrameReader",
     "Message",
     "ReaderStatistics",
@@ -35,20 +42,41 @@ DEFAULT_SCRATCH_BYTES = 256 << 10
 #: An array whose outstanding payload is at least this big is received in place.
 DEFAULT_DIRECT_THRESHOLD_BYTES = 64 << 10
 
-#: The callback that chooses where each array of a frame is received (None: a fresh buffer).
-Destinations = Callable[[FrameHeader], Sequence[memoryview | None]]
+
+class Discard(enum.Enum):
+    """The type of :data:`DISCARD` (an enum, so that type checkers narrow ``is DISCARD``)."""
+
+    DISCARD = "discard"
+
+    def __repr__(self) -> str:
+        return "transport.DISCARD"
+
+
+#: A destination that receives nothing: the array's payload is read through the scratch
+#: buffer and dropped, whatever its declared size (nothing proportional to it is allocated).
+DISCARD: Final = Discard.DISCARD
+
+#: Where one array of a frame is received: a writable buffer of exactly its ``nbytes``,
+#: None (a fresh ``bytearray``), or :data:`DISCARD`.
+Destination: TypeAlias = memoryview | Literal[Discard.DISCARD] | None
+#: The callback that chooses where each array of a frame is received.
+Destinations: TypeAlias = Callable[[FrameHeader], Sequence[Destination]]
 
 # What the reader is waiting for.
 _PREFIX, _HEADER, _BIG_HEADER, _PAYLOAD = range(4)
 # Which buffer get_buffer() handed out last.
 _NOTHING, _SCRATCH, _DIRECT, _BIG = range(4)
+# The buffer a discarded array is delivered with: empty, its bytes were dropped.
+_DROPPED = memoryview(b"")
 
 
 class Message(NamedTuple):
     """One received frame: its header and one buffer per array, in the header's order.
 
     Each buffer is a ``memoryview`` of format ``"B"`` holding exactly the array's ``nbytes``:
-    the destination the application chose, or a fresh ``bytearray`` it owns from now on.
+    the destination the application chose, or a fresh ``bytearray`` it owns from now on;
+    an array whose destination was :data:`DISCARD` has an empty buffer (its bytes were
+    dropped).
     """
 
     header: FrameHeader
@@ -60,12 +88,15 @@ class ReaderStatistics:
     """Counters of a :class:`FrameReader` since it was made.
 
     ``payload_bytes_direct`` were written by the caller (the kernel) straight into their
-    destinations; ``payload_bytes_copied`` arrived in the scratch buffer and were copied there.
+    destinations; ``payload_bytes_copied`` arrived in the scratch buffer and were copied there;
+    ``payload_bytes_discarded`` arrived in the scratch buffer for a :data:`DISCARD`
+    destination and were dropped.
     """
 
     messages: int
     payload_bytes_direct: int
     payload_bytes_copied: int
+    payload_bytes_discarded: int = 0
 
 
 class FrameReader:
@@ -77,8 +108,11 @@ class FrameReader:
         Called once per frame, as soon as its header is decoded, with the
         :class:`~transport.frame.FrameHeader`. Returns one entry per array: a writable,
         C-contiguous buffer (ideally a ``memoryview`` cast to ``"B"``) of exactly that array's
-        ``nbytes`` to receive its payload into, or None for a fresh ``bytearray``. An exception
-        it raises propagates out of :meth:`buffer_updated` and breaks the reader.
+        ``nbytes`` to receive its payload into, None for a fresh ``bytearray`` of that size,
+        or :data:`DISCARD` to read the payload and drop it (a frame the application refuses:
+        its bytes pass through the scratch buffer, so nothing proportional to the declared
+        size is allocated, and the stream stays in step). An exception it raises propagates
+        out of :meth:`buffer_updated` and breaks the reader.
     max_payload_bytes
         The largest payload accepted in one frame.
     scratch_bytes
@@ -126,6 +160,10 @@ class FrameReader:
         self._big_filled = 0
         self._header: FrameHeader | None = None
         self._buffers: list[memoryview] = []
+        # Each array's payload size, and which arrays are dropped (their buffer is empty).
+        self._sizes: list[int] = []
+        self._discards: list[bool] = []
+        self._discarding = False
         self._index = 0
         self._current: memoryview = self._scratch[:0]
         self._offset = 0
@@ -134,6 +172,7 @@ class FrameReader:
         self._messages = 0
         self._direct_bytes = 0
         self._copied_bytes = 0
+        self._discarded_bytes = 0
 
     # -------------------------------------------------------------- the protocol's face
 
@@ -143,7 +182,8 @@ class FrameReader:
         ``sizehint`` is accepted for :class:`asyncio.BufferedProtocol` and ignored. Calling
         again without :meth:`buffer_updated` in between is allowed and supersedes the earlier
         buffer. While a large array's payload is outstanding the buffer is a slice of its
-        destination, never longer than what the array still needs.
+        destination, never longer than what the array still needs; a discarded array's
+        payload is always received into the scratch buffer.
 
         Raises
         ------
@@ -152,7 +192,11 @@ class FrameReader:
         """
         if self._broken is not None:
             self._raise_broken()
-        if self._state == _PAYLOAD and self._remaining >= self._direct_threshold_bytes:
+        if (
+            self._state == _PAYLOAD
+            and self._remaining >= self._direct_threshold_bytes
+            and not self._discarding
+        ):
             # The scratch buffer is empty here: parsing consumes all of it in this state.
             self._handed = _DIRECT
             self._handed_len = self._remaining
@@ -247,7 +291,9 @@ class FrameReader:
 
     def statistics(self) -> ReaderStatistics:
         """Return the reader's counters (messages, payload bytes received direct or copied)."""
-        return ReaderStatistics(self._messages, self._direct_bytes, self._copied_bytes)
+        return ReaderStatistics(
+            self._messages, self._direct_bytes, self._copied_bytes, self._discarded_bytes
+        )
 
     # -------------------------------------------------------------- parsing
 
@@ -260,9 +306,12 @@ class FrameReader:
             if state == _PAYLOAD:
                 count = min(end - start, self._remaining)
                 offset = self._offset
-                self._current[offset : offset + count] = view[start : start + count]
+                if self._discarding:
+                    self._discarded_bytes += count
+                else:
+                    self._current[offset : offset + count] = view[start : start + count]
+                    self._copied_bytes += count
                 start += count
-                self._copied_bytes += count
                 self._offset = offset + count
                 self._remaining -= count
                 if not self._remaining:
@@ -305,13 +354,19 @@ class FrameReader:
                 f"of {len(arrays)} arrays"
             )
         buffers = []
+        discards = []
         for index, (info, destination) in enumerate(zip(arrays, destinations, strict=True)):
-            if destination is None:
+            if destination is DISCARD:
+                buffers.append(_DROPPED)
+            elif destination is None:
                 buffers.append(memoryview(bytearray(info.nbytes)))
             else:
                 buffers.append(_as_destination(destination, index, info.key, info.nbytes))
+            discards.append(destination is DISCARD)
         self._header = header
         self._buffers = buffers
+        self._sizes = [info.nbytes for info in arrays]
+        self._discards = discards
         self._index = -1
         self._state = _PAYLOAD
         self._next_array(messages)
@@ -319,14 +374,16 @@ class FrameReader:
     def _next_array(self, messages: list[Message]) -> None:
         """Move to the next array with bytes to receive, or complete the message."""
         buffers = self._buffers
+        sizes = self._sizes
         index = self._index + 1
         while index < len(buffers):
-            buffer = buffers[index]
-            if len(buffer):
+            size = sizes[index]
+            if size:
                 self._index = index
-                self._current = buffer
+                self._current = buffers[index]
+                self._discarding = self._discards[index]
                 self._offset = 0
-                self._remaining = len(buffer)
+                self._remaining = size
                 return
             index += 1
         assert self._header is not None
@@ -334,6 +391,9 @@ class FrameReader:
         self._messages += 1
         self._header = None
         self._buffers = []
+        self._sizes = []
+        self._discards = []
+        self._discarding = False
         self._current = self._scratch[:0]
         self._state = _PREFIX
 
@@ -346,7 +406,7 @@ class FrameReader:
             return f"{held} of {self._header_len} header bytes received"
         if self._state == _BIG_HEADER:
             return f"{self._big_filled} of {self._header_len} header bytes received"
-        done = sum(len(buffer) for buffer in self._buffers[: self._index]) + self._offset
+        done = sum(self._sizes[: self._index]) + self._offset
         return (
             f"{done} of {self._payload_len} payload bytes received "
             f"(array {self._index} of {len(self._buffers)})"

@@ -6,7 +6,14 @@ that a caller can catch one reason; each message names the field and the value t
 
 from __future__ import annotations
 
-__all__ = ["AuthError", "FrameError", "PayloadTooLargeError", "RemoteError", "TransportError"]
+__all__ = [
+    "AuthError",
+    "FrameError",
+    "JSONError",
+    "PayloadTooLargeError",
+    "RemoteError",
+    "TransportError",
+]
 
 
 class TransportError(Exception):
@@ -20,6 +27,11 @@ class FrameError(TransportError, ValueError):
     ``"frame header: ndim 40 of array 2 exceeds MAX_NDIM 32"``. A connection that produced one
     cannot be trusted to be in step any more and should be closed.
     """
+
+
+class JSONError(TransportError, ValueError):
+    """A JSON text is malformed, or outside what :func:`transport.parse_json` accepts
+    (nested too deeply, a non-finite number, an integer beyond 64 bits, not UTF-8)."""
 
 
 class AuthError(TransportError, PermissionError):

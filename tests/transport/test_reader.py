@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transport._reader import FrameReader, Message
+from transport._reader import DISCARD, FrameReader, Message
 from transport.errors import FrameError
-from transport.frame import DTYPE_CODES, FrameHeader, as_array, encode_frame, frame_bytes
+from transport.frame import (
+    DTYPE_CODES,
+    ArrayInfo,
+    FrameHeader,
+    as_array,
+    encode_frame,
+    encode_header,
+    frame_bytes,
+)
 
 # ---------------------------------------------------------------------- helpers
 
@@ -449,3 +458,89 @@ def test_encode_frame_buffers_written_in_sequence_form_the_stream():
     stream = b"".join(bytes(buffer) for buffer in encode_frame(1, 2, arrays))
     (message,) = feed(FrameReader(fresh), stream, random.Random(16))
     assert_delivered(message, (1, 2, arrays, {}))
+
+
+# ---------------------------------------------------------------------- discarded payloads
+
+GIB = 1 << 30
+
+
+def huge_header(nbytes: int, key: object = "ghost", op: int = 3, seq: int = 7) -> bytes:
+    """The prefix and header of a frame declaring one uint8 array of ``nbytes`` (no payload)."""
+    info = ArrayInfo(key, np.dtype("u1"), (nbytes,), nbytes)
+    return encode_header(FrameHeader(op, 0, seq, 0, (info,), "", nbytes))
+
+
+def pour(reader: FrameReader, nbytes: int) -> tuple[list[Message], int]:
+    """Deliver ``nbytes`` as the kernel would, into whatever buffer get_buffer gives;
+    return the messages and the largest buffer handed out."""
+    messages: list[Message] = []
+    largest = 0
+    while nbytes:
+        buffer = reader.get_buffer(-1)
+        largest = max(largest, len(buffer))
+        count = min(len(buffer), nbytes)  # what the bytes are does not matter here
+        nbytes -= count
+        messages.extend(reader.buffer_updated(count))
+    return messages, largest
+
+
+def test_a_discarded_gib_payload_passes_through_without_being_allocated():
+    after = (1, 8, [(0, np.arange(5, dtype=np.float32), 0)], {})
+    reader = FrameReader(
+        lambda header: [DISCARD] if header.seq == 7 else [None] * len(header.arrays)
+    )
+    tracemalloc.start()
+    try:
+        messages = feed(reader, huge_header(GIB), random.Random(20))
+        assert messages == []
+        poured, largest = pour(reader, GIB)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"discarding a declared GiB allocated {peak} bytes"
+    assert largest <= 256 << 10  # never more than the scratch buffer at once
+    (refused,) = poured
+    assert refused.header.payload_len == GIB and refused.buffers == (memoryview(b""),)
+    assert reader.statistics().payload_bytes_discarded == GIB
+    assert reader.statistics().payload_bytes_direct == 0
+    # The stream is still in step: the next frame arrives intact.
+    (message,) = feed(reader, encode_all([after]), random.Random(21))
+    assert_delivered(message, after)
+    assert reader.idle
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_discarded_arrays_are_dropped_and_the_others_received_whatever_the_chunking(seed):
+    rng = np.random.default_rng(seed)
+    arrays = [
+        (key, rng.random(size).astype(np.float32), 0)
+        for key, size in enumerate((3, 70_000, 0, 9, 50_000))
+    ]
+    drop = {1, 3}
+    frames = [(1, 0, arrays, {}), (2, 1, arrays[:1], {"text": "after"})]
+
+    def destinations(header: FrameHeader) -> list:
+        if header.seq == 0:
+            return [DISCARD if index in drop else None for index in range(len(header.arrays))]
+        return [None] * len(header.arrays)
+
+    reader = FrameReader(destinations, scratch_bytes=4096, direct_threshold_bytes=1024)
+    first, second = feed(reader, encode_all(frames), random.Random(seed))
+    for index, (_, array, _) in enumerate(arrays):
+        buffer = first.buffers[index]
+        if index in drop:
+            assert len(buffer) == 0
+        else:
+            assert bytes(buffer) == array.tobytes()
+    assert_delivered(second, frames[1])
+    stats = reader.statistics()
+    assert stats.payload_bytes_discarded == sum(arrays[i][1].nbytes for i in drop)
+    assert reader.idle
+
+
+def test_a_discarded_payload_cut_short_says_where_at_eof():
+    reader = FrameReader(lambda header: [DISCARD])
+    feed(reader, huge_header(1000) + bytes(400), random.Random(22))
+    with pytest.raises(FrameError, match=r"400 of 1000 payload bytes received"):
+        reader.eof()
