@@ -45,6 +45,8 @@ HEARTBEAT_TIMEOUT_S = 10.0
 #: How long a worker whose stream to a server was cut asks the scheduler who failed,
 #: before it fails the job naming that server.
 BLAME_TIMEOUT_S = 2.0
+#: How often that worker asks again while the scheduler knows no failure yet.
+VERDICT_POLL_S = 0.1
 #: A heartbeat request's own deadline: this many heartbeat intervals, at least
 #: :data:`MIN_HEARTBEAT_REQUEST_S`.
 HEARTBEAT_REQUEST_INTERVALS = 5
@@ -90,3 +92,18 @@ SMALL_REPLY_BYTES = 64 << 10
 SERVER_ENGINE_SLOTS = max(4, os.cpu_count() or 1)
 #: The shortest token a job accepts (characters). ``AKV_TOKEN`` sets the token.
 MIN_TOKEN_CHARS = 16
+#: How much longer than the connect timeout the scheduler (from its start) and a server
+#: (from when it serves; twice this) wait for every worker and server to join before the
+#: job fails, naming the ranks that never registered.
+STARTUP_MARGIN_S = 2.0
+
+# ---------------------------------------------------------------- connections
+
+#: A connection to a server or the scheduler that has not sent a whole HTTP request header
+#: this long after it opened (or after its last answer, when kept alive), or whose request
+#: body sent nothing this long, is closed (seconds). A worker's upgraded stream is never
+#: closed for being idle. ``AKV_IDLE_TIMEOUT_S``.
+IDLE_TIMEOUT_S = 10.0
+#: Connections one IP address may hold open at once to a server or the scheduler (streams
+#: included); more are closed as soon as they are accepted. ``AKV_MAX_CONNECTIONS_PER_PEER``.
+MAX_CONNECTIONS_PER_PEER = 64

@@ -32,6 +32,7 @@ from akv.limits import (
     GOODBYE_TIMEOUT_S,
     HEARTBEAT_REQUEST_INTERVALS,
     MIN_HEARTBEAT_REQUEST_S,
+    VERDICT_POLL_S,
 )
 from transport import AuthError, HttpClient, RemoteError, TransportError
 
@@ -61,9 +62,15 @@ class Membership:
             self._client = scheduler_client(self.config, self.config.timeouts.request_s)
         return self._client
 
-    async def register(self, port: int, deadline: float) -> dict[str, Any]:
+    async def register(
+        self, port: int, deadline: float, *, whole_job: bool | None = None
+    ) -> dict[str, Any]:
         """Join the job; return the scheduler's answer once this process has its rank
         (a worker: and every server's address, under ``"servers"``).
+
+        ``whole_job``: wait until every worker and server registered (default: a worker
+        does, a server only needs its rank; a server that registered calls it again with
+        True to wait for the whole job, by a deadline of its own).
 
         ``port`` is the port this process listens on (a worker: 0); the scheduler records
         it with the bound host, and gives workers the advertised address
@@ -83,15 +90,22 @@ class Membership:
             A server that binds a wildcard address has no advertised address.
         """
         config = self.config
+        if whole_job is None:
+            whole_job = self.role == "worker"
+        # host and port: where workers reach this process (the advertised address, which
+        # the address book gives out and messages name); bound_*: what it listens on.
+        host, advertised_port = config.advertised(port)
         body: dict[str, Any] = {
             "node_id": self.node_id,
             "role": self.role,
             "rank": self.rank,
-            "host": config.host,
-            "port": port,
+            "host": host,
+            "port": advertised_port,
+            "bound_host": config.host,
+            "bound_port": port,
             "pid": os.getpid(),
             # A server needs only its rank: workers find it through the address book.
-            "wait": self.role == "worker",
+            "wait": whole_job,
         }
         last_note = ""
         while True:
@@ -109,7 +123,7 @@ class Membership:
                 note = str(answer.get("waiting", ""))
                 if "rank" in answer:
                     self.rank = body["rank"] = int(answer["rank"])
-                    if self.role != "worker" or "servers" in answer:
+                    if not whole_job or "servers" in answer:
                         return answer
             if time.monotonic() > deadline:
                 raise ConnectTimeoutError(
@@ -167,19 +181,33 @@ class Membership:
         finally:
             await client.close()
 
-    async def blame(self, role: str, rank: int, detail: str, timeout_s: float) -> str | None:
-        """Report that ``role`` ``rank`` cut its connection to this process, and return the
-        job's failure as the scheduler knows it: the first process that failed, by role, rank
-        and address (which may be another than the one that cut the connection: a server
-        closes its streams once it learns the job failed). None when the scheduler does not
-        answer within ``timeout_s``."""
+    async def verdict(
+        self, role: str, rank: int, detail: str, report: bool, timeout_s: float
+    ) -> str | None:
+        """The job's failure as the scheduler knows it: the first process that failed, by
+        role, rank and address. That may be another process than ``role`` ``rank``, the
+        peer that cut its connection to this one (``report``: it is reported lost first) or
+        refused a request: a server closes its streams and refuses requests once it learns
+        that the job failed. Asks until the scheduler knows a failure or ``timeout_s``
+        passed (then None)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         body = {"reporter": self.node_id, "role": role, "rank": rank, "detail": detail}
-        try:
-            answer = await asyncio.wait_for(self.client.json("POST", "/v1/lost", body), timeout_s)
-        except (TransportError, ValueError, asyncio.TimeoutError, RemoteError):
-            return None
-        failure = answer.get("failure") if isinstance(answer, dict) else None
-        return str(failure) if failure else None
+        method, path = ("POST", "/v1/lost") if report else ("GET", "/v1/status")
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            try:
+                request = self.client.json(method, path, body if report else None)
+                answer = await asyncio.wait_for(request, remaining)
+            except (TransportError, ValueError, asyncio.TimeoutError, RemoteError):
+                return None
+            failure = answer.get("failure") if isinstance(answer, dict) else None
+            if failure:
+                return str(failure)
+            method, path, report = "GET", "/v1/status", False
+            await asyncio.sleep(min(VERDICT_POLL_S, max(0.0, deadline - loop.time())))
 
     async def report_lost(self, reporter: str, role: str, rank: int, detail: str) -> None:
         """Tell the scheduler that ``role`` ``rank`` vanished (``reporter`` saw it)."""

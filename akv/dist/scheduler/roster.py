@@ -7,7 +7,8 @@ answers (small frozen records) back.
 * **Registration.** Every node registers with an id of its own making (retries are
   idempotent) and, optionally, the rank it wants (from ``AKV_RANK`` or an MPI/SLURM rank);
   others get the lowest free rank of their role. The address book is complete once
-  ``num_workers`` workers and ``num_servers`` servers registered.
+  ``num_workers`` workers and ``num_servers`` servers registered; a job not complete by
+  its deadline fails, naming the ranks that never registered (:meth:`Roster.check_assembly`).
 * **Barriers.** A worker's ``n``-th barrier call joins barrier ``n`` (the worker counts, so
   a retried request is harmless); it is passed when every worker joined it.
 * **Liveness.** Each node heartbeats. A node silent for longer than the timeout, or one a
@@ -46,7 +47,12 @@ MEMBER_ROLES = ("worker", "server")
 
 @dataclass
 class Node:
-    """One registered process."""
+    """One registered process.
+
+    ``host`` and ``port`` are its advertised address: what workers are given and what
+    messages name. ``bound_host`` and ``bound_port`` are what it listens on (None when
+    made: the advertised ones).
+    """
 
     node_id: str
     role: str
@@ -57,6 +63,14 @@ class Node:
     last_seen: float
     finished: bool = False
     dead: bool = False
+    bound_host: str | None = None
+    bound_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.bound_host is None:
+            self.bound_host = self.host
+        if self.bound_port is None:
+            self.bound_port = self.port
 
     def describe(self) -> str:
         """``"worker 1 (pid 4121 on 10.0.0.2)"``: how messages name the node."""
@@ -106,7 +120,8 @@ class HeartbeatAnswer:
 
 @dataclass(frozen=True)
 class NodeStatus:
-    """A node as :meth:`Roster.statistics` reports it."""
+    """A node as :meth:`Roster.statistics` reports it: ``host`` and ``port`` advertised,
+    ``bound_host`` and ``bound_port`` listened on (None when made: the advertised ones)."""
 
     role: str
     rank: int
@@ -115,6 +130,14 @@ class NodeStatus:
     pid: int
     finished: bool
     dead: bool
+    bound_host: str | None = None
+    bound_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.bound_host is None:
+            object.__setattr__(self, "bound_host", self.host)
+        if self.bound_port is None:
+            object.__setattr__(self, "bound_port", self.port)
 
 
 @dataclass(frozen=True)
@@ -174,8 +197,15 @@ class Roster:
         pid: int,
         now: float,
         rank: int | None = None,
+        *,
+        bound_host: str | None = None,
+        bound_port: int | None = None,
     ) -> Node:
         """Add a node (or return it again for a retry).
+
+        ``host`` and ``port`` are the address it advertises (what workers are given for a
+        server, and what messages name); ``bound_host`` and ``bound_port`` what it listens
+        on (default: the advertised ones).
 
         Raises
         ------
@@ -214,7 +244,9 @@ class Roster:
                 f"{role} rank {rank} is already taken by {holder.describe()}; a {role} from "
                 f"{host} (pid {pid}) asked for it too"
             )
-        node = Node(node_id, role, rank, host, port, pid, now)
+        node = Node(
+            node_id, role, rank, host, port, pid, now, bound_host=bound_host, bound_port=bound_port
+        )
         self.nodes[node_id] = node
         return node
 
@@ -252,6 +284,27 @@ class Roster:
             f"{self.num_servers - len(servers)} of {self.num_servers} servers have not "
             f"registered yet (registered: workers {workers}, servers {servers})"
         )
+
+    def unregistered(self, role: str) -> list[int]:
+        """The ranks of ``role`` that no node holds yet."""
+        taken = set(self._ranks(role))
+        return [r for r in range(self._count(role)) if r not in taken]
+
+    def check_assembly(self, now: float, deadline: float) -> str | None:
+        """Fail the job when it is not complete at ``deadline`` (a reading of the clock
+        that ``now`` comes from; the scheduler's start plus the connect timeout and a
+        margin), naming the ranks that never registered. Returns the failure this call
+        caused, or None (the job is complete, failed already, or still has time)."""
+        if now <= deadline or self.failure is not None or self.complete():
+            return None
+        ranks = [(role, self.unregistered(role)) for role in MEMBER_ROLES]
+        absent = " and ".join(f"{role}s {missing}" for role, missing in ranks if missing)
+        self.fail(
+            f"the job did not assemble in time: {absent} never registered "
+            f"(registered: workers {self._ranks('worker')}, servers {self._ranks('server')}); "
+            "every process must join within AKV_CONNECT_TIMEOUT_S of the scheduler's start"
+        )
+        return self.failure
 
     def servers(self) -> list[Node]:
         """The servers, by rank."""
@@ -409,7 +462,17 @@ class Roster:
     def statistics(self) -> RosterStatistics:
         """The roster now, as a frozen record (nodes by role, then rank)."""
         nodes = tuple(
-            NodeStatus(n.role, n.rank, n.host, n.port, n.pid, n.finished, n.dead)
+            NodeStatus(
+                n.role,
+                n.rank,
+                n.host,
+                n.port,
+                n.pid,
+                n.finished,
+                n.dead,
+                bound_host=n.bound_host,
+                bound_port=n.bound_port,
+            )
             for n in sorted(self.nodes.values(), key=lambda n: (n.role, n.rank))
         )
         return RosterStatistics(self.failure, self.complete(), nodes)

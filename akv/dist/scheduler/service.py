@@ -9,15 +9,20 @@ read a request, call the roster, and write its answer.
 HTTP API (JSON; every request needs the job's token):
 
 ====================  ==========================================================
-``POST /v1/register`` ``{node_id, role, rank?, host, port, pid, wait?}`` -> ``{rank,
-                      servers}`` once every node registered (202 ``{rank, waiting}`` after
-                      a poll window, or at once with ``wait: false``)
+``POST /v1/register`` ``{node_id, role, rank?, host, port, bound_host?, bound_port?,
+                      pid, wait?}`` -> ``{rank, servers}`` once every node registered (202
+                      ``{rank, waiting}`` after a poll window, or at once with ``wait:
+                      false``). ``host``/``port`` are the advertised address (``servers``
+                      gives it to workers), ``bound_*`` what the node listens on (default:
+                      the advertised one)
 ``POST /v1/barrier``  ``{node_id, number}`` -> 200 ``{passed}`` once every worker joined
                       (else 202 ``{waiting}``, the missing ranks)
 ``POST /v1/heartbeat`` ``{node_id}`` -> ``{failure, stop}``
 ``POST /v1/lost``     ``{reporter, role, rank, detail}``: a peer vanished without closing
 ``POST /v1/finish``   ``{node_id}``: the node closed cleanly -> ``{stop}``
-``GET /v1/status``    the roster, for people and monitoring
+``GET /v1/status``    the roster, for people and monitoring: each node's advertised
+                      ``host``/``port``, and ``bound_host``/``bound_port`` when it listens
+                      on another address
 ====================  ==========================================================
 
 A malformed body gets 400. A request that does not fit the job gets 422 ``{error}``
@@ -31,6 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,16 +47,23 @@ from typing import Any
 from aiohttp import web
 
 from akv.dist import config as _config
+from akv.dist.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
 from akv.dist.roles import run_role, server_ssl
 from akv.dist.scheduler.roster import Roster
 from akv.errors import MembershipError, PeerLostError
-from akv.dist.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
-from akv.limits import SCHEDULER_CHECK_INTERVAL_S, SCHEDULER_POLL_S
-from transport import RequestError, create_app, serve
+from akv.limits import (
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS_PER_PEER,
+    SCHEDULER_CHECK_INTERVAL_S,
+    SCHEDULER_POLL_S,
+    STARTUP_MARGIN_S,
+)
+from transport import RequestError, create_app, parse_json, serve
 
 __all__ = ["Scheduler", "main", "run_scheduler"]
 
 log = logging.getLogger("akv.dist.scheduler")
+
 
 class Scheduler:
     """The scheduler service: an aiohttp app over a :class:`~akv.dist.scheduler.roster.Roster`.
@@ -93,6 +107,13 @@ class Scheduler:
             config.scheduler_port,
             ssl_context=server_ssl(config),
             sock=sock,
+            idle_timeout_s=_config._seconds(os.environ, "AKV_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S),
+            max_connections_per_peer=_config.int_setting(
+                os.environ.get("AKV_MAX_CONNECTIONS_PER_PEER", str(MAX_CONNECTIONS_PER_PEER)),
+                "AKV_MAX_CONNECTIONS_PER_PEER",
+                1,
+                "a number of connections",
+            ),
         )
         log.info(
             "akv-scheduler listening on %s:%d for %d workers and %d servers",
@@ -108,16 +129,26 @@ class Scheduler:
 
         Every ``SCHEDULER_CHECK_INTERVAL_S`` the roster looks for silent nodes and says
         whether the scheduler should exit (it lingers after a failure, so that every node
-        hears the reason). Errors propagate to the caller; the listener stops either way.
+        hears the reason). A job that has not assembled within the connect timeout plus
+        ``STARTUP_MARGIN_S`` of the start fails, naming the ranks that never registered.
+        Errors propagate to the caller; the listener stops either way.
         """
         if self._runner is None:
             await self.start()
+        assemble_s = self.config.timeouts.connect_s + STARTUP_MARGIN_S
+        deadline = time.monotonic() + assemble_s
         try:
             while True:
                 await asyncio.sleep(SCHEDULER_CHECK_INTERVAL_S)
                 now = time.monotonic()
                 if self.roster.check(now):
                     log.error("job failed: %s", self.roster.failure)
+                    await self._notify()
+                failure = self.roster.check_assembly(now, deadline)
+                if failure is not None:
+                    log.error(
+                        "job failed after waiting %g s for it to assemble: %s", assemble_s, failure
+                    )
                     await self._notify()
                 status = self.roster.exit_status(now)
                 if status is not None:
@@ -140,11 +171,24 @@ class Scheduler:
             role = str(body["role"])
             host = str(body["host"])
             port = int(body["port"])
+            # What the node listens on; host and port are what it advertises.
+            bound_host = str(body.get("bound_host", host))
+            bound_port = int(body.get("bound_port", port))
             pid = int(body.get("pid", 0))
             rank = None if body.get("rank") is None else int(body["rank"])
             wait = bool(body.get("wait", True))
         with _refusals():
-            self.roster.register(node_id, role, host, port, pid, time.monotonic(), rank=rank)
+            self.roster.register(
+                node_id,
+                role,
+                host,
+                port,
+                pid,
+                time.monotonic(),
+                rank=rank,
+                bound_host=bound_host,
+                bound_port=bound_port,
+            )
         await self._notify()
         if wait:
             await self._wait_for(self.roster.registration_settled)
@@ -214,6 +258,9 @@ class Scheduler:
             }
             for n in statistics.nodes
         ]
+        for node, n in zip(nodes, statistics.nodes, strict=True):
+            if (n.bound_host, n.bound_port) != (n.host, n.port):  # it advertises another
+                node.update(bound_host=n.bound_host, bound_port=n.bound_port)
         return web.json_response(
             {"failure": statistics.failure, "nodes": nodes, "complete": statistics.complete}
         )
@@ -232,14 +279,78 @@ class Scheduler:
                 await asyncio.wait_for(self._changed.wait_for(settled), SCHEDULER_POLL_S)
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
+async def _body(request: web.Request) -> _Fields:
+    """The request's JSON object, decoded strictly (:func:`transport.parse_json`: bounded
+    nesting, finite numbers, 64-bit integers, UTF-8); anything else is a 400."""
     try:
-        body = await request.json()
+        body = parse_json(await request.read())
     except ValueError as exc:
         raise RequestError(400, f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RequestError(400, "the body must be a JSON object")
-    return body
+    return _Fields(body)
+
+
+#: What each field of a request body must be: a string of at most so many characters
+#: (without control characters, but for ``detail``), an integer in a range (``rank`` may
+#: be null), or a boolean. Fields not named here are never read.
+_TEXTS = {
+    "node_id": 1024,
+    "role": 64,
+    "host": 1024,
+    "bound_host": 1024,
+    "reporter": 1024,
+    "detail": 65536,
+}
+_INTEGERS = {
+    "port": (0, 65535),
+    "bound_port": (0, 65535),
+    "pid": (0, (1 << 63) - 1),
+    "rank": (0, (1 << 31) - 1),
+    "number": (0, (1 << 63) - 1),
+}
+_NULLABLE = frozenset({"rank"})
+_FLAGS = frozenset({"wait"})
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class _Fields(dict[str, Any]):
+    """A request's JSON object whose fields are checked as a handler reads them: a value
+    of another JSON type (``true`` for a port, a list for a node id) or out of range is a
+    ``ValueError`` naming the field, which :func:`_malformed` turns into a 400 before
+    anything reaches the roster."""
+
+    def __getitem__(self, name: str) -> Any:
+        return _checked(name, super().__getitem__(name))
+
+    def get(self, name: str, default: Any = None) -> Any:
+        try:
+            value = super().__getitem__(name)
+        except KeyError:
+            return default
+        return _checked(name, value)
+
+
+def _checked(name: str, value: Any) -> Any:
+    if name in _TEXTS:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, not {type(value).__name__}")
+        if len(value) > _TEXTS[name]:
+            raise ValueError(f"{name} has {len(value)} characters; at most {_TEXTS[name]}")
+        value.encode()  # a lone surrogate (from a \ud800 escape) is no text
+        if name != "detail" and _CONTROL.search(value):
+            raise ValueError(f"{name} holds a control character")
+    elif name in _INTEGERS:
+        if value is None and name in _NULLABLE:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, not {type(value).__name__}")
+        low, high = _INTEGERS[name]
+        if not low <= value <= high:
+            raise ValueError(f"{name} {value} is out of range {low}..{high}")
+    elif name in _FLAGS and not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, not {type(value).__name__}")
+    return value
 
 
 @contextmanager

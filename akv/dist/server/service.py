@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 from aiohttp import web
 
-from akv.dist.config import Config
+from akv.dist.config import Config, _seconds, format_address, int_setting
 from akv.dist.membership import Membership
 from akv.dist.protocol import CLIENT_HEADER, OK, Op, parse_client_header, status_of
 from akv.dist.roles import run_role, server_ssl
@@ -34,9 +35,9 @@ from akv.dist.server.state import (
     InstallOptimizer,
     Instruction,
     Land,
+    Landing,
     LoadStates,
     Peer,
-    Landing,
     PullTicket,
     Reply,
     ReplyError,
@@ -47,9 +48,18 @@ from akv.dist.server.state import (
 )
 from akv.dist.server.updates import land
 from akv.errors import AKVError, InvalidArgumentError, MembershipError, ServerError
-from akv.limits import MAX_PAYLOAD_BYTES, ROUND_CHECK_INTERVAL_S, SERVER_ENGINE_SLOTS
+from akv.limits import (
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS_PER_PEER,
+    MAX_PAYLOAD_BYTES,
+    ROUND_CHECK_INTERVAL_S,
+    SERVER_ENGINE_SLOTS,
+    STARTUP_MARGIN_S,
+)
 from engine import Engine
 from transport import (
+    DISCARD,
+    Destination,
     FrameError,
     FrameHeader,
     Message,
@@ -91,7 +101,10 @@ class ParameterServer:
             "server ?", config.num_workers, config.timeouts.connect_s, self.engine.new_var
         )
         self.links: dict[int, Link] = {}
+        #: The port this server listens on, and the ``(host, port)`` the scheduler gives the
+        #: workers for it (``AKV_ADVERTISE``; by default the bound host and port).
         self.port = 0
+        self.advertised = (config.host, 0)
         self._loop_thread = threading.get_ident()
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -117,29 +130,63 @@ class ParameterServer:
         return app
 
     async def start(self) -> int:
-        """Listen, register with the scheduler; return the port."""
+        """Listen, register with the scheduler (which gives the workers the advertised
+        address); return the bound port."""
         self._loop_thread = threading.get_ident()
         config = self.config
         self._runner, self.port = await serve(
-            self.app(), config.host, config.port, ssl_context=server_ssl(config)
+            self.app(),
+            config.host,
+            config.port,
+            ssl_context=server_ssl(config),
+            idle_timeout_s=_seconds(os.environ, "AKV_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S),
+            max_connections_per_peer=int_setting(
+                os.environ.get("AKV_MAX_CONNECTIONS_PER_PEER", str(MAX_CONNECTIONS_PER_PEER)),
+                "AKV_MAX_CONNECTIONS_PER_PEER",
+                1,
+                "a number of connections",
+            ),
         )
+        self.advertised = config.advertised(self.port)
         deadline = time.monotonic() + config.timeouts.connect_s
         await self.membership.register(self.port, deadline)
         self.state.name = f"server {self.rank}"
-        log.info("%s listening on %s:%d", self.name, config.host, self.port)
+        bound = format_address(config.host, self.port)
+        advertised = format_address(*self.advertised)
+        if advertised == bound:
+            log.info("%s listening on %s", self.name, bound)
+        else:
+            log.info("%s listening on %s, advertised as %s", self.name, bound, advertised)
         return self.port
 
     async def run(self) -> int:
-        """Serve until the scheduler says stop; return 0, or 1 when the job failed."""
+        """Serve until the scheduler says stop; return 0, or 1 when the job failed (or
+        never assembled: see :meth:`_await_job`)."""
         if self._runner is None:
             await self.start()
         ticker = self._spawn(self._tick(), "the round deadline check")
+        gave_up = asyncio.Event()
+        assembly = self._spawn(self._await_job(gave_up), "waiting for the job to assemble")
         try:
-            stopped = await self.membership.heartbeats(self._job_failed, lambda: False)
-            return 0 if stopped and self.state.failure is None else 1
+            stopped = await self.membership.heartbeats(self._job_failed, gave_up.is_set)
+            return 0 if stopped and self.state.failure is None and not gave_up.is_set() else 1
         finally:
             ticker.cancel()
+            assembly.cancel()
             await self.stop()
+
+    async def _await_job(self, gave_up: asyncio.Event) -> None:
+        """Wait until every worker and server joined the job. The scheduler fails a job
+        that has not assembled within the connect timeout plus ``STARTUP_MARGIN_S``,
+        naming the ranks that never registered, and this server hears it; should the
+        scheduler not say so, this server gives up a margin later by itself. Either way
+        the job fails here (logged) and :meth:`run` returns 1."""
+        wait_s = self.config.timeouts.connect_s + 2 * STARTUP_MARGIN_S
+        try:
+            await self.membership.register(self.port, time.monotonic() + wait_s, whole_job=True)
+        except AKVError as exc:
+            self._job_failed(f"{self.name} gave up waiting for the job to assemble: {exc}")
+            gave_up.set()
 
     async def stop(self) -> None:
         """Close every stream, the engine and the listener; tell the scheduler. Idempotent."""
@@ -429,10 +476,13 @@ class _StreamLink:
     def when_drained(self, callback: Callable[[BaseException | None], None]) -> None:
         self.protocol.when_drained(callback)
 
-    def _destinations(self, header: FrameHeader) -> list[memoryview | None]:
+    def _destinations(self, header: FrameHeader) -> list[Destination]:
+        """Where the frame's payloads go, as the state decided: buffers it chose, and
+        DISCARD for the rest (a refused frame's payload is read and dropped, never given
+        memory)."""
         landing = self.server.state.header_arrived(self.peer, header)
         self._landings[header.seq] = landing
-        return [None if b is None else b.data.cast("B") for b in landing.buffers]
+        return [DISCARD if b is None else b.data.cast("B") for b in landing.buffers]
 
     def _on_message(self, message: Message) -> None:
         self.server.message(self.peer, message, self._landings.pop(message.header.seq))

@@ -27,7 +27,7 @@ merge, the apply of its round and the pulls that read the result keep their orde
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, cast
 
@@ -38,7 +38,6 @@ from akv.dist.protocol import DIST_STORE_TYPES, Op, decode_meta, op_label
 from akv.dist.server.rounds import KeyRounds
 from akv.errors import (
     AKVError,
-    DTypeMismatchError,
     DuplicateInitError,
     InvalidArgumentError,
     KeyNotInitializedError,
@@ -60,9 +59,9 @@ __all__ = [
     "InstallOptimizer",
     "Instruction",
     "Land",
+    "Landing",
     "LoadStates",
     "Peer",
-    "Landing",
     "PullTicket",
     "Reply",
     "ReplyError",
@@ -73,6 +72,11 @@ __all__ = [
 ]
 
 Key: TypeAlias = "int | str"
+
+#: The ops a worker may send a server.
+_REQUEST_OPS = frozenset(op for op in Op if op != Op.REPLY)
+#: The requests that carry no arrays (their meaning is in ``text``).
+_NO_ARRAY_OPS = frozenset({Op.INIT_CHECK, Op.SET_OPTIMIZER, Op.SAVE_STATES, Op.CLOSE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +126,9 @@ class InitWait:
 @dataclass
 class Landing:
     """What to do with a frame's arrays, decided when its header arrived: the key each
-    payload belongs to and the buffer it is received into (None: not received), or the
-    error that refuses the whole frame."""
+    payload belongs to and the buffer it is received into (None: not received, its bytes
+    are read and dropped), or the error that refuses the whole frame (then every buffer is
+    None: a refused frame is given no memory)."""
 
     entries: list[ServerEntry | None] = field(default_factory=list)
     buffers: list[np.ndarray | None] = field(default_factory=list)
@@ -356,41 +361,99 @@ class ServerState:
     def header_arrived(self, peer: Peer, header: FrameHeader) -> Landing:
         """Where each payload of the frame that ``header`` starts is received.
 
-        Push payloads land in buffers of their keys (never the stored values); init
-        payloads in fresh arrays. A frame with any bad key, shape or dtype gets a landing
-        with ``error`` set, and :meth:`message_completed` refuses it whole.
+        The whole frame is checked first, before anything is allocated or counted (see
+        :meth:`_check_frame`): a known op; arrays that fit it (keys present, of one kind,
+        none named twice; a pull, and a request without arrays, declare no payload); each
+        pushed key initialized, with its shape and dtype, so that no declared size exceeds
+        the key's. Only then do payloads get buffers: push payloads buffers of their keys
+        (never the stored values), init payloads fresh arrays of their declared size (the
+        stream's payload limit bounds it), a load_states payload a fresh byte array.
+
+        A refused frame gets a landing with ``error`` set and no buffer at all (None: the
+        service reads its payloads and drops them), and :meth:`message_completed` answers
+        it with the error.
         """
-        landing = Landing()
-        if header.op == Op.INIT:
-            for info in header.arrays:
-                if info.key in self.entries:
-                    landing.error = landing.error or DuplicateInitError(
-                        f"init key {info.key!r}: {self.name} already holds it", key=info.key
-                    )
-                landing.entries.append(None)
-                landing.buffers.append(np.empty(info.shape, info.dtype))
+        arrays = header.arrays
+        landing = Landing([None] * len(arrays), [None] * len(arrays))
+        try:
+            self._check_frame(peer, header)
+        except AKVError as exc:
+            landing.error = exc
             return landing
-        if header.op in (Op.PUSH, Op.PUSHPULL):
-            for info in header.arrays:
-                entry = self.entries.get(info.key) if info.key is not None else None
-                buffer = None
-                try:
-                    if entry is None:
-                        raise KeyNotInitializedError(
-                            f"push to key {info.key!r}: the key was never initialized",
-                            key=info.key,
-                        )
-                    entry.check(info, "push to")
-                except AKVError as exc:
-                    landing.error = landing.error or exc
-                else:
-                    buffer = entry.take_buffer()
-                landing.entries.append(entry)
-                landing.buffers.append(buffer)
-            return landing
-        landing.entries = [None] * len(header.arrays)
-        landing.buffers = [None] * len(header.arrays)
+        op = header.op
+        if op == Op.INIT:
+            landing.buffers = [np.empty(info.shape, info.dtype) for info in arrays]
+        elif op in (Op.PUSH, Op.PUSHPULL):
+            for index, info in enumerate(arrays):
+                entry = self.entries[cast("Key", info.key)]  # checked: initialized
+                landing.entries[index] = entry
+                landing.buffers[index] = entry.take_buffer()
+        elif op == Op.LOAD_STATES:
+            landing.buffers = [np.empty(info.nbytes, np.uint8) for info in arrays]
         return landing
+
+    def _check_frame(self, peer: Peer, header: FrameHeader) -> None:
+        """Raise the error that refuses a frame whose header does not fit its op.
+
+        Nothing here changes the state or allocates: it runs before any payload has a
+        buffer, so a refused frame costs its header and nothing proportional to the
+        payload it declares.
+        """
+        op, arrays = header.op, header.arrays
+        label = op_label(op)
+        if op not in _REQUEST_OPS:
+            raise InvalidArgumentError(
+                f"unknown op {op} from worker {peer.worker} ({len(arrays)} arrays, "
+                f"{header.payload_len} payload bytes): {self.name} refuses it"
+            )
+        if op in _NO_ARRAY_OPS:
+            if arrays:
+                raise InvalidArgumentError(
+                    f"{label} carries no arrays, but worker {peer.worker} sent {len(arrays)} "
+                    f"({header.payload_len} payload bytes)"
+                )
+            return
+        if op == Op.LOAD_STATES:
+            if len(arrays) != 1 or arrays[0].key is not None or arrays[0].dtype != np.uint8:
+                raise InvalidArgumentError(
+                    f"load_states carries one uint8 array without a key, got {len(arrays)} "
+                    f"arrays ({', '.join(f'{a.key!r} {a.dtype}' for a in arrays[:3])})"
+                )
+            self._require_updater("load_optimizer_states")
+            return
+        kinds = set()
+        seen: set[Key] = set()
+        for index, info in enumerate(arrays):
+            key = info.key
+            if key is None:
+                raise InvalidArgumentError(
+                    f"{label} from worker {peer.worker}: array {index} carries no key"
+                )
+            if key in seen:
+                raise InvalidArgumentError(
+                    f"{label} names key {key!r} twice in one request (worker {peer.worker})"
+                )
+            seen.add(key)
+            kinds.add(type(key))
+            if len(kinds) > 1:
+                raise InvalidArgumentError(
+                    f"{label} from worker {peer.worker} mixes int and str keys (key {key!r}): "
+                    "a job's keys are all int or all str"
+                )
+            if op == Op.INIT:
+                if key in self.entries:
+                    raise DuplicateInitError(
+                        f"init key {key!r}: {self.name} already holds it", key=key
+                    )
+            elif op == Op.PULL:
+                self._entry(key, "pull from")
+                if info.nbytes:
+                    raise InvalidArgumentError(
+                        f"pull of key {key!r} from worker {peer.worker} declares "
+                        f"{info.nbytes} payload bytes: a pull carries none"
+                    )
+            else:
+                self._entry(key, "push to").check(info, "push to")
 
     def message_completed(
         self,
@@ -460,7 +523,9 @@ class ServerState:
             )
         return entry
 
-    def _push(self, peer: Peer, header: FrameHeader, landing: Landing, now: float) -> list[Instruction]:
+    def _push(
+        self, peer: Peer, header: FrameHeader, landing: Landing, now: float
+    ) -> list[Instruction]:
         """Count a frame's pushes (all or nothing), then merge and apply them in one task."""
         # A landing without an error has an entry and a buffer for every array.
         entries = cast("list[ServerEntry]", landing.entries)
@@ -518,6 +583,11 @@ class ServerState:
         if any(key is None for key in keys) or len(set(keys)) != len(keys):
             raise InvalidArgumentError(
                 f"init from worker {peer.worker} names a key twice or carries no key"
+            )
+        held = [key for key in keys if key in self.entries]
+        if held:  # another init of these keys completed since this header arrived
+            raise DuplicateInitError(
+                f"init key {held[0]!r}: {self.name} already holds it", key=held[0]
             )
         for info, buffer in zip(header.arrays, landing.buffers, strict=True):
             assert info.key is not None and buffer is not None  # checked above; chosen

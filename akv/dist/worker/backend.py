@@ -138,8 +138,7 @@ class DistBackend:
         answer = await self.membership.register(0, deadline)
         rank = int(answer["rank"])
         links = [
-            ServerLink(s["rank"], s["host"], s["port"], self.fail, self._cut)
-            for s in answer["servers"]
+            ServerLink(s["rank"], s["host"], s["port"], self._trouble) for s in answer["servers"]
         ]
         for link in links:
             await self._open(link, rank, deadline)
@@ -185,28 +184,28 @@ class DistBackend:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self.fail, PeerLostError(reason))
 
-    def _cut(self, link: ServerLink, error: AKVError) -> None:
-        """A server's stream ended without a goodbye: ask the scheduler who failed (within
-        :data:`BLAME_TIMEOUT_S`), then fail the job naming that process. The server that cut
-        the stream is often not the culprit: servers close their streams once they learn
-        that the job failed (a worker died, another server hangs)."""
+    def _trouble(self, link: ServerLink, error: AKVError, cut: bool) -> None:
+        """A server's stream was cut (``cut``), or the server answered that the job failed:
+        ask the scheduler who failed first (within :data:`BLAME_TIMEOUT_S`), then fail the
+        job naming that process. The server is often not the culprit: servers close their
+        streams and refuse requests once they learn that the job failed (a worker died,
+        another server hangs)."""
         if self.broken is not None or self._loop is None:
             self.fail(self.broken or error)
             return
-        task = self._loop.create_task(self._blame(link, error))
+        task = self._loop.create_task(self._blame(link, error, cut))
         self._blames.add(task)
         task.add_done_callback(self._blames.discard)
 
-    async def _blame(self, link: ServerLink, error: AKVError) -> None:
-        failure = await self.membership.blame("server", link.rank, str(error), BLAME_TIMEOUT_S)
+    async def _blame(self, link: ServerLink, error: AKVError, cut: bool) -> None:
+        failure = await self.membership.verdict(
+            "server", link.rank, str(error), cut, BLAME_TIMEOUT_S
+        )
         if failure is None:
             self.fail(error)
-        else:
-            self.fail(
-                PeerLostError(
-                    f"the job failed: {failure} (seen as {link.name} cutting its connection)"
-                )
-            )
+            return
+        seen = "cutting its connection" if cut else "refusing a request"
+        self.fail(PeerLostError(f"the job failed: {failure} (seen as {link.name} {seen})"))
 
     def fail(self, error: AKVError) -> None:
         """The job failed: every waiting request and every later call raises ``error``."""
@@ -214,7 +213,7 @@ class DistBackend:
             self.broken = error
             log.error("worker %d: %s", self.rank, error)
         for link in self.links:
-            link.fail_all(error)
+            link.fail_all(self.broken)
 
     # ------------------------------------------------------------ keys
 

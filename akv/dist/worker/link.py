@@ -26,11 +26,12 @@ __all__ = ["ServerLink"]
 class ServerLink:
     """This worker's stream to server ``rank`` at ``host:port``.
 
-    ``on_lost(error)`` is called when a server reports that the job failed (then nothing
-    more will work). ``on_cut(link, error)`` is called when the stream ends without
-    :meth:`close`: the requests in flight, and those sent from then on, stay pending until
-    the backend fails them (with the name of whoever the scheduler says failed: the server
-    that closed the stream may only be passing the news on), or their deadline passes.
+    ``on_trouble(link, error, cut)`` is called when the stream ends without :meth:`close`
+    (``cut``), or when the server answers that the job failed. Either way the requests
+    concerned, and those sent from then on, stay pending until the backend fails them with
+    :meth:`fail_all` (naming whoever the scheduler says failed first: the server that cut
+    the stream or refused the request may only be passing the news on), or their deadline
+    passes.
     """
 
     def __init__(
@@ -38,8 +39,7 @@ class ServerLink:
         rank: int,
         host: str,
         port: int,
-        on_lost: Callable[[AKVError], None],
-        on_cut: Callable[[ServerLink, AKVError], None],
+        on_trouble: Callable[[ServerLink, AKVError, bool], None],
     ) -> None:
         self.rank = rank
         self.host = host
@@ -47,9 +47,10 @@ class ServerLink:
         self.name = f"server {rank} at {host}:{port}"
         self.lost: AKVError | None = None
         self.closing = False
-        self._report_lost = on_lost
-        self._report_cut = on_cut
+        self._report = on_trouble
         self._table = RequestTable(self.name)
+        #: Requests a server refused because the job failed, held for the backend's verdict.
+        self._held: list[Outcome] = []
         #: The stream (None until :meth:`open`).
         self.protocol: StreamProtocol | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -77,17 +78,19 @@ class ServerLink:
         outcome = self._table.reply(message)
         if outcome is None:
             return
+        if isinstance(outcome.error, PeerLostError) and not self.closing:
+            self._held.append(outcome)  # the job failed: nothing will work
+            self._report(self, outcome.error, False)
+            return
         outcome.deliver()
-        if isinstance(outcome.error, PeerLostError):  # the job failed: nothing will work
-            self._report_lost(outcome.error)
 
     def _on_lost(self, exc: BaseException | None) -> None:
         detail = f": {exc!r}" if exc else ""
         self.lost = PeerLostError(f"{self.name} closed the connection{detail} (did it die?)")
         if self.closing:
-            _deliver(self._table.fail_all(self.lost))
+            self.fail_all(self.lost)
         else:
-            self._report_cut(self, self.lost)
+            self._report(self, self.lost, True)
 
     @property
     def requests_sent(self) -> int:
@@ -95,8 +98,9 @@ class ServerLink:
         return self._table.sent
 
     def fail_all(self, error: AKVError) -> None:
-        """Fail every outstanding request with ``error``."""
-        _deliver(self._table.fail_all(error))
+        """Fail every outstanding (and held) request with ``error``."""
+        held, self._held = self._held, []
+        _deliver([Outcome(o.request, None, error) for o in held] + self._table.fail_all(error))
 
     def sweep(self, now: float) -> None:
         """Fail the requests whose deadline (loop time) passed."""
@@ -131,8 +135,10 @@ class ServerLink:
         try:
             self.protocol.write(encode_frame(op, seq, arrays, text=text))
         except TransportError as exc:
-            self._table.forget(seq)
-            on_reply(None, PeerLostError(f"{self.name}: cannot send ({exc})"))
+            # The stream is gone (its loss may not have been reported yet): the request
+            # waits with the others for the backend's verdict.
+            if self.lost is None:
+                self._on_lost(exc)
 
     async def request(
         self,

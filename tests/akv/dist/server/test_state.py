@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import numpy as np
 import pytest
 
 from akv import optimizer
 from akv.dist.protocol import Op, encode_meta
+from akv.dist.server.state import ServerEntry
 from akv.errors import (
     DoublePushError,
     DTypeMismatchError,
@@ -25,6 +27,7 @@ from akv.errors import (
     WaitTimeoutError,
 )
 from tests.akv.dist.server.players import OK, Players
+from transport import ArrayInfo, FrameHeader, decode_frame, frame_bytes
 
 
 def f32(*values: float) -> np.ndarray:
@@ -367,3 +370,183 @@ def test_validate_catches_a_ticket_whose_count_is_wrong():
     ticket.remaining = 2
     with pytest.raises(AssertionError, match="ticket count"):
         players.state.validate()
+
+
+# ---------------------------------------------------------------- frames checked whole (issue #9)
+
+GIB = 1 << 30
+
+
+def assert_nothing_counted(players: Players) -> None:
+    """No round touched, no pull parked, no init waiting, on any key."""
+    for entry in players.state.entries.values():
+        rounds = entry.rounds
+        assert rounds.waiting_tickets() == [] and rounds.missing() == [], entry.key
+        assert all(rounds.last_push_round(w) == 0 for w in range(players.state.num_workers))
+        assert rounds.applied_round == 0 and rounds.closed_round == 0, entry.key
+
+
+def assert_a_round_still_works(players: Players) -> None:
+    players.push(0, {"w": f32(1, 2)})
+    players.push(1, {"w": f32(10, 20)})
+    np.testing.assert_array_equal(players.reply(0, players.pull(0, ["w"]))["w"], f32(11, 22))
+
+
+def declared(op: int, nbytes: int, key: object = "w", dtype: str = "u1") -> FrameHeader:
+    """A header declaring one array of ``nbytes`` (its payload never sent)."""
+    dt = np.dtype(dtype)
+    info = ArrayInfo(key, dt, (nbytes // dt.itemsize,), nbytes)
+    return FrameHeader(op, 0, 99, 0, (info,), "", nbytes)
+
+
+@pytest.mark.parametrize(
+    ("op", "key", "dtype", "error", "words"),
+    [
+        (Op.PUSH, "ghost", "u1", KeyNotInitializedError, "never initialized"),
+        (Op.PUSH, "w", "f4", ShapeMismatchError, "shape (268435456,)"),
+        (Op.PUSHPULL, "w", "u1", ShapeMismatchError, "does not match"),
+        (Op.PUSH, None, "u1", InvalidArgumentError, "carries no key"),
+        (Op.PULL, "w", "f4", InvalidArgumentError, "a pull carries none"),
+        (Op.INIT, "w", "u1", DuplicateInitError, "already holds it"),
+        (42, "w", "u1", InvalidArgumentError, "unknown op 42"),
+        (Op.REPLY, "w", "u1", InvalidArgumentError, "unknown op 100"),
+        (Op.SET_OPTIMIZER, None, "u1", InvalidArgumentError, "set_optimizer carries no arrays"),
+        (Op.CLOSE, None, "u1", InvalidArgumentError, "close carries no arrays"),
+        (Op.LOAD_STATES, None, "u1", OptimizerNotSetError, "no optimizer is set"),
+    ],
+)
+def test_a_refused_header_declaring_a_gib_gets_no_memory_and_counts_nothing(
+    op, key, dtype, error, words
+):
+    players = started(2)
+    peer = players.peers[0]
+    tracemalloc.start()
+    try:
+        landing = players.state.header_arrived(peer, declared(op, GIB, key, dtype))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert isinstance(landing.error, error) and words in str(landing.error), landing.error
+    assert landing.buffers == [None]  # the service reads the payload and drops it
+    header = declared(op, GIB, key, dtype)
+    players.run(players.state.message_completed(peer, header, [memoryview(b"")], landing, 0.0))
+    reply = players.reply(0, 99)
+    assert isinstance(reply, error) and words in str(reply)
+    assert_nothing_counted(players)
+    assert players.state.entries.keys() == {"w"} and players.state.updater is None
+    assert_a_round_still_works(players)
+
+
+def test_a_pull_frame_with_a_payload_is_refused_and_parks_nothing():
+    players = started(2)
+    players.push(0, {"w": f32(1, 1)})  # a pull now would park until worker 1 pushes
+    reply = players.reply(0, players.send(0, Op.PULL, [("w", f32(5, 5))]))
+    assert isinstance(reply, InvalidArgumentError) and "a pull carries none" in str(reply)
+    assert players.state.entries["w"].rounds.waiting_tickets() == []
+    players.push(1, {"w": f32(2, 2)})
+    np.testing.assert_array_equal(players.reply(0, players.pull(0, ["w"]))["w"], f32(3, 3))
+
+
+EMPTY = np.empty(0, np.float32)
+
+
+@pytest.mark.parametrize(
+    ("op", "arrays"),
+    [
+        (Op.PUSH, [("w", f32(1, 1)), ("v", f32(1, 1)), ("w", f32(1, 1))]),
+        (Op.PUSHPULL, [("w", f32(1, 1)), ("w", f32(1, 1))]),
+        (Op.PULL, [("v", EMPTY), ("w", EMPTY), ("v", EMPTY)]),
+        (Op.INIT, [("a", f32(1)), ("a", f32(2))]),
+    ],
+)
+def test_a_frame_naming_a_key_twice_is_refused_for_every_op(op, arrays):
+    players = started(2, w=f32(0, 0), v=f32(0, 0))
+    reply = players.reply(0, players.send(0, op, arrays))
+    assert isinstance(reply, InvalidArgumentError) and "twice in one request" in str(reply)
+    assert_nothing_counted(players)
+    assert players.state.entries.keys() == {"w", "v"}
+    assert_a_round_still_works(players)
+
+
+@pytest.mark.parametrize(
+    ("op", "arrays"),
+    [
+        (Op.PUSH, [("w", f32(1, 1)), (3, f32(1, 1))]),
+        (Op.PUSHPULL, [("w", f32(1, 1)), (3, f32(1, 1))]),
+        (Op.PULL, [("w", EMPTY), (3, EMPTY)]),
+        (Op.INIT, [(3, f32(1)), ("a", f32(2))]),
+    ],
+)
+def test_a_frame_mixing_int_and_str_keys_is_refused_for_every_op(op, arrays):
+    players = started(2)
+    reply = players.reply(0, players.send(0, op, arrays))
+    assert isinstance(reply, InvalidArgumentError) and "mixes int and str keys" in str(reply)
+    assert_nothing_counted(players)
+    assert players.state.entries.keys() == {"w"}
+    assert_a_round_still_works(players)
+
+
+def test_a_refused_push_takes_no_staging_buffer(monkeypatch):
+    players = started(2, w=f32(0, 0), v=f32(0, 0))
+    taken = []
+    real = ServerEntry.take_buffer
+    monkeypatch.setattr(ServerEntry, "take_buffer", lambda self: taken.append(self) or real(self))
+    for arrays in (
+        [("w", f32(1, 1)), ("v", f32(1, 2, 3))],  # the second key's shape is wrong
+        [("w", f32(1, 1)), ("nope", f32(1))],
+        [("w", f32(1, 1)), ("w", f32(1, 1))],
+    ):
+        reply = players.reply(0, players.send(0, Op.PUSH, arrays))
+        assert isinstance(reply, (ShapeMismatchError, KeyNotInitializedError, InvalidArgumentError))
+    assert taken == []
+    assert_nothing_counted(players)
+
+
+def test_control_requests_carrying_arrays_are_refused_and_do_nothing():
+    players = started(2)
+    close = players.reply(0, players.send(0, Op.CLOSE, [(None, f32(1))]))
+    assert isinstance(close, InvalidArgumentError) and "close carries no arrays" in str(close)
+    sgd = sgd_text(learning_rate=0.1)
+    optimizer_reply = players.reply(0, players.send(0, Op.SET_OPTIMIZER, [(None, f32(1))], sgd))
+    assert isinstance(optimizer_reply, InvalidArgumentError)
+    assert players.state.updater is None
+    players.lose(0)  # the refused close was no goodbye: losing the worker fails the job
+    assert players.failures and "worker 0" in players.failures[0].reason
+
+
+@pytest.mark.parametrize(
+    "arrays",
+    [
+        [("w", np.zeros(4, np.uint8))],
+        [(None, np.zeros(4, np.uint8)), (None, np.zeros(4, np.uint8))],
+        [(None, np.zeros(4, np.float32))],
+    ],
+)
+def test_load_states_carries_exactly_one_keyless_byte_array(arrays):
+    players = started(2)
+    players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.1))
+    reply = players.reply(0, players.send(0, Op.LOAD_STATES, arrays))
+    assert isinstance(reply, InvalidArgumentError) and "one uint8 array" in str(reply)
+
+
+def test_an_init_gets_fresh_arrays_of_the_declared_shape_only_once_checked():
+    players = Players(2)
+    header, _ = decode_frame(frame_bytes(Op.INIT, 5, [("a", np.ones((2, 3), np.float64), 0)]))
+    landing = players.state.header_arrived(players.peers[0], header)
+    (buffer,) = landing.buffers
+    assert buffer is not None and buffer.shape == (2, 3) and buffer.dtype == np.float64
+
+
+def test_two_inits_of_one_key_in_flight_keep_the_first():
+    players = Players(2)
+    state, peer = players.state, players.peers[0]
+    first = FrameHeader(Op.INIT, 0, 1, 0, (ArrayInfo("a", np.dtype("<f4"), (1,), 4),), "", 4)
+    second = first._replace(seq=2)
+    landings = [state.header_arrived(peer, header) for header in (first, second)]
+    for header, landing, value in zip((first, second), landings, (1.0, 2.0), strict=True):
+        landing.buffers[0][...] = value
+        players.run(state.message_completed(peer, header, landing.buffers, landing, 0.0))
+    assert players.reply(0, 1) == OK
+    assert isinstance(players.reply(0, 2), DuplicateInitError)
+    np.testing.assert_array_equal(state.entries["a"].value, f32(1))
