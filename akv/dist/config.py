@@ -8,9 +8,11 @@ setting raises :class:`ConfigError` naming the variable and saying what to set.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -27,10 +29,29 @@ from akv.limits import (
     ROUND_TIMEOUT_S,
 )
 
-__all__ = ["LOG_LEVELS", "ROLES", "TWIN_VARIABLES", "Config", "Timeouts", "from_env", "int_setting"]
+__all__ = [
+    "ADDRESS_FORMS",
+    "ADVERTISE_VARIABLE",
+    "LOG_LEVELS",
+    "ROLES",
+    "TWIN_VARIABLES",
+    "Config",
+    "Timeouts",
+    "format_address",
+    "from_env",
+    "int_setting",
+    "is_wildcard",
+    "parse_address",
+]
 
 #: The address a server binds and advertises unless AKV_HOST/DMLC_NODE_HOST says otherwise.
 DEFAULT_NODE_HOST = "127.0.0.1"
+#: The address a server gives the scheduler for the workers, when it is not the bound one.
+ADVERTISE_VARIABLE = "AKV_ADVERTISE"
+#: The forms an advertised address takes, for messages.
+ADDRESS_FORMS = "HOST, HOST:PORT, [IPv6] or [IPv6]:PORT (e.g. 10.0.0.2:9000 or [::1]:9000)"
+_ADDRESS_HOST = re.compile(r"[A-Za-z0-9_.\-]+\Z")
+_BRACKETED = re.compile(r"\[([^\[\]]+)\](?::([^:]*))?\Z")
 
 ROLES = ("worker", "server", "scheduler")
 
@@ -95,6 +116,10 @@ class Config:
     rank: int | None = None
     host: str = DEFAULT_NODE_HOST
     port: int = 0
+    #: The address given to the scheduler for the workers (``AKV_ADVERTISE``); None: the
+    #: bound host, and the bound port (see :meth:`advertised`).
+    advertise_host: str | None = None
+    advertise_port: int | None = None
     scheduler_fd: int | None = None
     bigarray_bound: int = BIGARRAY_BOUND
     max_body_bytes: int = MAX_BODY_BYTES
@@ -115,6 +140,22 @@ class Config:
     def tls(self) -> bool:
         """Whether the job speaks TLS."""
         return bool(self.tls_ca or self.tls_cert)
+
+    def advertised(self, bound_port: int) -> tuple[str, int]:
+        """``(host, port)`` this node gives the scheduler, which gives it to the workers:
+        ``AKV_ADVERTISE``'s host and port, each defaulting to the bound one (``host``, and
+        ``bound_port``: the port actually bound, so ``AKV_PORT=0`` advertises the port the
+        system chose).
+
+        Raises :class:`ConfigError` for a server that would advertise a wildcard address
+        (it binds ``0.0.0.0`` or ``::`` and has no ``AKV_ADVERTISE``): workers cannot
+        connect to it.
+        """
+        if self.advertise_host is None and self.role == "server":
+            _refuse_wildcard_bind("AKV_HOST", self.host)
+        host = self.host if self.advertise_host is None else self.advertise_host
+        port = bound_port if self.advertise_port is None else self.advertise_port
+        return host, port
 
 
 def _pick(
@@ -160,6 +201,75 @@ def int_setting(value: str, name: str, minimum: int, what: str, maximum: int | N
     if maximum is not None and number > maximum:
         raise ConfigError(f"{name}={number} is out of range: set it to {what}")
     return number
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` is a wildcard address (``0.0.0.0``, ``::``, ``[::]``): one that binds
+    every interface and that no peer can connect to."""
+    try:
+        return ipaddress.ip_address(host.strip().removeprefix("[").removesuffix("]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def parse_address(text: str, name: str) -> tuple[str, int | None]:
+    """An advertised address ``text`` (given by ``name``, a variable or a flag) as
+    ``(host, port)``; ``port`` is None when ``text`` gives a host alone.
+
+    Forms: ``HOST`` (a host name or IPv4 address), ``HOST:PORT``, ``[IPv6]`` and
+    ``[IPv6]:PORT`` (the host comes back without brackets). Raises :class:`ConfigError`
+    naming ``name`` and the forms for anything else: an empty host or port, a port outside
+    1-65535, an IPv6 address without brackets, and a wildcard (``0.0.0.0``, ``[::]``),
+    which no worker can connect to.
+    """
+    what = f"set it to {ADDRESS_FORMS}"
+    bracketed = _BRACKETED.match(text)
+    port_text: str | None
+    if bracketed is not None:
+        host, port_text = bracketed.group(1), bracketed.group(2)
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(
+                f"{name}={text!r}: {host!r} in brackets is not an IPv6 address; {what}"
+            ) from None
+    elif text.startswith("["):
+        raise ConfigError(f"{name}={text!r} is not [IPv6] or [IPv6]:PORT; {what}")
+    elif text.count(":") > 1:
+        raise ConfigError(
+            f"{name}={text!r}: an IPv6 address goes in brackets, as in [::1] or [::1]:9000; {what}"
+        )
+    else:
+        host, colon, after = text.partition(":")
+        port_text = after if colon else None
+        if not _ADDRESS_HOST.match(host) or host.startswith("-"):
+            raise ConfigError(f"{name}={text!r} is not a host name or IP address; {what}")
+    if is_wildcard(host):
+        raise ConfigError(
+            f"{name}={text!r} is a wildcard address, which no worker can connect to: set it "
+            "to the address the workers reach this process at"
+        )
+    if port_text is None:
+        return host, None
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ConfigError(f"{name}={text!r}: {port_text!r} is not a TCP port (1-65535); {what}")
+    return host, int(port_text)
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (``[::1]:9000``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _refuse_wildcard_bind(name: str, host: str) -> None:
+    """A server that binds the wildcard ``host`` (from variable ``name``) without an
+    advertised address: a :class:`ConfigError` saying to set ``AKV_ADVERTISE``."""
+    if is_wildcard(host):
+        raise ConfigError(
+            f"{ADVERTISE_VARIABLE} is not set, and this server binds the wildcard address "
+            f"{name}={host!r}, which no worker can connect to: set {ADVERTISE_VARIABLE} to "
+            f"the address the workers reach this server at ({ADDRESS_FORMS})"
+        )
 
 
 def _log_level(environ: Mapping[str, str]) -> int:
@@ -250,8 +360,17 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
     server_port = int_setting(
         env.get("AKV_PORT", "0"), "AKV_PORT", 0, "a TCP port (1-65535) or 0 for any", 65535
     )
+    advertise_text = env.get(ADVERTISE_VARIABLE, "").strip()
+    advertise_host: str | None = None
+    advertise_port: int | None = None
+    if advertise_text:
+        advertise_host, advertise_port = parse_address(advertise_text, ADVERTISE_VARIABLE)
+    elif role == "server":
+        _refuse_wildcard_bind(picked_host[0] if picked_host else "AKV_HOST", node_host)
     fd_text = env.get("AKV_SCHEDULER_FD")
-    scheduler_fd = int_setting(fd_text, "AKV_SCHEDULER_FD", 0, "an inherited socket") if fd_text else None
+    scheduler_fd = (
+        int_setting(fd_text, "AKV_SCHEDULER_FD", 0, "an inherited socket") if fd_text else None
+    )
     max_body = int_setting(
         env.get("AKV_MAX_BODY_BYTES", str(MAX_BODY_BYTES)),
         "AKV_MAX_BODY_BYTES",
@@ -287,6 +406,8 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         rank=rank,
         host=node_host,
         port=server_port,
+        advertise_host=advertise_host,
+        advertise_port=advertise_port,
         scheduler_fd=scheduler_fd,
         bigarray_bound=bound,
         max_body_bytes=max_body,

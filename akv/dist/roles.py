@@ -137,7 +137,8 @@ _NUM_SERVERS = Flag(
 )
 
 #: Each role's flags. The scheduler listens on --scheduler-host/--scheduler-port; a server
-#: connects there, and binds --host/--port itself.
+#: connects there, binds --host/--port itself, and tells the scheduler --advertise (default:
+#: the bound address) for the workers.
 ROLE_FLAGS: dict[str, tuple[Flag, ...]] = {
     "scheduler": (
         Flag(
@@ -163,12 +164,24 @@ ROLE_FLAGS: dict[str, tuple[Flag, ...]] = {
         Flag("--scheduler-port", "AKV_SCHEDULER_PORT", "its port (AKV_SCHEDULER_PORT)", _tcp_port),
         _NUM_WORKERS,
         _NUM_SERVERS,
-        Flag("--host", "AKV_HOST", "the address this server binds and advertises (AKV_HOST)"),
+        Flag(
+            "--host",
+            "AKV_HOST",
+            "the address this server binds, and advertises unless --advertise says otherwise "
+            "(AKV_HOST)",
+        ),
         Flag(
             "--port",
             "AKV_PORT",
             "the port this server listens on, 0: any free port (AKV_PORT)",
             _tcp_port_or_any,
+        ),
+        Flag(
+            "--advertise",
+            "AKV_ADVERTISE",
+            "the address the scheduler gives workers for this server, when it is not the "
+            "bound one (NAT, a published container port, a proxy): HOST, HOST:PORT or "
+            "[IPv6]:PORT; a HOST alone keeps the bound port (AKV_ADVERTISE)",
         ),
     ),
 }
@@ -180,6 +193,10 @@ _NOT_FOR_ROLE: dict[str, dict[str, str]] = {
         "DMLC_PS_ROOT_PORT)",
         "--host": "the scheduler listens on --scheduler-host (AKV_SCHEDULER_HOST / "
         "DMLC_PS_ROOT_URI)",
+        "--advertise": "the scheduler advertises no address: every node reaches it at its "
+        "own --scheduler-host and --scheduler-port (AKV_SCHEDULER_HOST / DMLC_PS_ROOT_URI, "
+        "AKV_SCHEDULER_PORT / DMLC_PS_ROOT_PORT), which may differ from the address the "
+        "scheduler listens on",
     },
 }
 

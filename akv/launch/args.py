@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, NoReturn
 
 from akv import __version__
-from akv.dist.config import TWIN_VARIABLES
-from akv.errors import LaunchError
+from akv.dist.config import ADVERTISE_VARIABLE, TWIN_VARIABLES, is_wildcard, parse_address
+from akv.errors import ConfigError, LaunchError
 from akv.launch.limits import DEFAULT_GRACE_S
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "LaunchOptions",
     "SplitCommandLine",
     "parse_args",
+    "scheduler_address",
     "split_command",
     "validate",
 ]
@@ -39,7 +40,7 @@ LOCAL_SCHEDULER_HOST = "127.0.0.1"
 #: from the launcher's own environment are dropped so a stale one cannot leak into the job.
 OWNED_VARIABLES = frozenset(
     [name for pair in TWIN_VARIABLES for name in pair]
-    + ["AKV_TOKEN", "AKV_RANK", "AKV_SCHEDULER_FD", "PYTHONUNBUFFERED"]
+    + ["AKV_TOKEN", "AKV_RANK", "AKV_SCHEDULER_FD", ADVERTISE_VARIABLE, "PYTHONUNBUFFERED"]
 )
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _EXAMPLE = "akv-launch -n 2 -s 1 python train.py"
@@ -60,6 +61,9 @@ class LaunchOptions:
     launcher: str = "local"
     hostfile: str | None = None
     scheduler_host: str | None = None
+    #: The address the other processes are told to reach the scheduler at, when it is not
+    #: ``scheduler_host`` (where it listens): a host alone (``[IPv6]`` in brackets).
+    scheduler_advertise: str | None = None
     python: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     dry_run: bool = False
@@ -98,6 +102,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         launcher=args.launcher,
         hostfile=args.hostfile,
         scheduler_host=args.scheduler_host,
+        scheduler_advertise=args.scheduler_advertise,
         python=args.python,
         env=env,
         dry_run=args.dry_run,
@@ -173,6 +178,12 @@ def validate(options: LaunchOptions) -> None:
             "--scheduler-host is for the ssh, mpi and slurm launchers; the local launcher's "
             f"scheduler listens on {LOCAL_SCHEDULER_HOST}"
         )
+    if not remote and options.scheduler_advertise is not None:
+        raise LaunchError(
+            "--scheduler-advertise is for the ssh, mpi and slurm launchers; the local "
+            f"launcher's processes reach the scheduler at {LOCAL_SCHEDULER_HOST}"
+        )
+    scheduler_address(options)  # a bad --scheduler-advertise, or a wildcard without one
     if options.launcher == "ssh" and not options.hostfile:
         raise LaunchError("--launcher ssh needs -H HOSTFILE: the hosts to place processes on")
     if options.launcher == "local" and options.hostfile:
@@ -193,6 +204,37 @@ def validate(options: LaunchOptions) -> None:
                 f"--env {name}=...: akv-launch sets {name} itself (from -n, -s, "
                 "--scheduler-host and the process's role and rank)"
             )
+
+
+def scheduler_address(options: LaunchOptions) -> str:
+    """The host the servers and workers are told to reach the scheduler at (their
+    ``AKV_SCHEDULER_HOST``; an IPv6 address without brackets): ``--scheduler-advertise``,
+    else ``--scheduler-host``, else :data:`LOCAL_SCHEDULER_HOST`.
+
+    Raises :class:`LaunchError` for a ``--scheduler-advertise`` that is not a host (or has a
+    port: akv-launch chooses the scheduler's port when it binds the socket), and for a
+    wildcard ``--scheduler-host`` (``0.0.0.0``, ``::``) without ``--scheduler-advertise``.
+    """
+    if options.scheduler_advertise is not None:
+        try:
+            host, port = parse_address(options.scheduler_advertise, "--scheduler-advertise")
+        except ConfigError as exc:
+            raise LaunchError(str(exc)) from None
+        if port is not None:
+            raise LaunchError(
+                f"--scheduler-advertise {options.scheduler_advertise}: give a host alone; "
+                "akv-launch chooses the scheduler's port when it binds its socket, and the "
+                "other processes are told that port"
+            )
+        return host
+    host = options.scheduler_host or LOCAL_SCHEDULER_HOST
+    if is_wildcard(host):
+        raise LaunchError(
+            f"--scheduler-host {host} is a wildcard address: the scheduler can listen there, "
+            "but no other process can connect to it; also pass --scheduler-advertise HOST, "
+            "the address of this machine that the other hosts reach"
+        )
+    return host
 
 
 class _Parser(argparse.ArgumentParser):
@@ -234,8 +276,14 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
         add("-H", "--hostfile", help="lines: host, host:port or host slots=N"),
         add(
             "--scheduler-host",
-            help="this machine's address the other hosts reach the scheduler at "
-            "(required for ssh, mpi and slurm)",
+            help="this machine's address the other hosts reach the scheduler at, and where "
+            "it listens (required for ssh, mpi and slurm)",
+        ),
+        add(
+            "--scheduler-advertise",
+            metavar="HOST",
+            help="the address the other hosts are told to reach the scheduler at, when it "
+            "is not --scheduler-host (NAT; --scheduler-host 0.0.0.0)",
         ),
         add(
             "--python",

@@ -11,7 +11,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from akv.errors import LaunchError
+from akv.dist.config import parse_address
+from akv.errors import ConfigError, LaunchError
 
 __all__ = ["Host", "assign_hosts", "load_hostfile", "parse_hostfile"]
 
@@ -21,15 +22,20 @@ _MAX_PORT = 65535
 
 @dataclass(frozen=True)
 class Host:
-    """One line of a host file: ``host``, ``host:port`` (ssh port) or ``host slots=N``."""
+    """One line of a host file: ``host``, ``host:port`` (ssh port) or ``host slots=N``,
+    optionally with ``advertise=ADDR``: the address the servers on this host advertise
+    (a host name, an IPv4 address or ``[IPv6]``, kept as ``AKV_ADVERTISE`` takes it)."""
 
     name: str
     port: int | None = None
     slots: int | None = None
+    advertise: str | None = None
 
 
 def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
-    """Parse host file ``text``: ``host``, ``host:port`` or ``host slots=N`` per line.
+    """Parse host file ``text``: ``host``, ``host:port`` or ``host slots=N`` per line, each
+    optionally followed by ``advertise=ADDR`` (``host:port slots=N advertise=ADDR`` too;
+    the options in any order, each once).
 
     Blank lines and ``#`` comments are skipped. Raises :class:`LaunchError` naming
     ``source``, the line number and its content for a line of another form, or when no host
@@ -75,15 +81,22 @@ def assign_hosts(hosts: Sequence[Host], count: int) -> list[Host]:
 
 def _parse_host_line(line: str, where: str) -> Host:
     words = line.split()
-    expected = "expected `host`, `host:port` or `host slots=N`"
+    expected = (
+        "expected `host`, `host:port` or `host slots=N`, optionally followed by `advertise=ADDR`"
+    )
+    options: dict[str, str] = {}
+    for word in words[1:]:
+        key, sep, value = word.partition("=")
+        if not sep or key not in ("slots", "advertise") or key in options:
+            raise LaunchError(f"{where}: {expected}")
+        options[key] = value
     slots = None
-    if len(words) == 2 and words[1].startswith("slots="):
-        slots_text = words[1].removeprefix("slots=")
+    if "slots" in options:
+        slots_text = options["slots"]
         if not slots_text.isdigit() or int(slots_text) < 1:
             raise LaunchError(f"{where}: slots must be a whole number >= 1")
         slots = int(slots_text)
-    elif len(words) != 1:
-        raise LaunchError(f"{where}: {expected}")
+    advertise = _advertise(options["advertise"], where) if "advertise" in options else None
     name, sep, port_text = words[0].rpartition(":") if ":" in words[0] else (words[0], "", "")
     port = None
     if sep:
@@ -92,4 +105,20 @@ def _parse_host_line(line: str, where: str) -> Host:
         port = int(port_text)
     if not _HOST_NAME.match(name) or name.startswith("-"):
         raise LaunchError(f"{where}: {name!r} is not a host name or IPv4 address; {expected}")
-    return Host(name, port, slots)
+    return Host(name, port, slots, advertise)
+
+
+def _advertise(value: str, where: str) -> str:
+    """An ``advertise=`` value: a host (name, IPv4 or ``[IPv6]``) without a port, as
+    ``AKV_ADVERTISE`` takes it."""
+    try:
+        host, port = parse_address(value, "advertise")
+    except ConfigError as exc:
+        raise LaunchError(f"{where}: {exc}") from None
+    if port is not None:
+        raise LaunchError(
+            f"{where}: advertise={value} has a port: give a host alone (each server on this "
+            "host advertises the port it binds; to advertise another port, start the server "
+            "yourself with akv-server --advertise HOST:PORT)"
+        )
+    return f"[{host}]" if ":" in host else host

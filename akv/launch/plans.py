@@ -16,13 +16,14 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from akv.dist.config import TWIN_VARIABLES
+from akv.dist.config import ADVERTISE_VARIABLE, TWIN_VARIABLES
 from akv.errors import LaunchError
 from akv.launch.args import (
     LOCAL_SCHEDULER_HOST,
     OWNED_VARIABLES,
     REMOTE_LAUNCHERS,
     LaunchOptions,
+    scheduler_address,
     validate,
 )
 from akv.launch.hosts import Host, assign_hosts
@@ -70,6 +71,9 @@ _SERVER_HOST_WRAPPER = (
     'AKV_HOST="$(hostname)"; DMLC_NODE_HOST="$AKV_HOST"; export AKV_HOST DMLC_NODE_HOST; exec "$@"',
     "akv-server",
 )
+#: What a server binds when its host file line has ``advertise=ADDR``: every interface.
+WILDCARD_HOST = "0.0.0.0"
+WILDCARD_HOST_IPV6 = "::"
 
 
 @dataclass(frozen=True)
@@ -157,14 +161,16 @@ def plan_ssh(options: LaunchOptions, context: JobContext) -> list[ProcessSpec]:
     """One ``ssh HOST bash -s`` per server and worker, placed by
     :func:`~akv.launch.hosts.assign_hosts` (servers first); the job's variables travel in
     the :func:`remote_script` on stdin, never on a command line or in ssh's environment.
-    Servers advertise their host file name."""
+    Servers advertise their host file name, or bind every interface and advertise the
+    line's ``advertise=ADDR`` (:func:`_server_address`)."""
     inherited = _inherited(context.environ)
     specs = [_scheduler_spec(options, context)]
     placement = iter(assign_hosts(context.hosts, options.num_servers + options.num_workers))
     for role, argv, count in _roles(options, context):
         for rank in range(count):
             host = next(placement)
-            env = _job_env(options, context, role, rank, host.name if role == "server" else None)
+            node_host, advertise = _server_address(host) if role == "server" else (None, None)
+            env = _job_env(options, context, role, rank, node_host, advertise)
             specs.append(
                 ProcessSpec(
                     role,
@@ -184,8 +190,12 @@ def plan_mpi(options: LaunchOptions, context: JobContext) -> list[ProcessSpec]:
     """One ``mpirun`` for the servers and one for the workers (:func:`mpirun_argv`).
 
     Ranks come from the MPI runtime; each server learns its node's name from ``hostname``.
+    A host file with ``advertise=`` lines goes to ``mpirun`` as a host list (``-H``), which
+    Open MPI reads without akv's options.
     """
     hostfile = os.path.join(context.cwd, options.hostfile) if options.hostfile else None
+    if any(host.advertise for host in context.hosts):
+        hostfile = None
 
     def mpirun(count: int, names: Sequence[str], argv: Sequence[str]) -> tuple[str, ...]:
         return mpirun_argv(context.mpi_flavour, count, names, argv, context.hosts, hostfile)
@@ -423,7 +433,7 @@ def _group_plan(
         env = _job_env(options, context, role)
         if role == "server":
             # Each server advertises its own host; only the node knows its name.
-            argv = (*_SERVER_HOST_WRAPPER, *argv)
+            argv = (*_server_host_wrapper(context.hosts), *argv)
         specs.append(
             ProcessSpec(
                 role,
@@ -444,6 +454,38 @@ _PLANS: dict[str, Callable[[LaunchOptions, JobContext], list[ProcessSpec]]] = {
     "mpi": plan_mpi,
     "slurm": plan_slurm,
 }
+
+
+def _server_address(host: Host) -> tuple[str, str | None]:
+    """``(AKV_HOST, AKV_ADVERTISE)`` of a server on ``host``: its host file name and no
+    advertised address, or with ``advertise=ADDR`` every interface (``0.0.0.0``, ``::``
+    for an ``[IPv6]`` ADDR) and ADDR."""
+    if host.advertise is None:
+        return host.name, None
+    wildcard = WILDCARD_HOST_IPV6 if host.advertise.startswith("[") else WILDCARD_HOST
+    return wildcard, host.advertise
+
+
+def _server_host_wrapper(hosts: Sequence[Host]) -> tuple[str, ...]:
+    """The ``/bin/sh -c`` that starts an ``mpirun``/``srun`` server: ``AKV_HOST`` is the
+    node's ``hostname``; on a node whose ``hostname`` is the name of a host file line with
+    ``advertise=ADDR``, the server binds every interface and advertises ADDR instead."""
+    advertised = [host for host in hosts if host.advertise is not None]
+    if not advertised:
+        return _SERVER_HOST_WRAPPER
+    branches = []
+    for host in advertised:
+        bind, advertise = _server_address(host)
+        branches.append(
+            f"{shlex.quote(host.name)}) AKV_HOST={shlex.quote(bind)}; "
+            f"{ADVERTISE_VARIABLE}={shlex.quote(str(advertise))}; export {ADVERTISE_VARIABLE};;"
+        )
+    script = (
+        f'unset {ADVERTISE_VARIABLE}; AKV_HOST="$(hostname)"; case "$AKV_HOST" in '
+        + " ".join(branches)
+        + ' esac; DMLC_NODE_HOST="$AKV_HOST"; export AKV_HOST DMLC_NODE_HOST; exec "$@"'
+    )
+    return (*_SERVER_HOST_WRAPPER[:2], script, *_SERVER_HOST_WRAPPER[3:])
 
 
 def _scheduler_spec(options: LaunchOptions, context: JobContext) -> ProcessSpec:
@@ -478,13 +520,19 @@ def _job_env(
     role: str,
     rank: int | None = None,
     node_host: str | None = None,
+    advertise: str | None = None,
 ) -> dict[str, str]:
-    """The variables akv-launch sets for one process (or group), under both names."""
+    """The variables akv-launch sets for one process (or group), under both names.
+
+    The scheduler's ``AKV_SCHEDULER_HOST`` is where it listens; the others' is where they
+    reach it (``--scheduler-advertise``, if given).
+    """
     remote = options.launcher in REMOTE_LAUNCHERS
     port = context.scheduler_port
+    listen = (options.scheduler_host if remote else None) or LOCAL_SCHEDULER_HOST
     values = {
         "AKV_ROLE": role,
-        "AKV_SCHEDULER_HOST": (options.scheduler_host if remote else None) or LOCAL_SCHEDULER_HOST,
+        "AKV_SCHEDULER_HOST": listen if role == "scheduler" else scheduler_address(options),
         "AKV_SCHEDULER_PORT": PORT_PLACEHOLDER if port is None else str(port),
         "AKV_NUM_WORKERS": str(options.num_workers),
         "AKV_NUM_SERVERS": str(options.num_servers),
@@ -495,6 +543,8 @@ def _job_env(
     for akv_name, mxnet_name in TWIN_VARIABLES:
         if akv_name in values:
             env[akv_name] = env[mxnet_name] = values[akv_name]
+    if advertise is not None:
+        env[ADVERTISE_VARIABLE] = advertise
     env["AKV_TOKEN"] = context.token
     if rank is not None:
         env["AKV_RANK"] = str(rank)

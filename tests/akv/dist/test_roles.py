@@ -279,3 +279,77 @@ def test_default_worker_logging_is_idempotent():
     done = worker_log(after="print(default_worker_logging(), flush=True)")
     assert done.stdout == "True\nFalse\n"
     assert done.stderr.count("worker waiting") == 1
+
+
+# ------------------------------------------------------------------ --advertise
+
+SERVER_JOB = {**JOB, "DMLC_ROLE": "server"}
+
+
+def server_config(argv: list[str], environ: dict[str, str]) -> _config.Config:
+    return config_from_args("server", role_parser("server", "test").parse_args(argv), environ)
+
+
+def test_advertise_flag_sets_the_advertised_address():
+    config = server_config(["--port", "9000", "--advertise", "[::1]:19000"], SERVER_JOB)
+    assert config.advertised(9000) == ("::1", 19000)
+    config = server_config(["--advertise", "gateway"], SERVER_JOB)
+    assert config.advertised(41234) == ("gateway", 41234)
+
+
+def test_advertise_flag_wins_over_the_variable():
+    environ = {**SERVER_JOB, "AKV_ADVERTISE": "10.0.0.9:1"}
+    assert server_config([], environ).advertised(7) == ("10.0.0.9", 1)
+    assert server_config(["--advertise", "10.0.0.2:2"], environ).advertised(7) == ("10.0.0.2", 2)
+    # A bad variable is no matter when the flag overrides it.
+    bad = {**SERVER_JOB, "AKV_ADVERTISE": "::1"}
+    assert server_config(["--advertise", "h"], bad).advertised(7) == ("h", 7)
+
+
+def test_a_bad_advertise_names_the_variable_and_the_flag():
+    with pytest.raises(ConfigError) as info:
+        server_config(["--advertise", "host:0"], SERVER_JOB)
+    message = str(info.value)
+    assert message.startswith("AKV_ADVERTISE='host:0': '0' is not a TCP port (1-65535)")
+    assert message.endswith("; or pass --advertise")
+
+
+def test_a_wildcard_bind_without_advertise_points_to_the_advertise_flag():
+    with pytest.raises(ConfigError) as info:
+        server_config(["--host", "0.0.0.0"], SERVER_JOB)
+    message = str(info.value)
+    assert message.startswith("AKV_ADVERTISE is not set, and this server binds the wildcard")
+    assert message.endswith("; or pass --advertise")
+    config = server_config(["--host", "0.0.0.0", "--advertise", "10.0.0.2"], SERVER_JOB)
+    assert config.advertised(4000) == ("10.0.0.2", 4000)
+
+
+def test_only_the_server_lists_advertise_and_the_scheduler_explains_why(capsys):
+    assert re.search(FLAG.format("--advertise"), role_parser("server", "t").format_help())
+    assert not re.search(FLAG.format("--advertise"), role_parser("scheduler", "t").format_help())
+    with pytest.raises(SystemExit) as exited:
+        scheduler_main(["--advertise", "10.0.0.1"])
+    assert exited.value.code == 2
+    assert (
+        "akv-scheduler has no --advertise: the scheduler advertises no address: every node "
+        "reaches it at its own --scheduler-host and --scheduler-port"
+    ) in capsys.readouterr().err
+
+
+def test_akv_server_bound_to_a_wildcard_without_advertise_exits_2_with_one_line():
+    env = clean_env(**{**JOB, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-m", "akv.dist.server", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith(
+        "akv-server: AKV_ADVERTISE is not set, and this server binds the wildcard address "
+        "AKV_HOST='0.0.0.0', which no worker can connect to"
+    )
+    assert done.stderr.endswith("; or pass --advertise\n")
+    assert done.stderr.count("\n") == 1
