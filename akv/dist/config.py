@@ -23,7 +23,9 @@ from akv.limits import (
     CONNECT_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
     MAX_BODY_BYTES,
+    MAX_CONNECTIONS_PER_PEER,
     MIN_TOKEN_CHARS,
     REQUEST_TIMEOUT_S,
     ROUND_TIMEOUT_S,
@@ -82,6 +84,7 @@ _TIMEOUTS = {
     "request_s": ("AKV_REQUEST_TIMEOUT_S", REQUEST_TIMEOUT_S),
     "heartbeat_interval_s": ("AKV_HEARTBEAT_INTERVAL_S", HEARTBEAT_INTERVAL_S),
     "heartbeat_timeout_s": ("AKV_HEARTBEAT_TIMEOUT_S", HEARTBEAT_TIMEOUT_S),
+    "idle_s": ("AKV_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S),
 }
 TOKEN_HINT = (
     "every request carries the job's token: akv-launch sets AKV_TOKEN for you; to start "
@@ -101,6 +104,8 @@ class Timeouts:
     request_s: float = REQUEST_TIMEOUT_S
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    #: A connection without a whole request header this long is closed (servers, scheduler).
+    idle_s: float = IDLE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,7 @@ class Config:
     scheduler_fd: int | None = None
     bigarray_bound: int = BIGARRAY_BOUND
     max_body_bytes: int = MAX_BODY_BYTES
+    max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -377,6 +383,12 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         1,
         "a number of bytes",
     )
+    max_connections = int_setting(
+        env.get("AKV_MAX_CONNECTIONS_PER_PEER", str(MAX_CONNECTIONS_PER_PEER)),
+        "AKV_MAX_CONNECTIONS_PER_PEER",
+        1,
+        "a number of connections",
+    )
     tls_cert, tls_key, tls_ca = (
         env.get("AKV_TLS_CERT"),
         env.get("AKV_TLS_KEY"),
@@ -411,6 +423,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         scheduler_fd=scheduler_fd,
         bigarray_bound=bound,
         max_body_bytes=max_body,
+        max_connections_per_peer=max_connections,
         tls_cert=tls_cert,
         tls_key=tls_key,
         tls_ca=tls_ca,

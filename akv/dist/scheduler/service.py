@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import socket
 import time
@@ -52,8 +51,6 @@ from akv.dist.roles import run_role, server_ssl
 from akv.dist.scheduler.roster import Roster
 from akv.errors import MembershipError, PeerLostError
 from akv.limits import (
-    IDLE_TIMEOUT_S,
-    MAX_CONNECTIONS_PER_PEER,
     SCHEDULER_CHECK_INTERVAL_S,
     SCHEDULER_POLL_S,
     STARTUP_MARGIN_S,
@@ -107,13 +104,8 @@ class Scheduler:
             config.scheduler_port,
             ssl_context=server_ssl(config),
             sock=sock,
-            idle_timeout_s=_config._seconds(os.environ, "AKV_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S),
-            max_connections_per_peer=_config.int_setting(
-                os.environ.get("AKV_MAX_CONNECTIONS_PER_PEER", str(MAX_CONNECTIONS_PER_PEER)),
-                "AKV_MAX_CONNECTIONS_PER_PEER",
-                1,
-                "a number of connections",
-            ),
+            idle_timeout_s=config.timeouts.idle_s,
+            max_connections_per_peer=config.max_connections_per_peer,
         )
         log.info(
             "akv-scheduler listening on %s:%d for %d workers and %d servers",

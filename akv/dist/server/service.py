@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import threading
 import time
 import uuid
@@ -26,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 from aiohttp import web
 
-from akv.dist.config import Config, _seconds, format_address, int_setting
+from akv.dist.config import Config, format_address
 from akv.dist.membership import Membership
 from akv.dist.protocol import CLIENT_HEADER, OK, Op, parse_client_header, status_of
 from akv.dist.roles import run_role, server_ssl
@@ -49,8 +48,6 @@ from akv.dist.server.state import (
 from akv.dist.server.updates import land
 from akv.errors import AKVError, InvalidArgumentError, MembershipError, ServerError
 from akv.limits import (
-    IDLE_TIMEOUT_S,
-    MAX_CONNECTIONS_PER_PEER,
     MAX_PAYLOAD_BYTES,
     ROUND_CHECK_INTERVAL_S,
     SERVER_ENGINE_SLOTS,
@@ -139,13 +136,8 @@ class ParameterServer:
             config.host,
             config.port,
             ssl_context=server_ssl(config),
-            idle_timeout_s=_seconds(os.environ, "AKV_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S),
-            max_connections_per_peer=int_setting(
-                os.environ.get("AKV_MAX_CONNECTIONS_PER_PEER", str(MAX_CONNECTIONS_PER_PEER)),
-                "AKV_MAX_CONNECTIONS_PER_PEER",
-                1,
-                "a number of connections",
-            ),
+            idle_timeout_s=config.timeouts.idle_s,
+            max_connections_per_peer=config.max_connections_per_peer,
         )
         self.advertised = config.advertised(self.port)
         deadline = time.monotonic() + config.timeouts.connect_s

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from akv.dist.config import Config
+from akv.dist.config import Config, format_address
 from akv.dist.protocol import CLIENT_HEADER, client_header
 from akv.dist.roles import client_ssl
 from akv.dist.worker.requests import OnReply, Outcome, RequestTable
@@ -44,7 +44,7 @@ class ServerLink:
         self.rank = rank
         self.host = host
         self.port = port
-        self.name = f"server {rank} at {host}:{port}"
+        self.name = f"server {rank} at {format_address(host, port)}"
         self.lost: AKVError | None = None
         self.closing = False
         self._report = on_trouble

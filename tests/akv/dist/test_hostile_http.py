@@ -75,22 +75,31 @@ def fresh_log_limits() -> None:
     _http._MISTAKES.clear()
 
 
+#: The connection bounds the scheduler and the servers of these tests are configured with.
+QUICK = {"AKV_IDLE_TIMEOUT_S": str(IDLE_S), "AKV_MAX_CONNECTIONS_PER_PEER": "64"}
+
+
 @pytest.fixture
-def quick_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What serve() reads when the scheduler and the servers start."""
-    monkeypatch.setenv("AKV_IDLE_TIMEOUT_S", str(IDLE_S))
-    monkeypatch.setenv("AKV_MAX_CONNECTIONS_PER_PEER", "64")
+def quick_timeouts() -> dict[str, str]:
+    return QUICK
 
 
-async def start_scheduler() -> tuple[Scheduler, str]:
-    env = job_env(2, 1, free_port(), AKV_ROLE="scheduler", AKV_MAX_BODY_BYTES=str(MAX_BODY))
+async def start_scheduler(**settings: str) -> tuple[Scheduler, str]:
+    env = job_env(
+        2,
+        1,
+        free_port(),
+        AKV_ROLE="scheduler",
+        AKV_MAX_BODY_BYTES=str(MAX_BODY),
+        **{**QUICK, **settings},
+    )
     scheduler = Scheduler(_config.from_env(env))
     await scheduler.start()
     return scheduler, env["AKV_TOKEN"]
 
 
 @pytest.fixture
-async def scheduler(quick_timeouts: None) -> AsyncIterator[tuple[Scheduler, str]]:
+async def scheduler(quick_timeouts: dict[str, str]) -> AsyncIterator[tuple[Scheduler, str]]:
     scheduler, token = await start_scheduler()
     try:
         status, _ = await call(scheduler.port, "POST", "/v1/register", token, body(GOOD_W0))
@@ -342,8 +351,8 @@ async def test_a_good_registration_works_after_the_storm(scheduler):
 
 
 @pytest.fixture
-def cluster(quick_timeouts: None) -> Any:
-    with Cluster(1, 1, AKV_MAX_BODY_BYTES=str(SERVER_MAX_BODY)) as cluster:
+def cluster(quick_timeouts: dict[str, str]) -> Any:
+    with Cluster(1, 1, AKV_MAX_BODY_BYTES=str(SERVER_MAX_BODY), **quick_timeouts) as cluster:
         yield cluster
 
 
@@ -456,10 +465,10 @@ async def test_idle_and_slowloris_connections_to_a_server_are_closed_but_streams
 # ---------------------------------------------------------------------- connections per peer
 
 
-async def test_the_fifth_connection_from_one_address_is_closed_at_once(monkeypatch):
-    monkeypatch.setenv("AKV_IDLE_TIMEOUT_S", "30")
-    monkeypatch.setenv("AKV_MAX_CONNECTIONS_PER_PEER", "4")
-    scheduler, token = await start_scheduler()
+async def test_the_fifth_connection_from_one_address_is_closed_at_once():
+    scheduler, token = await start_scheduler(
+        AKV_IDLE_TIMEOUT_S="30", AKV_MAX_CONNECTIONS_PER_PEER="4"
+    )
     writers = []
     try:
         for _ in range(4):
@@ -479,11 +488,8 @@ async def test_the_fifth_connection_from_one_address_is_closed_at_once(monkeypat
         await scheduler.stop()
 
 
-async def test_a_malformed_connection_setting_is_a_configuration_error(monkeypatch):
-    monkeypatch.setenv("AKV_MAX_CONNECTIONS_PER_PEER", "many")
+async def test_a_malformed_connection_setting_is_a_configuration_error():
     with pytest.raises(_config.ConfigError, match="AKV_MAX_CONNECTIONS_PER_PEER"):
-        await start_scheduler()
-    monkeypatch.setenv("AKV_MAX_CONNECTIONS_PER_PEER", "8")
-    monkeypatch.setenv("AKV_IDLE_TIMEOUT_S", "-1")
+        await start_scheduler(AKV_MAX_CONNECTIONS_PER_PEER="many")
     with pytest.raises(_config.ConfigError, match="AKV_IDLE_TIMEOUT_S"):
-        await start_scheduler()
+        await start_scheduler(AKV_IDLE_TIMEOUT_S="-1")
