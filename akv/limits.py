@@ -47,6 +47,9 @@ HEARTBEAT_TIMEOUT_S = 10.0
 BLAME_TIMEOUT_S = 2.0
 #: How often that worker asks again while the scheduler knows no failure yet.
 VERDICT_POLL_S = 0.1
+#: After SIGTERM or Ctrl-C, how long a server lets its work in flight finish and a
+#: scheduler keeps answering (so that every node hears why the job failed).
+DRAIN_S = 2.0
 #: A heartbeat request's own deadline: this many heartbeat intervals, at least
 #: :data:`MIN_HEARTBEAT_REQUEST_S`.
 HEARTBEAT_REQUEST_INTERVALS = 5

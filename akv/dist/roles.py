@@ -12,11 +12,14 @@ reach stderr there without touching a logging configuration the program made its
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import re
+import signal
 import ssl
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -372,6 +375,16 @@ def run_role(
     return serve_role(role, config, serve)
 
 
+#: The message of the cancellation :func:`serve_role` makes on SIGTERM or Ctrl-C; a role's
+#: ``run`` tells it apart from other cancellations with :func:`stopped_by_signal`.
+SIGNAL_STOP = "akv: stopped by a signal"
+
+
+def stopped_by_signal(exc: BaseException) -> bool:
+    """Whether ``exc`` is the cancellation of a SIGTERM or Ctrl-C (see :func:`serve_role`)."""
+    return isinstance(exc, asyncio.CancelledError) and exc.args == (SIGNAL_STOP,)
+
+
 def serve_role(
     role: str, config: _config.Config, serve: Callable[[_config.Config], Awaitable[int]]
 ) -> int:
@@ -380,7 +393,32 @@ def serve_role(
     process whose role is server or scheduler.)"""
     setup_logging(f"akv-{role}", config.log_level)
     loop = new_event_loop()
+    task = asyncio.ensure_future(serve(config), loop=loop)
+    received: list[int] = []
+
+    def on_signal(signo: int) -> None:
+        # The first SIGTERM or Ctrl-C stops the role gracefully (it tells the job why and
+        # finishes what it can within its deadline); a second one ends it at once.
+        if received:
+            os._exit(128 + signo)
+        received.append(signo)
+        logging.getLogger("akv").warning(
+            "akv-%s got %s: stopping", role, signal.Signals(signo).name
+        )
+        task.cancel(SIGNAL_STOP)
+
+    handled = []
+    if threading.current_thread() is threading.main_thread():
+        for signo in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signo, on_signal, signo)
+            handled.append(signo)
     try:
-        return loop.run_until_complete(serve(config))
+        return loop.run_until_complete(task)
+    except asyncio.CancelledError:
+        if not received:
+            raise
+        return 128 + received[0]
     finally:
+        for signo in handled:
+            loop.remove_signal_handler(signo)
         loop.close()

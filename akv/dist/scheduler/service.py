@@ -35,6 +35,7 @@ gets 409 ``{error}`` with the reason (``akv.dist.protocol.JOB_FAILED_STATUS`` an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import socket
@@ -47,10 +48,11 @@ from aiohttp import web
 
 from akv.dist import config as _config
 from akv.dist.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
-from akv.dist.roles import run_role, server_ssl
+from akv.dist.roles import run_role, server_ssl, stopped_by_signal
 from akv.dist.scheduler.roster import Roster
 from akv.errors import MembershipError, PeerLostError
 from akv.limits import (
+    DRAIN_S,
     SCHEDULER_CHECK_INTERVAL_S,
     SCHEDULER_POLL_S,
     STARTUP_MARGIN_S,
@@ -145,6 +147,17 @@ class Scheduler:
                 status = self.roster.exit_status(now)
                 if status is not None:
                     return status
+        except asyncio.CancelledError as exc:
+            if not stopped_by_signal(exc):
+                raise
+            # SIGTERM or Ctrl-C: the job cannot go on without its scheduler. Fail it and
+            # answer for DRAIN_S more, so that every node hears the reason.
+            if self.roster.fail("the scheduler was stopped by a signal (SIGTERM or Ctrl-C)"):
+                log.error("job failed: %s", self.roster.failure)
+                await self._notify()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.sleep(DRAIN_S)
+            raise
         finally:
             await self.stop()
 

@@ -28,7 +28,7 @@ from aiohttp import web
 from akv.dist.config import Config, format_address
 from akv.dist.membership import Membership
 from akv.dist.protocol import CLIENT_HEADER, OK, Op, parse_client_header, status_of
-from akv.dist.roles import run_role, server_ssl
+from akv.dist.roles import run_role, server_ssl, stopped_by_signal
 from akv.dist.server.state import (
     FailJob,
     InstallOptimizer,
@@ -48,6 +48,7 @@ from akv.dist.server.state import (
 from akv.dist.server.updates import land
 from akv.errors import AKVError, InvalidArgumentError, MembershipError, ServerError
 from akv.limits import (
+    DRAIN_S,
     MAX_PAYLOAD_BYTES,
     ROUND_CHECK_INTERVAL_S,
     SERVER_ENGINE_SLOTS,
@@ -162,10 +163,26 @@ class ParameterServer:
         try:
             stopped = await self.membership.heartbeats(self._job_failed, gave_up.is_set)
             return 0 if stopped and self.state.failure is None and not gave_up.is_set() else 1
+        except asyncio.CancelledError as exc:
+            if stopped_by_signal(exc):
+                await self._stopped_by_signal()
+            raise
         finally:
             ticker.cancel()
             assembly.cancel()
             await self.stop()
+
+    async def _stopped_by_signal(self) -> None:
+        """SIGTERM or Ctrl-C: the work in flight gets :data:`DRAIN_S` to finish, and the
+        scheduler is told, so that the job fails naming this server and why (the values it
+        holds are lost: there is no checkpoint yet)."""
+        rank = self.membership.rank if self.membership.rank is not None else -1
+        detail = f"{self.name} was stopped by a signal (SIGTERM or Ctrl-C)"
+        with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError):
+            await asyncio.wait_for(self.engine.wait_all(), DRAIN_S)
+        with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError, ValueError):
+            report = self.membership.report_lost(self.name, "server", rank, detail)
+            await asyncio.wait_for(report, DRAIN_S)
 
     async def _await_job(self, gave_up: asyncio.Event) -> None:
         """Wait until every worker and server joined the job. The scheduler fails a job

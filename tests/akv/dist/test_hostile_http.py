@@ -84,6 +84,11 @@ def quick_timeouts() -> dict[str, str]:
     return QUICK
 
 
+#: The scheduler-only tests' node w0 registers and never sends a heartbeat, and the job
+#: never assembles: neither may fail the job while hostile requests are being sent.
+PATIENT = {"AKV_HEARTBEAT_TIMEOUT_S": "600", "AKV_CONNECT_TIMEOUT_S": "600"}
+
+
 async def start_scheduler(**settings: str) -> tuple[Scheduler, str]:
     env = job_env(
         2,
@@ -91,7 +96,7 @@ async def start_scheduler(**settings: str) -> tuple[Scheduler, str]:
         free_port(),
         AKV_ROLE="scheduler",
         AKV_MAX_BODY_BYTES=str(MAX_BODY),
-        **{**QUICK, **settings},
+        **{**QUICK, **PATIENT, **settings},
     )
     scheduler = Scheduler(_config.from_env(env))
     await scheduler.start()

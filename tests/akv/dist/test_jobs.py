@@ -150,6 +150,20 @@ def test_a_hanging_server_is_blamed_by_the_workers_and_the_launcher():
     assert verdict.group(1).startswith("server 1 (pid"), verdict.group(1)
 
 
+def test_a_server_stopped_by_sigterm_says_so_and_the_workers_name_it():
+    done = launch(
+        ["-n", "1", "-s", "1", "--", sys.executable, str(JOBS / "faults.py"), "term-server"],
+        timeout=90,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 128 + signal.SIGTERM, output
+    assert re.search(r"\[server 0\] .*akv-server got SIGTERM: stopping", output), output
+    got = re.search(r"rank 0 got PeerLostError after [\d.]+ s: (.*)", output)
+    assert got is not None, output
+    assert "server 0" in got.group(1) and "stopped by a signal" in got.group(1), got.group(1)
+    assert "server 0" in output and "exited with code 143" in output
+
+
 def test_a_misconfigured_environment_fails_at_once_with_a_clear_message():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AKV_", "DMLC_"))}
     env.update(

@@ -40,6 +40,8 @@ with akv.create("dist_sync") as kv:
         time.sleep(0.5)
     if kv.rank == 1 and MODE == "kill-worker":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kv.rank == 0 and MODE == "term-server":
+        os.kill(server_pids()[0], signal.SIGTERM)
     if kv.rank == 0 and MODE == "stop-server":
         os.kill(server_pids()[-1], signal.SIGSTOP)  # the last server hangs
     started = time.monotonic()
