@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, TypeVar
 
-from akv.dist.protocol import OK, error_from_status, op_label
+from akv.dist.protocol import OK, Op, error_from_status, op_label
 from akv.errors import AKVError, ServerError
 from akv.keys import Entry, Part
-from transport import FrameHeader, Message
+from transport import DISCARD, Destination, FrameHeader, Message
 
 __all__ = ["OnReply", "Outcome", "Request", "RequestTable", "by_server"]
 
@@ -102,17 +102,22 @@ class RequestTable:
         """Drop request ``seq`` (it could not be sent)."""
         return self._pending.pop(seq, None)
 
-    def destinations(self, header: FrameHeader) -> Sequence[memoryview | None]:
+    def destinations(self, header: FrameHeader) -> Sequence[Destination]:
         """Where the arrays of the reply that ``header`` starts land: the request's
-        destinations when the reply is a success of the expected sizes, else nowhere."""
+        destinations when the reply is a success of the expected sizes; fresh buffers for
+        ``save_states``, whose answer has sizes the worker cannot know; else
+        they are discarded as they arrive (an unknown request, an error, sizes other than
+        asked for), so that a reply never makes this worker allocate what it declares."""
         request = self._pending.get(header.seq)
-        nowhere: list[memoryview | None] = [None] * len(header.arrays)
-        if request is None or header.aux != OK or len(header.arrays) != len(request.sizes):
-            return nowhere
-        if any(
+        discard: list[Destination] = [DISCARD] * len(header.arrays)
+        if request is None or header.aux != OK:
+            return discard
+        if request.op == Op.SAVE_STATES:
+            return [None] * len(header.arrays)
+        if len(header.arrays) != len(request.sizes) or any(
             size != info.nbytes for size, info in zip(request.sizes, header.arrays, strict=True)
         ):
-            return nowhere
+            return discard
         return request.destinations
 
     def reply(self, message: Message) -> Outcome | None:

@@ -9,7 +9,7 @@ from akv.dist.worker.requests import RequestTable, by_server
 from akv.errors import DoublePushError, ServerError
 from akv.keys import Entry, Part
 from engine import Var
-from transport import Message, decode_frame, frame_bytes
+from transport import DISCARD, Message, decode_frame, frame_bytes
 
 
 def reply(seq: int, arrays=(), aux: int = OK, text: str = "") -> Message:
@@ -42,11 +42,27 @@ def test_a_reply_of_other_sizes_lands_nowhere_and_is_an_error():
     out = np.zeros(3, np.float32)
     seq = table.add(Op.PULL, Calls(), [memoryview(out).cast("B")], deadline=10.0)
     message = reply(seq, [("w", np.ones(4, np.float32), 0)])
-    assert table.destinations(message.header) == [None]
+    assert table.destinations(message.header) == [DISCARD]  # read through, never allocated
     outcome = table.reply(message)
     assert isinstance(outcome.error, ServerError) and "[16] bytes, expected [12]" in str(
         outcome.error
     )
+
+
+def test_a_reply_never_makes_the_worker_allocate_what_it_declares():
+    """A reply nobody asked for, arrays on a push's reply, arrays on an error: discarded.
+    Only save_states, whose answer has sizes the worker cannot know, gets fresh buffers."""
+    table = RequestTable("server 0")
+    huge = reply(999, [("w", np.ones(2, np.float32), 0)])
+    assert table.destinations(huge.header) == [DISCARD]
+    push = table.add(Op.PUSH, Calls(), None, deadline=10.0)
+    assert table.destinations(reply(push, [("w", np.ones(2, np.float32), 0)]).header) == [DISCARD]
+    error = DoublePushError("no")
+    failed = reply(push, [("w", np.ones(2, np.float32), 0)], aux=status_of(error), text="no")
+    assert table.destinations(failed.header) == [DISCARD]
+    save = table.add(Op.SAVE_STATES, Calls(), None, deadline=10.0)
+    states = reply(save, [(None, np.ones(5, np.uint8), 0)])
+    assert table.destinations(states.header) == [None]
 
 
 def test_an_error_reply_becomes_the_servers_error_class():
