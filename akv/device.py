@@ -327,22 +327,16 @@ class DeviceBackend(LocalBackend):
                     name="init",
                 )
             )
-        return tasks[0] if len(tasks) == 1 else gather(tasks)
+        return _joined(tasks, None)
 
     def push(self, values: KeyArrays, priority: int, borrow: bool) -> Waitable:
         """Host keys as the local store; GPU keys staged at the call, applied on a stream."""
-        gpu = [(entry, arrays) for entry, arrays in values if entry.device is not None]
-        if not gpu:
-            return super().push(self._on_host(values), priority, borrow)
-        tasks: list[Waitable] = []
-        host = [(entry, arrays) for entry, arrays in values if entry.device is None]
-        if host:
-            tasks.append(super().push(self._on_host(host), priority, borrow))
-        by_device: dict[int, list[tuple[Entry, Array, Any]]] = {}
-        for entry, arrays in gpu:
-            assert entry.device is not None
-            by_device.setdefault(entry.device, []).append((entry, *_stage(entry, arrays)))
-        for device, staged in by_device.items():
+        host, gpus = _by_device(values)
+        if not gpus:
+            return super().push(_on_host(values), priority, borrow)
+        tasks = [super().push(_on_host(host), priority, borrow)] if host else []
+        for device, items in gpus.items():
+            staged = [(entry, *_stage(entry, arrays)) for entry, arrays in items]
             tasks.append(
                 self._engine.push(
                     GPUWork(_land_gpu, device=device, kind="compute"),
@@ -355,22 +349,15 @@ class DeviceBackend(LocalBackend):
                     name="push",
                 )
             )
-        return tasks[0] if len(tasks) == 1 else gather(tasks)
+        return _joined(tasks, None)
 
     def pull(self, targets: KeyArrays, result: object, priority: int) -> Waitable:
         """Host keys as the local store; GPU keys copied out on a copy stream."""
-        gpu = [(entry, outs) for entry, outs in targets if entry.device is not None]
-        if not gpu:
+        host, gpus = _by_device(targets)
+        if not gpus:
             return super().pull(targets, result, priority)
-        tasks: list[Waitable] = []
-        host = [(entry, outs) for entry, outs in targets if entry.device is None]
-        if host:
-            tasks.append(super().pull(host, result, priority))
-        by_device: dict[int, KeyArrays] = {}
-        for entry, outs in gpu:
-            assert entry.device is not None
-            by_device.setdefault(entry.device, []).append((entry, outs))
-        for device, items in by_device.items():
+        tasks = [super().pull(host, result, priority)] if host else []
+        for device, items in gpus.items():
             tasks.append(
                 self._engine.push(
                     GPUWork(_pull_gpu, device=device, kind="copy"),
@@ -383,13 +370,29 @@ class DeviceBackend(LocalBackend):
                     name="pull",
                 )
             )
-        return tasks[0] if len(tasks) == 1 else gather(tasks, result)
+        return _joined(tasks, result)
 
-    @staticmethod
-    def _on_host(values: KeyArrays) -> KeyArrays:
-        """Values for host keys, copied to the host where they came from a GPU."""
-        return [
-            (entry, [to_host(array) for array in arrays])
-            for entry, arrays in values
-            if entry.device is None
-        ]
+
+def _by_device(items: KeyArrays) -> tuple[KeyArrays, dict[int, KeyArrays]]:
+    """``items`` split into those of host keys and, per merge GPU, those of GPU keys."""
+    host: KeyArrays = []
+    gpus: dict[int, KeyArrays] = {}
+    for entry, arrays in items:
+        if entry.device is None:
+            host.append((entry, arrays))
+        else:
+            gpus.setdefault(entry.device, []).append((entry, arrays))
+    return host, gpus
+
+
+def _on_host(values: KeyArrays) -> KeyArrays:
+    """Values of host keys, copied to the host where they came from a GPU (``values``
+    itself when none did: the common case allocates nothing)."""
+    if all(not is_gpu(array) for _, arrays in values for array in arrays):
+        return values
+    return [(entry, [to_host(array) for array in arrays]) for entry, arrays in values]
+
+
+def _joined(tasks: list[Waitable], result: object) -> Waitable:
+    """One waitable for a call's tasks (the task itself when there is one)."""
+    return tasks[0] if len(tasks) == 1 else gather(tasks, result)
