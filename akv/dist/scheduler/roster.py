@@ -397,7 +397,9 @@ class Roster:
         return dead
 
     def lost(self, reporter: str, role: str, rank: int, detail: str) -> str | None:
-        """A node saw a peer disconnect without closing: fail the job naming it.
+        """A node saw a peer disconnect without closing, or a node reports that it stops
+        (``reporter`` is its own node id: a server stopped by a signal): fail the job
+        naming it.
 
         Returns the failure this report caused, or None (the peer had finished, or the
         job had failed already).
@@ -408,7 +410,11 @@ class Roster:
         name = peer.describe() if peer else f"{role} {rank}"
         if peer is not None:
             peer.dead = True
-        if self.fail(f"{name} disconnected from {reporter} without closing: {detail}"):
+        if peer is not None and peer.node_id == reporter:
+            reason = f"{name} {detail}"
+        else:
+            reason = f"{name} disconnected from {reporter} without closing: {detail}"
+        if self.fail(reason):
             return self.failure
         return None
 

@@ -177,11 +177,13 @@ class ParameterServer:
         scheduler is told, so that the job fails naming this server and why (the values it
         holds are lost: there is no checkpoint yet)."""
         rank = self.membership.rank if self.membership.rank is not None else -1
-        detail = f"{self.name} was stopped by a signal (SIGTERM or Ctrl-C)"
+        address = format_address(*self.advertised)
+        detail = f"at {address} was stopped by a signal (SIGTERM or Ctrl-C)"
         with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError):
             await asyncio.wait_for(self.engine.wait_all(), DRAIN_S)
         with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError, ValueError):
-            report = self.membership.report_lost(self.name, "server", rank, detail)
+            # Reported by itself: the scheduler names it as stopping, not as lost.
+            report = self.membership.report_lost(self.membership.node_id, "server", rank, detail)
             await asyncio.wait_for(report, DRAIN_S)
 
     async def _await_job(self, gave_up: asyncio.Event) -> None:

@@ -237,3 +237,10 @@ def test_validate_state_catches_a_broken_invariant():
     roster.nodes["w-a"].rank = 1
     with pytest.raises(AssertionError, match=r"two workers hold the same rank: \[1, 1\]"):
         roster.validate_state()
+
+
+def test_a_node_reporting_itself_is_named_as_stopping_not_as_lost():
+    roster = full_roster()
+    failure = roster.lost("s", "server", 0, "was stopped by a signal")
+    assert failure == "server 0 (pid 10 on 127.0.0.1) was stopped by a signal"
+    assert roster.nodes["s"].dead
