@@ -142,10 +142,11 @@ class Membership:
         """Tell the scheduler every interval that this process lives, until
         ``should_stop()`` or the scheduler says the job is over.
 
-        ``on_failure(reason)`` is called when the scheduler reports the job failed, and when
-        it has not answered for the heartbeat timeout (then this returns). Returns True
-        when the scheduler said stop, False otherwise. Runs on the calling loop, with an
-        HTTP client of its own.
+        ``on_failure(reason)`` is called when the scheduler reports the job failed
+        (``reason``: "the job failed: <the scheduler's verdict>", the wording every process
+        uses), and when it has not answered for the heartbeat timeout (then this returns).
+        Returns True when the scheduler said stop, False otherwise. Runs on the calling
+        loop, with an HTTP client of its own.
         """
         timeouts = self.config.timeouts
         request_s = max(
@@ -173,7 +174,7 @@ class Membership:
                 failure = answer.get("failure")
                 if failure and failure != reported:
                     reported = str(failure)
-                    on_failure(reported)
+                    on_failure(f"the job failed: {reported}")
                 if answer.get("stop"):
                     return True
                 await asyncio.sleep(timeouts.heartbeat_interval_s)

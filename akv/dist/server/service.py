@@ -362,7 +362,7 @@ class ParameterServer:
 
     def _fail_job(self, instruction: FailJob) -> None:
         if instruction.lost_worker is None:
-            log.error("%s: the job failed: %s", self.name, instruction.reason)
+            log.error("%s: %s", self.name, instruction.reason)
             return
         worker = instruction.lost_worker
         log.error("worker %d vanished: %s", worker, instruction.detail)
