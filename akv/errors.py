@@ -16,6 +16,7 @@ __all__ = [
     "AuthenticationError",
     "BarrierTimeoutError",
     "BenchmarkError",
+    "CheckpointError",
     "ClosedError",
     "ConfigError",
     "ConnectTimeoutError",
@@ -137,6 +138,10 @@ class StateFormatError(AKVError, ValueError):
 
 class StateFileError(AKVError, OSError):
     """An optimizer-state file could not be read or written; names the path and the cause."""
+
+
+class CheckpointError(AKVError, OSError):
+    """A server checkpoint could not be written, or is unreadable; names the path and the cause."""
 
 
 class ConfigError(AKVError, ValueError):

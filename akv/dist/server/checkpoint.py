@@ -1,0 +1,654 @@
+"""A parameter server's checkpoint on disk, so that a restarted server restores its keys.
+
+A server restarted with the same rank and directory calls :func:`read_snapshot` and carries
+on from the :class:`Snapshot` it returns; from time to time it hands :func:`write_snapshot`
+a new one. Both are plain blocking calls (the server runs them on a thread): this module
+decides nothing about when to checkpoint, and reads no clock.
+
+The file, ``server-{rank}.akvckpt``, holds no pickle and nothing that runs code on load::
+
+    magic          8 bytes   b"AKVCKPT1" (the 1 is the format's version)
+    header_nbytes  u64 LE    length of the header
+    header         JSON      UTF-8 (ASCII in practice), one object; see below
+    payload                  each key's array, in header order, then the optimizer states
+    checksum       u32 LE    zlib.crc32 of every byte above it
+
+The header holds ``rank``, ``num_workers``, ``store_type``, ``generation``,
+``optimizer_config``, ``durable_seqs``, ``payload_nbytes``, ``optimizer_states`` (``null``
+or ``{"offset", "nbytes"}``) and ``keys``: per key ``key``, ``kind`` (``"int"`` or
+``"str"``), ``dtype`` (``np.dtype.str`` of a dtype in :data:`transport.DTYPE_CODES`, such as
+``"<f4"``), ``shape``, ``closed_round``, ``tags``, ``last_round``, ``offset`` and ``nbytes``
+(offsets count from the payload's first byte). Worker ranks, the keys of ``tags``,
+``last_round`` and ``durable_seqs``, are decimal strings in JSON and ints in Python. The
+arrays and the optimizer states lie back to back in header order, without gaps, so that a
+reader streams the file once, checksumming as it goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import math
+import os
+import re
+import secrets
+import struct
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
+
+import numpy as np
+
+from akv.errors import CheckpointError
+from transport import DEFAULT_JSON_MAX_DEPTH, DTYPE_CODES, parse_json
+from transport.frame import MAX_NDIM
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "CHUNK_BYTES",
+    "DIRECTORY_MODE",
+    "FILE_MODE",
+    "MAGIC",
+    "KeyRecord",
+    "Snapshot",
+    "checkpoint_path",
+    "read_snapshot",
+    "write_snapshot",
+]
+
+#: The first bytes of a checkpoint file; the trailing digit is the format's version.
+MAGIC = b"AKVCKPT1"
+#: Largest piece of an array handed to one write or read (and to one checksum update).
+CHUNK_BYTES = 64 << 20
+#: Mode of a checkpoint file: it holds the model.
+FILE_MODE = 0o600
+#: Mode of the directories :func:`write_snapshot` creates.
+DIRECTORY_MODE = 0o700
+
+_PREFIX = struct.Struct("<8sQ")
+_TRAILER = struct.Struct("<I")
+_WRITE_BUFFER_BYTES = 1 << 20
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_U64_MAX = (1 << 64) - 1
+# NumPy refuses arrays whose non-zero dimensions multiply (times the itemsize) past this.
+_MAX_ARRAY_BYTES = (1 << 63) - 1
+# The header is one object; the optimizer config is a value inside it.
+_HEADER_MAX_DEPTH = DEFAULT_JSON_MAX_DEPTH + 1
+_RANK_TEXT = re.compile(r"0|[1-9][0-9]{0,19}")
+_DTYPES_BY_STR = {dtype.str: dtype for dtype in DTYPE_CODES}
+_HEADER_FIELDS = frozenset(
+    {
+        "rank",
+        "num_workers",
+        "store_type",
+        "generation",
+        "optimizer_config",
+        "durable_seqs",
+        "payload_nbytes",
+        "optimizer_states",
+        "keys",
+    }
+)
+_KEY_FIELDS = frozenset(
+    {"key", "kind", "dtype", "shape", "closed_round", "tags", "last_round", "offset", "nbytes"}
+)
+_STATES_FIELDS = frozenset({"offset", "nbytes"})
+
+
+@dataclass
+class KeyRecord:
+    """One key as a server holds it: its value and how far each worker's pushes reached it.
+
+    ``key`` is the key, or this server's part of a split key (an ``int`` within int64, or a
+    ``str``). ``value`` is C-contiguous, of a dtype in :data:`transport.DTYPE_CODES`.
+    ``closed_round`` counts the rounds applied into ``value``; ``tags`` maps a worker rank
+    to the number of that worker's last push reflected in ``value``, ``last_round`` to the
+    round of that push.
+    """
+
+    key: int | str
+    value: np.ndarray
+    closed_round: int
+    tags: dict[int, int]
+    last_round: dict[int, int]
+
+
+@dataclass
+class Snapshot:
+    """Everything a server needs to carry on after a restart.
+
+    ``generation`` increases with every checkpoint a server writes (the caller's to count).
+    ``optimizer_config`` is a JSON object (or ``None``), ``optimizer_states`` opaque bytes
+    (or ``None``); ``durable_seqs`` maps a worker rank to a sequence number below which every
+    request of that worker is reflected. ``store_type`` is kept as given
+    (``"dist_sync"``, ``"dist_async"``). Counters and ranks are non-negative ints.
+    """
+
+    rank: int
+    num_workers: int
+    store_type: str
+    generation: int
+    keys: list[KeyRecord]
+    optimizer_config: dict[str, Any] | None
+    optimizer_states: bytes | None
+    durable_seqs: dict[int, int]
+
+
+def checkpoint_path(directory: Path, rank: int) -> Path:
+    """The checkpoint file of server ``rank`` in ``directory``: ``server-{rank}.akvckpt``."""
+    return Path(directory) / f"server-{rank}.akvckpt"
+
+
+def write_snapshot(directory: Path, snapshot: Snapshot) -> Path:
+    """Write ``snapshot`` as server ``snapshot.rank``'s checkpoint in ``directory``, atomically.
+
+    The snapshot is checked first (every dtype, key and counter must be one
+    :func:`read_snapshot` gives back unchanged; ``optimizer_config`` must survive JSON
+    unchanged), before anything on disk changes. Then ``directory`` is created if missing
+    (mode 0o700, missing parents too), and the checkpoint is written to a temporary file
+    beside it (mode 0o600, named ``.server-{rank}.akvckpt.{pid}.{random}.tmp``), flushed,
+    ``fsync``-ed, renamed over the old checkpoint with :func:`os.replace`, and the directory
+    is ``fsync``-ed (skipped only where the OS refuses to open or sync a directory). Arrays
+    are written from their own memory, never copied whole. The arrays must not change while
+    it runs.
+
+    So a reader sees the previous checkpoint or this one, whole, never a mix; after a
+    crash, at worst a leftover temporary file, which :func:`read_snapshot` removes.
+
+    Returns
+    -------
+    Path
+        The checkpoint's path, :func:`checkpoint_path` of the directory and rank.
+
+    Raises
+    ------
+    CheckpointError
+        The snapshot cannot be written as it is, or the writing failed (the message names
+        the path and the cause, which is also chained). The temporary file is removed and
+        the previous checkpoint, if any, is left as it was. (Only if the final directory
+        ``fsync`` fails is the new checkpoint already in place; the message says so.)
+    """
+    directory = Path(directory)
+    path = checkpoint_path(directory, snapshot.rank)
+    try:
+        header = _encode_header(snapshot)
+    except ValueError as exc:
+        raise CheckpointError(f"cannot write checkpoint {str(path)!r}: {exc}") from None
+    try:
+        _make_directory(directory)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write checkpoint {str(path)!r}: cannot create the directory: {exc}"
+        ) from exc
+    temporary = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+    try:
+        fd = os.open(
+            temporary,
+            os.O_WRONLY
+            | os.O_CREAT
+            | os.O_EXCL
+            | getattr(os, "O_CLOEXEC", 0)
+            | getattr(os, "O_BINARY", 0),
+            FILE_MODE,
+        )
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {str(path)!r}: {exc}") from exc
+    try:
+        with os.fdopen(fd, "wb", buffering=_WRITE_BUFFER_BYTES) as file:
+            _write_file(file, header, snapshot)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException as exc:
+        _remove_quietly(temporary)
+        if isinstance(exc, Exception):
+            raise CheckpointError(f"cannot write checkpoint {str(path)!r}: {exc}") from exc
+        raise
+    try:
+        _sync_directory(directory)
+    except OSError as exc:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is in place, but its directory could not be synced, "
+            f"so it may not survive a power loss: {exc}"
+        ) from exc
+    return path
+
+
+def read_snapshot(directory: Path, rank: int) -> Snapshot | None:
+    """Read server ``rank``'s checkpoint in ``directory``; ``None`` if there is none.
+
+    First it removes this rank's leftover temporary files in ``directory`` (those of a
+    writer that died; errors are ignored), so call it before this rank's server writes.
+    The whole file is read and its checksum checked before anything is returned. The
+    arrays it returns are new: writable, C-contiguous, owning their memory.
+
+    Raises
+    ------
+    CheckpointError
+        The file exists but cannot be read, or is not a whole checkpoint of server
+        ``rank``: bad magic, truncated or too long, checksum mismatch, a malformed header,
+        a dtype, shape or offset that does not fit, another rank. The message names the
+        path and what is wrong; nothing partly read escapes.
+    """
+    directory = Path(directory)
+    path = checkpoint_path(directory, rank)
+    _remove_leftovers(directory, path.name)
+    try:
+        file = open(path, "rb")  # noqa: SIM115 (closed below, on every path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {exc}") from exc
+    try:
+        with file:
+            return _read_file(file, rank)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r} is unreadable: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {exc}") from exc
+
+
+# --- writing -----------------------------------------------------------------------------
+
+
+def _encode_header(snapshot: Snapshot) -> bytes:
+    """The header's bytes; ``ValueError``, naming the field, for what cannot be kept."""
+    _count(snapshot.rank, "rank")
+    _count(snapshot.num_workers, "num_workers")
+    _count(snapshot.generation, "generation")
+    if not isinstance(snapshot.store_type, str):
+        raise ValueError(f"store_type must be a str, not {type(snapshot.store_type).__name__}")
+    durable_seqs = _rank_map_to_json(snapshot.durable_seqs, "durable_seqs")
+    keys: list[dict[str, Any]] = []
+    seen: set[tuple[str, int | str]] = set()
+    offset = 0
+    for record in snapshot.keys:
+        entry = _encode_record(record, offset)
+        if (entry["kind"], record.key) in seen:
+            raise ValueError(f"key {record.key!r} appears twice")
+        seen.add((entry["kind"], record.key))
+        keys.append(entry)
+        offset += entry["nbytes"]
+    states: dict[str, int] | None = None
+    if snapshot.optimizer_states is not None:
+        if not isinstance(snapshot.optimizer_states, bytes):
+            kind = type(snapshot.optimizer_states).__name__
+            raise ValueError(f"optimizer_states must be bytes or None, not {kind}")
+        states = {"offset": offset, "nbytes": len(snapshot.optimizer_states)}
+        offset += len(snapshot.optimizer_states)
+    header = {
+        "rank": snapshot.rank,
+        "num_workers": snapshot.num_workers,
+        "store_type": snapshot.store_type,
+        "generation": snapshot.generation,
+        "optimizer_config": _checked_config(snapshot.optimizer_config),
+        "durable_seqs": durable_seqs,
+        "payload_nbytes": offset,
+        "optimizer_states": states,
+        "keys": keys,
+    }
+    # ASCII (every other character escaped) round-trips any str, lone surrogates included.
+    text = json.dumps(header, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return text.encode("ascii")
+
+
+def _encode_record(record: KeyRecord, offset: int) -> dict[str, Any]:
+    key = record.key
+    if isinstance(key, str):
+        kind = "str"
+    elif isinstance(key, int) and not isinstance(key, bool):
+        if not _I64_MIN <= key <= _I64_MAX:
+            raise ValueError(f"key {key}: an int key must fit in int64")
+        kind = "int"
+    else:
+        raise ValueError(f"key {key!r}: a key must be an int or a str, not {type(key).__name__}")
+    value = record.value
+    if not isinstance(value, np.ndarray):
+        kind_name = type(value).__name__
+        raise ValueError(f"key {key!r}: the value must be a NumPy array, not {kind_name}")
+    if value.dtype not in DTYPE_CODES:
+        known = ", ".join(sorted(_DTYPES_BY_STR))
+        raise ValueError(f"key {key!r}: dtype {value.dtype.str} is not one of {known}")
+    if not value.flags.c_contiguous:
+        raise ValueError(f"key {key!r}: the value must be C-contiguous")
+    if value.ndim > MAX_NDIM:
+        raise ValueError(f"key {key!r}: {value.ndim} dimensions; at most {MAX_NDIM} are kept")
+    where = f"key {key!r}"
+    _count(record.closed_round, f"{where}: closed_round")
+    return {
+        "key": key,
+        "kind": kind,
+        "dtype": value.dtype.str,
+        "shape": list(value.shape),
+        "closed_round": record.closed_round,
+        "tags": _rank_map_to_json(record.tags, f"{where}: tags"),
+        "last_round": _rank_map_to_json(record.last_round, f"{where}: last_round"),
+        "offset": offset,
+        "nbytes": value.nbytes,
+    }
+
+
+def _checked_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``config``, if JSON gives it back equal (no tuples, NaN, non-str keys, deep nesting)."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ValueError(f"optimizer_config must be a dict or None, not {type(config).__name__}")
+    try:
+        text = json.dumps(config, allow_nan=False)
+        same = parse_json(text, max_depth=DEFAULT_JSON_MAX_DEPTH) == config
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"optimizer_config is not JSON: {exc}") from None
+    if not same:
+        raise ValueError(
+            "optimizer_config does not come back from JSON unchanged (a tuple, a non-str key?)"
+        )
+    return config
+
+
+def _rank_map_to_json(mapping: dict[int, int], what: str) -> dict[str, int]:
+    if not isinstance(mapping, dict):
+        raise ValueError(f"{what} must be a dict, not {type(mapping).__name__}")
+    for rank, count in mapping.items():
+        _count(rank, f"{what}: worker rank {rank!r}")
+        _count(count, f"{what}[{rank}]")
+    return {str(rank): count for rank, count in mapping.items()}
+
+
+def _write_file(file: BinaryIO, header: bytes, snapshot: Snapshot) -> None:
+    """Write the whole file to ``file``, checksumming each piece as it goes."""
+    checksum = 0
+
+    def write(data: bytes | memoryview) -> None:
+        nonlocal checksum
+        view = memoryview(data)
+        for start in range(0, view.nbytes, CHUNK_BYTES):
+            chunk = view[start : start + CHUNK_BYTES]
+            file.write(chunk)
+            checksum = zlib.crc32(chunk, checksum)
+
+    write(_PREFIX.pack(MAGIC, len(header)))
+    write(header)
+    for record in snapshot.keys:
+        write(_bytes_of(record.value))
+    if snapshot.optimizer_states is not None:
+        write(snapshot.optimizer_states)
+    file.write(_TRAILER.pack(checksum))
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """The memory of a C-contiguous array as bytes, without a copy (0-d and empty too).
+
+    (``memoryview(array).cast("B")`` refuses arrays with a zero in their shape.)
+    """
+    return memoryview(cast("Buffer", array.reshape(-1).view(np.uint8)))
+
+
+def _make_directory(directory: Path) -> None:
+    """Create ``directory`` and its missing parents, each with :data:`DIRECTORY_MODE`.
+
+    (``os.makedirs`` gives missing parents the default mode, whatever its ``mode`` says.)
+    """
+    missing: list[Path] = []
+    current = directory
+    while not current.is_dir() and current.parent != current:
+        missing.append(current)
+        current = current.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, DIRECTORY_MODE)
+        except FileExistsError:
+            if not path.is_dir():
+                raise
+
+
+def _sync_directory(directory: Path) -> None:
+    """``fsync`` ``directory``, so that a rename in it survives a power loss, where the OS can.
+
+    Skipped where the OS refuses: no ``O_DIRECTORY`` (Windows), a directory that cannot be
+    opened, a file system that does not sync directories.
+    """
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _SYNC_UNSUPPORTED:
+            raise
+    finally:
+        os.close(fd)
+
+
+_SYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF})
+
+
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def _remove_leftovers(directory: Path, name: str) -> None:
+    """Remove the temporary files that writers of checkpoint ``name`` left behind."""
+    try:
+        leftovers = list(directory.glob(f".{name}.*tmp*"))
+    except OSError:
+        return
+    for path in leftovers:
+        _remove_quietly(path)
+
+
+# --- reading -----------------------------------------------------------------------------
+# A ValueError here means the file is malformed; read_snapshot adds the path.
+
+
+def _read_file(file: io.BufferedReader, rank: int) -> Snapshot:
+    """Read and check server ``rank``'s whole checkpoint; return it once the checksum matched."""
+    size = os.fstat(file.fileno()).st_size
+    least = _PREFIX.size + _TRAILER.size
+    if size < least:
+        raise ValueError(f"truncated: {size} bytes, fewer than the {least} of any checkpoint")
+    checksum = 0
+
+    def read(nbytes: int, what: str) -> bytes:
+        nonlocal checksum
+        data = file.read(nbytes)
+        if len(data) != nbytes:
+            raise ValueError(f"truncated in the {what}: {len(data)} of {nbytes} bytes")
+        checksum = zlib.crc32(data, checksum)
+        return data
+
+    def read_into(view: memoryview, what: str) -> None:
+        nonlocal checksum
+        for start in range(0, view.nbytes, CHUNK_BYTES):
+            chunk = view[start : start + CHUNK_BYTES]
+            done = 0
+            while done < chunk.nbytes:
+                got = file.readinto(chunk[done:])
+                if not got:
+                    raise ValueError(f"truncated in the {what}")
+                done += got
+            checksum = zlib.crc32(chunk, checksum)
+
+    magic, header_nbytes = _PREFIX.unpack(read(_PREFIX.size, "prefix"))
+    if magic != MAGIC:
+        raise ValueError(f"not an akv checkpoint: it starts {magic!r}, not {MAGIC!r}")
+    if header_nbytes > size - least:
+        raise ValueError(
+            f"truncated: the header alone claims {header_nbytes} bytes, the file has {size}"
+        )
+    payload_nbytes = size - least - header_nbytes
+    header = parse_json(read(header_nbytes, "header"), max_depth=_HEADER_MAX_DEPTH)
+    snapshot, slots, states_nbytes = _decode_header(header, payload_nbytes, rank)
+    for record in slots:
+        read_into(_bytes_of(record.value), f"array of key {record.key!r}")
+    states = None if states_nbytes is None else read(states_nbytes, "optimizer states")
+    data = file.read(_TRAILER.size)
+    if len(data) != _TRAILER.size:
+        raise ValueError("truncated in the checksum")
+    (stored,) = _TRAILER.unpack(data)
+    if stored != checksum:
+        raise ValueError(
+            f"checksum mismatch: the file says {stored:#010x}, its bytes give {checksum:#010x}"
+        )
+    for record in slots:
+        _check_bools(record)
+    snapshot.keys = slots
+    snapshot.optimizer_states = states
+    return snapshot
+
+
+def _decode_header(
+    header: object, payload_nbytes: int, rank: int
+) -> tuple[Snapshot, list[KeyRecord], int | None]:
+    """The snapshot a header describes, with empty arrays to read the payload into.
+
+    Every offset and size is checked against the payload before an array is allocated, so
+    what is allocated never exceeds the file's size.
+    """
+    fields = _fields(header, _HEADER_FIELDS, "the header")
+    if _count(fields["rank"], "rank") != rank:
+        raise ValueError(f"it holds server {fields['rank']}'s keys, not server {rank}'s")
+    claimed = _count(fields["payload_nbytes"], "payload_nbytes")
+    if claimed != payload_nbytes:
+        raise ValueError(
+            f"truncated or too long: the header gives the payload {claimed} bytes, "
+            f"the file holds {payload_nbytes}"
+        )
+    store_type = fields["store_type"]
+    if not isinstance(store_type, str):
+        raise ValueError(f"store_type {store_type!r} is not a string")
+    config = fields["optimizer_config"]
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"optimizer_config is a {type(config).__name__}, not an object or null")
+    keys = fields["keys"]
+    if not isinstance(keys, list):
+        raise ValueError(f"keys is a {type(keys).__name__}, not a list")
+    records: list[KeyRecord] = []
+    seen: set[tuple[type, int | str]] = set()
+    offset = 0
+    for index, entry in enumerate(keys):
+        record = _decode_record(entry, index, offset, payload_nbytes)
+        if (type(record.key), record.key) in seen:
+            raise ValueError(f"key {record.key!r} appears twice")
+        seen.add((type(record.key), record.key))
+        records.append(record)
+        offset += record.value.nbytes
+    states_nbytes: int | None = None
+    if fields["optimizer_states"] is not None:
+        states = _fields(fields["optimizer_states"], _STATES_FIELDS, "optimizer_states")
+        _check_place(states, offset, payload_nbytes, "optimizer_states")
+        states_nbytes = states["nbytes"]
+        offset += states["nbytes"]
+    if offset != payload_nbytes:
+        raise ValueError(
+            f"the arrays and states take {offset} bytes; the payload has {payload_nbytes}"
+        )
+    snapshot = Snapshot(
+        rank=rank,
+        num_workers=_count(fields["num_workers"], "num_workers"),
+        store_type=store_type,
+        generation=_count(fields["generation"], "generation"),
+        keys=[],
+        optimizer_config=config,
+        optimizer_states=None,
+        durable_seqs=_rank_map_from_json(fields["durable_seqs"], "durable_seqs"),
+    )
+    return snapshot, records, states_nbytes
+
+
+def _decode_record(entry: object, index: int, offset: int, payload_nbytes: int) -> KeyRecord:
+    fields = _fields(entry, _KEY_FIELDS, f"keys[{index}]")
+    key, kind = fields["key"], fields["kind"]
+    if kind == "int":
+        key = _integer(key, _I64_MIN, _I64_MAX, f"keys[{index}].key")
+    elif kind != "str" or not isinstance(key, str):
+        raise ValueError(f"keys[{index}]: key {key!r} of kind {kind!r} (kinds: 'int', 'str')")
+    where = f"key {key!r}"
+    dtype = _DTYPES_BY_STR.get(fields["dtype"]) if isinstance(fields["dtype"], str) else None
+    if dtype is None:
+        raise ValueError(
+            f"{where}: dtype {fields['dtype']!r} is not one of {sorted(_DTYPES_BY_STR)}"
+        )
+    shape = fields["shape"]
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise ValueError(f"{where}: shape {shape!r} is not a list of at most {MAX_NDIM} sizes")
+    dims = tuple(_count(size, f"{where}: shape") for size in shape)
+    if math.prod(size for size in dims if size) * dtype.itemsize > _MAX_ARRAY_BYTES:
+        raise ValueError(f"{where}: shape {list(dims)} is too large for an array")
+    _check_place(fields, offset, payload_nbytes, where)
+    if fields["nbytes"] != math.prod(dims) * dtype.itemsize:
+        raise ValueError(
+            f"{where}: nbytes {fields['nbytes']} does not fit shape {list(dims)} of {dtype.str}"
+        )
+    return KeyRecord(
+        key=key,
+        value=np.empty(dims, dtype),
+        closed_round=_count(fields["closed_round"], f"{where}: closed_round"),
+        tags=_rank_map_from_json(fields["tags"], f"{where}: tags"),
+        last_round=_rank_map_from_json(fields["last_round"], f"{where}: last_round"),
+    )
+
+
+def _check_place(fields: Mapping[str, object], offset: int, payload_nbytes: int, what: str) -> None:
+    """Check that ``fields`` place a piece at ``offset``, within the payload."""
+    start = _count(fields["offset"], f"{what}: offset")
+    nbytes = _count(fields["nbytes"], f"{what}: nbytes")
+    if start != offset:
+        raise ValueError(f"{what}: offset {start}, expected {offset} (pieces lie back to back)")
+    if start + nbytes > payload_nbytes:
+        raise ValueError(
+            f"{what}: bytes {start} to {start + nbytes} lie outside the payload of {payload_nbytes}"
+        )
+
+
+def _check_bools(record: KeyRecord) -> None:
+    """NumPy expects a bool to be the byte 0 or 1; a file could hold any byte."""
+    value = record.value
+    if value.dtype == np.bool_ and bool((value.view(np.uint8) > 1).any()):
+        raise ValueError(f"key {record.key!r}: a bool array holds a byte other than 0 and 1")
+
+
+def _fields(value: object, names: frozenset[str], what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is a {type(value).__name__}, not an object")
+    if value.keys() != names:
+        missing, unknown = sorted(names - value.keys()), sorted(value.keys() - names)
+        raise ValueError(f"{what}: fields missing {missing}, unknown {unknown}")
+    return value
+
+
+def _rank_map_from_json(value: object, what: str) -> dict[int, int]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is a {type(value).__name__}, not an object")
+    mapping: dict[int, int] = {}
+    for text, count in value.items():
+        if not _RANK_TEXT.fullmatch(text) or int(text) > _U64_MAX:
+            raise ValueError(f"{what}: {text!r} is not a worker rank")
+        mapping[int(text)] = _count(count, f"{what}[{text}]")
+    return mapping
+
+
+# --- both --------------------------------------------------------------------------------
+
+
+def _count(value: object, what: str) -> int:
+    """``value`` if it is an int in [0, 2**64) (a rank, a counter, a size); else ValueError."""
+    return _integer(value, 0, _U64_MAX, what)
+
+
+def _integer(value: object, least: int, most: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be an int, not {type(value).__name__} {value!r}")
+    if not least <= value <= most:
+        raise ValueError(f"{what} is {value}, outside [{least}, {most}]")
+    return value
