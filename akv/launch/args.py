@@ -15,15 +15,24 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, NoReturn
 
 from akv import __version__
-from akv.dist.config import ADVERTISE_VARIABLE, TWIN_VARIABLES, is_wildcard, parse_address
+from akv.dist.config import (
+    ADVERTISE_VARIABLE,
+    CHECKPOINT_DIR_VARIABLE,
+    TWIN_VARIABLES,
+    is_wildcard,
+    parse_address,
+)
 from akv.errors import ConfigError, LaunchError
 from akv.launch.limits import DEFAULT_GRACE_S
 
 __all__ = [
+    "CHECKPOINT_INTERVAL_VARIABLE",
+    "CHECKPOINT_VARIABLES",
     "LAUNCHERS",
     "LOCAL_SCHEDULER_HOST",
     "OWNED_VARIABLES",
     "REMOTE_LAUNCHERS",
+    "RESTARTING_LAUNCHERS",
     "LaunchOptions",
     "SplitCommandLine",
     "parse_args",
@@ -34,13 +43,25 @@ __all__ = [
 
 LAUNCHERS = ("local", "ssh", "mpi", "slurm")
 REMOTE_LAUNCHERS = ("ssh", "mpi", "slurm")
+#: The launchers whose plans give each server a process of its own, which can be started
+#: again alone (``--max-restarts``); mpi and slurm run every server in one mpirun/srun.
+RESTARTING_LAUNCHERS = ("local", "ssh")
+#: How often a server writes its checkpoint (``--checkpoint-interval-s``).
+CHECKPOINT_INTERVAL_VARIABLE = "AKV_CHECKPOINT_INTERVAL_S"
+#: The servers' checkpoint variables, and the flag that sets each.
+CHECKPOINT_VARIABLES = {
+    CHECKPOINT_DIR_VARIABLE: "--checkpoint-dir",
+    CHECKPOINT_INTERVAL_VARIABLE: "--checkpoint-interval-s",
+}
 #: Where the local launcher's scheduler listens.
 LOCAL_SCHEDULER_HOST = "127.0.0.1"
 #: Variables that belong to the launcher: ``--env`` may not set them, and values inherited
-#: from the launcher's own environment are dropped so a stale one cannot leak into the job.
+#: from the launcher's own environment are dropped so a stale one cannot leak into the job
+#: (a stale checkpoint directory would have the servers restore another job's values).
 OWNED_VARIABLES = frozenset(
     [name for pair in TWIN_VARIABLES for name in pair]
     + ["AKV_TOKEN", "AKV_RANK", "AKV_SCHEDULER_FD", ADVERTISE_VARIABLE, "PYTHONUNBUFFERED"]
+    + list(CHECKPOINT_VARIABLES)
 )
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _EXAMPLE = "akv-launch -n 2 -s 1 python train.py"
@@ -69,6 +90,14 @@ class LaunchOptions:
     dry_run: bool = False
     grace_s: float = DEFAULT_GRACE_S
     log_dir: str | None = None
+    #: Where each server keeps its checkpoint (``AKV_CHECKPOINT_DIR``), a path on the
+    #: server's host; ``None``: servers write no checkpoint.
+    checkpoint_dir: str | None = None
+    #: How often each server writes its checkpoint (``AKV_CHECKPOINT_INTERVAL_S``);
+    #: ``None``: the server's default.
+    checkpoint_interval_s: float | None = None
+    #: How many times each server that fails while workers run is started again.
+    max_restarts: int = 0
     scheduler_command: tuple[str, ...] | None = None
     server_command: tuple[str, ...] | None = None
 
@@ -108,6 +137,9 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         dry_run=args.dry_run,
         grace_s=args.grace_s,
         log_dir=args.log_dir,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_interval_s=args.checkpoint_interval_s,
+        max_restarts=args.max_restarts,
     )
     validate(options)
     return options
@@ -167,6 +199,7 @@ def validate(options: LaunchOptions) -> None:
         raise LaunchError(f"--grace-s is {options.grace_s}: give a number of seconds >= 0")
     if options.log_dir is not None and not options.log_dir:
         raise LaunchError("--log-dir is empty: give a directory (it is created if missing)")
+    _validate_checkpoints(options)
     remote = options.launcher in REMOTE_LAUNCHERS
     if remote and not options.scheduler_host:
         raise LaunchError(
@@ -198,6 +231,11 @@ def validate(options: LaunchOptions) -> None:
             raise LaunchError(
                 "--env AKV_TOKEN=... would put the job's secret on the command line: export "
                 "AKV_TOKEN in the launcher's environment instead (it is then reused)"
+            )
+        if name in CHECKPOINT_VARIABLES:
+            raise LaunchError(
+                f"--env {name}=...: akv-launch sets {name} for the servers itself: pass "
+                f"{CHECKPOINT_VARIABLES[name]} instead"
             )
         if name in OWNED_VARIABLES:
             raise LaunchError(
@@ -235,6 +273,44 @@ def scheduler_address(options: LaunchOptions) -> str:
             "the address of this machine that the other hosts reach"
         )
     return host
+
+
+def _validate_checkpoints(options: LaunchOptions) -> None:
+    """The checks of ``--checkpoint-dir``, ``--checkpoint-interval-s`` and
+    ``--max-restarts``."""
+    if options.checkpoint_dir is not None and not options.checkpoint_dir:
+        raise LaunchError("--checkpoint-dir is empty: give a directory on each server's host")
+    interval = options.checkpoint_interval_s
+    if interval is not None:
+        if not math.isfinite(interval) or interval <= 0:
+            raise LaunchError(
+                f"--checkpoint-interval-s is {interval}: give a number of seconds > 0"
+            )
+        if options.checkpoint_dir is None:
+            raise LaunchError(
+                "--checkpoint-interval-s needs --checkpoint-dir DIR: without a directory "
+                "the servers write no checkpoint"
+            )
+    if options.max_restarts < 0:
+        raise LaunchError(
+            f"--max-restarts is {options.max_restarts}: give how many times a server may be "
+            "restarted (>= 0)"
+        )
+    if options.max_restarts == 0:
+        return
+    if options.checkpoint_dir is None:
+        raise LaunchError(
+            f"--max-restarts {options.max_restarts} needs --checkpoint-dir DIR: a server "
+            "restarted without a checkpoint would start empty, and the values the job had "
+            "stored on it would be lost"
+        )
+    if options.launcher not in RESTARTING_LAUNCHERS:
+        tool = "mpirun" if options.launcher == "mpi" else "srun"
+        raise LaunchError(
+            f"--max-restarts is for the {' and '.join(RESTARTING_LAUNCHERS)} launchers: "
+            f"under --launcher {options.launcher} one `{tool}` runs every server, so one "
+            "server cannot be started again alone (--checkpoint-dir alone is allowed)"
+        )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -313,6 +389,29 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
             "DIR/scheduler.log, DIR/server-RANK.log and DIR/worker-RANK.log (mpi and slurm: "
             "one DIR/servers.log and DIR/workers.log per group); DIR is created, the files "
             "are overwritten",
+        ),
+        add(
+            "--checkpoint-dir",
+            metavar="DIR",
+            help="each server keeps its checkpoint in DIR/server-RANK.akvckpt "
+            "(AKV_CHECKPOINT_DIR; servers only); for ssh, mpi and slurm DIR is a path on "
+            "each server's host; a relative DIR is taken from this working directory",
+        ),
+        add(
+            "--checkpoint-interval-s",
+            type=float,
+            metavar="SECONDS",
+            help="how often each server writes its checkpoint (AKV_CHECKPOINT_INTERVAL_S, "
+            "> 0; default: the server's); needs --checkpoint-dir",
+        ),
+        add(
+            "--max-restarts",
+            type=int,
+            default=0,
+            metavar="N",
+            help="start a server that fails while workers run again from its checkpoint, "
+            "up to N times per server (default 0; needs --checkpoint-dir; local and ssh "
+            "only); workers and the scheduler are never restarted",
         ),
         add("--version", action="version", version=f"akv-launch {__version__}"),
     ]

@@ -124,6 +124,7 @@ def launch(
     return supervise(
         specs,
         grace_s=options.grace_s,
+        max_restarts=options.max_restarts,
         terminate_grace_s=terminate_grace_s,
         stdout=out,
         stderr=stderr,

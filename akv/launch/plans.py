@@ -16,9 +16,10 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from akv.dist.config import ADVERTISE_VARIABLE, TWIN_VARIABLES
+from akv.dist.config import ADVERTISE_VARIABLE, CHECKPOINT_DIR_VARIABLE, TWIN_VARIABLES
 from akv.errors import LaunchError
 from akv.launch.args import (
+    CHECKPOINT_INTERVAL_VARIABLE,
     LOCAL_SCHEDULER_HOST,
     OWNED_VARIABLES,
     REMOTE_LAUNCHERS,
@@ -89,7 +90,7 @@ class JobContext:
         The job token (see :func:`job_token`).
     cwd
         The directory remote processes start in (and the base of a relative ``mpi`` host
-        file).
+        file and of a relative ``--checkpoint-dir``).
     python
         The Python that runs the scheduler (and local servers), normally ``sys.executable``.
     scheduler_port, scheduler_fd
@@ -525,7 +526,8 @@ def _job_env(
     """The variables akv-launch sets for one process (or group), under both names.
 
     The scheduler's ``AKV_SCHEDULER_HOST`` is where it listens; the others' is where they
-    reach it (``--scheduler-advertise``, if given).
+    reach it (``--scheduler-advertise``, if given). Only servers get the checkpoint
+    variables (``--checkpoint-dir`` made absolute against ``context.cwd``).
     """
     remote = options.launcher in REMOTE_LAUNCHERS
     port = context.scheduler_port
@@ -548,6 +550,11 @@ def _job_env(
     env["AKV_TOKEN"] = context.token
     if rank is not None:
         env["AKV_RANK"] = str(rank)
+    if role == "server" and options.checkpoint_dir is not None:
+        # Absolute, so that it names the same directory wherever the server's shell starts.
+        env[CHECKPOINT_DIR_VARIABLE] = os.path.join(context.cwd, options.checkpoint_dir)
+        if options.checkpoint_interval_s is not None:
+            env[CHECKPOINT_INTERVAL_VARIABLE] = repr(options.checkpoint_interval_s)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(options.env)
     return env

@@ -2,16 +2,17 @@
 
 :class:`ExitRules` is told "this process started", "this process exited with this status",
 "the grace ran out", "the launcher got this signal", and answers each with a
-:class:`Decision`: go on, give the scheduler and servers their grace, or stop the job with
-this exit code and this message. :func:`akv.launch.supervisor.supervise` feeds it real
-events; tests drive it with a few lines.
+:class:`Decision`: go on, start a failed server again, give the scheduler and servers their
+grace, or stop the job with this exit code and this message.
+:func:`akv.launch.supervisor.supervise` feeds it real events; tests drive it with a few
+lines.
 """
 
 from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,15 +40,19 @@ def scheduler_verdict(line: str) -> str | None:
 class Decision:
     """What the supervisor does next.
 
-    ``continue``: keep waiting. ``drain``: every worker finished; start the grace period for
-    the scheduler and servers. ``report``: the scheduler or a server failed; give the
-    workers their report grace to say so and exit. ``stop``: end the job with ``exit_code``.
-    ``message`` (may be empty) is printed by the launcher as ``akv-launch: <message>``.
+    ``continue``: keep waiting. ``restart``: start process ``index`` (a server that failed)
+    again from the same spec, then report it with :meth:`ExitRules.started`. ``drain``: every
+    worker finished; start the grace period for the scheduler and servers. ``report``: the
+    scheduler or a server failed; give the workers their report grace to say so and exit.
+    ``stop``: end the job with ``exit_code``. ``message`` (may be empty) is printed by the
+    launcher as ``akv-launch: <message>``.
     """
 
-    action: Literal["continue", "drain", "report", "stop"]
+    action: Literal["continue", "restart", "drain", "report", "stop"]
     exit_code: int = 0
     message: str = ""
+    #: The process to start again (``restart`` only).
+    index: int | None = None
 
 
 def exit_code_of(returncode: int) -> int:
@@ -71,10 +76,16 @@ class ExitRules:
 
     * The first worker that fails (non-zero code or a signal), in the order the exits are
       reported, decides the exit code; the job stops.
-    * A scheduler or server that fails while workers still run fails the job with its code;
-      the decision is ``report``: the workers get ``report_grace_s`` to notice, name the
-      failed process and exit on their own (:meth:`report_expired` then says to stop). One
-      that exits 0 then is only reported (a worker may close its store and go on).
+    * A server that fails (non-zero code or a signal) while workers still run, and before the
+      job failed, is started again (``restart``) while it has restarts left: up to
+      ``max_restarts`` times per server. Only a server that is a process of its own (not an
+      ``mpirun``/``srun`` group) is restarted; never a worker or the scheduler, never a
+      server that exited 0, never once every worker finished.
+    * A scheduler or server that fails while workers still run (a server with no restarts
+      left) fails the job with its code; the decision is ``report``: the workers get
+      ``report_grace_s`` to notice, name the failed process and exit on their own
+      (:meth:`report_expired` then says to stop). One that exits 0 then is only reported (a
+      worker may close its store and go on).
     * When every worker exited 0 the decision is ``drain``: the scheduler and servers get
       ``grace_s`` to stop on their own (:meth:`grace_expired` then says to stop with 0); one
       that fails meanwhile fails the job (it may have lost state it was saving).
@@ -86,17 +97,26 @@ class ExitRules:
         The job's processes, in start order; events name them by index.
     grace_s, report_grace_s
         The grace periods, only for messages (the supervisor keeps the clock).
+    max_restarts
+        How many times each server may be restarted (``--max-restarts``); 0: never.
     """
 
     def __init__(
-        self, specs: Sequence[ProcessSpec], grace_s: float, report_grace_s: float = REPORT_GRACE_S
+        self,
+        specs: Sequence[ProcessSpec],
+        grace_s: float,
+        report_grace_s: float = REPORT_GRACE_S,
+        *,
+        max_restarts: int = 0,
     ) -> None:
         self._specs = list(specs)
         self._grace_s = grace_s
         self._report_grace_s = report_grace_s
+        self._max_restarts = max_restarts
         self._failure: Decision | None = None
         self._running: set[int] = set()
         self._pids: dict[int, int] = {}
+        self._restarts: dict[int, int] = {}
         self._draining = False
 
     @property
@@ -104,8 +124,13 @@ class ExitRules:
         """Indices of the processes started and not yet reported as exited."""
         return frozenset(self._running)
 
+    @property
+    def restarts(self) -> Mapping[int, int]:
+        """How many times each process (by index) was restarted; absent: never."""
+        return dict(self._restarts)
+
     def started(self, index: int, pid: int) -> None:
-        """Record that process ``index`` runs as ``pid``."""
+        """Record that process ``index`` runs as ``pid`` (again, after a ``restart``)."""
         self._running.add(index)
         self._pids[index] = pid
 
@@ -138,6 +163,17 @@ class ExitRules:
             return self._all_workers_done(f"{who} exited with {status}")
         if failed:
             if workers_left:
+                if self._restartable(spec) and self._restarts.get(index, 0) < self._max_restarts:
+                    self._restarts[index] = count = self._restarts.get(index, 0) + 1
+                    return Decision(
+                        "restart",
+                        0,
+                        f"{who} exited with {status}; restarting it from its checkpoint "
+                        f"(restart {count} of {self._max_restarts})",
+                        index,
+                    )
+                if self._restartable(spec) and self._max_restarts > 0:
+                    status += f" (no restarts left: --max-restarts {self._max_restarts})"
                 what = (
                     f"{who} exited with {status} while {_count(workers_left, 'worker')} still ran"
                 )
@@ -188,6 +224,11 @@ class ExitRules:
             0,
             f"{what}; every worker finished: waiting up to {self._grace_s:g} s for {left} to stop",
         )
+
+    @staticmethod
+    def _restartable(spec: ProcessSpec) -> bool:
+        """A server that is one process (an ``mpirun``/``srun`` group cannot restart one)."""
+        return spec.role == "server" and spec.count == 1
 
     def _running_labels(self, role: str | None = None) -> list[str]:
         return [

@@ -4,8 +4,8 @@
 :class:`~akv.launch.rules.ExitRules` decides what each exit means; this module only does
 the I/O. :func:`supervise` starts the processes (each in its own session, so each is its
 own process group), prefixes their output (and copies it to their ``--log-dir`` files),
-feeds exit events to the rules, and at the end stops every process group it started, by
-PID: SIGTERM, a grace, then SIGKILL.
+feeds exit events to the rules, starts a failed server again when they say so, and at the
+end stops every process group it started, by PID: SIGTERM, a grace, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import FrameType
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 from akv.errors import LaunchError
 from akv.launch.limits import (
@@ -73,6 +74,7 @@ def supervise(
     specs: Sequence[ProcessSpec],
     *,
     grace_s: float,
+    max_restarts: int = 0,
     terminate_grace_s: float = TERMINATE_GRACE_S,
     stdout: BinaryIO | None = None,
     stderr: BinaryIO | None = None,
@@ -89,6 +91,10 @@ def supervise(
     A spec with a ``log_path`` also has its stdout and stderr lines, with the same prefix,
     written to that file, which is created (or emptied) before anything starts.
 
+    A server that the rules restart (``max_restarts``) is started again from its spec (same
+    command, environment, prefix and log file, which it goes on appending to) once what is
+    left of its old process group was killed; the new process is the one stopped at the end.
+
     Before it returns (normally, on an exception, or on SIGINT/SIGTERM) it sends SIGTERM to
     every process group it started, waits up to ``terminate_grace_s`` for them to empty, and
     sends SIGKILL to the rest; grandchildren in those groups go too. A second SIGINT or
@@ -100,6 +106,9 @@ def supervise(
         The processes, from :func:`akv.launch.plans.plan`.
     grace_s
         Once every worker exited 0, how long the others get to stop on their own.
+    max_restarts
+        How many times each server that fails while workers run is started again
+        (``--max-restarts``; see :class:`ExitRules`).
     terminate_grace_s
         Time between SIGTERM and SIGKILL when the job is stopped.
     stdout, stderr
@@ -118,7 +127,7 @@ def supervise(
     int
         The exit code :class:`ExitRules` decided: 0, the first failing worker's code (128+N
         for signal N), a failing scheduler's or server's code, 128+N for an interruption,
-        126/127 when a process could not be started.
+        126/127 when a process could not be started (or restarted).
 
     Raises
     ------
@@ -128,6 +137,7 @@ def supervise(
     supervisor = _Supervisor(
         specs,
         grace_s=grace_s,
+        max_restarts=max_restarts,
         terminate_grace_s=terminate_grace_s,
         stdout=stdout if stdout is not None else sys.stdout.buffer,
         stderr=stderr if stderr is not None else sys.stderr.buffer,
@@ -141,12 +151,14 @@ class _Supervisor:
         specs: Sequence[ProcessSpec],
         *,
         grace_s: float,
+        max_restarts: int,
         terminate_grace_s: float,
         stdout: BinaryIO,
         stderr: BinaryIO,
     ) -> None:
         self._specs = list(specs)
         self._grace_s = grace_s
+        self._max_restarts = max_restarts
         self._terminate_grace_s = terminate_grace_s
         self._stdout = stdout
         self._stderr = stderr
@@ -154,15 +166,18 @@ class _Supervisor:
         self._write_lock = threading.RLock()
         self._logs: dict[int, BinaryIO] = {}
         # SimpleQueue.put is reentrant: the signal handlers may call it at any point.
-        self._events: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
+        #: The newest process of each spec (a restarted server's old one is gone).
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        #: How many times each spec was started: an exit event names the start it is of.
+        self._generations: dict[int, int] = {}
         self._pumps: dict[int, list[threading.Thread]] = {}
         self._signo: int | None = None
         #: The scheduler's "job failed: ..." reason, the first one it logged.
         self._verdict: str | None = None
 
     def run(self, inherited: Sequence[socket.socket], handle_signals: bool) -> int:
-        rules = ExitRules(self._specs, self._grace_s)
+        rules = ExitRules(self._specs, self._grace_s, max_restarts=self._max_restarts)
         previous = self._install_signal_handlers() if handle_signals else {}
         decision = Decision("continue")
         try:
@@ -191,6 +206,8 @@ class _Supervisor:
                 decision = self._next_decision(deadline, expired, rules)
                 if decision.action != "stop" and decision.message:
                     self._say(decision.message)
+                if decision.action == "restart":
+                    decision = self._restart(decision, rules)
             self._say(decision.message)
             if decision.exit_code != 0 and self._verdict is not None:
                 self._say(f"the scheduler's verdict: the job failed: {self._verdict}")
@@ -217,13 +234,15 @@ class _Supervisor:
                     return expired()
                 timeout = min(timeout, remaining)
             try:
-                kind, index, value = self._events.get(timeout=timeout)
+                event = self._events.get(timeout=timeout)
             except queue.Empty:
                 continue
-            if kind == "signal":
-                return rules.interrupted(value)
-            self._let_output_settle(index)
-            return rules.exited(index, value)
+            if event.kind == "signal":
+                return rules.interrupted(event.value)
+            if event.generation != self._generations.get(event.index):
+                continue  # the exit of a process that was since restarted: already judged
+            self._let_output_settle(event.index)
+            return rules.exited(event.index, event.value)
 
     def _install_signal_handlers(self) -> dict[int, _SignalHandler]:
         if threading.current_thread() is not threading.main_thread():
@@ -232,7 +251,7 @@ class _Supervisor:
         def on_signal(signo: int, frame: FrameType | None) -> None:
             if self._signo is None:
                 self._signo = signo
-            self._events.put(("signal", -1, signo))
+            self._events.put(_Event("signal", -1, signo))
 
         previous: dict[int, _SignalHandler] = {}
         for signo in (signal.SIGINT, signal.SIGTERM):
@@ -255,6 +274,7 @@ class _Supervisor:
             preexec_fn=_die_with_parent(),
         )
         self._procs[index] = proc
+        generation = self._generations[index] = self._generations.get(index, 0) + 1
         if spec.stdin is not None and proc.stdin is not None:
             try:
                 proc.stdin.write(spec.stdin.encode())
@@ -270,14 +290,38 @@ class _Supervisor:
                 target=self._pump, args=(index, proc.stderr, prefix, self._stderr), daemon=True
             ),
         ]
-        self._pumps[index] = pumps
+        # A restarted process's old pumps stay listed: they are joined at the end too.
+        self._pumps.setdefault(index, []).extend(pumps)
         for pump in pumps:
             pump.start()
-        threading.Thread(target=self._wait, args=(index, proc), daemon=True).start()
+        threading.Thread(target=self._wait, args=(index, proc, generation), daemon=True).start()
         return proc.pid
 
-    def _wait(self, index: int, proc: subprocess.Popen[bytes]) -> None:
-        self._events.put(("exit", index, proc.wait()))
+    def _wait(self, index: int, proc: subprocess.Popen[bytes], generation: int) -> None:
+        self._events.put(_Event("exit", index, proc.wait(), generation))
+
+    def _restart(self, decision: Decision, rules: ExitRules) -> Decision:
+        """Start process ``decision.index`` again: ``continue``, or the rules' ``stop`` when
+        it cannot be started or the launcher was interrupted meanwhile."""
+        assert decision.index is not None, "a restart decision names its process"
+        if self._signo is not None:
+            return rules.interrupted(self._signo)
+        index = decision.index
+        old = self._procs[index]  # reaped: its exit event came from its wait()
+        if old.stdin is not None:
+            with contextlib.suppress(OSError):
+                old.stdin.close()
+        if _live_groups({old.pid}):
+            # What the dead server left in its group must not run beside its successor.
+            who = self._specs[index].describe(old.pid)
+            self._say(f"killing what {who} left in its process group before restarting it")
+            _signal_group(old.pid, signal.SIGKILL)
+        try:
+            pid = self._start(index, self._specs[index])
+        except OSError as exc:
+            return rules.start_failed(index, exc)
+        rules.started(index, pid)
+        return Decision("continue")
 
     def _pump(self, index: int, stream: BinaryIO, prefix: bytes, out: BinaryIO) -> None:
         with stream:
@@ -391,11 +435,23 @@ class _Supervisor:
     def _second_signal(self) -> bool:
         while True:
             try:
-                kind, _, _ = self._events.get_nowait()
+                event = self._events.get_nowait()
             except queue.Empty:
                 return False
-            if kind == "signal":
+            if event.kind == "signal":
                 return True
+
+
+@dataclass(frozen=True)
+class _Event:
+    """A process exited (``value``: its return code) or the launcher got signal ``value``."""
+
+    kind: Literal["exit", "signal"]
+    #: The spec's index (-1 for a signal).
+    index: int
+    value: int
+    #: Which start of the spec exited (see ``_Supervisor._generations``); 0 for a signal.
+    generation: int = 0
 
 
 def _signal_group(pgid: int, signo: int) -> None:

@@ -80,6 +80,43 @@ SERVER = textwrap.dedent(
     """
 )
 
+# Counts its runs in AKV_CHECKPOINT_DIR/server-RANK.runs (one PID a line). Its first
+# TEST_SERVER_DEATHS runs SIGKILL themselves (with TEST_SERVER_SPAWN=1 after starting a
+# sleeping grandchild in their process group); a later run writes its PID to
+# server-RANK.serving, then serves as SERVER does (TEST_SERVER_THEN=serve) or sleeps (sleep).
+SERVER_DIES = textwrap.dedent(
+    f"""
+    import json, os, pathlib, signal, socket, subprocess, sys, time
+    {_SAY}
+    say(json.dumps({{"pid": os.getpid()}}))
+    {_RANK}
+    checkpoints = pathlib.Path(os.environ["AKV_CHECKPOINT_DIR"])
+    checkpoints.mkdir(exist_ok=True)
+    runs = checkpoints / f"server-{{rank}}.runs"
+    run = len(runs.read_text().split()) if runs.exists() else 0
+    with runs.open("a") as file:
+        file.write(f"{{os.getpid()}}\\n")
+    if run < int(os.environ["TEST_SERVER_DEATHS"]):
+        if os.environ.get("TEST_SERVER_SPAWN"):
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+            say(json.dumps({{"pid": child.pid}}))
+        say("server", rank, "run", run, "dies")
+        os.kill(os.getpid(), signal.SIGKILL)
+    say("server", rank, "run", run, "serves")
+    (checkpoints / f"server-{{rank}}.serving").write_text(str(os.getpid()))
+    if os.environ.get("TEST_SERVER_THEN") == "sleep":
+        time.sleep(30)
+    address = (os.environ["AKV_SCHEDULER_HOST"], int(os.environ["AKV_SCHEDULER_PORT"]))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(address, timeout=1).close()
+        except OSError:
+            break
+        time.sleep(0.05)
+    """
+)
+
 SERVER_FAILS = "import json, os, sys, time\nprint(json.dumps({'pid': os.getpid()}))\n" + (
     "time.sleep(0.3)\nsys.exit(4)\n"
 )
@@ -93,7 +130,8 @@ SERVER_IGNORES_SIGTERM = textwrap.dedent(
 )
 
 # Does what TEST_ACTIONS says for its rank: "spawn" (a sleeping grandchild), "bye" (tell the
-# scheduler it closed its store), "sleep", "exit:N", "kill" (SIGKILL itself).
+# scheduler it closed its store), "sleep", "exit:N", "kill" (SIGKILL itself), "wait-for:PATH"
+# (until PATH exists; exit 7 if it does not within 15 s).
 WORKER = textwrap.dedent(
     f"""
     import json, os, signal, socket, subprocess, sys, time
@@ -118,6 +156,13 @@ WORKER = textwrap.dedent(
             sys.exit(int(action[5:]))
         elif action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif action.startswith("wait-for:"):
+            deadline = time.monotonic() + 15
+            while not os.path.exists(action[9:]):
+                if time.monotonic() > deadline:
+                    say("worker", rank, "gave up waiting for", action[9:])
+                    sys.exit(7)
+                time.sleep(0.05)
     """
 )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import akv
@@ -155,6 +157,32 @@ def test_an_option_missing_its_value_before_double_dash_is_refused():
         (["-n", "1", "--env", "1X=2", "--", "x"], "'1X' is not a variable name"),
         (["-n", "1", "--grace-s", "-1", "--", "x"], "--grace-s is -1"),
         (["-n", "1", "--log-dir", "", "--", "x"], "--log-dir is empty"),
+        (["-n", "1", "--checkpoint-dir", "", "--", "x"], "--checkpoint-dir is empty"),
+        (
+            ["-n", "1", "--checkpoint-dir", "c", "--checkpoint-interval-s", "0", "--", "x"],
+            "--checkpoint-interval-s is 0.0: give a number of seconds > 0",
+        ),
+        (
+            ["-n", "1", "--checkpoint-dir", "c", "--checkpoint-interval-s", "inf", "--", "x"],
+            "--checkpoint-interval-s is inf",
+        ),
+        (
+            ["-n", "1", "--checkpoint-interval-s", "5", "--", "x"],
+            "--checkpoint-interval-s needs --checkpoint-dir DIR",
+        ),
+        (
+            ["-n", "1", "--checkpoint-dir", "c", "--max-restarts", "-1", "--", "x"],
+            "--max-restarts is -1",
+        ),
+        (["-n", "1", "--max-restarts", "x", "--", "x"], "invalid int value: 'x'"),
+        (
+            ["-n", "1", "--env", "AKV_CHECKPOINT_DIR=/c", "--", "x"],
+            "sets AKV_CHECKPOINT_DIR for the servers itself: pass --checkpoint-dir instead",
+        ),
+        (
+            ["-n", "1", "--env", "AKV_CHECKPOINT_INTERVAL_S=3", "--", "x"],
+            "pass --checkpoint-interval-s instead",
+        ),
     ],
 )
 def test_bad_command_lines_exit_2_with_a_message_naming_the_problem(argv, message, capsys):
@@ -173,6 +201,55 @@ def test_options_built_in_code_are_checked_the_same_way():
     with pytest.raises(LaunchError, match="--scheduler-host is for the ssh, mpi and slurm"):
         validate(LaunchOptions(1, 1, ("x",), scheduler_host="h0"))
     assert LaunchOptions(1, 1, ("x",)).grace_s == DEFAULT_GRACE_S
+
+
+# ------------------------------------------------------------------ checkpoints and restarts
+
+
+def test_checkpoint_and_restart_flags_are_parsed():
+    argv = ["-n", "2", "--checkpoint-dir", "ckpt", "--checkpoint-interval-s", "2.5"]
+    options = parse_args([*argv, "--max-restarts", "3", "python", "train.py"])
+    assert (options.checkpoint_dir, options.checkpoint_interval_s) == ("ckpt", 2.5)
+    assert options.max_restarts == 3
+    assert options.command == ("python", "train.py")  # each flag took exactly its value
+
+
+def test_without_the_flags_nothing_is_checkpointed_or_restarted():
+    options = parse_args(["-n", "1", "python", "x"])
+    assert (options.checkpoint_dir, options.checkpoint_interval_s) == (None, None)
+    assert options.max_restarts == 0
+
+
+def test_restarts_without_a_checkpoint_directory_are_refused_saying_why():
+    with pytest.raises(LaunchError) as caught:
+        parse_args(["-n", "1", "--max-restarts", "2", "python", "x"])
+    message = str(caught.value)
+    assert message.startswith("--max-restarts 2 needs --checkpoint-dir DIR: ")
+    assert "would start empty" in message
+
+
+@pytest.mark.parametrize(("launcher", "tool"), [("mpi", "mpirun"), ("slurm", "srun")])
+def test_restarts_are_refused_where_one_command_runs_every_server(launcher, tool):
+    options = LaunchOptions(
+        1, 2, ("x",), launcher=launcher, scheduler_host="h0", checkpoint_dir="c", max_restarts=1
+    )
+    with pytest.raises(LaunchError, match=rf"local and ssh launchers: .* one `{tool}` runs"):
+        validate(options)
+    validate(replace(options, max_restarts=0))  # a checkpoint directory alone is fine there
+
+
+def test_restarts_are_allowed_with_the_local_and_ssh_launchers():
+    validate(LaunchOptions(1, 1, ("x",), checkpoint_dir="c", max_restarts=2))
+    ssh = {"launcher": "ssh", "hostfile": "h", "scheduler_host": "10.0.0.1"}
+    validate(LaunchOptions(1, 1, ("x",), checkpoint_dir="c", max_restarts=2, **ssh))
+
+
+def test_help_says_the_checkpoint_directory_is_on_each_servers_host(capsys):
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--checkpoint-dir DIR" in out
+    assert "for ssh, mpi and slurm DIR is a path on each server's host" in out
+    assert "--max-restarts N" in out and "--checkpoint-interval-s SECONDS" in out
 
 
 # ------------------------------------------------------------------ --help and --version

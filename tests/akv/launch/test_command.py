@@ -24,6 +24,7 @@ from akv.launch.command import launch, main
 from tests.akv.launch.support import (
     JOB_TIMEOUT_S,
     PYTHON,
+    SERVER_DIES,
     TOKEN,
     fake_path,
     job_options,
@@ -182,6 +183,35 @@ def test_ssh_job_is_supervised_through_ssh(tmp_path, reaper):
     assert "[worker 1] worker 1 of 2" in result.out
     log = (tmp_path / "fake.log").read_text()
     assert "-p 2222 nodeB bash -s" in log and TOKEN not in log
+    assert not wait_gone(result.pids)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_an_ssh_server_that_dies_is_restarted_by_running_its_ssh_again(tmp_path, reaper):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("nodeA\n")
+    serving = tmp_path / "ckpt" / "server-0.serving"
+    options = job_options(
+        tmp_path,
+        {"0": [f"wait-for:{serving}", "bye"]},
+        num_workers=1,
+        launcher="ssh",
+        hostfile=str(hostfile),
+        scheduler_host="127.0.0.1",
+        python=PYTHON,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        max_restarts=1,
+        server_command=(PYTHON, "-c", SERVER_DIES),
+    )
+    options = replace(options, env={**options.env, "TEST_SERVER_DEATHS": "1"})
+    result = run_job(options, reaper, fake_path(tmp_path))
+    assert result.code == 0, result.err
+    # The remote script reports the server's SIGKILL as 137, as ssh would.
+    assert "server 0 on nodeA (pid " in result.err
+    assert "exited with code 137; restarting it from its checkpoint (restart 1 of 1)" in result.err
+    assert "[server 0] server 0 run 1 serves" in result.out
+    ssh_runs = (tmp_path / "fake.log").read_text().count(" nodeA bash -s")
+    assert ssh_runs == 3  # server, worker, and the server again
     assert not wait_gone(result.pids)
 
 

@@ -410,3 +410,58 @@ def test_dry_run_names_each_processs_log_file():
     text = format_dry_run(_local_plan(log_dir="logs"), TOKEN)
     assert "# scheduler, output also in logs/scheduler.log\n" in text
     assert "# worker 1, output also in logs/worker-1.log\n" in text
+
+
+# ------------------------------------------------------------------ --checkpoint-dir
+
+
+def test_only_servers_get_the_checkpoint_directory_and_interval():
+    specs = _local_plan(checkpoint_dir="/ckpt", checkpoint_interval_s=2.5, max_restarts=1)
+    for spec in specs:
+        if spec.role == "server":
+            assert spec.env["AKV_CHECKPOINT_DIR"] == spec.job_env["AKV_CHECKPOINT_DIR"] == "/ckpt"
+            assert spec.env["AKV_CHECKPOINT_INTERVAL_S"] == "2.5"
+        else:
+            assert "AKV_CHECKPOINT_DIR" not in spec.env
+            assert "AKV_CHECKPOINT_INTERVAL_S" not in spec.env
+
+
+def test_a_relative_checkpoint_directory_is_taken_from_the_working_directory():
+    servers = [s for s in _local_plan(checkpoint_dir="ckpt") if s.role == "server"]
+    assert {s.env["AKV_CHECKPOINT_DIR"] for s in servers} == {"/w/ckpt"}
+    assert all("AKV_CHECKPOINT_INTERVAL_S" not in s.env for s in servers)  # the server's default
+
+
+def test_a_stale_inherited_checkpoint_directory_does_not_reach_the_job():
+    stale = {**ENV, "AKV_CHECKPOINT_DIR": "/old-job", "AKV_CHECKPOINT_INTERVAL_S": "9"}
+    options = LaunchOptions(1, 1, ("x",))
+    for spec in plan(options, context(environ=stale)):
+        assert "AKV_CHECKPOINT_DIR" not in spec.env, spec.label
+        assert "AKV_CHECKPOINT_INTERVAL_S" not in spec.env, spec.label
+
+
+def test_ssh_servers_get_the_checkpoint_directory_in_their_remote_script():
+    options = LaunchOptions(
+        1,
+        1,
+        ("python3", "train.py"),
+        launcher="ssh",
+        hostfile="h",
+        scheduler_host="10.0.0.1",
+        checkpoint_dir="/data/ckpt",
+        max_restarts=2,
+    )
+    _, server, worker = plan(options, context(hosts=[Host("n1")]))
+    assert server.stdin is not None and worker.stdin is not None
+    assert "export AKV_CHECKPOINT_DIR=/data/ckpt\n" in server.stdin
+    assert "AKV_CHECKPOINT_DIR" not in worker.stdin
+
+
+def test_mpi_and_slurm_servers_get_the_checkpoint_directory_forwarded_by_name():
+    common = {"scheduler_host": "h0", "checkpoint_dir": "/ckpt"}
+    for launcher in ("mpi", "slurm"):
+        options = LaunchOptions(2, 2, ("python3", "t.py"), launcher=launcher, **common)
+        _, servers, workers = plan(options, context())
+        assert servers.env["AKV_CHECKPOINT_DIR"] == "/ckpt"
+        assert "AKV_CHECKPOINT_DIR" in " ".join(servers.argv)  # forwarded by name
+        assert "AKV_CHECKPOINT_DIR" not in workers.env

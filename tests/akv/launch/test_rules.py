@@ -122,3 +122,122 @@ def test_the_scheduler_verdict_is_read_from_its_job_failed_line():
     )
     assert scheduler_verdict(line) == "worker 1 (pid 7 on h) died"
     assert scheduler_verdict("scheduler waiting: 1 of 2 workers have not registered") is None
+
+
+# ------------------------------------------------------------------ --max-restarts
+
+
+def _restarting_rules(max_restarts: int) -> ExitRules:
+    """Scheduler 100, servers 0 and 1 (101, 102), workers 0 and 1 (103, 104)."""
+
+    def spec(role, rank):
+        return ProcessSpec(role, rank, ("x",), {}, {})
+
+    specs = [spec("scheduler", None), spec("server", 0), spec("server", 1)]
+    specs += [spec("worker", 0), spec("worker", 1)]
+    rules = ExitRules(specs, grace_s=15, max_restarts=max_restarts)
+    for index, pid in enumerate([100, 101, 102, 103, 104]):
+        rules.started(index, pid)
+    return rules
+
+
+def test_a_server_that_fails_while_workers_run_is_restarted_while_it_has_restarts_left():
+    rules = _restarting_rules(2)
+    decision = rules.exited(2, -signal.SIGKILL)
+    assert (decision.action, decision.exit_code, decision.index) == ("restart", 0, 2)
+    assert decision.message == (
+        "server 1 (pid 102) exited with signal SIGKILL; restarting it from its checkpoint "
+        "(restart 1 of 2)"
+    )
+    assert 2 not in rules.running
+    rules.started(2, 4242)
+    assert 2 in rules.running
+    second = rules.exited(2, 3)
+    assert (second.action, second.index) == ("restart", 2)
+    assert second.message == (
+        "server 1 (pid 4242) exited with code 3; restarting it from its checkpoint (restart 2 of 2)"
+    )
+    assert rules.restarts == {2: 2}
+
+
+def test_restarts_are_counted_per_server():
+    rules = _restarting_rules(1)
+    assert rules.exited(1, 1).action == "restart"
+    rules.started(1, 201)
+    assert rules.exited(2, 1).action == "restart"  # server 0's restart is not server 1's
+    rules.started(2, 202)
+    assert rules.restarts == {1: 1, 2: 1}
+
+
+def test_a_server_with_no_restarts_left_fails_the_job_saying_the_restarts_were_used_up():
+    rules = _restarting_rules(1)
+    rules.exited(1, -signal.SIGKILL)
+    rules.started(1, 201)
+    decision = rules.exited(1, -signal.SIGKILL)
+    assert (decision.action, decision.exit_code) == ("report", 137)
+    assert decision.message == (
+        "server 0 (pid 201) exited with signal SIGKILL (no restarts left: --max-restarts 1) "
+        "while 2 workers still ran; the job failed: waiting up to 5 s for the workers to "
+        "report it and exit"
+    )
+    assert rules.exited(2, 1).action == "continue"  # the other server: the job failed already
+    rules.exited(3, 1)
+    last = rules.exited(4, 1)
+    assert (last.action, last.exit_code) == ("stop", 137)
+
+
+def test_without_max_restarts_a_failing_server_is_not_restarted():
+    decision = _restarting_rules(0).exited(1, 1)
+    assert decision.action == "report"
+    assert "restart" not in decision.message
+
+
+def test_a_server_that_exits_0_is_never_restarted():
+    rules = _restarting_rules(2)
+    decision = rules.exited(1, 0)
+    assert (decision.action, decision.message) == (
+        "continue",
+        "server 0 (pid 101) exited with code 0",
+    )
+    assert rules.restarts == {}
+
+
+def test_nothing_is_restarted_once_every_worker_finished():
+    rules = _restarting_rules(2)
+    rules.exited(3, 0)
+    assert rules.exited(4, 0).action == "drain"
+    decision = rules.exited(1, -signal.SIGKILL)
+    assert (decision.action, decision.exit_code) == ("stop", 137)
+    assert decision.message == (
+        "server 0 (pid 101) exited with signal SIGKILL after every worker finished"
+    )
+
+
+def test_nothing_is_restarted_after_the_job_failed():
+    rules = _restarting_rules(2)
+    assert rules.exited(0, 1).action == "report"  # the scheduler failed
+    decision = rules.exited(1, -signal.SIGKILL)
+    assert decision.action == "continue"
+    assert decision.message == "server 0 (pid 101) exited with signal SIGKILL"
+    assert rules.restarts == {}
+
+
+def test_workers_and_the_scheduler_are_never_restarted():
+    worker = _restarting_rules(2).exited(3, -signal.SIGKILL)
+    assert (worker.action, worker.exit_code) == ("stop", 137)
+    scheduler = _restarting_rules(2).exited(0, 1)
+    assert (scheduler.action, scheduler.exit_code) == ("report", 1)
+    assert "restart" not in worker.message + scheduler.message
+
+
+def test_a_group_of_servers_is_never_restarted():
+    specs = [
+        ProcessSpec("server", None, ("mpirun",), {}, {}, count=2),
+        ProcessSpec("worker", None, ("mpirun",), {}, {}, count=2),
+    ]
+    rules = ExitRules(specs, grace_s=15, max_restarts=3)
+    rules.started(0, 10)
+    rules.started(1, 11)
+    decision = rules.exited(0, 1)
+    assert (decision.action, decision.exit_code) == ("report", 1)
+    assert "restart" not in decision.message

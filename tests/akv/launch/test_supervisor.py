@@ -18,6 +18,7 @@ from akv.launch.supervisor import supervise
 from tests.akv.launch.support import (
     JOB_TIMEOUT_S,
     PYTHON,
+    SERVER_DIES,
     SERVER_FAILS,
     SERVER_IGNORES_SIGTERM,
     job_options,
@@ -96,6 +97,134 @@ def test_a_command_that_does_not_exist_exits_127(tmp_path, reaper):
     result = run_job(options, reaper)
     assert result.code == 127
     assert "could not start worker 0: " in result.err
+
+
+# ------------------------------------------------------------------ --max-restarts
+
+
+def _restart_options(tmp_path, actions, deaths: int, max_restarts: int, **env):
+    """One worker; its server SIGKILLs itself on its first ``deaths`` runs (SERVER_DIES)."""
+    options = job_options(
+        tmp_path,
+        actions,
+        num_workers=1,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        max_restarts=max_restarts,
+        server_command=(PYTHON, "-c", SERVER_DIES),
+    )
+    return replace(options, env={**options.env, "TEST_SERVER_DEATHS": str(deaths), **env})
+
+
+def _server_runs(tmp_path) -> list[int]:
+    return [int(pid) for pid in (tmp_path / "ckpt" / "server-0.runs").read_text().split()]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_a_server_that_dies_is_restarted_and_the_job_succeeds(tmp_path, reaper):
+    serving = tmp_path / "ckpt" / "server-0.serving"
+    actions = {"0": [f"wait-for:{serving}", "bye"]}  # the worker outlives the first server
+    result = run_job(_restart_options(tmp_path, actions, deaths=1, max_restarts=2), reaper)
+    assert result.code == 0, result.err
+    first, second = _server_runs(tmp_path)
+    assert serving.read_text() == str(second)  # the restarted server ran, as a new process
+    assert (
+        f"akv-launch: server 0 (pid {first}) exited with signal SIGKILL; restarting it from "
+        "its checkpoint (restart 1 of 2)\n"
+    ) in result.err
+    out_lines = result.out.splitlines()
+    assert "[server 0] server 0 run 0 dies" in out_lines
+    assert "[server 0] server 0 run 1 serves" in out_lines  # the same prefix
+    assert f"akv-launch: server 0 (pid {second}) exited with code 0" in result.err
+    assert result.err.splitlines()[-1].endswith("every process finished")
+    assert len(result.pids) == 4 and {first, second} <= set(result.pids)
+    assert not wait_gone(result.pids)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_a_server_that_dies_more_often_than_max_restarts_fails_the_job(tmp_path, reaper):
+    options = _restart_options(tmp_path, {"0": ["sleep"]}, deaths=5, max_restarts=1)
+    result = run_job(options, reaper)
+    assert result.code == 137, result.err
+    first, second = _server_runs(tmp_path)  # started once, restarted once, not again
+    assert (
+        f"server 0 (pid {first}) exited with signal SIGKILL; restarting it from its "
+        "checkpoint (restart 1 of 1)"
+    ) in result.err
+    assert (
+        f"server 0 (pid {second}) exited with signal SIGKILL (no restarts left: "
+        "--max-restarts 1) while 1 worker still ran; the job failed"
+    ) in result.err
+    assert not wait_gone(result.pids, timeout_s=0.5)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_a_restarted_server_is_stopped_at_the_end_like_any_other(tmp_path, reaper):
+    serving = tmp_path / "ckpt" / "server-0.serving"
+    options = _restart_options(
+        tmp_path,
+        {"0": [f"wait-for:{serving}", "bye"]},
+        deaths=1,
+        max_restarts=1,
+        TEST_SERVER_THEN="sleep",
+    )
+    result = run_job(replace(options, grace_s=0.3), reaper)
+    assert result.code == 0, result.err
+    restarted = _server_runs(tmp_path)[1]
+    assert "server 0 still running 0.3 s after every worker finished; terminating" in result.err
+    assert restarted in result.pids
+    assert not wait_gone([restarted], timeout_s=0.5)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_a_restarted_server_goes_on_writing_to_its_log_file(tmp_path, reaper):
+    serving = tmp_path / "ckpt" / "server-0.serving"
+    options = _restart_options(tmp_path, {"0": [f"wait-for:{serving}", "bye"]}, 1, 1)
+    result = run_job(replace(options, log_dir=str(tmp_path / "logs")), reaper)
+    assert result.code == 0, result.err
+    lines = (tmp_path / "logs" / "server-0.log").read_text().splitlines()
+    first, second = _server_runs(tmp_path)
+    assert lines == [
+        f'[server 0] {{"pid": {first}}}',
+        "[server 0] server 0 run 0 dies",
+        f'[server 0] {{"pid": {second}}}',
+        "[server 0] server 0 run 1 serves",
+    ]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_what_a_dead_server_left_in_its_group_is_killed_before_it_is_restarted(tmp_path, reaper):
+    serving = tmp_path / "ckpt" / "server-0.serving"
+    actions = {"0": [f"wait-for:{serving}", "bye"]}
+    options = _restart_options(tmp_path, actions, 1, 1, TEST_SERVER_SPAWN="1")
+    result = run_job(options, reaper)
+    assert result.code == 0, result.err
+    first = _server_runs(tmp_path)[0]
+    server_pids = pids_in("\n".join(x for x in result.out.splitlines() if "[server 0]" in x))
+    grandchild = server_pids[1]  # printed by the first run, after its own PID
+    assert server_pids[0] == first
+    message = f"akv-launch: killing what server 0 (pid {first}) left in its process group"
+    assert message in result.err
+    # No later stop reaches that group: the job's stop ends the restarted server's group.
+    assert not wait_gone([grandchild], timeout_s=0.5)
+
+
+def test_a_server_that_cannot_be_restarted_stops_the_job_like_a_start_failure(tmp_path, reaper):
+    # The first run removes its own program: the restart finds nothing to start.
+    program = tmp_path / "server.py"
+    program.write_text(
+        f"#!{PYTHON}\n"
+        "import json, os, sys\n"
+        "print(json.dumps({'pid': os.getpid()}), flush=True)\n"
+        "os.remove(sys.argv[0])\n"
+        "sys.exit(3)\n"
+    )
+    program.chmod(0o755)
+    options = _restart_options(tmp_path, {"0": ["sleep"]}, deaths=0, max_restarts=1)
+    result = run_job(replace(options, server_command=(str(program),)), reaper)
+    assert result.code == 127, result.err
+    assert "exited with code 3; restarting it from its checkpoint (restart 1 of 1)" in result.err
+    assert "could not start server 0: " in result.err
+    assert not wait_gone(result.pids, timeout_s=0.5)
 
 
 # ------------------------------------------------------------------ --log-dir
