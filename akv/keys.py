@@ -83,6 +83,7 @@ class Entry:
         "origin",
         "parts",
         "pinned",
+        "pushes",
         "shape",
         "size",
         "value",
@@ -109,6 +110,9 @@ class Entry:
         self.device = device
         self.origin = origin
         self.pinned = False
+        #: Pushes of this key so far (a dist worker numbers each push with it, so that a
+        #: server never counts a resent one twice).
+        self.pushes = 0
         self.value: Array | None = None
         self._spares: list[Array] = []
 

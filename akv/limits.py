@@ -45,6 +45,23 @@ HEARTBEAT_TIMEOUT_S = 10.0
 #: How long a worker whose stream to a server was cut asks the scheduler who failed,
 #: before it fails the job naming that server.
 BLAME_TIMEOUT_S = 2.0
+#: How long a server waits for a worker whose stream was cut to reconnect before it
+#: reports the worker lost (the worker itself keeps reconnecting, with backoff, until its
+#: requests' deadline). ``AKV_RECONNECT_GRACE_S``.
+RECONNECT_GRACE_S = 5.0
+#: A worker's first wait before reconnecting a cut stream, and the longest wait between
+#: attempts (the wait doubles after each failed attempt).
+RECONNECT_FIRST_S = 0.02
+RECONNECT_MAX_S = 1.0
+#: How long the scheduler waits for a dead server that writes checkpoints to come back
+#: (restarted with the same rank and checkpoint directory) before the job fails.
+#: ``AKV_RESTART_WINDOW_S``.
+RESTART_WINDOW_S = 60.0
+#: How often a server with a checkpoint directory writes a checkpoint (when anything
+#: changed since the last one). ``AKV_CHECKPOINT_INTERVAL_S``.
+CHECKPOINT_INTERVAL_S = 30.0
+#: How long a stopping server may take to write its final checkpoint.
+FINAL_CHECKPOINT_S = 60.0
 #: How often that worker asks again while the scheduler knows no failure yet.
 VERDICT_POLL_S = 0.1
 #: After SIGTERM or Ctrl-C, how long a server lets its work in flight finish and a
@@ -93,6 +110,11 @@ MAX_PAYLOAD_BYTES = 16 << 30
 SMALL_REPLY_BYTES = 64 << 10
 #: Engine slots of a server.
 SERVER_ENGINE_SLOTS = max(4, os.cpu_count() or 1)
+#: A worker keeps each push to a server that writes checkpoints until a checkpoint holds
+#: it; once it keeps more than this many bytes for one server, it asks that server for a
+#: checkpoint now (so what it keeps is about this much, plus what is pushed while one
+#: checkpoint is written). ``AKV_RETAIN_BYTES``.
+RETAIN_BYTES = 256 << 20
 #: The shortest token a job accepts (characters). ``AKV_TOKEN`` sets the token.
 MIN_TOKEN_CHARS = 16
 #: How much longer than the connect timeout the scheduler (from its start) and a server

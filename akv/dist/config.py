@@ -20,6 +20,7 @@ from akv.errors import ConfigError
 from akv.limits import (
     BARRIER_TIMEOUT_S,
     BIGARRAY_BOUND,
+    CHECKPOINT_INTERVAL_S,
     CONNECT_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TIMEOUT_S,
@@ -27,13 +28,17 @@ from akv.limits import (
     MAX_BODY_BYTES,
     MAX_CONNECTIONS_PER_PEER,
     MIN_TOKEN_CHARS,
+    RECONNECT_GRACE_S,
     REQUEST_TIMEOUT_S,
+    RESTART_WINDOW_S,
+    RETAIN_BYTES,
     ROUND_TIMEOUT_S,
 )
 
 __all__ = [
     "ADDRESS_FORMS",
     "ADVERTISE_VARIABLE",
+    "CHECKPOINT_DIR_VARIABLE",
     "LOG_LEVELS",
     "ROLES",
     "TWIN_VARIABLES",
@@ -85,7 +90,11 @@ _TIMEOUTS = {
     "heartbeat_interval_s": ("AKV_HEARTBEAT_INTERVAL_S", HEARTBEAT_INTERVAL_S),
     "heartbeat_timeout_s": ("AKV_HEARTBEAT_TIMEOUT_S", HEARTBEAT_TIMEOUT_S),
     "idle_s": ("AKV_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S),
+    "reconnect_s": ("AKV_RECONNECT_GRACE_S", RECONNECT_GRACE_S),
+    "restart_s": ("AKV_RESTART_WINDOW_S", RESTART_WINDOW_S),
 }
+#: The directory a server writes its checkpoints to (none: it writes none).
+CHECKPOINT_DIR_VARIABLE = "AKV_CHECKPOINT_DIR"
 TOKEN_HINT = (
     "every request carries the job's token: akv-launch sets AKV_TOKEN for you; to start "
     "the processes yourself, generate one with "
@@ -106,6 +115,10 @@ class Timeouts:
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     #: A connection without a whole request header this long is closed (servers, scheduler).
     idle_s: float = IDLE_TIMEOUT_S
+    #: How long a server waits for a cut worker to reconnect before reporting it lost.
+    reconnect_s: float = RECONNECT_GRACE_S
+    #: How long the scheduler waits for a dead server with checkpoints to be restarted.
+    restart_s: float = RESTART_WINDOW_S
 
 
 @dataclass(frozen=True)
@@ -134,6 +147,13 @@ class Config:
     tls_ca: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     log_level: int = logging.INFO
+    #: A server's checkpoint directory (``AKV_CHECKPOINT_DIR``; None: no checkpoints), and
+    #: how often it writes one (``AKV_CHECKPOINT_INTERVAL_S``).
+    checkpoint_dir: str | None = None
+    checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S
+    #: A worker's bound on the pushes it keeps for one server until they are durable
+    #: (``AKV_RETAIN_BYTES``).
+    retain_bytes: int = RETAIN_BYTES
 
     @property
     def scheduler_url(self) -> str:
@@ -408,6 +428,17 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         **{key: _seconds(env, name, default) for key, (name, default) in _TIMEOUTS.items()}
     )
     log_level = _log_level(env)
+    checkpoint_dir = env.get(CHECKPOINT_DIR_VARIABLE, "").strip() or None
+    if checkpoint_dir is not None and role == "server" and rank is None:
+        raise ConfigError(
+            f"{CHECKPOINT_DIR_VARIABLE} is set but AKV_RANK is not: a server that writes "
+            "checkpoints needs a fixed rank, by which its restart finds its checkpoint "
+            "(akv-launch sets AKV_RANK)"
+        )
+    checkpoint_interval_s = _seconds(env, "AKV_CHECKPOINT_INTERVAL_S", CHECKPOINT_INTERVAL_S)
+    retain_bytes = int_setting(
+        env.get("AKV_RETAIN_BYTES", str(RETAIN_BYTES)), "AKV_RETAIN_BYTES", 1, "a number of bytes"
+    )
     return Config(
         role=role,
         scheduler_host=host,
@@ -429,4 +460,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         tls_ca=tls_ca,
         timeouts=timeouts,
         log_level=log_level,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_interval_s=checkpoint_interval_s,
+        retain_bytes=retain_bytes,
     )

@@ -48,10 +48,13 @@ class Membership:
     that first used it; heartbeats use a client of their own on their own loop.
     """
 
-    def __init__(self, config: Config, role: str, node_id: str) -> None:
+    def __init__(self, config: Config, role: str, node_id: str, restartable: bool = False) -> None:
+        """``restartable``: a server that writes checkpoints, whose restart (with the same
+        rank and checkpoint directory, which it holds locked) may take its rank over."""
         self.config = config
         self.role = role
         self.node_id = node_id
+        self.restartable = restartable
         self.rank: int | None = config.rank
         self._client: HttpClient | None = None
 
@@ -106,6 +109,7 @@ class Membership:
             "pid": os.getpid(),
             # A server needs only its rank: workers find it through the address book.
             "wait": whole_job,
+            "restartable": self.restartable,
         }
         last_note = ""
         while True:
@@ -135,6 +139,27 @@ class Membership:
                 last_note = note
             if answer is None:
                 await asyncio.sleep(CONNECT_RETRY_S)
+
+    async def server_address(self, rank: int) -> tuple[str, int] | None:
+        """Where server ``rank`` is now, as the scheduler's address book says (it changes
+        when a server is restarted); None when the scheduler does not say (unreachable,
+        or the job is not assembled).
+
+        Raises
+        ------
+        PeerLostError
+            The scheduler refused: the job failed.
+        """
+        try:
+            answer = await self.client.json("GET", "/v1/servers")
+        except RemoteError as exc:
+            raise scheduler_refusal(exc) from exc
+        except (TransportError, ValueError):
+            return None
+        for server in answer.get("servers") or () if isinstance(answer, dict) else ():
+            if isinstance(server, dict) and server.get("rank") == rank:
+                return str(server["host"]), int(server["port"])
+        return None
 
     async def heartbeats(
         self, on_failure: Callable[[str], None], should_stop: Callable[[], bool]

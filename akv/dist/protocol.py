@@ -22,6 +22,17 @@ Ops (arrays carry the key):
 * ``SAVE_STATES``: ``text`` is JSON ``{"dump_optimizer": bool}``; answered with one uint8
   array, the server's states in akv's state format (see ``docs/optimizer.md``).
 * ``LOAD_STATES``: one uint8 array in that format, for this server's keys.
+* ``CHECKPOINT``: write a checkpoint now (a server with a checkpoint directory); answered
+  once it is durable. A worker asks when the pushes it keeps for the server grow past
+  ``AKV_RETAIN_BYTES``.
+* ``DURABLE`` (server to worker, ``seq`` 0, never answered): every request of this worker
+  numbered below ``aux`` is held by a checkpoint; the worker drops the pushes it kept.
+
+Exactly once: every push array's ``tag`` is the worker's push number for that key (1, 2,
+...; 0 for a sender that does not number its pushes). A server counts a worker's push to a
+key only when its number is above the last one it counted, so a request resent after a
+reconnect, or to a server restored from a checkpoint, is answered without being applied
+twice.
 
 Adding an op: a member here, a branch in
 :meth:`akv.dist.server.state.ServerState.message_completed`, and the worker call that sends
@@ -66,7 +77,9 @@ class Op(IntEnum):
     SET_OPTIMIZER = 7
     SAVE_STATES = 8
     LOAD_STATES = 9
+    CHECKPOINT = 10
     REPLY = 100
+    DURABLE = 101
 
 
 def op_label(op: int) -> str:
@@ -105,7 +118,9 @@ JOB_FAILED_STATUS: Final = 409
 #: already taken, an unknown node, a barrier out of turn).
 REFUSED_STATUS: Final = 422
 
-#: Header a worker sends when it opens a stream: ``"<rank> <store type>"``.
+#: Header a worker sends when it opens a stream: ``"<rank> <store type> [<session>]"``.
+#: The session (the worker's node id) tells a server that a new stream comes from the same
+#: worker process as a cut one.
 CLIENT_HEADER: Final = "X-AKV-Client"
 #: The store types whose workers talk to servers.
 DIST_STORE_TYPES: Final = ("dist_sync", "dist_async")
@@ -129,29 +144,38 @@ def error_from_status(status: int, text: str, server: str) -> errors.AKVError:
     return cls(f"{text} (on {server})")
 
 
-def client_header(rank: int, store_type: str) -> str:
-    """The :data:`CLIENT_HEADER` value of worker ``rank`` opening a ``store_type`` store."""
-    return f"{rank} {store_type}"
+def client_header(rank: int, store_type: str, session: str = "") -> str:
+    """The :data:`CLIENT_HEADER` value of worker ``rank`` opening a ``store_type`` store
+    (``session``: its node id; empty for a sender without one)."""
+    return f"{rank} {store_type} {session}".rstrip()
 
 
-def parse_client_header(text: str) -> tuple[int, str]:
-    """The worker rank and store type in a :data:`CLIENT_HEADER` value.
+def parse_client_header(text: str) -> tuple[int, str, str]:
+    """The worker rank, store type and session (``""`` if none) in a
+    :data:`CLIENT_HEADER` value.
 
     Raises
     ------
     InvalidArgumentError
-        When it is not ``"<rank> <store type>"`` with a known distributed store type.
+        When it is not ``"<rank> <store type> [<session>]"`` with a known distributed
+        store type and a session of at most 64 letters, digits, ``-`` or ``_``.
     """
+    fields = text.split()
     try:
-        rank_text, store_type = text.split()
-        rank = int(rank_text)
+        if len(fields) not in (2, 3):
+            raise ValueError
+        rank = int(fields[0])
     except ValueError:
         raise errors.InvalidArgumentError(
-            f"{CLIENT_HEADER} must be '<rank> <store type>', got {text[:64]!r}"
+            f"{CLIENT_HEADER} must be '<rank> <store type> [<session>]', got {text[:64]!r}"
         ) from None
+    store_type = fields[1]
+    session = fields[2] if len(fields) == 3 else ""
     if store_type not in DIST_STORE_TYPES:
         raise errors.InvalidArgumentError(f"unknown store type {store_type[:64]!r}")
-    return rank, store_type
+    if session and (len(session) > 64 or not session.replace("-", "").replace("_", "").isalnum()):
+        raise errors.InvalidArgumentError(f"malformed session id {session[:64]!r}")
+    return rank, store_type, session
 
 
 def encode_meta(items: list[tuple[int | str, tuple[int, ...], str]]) -> str:

@@ -186,6 +186,18 @@ ROLE_FLAGS: dict[str, tuple[Flag, ...]] = {
             "bound one (NAT, a published container port, a proxy): HOST, HOST:PORT or "
             "[IPv6]:PORT; a HOST alone keeps the bound port (AKV_ADVERTISE)",
         ),
+        Flag(
+            "--checkpoint-dir",
+            "AKV_CHECKPOINT_DIR",
+            "write checkpoints (values, optimizer states, rounds) to server-<rank>.akvckpt "
+            "in this directory, and restore from it at start: a restarted server with the "
+            "same rank and directory rejoins the job (AKV_CHECKPOINT_DIR; needs AKV_RANK)",
+        ),
+        Flag(
+            "--checkpoint-interval-s",
+            "AKV_CHECKPOINT_INTERVAL_S",
+            "seconds between checkpoints (AKV_CHECKPOINT_INTERVAL_S, default 30)",
+        ),
     ),
 }
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from akv.errors import MembershipError, PeerLostError
-from akv.limits import HEARTBEAT_INTERVAL_S, SCHEDULER_LINGER_S
+from akv.limits import HEARTBEAT_INTERVAL_S, RESTART_WINDOW_S, SCHEDULER_LINGER_S
 
 __all__ = [
     "BarrierState",
@@ -65,6 +65,9 @@ class Node:
     dead: bool = False
     bound_host: str | None = None
     bound_port: int | None = None
+    #: A server that writes checkpoints: when it goes silent the job waits for its
+    #: restart, which takes its rank over.
+    restartable: bool = False
 
     def __post_init__(self) -> None:
         if self.bound_host is None:
@@ -84,6 +87,8 @@ class ServerAddress:
     rank: int
     host: str
     port: int
+    #: It writes checkpoints: when it dies it may be restarted (workers keep trying).
+    restartable: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,9 @@ class Roster:
         How often nodes heartbeat (``AKV_HEARTBEAT_INTERVAL_S``): after a failure the
         scheduler stays up for two intervals (at least ``SCHEDULER_LINGER_S``), so that
         every node's next heartbeat hears the reason.
+    restart_s:
+        How long a silent server that writes checkpoints has, beyond the heartbeat
+        timeout, to be restarted before the job fails (``AKV_RESTART_WINDOW_S``).
     """
 
     def __init__(
@@ -175,11 +183,15 @@ class Roster:
         num_servers: int,
         heartbeat_timeout_s: float,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        restart_s: float = RESTART_WINDOW_S,
     ) -> None:
         self.num_workers = num_workers
         self.num_servers = num_servers
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.restart_s = restart_s
+        #: How many times a server was restarted (its rank taken over), by rank.
+        self.restarts: dict[int, int] = {}
         self.nodes: dict[str, Node] = {}
         self.failure: str | None = None
         self._barriers: dict[int, _Barrier] = {}
@@ -200,12 +212,18 @@ class Roster:
         *,
         bound_host: str | None = None,
         bound_port: int | None = None,
+        restartable: bool = False,
     ) -> Node:
         """Add a node (or return it again for a retry).
 
         ``host`` and ``port`` are the address it advertises (what workers are given for a
         server, and what messages name); ``bound_host`` and ``bound_port`` what it listens
         on (default: the advertised ones).
+
+        A ``restartable`` server (one that writes checkpoints) asking for the rank of
+        another restartable server takes it over: it holds that rank's checkpoint
+        directory locked, so the server before it is gone (killed, even if its heartbeats
+        are not overdue yet). The workers find it at its new address.
 
         Raises
         ------
@@ -215,7 +233,7 @@ class Roster:
         PeerLostError
             The job failed already.
         """
-        self._refuse_if_failed()
+        self.refuse_if_failed()
         known = self.nodes.get(node_id)
         if known is not None:
             known.last_seen = now
@@ -240,12 +258,25 @@ class Roster:
             )
         elif rank in taken:
             holder = next(n for n in self.nodes.values() if n.role == role and n.rank == rank)
-            raise MembershipError(
-                f"{role} rank {rank} is already taken by {holder.describe()}; a {role} from "
-                f"{host} (pid {pid}) asked for it too"
-            )
+            takeover = role == "server" and restartable and holder.restartable
+            if not takeover or holder.finished:
+                raise MembershipError(
+                    f"{role} rank {rank} is already taken by {holder.describe()}; a {role} "
+                    f"from {host} (pid {pid}) asked for it too"
+                )
+            del self.nodes[holder.node_id]  # a restart: the server before it is gone
+            self.restarts[rank] = self.restarts.get(rank, 0) + 1
         node = Node(
-            node_id, role, rank, host, port, pid, now, bound_host=bound_host, bound_port=bound_port
+            node_id,
+            role,
+            rank,
+            host,
+            port,
+            pid,
+            now,
+            bound_host=bound_host,
+            bound_port=bound_port,
+            restartable=restartable and role == "server",
         )
         self.nodes[node_id] = node
         return node
@@ -256,12 +287,11 @@ class Roster:
         Raises :class:`MembershipError` for an unknown node and :class:`PeerLostError`
         once the job failed.
         """
-        self._refuse_if_failed()
+        self.refuse_if_failed()
         node = self.node(node_id)
         if not self.complete():
             return Registration(node.rank, None, self.missing())
-        servers = tuple(ServerAddress(s.rank, s.host, s.port) for s in self.servers())
-        return Registration(node.rank, servers)
+        return Registration(node.rank, tuple(self.server_addresses()))
 
     def registration_settled(self) -> bool:
         """True once a waiting registration can be answered: every node registered, or
@@ -331,7 +361,7 @@ class Roster:
         PeerLostError
             The job failed already.
         """
-        self._refuse_if_failed()
+        self.refuse_if_failed()
         node = self.node(node_id)
         node.last_seen = now
         if node.role != "worker":
@@ -347,7 +377,7 @@ class Roster:
 
     def barrier(self, number: int) -> BarrierState:
         """Barrier ``number`` now; :class:`PeerLostError` once the job failed."""
-        self._refuse_if_failed()
+        self.refuse_if_failed()
         return BarrierState(number, tuple(self.barrier_missing(number)))
 
     def barrier_settled(self, number: int) -> bool:
@@ -381,12 +411,26 @@ class Roster:
         return True
 
     def check(self, now: float) -> list[Node]:
-        """Find nodes silent for longer than the timeout; they fail the job. Returns them."""
+        """Find nodes silent for longer than the timeout; they fail the job. Returns them.
+
+        A restartable server has :attr:`restart_s` more to be restarted (its restart
+        registers and takes its rank over) before it fails the job.
+        """
         dead = []
         for node in self.nodes.values():
             if node.finished or node.dead:
                 continue
             silent = now - node.last_seen
+            if node.restartable and silent > self.heartbeat_timeout_s:
+                if silent > self.heartbeat_timeout_s + self.restart_s:
+                    node.dead = True
+                    dead.append(node)
+                    self.fail(
+                        f"{node.describe()} sent no heartbeat for {silent:.1f} s and was not "
+                        f"restarted from its checkpoint within {self.restart_s:g} s "
+                        "(AKV_RESTART_WINDOW_S)"
+                    )
+                continue
             if silent > self.heartbeat_timeout_s:
                 node.dead = True
                 dead.append(node)
@@ -465,6 +509,10 @@ class Roster:
 
     # ------------------------------------------------------------ for people and tests
 
+    def server_addresses(self) -> list[ServerAddress]:
+        """Where each registered server is now, by rank (a restart changes it)."""
+        return [ServerAddress(s.rank, s.host, s.port, s.restartable) for s in self.servers()]
+
     def statistics(self) -> RosterStatistics:
         """The roster now, as a frozen record (nodes by role, then rank)."""
         nodes = tuple(
@@ -510,6 +558,7 @@ class Roster:
     def _ranks(self, role: str) -> list[int]:
         return sorted(n.rank for n in self.nodes.values() if n.role == role)
 
-    def _refuse_if_failed(self) -> None:
+    def refuse_if_failed(self) -> None:
+        """Raise :class:`PeerLostError` with the reason once the job failed."""
         if self.failure is not None:
             raise PeerLostError(f"the job failed: {self.failure}")

@@ -49,7 +49,7 @@ from aiohttp import web
 from akv.dist import config as _config
 from akv.dist.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
 from akv.dist.roles import run_role, server_ssl, stopped_by_signal
-from akv.dist.scheduler.roster import Roster
+from akv.dist.scheduler.roster import Roster, ServerAddress
 from akv.errors import MembershipError, PeerLostError
 from akv.limits import (
     DRAIN_S,
@@ -78,6 +78,7 @@ class Scheduler:
             config.num_servers,
             config.timeouts.heartbeat_timeout_s,
             config.timeouts.heartbeat_interval_s,
+            config.timeouts.restart_s,
         )
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
@@ -92,6 +93,7 @@ class Scheduler:
         app.router.add_post("/v1/lost", self._lost)
         app.router.add_post("/v1/finish", self._finish)
         app.router.add_get("/v1/status", self._status)
+        app.router.add_get("/v1/servers", self._servers)
         return app
 
     async def start(self) -> int:
@@ -182,7 +184,10 @@ class Scheduler:
             pid = int(body.get("pid", 0))
             rank = None if body.get("rank") is None else int(body["rank"])
             wait = bool(body.get("wait", True))
+            restartable = bool(body.get("restartable", False))
         with _refusals():
+            known = node_id in self.roster.nodes
+            restarts = sum(self.roster.restarts.values())
             self.roster.register(
                 node_id,
                 role,
@@ -193,6 +198,16 @@ class Scheduler:
                 rank=rank,
                 bound_host=bound_host,
                 bound_port=bound_port,
+                restartable=restartable,
+            )
+        if not known and sum(self.roster.restarts.values()) > restarts:
+            log.warning(
+                "server %s was restarted from its checkpoint (pid %d at %s:%d); the workers "
+                "reconnect to it",
+                rank,
+                pid,
+                host,
+                port,
             )
         await self._notify()
         if wait:
@@ -201,8 +216,7 @@ class Scheduler:
             answer = self.roster.registration(node_id)
         if answer.servers is None:
             return web.json_response({"rank": answer.rank, "waiting": answer.waiting}, status=202)
-        servers = [{"rank": s.rank, "host": s.host, "port": s.port} for s in answer.servers]
-        return web.json_response({"rank": answer.rank, "servers": servers})
+        return web.json_response({"rank": answer.rank, "servers": _addresses(answer.servers)})
 
     async def _barrier(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -249,6 +263,13 @@ class Scheduler:
         await self._notify()
         return web.json_response({"stop": stop})
 
+    async def _servers(self, request: web.Request) -> web.Response:
+        """``GET /v1/servers``: where each server is now (a reconnecting worker asks: a
+        restarted server may listen elsewhere); 409 once the job failed."""
+        with _refusals():
+            self.roster.refuse_if_failed()
+        return web.json_response({"servers": _addresses(self.roster.server_addresses())})
+
     async def _status(self, request: web.Request) -> web.Response:
         statistics = self.roster.statistics()
         nodes = [
@@ -284,6 +305,15 @@ class Scheduler:
                 await asyncio.wait_for(self._changed.wait_for(settled), SCHEDULER_POLL_S)
 
 
+def _addresses(servers: Sequence[ServerAddress]) -> list[dict[str, Any]]:
+    """The address book as JSON: each server's rank, address, and whether it may be
+    restarted."""
+    return [
+        {"rank": s.rank, "host": s.host, "port": s.port, "restartable": s.restartable}
+        for s in servers
+    ]
+
+
 async def _body(request: web.Request) -> _Fields:
     """The request's JSON object, decoded strictly (:func:`transport.parse_json`: bounded
     nesting, finite numbers, 64-bit integers, UTF-8); anything else is a 400."""
@@ -315,7 +345,7 @@ _INTEGERS = {
     "number": (0, (1 << 63) - 1),
 }
 _NULLABLE = frozenset({"rank"})
-_FLAGS = frozenset({"wait"})
+_FLAGS = frozenset({"wait", "restartable"})
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 

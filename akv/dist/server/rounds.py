@@ -18,6 +18,13 @@ Meaning, in ``dist_sync``:
 
 In ``dist_async`` every push is a round of its own, applied as it arrives; a pull is
 answered at once with the value as it is.
+
+Exactly once: each push carries the worker's number for it (its ``tag``: 1, 2, ... per key;
+0 when the sender does not number its pushes). A push whose number is not above the last
+one counted for that worker is a duplicate (a request resent after a reconnect, or to a
+server restored from a checkpoint): :meth:`KeyRounds.is_duplicate` says so and it is
+answered without being counted. :meth:`KeyRounds.durable` is what a checkpoint keeps of a
+key's rounds, and :meth:`KeyRounds.restore` what a restored server starts from.
 """
 
 from __future__ import annotations
@@ -52,8 +59,9 @@ class KeyRounds(Generic[T]):
     parked pulls."""
 
     __slots__ = (
-        "_contributors",
         "_last",
+        "_open",
+        "_tags",
         "_waiting",
         "applied_round",
         "closed_round",
@@ -70,8 +78,11 @@ class KeyRounds(Generic[T]):
         self.applied_round = 0
         self.closed_round = 0
         self.opened_at: float | None = None
-        self._contributors: set[int] = set()
+        #: The open round's contributors (dist_sync): worker -> (its number and last round
+        #: before this push, the push's request number).
+        self._open: dict[int, tuple[int, int, int]] = {}
         self._last: dict[int, int] = {}
+        self._tags: dict[int, int] = {}
         self._waiting: list[tuple[int, T]] = []
 
     @property
@@ -81,9 +92,14 @@ class KeyRounds(Generic[T]):
 
     def missing(self) -> list[int]:
         """The workers whose push the open round still needs (sync; empty when none pushed)."""
-        if not self._contributors:
+        if not self._open:
             return []
-        return [w for w in range(self.num_workers) if w not in self._contributors]
+        return [w for w in range(self.num_workers) if w not in self._open]
+
+    def is_duplicate(self, worker: int, tag: int) -> bool:
+        """True when ``worker``'s push number ``tag`` was counted already (0: unnumbered,
+        never a duplicate)."""
+        return 0 < tag <= self._tags.get(worker, 0)
 
     def check_push(self, worker: int) -> None:
         """Raise if ``worker`` may not push now (without changing anything).
@@ -95,15 +111,16 @@ class KeyRounds(Generic[T]):
         """
         if not 0 <= worker < self.num_workers:
             raise ServerError(f"push to key {self.key!r} from unknown worker rank {worker}")
-        if self.sync and worker in self._contributors:
+        if self.sync and worker in self._open:
             raise DoublePushError(
                 f"worker {worker} pushed key {self.key!r} twice in round {self.open_round}; "
                 f"the round still waits for workers {self.missing()} (in dist_sync each "
                 "worker pushes a key once per round: pull before pushing again)"
             )
 
-    def accept_push(self, worker: int, now: float) -> PushDecision:
-        """Count a push from ``worker`` (``now``: a clock reading, for round timeouts).
+    def accept_push(self, worker: int, now: float, tag: int = 0, seq: int = 0) -> PushDecision:
+        """Count push number ``tag`` from ``worker``, sent in request ``seq`` (``now``: a
+        clock reading, for round timeouts). Check :meth:`is_duplicate` first.
 
         Raises
         ------
@@ -111,21 +128,49 @@ class KeyRounds(Generic[T]):
             As :meth:`check_push` (nothing changes then).
         """
         self.check_push(worker)
+        previous_tag = self._tags.get(worker, 0)
+        if tag:
+            self._tags[worker] = tag
         if not self.sync:
             self.closed_round += 1
             self._last[worker] = self.closed_round
             return PushDecision(first=True, closes=True, round=self.closed_round)
-        self._last[worker] = self.open_round
-        first = not self._contributors
+        first = not self._open
         if first:
             self.opened_at = now
-        self._contributors.add(worker)
-        if len(self._contributors) < self.num_workers:
+        self._open[worker] = (previous_tag, self._last.get(worker, 0), seq)
+        self._last[worker] = self.open_round
+        if len(self._open) < self.num_workers:
             return PushDecision(first=first, closes=False, round=self.open_round)
         self.closed_round += 1
-        self._contributors.clear()
+        self._open.clear()
         self.opened_at = None
         return PushDecision(first=first, closes=True, round=self.closed_round)
+
+    def open_seqs(self) -> dict[int, int]:
+        """The request number of each push counted in the open round, by worker."""
+        return {worker: seq for worker, (_, _, seq) in self._open.items()}
+
+    def durable(self) -> tuple[int, dict[int, int], dict[int, int]]:
+        """What a checkpoint of the key's value after :attr:`closed_round` keeps: that
+        round, and each worker's last push number and last push round in it (the open
+        round's pushes are not in the value: they are resent after a restore)."""
+        tags = dict(self._tags)
+        last = dict(self._last)
+        for worker, (tag, round_no, _) in self._open.items():
+            tags[worker] = tag
+            last[worker] = round_no
+        tags = {worker: tag for worker, tag in tags.items() if tag}
+        last = {worker: round_no for worker, round_no in last.items() if round_no}
+        return self.closed_round, tags, last
+
+    def restore(self, closed_round: int, tags: dict[int, int], last: dict[int, int]) -> None:
+        """Start from a checkpoint (:meth:`durable`'s values), with no open round."""
+        self.closed_round = self.applied_round = closed_round
+        self._tags = dict(tags)
+        self._last = dict(last)
+        self._open.clear()
+        self.opened_at = None
 
     def last_push_round(self, worker: int) -> int:
         """The round that ``worker``'s latest accepted push went into (0: none yet)."""

@@ -29,7 +29,9 @@ from akv.dist.config import Config, format_address
 from akv.dist.membership import Membership
 from akv.dist.protocol import CLIENT_HEADER, OK, Op, parse_client_header, status_of
 from akv.dist.roles import run_role, server_ssl, stopped_by_signal
+from akv.dist.server.checkpointing import Checkpoints
 from akv.dist.server.state import (
+    Checkpoint,
     FailJob,
     InstallOptimizer,
     Instruction,
@@ -94,10 +96,18 @@ class ParameterServer:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.engine = Engine(slots=SERVER_ENGINE_SLOTS, name="akv-server")
-        self.membership = Membership(config, "server", uuid.uuid4().hex)
+        checkpoints = config.checkpoint_dir is not None
+        self.membership = Membership(config, "server", uuid.uuid4().hex, restartable=checkpoints)
         self.state = ServerState(
-            "server ?", config.num_workers, config.timeouts.connect_s, self.engine.new_var
+            "server ?",
+            config.num_workers,
+            config.timeouts.connect_s,
+            self.engine.new_var,
+            reconnect_s=config.timeouts.reconnect_s,
+            checkpoints=checkpoints,
         )
+        #: Writes this server's checkpoints (None: it writes none).
+        self.checkpoints = Checkpoints(self) if checkpoints else None
         self.links: dict[int, Link] = {}
         #: The port this server listens on, and the ``(host, port)`` the scheduler gives the
         #: workers for it (``AKV_ADVERTISE``; by default the bound host and port).
@@ -141,6 +151,8 @@ class ParameterServer:
             max_connections_per_peer=config.max_connections_per_peer,
         )
         self.advertised = config.advertised(self.port)
+        if self.checkpoints is not None:
+            self.checkpoints.restore()  # before registering: workers resend what it lacks
         deadline = time.monotonic() + config.timeouts.connect_s
         await self.membership.register(self.port, deadline)
         self.state.name = f"server {self.rank}"
@@ -160,9 +172,15 @@ class ParameterServer:
         ticker = self._spawn(self._tick(), "the round deadline check")
         gave_up = asyncio.Event()
         assembly = self._spawn(self._await_job(gave_up), "waiting for the job to assemble")
+        timer = None
+        if self.checkpoints is not None:
+            timer = self._spawn(self.checkpoints.every_interval(), "the checkpoint timer")
         try:
             stopped = await self.membership.heartbeats(self._job_failed, gave_up.is_set)
-            return 0 if stopped and self.state.failure is None and not gave_up.is_set() else 1
+            ok = stopped and self.state.failure is None and not gave_up.is_set()
+            if ok and self.checkpoints is not None:
+                await self.checkpoints.final()
+            return 0 if ok else 1
         except asyncio.CancelledError as exc:
             if stopped_by_signal(exc):
                 await self._stopped_by_signal()
@@ -170,17 +188,23 @@ class ParameterServer:
         finally:
             ticker.cancel()
             assembly.cancel()
+            if timer is not None:
+                timer.cancel()
             await self.stop()
 
     async def _stopped_by_signal(self) -> None:
-        """SIGTERM or Ctrl-C: the work in flight gets :data:`DRAIN_S` to finish, and the
-        scheduler is told, so that the job fails naming this server and why (the values it
-        holds are lost: there is no checkpoint yet)."""
+        """SIGTERM or Ctrl-C: the work in flight gets :data:`DRAIN_S` to finish, a final
+        checkpoint is written when this server writes them, and the scheduler is told, so
+        that the job fails naming this server and why (unless it can be restarted from
+        its checkpoint: then the scheduler waits for its restart)."""
         rank = self.membership.rank if self.membership.rank is not None else -1
         address = format_address(*self.advertised)
         detail = f"at {address} was stopped by a signal (SIGTERM or Ctrl-C)"
         with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError):
             await asyncio.wait_for(self.engine.wait_all(), DRAIN_S)
+        if self.checkpoints is not None:
+            await self.checkpoints.final()
+            return  # the scheduler waits for its restart (or times the job out)
         with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError, ValueError):
             # Reported by itself: the scheduler names it as stopping, not as lost.
             report = self.membership.report_lost(self.membership.node_id, "server", rank, detail)
@@ -213,6 +237,8 @@ class ParameterServer:
         for task in list(self._tasks):
             task.cancel()
         await self.engine.aclose()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -252,8 +278,10 @@ class ParameterServer:
 
     def _admit(self, request: web.Request, stream: bool) -> Peer:
         try:
-            worker, store_type = parse_client_header(request.headers.get(CLIENT_HEADER, ""))
-            return self.state.admit(worker, store_type, stream)
+            worker, store_type, session = parse_client_header(
+                request.headers.get(CLIENT_HEADER, "")
+            )
+            return self.state.admit(worker, store_type, stream, session)
         except InvalidArgumentError as exc:
             raise RequestError(400, str(exc)) from None
         except MembershipError as exc:
@@ -261,8 +289,14 @@ class ParameterServer:
 
     def _open_stream(self, request: web.Request) -> StreamProtocol:
         peer = self._admit(request, stream=True)
+        for other_id, other in list(self.links.items()):  # the stream this one replaces
+            if isinstance(other, _StreamLink) and other.peer.worker == peer.worker:
+                del self.links[other_id]
+                other.protocol.close()
         link = _StreamLink(self, peer)
         self.links[peer.id] = link
+        if self.checkpoints is not None:
+            self.checkpoints.tell(peer)
         return link.protocol
 
     async def _one_frame(self, request: web.Request) -> web.Response:
@@ -300,7 +334,8 @@ class ParameterServer:
     def lost(self, peer: Peer, exc: BaseException | None) -> None:
         """``peer``'s stream ended."""
         self.links.pop(peer.id, None)
-        self.execute(self.state.peer_lost(peer, exc))
+        now = asyncio.get_running_loop().time()
+        self.execute(self.state.peer_lost(peer, exc, now))
 
     # ------------------------------------------------------------ carrying out instructions
 
@@ -308,7 +343,7 @@ class ParameterServer:
         """Carry out what the state decided, in order."""
         for instruction in instructions:
             if isinstance(instruction, Reply):
-                self._send(instruction.peer, encode_frame(Op.REPLY, instruction.seq, aux=OK))
+                self.send_to(instruction.peer, encode_frame(Op.REPLY, instruction.seq, aux=OK))
             elif isinstance(instruction, ReplyError):
                 self._reply_error(instruction)
             elif isinstance(instruction, Land):
@@ -345,10 +380,14 @@ class ParameterServer:
                     executor="loop",
                     name="load_states",
                 )
+            elif isinstance(instruction, Checkpoint):
+                assert self.checkpoints is not None  # the state asks only then
+                self._spawn(self.checkpoints.on_request(instruction), "a checkpoint")
             elif isinstance(instruction, FailJob):
                 self._fail_job(instruction)
 
-    def _send(self, peer: Peer, buffers: list[Any]) -> None:
+    def send_to(self, peer: Peer, buffers: list[Any]) -> None:
+        """Send ``buffers`` on ``peer``'s stream (dropped when it is gone: the worker resends)."""
         link = self.links.get(peer.id)
         if link is not None and not link.closing:
             link.send(buffers)
@@ -358,7 +397,7 @@ class ParameterServer:
             log.error("%s: %s", self.name, instruction.error, exc_info=instruction.cause)
         error = instruction.error
         frame = encode_frame(Op.REPLY, instruction.seq, aux=status_of(error), text=str(error))
-        self._send(instruction.peer, frame)
+        self.send_to(instruction.peer, frame)
 
     def _fail_job(self, instruction: FailJob) -> None:
         if instruction.lost_worker is None:
@@ -421,7 +460,7 @@ class ParameterServer:
         """Answer a small pull with a copy of the values (no need to hold them until sent)."""
         arrays = [(e.key, e.value, e.rounds.applied_round) for e in ticket.entries]
         frame = [frame_bytes(Op.REPLY, ticket.seq, arrays, aux=OK)]
-        self._on_loop(self._send, ticket.peer, frame)
+        self._on_loop(self.send_to, ticket.peer, frame)
 
     def _send_held(self, ticket: PullTicket, done: Callable[[Any, Any], None]) -> None:
         """Answer a pull from the stored arrays themselves (no copy), holding their vars for
@@ -449,7 +488,7 @@ class ParameterServer:
             self.execute([_failed_reply(work.peer, work.seq, "save_optimizer_states", exc)])
             return
         arrays = [(None, np.frombuffer(data, np.uint8), 0)]
-        self._send(work.peer, encode_frame(Op.REPLY, work.seq, arrays, aux=OK))
+        self.send_to(work.peer, encode_frame(Op.REPLY, work.seq, arrays, aux=OK))
 
     async def _load_states(self, work: LoadStates) -> None:
         try:

@@ -50,10 +50,12 @@ from akv.errors import (
     WaitTimeoutError,
 )
 from akv.keys import Entry, VarFactory
-from akv.limits import INLINE_MAX_BYTES, SMALL_REPLY_BYTES
-from transport import FrameHeader
+from akv.limits import INLINE_MAX_BYTES, RECONNECT_GRACE_S, SMALL_REPLY_BYTES
+from transport import ArrayInfo, FrameHeader
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointPlan",
     "FailJob",
     "InitWait",
     "InstallOptimizer",
@@ -74,32 +76,47 @@ __all__ = [
 Key: TypeAlias = "int | str"
 
 #: The ops a worker may send a server.
-_REQUEST_OPS = frozenset(op for op in Op if op != Op.REPLY)
+_REQUEST_OPS = frozenset(op for op in Op if op not in (Op.REPLY, Op.DURABLE))
+#: The requests that may change keys, rounds or the optimizer (for the checkpoint timer).
+_CHANGING_OPS = frozenset({Op.INIT, Op.PUSH, Op.PUSHPULL, Op.SET_OPTIMIZER, Op.LOAD_STATES})
 #: The requests that carry no arrays (their meaning is in ``text``).
-_NO_ARRAY_OPS = frozenset({Op.INIT_CHECK, Op.SET_OPTIMIZER, Op.SAVE_STATES, Op.CLOSE})
+_NO_ARRAY_OPS = frozenset(
+    {Op.INIT_CHECK, Op.SET_OPTIMIZER, Op.SAVE_STATES, Op.CLOSE, Op.CHECKPOINT}
+)
 
 
 @dataclass(frozen=True, slots=True)
 class Peer:
-    """One way a worker sends requests: its stream, or a single HTTP request."""
+    """One way a worker sends requests: its stream, or a single HTTP request.
+    ``session``: the worker process's id (its node id; empty for a sender without one)."""
 
     worker: int
     id: int
     stream: bool = True
+    session: str = ""
 
 
 class ServerEntry(Entry):
     """A key (or this server's part of a split key) as the server holds it."""
 
-    __slots__ = ("merged", "rounds")
+    __slots__ = ("made_by", "merged", "rounds")
 
     def __init__(
-        self, key: Key, value: np.ndarray, new_var: VarFactory, sync: bool, num_workers: int
+        self,
+        key: Key,
+        value: np.ndarray,
+        new_var: VarFactory,
+        sync: bool,
+        num_workers: int,
+        made_by: tuple[str, int] | None = None,
     ) -> None:
         super().__init__(key, tuple(value.shape), value.dtype, new_var(f"key {key!r}"))
         self.value: np.ndarray = value
         self.merged: np.ndarray | None = None
         self.rounds: KeyRounds[PullTicket] = KeyRounds(key, num_workers, sync)
+        #: The (session, request number) of the init that made the key; None when it was
+        #: restored from a checkpoint (then any init of it is a resent one).
+        self.made_by = made_by
 
 
 @dataclass(eq=False)
@@ -216,6 +233,15 @@ class LoadStates:
 
 
 @dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """Write a checkpoint now (``peer`` asked with request ``seq``: answer it once the
+    checkpoint is durable; None: the server's own timer or stop)."""
+
+    peer: Peer | None = None
+    seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class FailJob:
     """The job failed for ``reason``: log it, and tell the scheduler that ``lost_worker``
     vanished (``detail`` says how) when that is the cause."""
@@ -226,8 +252,22 @@ class FailJob:
 
 
 Instruction: TypeAlias = (
-    "Reply | ReplyError | Land | SendValues | InstallOptimizer | SaveStates | LoadStates | FailJob"
+    "Reply | ReplyError | Land | SendValues | InstallOptimizer | SaveStates | LoadStates "
+    "| Checkpoint | FailJob"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointPlan:
+    """What a checkpoint holds, decided on the loop when it is asked for: each key with its
+    durable rounds (:meth:`KeyRounds.durable`), read once every earlier write finished; and
+    per worker, the request number below which each of its requests is in it."""
+
+    entries: tuple[tuple[ServerEntry, int, dict[int, int], dict[int, int]], ...]
+    durable_seqs: dict[int, int]
+    store_type: str | None
+    optimizer_config: dict[str, Any] | None
+    updater: _optimizer.Updater | None
 
 
 # ---------------------------------------------------------------------- the state
@@ -247,6 +287,11 @@ class ServerState:
         How long a worker's init waits for rank 0's values.
     new_var:
         Makes the engine var of a new key (named for it).
+    reconnect_s:
+        How long a worker whose stream was cut may take to open a new one before it counts
+        as lost (``AKV_RECONNECT_GRACE_S``).
+    checkpoints:
+        Whether this server writes checkpoints (then a worker may ask for one).
     """
 
     def __init__(
@@ -255,10 +300,14 @@ class ServerState:
         num_workers: int,
         init_timeout_s: float,
         new_var: VarFactory,
+        reconnect_s: float = RECONNECT_GRACE_S,
+        checkpoints: bool = False,
     ) -> None:
         self.name = name
         self.num_workers = num_workers
         self.init_timeout_s = init_timeout_s
+        self.reconnect_s = reconnect_s
+        self.checkpoints = checkpoints
         self._new_var = new_var
         self.entries: dict[Key, ServerEntry] = {}
         self.store_type: str | None = None
@@ -267,6 +316,19 @@ class ServerState:
         self.failure: str | None = None
         self.stopping = False
         self.peers: dict[int, Peer] = {}
+        #: Changes to keys, rounds or the optimizer so far (a checkpoint notes the count
+        #: it holds, so that an idle server writes none).
+        self.changes = 0
+        #: Resent pushes answered without being counted again (for statistics and tests).
+        self.duplicates = 0
+        #: Each worker's session (its process), from its first stream on.
+        self._sessions: dict[int, str] = {}
+        #: Workers whose stream was cut: when they count as lost, and how they were cut.
+        self._absent: dict[int, tuple[float, str]] = {}
+        #: Streams that a newer stream of the same worker replaced (their end is no loss).
+        self._replaced: set[int] = set()
+        #: Each worker's highest request number so far.
+        self._received: dict[int, int] = {}
         self._goodbyes: set[int] = set()
         self._init_waits: list[InitWait] = []
         self._next_peer = 0
@@ -282,18 +344,22 @@ class ServerState:
 
     # ------------------------------------------------------------ events: connections
 
-    def admit(self, worker: int, store_type: str, stream: bool) -> Peer:
-        """A worker opens its stream (``stream``) or sends a single frame.
+    def admit(self, worker: int, store_type: str, stream: bool, session: str = "") -> Peer:
+        """A worker opens its stream (``stream``) or sends a single frame; ``session``
+        names its process.
 
-        The first worker fixes the job's store type; every later one must match.
+        The first worker fixes the job's store type; every later one must match. A new
+        stream of a worker that has one already (or had one cut) replaces it when it comes
+        from the same session: the worker reconnected. The old stream's end is then no loss.
 
         Raises
         ------
         InvalidArgumentError
             An unknown store type.
         MembershipError
-            A rank out of range, a store type other than the job's, or a second stream
-            from the same worker. Nothing changes.
+            A rank out of range, a store type other than the job's, a second stream from
+            the same worker that is not its reconnection, or any stream after the job
+            failed. Nothing changes.
         """
         if store_type not in DIST_STORE_TYPES:
             raise InvalidArgumentError(f"unknown store type {store_type!r}")
@@ -306,21 +372,39 @@ class ServerState:
                 f"worker {worker} opened a {store_type} store, but this job's workers use "
                 f"{self.store_type}: every worker must create the same store type"
             )
-        if stream and any(peer.worker == worker for peer in self.peers.values()):
-            raise MembershipError(f"worker {worker} is already connected to {self.name}")
+        if stream and self.failure is not None:
+            raise MembershipError(f"{self.name} takes no stream: the job failed: {self.failure}")
+        if stream and self.stopping:
+            raise MembershipError(f"{self.name} takes no stream: it is stopping")
+        current = [p for p in self.peers.values() if p.worker == worker]
+        known = self._sessions.get(worker)
+        if stream and (current or known is not None):
+            same = bool(session) and session == known
+            if not same:
+                raise MembershipError(f"worker {worker} is already connected to {self.name}")
+            for old in current:
+                self.peers.pop(old.id)
+                self._replaced.add(old.id)
         self.store_type = store_type
         self._next_peer += 1
-        peer = Peer(worker, self._next_peer, stream)
+        peer = Peer(worker, self._next_peer, stream, session)
         if stream:
             self.peers[peer.id] = peer
+            self._absent.pop(worker, None)
+            if session:
+                self._sessions[worker] = session
         return peer
 
-    def peer_lost(self, peer: Peer, exc: BaseException | None) -> list[Instruction]:
-        """``peer``'s stream ended (``exc``: why, if known). Without a goodbye first, the
-        worker died: the job fails."""
+    def peer_lost(self, peer: Peer, exc: BaseException | None, now: float) -> list[Instruction]:
+        """``peer``'s stream ended (``exc``: why, if known; ``now``: the clock). Without a
+        goodbye first, the worker has :attr:`reconnect_s` to come back (:meth:`tick` fails
+        the job when it does not); a worker without a session cannot, and fails it now."""
         self.peers.pop(peer.id, None)
         said_goodbye = peer.id in self._goodbyes
         self._goodbyes.discard(peer.id)
+        if peer.id in self._replaced:
+            self._replaced.discard(peer.id)
+            return []
         if said_goodbye or self.stopping or not peer.stream:
             return []
         detail = (
@@ -328,14 +412,19 @@ class ServerState:
             if exc
             else f"its stream to {self.name} ended without a goodbye"
         )
-        reason = (
-            f"worker {peer.worker} disconnected from {self.name} without closing its store: "
-            f"{detail}"
-        )
         if self.failure is not None:
             return self._fail_waiters()
+        if peer.session:
+            self._absent[peer.worker] = (now + self.reconnect_s, detail)
+            return []
+        return self._worker_lost(peer.worker, detail)
+
+    def _worker_lost(self, worker: int, detail: str) -> list[Instruction]:
+        reason = (
+            f"worker {worker} disconnected from {self.name} without closing its store: {detail}"
+        )
         self.failure = reason
-        return [FailJob(reason, lost_worker=peer.worker, detail=detail), *self._fail_waiters()]
+        return [FailJob(reason, lost_worker=worker, detail=detail), *self._fail_waiters()]
 
     def job_failed(self, reason: str) -> list[Instruction]:
         """The job failed (the scheduler said so): answer every waiting pull and init with
@@ -381,8 +470,11 @@ class ServerState:
             landing.error = exc
             return landing
         op = header.op
-        if op == Op.INIT:
-            landing.buffers = [np.empty(info.shape, info.dtype) for info in arrays]
+        if op == Op.INIT:  # a resent init's keys are held already: its payloads are dropped
+            landing.buffers = [
+                None if info.key in self.entries else np.empty(info.shape, info.dtype)
+                for info in arrays
+            ]
         elif op in (Op.PUSH, Op.PUSHPULL):
             for index, info in enumerate(arrays):
                 entry = self.entries[cast("Key", info.key)]  # checked: initialized
@@ -441,7 +533,8 @@ class ServerState:
                     "a job's keys are all int or all str"
                 )
             if op == Op.INIT:
-                if key in self.entries:
+                held = self.entries.get(key)
+                if held is not None and not self._resent_init(peer, header.seq, held, info):
                     raise DuplicateInitError(
                         f"init key {key!r}: {self.name} already holds it", key=key
                     )
@@ -454,6 +547,14 @@ class ServerState:
                     )
             else:
                 self._entry(key, "push to").check(info, "push to")
+
+    def _resent_init(self, peer: Peer, seq: int, entry: ServerEntry, info: ArrayInfo) -> bool:
+        """Whether an init of ``entry``'s key is the one that made it, sent again after a
+        reconnect (or to a server restored from a checkpoint), with the same shape and dtype."""
+        resent = entry.made_by is None or (
+            bool(peer.session) and entry.made_by == (peer.session, seq)
+        )
+        return resent and entry.shape == tuple(info.shape) and entry.dtype == info.dtype
 
     def message_completed(
         self,
@@ -472,7 +573,12 @@ class ServerState:
         try:
             if landing.error is not None:
                 raise landing.error
-            return self._dispatch(peer, header, buffers, landing, now)
+            if peer.stream:
+                self._received[peer.worker] = max(self._received.get(peer.worker, 0), header.seq)
+            out = self._dispatch(peer, header, buffers, landing, now)
+            if header.op in _CHANGING_OPS:
+                self.changes += 1
+            return out
         except Exception as exc:
             for entry, buffer in zip(landing.entries, landing.buffers, strict=True):
                 if entry is not None and buffer is not None:
@@ -513,6 +619,12 @@ class ServerState:
         if op == Op.CLOSE:
             self._goodbyes.add(peer.id)
             return [Reply(peer, seq)]
+        if op == Op.CHECKPOINT:
+            if not self.checkpoints:
+                raise InvalidArgumentError(
+                    f"{self.name} writes no checkpoints (start it with --checkpoint-dir)"
+                )
+            return [Checkpoint(peer, seq)]
         raise InvalidArgumentError(f"unknown op {op}")
 
     def _entry(self, key: Key | None, what: str) -> ServerEntry:
@@ -526,25 +638,40 @@ class ServerState:
     def _push(
         self, peer: Peer, header: FrameHeader, landing: Landing, now: float
     ) -> list[Instruction]:
-        """Count a frame's pushes (all or nothing), then merge and apply them in one task."""
+        """Count a frame's pushes (all or nothing), then merge and apply them in one task.
+
+        A push whose number was counted already (a resent request) is answered without
+        being counted or merged again.
+        """
         # A landing without an error has an entry and a buffer for every array.
         entries = cast("list[ServerEntry]", landing.entries)
         buffers = cast("list[np.ndarray]", landing.buffers)
+        tags = [info.tag for info in header.arrays]
         worker = peer.worker
+        seq = header.seq if peer.stream else 0
         seen: set[Key] = set()
-        for entry in entries:
+        fresh: list[bool] = []
+        for entry, tag in zip(entries, tags, strict=True):
             if entry.key in seen:
                 raise InvalidArgumentError(
                     f"push names key {entry.key!r} twice in one request (worker {worker})"
                 )
             seen.add(entry.key)
-            entry.rounds.check_push(worker)
+            fresh.append(not entry.rounds.is_duplicate(worker, tag))
+            self.duplicates += not fresh[-1]
+            if fresh[-1]:
+                entry.rounds.check_push(worker)
         merges = []
         closing: list[tuple[ServerEntry, np.ndarray | None, int]] = []
+        counted = []
         nbytes = 0
         sync = self.sync
-        for entry, buffer in zip(entries, buffers, strict=True):
-            decision = entry.rounds.accept_push(worker, now)
+        for entry, buffer, tag, new in zip(entries, buffers, tags, fresh, strict=True):
+            if not new:
+                entry.give_buffer(buffer)
+                continue
+            decision = entry.rounds.accept_push(worker, now, tag, seq)
+            counted.append(entry)
             nbytes += entry.nbytes
             if sync:
                 merges.append((entry, buffer, decision.first))
@@ -552,9 +679,11 @@ class ServerState:
                     closing.append((entry, None, decision.round))
             else:
                 closing.append((entry, buffer, decision.round))
-        out: list[Instruction] = [
-            Land(tuple(entries), tuple(merges), tuple(closing), nbytes <= INLINE_MAX_BYTES)
-        ]
+        out: list[Instruction] = []
+        if counted:
+            out.append(
+                Land(tuple(counted), tuple(merges), tuple(closing), nbytes <= INLINE_MAX_BYTES)
+            )
         if header.op == Op.PUSHPULL:
             out.extend(self._pull(peer, header.seq, entries))
         else:
@@ -584,15 +713,24 @@ class ServerState:
             raise InvalidArgumentError(
                 f"init from worker {peer.worker} names a key twice or carries no key"
             )
-        held = [key for key in keys if key in self.entries]
-        if held:  # another init of these keys completed since this header arrived
+        # Keys given a buffer were free when the header arrived; one held now was made by
+        # another init since. (Keys without a buffer are this init's own, resent.)
+        held = [
+            info.key
+            for info, buffer in zip(header.arrays, landing.buffers, strict=True)
+            if buffer is not None and info.key in self.entries
+        ]
+        if held:
             raise DuplicateInitError(
                 f"init key {held[0]!r}: {self.name} already holds it", key=held[0]
             )
+        made_by = (peer.session, header.seq) if peer.session else ("", -1)
         for info, buffer in zip(header.arrays, landing.buffers, strict=True):
-            assert info.key is not None and buffer is not None  # checked above; chosen
+            assert info.key is not None  # checked above
+            if buffer is None:
+                continue
             self.entries[info.key] = ServerEntry(
-                info.key, buffer, self._new_var, self.sync, self.num_workers
+                info.key, buffer, self._new_var, self.sync, self.num_workers, made_by
             )
         out: list[Instruction] = [Reply(peer, header.seq)]
         out.extend(self._release_init_waits())
@@ -681,6 +819,58 @@ class ServerState:
         updater = self._require_updater("load_optimizer_states")
         return [LoadStates(peer, seq, updater, data, tuple(self.entries.values()))]
 
+    # ------------------------------------------------------------ checkpoints
+
+    def checkpoint_plan(self) -> CheckpointPlan:
+        """What a checkpoint asked for now holds (see :class:`CheckpointPlan`): every key's
+        value after its closed rounds (read by a task that follows every write issued so
+        far), and per worker the number below which its requests are all in it: the first
+        of its pushes still in an open round, else the one after its latest request."""
+        entries = []
+        open_seqs: dict[int, int] = {}
+        for entry in self.entries.values():
+            closed_round, tags, last = entry.rounds.durable()
+            entries.append((entry, closed_round, tags, last))
+            for worker, seq in entry.rounds.open_seqs().items():
+                if seq:
+                    open_seqs[worker] = min(open_seqs.get(worker, seq), seq)
+        durable = {
+            worker: open_seqs.get(worker, received + 1)
+            for worker, received in self._received.items()
+        }
+        return CheckpointPlan(
+            tuple(entries), durable, self.store_type, self.optimizer_config, self.updater
+        )
+
+    def restore(
+        self,
+        store_type: str,
+        keys: Sequence[tuple[Key, np.ndarray, int, dict[int, int], dict[int, int]]],
+        optimizer_config: dict[str, Any] | None,
+        optimizer_states: bytes | None,
+        durable_seqs: dict[int, int],
+    ) -> None:
+        """Start from a checkpoint: the keys (key, value, closed round, each worker's last
+        push number and last push round), the optimizer and its states, and the request
+        numbers the checkpoint holds. Workers resend what it does not hold.
+
+        Raises
+        ------
+        OptimizerError, StateFormatError
+            The optimizer configuration or states cannot be loaded.
+        """
+        self.store_type = store_type
+        for key, value, closed_round, tags, last in keys:
+            entry = ServerEntry(key, value, self._new_var, self.sync, self.num_workers, None)
+            entry.rounds.restore(closed_round, tags, last)
+            self.entries[key] = entry
+        if optimizer_config is not None:
+            self.updater = _optimizer.get_updater(_optimizer.from_config(optimizer_config))
+            self.optimizer_config = optimizer_config
+            if optimizer_states:
+                self.updater.load_states(optimizer_states)
+        self._received = {worker: seq - 1 for worker, seq in durable_seqs.items()}
+
     # ------------------------------------------------------------ events: array work done
 
     def rounds_applied(self, done: Sequence[tuple[ServerEntry, int]]) -> list[Instruction]:
@@ -717,8 +907,14 @@ class ServerState:
 
     def tick(self, now: float, round_timeout_s: float) -> list[Instruction]:
         """Fail the pulls of rounds that waited longer than ``round_timeout_s`` for their
-        last pushes, and the inits that waited too long for rank 0's values."""
+        last pushes, and the inits that waited too long for rank 0's values; fail the job
+        when a cut worker did not come back within :attr:`reconnect_s`."""
         out: list[Instruction] = []
+        for worker, (deadline, detail) in sorted(self._absent.items()):
+            if now > deadline and self.failure is None:
+                self._absent.clear()
+                late = f"{detail}, and it did not reconnect within {self.reconnect_s:g} s"
+                return self._worker_lost(worker, late)
         for entry in self.entries.values():
             rounds = entry.rounds
             if rounds.waiting_tickets() and rounds.overdue(now, round_timeout_s):
@@ -785,4 +981,7 @@ class ServerState:
             "workers_connected": self.workers_connected(),
             "failure": self.failure,
             "optimizer": None if self.optimizer_config is None else self.optimizer_config["name"],
+            "checkpoints": self.checkpoints,
+            "workers_reconnecting": sorted(self._absent),
+            "duplicate_pushes": self.duplicates,
         }

@@ -138,7 +138,15 @@ class DistBackend:
         answer = await self.membership.register(0, deadline)
         rank = int(answer["rank"])
         links = [
-            ServerLink(s["rank"], s["host"], s["port"], self._trouble) for s in answer["servers"]
+            ServerLink(
+                s["rank"],
+                s["host"],
+                s["port"],
+                self._trouble,
+                locate=self.membership.server_address,
+                restartable=bool(s.get("restartable", False)),
+            )
+            for s in answer["servers"]
         ]
         for link in links:
             await self._open(link, rank, deadline)
@@ -151,7 +159,7 @@ class DistBackend:
     async def _open(self, link: ServerLink, rank: int, deadline: float) -> None:
         while True:
             try:
-                await link.open(self.config, rank, self.type)
+                await link.open(self.config, rank, self.type, self.membership.node_id)
                 return
             except AuthError as exc:
                 raise AuthenticationError(f"{link.name} refused this job's token: {exc}") from exc
@@ -380,6 +388,8 @@ class DistBackend:
         release: Callable[[], None],
         done: Done,
     ) -> None:
+        for entry, _ in staged:
+            entry.pushes += 1  # in call order: pushes of a key run one after another
         batches = by_server(staged, _part_of)
         replies = _Gather(len(batches), release, done)
         timeout = self.config.timeouts.request_s
@@ -481,6 +491,8 @@ class DistBackend:
         done: Done,
     ) -> None:
         pushed = {id(e): b for e, b in staged} if staged is not None else {}
+        for entry, _ in staged or ():
+            entry.pushes += 1
         landing: list[tuple[np.ndarray, list[np.ndarray], Entry]] = []
         for entry, outs in targets:
             first = outs[0]
@@ -491,9 +503,10 @@ class DistBackend:
         def piece(entry: Entry, part: Part, receive: np.ndarray) -> tuple[WireArray, memoryview]:
             if staged is not None:
                 sent = entry.wire_view(pushed[id(entry)], part)
+                tag = entry.pushes
             else:
-                sent = np.empty(0, entry.dtype)
-            return (entry.key, sent, 0), entry.wire_view(receive, part).data.cast("B")
+                sent, tag = np.empty(0, entry.dtype), 0
+            return (entry.key, sent, tag), entry.wire_view(receive, part).data.cast("B")
 
         requests = by_server(((entry, receive) for receive, _, entry in landing), piece)
 
@@ -733,7 +746,8 @@ class _Gather:
 
 
 def _part_of(entry: Entry, part: Part, array: np.ndarray) -> WireArray:
-    return (entry.key, entry.wire_view(array, part), 0)
+    """A key's part of a push (numbered: the key's pushes so far) or of an init."""
+    return (entry.key, entry.wire_view(array, part), entry.pushes)
 
 
 def _meta_of(entry: Entry, part: Part, _: None) -> tuple[Key, tuple[int, ...], str]:

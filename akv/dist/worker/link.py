@@ -7,31 +7,51 @@ writes request frames, feeds replies to the table and delivers what the table de
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
-from typing import Any
-
-import numpy as np
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 
 from akv.dist.config import Config, format_address
-from akv.dist.protocol import CLIENT_HEADER, client_header
+from akv.dist.protocol import CLIENT_HEADER, Op, client_header
 from akv.dist.roles import client_ssl
-from akv.dist.worker.requests import OnReply, Outcome, RequestTable
+from akv.dist.worker.requests import OnReply, Outcome, Request, RequestTable, WireArray
 from akv.errors import AKVError, PeerLostError
-from akv.limits import MAX_PAYLOAD_BYTES
-from transport import Message, StreamProtocol, TransportError, encode_frame, open_stream
+from akv.limits import MAX_PAYLOAD_BYTES, RECONNECT_FIRST_S, RECONNECT_MAX_S
+from transport import (
+    AuthError,
+    Message,
+    RemoteError,
+    StreamProtocol,
+    TransportError,
+    encode_frame,
+    open_stream,
+)
 
 __all__ = ["ServerLink"]
+
+log = logging.getLogger("akv.dist")
 
 
 class ServerLink:
     """This worker's stream to server ``rank`` at ``host:port``.
 
-    ``on_trouble(link, error, cut)`` is called when the stream ends without :meth:`close`
-    (``cut``), or when the server answers that the job failed. Either way the requests
-    concerned, and those sent from then on, stay pending until the backend fails them with
-    :meth:`fail_all` (naming whoever the scheduler says failed first: the server that cut
-    the stream or refused the request may only be passing the news on), or their deadline
-    passes.
+    When the stream is cut, the link opens a new one (with backoff, for up to
+    ``AKV_REQUEST_TIMEOUT_S``; the server's address is asked of the scheduler first,
+    ``locate``, since a restarted server may listen elsewhere) and sends every unanswered
+    request again, with its number: the server answers a resent request without applying
+    it twice. Requests sent meanwhile wait and go out on the new stream.
+
+    To a server that writes checkpoints (``restartable``) the link also keeps a copy of
+    each acknowledged push until the server reports a checkpoint that holds it
+    (``DURABLE``), and sends those again too after a reconnect: a server restored from an
+    older checkpoint then gets every push it lost. Past ``retain_bytes`` kept, it asks the
+    server for a checkpoint.
+
+    ``on_trouble(link, error, cut)`` is called when the stream cannot be opened again
+    (``cut``: refused, or the deadline passed), or when the server answers that the job
+    failed. Either way the requests concerned, and those sent from then on, stay pending
+    until the backend fails them with :meth:`fail_all` (naming whoever the scheduler says
+    failed first: the server that cut the stream or refused the request may only be
+    passing the news on), or their deadline passes.
     """
 
     def __init__(
@@ -40,6 +60,9 @@ class ServerLink:
         host: str,
         port: int,
         on_trouble: Callable[[ServerLink, AKVError, bool], None],
+        *,
+        locate: Callable[[int], Awaitable[tuple[str, int] | None]] | None = None,
+        restartable: bool = False,
     ) -> None:
         self.rank = rank
         self.host = host
@@ -47,20 +70,36 @@ class ServerLink:
         self.name = f"server {rank} at {format_address(host, port)}"
         self.lost: AKVError | None = None
         self.closing = False
+        self.failed = False
+        self.restartable = restartable
+        #: How many times the stream was cut and opened again.
+        self.reconnects = 0
         self._report = on_trouble
+        self._locate = locate
         self._table = RequestTable(self.name)
         #: Requests a server refused because the job failed, held for the backend's verdict.
         self._held: list[Outcome] = []
+        #: Acknowledged pushes kept until a checkpoint holds them: seq -> (op, arrays).
+        self._retained: dict[int, tuple[int, list[WireArray]]] = {}
+        self.retained_bytes = 0
+        self._durable_below = 0
+        self._asked_checkpoint = False
+        self._retain_limit = 0
+        self._opener: tuple[Config, int, str, str] | None = None
+        self._reconnecting: asyncio.Task[None] | None = None
         #: The stream (None until :meth:`open`).
         self.protocol: StreamProtocol | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def open(self, config: Config, worker: int, store_type: str) -> None:
-        """Connect and authenticate as worker ``worker`` of a ``store_type`` store.
+    async def open(self, config: Config, worker: int, store_type: str, session: str = "") -> None:
+        """Connect and authenticate as worker ``worker`` (process ``session``) of a
+        ``store_type`` store.
 
         Raises the transport's ``AuthError``, ``RemoteError`` or ``TransportError``.
         """
         self._loop = asyncio.get_running_loop()
+        self._opener = (config, worker, store_type, session)
+        self._retain_limit = config.retain_bytes
         self.protocol = await open_stream(
             self.host,
             self.port,
@@ -71,10 +110,15 @@ class ServerLink:
             ssl_context=client_ssl(config),
             timeout_s=config.timeouts.connect_s,
             max_payload_bytes=MAX_PAYLOAD_BYTES,
-            headers={CLIENT_HEADER: client_header(worker, store_type)},
+            headers={CLIENT_HEADER: client_header(worker, store_type, session)},
         )
 
     def _on_message(self, message: Message) -> None:
+        header = message.header
+        if header.op == Op.DURABLE:
+            self._durable(header.aux)
+            return
+        request = self._table.get(header.seq)
         outcome = self._table.reply(message)
         if outcome is None:
             return
@@ -82,15 +126,118 @@ class ServerLink:
             self._held.append(outcome)  # the job failed: nothing will work
             self._report(self, outcome.error, False)
             return
+        if self.restartable and outcome.error is None and request is not None:
+            self._retain(header.seq, request)
         outcome.deliver()
 
+    def _retain(self, seq: int, request: Request) -> None:
+        """Keep a copy of an acknowledged push until a checkpoint holds it."""
+        if request.op not in (Op.PUSH, Op.PUSHPULL) or seq < self._durable_below:
+            return
+        arrays = [(key, array.copy(), tag) for key, array, tag in request.arrays]
+        self._retained[seq] = (Op.PUSH, arrays)
+        self.retained_bytes += sum(array.nbytes for _, array, _ in arrays)
+        if self.retained_bytes > self._retain_limit and not self._asked_checkpoint:
+            self._asked_checkpoint = True
+            self.send(Op.CHECKPOINT, (), self._checkpointed, timeout_s=self._timeout_s())
+
+    def _checkpointed(self, message: Message | None, error: AKVError | None) -> None:
+        self._asked_checkpoint = False
+        if error is not None and not self.closing:
+            self._report(self, error, False)
+
+    def _durable(self, below: int) -> None:
+        """The server's checkpoint holds every request of this worker numbered below
+        ``below``: drop the copies kept of those."""
+        self._durable_below = max(self._durable_below, below)
+        for seq in [seq for seq in self._retained if seq < below]:
+            _, arrays = self._retained.pop(seq)
+            self.retained_bytes -= sum(array.nbytes for _, array, _ in arrays)
+
     def _on_lost(self, exc: BaseException | None) -> None:
+        self.protocol = None
         detail = f": {exc!r}" if exc else ""
         self.lost = PeerLostError(f"{self.name} closed the connection{detail} (did it die?)")
         if self.closing:
             self.fail_all(self.lost)
-        else:
+        elif self.failed or self._loop is None or self._opener is None:
             self._report(self, self.lost, True)
+        elif self._reconnecting is None:
+            self._reconnecting = self._loop.create_task(self._reconnect(exc))
+
+    def _timeout_s(self) -> float:
+        return self._opener[0].timeouts.request_s if self._opener else 60.0
+
+    async def _reconnect(self, cause: BaseException | None) -> None:
+        """Open the stream again and resend; report trouble when that cannot be done."""
+        assert self._opener is not None and self._loop is not None
+        config, worker, store_type, session = self._opener
+        loop = self._loop
+        window = config.timeouts.request_s
+        deadline = loop.time() + window
+        delay = RECONNECT_FIRST_S
+        last: BaseException | None = cause
+        trouble: AKVError | None = None
+        try:
+            while not (self.closing or self.failed):
+                try:
+                    if self._locate is not None:
+                        address = await self._locate(self.rank)
+                        if address is not None:
+                            self.host, self.port = address
+                    await self.open(config, worker, store_type, session)
+                except (AuthError, RemoteError) as exc:
+                    trouble = PeerLostError(f"{self.name} refused to take the stream back: {exc}")
+                    break
+                except PeerLostError as exc:  # the scheduler says the job failed
+                    trouble = exc
+                    break
+                except TransportError as exc:
+                    last = exc
+                    if isinstance(exc.__cause__, ConnectionRefusedError) and not self.restartable:
+                        break  # nothing listens there, and nothing will: the server is gone
+                else:
+                    self.lost = None
+                    self.reconnects += 1
+                    log.warning(
+                        "worker %d: the stream to %s was cut (%r); reconnected, resending %d "
+                        "requests",
+                        worker,
+                        self.name,
+                        cause,
+                        len(self._table) + len(self._retained),
+                    )
+                    self._resend()
+                    return
+                if loop.time() + delay > deadline:
+                    break
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RECONNECT_MAX_S)
+        finally:
+            self._reconnecting = None
+        if self.closing or self.failed:
+            return
+        if trouble is None:
+            trouble = PeerLostError(
+                f"{self.name} closed the connection ({cause!r}) and could not be reached "
+                f"again (AKV_REQUEST_TIMEOUT_S {window:g} s): {last!r} (did it die?)"
+            )
+        self.lost = trouble
+        self._report(self, trouble, True)
+
+    def _resend(self) -> None:
+        """Send the kept pushes and the unanswered requests again, in their order."""
+        frames: list[tuple[int, int, Sequence[WireArray], str]] = [
+            (seq, op, arrays, "") for seq, (op, arrays) in self._retained.items()
+        ]
+        frames += [(seq, r.op, r.arrays, r.text) for seq, r in self._table.unanswered()]
+        frames.sort(key=lambda frame: frame[0])
+        assert self.protocol is not None
+        try:
+            for seq, op, arrays, text in frames:
+                self.protocol.write(encode_frame(op, seq, arrays, text=text))
+        except TransportError:
+            pass  # cut again at once: its loss is reported, and the next stream resends
 
     @property
     def requests_sent(self) -> int:
@@ -98,7 +245,10 @@ class ServerLink:
         return self._table.sent
 
     def fail_all(self, error: AKVError) -> None:
-        """Fail every outstanding (and held) request with ``error``."""
+        """Fail every outstanding (and held) request with ``error``; stop reconnecting."""
+        self.failed = True
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
         held, self._held = self._held, []
         _deliver([Outcome(o.request, None, error) for o in held] + self._table.fail_all(error))
 
@@ -109,7 +259,7 @@ class ServerLink:
     def send(
         self,
         op: int,
-        arrays: Sequence[tuple[Any, np.ndarray, int]],
+        arrays: Sequence[WireArray],
         on_reply: OnReply,
         *,
         text: str = "",
@@ -119,11 +269,14 @@ class ServerLink:
         """Send one request now; ``on_reply`` gets the reply or the error, exactly once.
 
         With ``destinations``, the reply's arrays are received straight into them. The
-        deadline is enforced by :meth:`sweep`, which the backend runs periodically.
+        deadline is enforced by :meth:`sweep`, which the backend runs periodically. The
+        arrays must stay unchanged until the reply (the request may be sent again).
         """
         if self.lost is not None and self._loop is not None and not self.closing:
-            # Cut: parked until the backend knows whom to blame (or the deadline passes).
-            self._table.add(op, on_reply, destinations, self._loop.time() + timeout_s)
+            # Cut: kept, and sent once the stream is open again (or failed by the backend's
+            # verdict, or when the deadline passes).
+            deadline = self._loop.time() + timeout_s
+            self._table.add(op, on_reply, destinations, deadline, arrays, text)
             return
         if self.lost is not None:
             on_reply(None, self.lost)
@@ -131,19 +284,20 @@ class ServerLink:
         if self.protocol is None or self._loop is None:
             on_reply(None, PeerLostError(f"{self.name}: the stream was never opened"))
             return
-        seq = self._table.add(op, on_reply, destinations, self._loop.time() + timeout_s)
+        deadline = self._loop.time() + timeout_s
+        seq = self._table.add(op, on_reply, destinations, deadline, arrays, text)
         try:
             self.protocol.write(encode_frame(op, seq, arrays, text=text))
         except TransportError as exc:
             # The stream is gone (its loss may not have been reported yet): the request
-            # waits with the others for the backend's verdict.
+            # is resent on the next stream.
             if self.lost is None:
                 self._on_lost(exc)
 
     async def request(
         self,
         op: int,
-        arrays: Sequence[tuple[Any, np.ndarray, int]] = (),
+        arrays: Sequence[WireArray] = (),
         *,
         text: str = "",
         timeout_s: float,
@@ -163,8 +317,10 @@ class ServerLink:
         return await future
 
     def close(self) -> None:
-        """Close the stream (no loss is reported for it)."""
+        """Close the stream (no loss is reported for it); stop reconnecting."""
         self.closing = True
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
         if self.protocol is not None:
             self.protocol.close()
 

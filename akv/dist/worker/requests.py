@@ -11,17 +11,21 @@ server; every store call uses it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
 
 from akv.dist.protocol import OK, Op, error_from_status, op_label
 from akv.errors import AKVError, ServerError
 from akv.keys import Entry, Part
 from transport import DISCARD, Destination, FrameHeader, Message
 
-__all__ = ["OnReply", "Outcome", "Request", "RequestTable", "by_server"]
+__all__ = ["OnReply", "Outcome", "Request", "RequestTable", "WireArray", "by_server"]
 
 #: What a request's sender is told: ``on_reply(message, None)`` or ``on_reply(None, error)``.
 OnReply = Callable[["Message | None", "AKVError | None"], None]
+#: One array of a request: (key, the array or its part, tag).
+WireArray = tuple[Any, np.ndarray, int]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -40,18 +44,27 @@ def by_server(
 
 
 class Request:
-    """One request waiting for its reply."""
+    """One request waiting for its reply, with what it sent (``arrays``, ``text``: to send
+    it again after a reconnect; the arrays stay unchanged until the reply)."""
 
-    __slots__ = ("deadline", "destinations", "on_reply", "op", "sizes")
+    __slots__ = ("arrays", "deadline", "destinations", "on_reply", "op", "sizes", "text")
 
     def __init__(
-        self, on_reply: OnReply, destinations: list[memoryview], op: int, deadline: float
+        self,
+        on_reply: OnReply,
+        destinations: list[memoryview],
+        op: int,
+        deadline: float,
+        arrays: Sequence[WireArray] = (),
+        text: str = "",
     ) -> None:
         self.on_reply = on_reply
         self.destinations = destinations
         self.sizes = [d.nbytes for d in destinations]
         self.op = op
         self.deadline = deadline
+        self.arrays = arrays
+        self.text = text
 
 
 class Outcome(NamedTuple):
@@ -88,15 +101,26 @@ class RequestTable:
         on_reply: OnReply,
         destinations: list[memoryview] | None,
         deadline: float,
+        arrays: Sequence[WireArray] = (),
+        text: str = "",
     ) -> int:
         """Remember a request about to be sent; return its sequence number.
 
         With ``destinations``, the reply's arrays must have exactly their sizes and are
-        received straight into them.
+        received straight into them. ``arrays`` and ``text`` are what it sends.
         """
         self._seq += 1
-        self._pending[self._seq] = Request(on_reply, destinations or [], op, deadline)
+        self._pending[self._seq] = Request(on_reply, destinations or [], op, deadline, arrays, text)
         return self._seq
+
+    def unanswered(self) -> list[tuple[int, Request]]:
+        """Every request still waiting for its reply, by sequence number (to send again
+        on a new stream)."""
+        return sorted(self._pending.items(), key=lambda item: item[0])
+
+    def get(self, seq: int) -> Request | None:
+        """Request ``seq`` while it waits for its reply (None otherwise)."""
+        return self._pending.get(seq)
 
     def forget(self, seq: int) -> Request | None:
         """Drop request ``seq`` (it could not be sent)."""

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -106,13 +107,14 @@ class Proxy:
 
 
 @contextlib.contextmanager
-def proxies(count: int):
-    """``count`` proxies on a loop thread of their own; all closed at the end."""
+def proxies(count: int, make: Callable[[LoopThread], Proxy] = Proxy):
+    """``count`` proxies (made by ``make``) on a loop thread of their own; all closed at the
+    end."""
     thread = LoopThread(name="test-proxies")
     made: list[Proxy] = []
     try:
         for _ in range(count):
-            proxy = Proxy(thread)
+            proxy = make(thread)
             made.append(proxy)
             proxy.start()
         yield made

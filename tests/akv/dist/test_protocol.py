@@ -36,7 +36,7 @@ def test_an_unknown_status_from_a_newer_server_is_still_an_error():
 
 def test_status_codes_and_op_codes_are_unique_and_stable():
     assert len(set(protocol.STATUS_CLASSES)) == len(protocol.STATUS_CLASSES)
-    assert [op.value for op in Op] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 100]  # the wire format
+    assert [op.value for op in Op] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 100, 101]  # the wire format
     assert protocol.op_label(Op.INIT_CHECK) == "init_check"
     assert protocol.op_label(4) == "pull" and protocol.op_label(77) == "op 77"
 
@@ -45,8 +45,11 @@ def test_the_client_header_round_trips_and_refuses_garbage():
     assert protocol.parse_client_header(protocol.client_header(3, "dist_async")) == (
         3,
         "dist_async",
+        "",
     )
-    for bad in ("", "x dist_sync", "1", "1 local", "1 dist_sync extra"):
+    header = protocol.client_header(1, "dist_sync", "3f2a_b-c")
+    assert protocol.parse_client_header(header) == (1, "dist_sync", "3f2a_b-c")
+    for bad in ("", "x dist_sync", "1", "1 local", "1 dist_sync a b", "1 dist_sync x/y"):
         with pytest.raises(errors.InvalidArgumentError):
             protocol.parse_client_header(bad)
 

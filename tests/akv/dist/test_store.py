@@ -333,7 +333,12 @@ async def test_a_server_that_vanishes_fails_every_call_naming_it():
 
 
 async def _drop_streams(server):
+    """As if the server's process died: its streams and its listener go (a worker finds
+    nothing to reconnect to)."""
     server.state.stopping = True  # it will not report the worker lost: it is the one "dying"
+    runner, server._runner = server._runner, None
+    for site in list(runner.sites):
+        await site.stop()
     for link in list(server.links.values()):
         link.protocol.abort()
 

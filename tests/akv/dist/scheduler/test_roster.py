@@ -244,3 +244,52 @@ def test_a_node_reporting_itself_is_named_as_stopping_not_as_lost():
     failure = roster.lost("s", "server", 0, "was stopped by a signal")
     assert failure == "server 0 (pid 10 on 127.0.0.1) was stopped by a signal"
     assert roster.nodes["s"].dead
+
+
+# ------------------------------------------------------------------ restartable servers
+
+
+def restartable_roster(restart_s: float = 30.0) -> Roster:
+    roster = Roster(num_workers=1, num_servers=1, heartbeat_timeout_s=5.0, restart_s=restart_s)
+    roster.register("s1", "server", "127.0.0.1", 4000, 10, now=0.0, rank=0, restartable=True)
+    roster.register("w", "worker", "127.0.0.1", 0, 11, now=0.0)
+    return roster
+
+
+def test_a_restarted_server_takes_over_its_rank_and_gives_workers_its_new_address():
+    roster = restartable_roster()
+    roster.register("s2", "server", "127.0.0.1", 4100, 20, now=1.0, rank=0, restartable=True)
+    assert "s1" not in roster.nodes and roster.restarts == {0: 1}
+    assert roster.server_addresses() == [ServerAddress(0, "127.0.0.1", 4100, True)]
+    assert roster.registration("w").servers == (ServerAddress(0, "127.0.0.1", 4100, True),)
+    assert roster.failure is None
+    roster.validate_state()
+
+
+def test_only_a_restartable_server_may_take_over_a_restartable_rank():
+    roster = restartable_roster()
+    with pytest.raises(MembershipError, match="already taken"):
+        roster.register("s2", "server", "127.0.0.1", 4100, 20, now=1.0, rank=0)
+    plain = full_roster()
+    with pytest.raises(MembershipError, match="already taken"):
+        plain.register("s2", "server", "127.0.0.1", 4100, 20, now=1.0, rank=0, restartable=True)
+
+
+def test_a_silent_restartable_server_has_the_restart_window_before_the_job_fails():
+    roster = restartable_roster(restart_s=30.0)
+    roster.heartbeat("w", 34.0)
+    assert roster.check(6.0) == [] and roster.failure is None  # past the heartbeat timeout
+    assert roster.check(34.0) == [] and roster.failure is None
+    (dead,) = roster.check(35.5)
+    assert dead.node_id == "s1"
+    assert "was not restarted from its checkpoint within 30 s" in (roster.failure or "")
+
+
+def test_a_restart_within_the_window_keeps_the_job_alive():
+    roster = restartable_roster(restart_s=30.0)
+    roster.heartbeat("w", 20.0)
+    assert roster.check(20.0) == []
+    roster.register("s2", "server", "127.0.0.1", 4100, 20, now=20.0, rank=0, restartable=True)
+    roster.heartbeat("w", 40.0)
+    roster.heartbeat("s2", 40.0)
+    assert roster.check(40.0) == [] and roster.failure is None

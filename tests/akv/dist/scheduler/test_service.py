@@ -74,7 +74,10 @@ async def test_a_node_that_does_not_wait_gets_its_rank_and_what_is_missing(one_e
     status, answer = await client.register("s", "server", port=4000, wait=False)
     assert (status, answer) == (
         200,
-        {"rank": 0, "servers": [{"rank": 0, "host": "127.0.0.1", "port": 4000}]},
+        {
+            "rank": 0,
+            "servers": [{"rank": 0, "host": "127.0.0.1", "port": 4000, "restartable": False}],
+        },
     )
 
 
@@ -87,7 +90,9 @@ async def test_a_waiting_registration_is_answered_when_the_last_node_registers(o
     finally:
         worker.cancel()
     assert status == 200
-    assert answer["servers"] == [{"rank": 0, "host": "127.0.0.1", "port": 4000}]
+    assert answer["servers"] == [
+        {"rank": 0, "host": "127.0.0.1", "port": 4000, "restartable": False}
+    ]
 
 
 async def test_a_taken_rank_is_refused_with_422_naming_the_holder(two_workers):

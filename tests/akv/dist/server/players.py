@@ -46,8 +46,10 @@ class Players:
         self.state = ServerState(
             "server 0", num_workers, init_timeout_s, lambda name: Var(None, next(ids), name)
         )
+        self.store_type = store_type
         self.peers: list[Peer] = [
-            self.state.admit(worker, store_type, stream=True) for worker in range(num_workers)
+            self.state.admit(worker, store_type, stream=True, session=f"session{worker}")
+            for worker in range(num_workers)
         ]
         self.now = 0.0
         self.replies: dict[tuple[int, int], Any] = {}
@@ -64,10 +66,22 @@ class Players:
         op: Op,
         arrays: list[tuple[Any, np.ndarray]] | None = None,
         text: str = "",
+        *,
+        seq: int | None = None,
+        tags: list[int] | None = None,
     ) -> int:
-        """Worker ``worker`` sends one request; returns its seq (look up :meth:`reply`)."""
-        seq = next(self._seq)
-        wire = [(key, array, 0) for key, array in arrays or []]
+        """Worker ``worker`` sends one request (``seq``: sent again with that number;
+        ``tags``: the push numbers of its arrays, 0 by default); returns its seq (look up
+        :meth:`reply`)."""
+        if seq is None:
+            seq = next(self._seq)
+        else:
+            self.replies.pop((worker, seq), None)  # a resent request is answered again
+        items = arrays or []
+        wire = [
+            (key, array, tag)
+            for (key, array), tag in zip(items, tags or [0] * len(items), strict=True)
+        ]
         data = frame_bytes(op, seq, wire, text=text)
         header, buffers = decode_frame(data)
         peer = self.peers[worker]
@@ -81,8 +95,11 @@ class Players:
     def init(self, worker: int, values: dict[Any, np.ndarray]) -> int:
         return self.send(worker, Op.INIT, list(values.items()))
 
-    def push(self, worker: int, values: dict[Any, np.ndarray]) -> int:
-        return self.send(worker, Op.PUSH, list(values.items()))
+    def push(
+        self, worker: int, values: dict[Any, np.ndarray], tag: int = 0, seq: int | None = None
+    ) -> int:
+        """A push whose arrays all carry push number ``tag``."""
+        return self.send(worker, Op.PUSH, list(values.items()), seq=seq, tags=[tag] * len(values))
 
     def pull(self, worker: int, keys: list[Any], dtype: Any = np.float32) -> int:
         return self.send(worker, Op.PULL, [(key, np.empty(0, dtype)) for key in keys])
@@ -98,7 +115,13 @@ class Players:
     # ---------------------------------------------------------------- events
 
     def lose(self, worker: int, exc: BaseException | None = None) -> None:
-        self.run(self.state.peer_lost(self.peers[worker], exc))
+        self.run(self.state.peer_lost(self.peers[worker], exc, self.now))
+
+    def reconnect(self, worker: int) -> None:
+        """Worker ``worker`` opens a new stream of its session (after a cut)."""
+        self.peers[worker] = self.state.admit(
+            worker, self.store_type, stream=True, session=f"session{worker}"
+        )
 
     def tick(self, now: float, round_timeout_s: float = 10.0) -> None:
         self.now = now

@@ -217,16 +217,158 @@ def test_a_round_that_waits_too_long_fails_its_pulls_naming_the_missing_workers(
     assert isinstance(error, RoundTimeoutError) and "workers [1, 2]" in str(error)
 
 
-def test_a_worker_lost_without_goodbye_fails_the_job_and_its_waiters():
+def test_a_worker_lost_without_goodbye_fails_the_job_and_its_waiters_after_the_grace():
     players = started(2)
+    grace = players.state.reconnect_s
     players.push(0, {"w": f32(1, 1)})
     pull = players.pull(0, ["w"])
     players.lose(1, ConnectionResetError("reset"))
+    players.tick(grace - 0.1)
+    assert players.failures == [] and players.waiting(0, pull)  # it may come back
+    players.tick(grace + 0.1)
     (failure,) = players.failures
     assert failure.lost_worker == 1 and "worker 1 disconnected" in failure.reason
+    assert f"did not reconnect within {grace:g} s" in failure.reason
     error = players.reply(0, pull)
     assert isinstance(error, PeerLostError) and "worker 1" in str(error)
     assert players.state.failure is not None
+
+
+def test_a_worker_that_reconnects_within_the_grace_is_not_lost():
+    players = started(2)
+    players.lose(1, ConnectionResetError("cut"))
+    assert players.state.status()["workers_reconnecting"] == [1]
+    players.reconnect(1)
+    players.tick(players.state.reconnect_s + 1)
+    assert players.failures == [] and players.state.workers_connected() == [0, 1]
+
+
+def test_a_new_stream_of_the_same_session_replaces_the_old_one_silently():
+    players = started(2)
+    old = players.peers[1]
+    players.reconnect(1)  # the server has not seen the old stream end yet
+    assert players.state.workers_connected() == [0, 1]
+    players.run(players.state.peer_lost(old, ConnectionResetError("late"), players.now))
+    players.tick(players.state.reconnect_s + 1)
+    assert players.failures == [] and players.state.workers_connected() == [0, 1]
+
+
+def test_a_stream_of_another_session_for_a_connected_rank_is_refused():
+    players = started(2)
+    with pytest.raises(MembershipError, match="already connected"):
+        players.state.admit(1, "dist_sync", stream=True, session="intruder")
+    players.lose(1)
+    with pytest.raises(MembershipError, match="already connected"):
+        players.state.admit(1, "dist_sync", stream=True, session="intruder")
+
+
+def test_no_stream_is_taken_after_the_job_failed():
+    players = started(2)
+    players.run(players.state.job_failed("worker 0 died"))
+    with pytest.raises(MembershipError, match="the job failed"):
+        players.reconnect(1)
+
+
+# ---------------------------------------------------------------- exactly once
+
+
+def test_a_resent_push_is_answered_without_being_counted_again():
+    players = started(2)
+    first = players.push(0, {"w": f32(1, 1)}, tag=1)
+    players.push(0, {"w": f32(1, 1)}, tag=1, seq=first)  # the reply was lost: sent again
+    assert players.reply(0, first) == OK
+    players.push(1, {"w": f32(10, 10)}, tag=1)
+    pull = players.pull(0, ["w"])
+    np.testing.assert_array_equal(players.reply(0, pull)["w"], f32(11, 11))
+    assert players.state.entries["w"].rounds.closed_round == 1
+
+
+def test_a_resent_push_after_its_round_closed_changes_nothing():
+    players = started(2)
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    players.push(1, {"w": f32(2, 2)}, tag=1)
+    again = players.push(1, {"w": f32(2, 2)}, tag=1)  # resent after the round closed
+    assert players.reply(1, again) == OK
+    players.push(0, {"w": f32(5, 5)}, tag=2)
+    players.push(1, {"w": f32(6, 6)}, tag=2)
+    pull = players.pull(0, ["w"])
+    np.testing.assert_array_equal(players.reply(0, pull)["w"], f32(11, 11))
+
+
+def test_a_resent_frame_counts_only_its_keys_that_were_not_counted():
+    players = started(2, a=f32(0, 0), b=f32(0, 0))
+    players.push(0, {"a": f32(1, 1)}, tag=1)
+    # After a restore from an older checkpoint, "a" was counted and "b" was not.
+    players.send(0, Op.PUSH, [("a", f32(1, 1)), ("b", f32(3, 3))], tags=[1, 1])
+    players.push(1, {"a": f32(2, 2), "b": f32(4, 4)}, tag=1)
+    pull = players.pull(0, ["a", "b"])
+    values = players.reply(0, pull)
+    np.testing.assert_array_equal(values["a"], f32(3, 3))
+    np.testing.assert_array_equal(values["b"], f32(7, 7))
+
+
+def test_async_pushes_are_counted_once_each():
+    players = started(2, store_type="dist_async")
+    first = players.push(0, {"w": f32(1, 1)}, tag=1)
+    players.push(0, {"w": f32(1, 1)}, tag=1, seq=first)
+    players.push(0, {"w": f32(1, 1)}, tag=2)
+    pull = players.pull(0, ["w"])
+    np.testing.assert_array_equal(players.reply(0, pull)["w"], f32(1, 1))
+    assert players.state.entries["w"].rounds.closed_round == 2
+
+
+def test_a_resent_init_is_answered_and_a_new_init_of_a_held_key_is_refused():
+    players = Players(2)
+    first = players.init(0, {"w": f32(0, 0)})
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    players.send(0, Op.INIT, [("w", f32(9, 9))], seq=first)  # resent: the value stays
+    assert players.reply(0, first) == OK
+    players.push(1, {"w": f32(2, 2)}, tag=1)
+    np.testing.assert_array_equal(players.state.entries["w"].value, f32(3, 3))
+    other = players.init(0, {"w": f32(9, 9)})
+    assert isinstance(players.reply(0, other), DuplicateInitError)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_a_checkpoint_plan_holds_closed_rounds_and_leaves_open_pushes_to_be_resent():
+    players = started(2, a=f32(0, 0), b=f32(0, 0))
+    players.push(0, {"a": f32(1, 1), "b": f32(1, 1)}, tag=1)  # seq s1
+    players.push(1, {"a": f32(2, 2)}, tag=1)  # closes round 1 of "a" only
+    plan = players.state.checkpoint_plan()
+    rounds = {entry.key: (closed, tags, last) for entry, closed, tags, last in plan.entries}
+    assert rounds["a"] == (1, {0: 1, 1: 1}, {0: 1, 1: 1})
+    assert rounds["b"] == (0, {}, {})  # worker 0's push to "b" is in an open round
+    first_of_worker_0 = min(seq for (worker, seq) in players.replies if worker == 0)
+    assert plan.durable_seqs[0] <= first_of_worker_0 + 1
+    assert plan.durable_seqs[1] == max(seq for (w, seq) in players.replies if w == 1) + 1
+
+
+def test_a_restored_state_takes_resent_pushes_once_and_finishes_the_round():
+    players = started(2)
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    players.push(1, {"w": f32(2, 2)}, tag=1)
+    plan = players.state.checkpoint_plan()
+    keys = [(e.key, e.value.copy(), c, t, last) for e, c, t, last in plan.entries]
+    players.push(0, {"w": f32(5, 5)}, tag=2)  # lost with the server
+
+    restored = Players(2)
+    restored.state.restore("dist_sync", keys, None, None, plan.durable_seqs)
+    restored.state.validate()
+    restored.push(0, {"w": f32(1, 1)}, tag=1)  # held by the checkpoint: not counted
+    restored.push(0, {"w": f32(5, 5)}, tag=2)
+    restored.push(1, {"w": f32(6, 6)}, tag=2)
+    pull = restored.pull(1, ["w"])
+    np.testing.assert_array_equal(restored.reply(1, pull)["w"], f32(11, 11))
+    again = restored.send(0, Op.INIT, [("w", f32(0, 0))])  # a resent init of a restored key
+    assert restored.reply(0, again) == OK
+
+
+def test_a_checkpoint_request_to_a_server_without_checkpoints_is_refused():
+    players = started(2)
+    reply = players.reply(0, players.send(0, Op.CHECKPOINT))
+    assert isinstance(reply, InvalidArgumentError) and "--checkpoint-dir" in str(reply)
 
 
 def test_a_worker_that_said_goodbye_may_leave():
@@ -512,6 +654,7 @@ def test_control_requests_carrying_arrays_are_refused_and_do_nothing():
     assert isinstance(optimizer_reply, InvalidArgumentError)
     assert players.state.updater is None
     players.lose(0)  # the refused close was no goodbye: losing the worker fails the job
+    players.tick(players.state.reconnect_s + 1)
     assert players.failures and "worker 0" in players.failures[0].reason
 
 

@@ -1,0 +1,150 @@
+"""Streams cut at random points: the workers reconnect and resend, the servers apply each
+push exactly once, and the job ends with exactly the values of a clean run.
+
+Each server binds a free port and advertises a proxy's (``AKV_ADVERTISE``), so every byte
+between the workers and the servers passes through the proxies of
+:mod:`tests.akv.dist.test_advertise`; a :class:`CuttingProxy` drops connections after a
+random number of bytes (seeded), a bounded number of times. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+import akv
+from engine import LoopThread
+from tests.akv.dist.test_advertise import AdvertisedCluster, Proxy, proxies
+
+pytestmark = pytest.mark.timeout(120)
+
+ROUNDS = 40
+SPLIT_ELEMENTS = 4096  # with AKV_BIGARRAY_BOUND=1024: split over both servers
+
+
+class CuttingProxy(Proxy):
+    """A :class:`Proxy` that aborts a connection (both sockets, as a reset) once it has
+    forwarded a random number of bytes (either way), until it has cut ``cuts`` of them."""
+
+    def __init__(
+        self, thread: LoopThread, rng: random.Random, cuts: int, max_bytes: int, where: str
+    ):
+        super().__init__(thread)
+        self.where = where
+        self.rng = rng
+        self.cuts_left = cuts
+        self.cut = 0
+        self.max_bytes = max_bytes
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self._writers.add(writer)
+        try:
+            up_reader, up_writer = await asyncio.wait_for(
+                asyncio.open_connection("127.0.0.1", self.target), 10
+            )
+        except (OSError, asyncio.TimeoutError):
+            writer.close()
+            return
+        self._writers.add(up_writer)
+        self.connections += 1
+        budget = [self.rng.randrange(200, self.max_bytes)]
+        ends = (writer, up_writer)
+        pipes = [
+            asyncio.ensure_future(self._cut_pipe(reader, up_writer, "to server", budget, ends)),
+            asyncio.ensure_future(self._cut_pipe(up_reader, writer, "to worker", budget, ends)),
+        ]
+        self._tasks.update(pipes)
+        await asyncio.gather(*pipes, return_exceptions=True)
+        self._tasks.difference_update(pipes)
+
+    async def _cut_pipe(self, reader, writer, direction: str, budget: list[int], ends) -> None:
+        try:
+            while data := await reader.read(1 << 14):
+                self.bytes[direction] += len(data)
+                if self.where in ("both", direction):
+                    # Requests are cut after so many bytes; replies after so many reads, so
+                    # that a small reply (a push's) is as likely to be lost as a large one.
+                    budget[0] -= len(data) if direction == "to server" else 1000
+                if budget[0] <= 0 and self.cuts_left > 0:
+                    self.cuts_left -= 1
+                    self.cut += 1
+                    # Forward part of a request, then cut; drop a whole reply (the server
+                    # handled its request: the resent one must not be applied again).
+                    keep = len(data) + budget[0] if direction == "to server" else 0
+                    if keep > 0:
+                        writer.write(data[:keep])
+                    for end in ends:
+                        end.transport.abort()
+                    return
+                writer.write(data)
+                await writer.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+def cutting_proxies(count: int, seed: int, cuts: int, max_bytes: int, where: str):
+    """``count`` proxies that cut connections (``cuts`` each) after a random number of
+    bytes ``where`` (``"to server"``, ``"to worker"`` or ``"both"``); closed at the end."""
+    rng = random.Random(seed)
+    return proxies(count, lambda thread: CuttingProxy(thread, rng, cuts, max_bytes, where))
+
+
+async def train(kv: akv.AsyncKVStore) -> dict[str, list[float]]:
+    """A small dist_sync training run with momentum (so that a push applied twice, or a
+    lost one, changes every later value): per round, each worker pushes gradients that
+    depend on its rank and the round, then pulls the weights."""
+    await kv.init("w", np.zeros(64, np.float32))
+    await kv.init("split", np.zeros(SPLIT_ELEMENTS, np.float32))
+    await kv.init("bias", np.zeros(3, np.float64))
+    await kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.05, momentum=0.9))
+    rank = kv.rank
+    for step in range(ROUNDS):
+        scale = np.float32((rank + 1) * (step % 7 + 1))
+        await kv.push("w", np.linspace(-1, 1, 64, dtype=np.float32) * scale)
+        await kv.push("split", np.arange(SPLIT_ELEMENTS, dtype=np.float32) * scale / 1000)
+        await kv.push("bias", np.array([rank, step, 1.0]))
+        await kv.pull("w")
+        await kv.pull("split")
+        await kv.pull("bias")  # in dist_sync a worker pulls a key before pushing it again
+    values = {key: (await kv.pull(key)).tolist() for key in ("w", "split", "bias")}
+    return values
+
+
+async def run_job(behind: list[Proxy]) -> list[dict[str, list[float]]]:
+    with AdvertisedCluster(2, behind, AKV_BIGARRAY_BOUND="1024") as cluster:
+        stores = await cluster.workers()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(train(kv) for kv in stores)), 90)
+            reconnects = [sum(link.reconnects for link in kv._backend.links) for kv in stores]
+        finally:
+            await asyncio.wait_for(asyncio.gather(*(kv.close() for kv in stores)), 30)
+        for server in cluster.servers:
+            assert server.state.failure is None, server.state.failure
+        duplicates = sum(server.state.duplicates for server in cluster.servers)
+        return [*results, {"reconnects": reconnects, "duplicates": duplicates}]
+
+
+@pytest.mark.parametrize(
+    ("seed", "where"), [(1, "both"), (2, "to worker"), (3, "to server"), (4, "to worker")]
+)
+async def test_cut_streams_reconnect_and_the_job_ends_with_the_values_of_a_clean_run(seed, where):
+    """Cut "to worker", the replies of requests the server handled are lost: the resent
+    pushes must be answered without being applied again."""
+    with proxies(2) as clean:
+        *expected, clean_stats = await run_job(clean)
+    assert clean_stats["reconnects"] == [0, 0] and clean_stats["duplicates"] == 0
+    with cutting_proxies(2, seed, cuts=6, max_bytes=60_000, where=where) as cutting:
+        *got, stats = await run_job(cutting)
+        cut = sum(proxy.cut for proxy in cutting)
+    assert cut > 0 and sum(stats["reconnects"]) >= cut  # every cut stream came back
+    if where == "to worker":  # replies were lost: resent pushes were answered, not applied
+        assert stats["duplicates"] > 0
+    for values, clean_values in zip(got, expected, strict=True):
+        for key in clean_values:
+            np.testing.assert_array_equal(np.array(values[key]), np.array(clean_values[key]))
+    assert got[0] == got[1]  # both workers pulled the same weights
