@@ -7,13 +7,21 @@ writes request frames, feeds replies to the table and delivers what the table de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from akv.dist.config import Config, format_address
 from akv.dist.protocol import CLIENT_HEADER, Op, client_header
 from akv.dist.roles import client_ssl
-from akv.dist.worker.requests import OnReply, Outcome, Request, RequestTable, WireArray
+from akv.dist.worker.requests import (
+    OnReply,
+    Outcome,
+    Request,
+    RequestTable,
+    WireArray,
+    settle_before_resend,
+)
 from akv.errors import AKVError, PeerLostError
 from akv.limits import MAX_PAYLOAD_BYTES, RECONNECT_FIRST_S, RECONNECT_MAX_S
 from transport import (
@@ -87,6 +95,11 @@ class ServerLink:
         self._retain_limit = 0
         self._opener: tuple[Config, int, str, str] | None = None
         self._reconnecting: asyncio.Task[None] | None = None
+        #: Resending on a new stream: requests made meanwhile wait (``_deferred``) so that
+        #: they go out after those before them.
+        self._replaying = False
+        self._replay: asyncio.Task[None] | None = None
+        self._deferred: list[int] = []
         #: The stream (None until :meth:`open`).
         self.protocol: StreamProtocol | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -207,7 +220,10 @@ class ServerLink:
                         cause,
                         len(self._table) + len(self._retained),
                     )
-                    self._resend()
+                    self._replaying = True
+                    self._deferred.clear()
+                    assert self.protocol is not None
+                    self._replay = loop.create_task(self._resend(self.protocol))
                     return
                 if loop.time() + delay > deadline:
                     break
@@ -225,19 +241,62 @@ class ServerLink:
         self.lost = trouble
         self._report(self, trouble, True)
 
-    def _resend(self) -> None:
-        """Send the kept pushes and the unanswered requests again, in their order."""
+    async def _resend(self, protocol: StreamProtocol) -> None:
+        """Send the kept pushes and the unanswered requests again on ``protocol``, in their
+        order, then those made meanwhile; a second push of a key waits for a pull of it
+        first (:func:`settle_before_resend`). Stops when a newer stream took over."""
         frames: list[tuple[int, int, Sequence[WireArray], str]] = [
             (seq, op, arrays, "") for seq, (op, arrays) in self._retained.items()
         ]
         frames += [(seq, r.op, r.arrays, r.text) for seq, r in self._table.unanswered()]
         frames.sort(key=lambda frame: frame[0])
-        assert self.protocol is not None
+        pushed: set[object] = set()
         try:
             for seq, op, arrays, text in frames:
-                self.protocol.write(encode_frame(op, seq, arrays, text=text))
+                if not await self._resend_one(protocol, seq, op, arrays, text, pushed):
+                    return
+            while self._deferred:  # made while this ran, in their order
+                seq = self._deferred.pop(0)
+                request = self._table.get(seq)
+                if request is not None and not await self._resend_one(
+                    protocol, seq, request.op, request.arrays, request.text, pushed
+                ):
+                    return
+            self._replaying = False
         except TransportError:
-            pass  # cut again at once: its loss is reported, and the next stream resends
+            pass  # cut again: the next stream resends
+        finally:
+            if self.protocol is protocol:
+                self._replay = None
+
+    async def _resend_one(
+        self,
+        protocol: StreamProtocol,
+        seq: int,
+        op: int,
+        arrays: Sequence[WireArray],
+        text: str,
+        pushed: set[object],
+    ) -> bool:
+        """Resend one request (after the pull it must wait for); False when the stream
+        was replaced meanwhile."""
+        settle = settle_before_resend(op, arrays, pushed)
+        if settle:
+            # Its own answer does not matter: the resent push's does.
+            with contextlib.suppress(AKVError):
+                await self._request_now(Op.PULL, settle, timeout_s=self._timeout_s())
+        if protocol is not self.protocol or self.failed or self.closing:
+            return False
+        protocol.write(encode_frame(op, seq, arrays, text=text))
+        return True
+
+    async def _request_now(
+        self, op: int, arrays: Sequence[WireArray], *, timeout_s: float
+    ) -> Message:
+        """A request sent at once, also during a replay (which waits for it)."""
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._send_now(op, arrays, _resolve(future), "", None, timeout_s)
+        return await future
 
     @property
     def requests_sent(self) -> int:
@@ -247,8 +306,9 @@ class ServerLink:
     def fail_all(self, error: AKVError) -> None:
         """Fail every outstanding (and held) request with ``error``; stop reconnecting."""
         self.failed = True
-        if self._reconnecting is not None:
-            self._reconnecting.cancel()
+        for task in (self._reconnecting, self._replay):
+            if task is not None:
+                task.cancel()
         held, self._held = self._held, []
         _deliver([Outcome(o.request, None, error) for o in held] + self._table.fail_all(error))
 
@@ -272,15 +332,28 @@ class ServerLink:
         deadline is enforced by :meth:`sweep`, which the backend runs periodically. The
         arrays must stay unchanged until the reply (the request may be sent again).
         """
-        if self.lost is not None and self._loop is not None and not self.closing:
-            # Cut: kept, and sent once the stream is open again (or failed by the backend's
-            # verdict, or when the deadline passes).
+        if (self.lost is not None or self._replaying) and self._loop and not self.closing:
+            # Cut: kept, and sent once the stream is open again and the requests before it
+            # were resent (or failed by the backend's verdict, or when the deadline passes).
             deadline = self._loop.time() + timeout_s
-            self._table.add(op, on_reply, destinations, deadline, arrays, text)
+            seq = self._table.add(op, on_reply, destinations, deadline, arrays, text)
+            if self.lost is None:
+                self._deferred.append(seq)
             return
         if self.lost is not None:
             on_reply(None, self.lost)
             return
+        self._send_now(op, arrays, on_reply, text, destinations, timeout_s)
+
+    def _send_now(
+        self,
+        op: int,
+        arrays: Sequence[WireArray],
+        on_reply: OnReply,
+        text: str,
+        destinations: list[memoryview] | None,
+        timeout_s: float,
+    ) -> None:
         if self.protocol is None or self._loop is None:
             on_reply(None, PeerLostError(f"{self.name}: the stream was never opened"))
             return
@@ -304,25 +377,31 @@ class ServerLink:
     ) -> Message:
         """:meth:`send` and wait for the reply (for the less frequent control requests)."""
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-
-        def on_reply(message: Message | None, error: AKVError | None) -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            elif message is not None:
-                future.set_result(message)
-
-        self.send(op, arrays, on_reply, text=text, timeout_s=timeout_s)
+        self.send(op, arrays, _resolve(future), text=text, timeout_s=timeout_s)
         return await future
 
     def close(self) -> None:
         """Close the stream (no loss is reported for it); stop reconnecting."""
         self.closing = True
-        if self._reconnecting is not None:
-            self._reconnecting.cancel()
+        for task in (self._reconnecting, self._replay):
+            if task is not None:
+                task.cancel()
         if self.protocol is not None:
             self.protocol.close()
+
+
+def _resolve(future: asyncio.Future[Message]) -> OnReply:
+    """The ``on_reply`` that settles ``future`` with the reply or the error."""
+
+    def on_reply(message: Message | None, error: AKVError | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        elif message is not None:
+            future.set_result(message)
+
+    return on_reply
 
 
 def _deliver(outcomes: list[Outcome]) -> None:

@@ -20,7 +20,15 @@ from akv.errors import AKVError, ServerError
 from akv.keys import Entry, Part
 from transport import DISCARD, Destination, FrameHeader, Message
 
-__all__ = ["OnReply", "Outcome", "Request", "RequestTable", "WireArray", "by_server"]
+__all__ = [
+    "OnReply",
+    "Outcome",
+    "Request",
+    "RequestTable",
+    "WireArray",
+    "by_server",
+    "settle_before_resend",
+]
 
 #: What a request's sender is told: ``on_reply(message, None)`` or ``on_reply(None, error)``.
 OnReply = Callable[["Message | None", "AKVError | None"], None]
@@ -41,6 +49,26 @@ def by_server(
         for part in entry.parts:
             batches.setdefault(part.server, []).append(piece(entry, part, value))
     return batches
+
+
+def settle_before_resend(op: int, arrays: Sequence[WireArray], pushed: set[Any]) -> list[WireArray]:
+    """When a worker resends its requests on a new stream (a replay), the pull to send and
+    wait for before this one: a pull of the keys this push names that the replay pushed
+    already, or nothing. ``pushed`` (the keys pushed so far in the replay) is updated.
+
+    A dist_sync round takes one push per worker. Resent in a burst, a worker's pushes of
+    two rounds of one key would meet a round still open (the other workers resend too); a
+    pull in between is answered once the earlier push's round is applied, as in the run
+    that was cut, where a pull (or the round's end) came between them.
+    """
+    if op not in (Op.PUSH, Op.PUSHPULL):
+        return []
+    keys = [key for key, _, _ in arrays]
+    again = [key for key in keys if key in pushed]
+    pushed.difference_update(again)
+    pushed.update(keys)
+    dtypes = {key: array.dtype for key, array, _ in arrays}
+    return [(key, np.empty(0, dtypes[key]), 0) for key in again]
 
 
 class Request:

@@ -1,29 +1,16 @@
 """A worker for fault tests: one rank misbehaves (dies, hangs, or kills a server)."""
 
-import json
 import os
 import signal
 import sys
 import time
-import urllib.request
 
 import numpy as np
+from scheduler_view import server_pids
 
 import akv
 
 MODE = sys.argv[1]
-
-
-def server_pids() -> list[int]:
-    """The servers' pids, in rank order."""
-    url = f"http://{os.environ['AKV_SCHEDULER_HOST']}:{os.environ['AKV_SCHEDULER_PORT']}/v1/status"
-    request = urllib.request.Request(
-        url, headers={"Authorization": f"Bearer {os.environ['AKV_TOKEN']}"}
-    )
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        nodes = json.load(answer)["nodes"]
-    servers = sorted((n for n in nodes if n["role"] == "server"), key=lambda n: n["rank"])
-    return [n["pid"] for n in servers]
 
 
 with akv.create("dist_sync") as kv:

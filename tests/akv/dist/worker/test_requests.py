@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from akv.dist.protocol import OK, Op, status_of
-from akv.dist.worker.requests import RequestTable, by_server
+from akv.dist.worker.requests import RequestTable, by_server, settle_before_resend
 from akv.errors import DoublePushError, ServerError
 from akv.keys import Entry, Part
 from engine import Var
@@ -96,3 +96,27 @@ def test_by_server_makes_one_batch_per_server_in_call_order():
         [(split, big), (whole, small)], lambda e, p, a: (e.key, e.wire_view(a, p).tolist())
     )
     assert batches == {0: [("big", [0, 1, 2])], 1: [("big", [3, 4, 5]), ("small", [1, 1])]}
+
+
+def test_unanswered_requests_keep_what_they_sent_in_their_order():
+    table = RequestTable("server 0")
+    sent = np.ones(3, np.float32)
+    first = table.add(Op.PUSH, lambda m, e: None, None, 10.0, [("w", sent, 1)], "")
+    second = table.add(Op.SET_OPTIMIZER, lambda m, e: None, None, 10.0, (), '{"name": "sgd"}')
+    table.reply(Message(decode_frame(frame_bytes(Op.REPLY, first, [], aux=OK))[0], ()))
+    ((seq, request),) = table.unanswered()
+    assert seq == second and request.op == Op.SET_OPTIMIZER
+    assert request.text == '{"name": "sgd"}' and table.get(first) is None
+
+
+def test_a_replay_pulls_a_key_before_pushing_it_again():
+    pushed: set = set()
+    a, b = np.ones(2, np.float32), np.ones(3, np.float64)
+    assert settle_before_resend(Op.PUSH, [("a", a, 1), ("b", b, 1)], pushed) == []
+    assert settle_before_resend(Op.PULL, [("a", a[:0], 0)], pushed) == []  # pulls: no wait
+    (pull,) = settle_before_resend(Op.PUSHPULL, [("b", b, 2)], pushed)
+    assert pull[0] == "b" and pull[1].dtype == np.float64 and pull[1].size == 0
+    (pull,) = settle_before_resend(Op.PUSH, [("a", a, 2), ("c", a, 1)], pushed)
+    assert pull[0] == "a"
+    assert pushed == {"a", "b", "c"}
+    assert settle_before_resend(Op.INIT, [("a", a, 0)], pushed) == []

@@ -1,0 +1,69 @@
+"""A server killed in the middle of a dist_sync training run, restarted by akv-launch from
+its checkpoint: the job ends well, with the weights of a run that lost nothing.
+
+Each job runs under ``akv-launch`` in a process group of its own, bounded in time (see
+:func:`tests.akv.dist.cluster.launch`); the launcher ends every process it started.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from tests.akv.dist.cluster import launch
+from tests.akv.dist.test_jobs import JOBS
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run(mode: str, checkpoints: str) -> tuple[int, str, list[dict]]:
+    done = launch(
+        [
+            "-n",
+            "2",
+            "-s",
+            "2",
+            "--checkpoint-dir",
+            checkpoints,
+            "--checkpoint-interval-s",
+            "0.2",
+            "--max-restarts",
+            "1",
+            "--env",
+            "AKV_BIGARRAY_BOUND=1024",
+            "--",
+            sys.executable,
+            str(JOBS / "restart.py"),
+            mode,
+        ],
+        timeout=150,
+    )
+    output = done.stdout + done.stderr
+    finals = [
+        json.loads(line.split("] ", 1)[1])
+        for line in done.stdout.splitlines()
+        if line.startswith("[worker") and line.split("] ", 1)[1].startswith("{")
+    ]
+    return done.returncode, output, sorted(finals, key=lambda r: r["rank"])
+
+
+def test_a_killed_server_is_restarted_from_its_checkpoint_and_the_weights_are_exact(tmp_path):
+    code, output, clean = run("clean", str(tmp_path / "clean"))
+    assert code == 0, output
+    code, output, restarted = run("kill", str(tmp_path / "kill"))
+    assert code == 0, output
+    assert re.search(
+        r"akv-launch: server 1 \(pid \d+\) exited with signal SIGKILL; restarting it from its "
+        r"checkpoint \(restart 1 of 1\)",
+        output,
+    ), output
+    assert re.search(r"\[server 1\] .*server 1 restored checkpoint \d+", output), output
+    assert len(clean) == len(restarted) == 2
+    for got, expected in zip(restarted, clean, strict=True):
+        assert got["first"] == expected["first"] != 0
+        for key in ("w", "split", "bias"):
+            assert got[key] == expected[key], f"worker {got['rank']}: {key} differs"
+    assert (tmp_path / "kill" / "server-1.akvckpt").stat().st_mode & 0o777 == 0o600
