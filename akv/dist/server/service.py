@@ -116,6 +116,8 @@ class ParameterServer:
         self._loop_thread = threading.get_ident()
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Stopped by a signal with a checkpoint written: a restart takes its rank over.
+        self._awaits_restart = False
 
     @property
     def rank(self) -> int | None:
@@ -204,7 +206,8 @@ class ParameterServer:
             await asyncio.wait_for(self.engine.wait_all(), DRAIN_S)
         if self.checkpoints is not None:
             await self.checkpoints.final()
-            return  # the scheduler waits for its restart (or times the job out)
+            self._awaits_restart = True  # no goodbye: the scheduler waits for its restart
+            return
         with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError, ValueError):
             # Reported by itself: the scheduler names it as stopping, not as lost.
             report = self.membership.report_lost(self.membership.node_id, "server", rank, detail)
@@ -231,8 +234,9 @@ class ParameterServer:
         for link in list(self.links.values()):
             if isinstance(link, _StreamLink):
                 link.protocol.close()
-        with contextlib.suppress(TransportError, AKVError):  # it may be gone already
-            await self.membership.finish()
+        if not self._awaits_restart:
+            with contextlib.suppress(TransportError, AKVError):  # it may be gone already
+                await self.membership.finish()
         await self.membership.close()
         for task in list(self._tasks):
             task.cancel()

@@ -50,20 +50,36 @@ def run(mode: str, checkpoints: str) -> tuple[int, str, list[dict]]:
     return done.returncode, output, sorted(finals, key=lambda r: r["rank"])
 
 
-def test_a_killed_server_is_restarted_from_its_checkpoint_and_the_weights_are_exact(tmp_path):
-    code, output, clean = run("clean", str(tmp_path / "clean"))
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> list[dict]:
+    code, output, clean = run("clean", str(tmp_path_factory.mktemp("clean")))
     assert code == 0, output
-    code, output, restarted = run("kill", str(tmp_path / "kill"))
+    assert len(clean) == 2
+    return clean
+
+
+@pytest.mark.parametrize(
+    ("mode", "signal_name", "status"),
+    [("kill", "SIGKILL", "signal SIGKILL"), ("term", "SIGTERM", "code 143")],
+)
+def test_a_server_killed_or_stopped_is_restarted_from_its_checkpoint_with_exact_weights(
+    clean_run, tmp_path, mode, signal_name, status
+):
+    code, output, restarted = run(mode, str(tmp_path))
     assert code == 0, output
     assert re.search(
-        r"akv-launch: server 1 \(pid \d+\) exited with signal SIGKILL; restarting it from its "
+        rf"akv-launch: server 1 \(pid \d+\) exited with {status}; restarting it from its "
         r"checkpoint \(restart 1 of 1\)",
         output,
     ), output
     assert re.search(r"\[server 1\] .*server 1 restored checkpoint \d+", output), output
-    assert len(clean) == len(restarted) == 2
-    for got, expected in zip(restarted, clean, strict=True):
+    if mode == "term":  # it drained and wrote a final checkpoint before it exited
+        assert re.search(r"\[server 1\] .*got SIGTERM: stopping", output), output
+        before_restart = output.split("restarting it from its checkpoint")[0]
+        assert "server 1 wrote its final checkpoint" in before_restart, output
+    assert len(restarted) == 2
+    for got, expected in zip(restarted, clean_run, strict=True):
         assert got["first"] == expected["first"] != 0
         for key in ("w", "split", "bias"):
             assert got[key] == expected[key], f"worker {got['rank']}: {key} differs"
-    assert (tmp_path / "kill" / "server-1.akvckpt").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "server-1.akvckpt").stat().st_mode & 0o777 == 0o600

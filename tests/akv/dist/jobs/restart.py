@@ -1,11 +1,12 @@
-"""A dist_sync training run for the restart test: ``restart.py clean|kill``.
+"""A dist_sync training run for the restart test: ``restart.py clean|kill|term``.
 
 Every worker pushes gradients that depend on its rank and the round to three keys (one
 split over both servers) under SGD with momentum, and pulls the weights, for ``ROUNDS``
 rounds; it prints a digest of the final weights (their bytes' SHA-256) as JSON. With
 ``kill``, worker 0 sends SIGKILL to server 1 at round ``KILL_AT``; run under
 ``akv-launch --checkpoint-dir DIR --max-restarts 1`` the server is restarted from its
-checkpoint and the weights must come out the same.
+checkpoint and the weights must come out the same. With ``term`` it sends SIGTERM instead:
+the server drains and writes a final checkpoint before it exits.
 """
 
 import hashlib
@@ -31,8 +32,8 @@ with akv.create("dist_sync") as kv:
     kv.init("bias", np.zeros(3, np.float64))
     kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.05, momentum=0.9))
     for step in range(ROUNDS):
-        if MODE == "kill" and kv.rank == 0 and step == KILL_AT:
-            os.kill(server_pids()[1], signal.SIGKILL)
+        if MODE in ("kill", "term") and kv.rank == 0 and step == KILL_AT:
+            os.kill(server_pids()[1], signal.SIGKILL if MODE == "kill" else signal.SIGTERM)
         scale = np.float32((kv.rank + 1) * (step % 5 + 1))
         kv.push("w", np.linspace(-1, 1, 256, dtype=np.float32) * scale)
         kv.push("split", np.arange(SPLIT, dtype=np.float32) * scale / 1000)
