@@ -25,6 +25,9 @@ ENGINE_SLOTS = max(4, os.cpu_count() or 1)
 #: slot while it waits for the other workers' pushes, so keep it above the number of pulls
 #: a program leaves in flight without awaiting them. ``AKV_DIST_SLOTS``.
 DIST_ENGINE_SLOTS = 64
+#: Pushes a worker leaves unacknowledged (pipelined) before a push waits for its own
+#: acknowledgement: each holds its staging copy until then.
+MAX_UNACKED_PUSHES = 256
 
 # ---------------------------------------------------------------- deadlines (seconds)
 

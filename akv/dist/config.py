@@ -154,6 +154,9 @@ class Config:
     #: A worker's bound on the pushes it keeps for one server until they are durable
     #: (``AKV_RETAIN_BYTES``).
     retain_bytes: int = RETAIN_BYTES
+    #: A push waits for the servers' acknowledgement before it is done (``AKV_STRICT_PUSH``
+    #: = 1; for debugging: by default pushes are pipelined).
+    strict_push: bool = False
 
     @property
     def scheduler_url(self) -> str:
@@ -328,6 +331,14 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     return seconds
 
 
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    """A 0/1 setting (unset: 0)."""
+    value = environ.get(name, "0").strip()
+    if value not in ("0", "1"):
+        raise ConfigError(f"{name}={value!r}: set it to 1 (on) or 0 (off)")
+    return value == "1"
+
+
 def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = None) -> Config:
     """Read and check the job's configuration (``os.environ`` by default).
 
@@ -463,4 +474,5 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         checkpoint_dir=checkpoint_dir,
         checkpoint_interval_s=checkpoint_interval_s,
         retain_bytes=retain_bytes,
+        strict_push=_flag(env, "AKV_STRICT_PUSH"),
     )

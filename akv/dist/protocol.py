@@ -54,6 +54,7 @@ __all__ = [
     "OK",
     "REFUSED_STATUS",
     "STATUS_CLASSES",
+    "STOPPING_STATUS",
     "Op",
     "client_header",
     "decode_meta",
@@ -114,6 +115,8 @@ _CODES: Final[dict[type[BaseException], int]] = {cls: code for code, cls in STAT
 
 #: The scheduler's HTTP status when it refuses a request because the job failed.
 JOB_FAILED_STATUS: Final = 409
+#: A server's HTTP status when it refuses a stream because it stops (a restart may come).
+STOPPING_STATUS: Final = 503
 #: Its status when a registration, heartbeat or barrier does not fit the job (a rank
 #: already taken, an unknown node, a barrier out of turn).
 REFUSED_STATUS: Final = 422

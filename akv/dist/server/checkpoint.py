@@ -59,6 +59,7 @@ __all__ = [
     "Snapshot",
     "checkpoint_path",
     "read_snapshot",
+    "remove_leftovers",
     "write_snapshot",
 ]
 
@@ -223,10 +224,10 @@ def write_snapshot(directory: Path, snapshot: Snapshot) -> Path:
 def read_snapshot(directory: Path, rank: int) -> Snapshot | None:
     """Read server ``rank``'s checkpoint in ``directory``; ``None`` if there is none.
 
-    First it removes this rank's leftover temporary files in ``directory`` (those of a
-    writer that died; errors are ignored), so call it before this rank's server writes.
-    The whole file is read and its checksum checked before anything is returned. The
-    arrays it returns are new: writable, C-contiguous, owning their memory.
+    It touches nothing in ``directory`` (a server may be writing meanwhile: reading is
+    safe at any time). The whole file is read and its checksum checked before anything
+    is returned. The arrays it returns are new: writable, C-contiguous, owning their
+    memory.
 
     Raises
     ------
@@ -238,7 +239,6 @@ def read_snapshot(directory: Path, rank: int) -> Snapshot | None:
     """
     directory = Path(directory)
     path = checkpoint_path(directory, rank)
-    _remove_leftovers(directory, path.name)
     try:
         file = open(path, "rb")  # noqa: SIM115 (closed below, on every path)
     except FileNotFoundError:
@@ -437,8 +437,14 @@ def _remove_quietly(path: Path) -> None:
         path.unlink()
 
 
+def remove_leftovers(directory: Path, rank: int) -> None:
+    """Remove the temporary files that writers of server ``rank``'s checkpoint left behind
+    (a writer that died; errors are ignored). Call it only while no writer of that rank
+    runs: the server does, at its start, holding the rank's lock."""
+    _remove_leftovers(Path(directory), checkpoint_path(Path(directory), rank).name)
+
+
 def _remove_leftovers(directory: Path, name: str) -> None:
-    """Remove the temporary files that writers of checkpoint ``name`` left behind."""
     try:
         leftovers = list(directory.glob(f".{name}.*tmp*"))
     except OSError:

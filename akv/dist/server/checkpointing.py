@@ -28,8 +28,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from akv.dist.protocol import Op
-from akv.dist.server.checkpoint import KeyRecord, Snapshot, read_snapshot, write_snapshot
-from akv.dist.server.state import Checkpoint, CheckpointPlan, Peer, Reply, ReplyError
+from akv.dist.server.checkpoint import (
+    KeyRecord,
+    Snapshot,
+    read_snapshot,
+    remove_leftovers,
+    write_snapshot,
+)
+from akv.dist.server.state import (
+    Checkpoint,
+    CheckpointPlan,
+    Instruction,
+    Peer,
+    Reply,
+    ReplyError,
+)
 from akv.errors import AKVError, CheckpointError
 from akv.limits import FINAL_CHECKPOINT_S
 from transport import encode_frame
@@ -58,6 +71,8 @@ class Checkpoints:
         self.durable_seqs: dict[int, int] = {}
         self._written_changes = -1
         self._lock: asyncio.Lock | None = None
+        self._requests: list[Checkpoint] = []
+        self._serving_requests = False
         self._lock_fd: int | None = None
 
     # ------------------------------------------------------------ starting
@@ -88,6 +103,7 @@ class Checkpoints:
                 "checkpoint directory is still running"
             ) from exc
         self._lock_fd = fd
+        remove_leftovers(self.directory, self.rank)  # of a writer that died: none runs now
         snapshot = read_snapshot(self.directory, self.rank)
         if snapshot is None:
             log.info(
@@ -166,6 +182,7 @@ class Checkpoints:
             self._written_changes = changes
             for peer in list(state.peers.values()):
                 self.tell(peer)
+            server.execute(state.checkpointed(plan))
             return self.generation
 
     def tell(self, peer: Peer) -> None:
@@ -175,17 +192,30 @@ class Checkpoints:
             self.server.send_to(peer, encode_frame(Op.DURABLE, 0, aux=seq))
 
     async def on_request(self, instruction: Checkpoint) -> None:
-        """A worker asked for a checkpoint: write one, then answer."""
-        peer = instruction.peer
-        try:
-            await self.write()
-        except AKVError as exc:
-            log.error("server %d: %s", self.rank, exc)
-            if peer is not None:
-                self.server.execute([ReplyError(peer, instruction.seq, exc)])
+        """A worker asked for a checkpoint (or sent an init, answered once a checkpoint
+        holds it): write one, then answer. Requests that come while one is written are
+        answered together by the next one."""
+        self._requests.append(instruction)
+        if self._serving_requests:
             return
-        if peer is not None:
-            self.server.execute([Reply(peer, instruction.seq)])
+        self._serving_requests = True
+        try:
+            while self._requests:
+                batch, self._requests = self._requests, []
+                error: AKVError | None = None
+                try:
+                    await self.write()
+                except AKVError as exc:
+                    log.error("server %d: %s", self.rank, exc)
+                    error = exc
+                answers: list[Instruction] = [
+                    Reply(r.peer, r.seq) if error is None else ReplyError(r.peer, r.seq, error)
+                    for r in batch
+                    if r.peer is not None
+                ]
+                self.server.execute(answers)
+        finally:
+            self._serving_requests = False
 
     async def every_interval(self) -> None:
         """Write a checkpoint every interval in which anything changed (a failed one is

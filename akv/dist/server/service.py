@@ -27,7 +27,14 @@ from aiohttp import web
 
 from akv.dist.config import Config, format_address
 from akv.dist.membership import Membership
-from akv.dist.protocol import CLIENT_HEADER, OK, Op, parse_client_header, status_of
+from akv.dist.protocol import (
+    CLIENT_HEADER,
+    OK,
+    STOPPING_STATUS,
+    Op,
+    parse_client_header,
+    status_of,
+)
 from akv.dist.roles import run_role, server_ssl, stopped_by_signal
 from akv.dist.server.checkpointing import Checkpoints
 from akv.dist.server.state import (
@@ -48,7 +55,13 @@ from akv.dist.server.state import (
     ServerState,
 )
 from akv.dist.server.updates import land
-from akv.errors import AKVError, InvalidArgumentError, MembershipError, ServerError
+from akv.errors import (
+    AKVError,
+    InvalidArgumentError,
+    MembershipError,
+    PeerLostError,
+    ServerError,
+)
 from akv.limits import (
     DRAIN_S,
     MAX_PAYLOAD_BYTES,
@@ -290,6 +303,8 @@ class ParameterServer:
             raise RequestError(400, str(exc)) from None
         except MembershipError as exc:
             raise RequestError(409, str(exc)) from None
+        except PeerLostError as exc:  # stopping: a restarted server may take the stream
+            raise RequestError(STOPPING_STATUS, str(exc)) from None
 
     def _open_stream(self, request: web.Request) -> StreamProtocol:
         peer = self._admit(request, stream=True)

@@ -99,7 +99,7 @@ class Peer:
 class ServerEntry(Entry):
     """A key (or this server's part of a split key) as the server holds it."""
 
-    __slots__ = ("made_by", "merged", "rounds")
+    __slots__ = ("durable", "made_by", "merged", "rounds")
 
     def __init__(
         self,
@@ -117,6 +117,8 @@ class ServerEntry(Entry):
         #: The (session, request number) of the init that made the key; None when it was
         #: restored from a checkpoint (then any init of it is a resent one).
         self.made_by = made_by
+        #: A checkpoint holds the key (always True without checkpoints).
+        self.durable = True
 
 
 @dataclass(eq=False)
@@ -360,6 +362,8 @@ class ServerState:
             A rank out of range, a store type other than the job's, a second stream from
             the same worker that is not its reconnection, or any stream after the job
             failed. Nothing changes.
+        PeerLostError
+            A stream while the server stops (its restart, if any, takes it).
         """
         if store_type not in DIST_STORE_TYPES:
             raise InvalidArgumentError(f"unknown store type {store_type!r}")
@@ -375,7 +379,7 @@ class ServerState:
         if stream and self.failure is not None:
             raise MembershipError(f"{self.name} takes no stream: the job failed: {self.failure}")
         if stream and self.stopping:
-            raise MembershipError(f"{self.name} takes no stream: it is stopping")
+            raise PeerLostError(f"{self.name} takes no stream: it is stopping")
         current = [p for p in self.peers.values() if p.worker == worker]
         known = self._sessions.get(worker)
         if stream and (current or known is not None):
@@ -729,9 +733,16 @@ class ServerState:
             assert info.key is not None  # checked above
             if buffer is None:
                 continue
-            self.entries[info.key] = ServerEntry(
+            entry = ServerEntry(
                 info.key, buffer, self._new_var, self.sync, self.num_workers, made_by
             )
+            # With checkpoints, a new key is answered for (to its init, and to the other
+            # workers' init checks) once a checkpoint holds it: a worker never pushes to a
+            # key that a restarted server would not have.
+            entry.durable = not self.checkpoints
+            self.entries[info.key] = entry
+        if self.checkpoints:
+            return [Checkpoint(peer, header.seq)]
         out: list[Instruction] = [Reply(peer, header.seq)]
         out.extend(self._release_init_waits())
         return out
@@ -760,7 +771,9 @@ class ServerState:
         out: list[Instruction] = []
         still = []
         for wait in self._init_waits:
-            if not all(key in self.entries for key, _, _ in wait.items):
+            if not all(
+                key in self.entries and self.entries[key].durable for key, _, _ in wait.items
+            ):
                 still.append(wait)
                 continue
             try:
@@ -841,6 +854,13 @@ class ServerState:
         return CheckpointPlan(
             tuple(entries), durable, self.store_type, self.optimizer_config, self.updater
         )
+
+    def checkpointed(self, plan: CheckpointPlan) -> list[Instruction]:
+        """The checkpoint of ``plan`` is written: its keys are durable; answer the init
+        checks that waited for them."""
+        for entry, _, _, _ in plan.entries:
+            entry.durable = True
+        return self._release_init_waits()
 
     def restore(
         self,
@@ -969,7 +989,9 @@ class ServerState:
         for ticket_id, count in parked.items():
             assert tickets[ticket_id].remaining == count, "ticket count differs from parking"
         for wait in self._init_waits:
-            assert not all(k in self.entries for k, _, _ in wait.items), "init wait not released"
+            assert not all(
+                k in self.entries and self.entries[k].durable for k, _, _ in wait.items
+            ), "init wait not released"
         if self.failure is not None:
             assert not parked and not self._init_waits, "waits left after the job failed"
 

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ from akv.limits import (
     GOODBYE_TIMEOUT_S,
     HEARTBEAT_STOP_S,
     INIT_CHECK_MARGIN_S,
+    MAX_UNACKED_PUSHES,
     SWEEP_INTERVAL_S,
 )
 from engine import Engine, GPUExecutor, GPUWork, LoopThread, Task, Var, Waitable, gather, then
@@ -112,6 +113,11 @@ class DistBackend:
         self._sweeper: asyncio.Task[None] | None = None
         self._blames: set[asyncio.Task[None]] = set()
         self._closed = False
+        #: Pipelined pushes not acknowledged yet, who waits for none to be left, and the
+        #: errors of those that failed, by key, until a call reports them.
+        self._unacked = 0
+        self._acks_waiters: list[asyncio.Future[None]] = []
+        self._late: dict[Key, AKVError] = {}
 
     @property
     def rank(self) -> int:
@@ -369,13 +375,24 @@ class DistBackend:
     def push(
         self, values: list[tuple[Entry, list[np.ndarray]]], priority: int, borrow: bool
     ) -> Task:
-        """Send summed values to the servers that hold each key (or each part)."""
+        """Send summed values to the servers that hold each key (or each part).
+
+        Pipelined (the default): the values are copied into staging buffers at the call,
+        and the task is done once the requests are written, without waiting for the
+        servers' acknowledgements (a later pull of the key goes out after them on the
+        same ordered streams, so it sees them). An error a server reports later is raised
+        by the next call on one of the keys, by :meth:`barrier` and by :meth:`close`.
+        With ``AKV_STRICT_PUSH=1`` the task is done once every server acknowledged.
+        """
         self._check()
-        staged, release = self._stage(values, borrow, priority)
+        self._raise_late(entry for entry, _ in values)
+        pipelined = not self.config.strict_push
+        staged, release = self._stage(values, borrow and not pipelined, priority)
         return self._engine.push(
             self._start_push,
             staged,
             release,
+            pipelined,
             writes=[e.var for e, _ in staged],
             priority=priority,
             executor="callback",
@@ -386,20 +403,84 @@ class DistBackend:
         self,
         staged: list[tuple[Entry, np.ndarray]],
         release: Callable[[], None],
+        pipelined: bool,
         done: Done,
     ) -> None:
         for entry, _ in staged:
             entry.pushes += 1  # in call order: pushes of a key run one after another
         batches = by_server(staged, _part_of)
-        replies = _Gather(len(batches), release, done)
+        if pipelined:
+            keys = [entry.key for entry, _ in staged]
+            waits = self._unacked >= MAX_UNACKED_PUSHES  # then it waits: memory stays bounded
+            self._unacked += 1
+            replies = _Gather(
+                len(batches), release, self._acknowledged(keys, done if waits else None)
+            )
+        else:
+            replies = _Gather(len(batches), release, done)
         timeout = self.config.timeouts.request_s
         for server, arrays in batches.items():
             self.links[server].send(Op.PUSH, arrays, replies.reply, timeout_s=timeout)
+        if pipelined and not waits:
+            done(None, None)
+
+    def _acknowledged(self, keys: list[Key], done: Done | None) -> Done:
+        """What a pipelined push's acknowledgements report to: an error is kept for the
+        next call on one of ``keys`` (and barrier and close); ``done`` too, when the push
+        waited for them."""
+
+        def acknowledged(result: Any, error: BaseException | None) -> None:
+            self._unacked -= 1
+            if error is not None:
+                late = _late_error(error, keys)
+                for key in keys:
+                    self._late.setdefault(key, late)
+            if done is not None:
+                done(result, error)
+            if not self._unacked:
+                waiters, self._acks_waiters = self._acks_waiters, []
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
+
+        return acknowledged
+
+    def _raise_late(self, entries: Iterable[Entry]) -> None:
+        """Raise the error of an earlier pipelined push of one of ``entries``' keys (once)."""
+        if not self._late:
+            return
+        for entry in entries:
+            late = self._late.get(entry.key)
+            if late is not None:
+                self._forget_late(late)
+                raise late
+
+    def _take_late(self) -> AKVError | None:
+        """The first error of a pipelined push nobody was told yet (then forgotten)."""
+        if not self._late:
+            return None
+        late = next(iter(self._late.values()))
+        self._forget_late(late)
+        return late
+
+    def _forget_late(self, late: AKVError) -> None:
+        for key in [key for key, error in self._late.items() if error is late]:
+            del self._late[key]
+
+    async def _acks(self) -> None:
+        """Wait until every pipelined push was acknowledged (or failed: requests have
+        deadlines, so this ends)."""
+        if self._unacked:
+            waiter = asyncio.get_running_loop().create_future()
+            self._acks_waiters.append(waiter)
+            await waiter
 
     def pull(
         self, targets: list[tuple[Entry, list[np.ndarray]]], result: Any, priority: int
     ) -> Waitable:
         """Fetch each key's value (in dist_sync: after the round of this worker's last push)."""
+        self._check()
+        self._raise_late(entry for entry, _ in targets)
         return self._schedule_pull(targets, result, None, _nothing, priority)
 
     def pushpull(
@@ -412,6 +493,7 @@ class DistBackend:
     ) -> Waitable:
         """Push, then pull the result, in one request per server."""
         self._check()
+        self._raise_late(entry for entry, _ in values)
         staged, release = self._stage(values, borrow, priority)
         return self._schedule_pull(targets, result, staged, release, priority)
 
@@ -532,8 +614,13 @@ class DistBackend:
             )
 
     def barrier(self) -> Task:
-        """Wait until every worker called barrier as often as this one (with a deadline)."""
+        """Wait until every worker called barrier as often as this one (with a deadline).
+
+        Raises the error of a pipelined push nobody was told of yet."""
         self._check()
+        late = self._take_late()
+        if late is not None:
+            raise late
         self._barriers += 1
         return self._engine.push(self._barrier, self._barriers, executor="loop", name="barrier")
 
@@ -637,9 +724,12 @@ class DistBackend:
             return
         self._closed = True
         joined = self.rank >= 0 and self._heartbeat is not None
+        late: AKVError | None = None
         try:
             if not joined:
                 return
+            await self._acks()  # nothing pushed is dropped: every push is answered first
+            late = self._take_late()
             if barrier_before_exit and self.broken is None:
                 self._barriers += 1
                 await self._barrier(self._barriers)
@@ -660,6 +750,8 @@ class DistBackend:
             if self._heartbeat is not None:
                 await asyncio.to_thread(self._heartbeat.stop)
             await self.membership.close()
+        if late is not None:
+            raise late
 
 
 class _Heartbeat:
@@ -743,6 +835,20 @@ class _Gather:
             self._done(None, self._error)
         else:
             self._done(result, None)
+
+
+def _late_error(error: BaseException, keys: list[Key]) -> AKVError:
+    """The error a later call raises for a pipelined push of ``keys`` that failed: the
+    same class, naming the push (the server's error is its cause)."""
+    named = ", ".join(repr(key) for key in keys[:8]) + (", ..." if len(keys) > 8 else "")
+    text = f"an earlier push of key {named} failed: {error}"
+    cls = type(error) if isinstance(error, AKVError) else ServerError
+    try:
+        late = cls(text)
+    except TypeError:
+        late = ServerError(text)
+    late.__cause__ = error
+    return late
 
 
 def _part_of(entry: Entry, part: Part, array: np.ndarray) -> WireArray:

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from akv.dist.config import Config, format_address
-from akv.dist.protocol import CLIENT_HEADER, Op, client_header
+from akv.dist.protocol import CLIENT_HEADER, STOPPING_STATUS, Op, client_header
 from akv.dist.roles import client_ssl
 from akv.dist.worker.requests import (
     OnReply,
@@ -87,8 +87,9 @@ class ServerLink:
         self._table = RequestTable(self.name)
         #: Requests a server refused because the job failed, held for the backend's verdict.
         self._held: list[Outcome] = []
-        #: Acknowledged pushes kept until a checkpoint holds them: seq -> (op, arrays).
-        self._retained: dict[int, tuple[int, list[WireArray]]] = {}
+        #: Acknowledged requests kept until a checkpoint holds them: seq -> (op, arrays,
+        #: text).
+        self._retained: dict[int, tuple[int, list[WireArray], str]] = {}
         self.retained_bytes = 0
         self._durable_below = 0
         self._asked_checkpoint = False
@@ -144,11 +145,13 @@ class ServerLink:
         outcome.deliver()
 
     def _retain(self, seq: int, request: Request) -> None:
-        """Keep a copy of an acknowledged push until a checkpoint holds it."""
-        if request.op not in (Op.PUSH, Op.PUSHPULL) or seq < self._durable_below:
+        """Keep a copy of an acknowledged request that changed the server (a push, an init,
+        an optimizer or its states) until a checkpoint holds it."""
+        op = _RETAINED.get(request.op)
+        if op is None or seq < self._durable_below:
             return
         arrays = [(key, array.copy(), tag) for key, array, tag in request.arrays]
-        self._retained[seq] = (Op.PUSH, arrays)
+        self._retained[seq] = (op, arrays, request.text)
         self.retained_bytes += sum(array.nbytes for _, array, _ in arrays)
         if self.retained_bytes > self._retain_limit and not self._asked_checkpoint:
             self._asked_checkpoint = True
@@ -164,7 +167,7 @@ class ServerLink:
         ``below``: drop the copies kept of those."""
         self._durable_below = max(self._durable_below, below)
         for seq in [seq for seq in self._retained if seq < below]:
-            _, arrays = self._retained.pop(seq)
+            _, arrays, _ = self._retained.pop(seq)
             self.retained_bytes -= sum(array.nbytes for _, array, _ in arrays)
 
     def _on_lost(self, exc: BaseException | None) -> None:
@@ -200,8 +203,17 @@ class ServerLink:
                             self.host, self.port = address
                     await self.open(config, worker, store_type, session)
                 except (AuthError, RemoteError) as exc:
-                    trouble = PeerLostError(f"{self.name} refused to take the stream back: {exc}")
-                    break
+                    if (
+                        self.restartable
+                        and isinstance(exc, RemoteError)
+                        and exc.status == STOPPING_STATUS
+                    ):
+                        last = exc  # it stops, and its restart will take the stream
+                    else:
+                        trouble = PeerLostError(
+                            f"{self.name} refused to take the stream back: {exc}"
+                        )
+                        break
                 except PeerLostError as exc:  # the scheduler says the job failed
                     trouble = exc
                     break
@@ -246,7 +258,7 @@ class ServerLink:
         order, then those made meanwhile; a second push of a key waits for a pull of it
         first (:func:`settle_before_resend`). Stops when a newer stream took over."""
         frames: list[tuple[int, int, Sequence[WireArray], str]] = [
-            (seq, op, arrays, "") for seq, (op, arrays) in self._retained.items()
+            (seq, op, arrays, text) for seq, (op, arrays, text) in self._retained.items()
         ]
         frames += [(seq, r.op, r.arrays, r.text) for seq, r in self._table.unanswered()]
         frames.sort(key=lambda frame: frame[0])
@@ -388,6 +400,17 @@ class ServerLink:
                 task.cancel()
         if self.protocol is not None:
             self.protocol.close()
+
+
+#: The requests kept for a restart (those that change a server), and the op each is
+#: resent as (a pushpull's pull was answered: its push is what the server must get again).
+_RETAINED: dict[int, Op] = {
+    Op.PUSH: Op.PUSH,
+    Op.PUSHPULL: Op.PUSH,
+    Op.INIT: Op.INIT,
+    Op.SET_OPTIMIZER: Op.SET_OPTIMIZER,
+    Op.LOAD_STATES: Op.LOAD_STATES,
+}
 
 
 def _resolve(future: asyncio.Future[Message]) -> OnReply:

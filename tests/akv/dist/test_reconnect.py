@@ -121,12 +121,13 @@ async def run_job(behind: list[Proxy]) -> list[dict[str, list[float]]]:
         try:
             results = await asyncio.wait_for(asyncio.gather(*(train(kv) for kv in stores)), 90)
             reconnects = [sum(link.reconnects for link in kv._backend.links) for kv in stores]
+            cut = sum(getattr(proxy, "cut", 0) for proxy in behind)  # cuts while training
         finally:
             await asyncio.wait_for(asyncio.gather(*(kv.close() for kv in stores)), 30)
         for server in cluster.servers:
             assert server.state.failure is None, server.state.failure
         duplicates = sum(server.state.duplicates for server in cluster.servers)
-        return [*results, {"reconnects": reconnects, "duplicates": duplicates}]
+        return [*results, {"reconnects": reconnects, "duplicates": duplicates, "cut": cut}]
 
 
 @pytest.mark.parametrize(
@@ -140,8 +141,9 @@ async def test_cut_streams_reconnect_and_the_job_ends_with_the_values_of_a_clean
     assert clean_stats["reconnects"] == [0, 0] and clean_stats["duplicates"] == 0
     with cutting_proxies(2, seed, cuts=6, max_bytes=60_000, where=where) as cutting:
         *got, stats = await run_job(cutting)
-        cut = sum(proxy.cut for proxy in cutting)
-    assert cut > 0 and sum(stats["reconnects"]) >= cut  # every cut stream came back
+    # Streams were cut while the workers trained, and came back. (Not one reconnect per
+    # cut: a stream cut after its last answer needed comes back only if it is used again.)
+    assert stats["cut"] > 0 and sum(stats["reconnects"]) > 0
     if where == "to worker":  # replies were lost: resent pushes were answered, not applied
         assert stats["duplicates"] > 0
     for values, clean_values in zip(got, expected, strict=True):

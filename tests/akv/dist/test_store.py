@@ -147,13 +147,59 @@ async def test_pushing_twice_in_one_round_is_an_error_not_a_corrupted_round():
         fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
         await asyncio.gather(fast.init(0, full(0.0)), slow.init(0, full(0.0)))
         await fast.push(0, full(1.0))
-        with pytest.raises(DoublePushError, match=r"worker 0 pushed key 0 twice in round 1"):
-            await fast.push(0, full(1.0))
+        # Pipelined: the second push returns once sent; the server's refusal is raised by
+        # the next call on the key, naming the push it came from.
+        await fast.push(0, full(1.0))
+        await fast._backend._acks()  # answered (refused) before worker 1 closes the round
         await slow.push(0, full(2.0))
+        with pytest.raises(
+            DoublePushError,
+            match=r"an earlier push of key 0 failed: worker 0 pushed key 0 twice in round 1",
+        ):
+            await asyncio.wait_for(_raised_when_acknowledged(fast), 10)
         first, second = await asyncio.gather(fast.pull(0), slow.pull(0))
         np.testing.assert_array_equal(first, full(3.0))  # the round was not corrupted
         np.testing.assert_array_equal(second, full(3.0))
         await close_all([fast, slow])
+
+
+async def _raised_when_acknowledged(kv) -> None:
+    """Pull key 0 until a pipelined push's error is raised (it comes with the server's
+    answer)."""
+    while True:
+        await kv.pull(0, priority=0)
+        await asyncio.sleep(0.01)
+
+
+async def test_a_strict_push_raises_the_servers_error_at_the_call():
+    with Cluster(2, 1, AKV_STRICT_PUSH="1") as cluster:
+        fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        await asyncio.gather(fast.init(0, full(0.0)), slow.init(0, full(0.0)))
+        await fast.push(0, full(1.0))
+        with pytest.raises(DoublePushError, match=r"worker 0 pushed key 0 twice in round 1"):
+            await fast.push(0, full(1.0))
+        await slow.push(0, full(2.0))
+        np.testing.assert_array_equal(await fast.pull(0), full(3.0))
+        await close_all([fast, slow])
+
+
+async def test_a_pipelined_push_error_is_raised_by_barrier_and_by_close():
+    with Cluster(2, 1) as cluster:
+        fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        await asyncio.gather(fast.init(0, full(0.0)), slow.init(0, full(0.0)))
+        await fast.push(0, full(1.0))
+        await fast.push(0, full(1.0))  # refused by the server, later
+        await fast._backend._acks()
+        with pytest.raises(DoublePushError, match="an earlier push of key 0"):
+            await fast.barrier()
+        await fast.push(0, full(1.0))  # refused again; nobody calls on key 0 after it
+        await slow.push(0, full(2.0))
+        await slow.pull(0)
+        slow.set_barrier_before_exit(False)
+        fast.set_barrier_before_exit(False)
+        with pytest.raises(DoublePushError, match="an earlier push of key 0"):
+            await fast.close()  # waits for the answer first: nothing is dropped
+        await slow.close()
 
 
 async def test_a_pull_after_my_push_waits_for_the_other_workers():
@@ -184,6 +230,7 @@ async def test_dist_async_applies_each_push_on_arrival():
         await first.push("w", full(1.0))
         np.testing.assert_allclose(await first.pull("w"), full(0.9))  # no waiting for others
         await second.push("w", full(2.0))
+        await second.pull("w")  # its own pull follows its push: the push has arrived
         np.testing.assert_allclose(await first.pull("w"), full(0.7))
         await close_all(stores)
 
@@ -397,7 +444,7 @@ async def test_joining_waits_for_the_rest_of_the_job_and_says_what_is_missing():
         await akv.create_async("dist_sync", environ=cluster.worker_env(0))
 
 
-def test_the_blocking_face_sends_contiguous_arrays_and_stages_the_rest(monkeypatch):
+def test_a_pipelined_push_sends_a_copy_the_caller_may_change_at_once(monkeypatch):
     sent: list[np.ndarray] = []
     real_send = ServerLink.send
 
@@ -408,6 +455,27 @@ def test_the_blocking_face_sends_contiguous_arrays_and_stages_the_rest(monkeypat
 
     monkeypatch.setattr(ServerLink, "send", spy)
     with Cluster(1, 1) as cluster:
+        kv = akv.create("dist_sync", environ=cluster.worker_env(0))
+        kv.init("w", np.zeros((3, 4), np.float32))
+        value = np.arange(12, dtype=np.float32).reshape(3, 4)
+        kv.push("w", value)  # returns once sent, before the server's answer
+        assert not np.shares_memory(sent[-1], value)
+        value[:] = -1  # at once: what was sent does not change
+        np.testing.assert_array_equal(kv.pull("w"), np.arange(12).reshape(3, 4))
+        kv.close()
+
+
+def test_a_strict_push_sends_contiguous_arrays_and_stages_the_rest(monkeypatch):
+    sent: list[np.ndarray] = []
+    real_send = ServerLink.send
+
+    def spy(self, op, arrays, on_reply, **kwargs):
+        if op == Op.PUSH:
+            sent.extend(array for _, array, _ in arrays)
+        return real_send(self, op, arrays, on_reply, **kwargs)
+
+    monkeypatch.setattr(ServerLink, "send", spy)
+    with Cluster(1, 1, AKV_STRICT_PUSH="1") as cluster:
         kv = akv.create("dist_sync", environ=cluster.worker_env(0))
         kv.init("w", np.zeros((3, 4), np.float32))
         value = np.arange(12, dtype=np.float32).reshape(3, 4)

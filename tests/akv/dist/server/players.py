@@ -17,6 +17,7 @@ import numpy as np
 
 from akv.dist.protocol import Op
 from akv.dist.server.state import (
+    Checkpoint,
     FailJob,
     InstallOptimizer,
     Instruction,
@@ -54,6 +55,7 @@ class Players:
         self.now = 0.0
         self.replies: dict[tuple[int, int], Any] = {}
         self.failures: list[FailJob] = []
+        self.checkpoints: list[Checkpoint] = []
         self.held: list[Land] = []
         self.hold_updates = False
         self._seq = itertools.count(1)
@@ -127,6 +129,14 @@ class Players:
         self.now = now
         self.run(self.state.tick(now, round_timeout_s))
 
+    def checkpoint_written(self) -> None:
+        """A checkpoint of everything so far was written: answer who asked for it."""
+        asked, self.checkpoints = self.checkpoints, []
+        self.run(self.state.checkpointed(self.state.checkpoint_plan()))
+        for checkpoint in asked:
+            if checkpoint.peer is not None:
+                self._answer(checkpoint.peer, checkpoint.seq, OK)
+
     def finish_updates(self) -> None:
         held, self.held = self.held, []
         for work in held:
@@ -169,6 +179,8 @@ class Players:
             self._answer(instruction.peer, instruction.seq, OK)
         elif isinstance(instruction, FailJob):
             self.failures.append(instruction)
+        elif isinstance(instruction, Checkpoint):
+            self.checkpoints.append(instruction)  # answered by :meth:`checkpoint_written`
         else:  # pragma: no cover - a new instruction nobody taught this helper
             raise AssertionError(f"unknown instruction {instruction!r}")
 

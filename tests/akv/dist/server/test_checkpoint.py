@@ -26,6 +26,7 @@ from akv.dist.server.checkpoint import (
     Snapshot,
     checkpoint_path,
     read_snapshot,
+    remove_leftovers,
     write_snapshot,
 )
 from akv.errors import AKVError, CheckpointError
@@ -367,18 +368,21 @@ def test_an_interrupt_mid_write_removes_the_temporary_file_and_propagates(tmp_pa
     assert temporary_files(tmp_path) == []
 
 
-def test_reading_removes_the_leftover_temporary_files_of_its_rank_only(tmp_path):
+def test_leftover_temporary_files_of_a_rank_are_removed_and_reading_leaves_them(tmp_path):
     write_snapshot(tmp_path, snapshot())
     mine = [".server-1.akvckpt.123.abcd.tmp", ".server-1.akvckpt.9.ff.tmp"]
     others = [".server-12.akvckpt.123.abcd.tmp", ".server-2.akvckpt.1.a.tmp", "notes.tmp"]
     for name in mine + others:
         (tmp_path / name).write_bytes(b"half a checkpoint")
-    assert_same(read_snapshot(tmp_path, 1), snapshot())
+    assert_same(read_snapshot(tmp_path, 1), snapshot())  # a writer may be running: untouched
+    assert len(list(tmp_path.iterdir())) == len(mine) + len(others) + 1
+    remove_leftovers(tmp_path, 1)
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([*others, "server-1.akvckpt"])
 
 
 def test_leftovers_are_removed_even_when_there_is_no_checkpoint(tmp_path):
     (tmp_path / ".server-4.akvckpt.1.a.tmp").write_bytes(b"x")
+    remove_leftovers(tmp_path, 4)
     assert read_snapshot(tmp_path, 4) is None
     assert list(tmp_path.iterdir()) == []
 

@@ -365,6 +365,17 @@ def test_a_restored_state_takes_resent_pushes_once_and_finishes_the_round():
     assert restored.reply(0, again) == OK
 
 
+def test_with_checkpoints_a_new_key_is_answered_for_once_a_checkpoint_holds_it():
+    players = Players(2)
+    players.state.checkpoints = True
+    check = players.send(1, Op.INIT_CHECK, text=encode_meta([("w", (2,), "float32")]))
+    init = players.init(0, {"w": f32(0, 0)})
+    assert players.waiting(0, init) and players.waiting(1, check)  # not durable yet
+    assert [c.seq for c in players.checkpoints] == [init]
+    players.checkpoint_written()
+    assert players.reply(0, init) == OK and players.reply(1, check) == OK
+
+
 def test_a_checkpoint_request_to_a_server_without_checkpoints_is_refused():
     players = started(2)
     reply = players.reply(0, players.send(0, Op.CHECKPOINT))
