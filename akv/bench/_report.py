@@ -133,11 +133,23 @@ class Row:
     unit_ops: int = 1
     reference_s: float | None = None
     reference: str = ""
+    #: akv's 90th percentile over the rounds, where the suite reports one.
+    akv_p90_s: float | None = None
+    #: A second floor for the same work (``akv bench dist``: memory copies beside raw TCP).
+    second_floor_s: float | None = None
+    second_floor: str = ""
 
     @property
     def ratio(self) -> float:
         """akv's time over the floor's (1.0 = as fast as the floor)."""
         return self.akv_s / self.floor_s if self.floor_s > 0 else float("inf")
+
+    @property
+    def second_ratio(self) -> float | None:
+        """akv's time over the second floor's; None where the row has no second floor."""
+        if self.second_floor_s is None:
+            return None
+        return self.akv_s / self.second_floor_s if self.second_floor_s > 0 else float("inf")
 
 
 @dataclass
@@ -147,15 +159,24 @@ class Table:
     title: str
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: The heading of the second floor's column (shown when a row has a second floor).
+    second_floor_heading: str = "floor 2"
 
     def add(self, row: Row) -> Row:
         self.rows.append(row)
         return row
 
     def render(self) -> str:
-        head = (
-            f"{'operation':44} {'akv':>12} {'floor':>12} {'ratio':>6}  {'floor is':30} "
-            f"{'MXNet 1.9.1*':>12} {'speedup':>7}"
+        with_p90 = any(row.akv_p90_s is not None for row in self.rows)
+        with_second = any(row.second_floor_s is not None for row in self.rows)
+        head = " ".join(
+            [
+                f"{'operation':44} {'akv':>12}",
+                *([f"{'akv p90':>12}"] if with_p90 else []),
+                f"{'floor':>12} {'ratio':>6}  {'floor is':30}",
+                *([f"{self.second_floor_heading:>12} {'ratio':>6}"] if with_second else []),
+                f"{'MXNet 1.9.1*':>12} {'speedup':>7}",
+            ]
         )
         lines = [self.title, "=" * len(self.title), head, "-" * len(head)]
         for row in self.rows:
@@ -163,10 +184,21 @@ class Table:
             if row.reference_s is not None:
                 ref = _fmt(row.reference_s, row.unit_ops)
                 speedup = f"{row.reference_s / row.akv_s:.2f}x"
+            p90 = "-" if row.akv_p90_s is None else _fmt(row.akv_p90_s, row.unit_ops)
+            second, second_ratio = "-", "-"
+            if row.second_floor_s is not None:
+                second = _fmt(row.second_floor_s, row.unit_ops)
+                second_ratio = f"{row.second_ratio:6.2f}"
             lines.append(
-                f"{row.name:44} {_fmt(row.akv_s, row.unit_ops):>12} "
-                f"{_fmt(row.floor_s, row.unit_ops):>12} {row.ratio:6.2f}  {row.floor:30} "
-                f"{ref:>12} {speedup:>7}"
+                " ".join(
+                    [
+                        f"{row.name:44} {_fmt(row.akv_s, row.unit_ops):>12}",
+                        *([f"{p90:>12}"] if with_p90 else []),
+                        f"{_fmt(row.floor_s, row.unit_ops):>12} {row.ratio:6.2f}  {row.floor:30}",
+                        *([f"{second:>12} {second_ratio:>6}"] if with_second else []),
+                        f"{ref:>12} {speedup:>7}",
+                    ]
+                )
             )
         lines.append("")
         lines.append(
@@ -174,6 +206,10 @@ class Table:
             "this project's 2-core machine (docs/benchmarks.md): a reference, not part of this "
             "run; speedup = MXNet / akv."
         )
+        if with_second:
+            lines.append(
+                f"The ratio after '{self.second_floor_heading}' is akv / that second floor."
+            )
         lines.extend(self.notes)
         return "\n".join(lines) + "\n"
 
@@ -181,7 +217,9 @@ class Table:
         stream.write(self.render())
         stream.flush()
         if json_path:
-            rows = [{**asdict(r), "ratio": r.ratio} for r in self.rows]
+            rows = [
+                {**asdict(r), "ratio": r.ratio, "second_ratio": r.second_ratio} for r in self.rows
+            ]
             with open(json_path, "w") as handle:
                 json.dump(
                     {"title": self.title, "rows": rows, "notes": self.notes}, handle, indent=2

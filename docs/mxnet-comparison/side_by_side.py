@@ -5,7 +5,8 @@ Usage (from anywhere)::
     MXNET_PYTHON=/path/to/mxnet-venv/bin/python python side_by_side.py RUNS SERVERS
 
 Each run starts an akv job (``akv-launch ... python -m akv.bench.dist``) and then an MXNet
-job (``run_dist.sh``) with the same operations, so both see the same machine.
+job (``run_dist.sh``) with the same operations, so both see the same machine. Times are
+medians per call (per step for the ResNet-18 steps) of worker 0, in microseconds.
 """
 
 import json
@@ -26,6 +27,8 @@ NAMES = {
     "push+pull 4 MiB": "4MiB push+pull",
     "push+pull 64 MiB": "64MiB push+pull",
     "1000 keys x 16 floats, one list call": "1000 keys list push+pull (per call)",
+    "ResNet-18 step, per-key calls": "ResNet-18 step, per-key calls",
+    "ResNet-18 step, list calls": "ResNet-18 step, list calls",
 }
 
 
@@ -51,7 +54,8 @@ def akv_run(servers: str) -> dict[str, float]:
         ]
         subprocess.run(command, capture_output=True, timeout=JOB_TIMEOUT_S, cwd=ROOT, check=True)
         with open(out) as handle:
-            return {NAMES[name]: seconds * 1e6 for name, seconds in json.load(handle).items()}
+            samples = json.load(handle)  # {row name: [seconds per call, one per round]}
+        return {NAMES[name]: statistics.median(times) * 1e6 for name, times in samples.items()}
 
 
 def mxnet_run(servers: str) -> dict[str, float]:
