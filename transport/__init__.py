@@ -11,6 +11,9 @@
 * :func:`stream_route` / :func:`open_stream` / :class:`StreamProtocol`: an authenticated
   HTTP Upgrade to a framed stream for bulk arrays (zero-copy sends, receives into
   preallocated buffers).
+* :mod:`transport.shm`: shared memory between processes on one host: :class:`Arena` (a
+  sealed memfd), :func:`send_fds` / :func:`recv_fds`, an authenticated private Unix socket
+  (:class:`ShmListener`, :func:`connect_shm`, :class:`ShmConnection`), :func:`host_identity`.
 
 This package never imports ``akv`` or ``engine``.
 """
@@ -53,6 +56,16 @@ from transport.frame import (
     encode_frame,
     frame_bytes,
 )
+from transport.shm import (
+    Arena,
+    ShmConnection,
+    ShmListener,
+    ShmMessage,
+    connect_shm,
+    host_identity,
+    recv_fds,
+    send_fds,
+)
 
 __all__ = [
     "CLIENT_MISTAKE_LOG_INTERVAL_S",
@@ -65,6 +78,7 @@ __all__ = [
     "DISCARD",
     "DTYPE_CODES",
     "UPGRADE_PROTOCOL",
+    "Arena",
     "ArrayInfo",
     "AuthError",
     "Destination",
@@ -79,18 +93,25 @@ __all__ = [
     "ReaderStatistics",
     "RemoteError",
     "RequestError",
+    "ShmConnection",
+    "ShmListener",
+    "ShmMessage",
     "StreamProtocol",
     "TransportError",
     "as_array",
     "client_ssl_context",
+    "connect_shm",
     "create_app",
     "decode_frame",
     "decode_header",
     "decode_prefix",
     "encode_frame",
     "frame_bytes",
+    "host_identity",
     "open_stream",
     "parse_json",
+    "recv_fds",
+    "send_fds",
     "serve",
     "server_ssl_context",
     "stream_route",
