@@ -436,14 +436,17 @@ class ParameterServer:
 
     def _land(self, work: Land) -> None:
         done, failed = land(work, self.state.updater)
-        self._on_loop(self._landed, done, failed)
+        self._on_loop(self._landed, done, failed, work.reply)
 
     def _landed(
         self,
         done: list[tuple[ServerEntry, int]],
         failed: list[tuple[ServerEntry, int, Exception]],
+        reply: Reply | None = None,
     ) -> None:
         self.execute(self.state.rounds_applied(done))
+        if reply is not None:
+            self.execute([self.state.push_applied(reply, failed)])
         for entry, round_no, exc in failed:
             log.error(
                 "%s: the update of key %r (round %d) failed: %r",

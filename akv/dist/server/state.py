@@ -181,12 +181,14 @@ class Land:
     """One frame's pushes: add ``merges`` (entry, buffer, first of its round) to their
     rounds' sums, then apply ``closing`` (entry, buffer or None for the merge buffer,
     round), in one task that writes every key in ``entries``. Report the outcome with
-    :meth:`ServerState.rounds_applied` and :meth:`ServerState.update_failed`."""
+    :meth:`ServerState.rounds_applied` and :meth:`ServerState.update_failed`, and send
+    ``reply`` (a dist_async push's answer: it is applied when answered) afterwards."""
 
     entries: tuple[ServerEntry, ...]
     merges: tuple[tuple[ServerEntry, np.ndarray, bool], ...]
     closing: tuple[tuple[ServerEntry, np.ndarray | None, int], ...]
     inline: bool
+    reply: Reply | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -684,14 +686,17 @@ class ServerState:
             else:
                 closing.append((entry, buffer, decision.round))
         out: list[Instruction] = []
+        reply = Reply(peer, header.seq) if header.op == Op.PUSH else None
+        # dist_async: a push is answered once applied, so that whoever hears of the answer
+        # (a barrier) sees it; dist_sync: once counted (its round may wait for others).
+        after_land = reply if counted and not sync else None
         if counted:
-            out.append(
-                Land(tuple(counted), tuple(merges), tuple(closing), nbytes <= INLINE_MAX_BYTES)
-            )
+            inline = nbytes <= INLINE_MAX_BYTES
+            out.append(Land(tuple(counted), tuple(merges), tuple(closing), inline, after_land))
         if header.op == Op.PUSHPULL:
             out.extend(self._pull(peer, header.seq, entries))
-        else:
-            out.append(Reply(peer, header.seq))
+        elif after_land is None:
+            out.append(cast("Reply", reply))
         return out
 
     def _pull(self, peer: Peer, seq: int, entries: list[ServerEntry]) -> list[Instruction]:
@@ -902,6 +907,21 @@ class ServerState:
                 if ticket.remaining == 0 and not ticket.answered:
                     out.append(self._send(ticket))
         return out
+
+    def push_applied(
+        self, reply: Reply, failed: Sequence[tuple[ServerEntry, int, BaseException]]
+    ) -> Reply | ReplyError:
+        """A dist_async push was applied: its answer, or the error of its first key whose
+        update raised (naming the key and the server)."""
+        if not failed:
+            return reply
+        entry, round_no, exc = failed[0]
+        error = ServerError(
+            f"the update of key {entry.key!r} in round {round_no} failed on "
+            f"{self.name}: {type(exc).__name__}: {exc}",
+            server=self.name,
+        )
+        return ReplyError(reply.peer, reply.seq, error)
 
     def update_failed(
         self, entry: ServerEntry, round_no: int, exc: BaseException

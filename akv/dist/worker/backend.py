@@ -616,13 +616,25 @@ class DistBackend:
     def barrier(self) -> Task:
         """Wait until every worker called barrier as often as this one (with a deadline).
 
-        Raises the error of a pipelined push nobody was told of yet."""
+        First this worker's pipelined pushes sent before it are acknowledged, so that once
+        the barrier is passed every worker's earlier pushes have reached the servers (a
+        pull after it sees them, in dist_async too). Raises the error of a pipelined push
+        nobody was told of yet."""
         self._check()
         late = self._take_late()
         if late is not None:
             raise late
         self._barriers += 1
-        return self._engine.push(self._barrier, self._barriers, executor="loop", name="barrier")
+        return self._engine.push(
+            self._acked_barrier, self._barriers, executor="loop", name="barrier"
+        )
+
+    async def _acked_barrier(self, number: int) -> None:
+        await self._acks()
+        late = self._take_late()
+        if late is not None:
+            raise late
+        await self._barrier(number)
 
     async def _barrier(self, number: int) -> None:
         deadline = time.monotonic() + self.config.timeouts.barrier_s

@@ -189,3 +189,5 @@ class Players:
         self.run(self.state.rounds_applied(done))
         for entry, round_no, exc in failed:
             self.run(self.state.update_failed(entry, round_no, exc))
+        if work.reply is not None:
+            self.run([self.state.push_applied(work.reply, failed)])

@@ -307,6 +307,18 @@ def test_a_resent_frame_counts_only_its_keys_that_were_not_counted():
     np.testing.assert_array_equal(values["b"], f32(7, 7))
 
 
+def test_an_async_push_is_answered_once_applied_and_a_sync_one_once_counted():
+    players = started(2, store_type="dist_async")
+    players.hold_updates = True
+    push = players.push(0, {"w": f32(1, 1)}, tag=1)
+    assert players.waiting(0, push)  # counted, not yet applied
+    players.finish_updates()
+    assert players.reply(0, push) == OK
+    sync = started(2)
+    sync.hold_updates = True
+    assert sync.reply(0, sync.push(0, {"w": f32(1, 1)}, tag=1)) == OK  # its round waits
+
+
 def test_async_pushes_are_counted_once_each():
     players = started(2, store_type="dist_async")
     first = players.push(0, {"w": f32(1, 1)}, tag=1)
