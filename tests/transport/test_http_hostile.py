@@ -8,9 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import shutil
 import ssl
-import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -21,6 +19,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.tls import make_certificates
 from transport import (
     FrameHeader,
     HttpClient,
@@ -473,25 +472,8 @@ async def test_a_bind_beyond_loopback_with_tls_does_not_warn(caplog):
 
 @pytest.fixture
 def certificates(tmp_path: Path) -> dict[str, str]:
-    """A CA and a certificate for 127.0.0.1 that it signed, made now with openssl."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make test certificates")
-    ca_key, ca, key, csr, cert = (
-        tmp_path / name for name in ("ca.key", "ca.pem", "node.key", "node.csr", "node.pem")
-    )
-    ext = tmp_path / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    ca_subject = ["-subj", "/CN=akv hostile test CA", "-days", "1"]
-    signing = ["-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "1", "-extfile", ext]
-    commands = [
-        ["openssl", "req", "-x509", *ec, "-keyout", ca_key, "-out", ca, *ca_subject],
-        ["openssl", "req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
-        ["openssl", "x509", "-req", "-in", csr, *signing, "-out", cert],
-    ]
-    for command in commands:
-        subprocess.run([str(c) for c in command], check=True, capture_output=True, timeout=60)
-    return {"ca": str(ca), "cert": str(cert), "key": str(key)}
+    """A CA and a certificate for 127.0.0.1 that it signed, made now (trustme)."""
+    return make_certificates(tmp_path)
 
 
 async def test_tls_end_to_end_with_the_bounds_in_place(certificates):

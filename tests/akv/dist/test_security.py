@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
-import subprocess
 
 import aiohttp
 import numpy as np
@@ -14,6 +12,7 @@ import pytest
 
 from akv.dist import protocol as proto
 from tests.akv.dist.cluster import Cluster
+from tests.tls import make_certificates
 from transport import frame_bytes
 
 pytestmark = pytest.mark.timeout(60)
@@ -180,64 +179,8 @@ def _non_loopback_address() -> str | None:
 
 @pytest.fixture
 def certificates(tmp_path):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make test certificates")
-    ca_key, ca_cert = tmp_path / "ca.key", tmp_path / "ca.pem"
-    key, csr, cert = tmp_path / "node.key", tmp_path / "node.csr", tmp_path / "node.pem"
-    ext = tmp_path / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run = [
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            ca_key,
-            "-out",
-            ca_cert,
-            "-days",
-            "1",
-            "-subj",
-            "/CN=akv test CA",
-        ],
-        [
-            "openssl",
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            key,
-            "-out",
-            csr,
-            "-subj",
-            "/CN=127.0.0.1",
-        ],
-        [
-            "openssl",
-            "x509",
-            "-req",
-            "-in",
-            csr,
-            "-CA",
-            ca_cert,
-            "-CAkey",
-            ca_key,
-            "-CAcreateserial",
-            "-out",
-            cert,
-            "-days",
-            "1",
-            "-extfile",
-            ext,
-        ],
-    ]
-    for command in run:
-        subprocess.run([str(c) for c in command], check=True, capture_output=True, timeout=60)
-    return {"AKV_TLS_CA": str(ca_cert), "AKV_TLS_CERT": str(cert), "AKV_TLS_KEY": str(key)}
+    made = make_certificates(tmp_path)
+    return {"AKV_TLS_CA": made["ca"], "AKV_TLS_CERT": made["cert"], "AKV_TLS_KEY": made["key"]}
 
 
 async def test_a_job_runs_over_tls(certificates):
