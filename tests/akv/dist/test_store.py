@@ -383,8 +383,7 @@ async def _drop_streams(server):
     """As if the server's process died: its streams and its listener go (a worker finds
     nothing to reconnect to)."""
     server.state.stopping = True  # it will not report the worker lost: it is the one "dying"
-    runner, server._runner = server._runner, None
-    for site in list(runner.sites):
+    for site in list(server._runner.sites):  # the runner itself is cleaned up by stop()
         await site.stop()
     for link in list(server.links.values()):
         link.protocol.abort()
