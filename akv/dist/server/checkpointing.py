@@ -211,7 +211,6 @@ class Checkpoints:
                 answers: list[Instruction] = [
                     Reply(r.peer, r.seq) if error is None else ReplyError(r.peer, r.seq, error)
                     for r in batch
-                    if r.peer is not None
                 ]
                 self.server.execute(answers)
         finally:

@@ -238,11 +238,11 @@ class LoadStates:
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """Write a checkpoint now (``peer`` asked with request ``seq``: answer it once the
-    checkpoint is durable; None: the server's own timer or stop)."""
+    """Write a checkpoint now, and answer request ``seq`` of ``peer`` (a checkpoint request,
+    or an init) once it holds everything so far."""
 
-    peer: Peer | None = None
-    seq: int = 0
+    peer: Peer
+    seq: int
 
 
 @dataclass(frozen=True, slots=True)

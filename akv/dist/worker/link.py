@@ -93,7 +93,6 @@ class ServerLink:
         self.retained_bytes = 0
         self._durable_below = 0
         self._asked_checkpoint = False
-        self._retain_limit = 0
         self._opener: tuple[Config, int, str, str] | None = None
         self._reconnecting: asyncio.Task[None] | None = None
         #: Resending on a new stream: requests made meanwhile wait (``_deferred``) so that
@@ -113,7 +112,6 @@ class ServerLink:
         """
         self._loop = asyncio.get_running_loop()
         self._opener = (config, worker, store_type, session)
-        self._retain_limit = config.retain_bytes
         self.protocol = await open_stream(
             self.host,
             self.port,
@@ -132,7 +130,8 @@ class ServerLink:
         if header.op == Op.DURABLE:
             self._durable(header.aux)
             return
-        request = self._table.get(header.seq)
+        # The request, to keep a copy of once answered (only for a server with checkpoints).
+        request = self._table.get(header.seq) if self.restartable else None
         outcome = self._table.reply(message)
         if outcome is None:
             return
@@ -140,7 +139,7 @@ class ServerLink:
             self._held.append(outcome)  # the job failed: nothing will work
             self._report(self, outcome.error, False)
             return
-        if self.restartable and outcome.error is None and request is not None:
+        if request is not None and outcome.error is None:
             self._retain(header.seq, request)
         outcome.deliver()
 
@@ -153,9 +152,11 @@ class ServerLink:
         arrays = [(key, array.copy(), tag) for key, array, tag in request.arrays]
         self._retained[seq] = (op, arrays, request.text)
         self.retained_bytes += sum(array.nbytes for _, array, _ in arrays)
-        if self.retained_bytes > self._retain_limit and not self._asked_checkpoint:
+        config = self._config()
+        if self.retained_bytes > config.retain_bytes and not self._asked_checkpoint:
             self._asked_checkpoint = True
-            self.send(Op.CHECKPOINT, (), self._checkpointed, timeout_s=self._timeout_s())
+            timeout_s = config.timeouts.request_s
+            self.send(Op.CHECKPOINT, (), self._checkpointed, timeout_s=timeout_s)
 
     def _checkpointed(self, message: Message | None, error: AKVError | None) -> None:
         self._asked_checkpoint = False
@@ -181,8 +182,10 @@ class ServerLink:
         elif self._reconnecting is None:
             self._reconnecting = self._loop.create_task(self._reconnect(exc))
 
-    def _timeout_s(self) -> float:
-        return self._opener[0].timeouts.request_s if self._opener else 60.0
+    def _config(self) -> Config:
+        """The job's configuration (known once :meth:`open` was called)."""
+        assert self._opener is not None
+        return self._opener[0]
 
     async def _reconnect(self, cause: BaseException | None) -> None:
         """Open the stream again and resend; report trouble when that cannot be done."""
@@ -296,7 +299,8 @@ class ServerLink:
         if settle:
             # Its own answer does not matter: the resent push's does.
             with contextlib.suppress(AKVError):
-                await self._request_now(Op.PULL, settle, timeout_s=self._timeout_s())
+                timeout_s = self._config().timeouts.request_s
+                await self._request_now(Op.PULL, settle, timeout_s=timeout_s)
         if protocol is not self.protocol or self.failed or self.closing:
             return False
         protocol.write(encode_frame(op, seq, arrays, text=text))

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,19 +73,39 @@ class Proxy:
             return
         self._writers.add(up_writer)
         self.connections += 1
+        connection = self._new_connection()
+        ends = (writer, up_writer)
         pipes = [
-            asyncio.ensure_future(self._pipe(reader, up_writer, "to server")),
-            asyncio.ensure_future(self._pipe(up_reader, writer, "to worker")),
+            asyncio.ensure_future(self._pipe(reader, up_writer, "to server", connection, ends)),
+            asyncio.ensure_future(self._pipe(up_reader, writer, "to worker", connection, ends)),
         ]
         self._tasks.update(pipes)
         await asyncio.gather(*pipes, return_exceptions=True)
         self._tasks.difference_update(pipes)
 
-    async def _pipe(self, reader, writer, direction: str) -> None:
+    #: How much one read of a pipe takes at most.
+    read_bytes = 1 << 16
+
+    def _new_connection(self) -> Any:
+        """What a subclass keeps per forwarded connection (both directions share it)."""
+        return None
+
+    def _forward(self, data: bytes, direction: str, connection: Any) -> tuple[bytes, bool]:
+        """What of ``data`` to forward, and whether to cut the connection after it (a
+        subclass's hook; this proxy forwards everything)."""
+        return data, False
+
+    async def _pipe(self, reader, writer, direction: str, connection: Any, ends) -> None:
         try:
-            while data := await reader.read(1 << 16):
+            while data := await reader.read(self.read_bytes):
                 self.bytes[direction] += len(data)
-                writer.write(data)
+                forward, cut = self._forward(data, direction, connection)
+                if forward:
+                    writer.write(forward)
+                if cut:
+                    for end in ends:
+                        end.transport.abort()
+                    return
                 await writer.drain()
         except (OSError, asyncio.IncompleteReadError):
             pass

@@ -39,52 +39,24 @@ class CuttingProxy(Proxy):
         self.cut = 0
         self.max_bytes = max_bytes
 
-    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self._writers.add(writer)
-        try:
-            up_reader, up_writer = await asyncio.wait_for(
-                asyncio.open_connection("127.0.0.1", self.target), 10
-            )
-        except (OSError, asyncio.TimeoutError):
-            writer.close()
-            return
-        self._writers.add(up_writer)
-        self.connections += 1
-        budget = [self.rng.randrange(200, self.max_bytes)]
-        ends = (writer, up_writer)
-        pipes = [
-            asyncio.ensure_future(self._cut_pipe(reader, up_writer, "to server", budget, ends)),
-            asyncio.ensure_future(self._cut_pipe(up_reader, writer, "to worker", budget, ends)),
-        ]
-        self._tasks.update(pipes)
-        await asyncio.gather(*pipes, return_exceptions=True)
-        self._tasks.difference_update(pipes)
+    read_bytes = 1 << 14
 
-    async def _cut_pipe(self, reader, writer, direction: str, budget: list[int], ends) -> None:
-        try:
-            while data := await reader.read(1 << 14):
-                self.bytes[direction] += len(data)
-                if self.where in ("both", direction):
-                    # Requests are cut after so many bytes; replies after so many reads, so
-                    # that a small reply (a push's) is as likely to be lost as a large one.
-                    budget[0] -= len(data) if direction == "to server" else 1000
-                if budget[0] <= 0 and self.cuts_left > 0:
-                    self.cuts_left -= 1
-                    self.cut += 1
-                    # Forward part of a request, then cut; drop a whole reply (the server
-                    # handled its request: the resent one must not be applied again).
-                    keep = len(data) + budget[0] if direction == "to server" else 0
-                    if keep > 0:
-                        writer.write(data[:keep])
-                    for end in ends:
-                        end.transport.abort()
-                    return
-                writer.write(data)
-                await writer.drain()
-        except (OSError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+    def _new_connection(self) -> list[int]:
+        return [self.rng.randrange(200, self.max_bytes)]  # what it forwards before a cut
+
+    def _forward(self, data: bytes, direction: str, budget: list[int]) -> tuple[bytes, bool]:
+        if self.where in ("both", direction):
+            # Requests are cut after so many bytes; replies after so many reads, so that a
+            # small reply (a push's) is as likely to be lost as a large one.
+            budget[0] -= len(data) if direction == "to server" else 1000
+        if budget[0] > 0 or self.cuts_left <= 0:
+            return data, False
+        self.cuts_left -= 1
+        self.cut += 1
+        # Forward part of a request, then cut; drop a whole reply (the server handled its
+        # request: the resent one must not be applied again).
+        keep = len(data) + budget[0] if direction == "to server" else 0
+        return data[: max(keep, 0)], True
 
 
 def cutting_proxies(count: int, seed: int, cuts: int, max_bytes: int, where: str):

@@ -443,16 +443,22 @@ async def test_joining_waits_for_the_rest_of_the_job_and_says_what_is_missing():
         await akv.create_async("dist_sync", environ=cluster.worker_env(0))
 
 
-def test_a_pipelined_push_sends_a_copy_the_caller_may_change_at_once(monkeypatch):
-    sent: list[np.ndarray] = []
+@pytest.fixture
+def sent(monkeypatch) -> list[np.ndarray]:
+    """The arrays every push request hands to a server link, in order."""
+    arrays: list[np.ndarray] = []
     real_send = ServerLink.send
 
-    def spy(self, op, arrays, on_reply, **kwargs):
+    def spy(self, op, wire, on_reply, **kwargs):
         if op == Op.PUSH:
-            sent.extend(array for _, array, _ in arrays)
-        return real_send(self, op, arrays, on_reply, **kwargs)
+            arrays.extend(array for _, array, _ in wire)
+        return real_send(self, op, wire, on_reply, **kwargs)
 
     monkeypatch.setattr(ServerLink, "send", spy)
+    return arrays
+
+
+def test_a_pipelined_push_sends_a_copy_the_caller_may_change_at_once(sent):
     with Cluster(1, 1) as cluster:
         kv = akv.create("dist_sync", environ=cluster.worker_env(0))
         kv.init("w", np.zeros((3, 4), np.float32))
@@ -464,16 +470,7 @@ def test_a_pipelined_push_sends_a_copy_the_caller_may_change_at_once(monkeypatch
         kv.close()
 
 
-def test_a_strict_push_sends_contiguous_arrays_and_stages_the_rest(monkeypatch):
-    sent: list[np.ndarray] = []
-    real_send = ServerLink.send
-
-    def spy(self, op, arrays, on_reply, **kwargs):
-        if op == Op.PUSH:
-            sent.extend(array for _, array, _ in arrays)
-        return real_send(self, op, arrays, on_reply, **kwargs)
-
-    monkeypatch.setattr(ServerLink, "send", spy)
+def test_a_strict_push_sends_contiguous_arrays_and_stages_the_rest(sent):
     with Cluster(1, 1, AKV_STRICT_PUSH="1") as cluster:
         kv = akv.create("dist_sync", environ=cluster.worker_env(0))
         kv.init("w", np.zeros((3, 4), np.float32))

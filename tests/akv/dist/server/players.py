@@ -134,8 +134,7 @@ class Players:
         asked, self.checkpoints = self.checkpoints, []
         self.run(self.state.checkpointed(self.state.checkpoint_plan()))
         for checkpoint in asked:
-            if checkpoint.peer is not None:
-                self._answer(checkpoint.peer, checkpoint.seq, OK)
+            self._answer(checkpoint.peer, checkpoint.seq, OK)
 
     def finish_updates(self) -> None:
         held, self.held = self.held, []
