@@ -118,6 +118,10 @@ SERVER_ENGINE_SLOTS = max(4, os.cpu_count() or 1)
 #: checkpoint now (so what it keeps is about this much, plus what is pushed while one
 #: checkpoint is written). ``AKV_RETAIN_BYTES``.
 RETAIN_BYTES = 256 << 20
+#: Each side's shared-memory arena on a stream between processes on one host
+#: (``AKV_SHM_ARENA_BYTES``): its pages take memory only once used, and a region is taken
+#: from the lowest free offset, so a stream holds about what it had in flight at most.
+SHM_ARENA_BYTES = 1 << 30
 #: The shortest token a job accepts (characters). ``AKV_TOKEN`` sets the token.
 MIN_TOKEN_CHARS = 16
 #: How much longer than the connect timeout the scheduler (from its start) and a server

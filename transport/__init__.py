@@ -11,6 +11,10 @@
 * :func:`stream_route` / :func:`open_stream` / :class:`StreamProtocol`: an authenticated
   HTTP Upgrade to a framed stream for bulk arrays (zero-copy sends, receives into
   preallocated buffers).
+* :func:`serve_local` / ``open_stream(local_path=...)``: the same streams between processes
+  on one host over a private Unix socket, with large payloads through shared memory
+  (:mod:`transport._shm_stream`); :func:`remove_leftovers` removes what a killed process
+  left in the file system.
 * :mod:`transport.shm`: shared memory between processes on one host: :class:`Arena` (a
   sealed memfd), :func:`send_fds` / :func:`recv_fds`, an authenticated private Unix socket
   (:class:`ShmListener`, :func:`connect_shm`, :class:`ShmConnection`), :func:`host_identity`.
@@ -31,10 +35,18 @@ from transport._http import (
     create_app,
     parse_json,
     serve,
+    serve_local,
     server_ssl_context,
     stream_route,
 )
 from transport._reader import DISCARD, Destination, Discard, FrameReader, Message, ReaderStatistics
+from transport._shm_stream import (
+    DEFAULT_ARENA_BYTES,
+    DEFAULT_MIN_SHARED_BYTES,
+    LocalSite,
+    SharedMemory,
+    remove_leftovers,
+)
 from transport._stream import UPGRADE_PROTOCOL, StreamProtocol, open_stream
 from transport.errors import (
     AuthError,
@@ -69,12 +81,14 @@ from transport.shm import (
 
 __all__ = [
     "CLIENT_MISTAKE_LOG_INTERVAL_S",
+    "DEFAULT_ARENA_BYTES",
     "DEFAULT_HOST",
     "DEFAULT_IDLE_TIMEOUT_S",
     "DEFAULT_JSON_MAX_DEPTH",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CONNECTIONS_PER_PEER",
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "DEFAULT_MIN_SHARED_BYTES",
     "DISCARD",
     "DTYPE_CODES",
     "UPGRADE_PROTOCOL",
@@ -88,11 +102,13 @@ __all__ = [
     "FrameReader",
     "HttpClient",
     "JSONError",
+    "LocalSite",
     "Message",
     "PayloadTooLargeError",
     "ReaderStatistics",
     "RemoteError",
     "RequestError",
+    "SharedMemory",
     "ShmConnection",
     "ShmListener",
     "ShmMessage",
@@ -111,8 +127,10 @@ __all__ = [
     "open_stream",
     "parse_json",
     "recv_fds",
+    "remove_leftovers",
     "send_fds",
     "serve",
+    "serve_local",
     "server_ssl_context",
     "stream_route",
 ]

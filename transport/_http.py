@@ -43,6 +43,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http import HttpProcessingError
 
+from transport._shm_stream import DEFAULT_ARENA_BYTES, LocalSite, SharedMemory
 from transport._stream import UPGRADE_PROTOCOL, StreamProtocol
 from transport.errors import (
     AuthError,
@@ -65,6 +66,7 @@ __all__ = [
     "create_app",
     "parse_json",
     "serve",
+    "serve_local",
     "server_ssl_context",
     "stream_route",
 ]
@@ -196,6 +198,10 @@ def stream_route(
         if transport is None:
             raise RequestError(400, "the connection is gone")
         protocol = make_protocol(request)
+        guard = transport.get_protocol()
+        if isinstance(guard, _Guard) and guard.shared is not None:
+            protocol.share(guard.shared)
+            guard.shared = None
         response = web.StreamResponse(
             status=101, headers={"Upgrade": UPGRADE_PROTOCOL, "Connection": "Upgrade"}
         )
@@ -274,6 +280,48 @@ async def serve(
                 ", ".join(_format_address(a[0], a[1]) for a in exposed),
             )
     return runner, bound
+
+
+async def serve_local(
+    runner: web.AppRunner,
+    token: str,
+    *,
+    arena_bytes: int = DEFAULT_ARENA_BYTES,
+    idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
+    parent_directory: str | None = None,
+) -> LocalSite:
+    """Serve ``runner``'s application (started by :func:`serve`) to processes on this host
+    too, through a private Unix socket whose streams share memory
+    (:mod:`transport._shm_stream`; ``arena_bytes`` 0: they share none); ``site.path`` is
+    the socket's path, for :func:`open_stream`'s ``local_path``, and ``await site.close()``
+    stops it (before ``runner.cleanup()``).
+
+    Connections must send the token before anything else; idle ones are closed as on
+    :func:`serve`'s listener.
+
+    Raises
+    ------
+    TransportError
+        When the socket cannot be created.
+    """
+    handlers = runner.server
+    if handlers is None:
+        raise TransportError("serve_local: the runner is not set up (call serve() first)")
+    connections = _Connections(handlers, idle_timeout_s, None)
+    loop = asyncio.get_running_loop()
+
+    async def adopt(sock: socket.socket, shared: SharedMemory) -> None:
+        guard = connections.protocol()
+        guard.shared = shared
+        try:
+            await loop.connect_accepted_socket(lambda: guard, sock)
+        except BaseException:
+            sock.close()
+            if guard.shared is not None:
+                guard.shared.close()
+            raise
+
+    return LocalSite(token, adopt, arena_bytes=arena_bytes, parent_directory=parent_directory)
 
 
 def _is_loopback(host: str) -> bool:
@@ -401,6 +449,8 @@ class _Guard(asyncio.Protocol):
         self._waiting_header = False
         self._body: aiohttp.StreamReader | None = None
         self._last_data = 0.0
+        #: The memory shared with a peer on this host, until its stream takes it over.
+        self.shared: SharedMemory | None = None
 
     # -------------------------------------------------------------- asyncio callbacks
 
@@ -431,6 +481,9 @@ class _Guard(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
         if self._counted:
             self._release()
             self._inner.connection_lost(exc)

@@ -7,6 +7,12 @@ large array is received by the kernel straight into the buffer the application c
 The payload of an array the application refuses (:data:`DISCARD`) is read through the scratch
 buffer and dropped, so a header that declares a huge payload never makes the reader allocate
 it.
+
+Between peers that share memory (:mod:`transport._shm_stream`) a frame's payload may lie in
+the sender's arena instead: the reader copies it from :attr:`FrameReader.arena` into the
+destinations and notes the region in :attr:`FrameReader.released`, to be handed back; the
+regions of this side's arena that the peer hands back are noted in
+:attr:`FrameReader.freed`.
 """
 
 from __future__ import annotations
@@ -18,11 +24,15 @@ from typing import Final, Literal, NamedTuple, TypeAlias
 
 from transport.errors import FrameError
 from transport.frame import (
+    ARENA_REF_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     PREFIX_BYTES,
+    VERSION_ARENA,
+    VERSION_RELEASE,
     FrameHeader,
+    decode_any_prefix,
     decode_header,
-    decode_prefix,
+    decode_release,
 )
 
 __all__ = [
@@ -63,7 +73,7 @@ Destination: TypeAlias = memoryview | Literal[Discard.DISCARD] | None
 Destinations: TypeAlias = Callable[[FrameHeader], Sequence[Destination]]
 
 # What the reader is waiting for.
-_PREFIX, _HEADER, _BIG_HEADER, _PAYLOAD = range(4)
+_PREFIX, _HEADER, _BIG_HEADER, _PAYLOAD, _ARENA_REF, _RELEASE = range(6)
 # Which buffer get_buffer() handed out last.
 _NOTHING, _SCRATCH, _DIRECT, _BIG = range(4)
 # The buffer a discarded array is delivered with: empty, its bytes were dropped.
@@ -90,13 +100,15 @@ class ReaderStatistics:
     ``payload_bytes_direct`` were written by the caller (the kernel) straight into their
     destinations; ``payload_bytes_copied`` arrived in the scratch buffer and were copied there;
     ``payload_bytes_discarded`` arrived in the scratch buffer for a :data:`DISCARD`
-    destination and were dropped.
+    destination and were dropped; ``payload_bytes_shared`` were copied from the peer's arena.
     """
 
     messages: int
     payload_bytes_direct: int
     payload_bytes_copied: int
     payload_bytes_discarded: int = 0
+    #: Payload bytes copied out of the peer's arena (frames sent through shared memory).
+    payload_bytes_shared: int = 0
 
 
 class FrameReader:
@@ -173,6 +185,15 @@ class FrameReader:
         self._direct_bytes = 0
         self._copied_bytes = 0
         self._discarded_bytes = 0
+        self._shared_bytes = 0
+        self._arena_frame = False
+        #: The peer's arena (its frames of version 2 have their payload there); None: the
+        #: peer may send none.
+        self.arena: memoryview | None = None
+        #: Offsets of the peer's arena whose payload was copied out: to hand back.
+        self.released: list[int] = []
+        #: Offsets of this side's arena that the peer handed back.
+        self.freed: list[int] = []
 
     # -------------------------------------------------------------- the protocol's face
 
@@ -292,7 +313,11 @@ class FrameReader:
     def statistics(self) -> ReaderStatistics:
         """Return the reader's counters (messages, payload bytes received direct or copied)."""
         return ReaderStatistics(
-            self._messages, self._direct_bytes, self._copied_bytes, self._discarded_bytes
+            self._messages,
+            self._direct_bytes,
+            self._copied_bytes,
+            self._discarded_bytes,
+            self._shared_bytes,
         )
 
     # -------------------------------------------------------------- parsing
@@ -319,11 +344,17 @@ class FrameReader:
             elif state == _PREFIX:
                 if end - start < PREFIX_BYTES:
                     break
-                header_len, payload_len = decode_prefix(
+                version, header_len, payload_len = decode_any_prefix(
                     view[start : start + PREFIX_BYTES], max_payload_bytes=self._max_payload_bytes
                 )
                 start += PREFIX_BYTES
                 self._header_len, self._payload_len = header_len, payload_len
+                if version == VERSION_RELEASE:
+                    self._state = _RELEASE
+                    continue
+                if version == VERSION_ARENA and self.arena is None:
+                    raise FrameError("a frame's payload is in an arena, but the peer shared none")
+                self._arena_frame = version == VERSION_ARENA
                 if header_len > len(view):
                     # Too big for scratch even once compacted: it gets a buffer of its own,
                     # and what arrived so far (less than all of it) moves there.
@@ -335,6 +366,19 @@ class FrameReader:
                     self._state = _BIG_HEADER
                 else:
                     self._state = _HEADER
+            elif state == _ARENA_REF:
+                if end - start < ARENA_REF_BYTES:
+                    break
+                offset = int.from_bytes(view[start : start + ARENA_REF_BYTES], "little")
+                start += ARENA_REF_BYTES
+                self._copy_from_arena(offset, messages)
+            elif state == _RELEASE:
+                count = self._payload_len
+                if end - start < count:
+                    break
+                self.freed.extend(decode_release(view[start : start + count]))
+                start += count
+                self._state = _PREFIX
             else:  # _HEADER: _BIG_HEADER never has bytes in scratch
                 header_len = self._header_len
                 if end - start < header_len:
@@ -368,7 +412,32 @@ class FrameReader:
         self._sizes = [info.nbytes for info in arrays]
         self._discards = discards
         self._index = -1
+        if self._arena_frame:
+            self._state = _ARENA_REF
+            return
         self._state = _PAYLOAD
+        self._next_array(messages)
+
+    def _copy_from_arena(self, offset: int, messages: list[Message]) -> None:
+        """Copy a frame's payload from ``offset`` of the peer's arena into its
+        destinations, and complete it."""
+        arena = self.arena
+        assert arena is not None  # checked at the prefix
+        end = offset + self._payload_len
+        if end > len(arena):
+            raise FrameError(
+                f"a frame's payload of {self._payload_len} bytes at offset {offset} is outside "
+                f"the peer's arena of {len(arena)} bytes"
+            )
+        position = offset
+        for buffer, size, discard in zip(self._buffers, self._sizes, self._discards, strict=True):
+            if not discard and size:
+                buffer[:] = arena[position : position + size]
+            position += size
+        self._shared_bytes += self._payload_len
+        self.released.append(offset)
+        self._index = len(self._buffers)
+        self._arena_frame = False
         self._next_array(messages)
 
     def _next_array(self, messages: list[Message]) -> None:
@@ -404,6 +473,10 @@ class FrameReader:
             return f"{held} of {PREFIX_BYTES} prefix bytes received"
         if self._state == _HEADER:
             return f"{held} of {self._header_len} header bytes received"
+        if self._state == _ARENA_REF:
+            return f"{held} of {ARENA_REF_BYTES} arena offset bytes received"
+        if self._state == _RELEASE:
+            return f"{held} of {self._payload_len} release bytes received"
         if self._state == _BIG_HEADER:
             return f"{self._big_filled} of {self._header_len} header bytes received"
         done = sum(self._sizes[: self._index]) + self._offset

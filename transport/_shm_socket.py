@@ -267,6 +267,30 @@ class ShmConnection:
         self._wake_receiver()
         self._sock.close()
 
+    def detach(self) -> socket.socket:
+        """Stop using the socket and hand it over (blocking off, nothing buffered here):
+        the connection is closed from then on, the socket is the caller's.
+
+        Raises
+        ------
+        TransportError
+            When the connection is closed or failed, a send is still waiting, or bytes or
+            messages were received that nobody took (the peer sent ahead of the protocol).
+        """
+        if self._closed or self._read_error is not None or self._write_error is not None:
+            raise TransportError("shm connection: cannot detach a closed or failed connection")
+        if self._sends or self._messages or self._parser.buffered_bytes:
+            raise TransportError(
+                "shm connection: cannot detach with sends waiting or data received ahead"
+            )
+        self._stop_reading()
+        self._stop_writing()
+        self._closed = True
+        self._read_error = self._write_error = TransportError("shm connection: detached")
+        self._parser.close()
+        self._sock.setblocking(True)
+        return self._sock
+
     # ------------------------------------------------------------------ receiving
 
     def _start_reading(self) -> None:

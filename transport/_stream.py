@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 from transport._reader import Destinations, FrameReader, Message
+from transport._shm_stream import SharedMemory, connect_local
 from transport.errors import AuthError, FrameError, RemoteError, TransportError
 from transport.frame import DEFAULT_MAX_PAYLOAD_BYTES
 
@@ -67,6 +68,14 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._handshake: bytearray | None = bytearray() if handshake else None
         self._handshake_buffer = bytearray(HANDSHAKE_MAX_BYTES)
         self.handshake_done: asyncio.Future[None] | None = None
+        #: The memory shared with the peer on this host (None: every byte on the socket).
+        self.shared: SharedMemory | None = None
+
+    def share(self, shared: SharedMemory) -> None:
+        """Carry large payloads through ``shared`` (which the stream owns and closes from
+        now on). Call before the first frame."""
+        self.shared = shared
+        self._reader.arena = shared.peer_view()
 
     # -------------------------------------------------------------- asyncio callbacks
 
@@ -98,6 +107,17 @@ class StreamProtocol(asyncio.BufferedProtocol):
         except FrameError as exc:
             self.abort(exc)
             return
+        shared = self.shared
+        if shared is not None:
+            reader = self._reader
+            try:
+                if reader.freed:
+                    shared.freed(reader.freed)
+            except FrameError as exc:
+                self.abort(exc)
+                return
+            if reader.released and self.transport is not None:
+                self.transport.writelines(shared.release(reader.released))
         for message in messages:
             self._on_message(message)
 
@@ -110,6 +130,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._paused = False
+        if self.shared is not None:
+            self._reader.arena = None
+            self.shared.close()
         self._wake_drain_waiters(exc)
         if self.handshake_done is not None and not self.handshake_done.done():
             self.handshake_done.set_exception(
@@ -133,6 +156,10 @@ class StreamProtocol(asyncio.BufferedProtocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             raise TransportError("the stream is closed")
+        if self.shared is not None:
+            placed = self.shared.place(buffers)
+            if placed is not None:
+                buffers = placed
         if len(buffers) == 1:
             transport.write(buffers[0])
         else:
@@ -269,8 +296,16 @@ async def open_stream(
     timeout_s: float = 30.0,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     headers: Mapping[str, str] | None = None,
+    local_path: str | None = None,
+    arena_bytes: int = 0,
 ) -> StreamProtocol:
     """Connect, authenticate and upgrade to a framed stream; return its protocol.
+
+    With ``local_path`` (a :class:`~transport._shm_stream.LocalSite`'s socket, on this
+    host) the stream runs over that Unix socket instead of TCP to ``host:port``, and with
+    ``arena_bytes`` it carries large payloads through shared memory
+    (:mod:`transport._shm_stream`): an arena of that many bytes for this side's, and the
+    peer's.
 
     ``headers`` are sent with the upgrade request, in order and as given, for the
     application to read on the other side (``request.headers`` in ``stream_route``'s
@@ -298,19 +333,34 @@ async def open_stream(
         )
 
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    where = authority if local_path is None else f"{authority} through {local_path}"
+    if local_path is not None:
+        authority = "localhost"
     request = (
         f"GET {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {token}\r\n"
         f"Connection: Upgrade\r\nUpgrade: {UPGRADE_PROTOCOL}\r\n"
     ).encode("latin-1") + _header_lines(headers or {})
 
     async def connect() -> StreamProtocol:
-        transport, protocol = await loop.create_connection(
-            factory,
-            host,
-            port,
-            ssl=ssl_context,
-            server_hostname=host if ssl_context is not None else None,
-        )
+        if local_path is not None:
+            sock, shared = await connect_local(
+                local_path, token, arena_bytes=arena_bytes, timeout_s=timeout_s
+            )
+            try:
+                transport, protocol = await loop.create_unix_connection(factory, sock=sock)
+            except BaseException:
+                sock.close()
+                shared.close()
+                raise
+            protocol.share(shared)
+        else:
+            transport, protocol = await loop.create_connection(
+                factory,
+                host,
+                port,
+                ssl=ssl_context,
+                server_hostname=host if ssl_context is not None else None,
+            )
         transport.write(request)
         assert protocol.handshake_done is not None
         await protocol.handshake_done
@@ -321,7 +371,7 @@ async def open_stream(
     except TransportError:
         raise
     except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
-        raise TransportError(f"cannot open a stream to {authority}: {exc!r}") from exc
+        raise TransportError(f"cannot open a stream to {where}: {exc!r}") from exc
 
 
 def _header_lines(headers: Mapping[str, str]) -> bytes:

@@ -13,6 +13,14 @@ A message on a stream is a 16-byte prefix, a header and a payload::
       text:           text_len bytes of UTF-8 (may be empty)
     payload, payload_len bytes: the arrays' bytes concatenated in descriptor order
 
+Two more kinds of message share the prefix, only between peers that share memory
+(:mod:`transport._shm_stream`); the version byte tells them apart:
+
+* version 2, a frame whose payload lies in the sender's arena: prefix and header as above,
+  then ``offset u64`` (where the payload starts in the arena) instead of the payload;
+* version 3, a release: ``header_len`` 0 and a payload of ``payload_len / 8`` offsets (u64)
+  of the receiver's arena that the sender of the release has read and hands back.
+
 Every integer is little-endian, and so is every array. ``op``, ``flags``, ``seq``, ``aux`` and
 each array's ``tag`` are opaque here: the application gives them meaning. Encoding and decoding
 validate every field and raise :class:`~transport.errors.FrameError` for anything out of range,
@@ -30,6 +38,7 @@ import numpy as np
 from transport.errors import FrameError
 
 __all__ = [
+    "ARENA_REF_BYTES",
     "CODE_DTYPES",
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DTYPE_CODES",
@@ -38,24 +47,39 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_KEY_BYTES",
     "MAX_NDIM",
+    "MAX_RELEASE_OFFSETS",
     "MAX_TEXT_BYTES",
     "PREFIX_BYTES",
     "VERSION",
+    "VERSION_ARENA",
+    "VERSION_RELEASE",
     "ArrayInfo",
     "FrameHeader",
     "as_array",
+    "decode_any_prefix",
     "decode_frame",
     "decode_header",
     "decode_prefix",
+    "decode_release",
     "encode_frame",
     "encode_header",
+    "encode_release",
     "frame_bytes",
+    "to_arena_prefix",
 ]
 
 #: The first three bytes of every frame.
 MAGIC = b"AKV"
 #: The frame version this module speaks; a peer speaking another one is refused.
 VERSION = 1
+#: The prefix version of a frame whose payload lies in the sender's arena.
+VERSION_ARENA = 2
+#: The prefix version of a release of arena regions.
+VERSION_RELEASE = 3
+#: Bytes of the arena offset that follows the header of a :data:`VERSION_ARENA` frame.
+ARENA_REF_BYTES = 8
+#: Most offsets one release may hand back.
+MAX_RELEASE_OFFSETS = 8192
 #: Size of the prefix (magic, version, header_len, payload_len).
 PREFIX_BYTES = 16
 #: Largest header accepted (descriptors and text included).
@@ -100,6 +124,8 @@ I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_ARRAY_BYTES = (1 << 63) - 1
 
 _PREFIX = struct.Struct("<3sBIQ")
+_ARENA_PREFIX_START = MAGIC + bytes([VERSION_ARENA])
+_OFFSET = struct.Struct("<Q")
 _FIXED = struct.Struct("<HHIQqI")
 _DESCRIPTOR = struct.Struct("<BBBBI")
 _INT_KEY_TAG_NBYTES = struct.Struct("<qqQ")
@@ -435,6 +461,22 @@ def decode_prefix(
         When the data is short, the magic or version is not this module's, the header would
         exceed :data:`MAX_HEADER_BYTES` or the payload ``max_payload_bytes``.
     """
+    version, header_len, payload_len = decode_any_prefix(data, max_payload_bytes=max_payload_bytes)
+    if version != VERSION:
+        raise FrameError(f"frame version {version}, this side speaks {VERSION}")
+    return header_len, payload_len
+
+
+def decode_any_prefix(
+    data: bytes | bytearray | memoryview, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+) -> tuple[int, int, int]:
+    """Decode a prefix of any of the three kinds; return ``(version, header_len,
+    payload_len)``.
+
+    Raises :class:`FrameError` as :func:`decode_prefix` does, for an unknown version, and
+    for a release whose header is not empty or whose payload is not a whole number of at
+    most :data:`MAX_RELEASE_OFFSETS` offsets.
+    """
     if len(data) < PREFIX_BYTES:
         raise FrameError(f"frame prefix: {len(data)} bytes, need {PREFIX_BYTES}")
     magic, version, header_len, payload_len = _PREFIX.unpack_from(data)
@@ -442,8 +484,15 @@ def decode_prefix(
         raise FrameError(
             f"frame prefix: magic {magic!r} is not {MAGIC!r} (not an akv frame stream?)"
         )
-    if version != VERSION:
+    if version not in (VERSION, VERSION_ARENA, VERSION_RELEASE):
         raise FrameError(f"frame version {version}, this side speaks {VERSION}")
+    if version == VERSION_RELEASE and (
+        header_len or payload_len % ARENA_REF_BYTES or payload_len > 8 * MAX_RELEASE_OFFSETS
+    ):
+        raise FrameError(
+            f"release: header_len {header_len} and payload_len {payload_len} are not an empty "
+            f"header and at most {MAX_RELEASE_OFFSETS} offsets"
+        )
     if header_len > MAX_HEADER_BYTES:
         raise FrameError(
             f"frame prefix: header_len {header_len} exceeds MAX_HEADER_BYTES {MAX_HEADER_BYTES}"
@@ -452,7 +501,33 @@ def decode_prefix(
         raise FrameError(
             f"frame prefix: payload_len {payload_len} exceeds max_payload_bytes {max_payload_bytes}"
         )
-    return header_len, payload_len
+    return version, header_len, payload_len
+
+
+def to_arena_prefix(head: bytes | memoryview, offset: int) -> list[bytes | memoryview]:
+    """The buffers that send the frame whose prefix and header are ``head`` (as
+    :func:`encode_frame` returns them) with its payload at ``offset`` of the sender's arena.
+    """
+    return [
+        _ARENA_PREFIX_START + bytes(head[4:PREFIX_BYTES]),
+        head[PREFIX_BYTES:],
+        _OFFSET.pack(offset),
+    ]
+
+
+def encode_release(offsets: Sequence[int]) -> bytes:
+    """A release handing back ``offsets`` (at most :data:`MAX_RELEASE_OFFSETS`) of the
+    receiver's arena."""
+    if not 0 < len(offsets) <= MAX_RELEASE_OFFSETS:
+        raise FrameError(f"release: {len(offsets)} offsets, not 1 to {MAX_RELEASE_OFFSETS}")
+    return _PREFIX.pack(MAGIC, VERSION_RELEASE, 0, 8 * len(offsets)) + struct.pack(
+        f"<{len(offsets)}Q", *offsets
+    )
+
+
+def decode_release(data: bytes | bytearray | memoryview) -> tuple[int, ...]:
+    """The offsets of a release's payload (a whole number of u64, checked by the prefix)."""
+    return struct.unpack(f"<{len(data) // 8}Q", data)
 
 
 def decode_header(data: bytes | bytearray | memoryview, payload_len: int) -> FrameHeader:

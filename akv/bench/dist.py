@@ -281,11 +281,21 @@ def run() -> Table:
     return table
 
 
+#: The ways a job's streams can go: the label in the rows, and ``AKV_SHM``.
+TRANSPORTS = {"shared memory": "1", "TCP": "0"}
+
+
 def measure(
-    cases: Sequence[Case], rounds: int, scale: float, servers: Sequence[int] = (1, 2)
+    cases: Sequence[Case],
+    rounds: int,
+    scale: float,
+    servers: Sequence[int] = (1, 2),
+    transports: Sequence[str] = tuple(TRANSPORTS),
 ) -> Table:
     """Measure the floors of ``cases``, then run them in a job per server count in
-    ``servers``; return a row per case and server count.
+    ``servers`` and transport in ``transports`` (keys of :data:`TRANSPORTS`: workers and
+    servers on this host share memory, or use TCP only); return a row per case, server
+    count and transport.
 
     ``rounds`` timed rounds per case (times its ``rounds_factor``), each of ``case.calls *
     scale`` calls (at least one). The memcpy floors are timed as :func:`time_per_call`
@@ -308,8 +318,8 @@ def measure(
     for case in cases:
         if case.memcpy_floor and case.shapes not in memcpy_floors:
             memcpy_floors[case.shapes] = time_per_call(memcpy_round(case.shapes))
-    for count in servers:
-        results = _job(count, cases, rounds, scale)
+    for count, transport in [(c, t) for c in servers for t in transports]:
+        results = _job(count, cases, rounds, scale, TRANSPORTS[transport])
         for case in cases:
             samples = results.get(case.name)
             if not samples:
@@ -319,7 +329,7 @@ def measure(
             memcpy_s = memcpy_floors.get(case.shapes) if case.memcpy_floor else None
             table.add(
                 Row(
-                    f"{case.name}, {count} server{'s' if count > 1 else ''}",
+                    f"{case.name}, {count} server{'s' if count > 1 else ''}, {transport}",
                     statistics.median(samples),
                     tcp_floors[case.nbytes],
                     TCP_FLOOR.format(nbytes=case.nbytes),
@@ -367,7 +377,7 @@ def worker_main(argv: list[str] | None = None) -> int:
 
 
 def _job(
-    num_servers: int, cases: Sequence[Case], rounds: int, scale: float
+    num_servers: int, cases: Sequence[Case], rounds: int, scale: float, shm: str = "1"
 ) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
@@ -394,10 +404,16 @@ def _job(
             "--cases",
             cases_path,
         ]
-        completed = subprocess.run(command, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        completed = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=JOB_TIMEOUT_S,
+            env={**os.environ, "AKV_SHM": shm},
+        )
         if completed.returncode != 0 or not os.path.exists(out):
             raise akv.BenchmarkError(
-                f"the benchmark job with {num_servers} server(s) failed "
+                f"the benchmark job with {num_servers} server(s) and AKV_SHM={shm} failed "
                 f"({completed.returncode}):\n{completed.stdout[-3000:]}\n"
                 f"{completed.stderr[-3000:]}"
             )

@@ -33,7 +33,9 @@ from akv.limits import (
     RESTART_WINDOW_S,
     RETAIN_BYTES,
     ROUND_TIMEOUT_S,
+    SHM_ARENA_BYTES,
 )
+from transport import host_identity
 
 __all__ = [
     "ADDRESS_FORMS",
@@ -157,6 +159,15 @@ class Config:
     #: A push waits for the servers' acknowledgement before it is done (``AKV_STRICT_PUSH``
     #: = 1; for debugging: by default pushes are pipelined).
     strict_push: bool = False
+    #: Streams to a server on this host go through its private Unix socket, and payloads
+    #: through shared memory (``AKV_SHM``, 1 by default; 0: TCP only).
+    shm: bool = True
+    #: Each side's arena on such a stream (``AKV_SHM_ARENA_BYTES``; 0: the Unix socket
+    #: without shared memory).
+    shm_arena_bytes: int = SHM_ARENA_BYTES
+    #: This process's host identity (``AKV_HOST_ID``, by default
+    #: :func:`transport.host_identity`): processes share memory only when theirs are equal.
+    host_id: str = field(default_factory=host_identity)
 
     @property
     def scheduler_url(self) -> str:
@@ -331,9 +342,9 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     return seconds
 
 
-def _flag(environ: Mapping[str, str], name: str) -> bool:
-    """A 0/1 setting (unset: 0)."""
-    value = environ.get(name, "0").strip()
+def _flag(environ: Mapping[str, str], name: str, default: bool = False) -> bool:
+    """A 0/1 setting (unset: ``default``)."""
+    value = environ.get(name, "1" if default else "0").strip()
     if value not in ("0", "1"):
         raise ConfigError(f"{name}={value!r}: set it to 1 (on) or 0 (off)")
     return value == "1"
@@ -475,4 +486,12 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         checkpoint_interval_s=checkpoint_interval_s,
         retain_bytes=retain_bytes,
         strict_push=_flag(env, "AKV_STRICT_PUSH"),
+        shm=_flag(env, "AKV_SHM", default=True),
+        shm_arena_bytes=int_setting(
+            env.get("AKV_SHM_ARENA_BYTES", str(SHM_ARENA_BYTES)),
+            "AKV_SHM_ARENA_BYTES",
+            0,
+            "a number of bytes",
+        ),
+        host_id=env.get("AKV_HOST_ID", "").strip() or host_identity(),
     )

@@ -56,6 +56,9 @@ class Membership:
         self.node_id = node_id
         self.restartable = restartable
         self.rank: int | None = config.rank
+        #: A server's way in for workers on its host: ``{"host": host identity, "path":
+        #: its Unix socket}`` (None: TCP only).
+        self.local: dict[str, str] | None = None
         self._client: HttpClient | None = None
 
     @property
@@ -111,6 +114,8 @@ class Membership:
             "wait": whole_job,
             "restartable": self.restartable,
         }
+        if self.local is not None:
+            body["local"] = self.local
         last_note = ""
         while True:
             answer: dict[str, Any] | None
@@ -140,10 +145,11 @@ class Membership:
             if answer is None:
                 await asyncio.sleep(CONNECT_RETRY_S)
 
-    async def server_address(self, rank: int) -> tuple[str, int] | None:
+    async def server_address(self, rank: int) -> dict[str, Any] | None:
         """Where server ``rank`` is now, as the scheduler's address book says (it changes
-        when a server is restarted); None when the scheduler does not say (unreachable,
-        or the job is not assembled).
+        when a server is restarted): its entry (``host``, ``port``, and ``local`` for a
+        server with a way in for its host); None when the scheduler does not say
+        (unreachable, or the job is not assembled).
 
         Raises
         ------
@@ -158,7 +164,7 @@ class Membership:
             return None
         for server in answer.get("servers") or () if isinstance(answer, dict) else ():
             if isinstance(server, dict) and server.get("rank") == rank:
-                return str(server["host"]), int(server["port"])
+                return server
         return None
 
     async def heartbeats(

@@ -35,6 +35,7 @@ from akv.launch.limits import (
 )
 from akv.launch.rules import Decision, ExitRules, scheduler_verdict
 from akv.launch.spec import ProcessSpec
+from transport import remove_leftovers
 
 __all__ = ["supervise"]
 
@@ -316,6 +317,7 @@ class _Supervisor:
             who = self._specs[index].describe(old.pid)
             self._say(f"killing what {who} left in its process group before restarting it")
             _signal_group(old.pid, signal.SIGKILL)
+        remove_leftovers(pid=old.pid)  # a server killed by SIGKILL leaves its Unix socket
         try:
             pid = self._start(index, self._specs[index])
         except OSError as exc:
@@ -428,6 +430,8 @@ class _Supervisor:
                 proc.wait(timeout=self._terminate_grace_s)
             except subprocess.TimeoutExpired:
                 self._say(f"pid {proc.pid} survived SIGKILL for {self._terminate_grace_s:g} s")
+            else:
+                remove_leftovers(pid=proc.pid)  # what a server killed by SIGKILL left
         for pumps in self._pumps.values():
             for pump in pumps:
                 pump.join(OUTPUT_SETTLE_S)

@@ -68,6 +68,8 @@ class Node:
     #: A server that writes checkpoints: when it goes silent the job waits for its
     #: restart, which takes its rank over.
     restartable: bool = False
+    #: A server's way in for workers on its host: (host identity, Unix socket path).
+    local: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.bound_host is None:
@@ -89,6 +91,9 @@ class ServerAddress:
     port: int
     #: It writes checkpoints: when it dies it may be restarted (workers keep trying).
     restartable: bool = False
+    #: (host identity, Unix socket path): workers with that host identity may open their
+    #: stream there and share memory (None: TCP only).
+    local: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +218,7 @@ class Roster:
         bound_host: str | None = None,
         bound_port: int | None = None,
         restartable: bool = False,
+        local: tuple[str, str] | None = None,
     ) -> Node:
         """Add a node (or return it again for a retry).
 
@@ -277,6 +283,7 @@ class Roster:
             bound_host=bound_host,
             bound_port=bound_port,
             restartable=restartable and role == "server",
+            local=local if role == "server" else None,
         )
         self.nodes[node_id] = node
         return node
@@ -511,7 +518,9 @@ class Roster:
 
     def server_addresses(self) -> list[ServerAddress]:
         """Where each registered server is now, by rank (a restart changes it)."""
-        return [ServerAddress(s.rank, s.host, s.port, s.restartable) for s in self.servers()]
+        return [
+            ServerAddress(s.rank, s.host, s.port, s.restartable, s.local) for s in self.servers()
+        ]
 
     def statistics(self) -> RosterStatistics:
         """The roster now, as a frozen record (nodes by role, then rank)."""

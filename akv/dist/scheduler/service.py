@@ -185,6 +185,7 @@ class Scheduler:
             rank = None if body.get("rank") is None else int(body["rank"])
             wait = bool(body.get("wait", True))
             restartable = bool(body.get("restartable", False))
+            local = _local(body.get("local"))
         with _refusals():
             known = node_id in self.roster.nodes
             restarts = sum(self.roster.restarts.values())
@@ -199,6 +200,7 @@ class Scheduler:
                 bound_host=bound_host,
                 bound_port=bound_port,
                 restartable=restartable,
+                local=local,
             )
         if not known and sum(self.roster.restarts.values()) > restarts:
             log.warning(
@@ -306,12 +308,33 @@ class Scheduler:
 
 
 def _addresses(servers: Sequence[ServerAddress]) -> list[dict[str, Any]]:
-    """The address book as JSON: each server's rank, address, and whether it may be
-    restarted."""
-    return [
-        {"rank": s.rank, "host": s.host, "port": s.port, "restartable": s.restartable}
-        for s in servers
-    ]
+    """The address book as JSON: each server's rank, address, whether it may be
+    restarted, and its way in for workers on its host (``local``, when it has one)."""
+    book = []
+    for s in servers:
+        entry: dict[str, Any] = {
+            "rank": s.rank,
+            "host": s.host,
+            "port": s.port,
+            "restartable": s.restartable,
+        }
+        if s.local is not None:
+            entry["local"] = {"host": s.local[0], "path": s.local[1]}
+        book.append(entry)
+    return book
+
+
+def _local(value: object) -> tuple[str, str] | None:
+    """A registration's ``local`` field: ``{"host": identity, "path": socket}`` or absent;
+    a ``ValueError`` for anything else."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"host", "path"}:
+        raise ValueError("local must be an object with exactly 'host' and 'path'")
+    host, path = _checked("local.host", value["host"]), _checked("local.path", value["path"])
+    if not host or not path:
+        raise ValueError("local: host and path must not be empty")
+    return host, path
 
 
 async def _body(request: web.Request) -> _Fields:
@@ -336,6 +359,8 @@ _TEXTS = {
     "bound_host": 1024,
     "reporter": 1024,
     "detail": 65536,
+    "local.host": 1024,
+    "local.path": 1024,
 }
 _INTEGERS = {
     "port": (0, 65535),

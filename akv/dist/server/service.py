@@ -75,6 +75,7 @@ from transport import (
     Destination,
     FrameError,
     FrameHeader,
+    LocalSite,
     Message,
     RequestError,
     StreamProtocol,
@@ -83,7 +84,9 @@ from transport import (
     decode_frame,
     encode_frame,
     frame_bytes,
+    remove_leftovers,
     serve,
+    serve_local,
     stream_route,
 )
 
@@ -128,6 +131,8 @@ class ParameterServer:
         self.advertised = (config.host, 0)
         self._loop_thread = threading.get_ident()
         self._runner: web.AppRunner | None = None
+        #: The private Unix socket for workers on this host (None: TCP only).
+        self._local: LocalSite | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         #: Stopped by a signal with a checkpoint written: a restart takes its rank over.
         self._awaits_restart = False
@@ -166,6 +171,15 @@ class ParameterServer:
             max_connections_per_peer=config.max_connections_per_peer,
         )
         self.advertised = config.advertised(self.port)
+        if config.shm:
+            remove_leftovers()  # of servers on this host killed by SIGKILL
+            self._local = await serve_local(
+                self._runner,
+                config.token,
+                arena_bytes=config.shm_arena_bytes,
+                idle_timeout_s=config.timeouts.idle_s,
+            )
+            self.membership.local = {"host": config.host_id, "path": self._local.path}
         if self.checkpoints is not None:
             self.checkpoints.restore()  # before registering: workers resend what it lacks
         deadline = time.monotonic() + config.timeouts.connect_s
@@ -256,6 +270,9 @@ class ParameterServer:
         await self.engine.aclose()
         if self.checkpoints is not None:
             self.checkpoints.close()
+        if self._local is not None:
+            await self._local.close()
+            self._local = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

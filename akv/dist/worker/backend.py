@@ -45,7 +45,7 @@ from akv.dist.placement import place
 from akv.dist.protocol import Op, encode_meta
 from akv.dist.roles import default_worker_logging
 from akv.dist.states import merge_server_states, split_server_states
-from akv.dist.worker.link import ServerLink
+from akv.dist.worker.link import ServerLink, local_address
 from akv.dist.worker.requests import by_server
 from akv.errors import (
     AKVError,
@@ -151,6 +151,7 @@ class DistBackend:
                 self._trouble,
                 locate=self.membership.server_address,
                 restartable=bool(s.get("restartable", False)),
+                local=local_address(s),
             )
             for s in answer["servers"]
         ]

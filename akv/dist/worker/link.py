@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from akv.dist.config import Config, format_address
 from akv.dist.protocol import CLIENT_HEADER, STOPPING_STATUS, Op, client_header
@@ -34,9 +35,17 @@ from transport import (
     open_stream,
 )
 
-__all__ = ["ServerLink"]
+__all__ = ["ServerLink", "local_address"]
 
 log = logging.getLogger("akv.dist")
+
+
+def local_address(entry: dict[str, Any]) -> tuple[str, str] | None:
+    """A server's way in for workers on its host, from its address book entry."""
+    local = entry.get("local")
+    if isinstance(local, dict) and isinstance(local.get("host"), str):
+        return str(local["host"]), str(local.get("path", ""))
+    return None
 
 
 class ServerLink:
@@ -69,8 +78,9 @@ class ServerLink:
         port: int,
         on_trouble: Callable[[ServerLink, AKVError, bool], None],
         *,
-        locate: Callable[[int], Awaitable[tuple[str, int] | None]] | None = None,
+        locate: Callable[[int], Awaitable[dict[str, Any] | None]] | None = None,
         restartable: bool = False,
+        local: tuple[str, str] | None = None,
     ) -> None:
         self.rank = rank
         self.host = host
@@ -80,6 +90,8 @@ class ServerLink:
         self.closing = False
         self.failed = False
         self.restartable = restartable
+        #: The server's way in for workers on its host: (host identity, Unix socket path).
+        self.local = local
         #: How many times the stream was cut and opened again.
         self.reconnects = 0
         self._report = on_trouble
@@ -112,18 +124,42 @@ class ServerLink:
         """
         self._loop = asyncio.get_running_loop()
         self._opener = (config, worker, store_type, session)
+        options: dict[str, Any] = {
+            "timeout_s": config.timeouts.connect_s,
+            "max_payload_bytes": MAX_PAYLOAD_BYTES,
+            "headers": {CLIENT_HEADER: client_header(worker, store_type, session)},
+        }
+        streams = (self._table.destinations, self._on_message, self._on_lost)
+        if config.shm and self.local is not None and self.local[0] == config.host_id:
+            try:
+                self.protocol = await open_stream(
+                    self.host,
+                    self.port,
+                    config.token,
+                    *streams,
+                    local_path=self.local[1],
+                    arena_bytes=config.shm_arena_bytes,
+                    **options,
+                )
+                return
+            except AuthError:
+                raise
+            except (TransportError, OSError) as exc:  # e.g. a server that died: try TCP
+                log.info("%s: no stream through %s (%r); trying TCP", self.name, self.local[1], exc)
         self.protocol = await open_stream(
             self.host,
             self.port,
             config.token,
-            self._table.destinations,
-            self._on_message,
-            self._on_lost,
+            *streams,
             ssl_context=client_ssl(config),
-            timeout_s=config.timeouts.connect_s,
-            max_payload_bytes=MAX_PAYLOAD_BYTES,
-            headers={CLIENT_HEADER: client_header(worker, store_type, session)},
+            **options,
         )
+
+    @property
+    def shares_memory(self) -> bool:
+        """Whether the stream runs through the server's Unix socket with shared memory."""
+        protocol = self.protocol
+        return protocol is not None and protocol.shared is not None
 
     def _on_message(self, message: Message) -> None:
         header = message.header
@@ -201,9 +237,10 @@ class ServerLink:
             while not (self.closing or self.failed):
                 try:
                     if self._locate is not None:
-                        address = await self._locate(self.rank)
-                        if address is not None:
-                            self.host, self.port = address
+                        entry = await self._locate(self.rank)
+                        if entry is not None:
+                            self.host, self.port = str(entry["host"]), int(entry["port"])
+                            self.local = local_address(entry)
                     await self.open(config, worker, store_type, session)
                 except (AuthError, RemoteError) as exc:
                     if (

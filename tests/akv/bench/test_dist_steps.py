@@ -210,9 +210,13 @@ def test_a_tiny_run_reports_each_step_with_both_floors(quick_bench_settings, tmp
 
     names = [row.name for row in table.rows]
     assert names == [
-        "push+pull 64 KiB, 1 server",
-        "ResNet-18 step, per-key calls, 1 server",
-        "ResNet-18 step, list calls, 1 server",
+        f"{case}, 1 server, {transport}"
+        for transport in ("shared memory", "TCP")
+        for case in (
+            "push+pull 64 KiB",
+            "ResNet-18 step, per-key calls",
+            "ResNet-18 step, list calls",
+        )
     ]
     for row in table.rows:
         assert row.akv_s > 0 and row.floor_s > 0
@@ -223,7 +227,7 @@ def test_a_tiny_run_reports_each_step_with_both_floors(quick_bench_settings, tmp
         assert math.isfinite(row.ratio) and math.isfinite(row.second_ratio)
     step_bytes = elements(shapes) * 4
     assert table.rows[1].floor == f"raw socket echo of {step_bytes} B"
-    assert table.rows[1].floor_s == table.rows[2].floor_s
+    assert table.rows[1].floor_s == table.rows[2].floor_s == table.rows[4].floor_s
 
     rendered = table.render()
     assert "memcpy floor" in rendered and "akv p90" in rendered

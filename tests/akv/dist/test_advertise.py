@@ -152,6 +152,9 @@ class AdvertisedCluster(Cluster):
     advertises ``127.0.0.1:<proxy r's port>``; each proxy forwards to its server's port."""
 
     def __init__(self, num_workers: int, behind: list[Proxy], **extra: str) -> None:
+        # The proxies stand for the network between hosts: the workers must not take the
+        # servers' Unix sockets, which bypass them.
+        extra.setdefault("AKV_SHM", "0")
         super().__init__(num_workers, len(behind), **extra)
         self.behind = behind
 
@@ -293,7 +296,7 @@ class SchedulerOnly(Cluster):
 
 
 async def test_akv_server_advertise_flag_through_a_proxy_in_a_job_of_processes():
-    with proxies(1) as behind, SchedulerOnly(2, 1) as cluster:
+    with proxies(1) as behind, SchedulerOnly(2, 1, AKV_SHM="0") as cluster:
         env = (
             {k: v for k, v in os.environ.items() if not k.startswith(("AKV_", "DMLC_"))}
             | cluster.env

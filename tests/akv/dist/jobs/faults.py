@@ -27,8 +27,10 @@ with akv.create("dist_sync") as kv:
         time.sleep(0.5)
     if kv.rank == 1 and MODE == "kill-worker":
         os.kill(os.getpid(), signal.SIGKILL)
+    stopped = None
     if kv.rank == 0 and MODE == "term-server":
-        os.kill(server_pids()[0], signal.SIGTERM)
+        stopped = server_pids()[0]
+        os.kill(stopped, signal.SIGTERM)
     if kv.rank == 0 and MODE == "stop-server":
         os.kill(server_pids()[-1], signal.SIGSTOP)  # the last server hangs
     started = time.monotonic()
@@ -44,4 +46,13 @@ with akv.create("dist_sync") as kv:
             flush=True,
         )
         kv.set_barrier_before_exit(False)
+        # The server stopped by SIGTERM exits first, so that the launcher reports its exit
+        # status: this worker hears of the failure while the server is still stopping.
+        deadline = time.monotonic() + 30
+        while stopped is not None and time.monotonic() < deadline:
+            try:
+                os.kill(stopped, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
         sys.exit(4)

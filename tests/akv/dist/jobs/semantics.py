@@ -1,5 +1,6 @@
 """A worker that checks MXNet's dist semantics and prints what it saw as one JSON line."""
 
+import hashlib
 import json
 import sys
 
@@ -33,6 +34,9 @@ def main(store_type: str) -> None:
             kv.push(20, np.full(1_200_000, 1.0, np.float32))
             kv.barrier()
             seen["sgd"] = float(kv.pull(20)[0])
+        pulled = kv.pull(20)
+        seen["checksum"] = hashlib.sha256(pulled.tobytes()).hexdigest()
+        seen["shm"] = all(link.shares_memory for link in kv._inner._backend.links)
         print(json.dumps(seen), flush=True)
 
 

@@ -1,0 +1,173 @@
+"""Workers and servers on one host share memory; with AKV_SHM=0 or across hosts they use TCP,
+and the values are exactly the same either way."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.akv.dist.cluster import Cluster, launch
+from tests.akv.dist.test_jobs import JOBS, results
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd (Linux)")
+
+#: Large enough to go through the arena (more than 64 KiB), small enough to be quick.
+SHAPE = (300, 1000)
+
+
+async def exercise(stores) -> list[dict[str, np.ndarray]]:
+    """Pushes and pulls of a large and a small key on every worker; what each pulled."""
+
+    async def body(kv):
+        rng = np.random.default_rng(kv.rank)
+        big = rng.standard_normal(SHAPE).astype(np.float32)
+        small = rng.standard_normal(16).astype(np.float32)
+        await kv.init(["big", "small"], [np.zeros(SHAPE, np.float32), np.zeros(16, np.float32)])
+        seen = {}
+        for step in range(3):
+            await kv.push(["big", "small"], [big * (step + 1), small * (step + 1)])
+            seen[f"big {step}"], seen[f"small {step}"] = await kv.pull(["big", "small"])
+        seen["pushpull"] = await kv.pushpull("big", big)
+        return seen
+
+    return list(await asyncio.gather(*(body(kv) for kv in stores)))
+
+
+def shared(stores) -> list[bool]:
+    return [link.shares_memory for kv in stores for link in kv._backend.links]
+
+
+def frames_shared(cluster: Cluster, stores) -> tuple[int, int]:
+    """Frames sent through shared memory: by the workers, by the servers."""
+    pushed = sum(
+        link.protocol.shared.frames_shared
+        for kv in stores
+        for link in kv._backend.links
+        if link.shares_memory
+    )
+    answered = sum(
+        link.protocol.shared.frames_shared
+        for server in cluster.servers
+        for link in server.links.values()
+        if getattr(link, "protocol", None) is not None and link.protocol.shared is not None
+    )
+    return pushed, answered
+
+
+async def run(cluster: Cluster) -> tuple[list[dict[str, np.ndarray]], list[bool]]:
+    stores = await cluster.workers()
+    try:
+        values = await exercise(stores)
+        cluster.frames = frames_shared(cluster, stores)
+        return values, shared(stores)
+    finally:
+        await asyncio.gather(*(kv.close() for kv in stores))
+
+
+def same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> bool:
+    return all(
+        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+async def test_on_one_host_streams_share_memory_and_the_values_match_tcp():
+    with Cluster(2, 2) as cluster:
+        on, links = await run(cluster)
+        assert links == [True] * 4
+        assert all(s.membership.local is not None for s in cluster.servers)
+        pushed, answered = cluster.frames
+        assert pushed >= 2 * 4  # every push of "big" went through a worker's arena
+        assert answered >= 2 * 4  # and every pull answer of it through a server's
+        directories = [os.path.dirname(s.membership.local["path"]) for s in cluster.servers]
+    for directory in directories:  # the servers stopped: their sockets are gone
+        assert not os.path.exists(directory)
+    with Cluster(2, 2, AKV_SHM="0") as cluster:
+        off, links = await run(cluster)
+        assert links == [False] * 4
+        assert all(s.membership.local is None for s in cluster.servers)
+        assert cluster.frames == (0, 0)
+    assert same(on, off)
+    total = sum(
+        np.random.default_rng(r).standard_normal(SHAPE).astype(np.float32) for r in range(2)
+    )
+    assert np.allclose(on[0]["big 2"], 3 * total, rtol=1e-5, atol=1e-5)
+
+
+async def test_workers_on_another_host_use_tcp():
+    with Cluster(2, 1) as cluster:
+        cluster.env["AKV_HOST_ID"] = "another host"  # the workers only: the server started
+        values, links = await run(cluster)
+        assert links == [False, False]
+    with Cluster(2, 1) as cluster:
+        same_host, _ = await run(cluster)
+    assert same(values, same_host)
+
+
+async def test_a_worker_falls_back_to_tcp_when_the_socket_is_gone():
+    with Cluster(1, 1) as cluster:
+        server = cluster.servers[0]
+        os.unlink(server._local.path)  # as if the file were cleaned away
+        values, links = await run(cluster)
+        assert links == [False]
+        assert values[0]["big 0"].shape == SHAPE
+
+
+def test_a_job_gives_the_same_values_with_shared_memory_on_and_off():
+    seen = {}
+    for shm in ("1", "0"):
+        done = launch(
+            ["-n", "2", "-s", "2", "--", sys.executable, str(JOBS / "semantics.py"), "dist_sync"],
+            env={"AKV_SHM": shm},
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        seen[shm] = [{k: v for k, v in r.items() if k != "shm"} for r in results(done.stdout)]
+        assert {r["shm"] for r in results(done.stdout)} == {shm == "1"}
+    assert seen["1"] == seen["0"]
+
+
+def test_nothing_is_left_in_the_file_system_after_a_server_is_killed(tmp_path):
+    """The launcher removes what the killed server left (its socket and directory)."""
+    env = {"TMPDIR": str(tmp_path), "AKV_HEARTBEAT_TIMEOUT_S": "2"}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "akv.launch",
+            "-n",
+            "1",
+            "-s",
+            "1",
+            "--",
+            sys.executable,
+            "-c",
+            "import time; import akv; kv = akv.create('dist_sync'); time.sleep(60)",
+        ],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        directories: list[str] = []
+        while time.monotonic() < deadline and not directories:
+            directories = [n for n in os.listdir(tmp_path) if n.startswith("akv-shm-")]
+            time.sleep(0.1)
+        assert len(directories) == 1, os.listdir(tmp_path)
+        pid = int(directories[0].split("-")[2])
+        os.kill(pid, signal.SIGKILL)  # the server, by the pid in its directory's name
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+    assert [n for n in os.listdir(tmp_path) if n.startswith("akv-shm-")] == []

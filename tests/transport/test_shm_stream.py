@@ -1,0 +1,369 @@
+"""Streams between processes on one host: a private Unix socket, payloads in shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from transport import (
+    AuthError,
+    FrameError,
+    FrameHeader,
+    FrameReader,
+    Message,
+    StreamProtocol,
+    TransportError,
+    create_app,
+    encode_frame,
+    open_stream,
+    remove_leftovers,
+    serve,
+    serve_local,
+    stream_route,
+)
+from transport._shm_stream import ALIGNMENT, RegionAllocator, SharedMemory
+from transport.frame import encode_release, to_arena_prefix
+from transport.shm import Arena
+
+TOKEN = "secret"
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd (Linux)")
+
+
+def fresh(header: FrameHeader) -> list[memoryview | None]:
+    return [None] * len(header.arrays)
+
+
+# ---------------------------------------------------------------------- regions
+
+
+def test_regions_are_taken_from_the_lowest_free_offset_and_merge_when_freed():
+    regions = RegionAllocator(1024)
+    a = regions.allocate(100)
+    b = regions.allocate(64)
+    c = regions.allocate(1)
+    assert (a, b, c) == (0, 128, 192)
+    assert regions.allocate(1024) is None
+    regions.free(b)
+    assert regions.allocate(64) == 128  # the hole is reused first
+    regions.free(128)
+    regions.free(a)
+    regions.free(c)
+    assert regions.used_bytes == 0 and regions.regions == 0
+    assert regions.allocate(1024) == 0  # every range merged back into one
+
+
+def test_a_region_that_is_not_in_use_cannot_be_released():
+    regions = RegionAllocator(4096)
+    offset = regions.allocate(10)
+    with pytest.raises(FrameError, match="offset 64"):
+        regions.free(64)
+    regions.free(offset)
+    with pytest.raises(FrameError, match="offset 0"):
+        regions.free(offset)
+
+
+def test_regions_are_aligned():
+    regions = RegionAllocator(1 << 20)
+    offsets = [regions.allocate(n) for n in (1, 63, 65, 1000, 7)]
+    assert all(o is not None and o % ALIGNMENT == 0 for o in offsets)
+
+
+# ---------------------------------------------------------------------- the reader
+
+
+def arrays(n: int, seed: int = 0) -> list[tuple[int, np.ndarray, int]]:
+    rng = np.random.default_rng(seed)
+    return [(k, rng.standard_normal(n).astype(np.float32), k) for k in range(3)]
+
+
+def test_the_reader_copies_an_arena_frame_out_and_notes_the_region_to_hand_back():
+    own = Arena(1 << 20)
+    sender = SharedMemory(own, None, min_bytes=1)
+    buffers = encode_frame(7, 1, arrays(1000))
+    placed = sender.place(buffers)
+    assert placed is not None and sum(len(b) for b in placed) < 400  # only header and offset
+    reader = FrameReader(fresh)
+    reader.arena = own.view(0, own.nbytes)
+    wire = b"".join(bytes(b) for b in placed)
+    view = reader.get_buffer(-1)
+    view[: len(wire)] = wire
+    (message,) = reader.buffer_updated(len(wire))
+    for (_, array, _), got in zip(arrays(1000), message.buffers, strict=True):
+        assert np.array_equal(np.frombuffer(got, np.float32), array)
+    assert reader.released == [0]
+    assert reader.statistics().payload_bytes_shared == 3 * 4000
+    # Handing the region back makes it free again.
+    view = reader.get_buffer(-1)
+    release = encode_release(reader.released)
+    view[: len(release)] = release
+    assert reader.buffer_updated(len(release)) == []
+    sender.freed(reader.freed)
+    assert sender.regions.regions == 0
+    own.close()
+
+
+def test_an_arena_frame_from_a_peer_that_shared_no_arena_breaks_the_stream():
+    reader = FrameReader(fresh)
+    wire = b"".join(bytes(b) for b in to_arena_prefix(encode_frame(7, 1, arrays(10))[0], 0))
+    reader.get_buffer(-1)[: len(wire)] = wire
+    with pytest.raises(FrameError, match="shared none"):
+        reader.buffer_updated(len(wire))
+
+
+def test_an_offset_outside_the_peers_arena_breaks_the_stream():
+    arena = Arena(4096)
+    reader = FrameReader(fresh)
+    reader.arena = arena.view(0, arena.nbytes)
+    head = encode_frame(7, 1, arrays(1000))[0]
+    wire = b"".join(bytes(b) for b in to_arena_prefix(head, 1024))
+    reader.get_buffer(-1)[: len(wire)] = wire
+    with pytest.raises(FrameError, match="outside the peer's arena"):
+        reader.buffer_updated(len(wire))
+    arena.close()
+
+
+def test_small_frames_and_frames_that_find_no_room_stay_on_the_socket():
+    own = Arena(64 << 10)
+    shared = SharedMemory(own, None, min_bytes=1024)
+    assert shared.place(encode_frame(1, 1, arrays(10))) is None  # 120 bytes: small
+    assert shared.place(encode_frame(1, 1, arrays(100_000))) is None  # 1.2 MB: no room
+    assert shared.frames_not_fitting == 1
+    assert shared.place(encode_frame(1, 1, arrays(1000))) is not None
+    own.close()
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+def open_files() -> list[str]:
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return names
+
+
+class Server:
+    def __init__(self) -> None:
+        self.messages: asyncio.Queue[Message] = asyncio.Queue()
+        self.protocols: list[StreamProtocol] = []
+        self.port = 0
+
+    def make_protocol(self, request: web.Request) -> StreamProtocol:
+        protocol = StreamProtocol(fresh, self.on_message, lambda exc: None)
+        self.protocols.append(protocol)
+        return protocol
+
+    def on_message(self, message: Message) -> None:
+        # Echo every frame back: the answer crosses the shared memory the other way.
+        protocol = self.protocols[-1]
+        arrays = [
+            (a.key, np.frombuffer(b, np.float32), a.tag)
+            for a, b in zip(message.header.arrays, message.buffers, strict=True)
+        ]
+        protocol.write(encode_frame(message.header.op, message.header.seq, arrays))
+        self.messages.put_nowait(message)
+
+
+@pytest.fixture
+async def site(tmp_path) -> AsyncIterator[tuple[Server, str]]:
+    server = Server()
+    app = create_app(TOKEN)
+    stream_route(app, server.make_protocol)
+    runner, server.port = await serve(app)
+    local = await serve_local(runner, TOKEN, arena_bytes=64 << 20, parent_directory=str(tmp_path))
+    try:
+        yield server, local.path
+    finally:
+        await local.close()
+        await runner.cleanup()
+
+
+async def connect(path: str, replies: asyncio.Queue[Message], **options) -> StreamProtocol:
+    return await open_stream(
+        "127.0.0.1",
+        0,
+        options.pop("token", TOKEN),
+        fresh,
+        replies.put_nowait,
+        lambda exc: None,
+        timeout_s=10.0,
+        local_path=path,
+        arena_bytes=options.pop("arena_bytes", 64 << 20),
+    )
+
+
+@pytest.mark.parametrize("n", [16, 100_000, 1_000_000])
+async def test_frames_cross_both_ways_with_the_same_values(site, n):
+    server, path = site
+    replies: asyncio.Queue[Message] = asyncio.Queue()
+    stream = await connect(path, replies)
+    try:
+        sent = arrays(n, seed=n)
+        for seq in range(3):  # regions are handed back and reused
+            stream.write(encode_frame(9, seq, sent))
+        for seq in range(3):
+            reply = await asyncio.wait_for(replies.get(), 10)
+            assert reply.header.seq == seq
+            for (_, array, _), got in zip(sent, reply.buffers, strict=True):
+                assert np.array_equal(np.frombuffer(got, np.float32), array)
+        big = n * 12 >= stream.shared.min_bytes
+        assert stream.shared.frames_shared == (3 if big else 0)
+        assert server.protocols[0].shared.frames_shared == (3 if big else 0)
+        for _ in range(100):  # the server hands the regions back soon after it read them
+            if stream.shared.regions.regions == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert stream.shared.regions.regions == 0
+    finally:
+        stream.close()
+
+
+async def test_a_frame_larger_than_the_arena_goes_on_the_socket(site):
+    server, path = site
+    replies: asyncio.Queue[Message] = asyncio.Queue()
+    stream = await connect(path, replies, arena_bytes=1 << 20)
+    try:
+        sent = arrays(200_000)  # 2.4 MB, more than the client's 1 MiB arena
+        stream.write(encode_frame(9, 1, sent))
+        reply = await asyncio.wait_for(replies.get(), 10)
+        for (_, array, _), got in zip(sent, reply.buffers, strict=True):
+            assert np.array_equal(np.frombuffer(got, np.float32), array)
+        assert stream.shared.frames_not_fitting == 1
+        assert server.protocols[0].shared.frames_shared == 1  # the server's arena is larger
+    finally:
+        stream.close()
+
+
+async def test_a_client_without_an_arena_still_gets_a_stream(site):
+    _, path = site
+    replies: asyncio.Queue[Message] = asyncio.Queue()
+    stream = await connect(path, replies, arena_bytes=0)
+    try:
+        sent = arrays(100_000)
+        stream.write(encode_frame(9, 1, sent))
+        reply = await asyncio.wait_for(replies.get(), 10)
+        for (_, array, _), got in zip(sent, reply.buffers, strict=True):
+            assert np.array_equal(np.frombuffer(got, np.float32), array)
+        assert stream.shared.own is None and stream.shared.peer is not None
+    finally:
+        stream.close()
+
+
+async def test_a_peer_with_the_wrong_token_cannot_attach(site):
+    server, path = site
+    with pytest.raises(AuthError):
+        await connect(path, asyncio.Queue(), token="wrong")
+    assert server.protocols == []
+
+
+async def test_the_socket_is_private_and_nothing_is_left_after_close(tmp_path):
+    app = create_app(TOKEN)
+    stream_route(app, Server().make_protocol)
+    runner, _ = await serve(app)
+    local = await serve_local(runner, TOKEN, parent_directory=str(tmp_path))
+    try:
+        assert stat.S_IMODE(os.stat(local.directory).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(local.path).st_mode) == 0o600
+    finally:
+        await local.close()
+        await runner.cleanup()
+    assert os.listdir(tmp_path) == []
+
+
+async def test_no_arena_descriptor_reaches_a_child_process(site):
+    _, path = site
+    stream = await connect(path, asyncio.Queue())
+    try:
+        # A child that keeps every descriptor it may inherit lists its memory files.
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import os\n"
+                "for fd in os.listdir('/proc/self/fd'):\n"
+                "    try: print(os.readlink('/proc/self/fd/' + fd))\n"
+                "    except OSError: pass\n",
+            ],
+            close_fds=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert "akv-arena" not in child.stdout
+        assert any("akv-arena" in name for name in open_files())  # the test would see one
+    finally:
+        stream.close()
+
+
+def test_leftovers_of_a_killed_process_are_removed(tmp_path):
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import asyncio, sys\n"
+            "from transport.shm import ShmListener\n"
+            "async def main():\n"
+            "    listener = ShmListener('t', parent_directory=sys.argv[1])\n"
+            "    print(listener.path, flush=True)\n"
+            "    await asyncio.sleep(60)\n"
+            "asyncio.run(main())\n",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        path = child.stdout.readline().strip()
+        assert os.path.exists(path)
+        assert remove_leftovers(str(tmp_path)) == []  # alive: kept
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    (removed,) = remove_leftovers(str(tmp_path), pid=child.pid)
+    assert removed == os.path.dirname(path)
+    assert os.listdir(tmp_path) == []
+
+
+def test_leftovers_that_hold_more_than_a_socket_are_not_touched(tmp_path):
+    directory = tmp_path / "akv-shm-999999999-x"
+    directory.mkdir()
+    (directory / "notes.txt").write_text("mine")
+    assert remove_leftovers(str(tmp_path)) == []
+    assert directory.exists()
+
+
+async def test_a_closed_stream_closes_its_arenas(site):
+    server, path = site
+    stream = await connect(path, asyncio.Queue())
+    shared = stream.shared
+    stream.close()
+    await asyncio.wait_for(stream.wait_closed(), 10)
+    assert shared.own.closed and shared.peer.closed
+    for _ in range(100):
+        if server.protocols and server.protocols[0].shared.own.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert server.protocols[0].shared.own.closed
+
+
+async def test_a_site_refuses_nothing_but_cannot_be_reached_once_closed(tmp_path):
+    app = create_app(TOKEN)
+    runner, _ = await serve(app)
+    local = await serve_local(runner, TOKEN, parent_directory=str(tmp_path))
+    path = local.path
+    await local.close()
+    await runner.cleanup()
+    with pytest.raises(TransportError):
+        await connect(path, asyncio.Queue())

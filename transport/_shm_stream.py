@@ -1,0 +1,391 @@
+"""A framed stream between two processes on one host: frames over a private Unix socket,
+large payloads through shared memory.
+
+Each side of such a stream owns one :class:`~transport._shm_arena.Arena` (a sealed memfd)
+and maps the peer's. A frame whose payload is at least ``min_bytes`` is sent as its header
+and an offset (:data:`~transport.frame.VERSION_ARENA`): its payload is copied once into a
+free region of the sender's arena, and the receiver copies it from there into the buffers
+it chose for it, then hands the region back with a release (:data:`~transport.frame.
+VERSION_RELEASE`). Small frames, and any frame whose payload finds no free region, travel
+on the socket as usual; the order of frames never changes.
+
+Setting a stream up (:class:`LocalSite` on the server, :func:`connect_local` on the client):
+
+1. The client connects to the site's socket (mode 0600 in a private 0700 directory,
+   :class:`~transport._shm_socket.ShmListener`) and sends the job's token, which the site
+   checks in constant time before it reads anything else; a descriptor sent before the
+   token is accepted is never installed.
+2. The client sends ``akv-arena/1`` with its arena's descriptor (or none: it shares no
+   memory), and the site answers ``akv-arena/1`` with its own (or none).
+3. The socket becomes an ordinary stream connection: the client's authenticated HTTP
+   ``Upgrade`` (:func:`~transport._stream.open_stream`) and then frames, exactly as over
+   TCP.
+
+Nothing here has a name in the file system but the site's socket: the arenas are reached
+only through their descriptors (close-on-exec), and the kernel frees them when the stream's
+two processes have closed them, or died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import stat
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+
+from transport._shm_arena import Arena
+from transport._shm_socket import DIRECTORY_PREFIX, ShmConnection, ShmListener, connect_shm
+from transport._shm_wire import close_fds, send_fds
+from transport.errors import FrameError, TransportError
+from transport.frame import PREFIX_BYTES, VERSION, encode_release, to_arena_prefix
+
+__all__ = [
+    "ALIGNMENT",
+    "DEFAULT_ARENA_BYTES",
+    "DEFAULT_MIN_SHARED_BYTES",
+    "LocalSite",
+    "RegionAllocator",
+    "SharedMemory",
+    "connect_local",
+    "remove_leftovers",
+]
+
+log = logging.getLogger("transport")
+
+#: Each side's arena: its pages take memory only once used, and a region is taken from the
+#: lowest free offset, so what a stream holds is about the most it had in flight at once.
+DEFAULT_ARENA_BYTES = 1 << 30
+#: A frame's payload goes through the arena from this size on; smaller ones cost less on
+#: the socket than a region and its release.
+DEFAULT_MIN_SHARED_BYTES = 64 << 10
+#: Regions start at a multiple of this (a cache line; NumPy's copies are fastest aligned).
+ALIGNMENT = 64
+_HELLO = b"akv-arena/1"
+
+
+class RegionAllocator:
+    """Which regions of an arena of ``nbytes`` are in use: first fit from the lowest free
+    offset, every region aligned to :data:`ALIGNMENT`. No I/O."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        #: Free ranges ``(start, end)``, sorted and never adjacent.
+        self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes > 0 else []
+        #: offset -> size of each region in use.
+        self._used: dict[int, int] = {}
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in use (aligned sizes)."""
+        return sum(self._used.values())
+
+    @property
+    def regions(self) -> int:
+        """Regions in use."""
+        return len(self._used)
+
+    def allocate(self, nbytes: int) -> int | None:
+        """The offset of a free region of ``nbytes`` (at least 1), now in use; None when no
+        free range is large enough."""
+        size = -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
+        for index, (start, end) in enumerate(self._free):
+            if end - start >= size:
+                if end - start == size:
+                    del self._free[index]
+                else:
+                    self._free[index] = (start + size, end)
+                self._used[start] = size
+                return start
+        return None
+
+    def free(self, offset: int) -> None:
+        """Give the region at ``offset`` back.
+
+        Raises :class:`FrameError` when no region starts there (offsets come from a peer).
+        """
+        size = self._used.pop(offset, None)
+        if size is None:
+            raise FrameError(f"release of offset {offset}, where no region of the arena is in use")
+        start, end = offset, offset + size
+        free = self._free
+        low, high = 0, len(free)
+        while low < high:  # the first free range after this region
+            middle = (low + high) // 2
+            if free[middle][0] < start:
+                low = middle + 1
+            else:
+                high = middle
+        index = low
+        if index < len(free) and free[index][0] == end:
+            end = free[index][1]
+            del free[index]
+        if index > 0 and free[index - 1][1] == start:
+            start = free[index - 1][0]
+            index -= 1
+            del free[index]
+        free.insert(index, (start, end))
+
+
+class SharedMemory:
+    """One side's shared memory for one stream: its own arena (regions of which carry its
+    large payloads) and the peer's (mapped, read only by the frame reader).
+
+    Either may be None: that direction then carries every payload on the socket.
+    """
+
+    def __init__(
+        self,
+        own: Arena | None,
+        peer: Arena | None,
+        *,
+        min_bytes: int = DEFAULT_MIN_SHARED_BYTES,
+    ) -> None:
+        self.own = own
+        self.peer = peer
+        self.min_bytes = min_bytes
+        self.regions = RegionAllocator(own.nbytes if own is not None else 0)
+        #: Frames sent through the arena, and those too large for the free regions.
+        self.frames_shared = 0
+        self.frames_not_fitting = 0
+
+    def peer_view(self) -> memoryview | None:
+        """The peer's arena, whole (None: it shares none)."""
+        return None if self.peer is None else self.peer.view(0, self.peer.nbytes)
+
+    def place(self, buffers: Sequence[bytes | memoryview]) -> list[bytes | memoryview] | None:
+        """The buffers that send this frame (prefix and header, then each array's payload,
+        as :func:`~transport.frame.encode_frame` makes them) through the arena, its payload
+        copied there now; None when it goes on the socket as it is (small, no arena, or no
+        free region large enough)."""
+        own = self.own
+        if own is None or len(buffers) < 2:
+            return None
+        head = buffers[0]
+        if len(head) < PREFIX_BYTES or head[3] != VERSION:
+            return None
+        nbytes = int.from_bytes(head[8:PREFIX_BYTES], "little")
+        if nbytes < self.min_bytes:
+            return None
+        offset = self.regions.allocate(nbytes)
+        if offset is None:
+            self.frames_not_fitting += 1
+            return None
+        position = offset
+        for payload in buffers[1:]:
+            size = memoryview(payload).nbytes
+            own.view(position, size)[:] = memoryview(payload).cast("B")
+            position += size
+        if position - offset != nbytes:  # not encode_frame's shape: never sent this way
+            self.regions.free(offset)
+            return None
+        self.frames_shared += 1
+        return to_arena_prefix(head, offset)
+
+    def freed(self, offsets: list[int]) -> None:
+        """The peer handed these regions back. Raises :class:`FrameError` for one not in
+        use."""
+        for offset in offsets:
+            self.regions.free(offset)
+        offsets.clear()
+
+    @staticmethod
+    def release(offsets: list[int]) -> list[bytes]:
+        """The releases that hand ``offsets`` of the peer's arena back (and clear them)."""
+        step = 8192
+        releases = [encode_release(offsets[i : i + step]) for i in range(0, len(offsets), step)]
+        offsets.clear()
+        return releases
+
+    def close(self) -> None:
+        """Close both arenas (the memory is freed once the peer closed them too)."""
+        for arena in (self.own, self.peer):
+            if arena is not None:
+                arena.close()
+
+
+def _make_arena(nbytes: int) -> Arena | None:
+    """An arena of ``nbytes``; None (and a log line) where the platform has none."""
+    if nbytes <= 0:
+        return None
+    try:
+        return Arena(nbytes)
+    except (TransportError, ValueError) as exc:
+        log.warning("no shared memory for this stream (%s): payloads go on the socket", exc)
+        return None
+
+
+async def _exchange(
+    connection: ShmConnection, own: Arena | None, send_first: bool
+) -> tuple[socket.socket, Arena | None]:
+    """Send this side's arena and receive the peer's (in that order when ``send_first``);
+    return the socket, taken back from ``connection``, and the peer's arena."""
+    fds = [own.fd] if own is not None else []
+    if send_first:
+        await connection.send(_HELLO, fds)
+    message = await connection.recv()
+    fds_received = list(message.fds)
+    peer: Arena | None = None
+    try:
+        if message.data != _HELLO or len(fds_received) > 1:
+            raise FrameError(f"arena exchange: the peer sent {bytes(message.data[:40])!r}")
+        if fds_received:
+            peer = Arena.from_fd(fds_received.pop())
+    finally:
+        close_fds(fds_received)
+    sock = connection.detach()
+    if not send_first:
+        try:
+            send_fds(sock, _HELLO, fds)
+        except BaseException:
+            if peer is not None:
+                peer.close()
+            sock.close()
+            raise
+    return sock, peer
+
+
+async def _trade(
+    connection: ShmConnection, own: Arena | None, send_first: bool, timeout_s: float
+) -> tuple[socket.socket, Arena | None]:
+    """:func:`_exchange` within ``timeout_s``; on any failure ``connection`` and ``own``
+    are closed."""
+    try:
+        return await asyncio.wait_for(_exchange(connection, own, send_first), timeout_s)
+    except BaseException:
+        connection.close()
+        if own is not None:
+            own.close()
+        raise
+
+
+async def connect_local(
+    path: str, token: str, *, arena_bytes: int, timeout_s: float
+) -> tuple[socket.socket, SharedMemory]:
+    """Connect to the :class:`LocalSite` at ``path``, authenticate with ``token`` and trade
+    arenas (``arena_bytes`` of this side's; 0: share none); return the connected socket,
+    ready for the stream's HTTP upgrade, and the stream's :class:`SharedMemory`.
+
+    Raises ``AuthError`` when the site refused the token, ``TransportError`` when it cannot
+    be reached or broke the exchange.
+    """
+    connection = await connect_shm(path, token, timeout_s=timeout_s)
+    own = _make_arena(arena_bytes)
+    try:
+        sock, peer = await _trade(connection, own, True, timeout_s)
+    except (OSError, asyncio.TimeoutError, FrameError) as exc:
+        raise TransportError(f"cannot share memory through {path!r}: {exc!r}") from exc
+    return sock, SharedMemory(own, peer)
+
+
+class LocalSite:
+    """A private Unix socket through which processes on this host open streams that share
+    memory (see the module docstring).
+
+    ``await adopt(sock, shared)`` takes each connection once its arenas were traded: it
+    serves the connection (HTTP, then the stream) and owns ``sock`` and ``shared`` from then
+    on, also when it raises.
+    """
+
+    def __init__(
+        self,
+        token: str,
+        adopt: Callable[[socket.socket, SharedMemory], Awaitable[None]],
+        *,
+        arena_bytes: int = DEFAULT_ARENA_BYTES,
+        parent_directory: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._listener = ShmListener(token, parent_directory=parent_directory)
+        self._adopt = adopt
+        self._arena_bytes = arena_bytes
+        self._timeout_s = timeout_s
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+
+    @property
+    def path(self) -> str:
+        """The socket's path, which the clients connect to."""
+        return self._listener.path
+
+    @property
+    def directory(self) -> str:
+        """The site's private directory."""
+        return self._listener.directory
+
+    async def _accept(self) -> None:
+        while True:
+            try:
+                connection = await self._listener.accept()
+            except TransportError:
+                return
+            task = asyncio.get_running_loop().create_task(self._take(connection))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _take(self, connection: ShmConnection) -> None:
+        own = _make_arena(self._arena_bytes)
+        try:
+            sock, peer = await _trade(connection, own, False, self._timeout_s)
+        except (OSError, asyncio.TimeoutError, TransportError) as exc:
+            log.info("a local stream broke off while trading arenas: %r", exc)
+            return
+        except Exception as exc:  # a bug: logged, and only this connection is lost
+            log.error("trading arenas with a local stream failed: %r", exc, exc_info=exc)
+            return
+        await self._adopt(sock, SharedMemory(own, peer))
+
+    async def close(self) -> None:
+        """Stop accepting and remove the socket and its directory (streams already open
+        go on). Idempotent."""
+        self._accepting.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(self._accepting, *self._tasks, return_exceptions=True)
+        await self._listener.close()
+
+
+def remove_leftovers(parent_directory: str | None = None, *, pid: int | None = None) -> list[str]:
+    """Remove the site directories (``akv-shm-<pid>-*``, holding at most a socket) left by
+    processes that are gone (``pid``: only that process's, which must be gone), as a
+    process killed by SIGKILL leaves them; return what was removed. Only directories this
+    user owns are touched."""
+    parent = parent_directory or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(DIRECTORY_PREFIX):
+            continue
+        owner = name[len(DIRECTORY_PREFIX) :].split("-", 1)[0]
+        if not owner.isdigit() or (pid is not None and int(owner) != pid):
+            continue
+        if _alive(int(owner)):
+            continue
+        directory = os.path.join(parent, name)
+        with contextlib.suppress(OSError):
+            if os.lstat(directory).st_uid != os.getuid():
+                continue
+            entries = [os.path.join(directory, entry) for entry in os.listdir(directory)]
+            if not all(stat.S_ISSOCK(os.lstat(entry).st_mode) for entry in entries):
+                continue  # not only a socket: not ours to remove
+            for entry in entries:
+                os.unlink(entry)
+            os.rmdir(directory)
+            removed.append(directory)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
