@@ -18,6 +18,7 @@ regions of this side's arena that the peer hands back are noted in
 from __future__ import annotations
 
 import enum
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, NamedTuple, TypeAlias
@@ -26,6 +27,7 @@ from transport.errors import FrameError
 from transport.frame import (
     ARENA_REF_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
+    MAX_ARENA_ARRAYS,
     PREFIX_BYTES,
     VERSION_ARENA,
     VERSION_RELEASE,
@@ -187,6 +189,7 @@ class FrameReader:
         self._discarded_bytes = 0
         self._shared_bytes = 0
         self._arena_frame = False
+        self._arena_arrays = 0
         #: The peer's arena (its frames of version 2 have their payload there); None: the
         #: peer may send none.
         self.arena: memoryview | None = None
@@ -367,11 +370,12 @@ class FrameReader:
                 else:
                     self._state = _HEADER
             elif state == _ARENA_REF:
-                if end - start < ARENA_REF_BYTES:
+                count = ARENA_REF_BYTES * self._arena_arrays
+                if end - start < count:
                     break
-                offset = int.from_bytes(view[start : start + ARENA_REF_BYTES], "little")
-                start += ARENA_REF_BYTES
-                self._copy_from_arena(offset, messages)
+                offsets = struct.unpack_from(f"<{self._arena_arrays}Q", view, start)
+                start += count
+                self._copy_from_arena(offsets, messages)
             elif state == _RELEASE:
                 count = self._payload_len
                 if end - start < count:
@@ -413,29 +417,37 @@ class FrameReader:
         self._discards = discards
         self._index = -1
         if self._arena_frame:
+            self._arena_arrays = sum(1 for size in self._sizes if size)
+            if self._arena_arrays > MAX_ARENA_ARRAYS:
+                raise FrameError(
+                    f"a frame in the peer's arena has {self._arena_arrays} arrays with bytes; "
+                    f"at most {MAX_ARENA_ARRAYS} may be"
+                )
             self._state = _ARENA_REF
             return
         self._state = _PAYLOAD
         self._next_array(messages)
 
-    def _copy_from_arena(self, offset: int, messages: list[Message]) -> None:
-        """Copy a frame's payload from ``offset`` of the peer's arena into its
-        destinations, and complete it."""
+    def _copy_from_arena(self, offsets: tuple[int, ...], messages: list[Message]) -> None:
+        """Copy each array with bytes from its offset of the peer's arena into its
+        destination, and complete the frame."""
         arena = self.arena
         assert arena is not None  # checked at the prefix
-        end = offset + self._payload_len
-        if end > len(arena):
-            raise FrameError(
-                f"a frame's payload of {self._payload_len} bytes at offset {offset} is outside "
-                f"the peer's arena of {len(arena)} bytes"
-            )
-        position = offset
+        sizes = [size for size in self._sizes if size]
+        for offset, size in zip(offsets, sizes, strict=True):
+            if offset + size > len(arena):
+                raise FrameError(
+                    f"an array of {size} bytes at offset {offset} is outside the peer's arena "
+                    f"of {len(arena)} bytes"
+                )
+        it = iter(offsets)
         for buffer, size, discard in zip(self._buffers, self._sizes, self._discards, strict=True):
-            if not discard and size:
-                buffer[:] = arena[position : position + size]
-            position += size
+            if size:
+                offset = next(it)
+                if not discard:
+                    buffer[:] = arena[offset : offset + size]
         self._shared_bytes += self._payload_len
-        self.released.append(offset)
+        self.released.extend(offsets)
         self._index = len(self._buffers)
         self._arena_frame = False
         self._next_array(messages)
@@ -474,7 +486,7 @@ class FrameReader:
         if self._state == _HEADER:
             return f"{held} of {self._header_len} header bytes received"
         if self._state == _ARENA_REF:
-            return f"{held} of {ARENA_REF_BYTES} arena offset bytes received"
+            return f"{held} of {ARENA_REF_BYTES * self._arena_arrays} arena offset bytes received"
         if self._state == _RELEASE:
             return f"{held} of {self._payload_len} release bytes received"
         if self._state == _BIG_HEADER:

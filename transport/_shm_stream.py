@@ -29,19 +29,30 @@ two processes have closed them, or died.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import os
 import socket
 import stat
 import tempfile
+import threading
 from collections.abc import Awaitable, Callable, Sequence
+
+import numpy as np
 
 from transport._shm_arena import Arena
 from transport._shm_socket import DIRECTORY_PREFIX, ShmConnection, ShmListener, connect_shm
 from transport._shm_wire import close_fds, send_fds
 from transport.errors import FrameError, TransportError
-from transport.frame import PREFIX_BYTES, VERSION, encode_release, to_arena_prefix
+from transport.frame import (
+    MAX_ARENA_ARRAYS,
+    MAX_RELEASE_OFFSETS,
+    PREFIX_BYTES,
+    VERSION,
+    encode_release,
+    to_arena_prefix,
+)
 
 __all__ = [
     "ALIGNMENT",
@@ -87,6 +98,10 @@ class RegionAllocator:
     def regions(self) -> int:
         """Regions in use."""
         return len(self._used)
+
+    def in_use(self, offset: int) -> bool:
+        """Whether a region in use starts at ``offset``."""
+        return offset in self._used
 
     def allocate(self, nbytes: int) -> int | None:
         """The offset of a free region of ``nbytes`` (at least 1), now in use; None when no
@@ -135,6 +150,13 @@ class SharedMemory:
     large payloads) and the peer's (mapped, read only by the frame reader).
 
     Either may be None: that direction then carries every payload on the socket.
+
+    A region can also be taken ahead (:meth:`reserve`) by a caller that writes a payload
+    there itself: a frame whose array lies in a reserved region is sent without a copy, and
+    the region stays the caller's (the peer's release does not free it) until
+    :meth:`unreserve`, which the caller may call once the peer answered the request (the
+    peer has read the frame by then). :meth:`reserve` and :meth:`unreserve` may be called
+    from any thread; the rest belongs to the stream's loop.
     """
 
     def __init__(
@@ -148,63 +170,132 @@ class SharedMemory:
         self.peer = peer
         self.min_bytes = min_bytes
         self.regions = RegionAllocator(own.nbytes if own is not None else 0)
-        #: Frames sent through the arena, and those too large for the free regions.
+        self._lock = threading.Lock()
+        #: Reserved regions: their sorted starts, and start -> size.
+        self._reserved_starts: list[int] = []
+        self._reserved: dict[int, int] = {}
+        self._base = _address(own.view(0, own.nbytes)) if own is not None else 0
+        #: Frames sent through the arena, those too large for the free regions, and the
+        #: arrays sent from reserved regions without a copy.
         self.frames_shared = 0
         self.frames_not_fitting = 0
+        self.arrays_in_place = 0
 
     def peer_view(self) -> memoryview | None:
         """The peer's arena, whole (None: it shares none)."""
         return None if self.peer is None else self.peer.view(0, self.peer.nbytes)
 
+    def reserve(self, nbytes: int) -> memoryview | None:
+        """A writable region of ``nbytes`` of this side's arena, the caller's until
+        :meth:`unreserve`; None when there is no arena, it is closed, or no free range is
+        large enough."""
+        own = self.own
+        if own is None or own.closed:
+            return None
+        with self._lock:
+            offset = self.regions.allocate(nbytes)
+            if offset is None:
+                return None
+            bisect.insort(self._reserved_starts, offset)
+            self._reserved[offset] = nbytes
+        return own.view(offset, nbytes)
+
+    def unreserve(self, view: memoryview | np.ndarray) -> None:
+        """Give back a region :meth:`reserve` returned (or an array over all of it); a
+        no-op once the arena is closed."""
+        if self.own is None or self.own.closed:
+            return
+        offset = _address(view) - self._base
+        with self._lock:
+            if self._reserved.pop(offset, None) is None:
+                raise ValueError(f"unreserve: no region is reserved at offset {offset}")
+            self._reserved_starts.remove(offset)
+            self.regions.free(offset)
+
+    def _reserved_offset(self, payload: memoryview) -> int | None:
+        """The offset of ``payload`` in this side's arena when it lies inside a reserved
+        region (call with the lock held)."""
+        offset = _address(payload) - self._base
+        index = bisect.bisect_right(self._reserved_starts, offset) - 1
+        if index < 0:
+            return None
+        start = self._reserved_starts[index]
+        return offset if offset + payload.nbytes <= start + self._reserved[start] else None
+
     def place(self, buffers: Sequence[bytes | memoryview]) -> list[bytes | memoryview] | None:
         """The buffers that send this frame (prefix and header, then each array's payload,
-        as :func:`~transport.frame.encode_frame` makes them) through the arena, its payload
-        copied there now; None when it goes on the socket as it is (small, no arena, or no
-        free region large enough)."""
+        as :func:`~transport.frame.encode_frame` makes them) through the arena: each
+        payload copied into a region of its own now, or referred to where it lies in a
+        reserved region; None when it goes on the socket as it is (small, no arena, too
+        many arrays, or no free region large enough)."""
         own = self.own
-        if own is None or len(buffers) < 2:
+        if own is None or own.closed or not 2 <= len(buffers) <= MAX_ARENA_ARRAYS + 1:
             return None
         head = buffers[0]
         if len(head) < PREFIX_BYTES or head[3] != VERSION:
             return None
-        nbytes = int.from_bytes(head[8:PREFIX_BYTES], "little")
-        if nbytes < self.min_bytes:
+        if int.from_bytes(head[8:PREFIX_BYTES], "little") < self.min_bytes:
             return None
-        offset = self.regions.allocate(nbytes)
-        if offset is None:
-            self.frames_not_fitting += 1
-            return None
-        position = offset
-        for payload in buffers[1:]:
-            size = memoryview(payload).nbytes
-            own.view(position, size)[:] = memoryview(payload).cast("B")
-            position += size
-        if position - offset != nbytes:  # not encode_frame's shape: never sent this way
-            self.regions.free(offset)
-            return None
+        payloads = [memoryview(payload).cast("B") for payload in buffers[1:]]
+        offsets: list[int] = []
+        copies: list[tuple[int, memoryview]] = []
+        with self._lock:
+            for payload in payloads:
+                offset = self._reserved_offset(payload) if self._reserved else None
+                if offset is None:
+                    offset = self.regions.allocate(payload.nbytes)
+                    if offset is None:
+                        for taken, _ in copies:
+                            self.regions.free(taken)
+                        self.frames_not_fitting += 1
+                        return None
+                    copies.append((offset, payload))
+                offsets.append(offset)
+        for offset, payload in copies:
+            own.view(offset, payload.nbytes)[:] = payload
         self.frames_shared += 1
-        return to_arena_prefix(head, offset)
+        self.arrays_in_place += len(payloads) - len(copies)
+        return to_arena_prefix(head, offsets)
 
     def freed(self, offsets: list[int]) -> None:
-        """The peer handed these regions back. Raises :class:`FrameError` for one not in
-        use."""
-        for offset in offsets:
-            self.regions.free(offset)
+        """The peer handed these regions back (those inside reserved regions stay the
+        reserver's). Raises :class:`FrameError` for one not in use."""
+        with self._lock:
+            for offset in offsets:
+                if self.regions.in_use(offset) and offset not in self._reserved:
+                    self.regions.free(offset)
+                elif not self._inside_reserved(offset):
+                    raise FrameError(
+                        f"release of offset {offset}, where no region of the arena is in use"
+                    )
         offsets.clear()
+
+    def _inside_reserved(self, offset: int) -> bool:
+        index = bisect.bisect_right(self._reserved_starts, offset) - 1
+        if index < 0:
+            return False
+        start = self._reserved_starts[index]
+        return offset < start + self._reserved[start]
 
     @staticmethod
     def release(offsets: list[int]) -> list[bytes]:
         """The releases that hand ``offsets`` of the peer's arena back (and clear them)."""
-        step = 8192
+        step = MAX_RELEASE_OFFSETS
         releases = [encode_release(offsets[i : i + step]) for i in range(0, len(offsets), step)]
         offsets.clear()
         return releases
 
     def close(self) -> None:
-        """Close both arenas (the memory is freed once the peer closed them too)."""
+        """Close both arenas (the memory is freed once the peer closed them too; views
+        still held elsewhere keep it mapped until they go)."""
         for arena in (self.own, self.peer):
             if arena is not None:
                 arena.close()
+
+
+def _address(buffer: memoryview | np.ndarray) -> int:
+    """The address of a buffer's first byte."""
+    return int(np.frombuffer(buffer, np.uint8).ctypes.data)
 
 
 def _make_arena(nbytes: int) -> Arena | None:

@@ -17,7 +17,8 @@ Two more kinds of message share the prefix, only between peers that share memory
 (:mod:`transport._shm_stream`); the version byte tells them apart:
 
 * version 2, a frame whose payload lies in the sender's arena: prefix and header as above,
-  then ``offset u64`` (where the payload starts in the arena) instead of the payload;
+  then, instead of the payload, one ``offset u64`` per array that has bytes (in descriptor
+  order; at most :data:`MAX_ARENA_ARRAYS`): where that array's bytes start in the arena;
 * version 3, a release: ``header_len`` 0 and a payload of ``payload_len / 8`` offsets (u64)
   of the receiver's arena that the sender of the release has read and hands back.
 
@@ -43,6 +44,7 @@ __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DTYPE_CODES",
     "MAGIC",
+    "MAX_ARENA_ARRAYS",
     "MAX_ARRAYS",
     "MAX_HEADER_BYTES",
     "MAX_KEY_BYTES",
@@ -76,8 +78,10 @@ VERSION = 1
 VERSION_ARENA = 2
 #: The prefix version of a release of arena regions.
 VERSION_RELEASE = 3
-#: Bytes of the arena offset that follows the header of a :data:`VERSION_ARENA` frame.
+#: Bytes of each array's arena offset after the header of a :data:`VERSION_ARENA` frame.
 ARENA_REF_BYTES = 8
+#: Most arrays with bytes that a :data:`VERSION_ARENA` frame may have.
+MAX_ARENA_ARRAYS = 4096
 #: Most offsets one release may hand back.
 MAX_RELEASE_OFFSETS = 8192
 #: Size of the prefix (magic, version, header_len, payload_len).
@@ -125,7 +129,6 @@ MAX_ARRAY_BYTES = (1 << 63) - 1
 
 _PREFIX = struct.Struct("<3sBIQ")
 _ARENA_PREFIX_START = MAGIC + bytes([VERSION_ARENA])
-_OFFSET = struct.Struct("<Q")
 _FIXED = struct.Struct("<HHIQqI")
 _DESCRIPTOR = struct.Struct("<BBBBI")
 _INT_KEY_TAG_NBYTES = struct.Struct("<qqQ")
@@ -504,14 +507,14 @@ def decode_any_prefix(
     return version, header_len, payload_len
 
 
-def to_arena_prefix(head: bytes | memoryview, offset: int) -> list[bytes | memoryview]:
+def to_arena_prefix(head: bytes | memoryview, offsets: Sequence[int]) -> list[bytes | memoryview]:
     """The buffers that send the frame whose prefix and header are ``head`` (as
-    :func:`encode_frame` returns them) with its payload at ``offset`` of the sender's arena.
-    """
+    :func:`encode_frame` returns them) with the bytes of its arrays at ``offsets`` of the
+    sender's arena (one per array that has bytes, in order)."""
     return [
         _ARENA_PREFIX_START + bytes(head[4:PREFIX_BYTES]),
         head[PREFIX_BYTES:],
-        _OFFSET.pack(offset),
+        struct.pack(f"<{len(offsets)}Q", *offsets),
     ]
 
 

@@ -100,7 +100,7 @@ def test_the_reader_copies_an_arena_frame_out_and_notes_the_region_to_hand_back(
     (message,) = reader.buffer_updated(len(wire))
     for (_, array, _), got in zip(arrays(1000), message.buffers, strict=True):
         assert np.array_equal(np.frombuffer(got, np.float32), array)
-    assert reader.released == [0]
+    assert reader.released == [0, 4032, 8064]  # each array's region (4000 B, aligned)
     assert reader.statistics().payload_bytes_shared == 3 * 4000
     # Handing the region back makes it free again.
     view = reader.get_buffer(-1)
@@ -114,7 +114,7 @@ def test_the_reader_copies_an_arena_frame_out_and_notes_the_region_to_hand_back(
 
 def test_an_arena_frame_from_a_peer_that_shared_no_arena_breaks_the_stream():
     reader = FrameReader(fresh)
-    wire = b"".join(bytes(b) for b in to_arena_prefix(encode_frame(7, 1, arrays(10))[0], 0))
+    wire = b"".join(bytes(b) for b in to_arena_prefix(encode_frame(7, 1, arrays(10))[0], [0] * 3))
     reader.get_buffer(-1)[: len(wire)] = wire
     with pytest.raises(FrameError, match="shared none"):
         reader.buffer_updated(len(wire))
@@ -125,11 +125,45 @@ def test_an_offset_outside_the_peers_arena_breaks_the_stream():
     reader = FrameReader(fresh)
     reader.arena = arena.view(0, arena.nbytes)
     head = encode_frame(7, 1, arrays(1000))[0]
-    wire = b"".join(bytes(b) for b in to_arena_prefix(head, 1024))
+    wire = b"".join(bytes(b) for b in to_arena_prefix(head, [0, 64, 1024]))
     reader.get_buffer(-1)[: len(wire)] = wire
-    with pytest.raises(FrameError, match="outside the peer's arena"):
+    with pytest.raises(FrameError, match="at offset 1024 is outside the peer's arena"):
         reader.buffer_updated(len(wire))
     arena.close()
+
+
+def test_an_array_in_a_reserved_region_is_sent_without_a_copy_and_stays_reserved():
+    own = Arena(1 << 20)
+    sender = SharedMemory(own, None, min_bytes=1)
+    region = sender.reserve(4000)
+    staged = np.frombuffer(region, np.float32)
+    staged[:] = np.arange(1000)
+    other = np.full(1000, 7.0, np.float32)
+    placed = sender.place(encode_frame(7, 1, [("a", staged, 0), ("b", other, 0)]))
+    assert sender.arrays_in_place == 1 and sender.regions.regions == 2  # b got a region
+    reader = FrameReader(fresh)
+    reader.arena = own.view(0, own.nbytes)
+    wire = b"".join(bytes(b) for b in placed)
+    reader.get_buffer(-1)[: len(wire)] = wire
+    (message,) = reader.buffer_updated(len(wire))
+    assert np.array_equal(np.frombuffer(message.buffers[0], np.float32), np.arange(1000))
+    assert np.array_equal(np.frombuffer(message.buffers[1], np.float32), other)
+    sender.freed(reader.released)  # b's region is freed, a's stays reserved
+    assert sender.regions.regions == 1
+    assert sender.reserve(1 << 20) is None  # the reserved region still holds its place
+    sender.unreserve(staged)
+    assert sender.regions.regions == 0
+    with pytest.raises(ValueError, match="no region is reserved"):
+        sender.unreserve(staged)
+    own.close()
+
+
+def test_a_release_of_an_offset_not_in_use_breaks_the_stream():
+    own = Arena(1 << 16)
+    sender = SharedMemory(own, None)
+    with pytest.raises(FrameError, match="offset 128"):
+        sender.freed([128])
+    own.close()
 
 
 def test_small_frames_and_frames_that_find_no_room_stay_on_the_socket():

@@ -69,7 +69,15 @@ from akv.limits import (
     SWEEP_INTERVAL_S,
 )
 from engine import Engine, GPUExecutor, GPUWork, LoopThread, Task, Var, Waitable, gather, then
-from transport import DTYPE_CODES, AuthError, Message, RemoteError, TransportError
+from transport import (
+    DEFAULT_MIN_SHARED_BYTES,
+    DTYPE_CODES,
+    AuthError,
+    Message,
+    RemoteError,
+    SharedMemory,
+    TransportError,
+)
 
 __all__ = ["DistBackend"]
 
@@ -318,11 +326,14 @@ class DistBackend:
 
         ``borrow`` (the caller waits until the servers acknowledged): a key's single
         C-contiguous array is sent as it is, without a copy; otherwise the values are
-        summed into a staging buffer now. GPU values (``*_device`` stores) are summed on
+        summed into a staging buffer now: for a key held by one server whose stream shares
+        memory, a region of that stream's arena (sent from there without another copy),
+        else a buffer of the key's own. GPU values (``*_device`` stores) are summed on
         their GPU now and copied into a pinned buffer by a GPU task that the send follows.
         """
         staged = []
         owned = []
+        reserved: list[tuple[SharedMemory, np.ndarray]] = []
         pinned = self._reduce_on_gpus(values, priority) if self.keeps_gpu_arrays else {}
         for entry, arrays in values:
             buffer = pinned.get(id(entry))
@@ -332,6 +343,12 @@ class DistBackend:
             elif borrow and len(arrays) == 1 and arrays[0].flags.c_contiguous:
                 staged.append((entry, arrays[0]))
             else:
+                region = self._arena_buffer(entry)
+                if region is not None:
+                    merge_into(region[1], arrays)
+                    staged.append((entry, region[1]))
+                    reserved.append(region)
+                    continue
                 buffer = merge_into(entry.take_buffer(), arrays)
                 staged.append((entry, buffer))
                 owned.append((entry, buffer))
@@ -339,8 +356,25 @@ class DistBackend:
         def release() -> None:
             for entry, buffer in owned:
                 entry.give_buffer(buffer)
+            for shared, region in reserved:
+                shared.unreserve(region)
 
         return staged, release
+
+    def _arena_buffer(self, entry: Entry) -> tuple[SharedMemory, np.ndarray] | None:
+        """A staging buffer for ``entry`` in the arena of the stream to the one server that
+        holds it, when that stream shares memory and its server keeps no copies for a
+        restart (those are kept past the answer); None otherwise."""
+        if len(entry.parts) != 1 or entry.nbytes < DEFAULT_MIN_SHARED_BYTES or not self.links:
+            return None
+        link = self.links[entry.parts[0].server]
+        protocol = link.protocol
+        if link.restartable or protocol is None or protocol.shared is None:
+            return None
+        view = protocol.shared.reserve(entry.nbytes)
+        if view is None:
+            return None
+        return protocol.shared, np.frombuffer(view, entry.dtype).reshape(entry.shape)
 
     def _reduce_on_gpus(
         self, values: list[tuple[Entry, list[Array]]], priority: int

@@ -194,6 +194,18 @@ def spoiled(route: str) -> list[tuple[str, bytes]]:
     if route == "/v1/register":  # the optional rank, absent from the good body
         for value in [*NOT_INTEGER, -5, 1 << 40]:
             cases.append((f"rank={value!r:.40}", body({**good, "rank": value})))
+        # A server's way in for workers on its host: an object of two non-empty texts.
+        for value in [
+            "host /tmp/s",
+            ["h", "/tmp/s"],
+            {"host": "h"},
+            {"host": "h", "path": "/tmp/s", "more": 1},
+            {"host": 1, "path": "/tmp/s"},
+            {"host": "h", "path": ""},
+            {"host": "h", "path": "/tmp/s\x00"},
+            {"host": "h", "path": "x" * 2000},
+        ]:
+            cases.append((f"local={value!r:.40}", body({**good, "local": value})))
     cases += [(f"garbage {raw[:20]!r}", raw) for raw in GARBAGE]
     return cases
 
@@ -261,14 +273,14 @@ def wrong_for(field: str) -> st.SearchStrategy[Any]:
         )
     if field == "wait":
         return st.one_of(st.integers(), st.text(max_size=5), st.none(), st.lists(st.booleans()))
-    low = -(1 << 70) if field != "port" else 65536
+    above = 65536 if field in ("port", "bound_port") else 1 << 64  # past the field's range
     return st.one_of(
         st.booleans(),
         st.text(max_size=5),
         st.floats(),
         st.lists(st.integers(), max_size=3),
-        st.integers(min_value=low, max_value=-1),
-        st.integers(min_value=1 << 64, max_value=1 << 80),
+        st.integers(min_value=-(1 << 70), max_value=-1),
+        st.integers(min_value=above, max_value=1 << 80),
     )
 
 

@@ -240,9 +240,13 @@ async def test_dist_async_without_an_optimizer_assigns_the_latest_push():
     with Cluster(2, 1) as cluster:
         first, second = sorted(await cluster.workers("dist_async"), key=lambda kv: kv.rank)
         await asyncio.gather(first.init(0, full(0.0)), second.init(0, full(0.0)))
+        # A push is pipelined: the pusher's own pull (after it on the same stream) is
+        # answered once the push is applied, and only then may another worker see it.
         await first.push(0, full(4.0))
+        await first.pull(0)
         np.testing.assert_array_equal(await second.pull(0), full(4.0))
         await second.push(0, full(6.0))
+        await second.pull(0)
         np.testing.assert_array_equal(await first.pull(0), full(6.0))
         await close_all([first, second])
 
