@@ -4,7 +4,11 @@ Each key's stored array is written only by engine tasks that hold the key's var 
 writing, and read only by tasks that hold it for reading, so the engine's per-var order is
 the store's per-key order.
 
-A push from the async face is summed into a staging buffer before the call returns (the
+A call on one key whose var is free, with work small enough to run inline (or a push
+without an updater, whatever its size), runs during the call with no engine Task
+(``Engine.run_now``): a push is summed straight into the stored array, a pull copied out,
+and the call returns an already completed waitable. Otherwise the work is queued: a push
+from the async face is then summed into a staging buffer before the call returns (the
 caller may change its arrays at once); without an updater that buffer *becomes* the stored
 array (no second copy) and the old stored array becomes the next staging buffer. A push
 from the blocking face, whose caller waits, is summed straight into the stored array.
@@ -91,6 +95,19 @@ def _land(
             raise
 
 
+def _land_now(store: object, updater: Updater | None, entry: Entry, arrays: list[Array]) -> None:
+    """Apply one key's push that runs during the call: the caller's arrays are read here,
+    as when the caller waits (no staging copy)."""
+    assert entry.value is not None  # set by init, which every push is ordered after
+    if updater is None:
+        if len(arrays) == 1:
+            np.copyto(entry.value, arrays[0])  # the common case, without a call more
+        else:
+            merge_into(entry.value, arrays)
+    else:
+        _update(store, updater, entry, merge_into(entry.take_buffer(), arrays))
+
+
 def _copy_out(entry: Entry, outs: list[Array], result: object, after: list[Any]) -> object:
     stored = entry.value
     assert stored is not None  # set by init, which every pull is ordered after
@@ -117,6 +134,9 @@ def _store_initial(entries: list[Entry], arrays: list[np.ndarray]) -> None:
 
 def _nothing() -> None:
     return None
+
+
+_NO_EVENTS: list[Any] = []
 
 
 class LocalBackend:
@@ -180,11 +200,20 @@ class LocalBackend:
     def push(self, values: KeyArrays, priority: int, borrow: bool) -> Waitable:
         """Apply checked values: ``updater(key, summed, stored)``, or replace the stored value.
 
+        A push of one free key runs now (see the module's docstring). Otherwise,
         ``borrow``: the caller waits until this is done, so its arrays are read in the task
         (no staging copy, one buffer fewer); otherwise they are summed into staging buffers
         now, before the call returns.
         """
         updater = self.updater
+        if len(values) == 1 and (updater is None or self._executor(values) == "inline"):
+            # One key, free and small enough: applied now, so the values need no staging.
+            entry, arrays = values[0]
+            done = self._engine.run_now(
+                _land_now, self._store, updater, entry, arrays, writes=(entry.var,), name="push"
+            )
+            if done is not None:
+                return done
         pushed = [
             (entry, arrays, None if borrow else merge_into(entry.take_buffer(), arrays))
             for entry, arrays in values
@@ -209,10 +238,19 @@ class LocalBackend:
 
         GPU outputs are written after the work the caller queued on them before the call.
         """
-        executor = self._executor(targets)
-        after = caller_events(targets)
-        if len(targets) == 1:
+        if len(targets) == 1:  # the common call, kept cheap
             entry, outs = targets[0]
+            limit = self._inline_max_bytes
+            executor = "inline" if limit is None or entry.nbytes <= limit else "thread"
+            # One host output has no GPU work queued on it to wait for.
+            host = len(outs) == 1 and type(outs[0]) is np.ndarray
+            after = _NO_EVENTS if host else caller_events(targets)
+            if executor == "inline":  # a free key is copied out now, with no Task
+                done = self._engine.run_now(
+                    _copy_out, entry, outs, result, after, reads=(entry.var,), name="pull"
+                )
+                if done is not None:
+                    return done
             return self._engine.push(
                 _copy_out,
                 entry,
@@ -224,6 +262,8 @@ class LocalBackend:
                 executor=executor,
                 name="pull",
             )
+        executor = self._executor(targets)
+        after = caller_events(targets)
         return self._engine.push(
             _pull_many,
             targets,

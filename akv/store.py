@@ -374,6 +374,10 @@ class AsyncKVStore:
         MixedKeyKindsError, InvalidArgumentError
         """
         self._check_usable()
+        if type(value) is np.ndarray and (type(key) is int or type(key) is str):
+            entry = self._keys.get(key, "push to")  # the common call, kept cheap
+            entry.check(value, "push to")
+            return self._backend.push([(entry, [value])], priority, self._caller_waits)
         values = self._values(group(key, value, "push"))
         return self._backend.push(values, priority, self._caller_waits)
 
@@ -393,6 +397,14 @@ class AsyncKVStore:
         """
         self._check_usable()
         if out is not None:
+            if (
+                type(out) is np.ndarray
+                and (type(key) is int or type(key) is str)
+                and out.flags.writeable
+            ):
+                entry = self._keys.get(key, "pull from")  # the common call, kept cheap
+                entry.check(out, "pull into")
+                return self._backend.pull([(entry, [out])], out, priority)
             targets = self._targets(key, out)
             return self._backend.pull(targets, out, priority)
         keys = key if isinstance(key, (list, tuple)) else [key]

@@ -28,12 +28,13 @@ from engine._gpu import (
 )
 from engine._graph import to_dot
 from engine._loop import LoopThread, new_event_loop, uvloop_available
-from engine._task import Failure, Task, Waitable, gather, then
+from engine._task import Completed, Failure, Task, Waitable, gather, then
 from engine._var import Var
 
 __all__ = [
     "DEFAULT_SLOTS",
     "CallbackExecutor",
+    "Completed",
     "CudaDriver",
     "CupyDriver",
     "DoneCallback",

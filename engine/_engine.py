@@ -21,11 +21,13 @@ from typing import Any
 from engine._executors import CallbackExecutor, Executor, LoopExecutor, ThreadExecutor
 from engine._graph import to_dot
 from engine._task import (
+    ALREADY_DONE,
     DONE,
     FAILED,
     READY,
     RUNNING,
     WAITING,
+    Completed,
     Failure,
     Task,
     Waitable,
@@ -168,6 +170,12 @@ class Engine:
         self._failures: list[Failure] = []
         self._closed = False
         self._pushed = self._completed = self._failed = self._skipped = 0
+        # run_now's runs, which have no Task (counted in _running, never in _pending).
+        self._running_inline = 0
+        # What holds a var while run_now runs a function without a Task of its own.
+        self._inline_holder = Task(
+            self._lock, 0, "inline work", _check_var, (), (), (), 0, INLINE, False
+        )
         self._loop_executor = LoopExecutor(loop)
         self._executors: dict[str, Executor] = {
             THREAD: ThreadExecutor(slots, name=f"{name}-worker"),
@@ -249,6 +257,112 @@ class Engine:
                 raise EngineError(f"{var!r} belongs to another engine")
         return self._push(fn, args, read_vars, write_vars, priority, name, executor, no_skip)
 
+    def run_now(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        reads: tuple[Var, ...] = (),
+        writes: tuple[Var, ...] = (),
+        name: str | None = None,
+    ) -> Waitable | None:
+        """Run ``fn(*args)`` on this thread now, as an inline task on one var would run, if
+        it can start at once; else return None and do nothing.
+
+        It can when the call names one var (``reads=(var,)`` or ``writes=(var,)``), that
+        var is idle (no task holds it or waits for it) and carries no undelivered failure,
+        no ready task waits for a slot and a slot is free: exactly when
+        ``push(fn, *args, executor="inline", ...)`` would run it before returning, at any
+        priority. No Task is made: the result is a :class:`Completed` waitable (one shared
+        instance for every call whose ``fn`` returned None). The var is held and a slot
+        taken while ``fn`` runs, so work pushed meanwhile from other threads waits for it,
+        and the statistics count it. When ``fn`` raises, the result is a failed Task and
+        the failure travels as with :meth:`push` (later tasks on a written var fail with
+        it until a wait delivers it).
+
+        Returning None lets the caller choose what to push instead (a push that can run
+        now may read the caller's arrays directly; one that must wait copies them first).
+
+        Raises
+        ------
+        EngineClosedError
+            After :meth:`close`.
+        EngineError
+            For a var of another engine.
+        """
+        if not reads and len(writes) == 1:
+            var, is_write = writes[0], True
+        elif not writes and len(reads) == 1:
+            var, is_write = reads[0], False
+        else:
+            return None
+        if var._engine is not self:
+            raise EngineError(f"{var!r} belongs to another engine")
+        holders = var._holders
+        holder = self._inline_holder
+        lock = self._lock
+        # Below, Var._append and Var._release for an idle var are inlined, and the lock is
+        # taken with acquire/release rather than `with` (half the cost): this is the path
+        # of every small call of a store.
+        lock.acquire()
+        try:
+            failure = var._failure
+            free = (
+                not holders
+                and not var._queue
+                and (failure is None or failure.delivered)
+                and not self._closed
+                and not self._ready
+                and self._running < self._slots
+            )
+            if free:
+                holders.append(holder)
+                var._writer = is_write
+                self._running += 1
+                self._running_inline += 1
+                self._pushed += 1
+        finally:
+            lock.release()
+        if not free:
+            if self._closed:
+                raise EngineClosedError(f"engine {self.name!r} is closed")
+            return None
+        try:
+            result = fn(*args)
+            if type(result) is CoroutineType:
+                result.close()
+                raise EngineError(
+                    f"task {name or fn.__name__!r} returned a coroutine: push coroutine "
+                    "functions with executor='loop'"
+                )
+        except BaseException as exc:
+            return self._inline_failed(fn, args, var, is_write, name, exc)
+        startable: list[Task] | None = None
+        lock.acquire()
+        try:
+            self._completed += 1
+            self._running -= 1
+            self._running_inline -= 1
+            if is_write:
+                var._failure = None
+            if len(holders) == 1 and not var._queue:
+                holders.clear()
+                if is_write:
+                    var._writer = False
+                    var.version += 1
+            else:
+                granted = var._release(holder, is_write)
+                if granted:
+                    self._grant_locked(granted)
+            if self._ready:
+                startable = self._take_startable_locked()
+        finally:
+            lock.release()
+        if startable:
+            self._dispatch(startable)
+        if result is None:
+            return ALREADY_DONE
+        return Completed(result, name if name is not None else fn.__name__)
+
     def wait_for_var(self, var: Var) -> Task:
         """A task that completes once every task pushed before it on ``var`` has completed.
 
@@ -276,7 +390,7 @@ class Engine:
         """The counters now (see :class:`EngineStatistics`)."""
         with self._lock:
             ready = len(self._ready)
-            waiting = len(self._pending) - ready - self._running
+            waiting = len(self._pending) - ready - (self._running - self._running_inline)
             return EngineStatistics(
                 pushed=self._pushed,
                 completed=self._completed,
@@ -303,7 +417,7 @@ class Engine:
                 if task._state == WAITING:
                     for var in task.reads + task.writes:
                         for blocker in var._blockers(task):
-                            blockers[label[blocker.id]] = None
+                            blockers[label.get(blocker.id, blocker.name)] = None
                 graph[label[task.id]] = list(blockers)
             return graph
 
@@ -362,6 +476,32 @@ class Engine:
             return asyncio.get_running_loop() is self._loop_executor._loop
         except RuntimeError:
             return False
+
+    def _inline_failed(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        var: Var,
+        is_write: bool,
+        name: str | None,
+        exc: BaseException,
+    ) -> Task:
+        """``run_now``'s ``fn`` raised: make the Task it did without, then fail it."""
+        reads, writes = ((), (var,)) if is_write else ((var,), ())
+        with self._lock:
+            task_id = next(self._ids)
+            task = Task(self._lock, task_id, name, fn, args, reads, writes, 0, INLINE, False)
+            task._state = RUNNING
+            self._pending[task_id] = task
+            self._running_inline -= 1
+            holders = var._holders
+            holders[holders.index(self._inline_holder)] = task
+        more = self._finish(task, None, exc, None)
+        if more:
+            self._dispatch(more)
+        if not isinstance(exc, Exception):
+            raise exc
+        return task
 
     def _push(
         self,

@@ -8,6 +8,7 @@ A :class:`Task` is the waitable for one function pushed to the engine.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import sys
 import threading
 from collections.abc import Callable, Generator
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine._var import Var
 
-__all__ = ["Failure", "Task", "Waitable", "gather", "then"]
+__all__ = ["ALREADY_DONE", "Completed", "Failure", "Task", "Waitable", "gather", "then"]
 
 WAITING = 0
 READY = 1
@@ -70,11 +71,75 @@ def _set_if_pending(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+FutureCallback = Callable[["Waitable"], object]
+_Scheduled = tuple[FutureCallback, "Waitable", contextvars.Context]
+
+
+class _Batch(threading.local):
+    """This thread's done callbacks (asyncio's future protocol) waiting for the next turn
+    of its running loop: one ``call_soon`` runs them all, instead of a handle each."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+    callbacks: list[_Scheduled] | None = None
+
+
+_batch = _Batch()
+
+
+def _call_soon_batched(
+    loop: asyncio.AbstractEventLoop,
+    callback: FutureCallback,
+    waitable: Waitable,
+    context: contextvars.Context | None,
+) -> None:
+    """``loop.call_soon(callback, waitable, context=context)``, on the loop's own thread.
+
+    Callbacks scheduled in one turn of the loop run together, in order, at the position of
+    the first; each in its own context (by default a copy of the current one), as asyncio
+    runs a future's callbacks.
+    """
+    if context is None:
+        context = contextvars.copy_context()
+    batch = _batch
+    callbacks = batch.callbacks
+    if callbacks is None or batch.loop is not loop:
+        callbacks = []
+        loop.call_soon(_run_batch, loop, callbacks)
+        batch.loop, batch.callbacks = loop, callbacks
+    callbacks.append((callback, waitable, context))
+
+
+def _run_batch(loop: asyncio.AbstractEventLoop, callbacks: list[_Scheduled]) -> None:
+    if _batch.callbacks is callbacks:
+        _batch.loop = _batch.callbacks = None
+    for index, (callback, waitable, context) in enumerate(callbacks):
+        try:
+            context.run(callback, waitable)
+        except (SystemExit, KeyboardInterrupt):
+            for later in callbacks[index + 1 :]:
+                _call_soon_batched(loop, *later)
+            raise
+        except BaseException as exc:  # what asyncio does with a callback that raises
+            loop.call_exception_handler(
+                {
+                    "message": f"Exception in callback {callback!r} of {waitable!r}",
+                    "exception": exc,
+                    "future": waitable,
+                }
+            )
+
+
 class Waitable:
     """Something that completes once: awaitable on any loop, waitable from any thread.
 
     ``await w`` and ``w.result(timeout)`` return the value or raise the exception, every
     time they are called. Raising marks the failure as delivered (see :class:`Failure`).
+
+    Once it has completed *successfully*, a waitable also passes for a done
+    ``asyncio.Future`` (asyncio's duck typing, ``asyncio.isfuture``), so that
+    ``asyncio.gather``, ``wait``, ``wait_for`` and ``shield`` take it as it is instead of
+    wrapping it in a new ``asyncio.Task``. A pending or failed one is wrapped as any
+    awaitable is (so cancelling the wait works, and raising a failure delivers it).
     """
 
     __slots__ = ("_callbacks", "_event", "_failure", "_lock", "_name", "_result", "_state")
@@ -118,6 +183,8 @@ class Waitable:
         TimeoutError
             When it has not completed within ``timeout`` seconds (it keeps running).
         """
+        if self._state == DONE:  # asyncio.gather asks every completed waitable
+            return self._result
         if self._state < DONE:
             with self._lock:
                 if self._state < DONE:
@@ -145,6 +212,54 @@ class Waitable:
             failure.delivered = True
             raise failure.exception
         return self._result
+
+    # ------------------------------------------------ asyncio's future protocol (duck typing)
+
+    @property
+    def _asyncio_future_blocking(self) -> bool | None:
+        # asyncio.isfuture() is true when this is not None: only once completed successfully.
+        return False if self._state == DONE else None
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop (asyncio's future protocol: a waitable serves any loop)."""
+        return asyncio.get_running_loop()
+
+    def add_done_callback(
+        self, fn: FutureCallback, *, context: contextvars.Context | None = None
+    ) -> None:
+        """Call ``fn(self)`` on the running loop once completed (asyncio's future protocol).
+
+        As with an ``asyncio.Future``, ``fn`` is scheduled with the loop (never called
+        from here) and runs in ``context``, by default a copy of the current one.
+        """
+        loop = asyncio.get_running_loop()
+        if self._state >= DONE:
+            _call_soon_batched(loop, fn, self, context)
+            return
+        if context is None:
+            context = contextvars.copy_context()
+        thread_id = threading.get_ident()
+        callback_context = context
+
+        def completed(waitable: Waitable) -> None:
+            if threading.get_ident() == thread_id:
+                _call_soon_batched(loop, fn, waitable, callback_context)
+            else:
+                loop.call_soon_threadsafe(fn, waitable, context=callback_context)
+
+        self._add_callback(completed)
+
+    def remove_done_callback(self, fn: FutureCallback) -> int:
+        """Nothing to remove once scheduled (a done asyncio.Future does the same): 0."""
+        return 0
+
+    def cancel(self, msg: object = None) -> bool:
+        """Engine work is never cancelled from a wait: always False."""
+        return False
+
+    def cancelled(self) -> bool:
+        """Always False (see :meth:`cancel`)."""
+        return False
 
     def _add_callback(self, callback: Callable[[Waitable], None]) -> None:
         with self._lock:
@@ -178,6 +293,30 @@ class Waitable:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.state}>"
+
+
+class Completed(Waitable):
+    """A waitable that is complete from the start, with ``result``.
+
+    What :meth:`engine.Engine.run_now` returns for work it ran at once: no lock, no
+    callback list, no ``asyncio`` object. Callbacks added to it run at once.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, result: Any, name: str) -> None:
+        self._name = name
+        self._state = DONE
+        self._result = result
+        self._failure = None
+
+    def _add_callback(self, callback: Callable[[Waitable], None]) -> None:
+        callback(self)
+
+
+#: The completed waitable whose result is None, shared by every call that has nothing else
+#: to return (a push that ran at once).
+ALREADY_DONE = Completed(None, "done")
 
 
 class _Then(Waitable):
