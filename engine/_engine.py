@@ -172,6 +172,8 @@ class Engine:
         self._pushed = self._completed = self._failed = self._skipped = 0
         # run_now's runs, which have no Task (counted in _running, never in _pending).
         self._running_inline = 0
+        # The work list of the dispatch loop running on this thread, if any (_dispatch).
+        self._dispatching = threading.local()
         # What holds a var while run_now runs a function without a Task of its own.
         self._inline_holder = Task(
             self._lock, 0, "inline work", _check_var, (), (), (), 0, INLINE, False
@@ -560,42 +562,59 @@ class Engine:
         return startable
 
     def _dispatch(self, startable: list[Task]) -> None:
-        """Start tasks; inline ones run here, and so do those their completion readies."""
+        """Start tasks; inline ones run here, and so do those their completion readies.
+
+        A task that completes while it is being started (a callback task whose ``fn``
+        calls ``done`` at once) hands what it readies to this loop (:meth:`_on_done`)
+        instead of starting it from inside its own call: a chain of such tasks (a burst
+        of pipelined pushes) runs one after another, not ever deeper in the stack.
+        """
         work = startable
+        local = self._dispatching
+        outer = getattr(local, "work", None)
+        local.work = work
         index = 0
-        while index < len(work):
-            task = work[index]
-            index += 1
-            failure = task._inherited_failure()
-            if failure is not None and not task.no_skip:
-                work.extend(self._finish(task, None, None, failure))
-                continue
-            if task.executor == INLINE:
-                try:
-                    result = task.fn(*task.args)
-                    if type(result) is CoroutineType:
-                        result.close()
-                        raise EngineError(
-                            f"task {task.name!r} returned a coroutine: push coroutine "
-                            "functions with executor='loop'"
-                        )
-                except Exception as exc:
-                    work.extend(self._finish(task, None, exc, None))
-                except BaseException as exc:
-                    more = self._finish(task, None, exc, None)
-                    if more:
-                        self._dispatch(more)
-                    raise
+        try:
+            while index < len(work):
+                task = work[index]
+                index += 1
+                failure = task._inherited_failure()
+                if failure is not None and not task.no_skip:
+                    work.extend(self._finish(task, None, None, failure))
+                    continue
+                if task.executor == INLINE:
+                    try:
+                        result = task.fn(*task.args)
+                        if type(result) is CoroutineType:
+                            result.close()
+                            raise EngineError(
+                                f"task {task.name!r} returned a coroutine: push coroutine "
+                                "functions with executor='loop'"
+                            )
+                    except Exception as exc:
+                        work.extend(self._finish(task, None, exc, None))
+                    except BaseException as exc:
+                        work.extend(self._finish(task, None, exc, None))
+                        raise
+                    else:
+                        work.extend(self._finish(task, result, None, None))
                 else:
-                    work.extend(self._finish(task, result, None, None))
-            else:
-                self._executors[task.executor].submit(
-                    task.fn, task.args, partial(self._on_done, task)
-                )
+                    self._executors[task.executor].submit(
+                        task.fn, task.args, partial(self._on_done, task)
+                    )
+        finally:
+            local.work = outer
+            if index < len(work):  # a BaseException stopped the loop: start the rest
+                self._dispatch(work[index:])
 
     def _on_done(self, task: Task, result: Any, exc: BaseException | None) -> None:
         more = self._finish(task, result, exc, None)
-        if more:
+        if not more:
+            return
+        active = getattr(self._dispatching, "work", None)
+        if active is not None:
+            active.extend(more)  # started by the dispatch loop this completion came from
+        else:
             self._dispatch(more)
 
     def _finish(

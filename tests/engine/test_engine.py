@@ -543,3 +543,35 @@ def test_then_fails_alone_when_its_function_raises(eng):
     with pytest.raises(RuntimeError, match="cannot convert"):
         derived.result(WAIT_S)
     assert task.result(WAIT_S) == 1
+
+
+async def test_a_long_chain_of_callback_tasks_done_at_once_runs_without_recursion():
+    """Callback tasks whose ``fn`` reports ``done`` before returning (a pipelined push)
+    start one another through the dispatch loop, not ever deeper in the stack: a chain
+    far longer than Python's recursion limit completes, in order."""
+    eng = Engine(slots=1, loop=asyncio.get_running_loop())
+    var = eng.new_var("chain")
+    order: list[int] = []
+
+    held = []
+
+    def at_once(i: int, done) -> None:
+        order.append(i)
+        if i == 0:
+            held.append(done)  # the first holds the var until all others queued behind it
+        else:
+            done(i, None)
+
+    try:
+        tasks = [
+            eng.push(at_once, i, writes=[var], executor="callback", name="push")
+            for i in range(5000)
+        ]
+        (release,) = held
+        release(0, None)
+        results = [await asyncio.wait_for(task, WAIT_S) for task in tasks]
+    finally:
+        await eng.aclose()
+    assert results == list(range(5000))
+    assert order == list(range(5000))
+    assert eng.statistics().failed == 0
