@@ -171,3 +171,48 @@ def test_nothing_is_left_in_the_file_system_after_a_server_is_killed(tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
     assert [n for n in os.listdir(tmp_path) if n.startswith("akv-shm-")] == []
+
+
+async def test_a_cut_shared_memory_stream_reconnects_and_loses_nothing():
+    """A stream through the Unix socket that is cut mid-job (pushes staged in its arena
+    and not answered yet) is opened again with fresh arenas; every value stays right."""
+    with Cluster(2, 1) as cluster:
+        stores = await cluster.workers()
+        try:
+            first = await exercise(stores)
+            server = cluster.servers[0]
+
+            async def cut() -> None:  # on the server's loop: drop worker 0's stream
+                (link,) = [
+                    link
+                    for link in server.links.values()
+                    if getattr(link, "peer", None) is not None and link.peer.worker == 0
+                ]
+                link.protocol.abort()
+
+            async def body(kv):
+                rng = np.random.default_rng(kv.rank)
+                big = rng.standard_normal(SHAPE).astype(np.float32)
+                seen = []
+                for step in range(4):
+                    await kv.push("big", big * (step + 10))  # staged in the arena
+                    if step == 1 and kv.rank == 0:  # cut before the push is answered
+                        await asyncio.wrap_future(
+                            asyncio.run_coroutine_threadsafe(cut(), cluster.thread.loop)
+                        )
+                    seen.append(await kv.pull("big"))
+                return seen
+
+            after = await asyncio.gather(*(body(kv) for kv in stores))
+            links = [link for kv in stores for link in kv._backend.links]
+            assert [link.reconnects for link in links] == [1, 0]
+            assert all(link.shares_memory for link in links)
+        finally:
+            await asyncio.gather(*(kv.close() for kv in stores))
+    total = sum(
+        np.random.default_rng(r).standard_normal(SHAPE).astype(np.float32) for r in range(2)
+    )
+    for seen in after:
+        for step, value in enumerate(seen):
+            assert np.allclose(value, (step + 10) * total, rtol=1e-5, atol=1e-4)
+    assert len(first) == 2
