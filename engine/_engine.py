@@ -329,13 +329,7 @@ class Engine:
                 raise EngineClosedError(f"engine {self.name!r} is closed")
             return None
         try:
-            result = fn(*args)
-            if type(result) is CoroutineType:
-                result.close()
-                raise EngineError(
-                    f"task {name or fn.__name__!r} returned a coroutine: push coroutine "
-                    "functions with executor='loop'"
-                )
+            result = _call_inline(fn, args, name or fn.__name__)
         except BaseException as exc:
             return self._inline_failed(fn, args, var, is_write, name, exc)
         startable: list[Task] | None = None
@@ -584,13 +578,7 @@ class Engine:
                     continue
                 if task.executor == INLINE:
                     try:
-                        result = task.fn(*task.args)
-                        if type(result) is CoroutineType:
-                            result.close()
-                            raise EngineError(
-                                f"task {task.name!r} returned a coroutine: push coroutine "
-                                "functions with executor='loop'"
-                            )
+                        result = _call_inline(task.fn, task.args, task.name)
                     except Exception as exc:
                         work.extend(self._finish(task, None, exc, None))
                     except BaseException as exc:
@@ -699,3 +687,15 @@ def _labels(tasks: list[Task]) -> dict[int, str]:
     for task in tasks:
         counts[task.name] = counts.get(task.name, 0) + 1
     return {t.id: t.name if counts[t.name] == 1 else f"{t.name}#{t.id}" for t in tasks}
+
+
+def _call_inline(fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
+    """``fn(*args)`` as an inline task; a coroutine function is refused (it must run on the
+    loop)."""
+    result = fn(*args)
+    if type(result) is CoroutineType:
+        result.close()
+        raise EngineError(
+            f"task {name!r} returned a coroutine: push coroutine functions with executor='loop'"
+        )
+    return result

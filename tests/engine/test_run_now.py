@@ -14,29 +14,7 @@ import engine
 from engine import Engine, EngineClosedError, EngineError
 from engine._task import ALREADY_DONE
 from tests.counting import count_tasks_and_futures
-
-WAIT_S = 5.0
-
-
-@pytest.fixture
-def eng():
-    e = Engine(slots=4)
-    yield e
-    e.close(timeout=WAIT_S)
-
-
-class Gate:
-    """A function that blocks until opened, recording when it started."""
-
-    def __init__(self) -> None:
-        self.started = threading.Event()
-        self.opened = threading.Event()
-
-    def __call__(self) -> str:
-        self.started.set()
-        assert self.opened.wait(WAIT_S), "gate never opened"
-        return "gate"
-
+from tests.engine.common import WAIT_S, Gate
 
 # ------------------------------------------------------------ running at once
 
