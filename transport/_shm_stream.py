@@ -3,11 +3,12 @@ large payloads through shared memory.
 
 Each side of such a stream owns one :class:`~transport._shm_arena.Arena` (a sealed memfd)
 and maps the peer's. A frame whose payload is at least ``min_bytes`` is sent as its header
-and an offset (:data:`~transport.frame.VERSION_ARENA`): its payload is copied once into a
-free region of the sender's arena, and the receiver copies it from there into the buffers
-it chose for it, then hands the region back with a release (:data:`~transport.frame.
-VERSION_RELEASE`). Small frames, and any frame whose payload finds no free region, travel
-on the socket as usual; the order of frames never changes.
+and one offset per array (:data:`~transport.frame.VERSION_ARENA`): each array is copied
+once into a free region of the sender's arena (or is there already, in a region the caller
+reserved), and the receiver copies it from there into the buffer it chose for it, then
+hands the regions back with a release (:data:`~transport.frame.VERSION_RELEASE`). Small
+frames, and any frame whose payload finds no free region, travel on the socket as usual;
+the order of frames never changes.
 
 Setting a stream up (:class:`LocalSite` on the server, :func:`connect_local` on the client):
 

@@ -20,7 +20,8 @@ and over TCP loopback, in one run (:func:`transport._shm_bench.measure_round_tri
 
 What the file system keeps: a listener's directory and socket while it is open, and nothing
 after :meth:`ShmListener.close`. A process killed by SIGKILL leaves its listener's directory
-(``{tempdir}/akv-shm-{pid}-*``) and socket, nothing else: memory and descriptors die with it.
+(``{tempdir}/akv-shm-{pid}-*``) and socket, nothing else: memory and descriptors die with it;
+:func:`transport.remove_leftovers` removes such directories once their process is gone.
 """
 
 from __future__ import annotations
