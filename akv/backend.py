@@ -54,6 +54,11 @@ class Backend(Protocol):
     #: itself); when False the store copies them to the host first.
     keeps_gpu_arrays: bool
 
+    #: Whether a push's task only sends values it took at the call (pipelined): the
+    #: blocking face then returns without waiting for it, and errors surface at the next
+    #: call on the key, ``barrier()`` or ``close()``.
+    returns_pushes_early: bool
+
     def new_entry(self, key: Key, array: np.ndarray) -> Entry:
         """A new key's entry (its var, and where its parts live), for a value like ``array``."""
         ...

@@ -270,6 +270,7 @@ class DeviceBackend(LocalBackend):
     the local store."""
 
     keeps_gpu_arrays = True
+    returns_pushes_early = False
 
     def __init__(
         self,

@@ -146,6 +146,7 @@ class LocalBackend:
     num_workers = 1
     broken: AKVError | None = None
     keeps_gpu_arrays = False
+    returns_pushes_early = False
 
     def __init__(self, engine: Engine, store: object, inline_max_bytes: int | None) -> None:
         """``store``: the store whose updater calls are guarded against re-entry.

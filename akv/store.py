@@ -8,8 +8,10 @@ private event loop thread, builds an ``AsyncKVStore`` on it, and blocks on each 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -612,6 +614,10 @@ class KVStore:
         self._inner = inner
         self._loop_thread = loop_thread
         self._timeout: float | None = None
+        #: Pipelined pushes this face returned from without waiting for their tasks
+        #: (which only send what the call took); settled by the calls that need them done.
+        self._unsettled: collections.deque[Waitable] = collections.deque()
+        self._unsettled_lock = threading.Lock()
 
     @property
     def type(self) -> str:
@@ -645,13 +651,41 @@ class KVStore:
                 raise
             raise WaitTimeoutError(str(exc)) from exc
 
+    def _settle(self) -> None:
+        """Wait for the pushes returned from early (raising the first that failed)."""
+        while True:
+            with self._unsettled_lock:
+                if not self._unsettled:
+                    return
+                waitable = self._unsettled.popleft()
+            self._wait(waitable)
+
     def init(self, key: Key | list[Key], value: Any) -> None:
         """See :meth:`AsyncKVStore.init`."""
+        self._settle()
         self._wait(self._inner.init(key, value))
 
     def push(self, key: Key | list[Key], value: Any, priority: int = 0) -> None:
-        """See :meth:`AsyncKVStore.push`."""
-        self._wait(self._inner.push(key, value, priority))
+        """See :meth:`AsyncKVStore.push`.
+
+        In a distributed store (pipelined pushes, the default) this returns once the values
+        are taken, without waiting for the loop thread to send them; a failure to send is
+        raised by the next call on the key, :meth:`barrier` or :meth:`close`.
+        """
+        waitable = self._inner.push(key, value, priority)
+        if not self._inner._backend.returns_pushes_early or waitable.done():
+            self._wait(waitable)
+            return
+        with self._unsettled_lock:
+            self._unsettled.append(waitable)
+            while self._unsettled and self._unsettled[0].done():
+                done = self._unsettled.popleft()
+                if done.failed():  # left for the next call that settles
+                    self._unsettled.appendleft(done)
+                    break
+            full = len(self._unsettled) > limits.MAX_UNACKED_PUSHES
+        if full:  # memory stays bounded: wait for the oldest
+            self._settle()
 
     def pull(self, key: Key | list[Key], out: Any = None, priority: int = 0) -> Any:
         """See :meth:`AsyncKVStore.pull`; returns ``out`` (or the new arrays)."""
@@ -671,16 +705,19 @@ class KVStore:
 
     def set_optimizer(self, optimizer: _optimizer.Optimizer) -> None:
         """See :meth:`AsyncKVStore.set_optimizer`."""
+        self._settle()
         self._wait(self._inner.set_optimizer(optimizer))
 
     def save_optimizer_states(
         self, fname: str | os.PathLike[str], dump_optimizer: bool = False
     ) -> None:
         """See :meth:`AsyncKVStore.save_optimizer_states`."""
+        self._settle()
         self._wait(self._inner.save_optimizer_states(fname, dump_optimizer))
 
     def load_optimizer_states(self, fname: str | os.PathLike[str]) -> None:
         """See :meth:`AsyncKVStore.load_optimizer_states`."""
+        self._settle()
         self._wait(self._inner.load_optimizer_states(fname))
 
     def placement(
@@ -691,6 +728,7 @@ class KVStore:
 
     def barrier(self) -> None:
         """See :meth:`AsyncKVStore.barrier`."""
+        self._settle()
         self._wait(self._inner.barrier())
 
     def set_barrier_before_exit(self, barrier_before_exit: bool = True) -> None:
@@ -705,7 +743,10 @@ class KVStore:
         if not self._loop_thread.running:
             return
         try:
-            self._loop_thread.run(_await(self._inner.close), self._timeout)
+            try:
+                self._settle()
+            finally:
+                self._loop_thread.run(_await(self._inner.close), self._timeout)
         finally:
             self._loop_thread.close()
 

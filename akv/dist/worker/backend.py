@@ -113,6 +113,8 @@ class DistBackend:
         self.links: list[ServerLink] = []
         self.broken: AKVError | None = None
         self.keeps_gpu_arrays = device
+        # GPU values are reduced on their GPUs by work that follows the call: wait for it.
+        self.returns_pushes_early = not config.strict_push and not device
         self._gpu_executor = gpu_executor
         self._gpu_registered = False
         self._heartbeat: _Heartbeat | None = None

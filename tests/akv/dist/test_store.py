@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -31,6 +32,7 @@ from akv.dist.worker.link import ServerLink
 from tests.akv.dist.cluster import Cluster, free_port, job_env
 
 pytestmark = pytest.mark.timeout(60)
+WAIT_S = 10.0
 SHAPE = (2, 3)
 
 
@@ -467,10 +469,47 @@ def test_a_pipelined_push_sends_a_copy_the_caller_may_change_at_once(sent):
         kv = akv.create("dist_sync", environ=cluster.worker_env(0))
         kv.init("w", np.zeros((3, 4), np.float32))
         value = np.arange(12, dtype=np.float32).reshape(3, 4)
-        kv.push("w", value)  # returns once sent, before the server's answer
-        assert not np.shares_memory(sent[-1], value)
-        value[:] = -1  # at once: what was sent does not change
+        kv.push("w", value)  # returns once the value is taken, maybe before it is sent
+        value[:] = -1  # at once: what is sent does not change
         np.testing.assert_array_equal(kv.pull("w"), np.arange(12).reshape(3, 4))
+        (pushed,) = sent
+        assert not np.shares_memory(pushed, value)
+        kv.close()
+
+
+def test_a_blocking_push_returns_before_its_task_and_barrier_settles_it(monkeypatch):
+    """The blocking face does not wait for the loop thread to send a pipelined push;
+    barrier() waits for it, and raises what a server answered it with."""
+    with Cluster(1, 1) as cluster:
+        kv = akv.create("dist_sync", environ=cluster.worker_env(0))
+        kv.init(["w", "v"], [np.zeros(4, np.float32)] * 2)
+        gate = threading.Event()
+        real_send = ServerLink.send
+
+        def held(self, op, wire, on_reply, **kwargs):
+            if op == Op.PUSH:
+                assert gate.wait(WAIT_S)  # the loop thread waits here; the caller does not
+            return real_send(self, op, wire, on_reply, **kwargs)
+
+        monkeypatch.setattr(ServerLink, "send", held)
+        kv.push("w", np.ones(4, np.float32))  # returns although the send is held
+        assert len(kv._unsettled) == 1
+        gate.set()
+        kv.barrier()  # settles it
+        assert len(kv._unsettled) == 0
+        np.testing.assert_array_equal(kv.pull("w"), np.ones(4))
+
+        def refused(self, op, wire, on_reply, **kwargs):
+            if op == Op.PUSH:  # as if the server answered with an error, later
+                self._loop.call_soon(on_reply, None, akv.ServerError("refused by the server"))
+                return None
+            return real_send(self, op, wire, on_reply, **kwargs)
+
+        monkeypatch.setattr(ServerLink, "send", refused)
+        kv.push("w", np.full(4, 2.0, np.float32))  # returns before the refusal comes
+        with pytest.raises(akv.ServerError, match="earlier push of key 'w' failed: refused"):
+            kv.barrier()  # waits for the push's answers: the refusal is raised here
+        np.testing.assert_array_equal(kv.pull("v"), np.zeros(4))  # other keys unaffected
         kv.close()
 
 
