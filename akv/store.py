@@ -677,13 +677,12 @@ class KVStore:
             self._wait(waitable)
             return
         with self._unsettled_lock:
-            self._unsettled.append(waitable)
-            while self._unsettled and self._unsettled[0].done():
-                done = self._unsettled.popleft()
-                if done.failed():  # left for the next call that settles
-                    self._unsettled.appendleft(done)
-                    break
-            full = len(self._unsettled) > limits.MAX_UNACKED_PUSHES
+            unsettled = self._unsettled
+            unsettled.append(waitable)
+            # Those sent already are forgotten; a failed one stays for the next settle.
+            while unsettled and unsettled[0].done() and not unsettled[0].failed():
+                unsettled.popleft()
+            full = len(unsettled) > limits.MAX_UNACKED_PUSHES
         if full:  # memory stays bounded: wait for the oldest
             self._settle()
 

@@ -188,10 +188,10 @@ class SharedMemory:
 
     def reserve(self, nbytes: int) -> memoryview | None:
         """A writable region of ``nbytes`` of this side's arena, the caller's until
-        :meth:`unreserve`; None when there is no arena, it is closed, or no free range is
-        large enough."""
+        :meth:`unreserve`; None when ``nbytes`` is below ``min_bytes`` (it would travel on
+        the socket), there is no arena, it is closed, or no free range is large enough."""
         own = self.own
-        if own is None or own.closed:
+        if nbytes < self.min_bytes or own is None or own.closed:
             return None
         with self._lock:
             offset = self.regions.allocate(nbytes)
@@ -217,11 +217,7 @@ class SharedMemory:
         """The offset of ``payload`` in this side's arena when it lies inside a reserved
         region (call with the lock held)."""
         offset = _address(payload) - self._base
-        index = bisect.bisect_right(self._reserved_starts, offset) - 1
-        if index < 0:
-            return None
-        start = self._reserved_starts[index]
-        return offset if offset + payload.nbytes <= start + self._reserved[start] else None
+        return offset if self._inside_reserved(offset, payload.nbytes) else None
 
     def place(self, buffers: Sequence[bytes | memoryview]) -> list[bytes | memoryview] | None:
         """The buffers that send this frame (prefix and header, then each array's payload,
@@ -271,12 +267,14 @@ class SharedMemory:
                     )
         offsets.clear()
 
-    def _inside_reserved(self, offset: int) -> bool:
+    def _inside_reserved(self, offset: int, nbytes: int = 1) -> bool:
+        """Whether ``nbytes`` from ``offset`` lie inside one reserved region (call with the
+        lock held)."""
         index = bisect.bisect_right(self._reserved_starts, offset) - 1
         if index < 0:
             return False
         start = self._reserved_starts[index]
-        return offset < start + self._reserved[start]
+        return offset + nbytes <= start + self._reserved[start]
 
     @staticmethod
     def release(offsets: list[int]) -> list[bytes]:

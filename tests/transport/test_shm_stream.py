@@ -401,3 +401,13 @@ async def test_a_site_refuses_nothing_but_cannot_be_reached_once_closed(tmp_path
     await runner.cleanup()
     with pytest.raises(TransportError):
         await connect(path, asyncio.Queue())
+
+
+def test_a_region_too_small_to_travel_through_the_arena_is_not_reserved():
+    own = Arena(1 << 20)
+    shared = SharedMemory(own, None, min_bytes=4096)
+    assert shared.reserve(4095) is None  # it would go on the socket anyway
+    region = shared.reserve(4096)
+    assert region is not None and shared.regions.regions == 1
+    shared.unreserve(region)
+    own.close()

@@ -70,7 +70,6 @@ from akv.limits import (
 )
 from engine import Engine, GPUExecutor, GPUWork, LoopThread, Task, Var, Waitable, gather, then
 from transport import (
-    DEFAULT_MIN_SHARED_BYTES,
     DTYPE_CODES,
     AuthError,
     Message,
@@ -367,7 +366,7 @@ class DistBackend:
         """A staging buffer for ``entry`` in the arena of the stream to the one server that
         holds it, when that stream shares memory and its server keeps no copies for a
         restart (those are kept past the answer); None otherwise."""
-        if len(entry.parts) != 1 or entry.nbytes < DEFAULT_MIN_SHARED_BYTES or not self.links:
+        if len(entry.parts) != 1 or not self.links:
             return None
         link = self.links[entry.parts[0].server]
         protocol = link.protocol
