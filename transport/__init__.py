@@ -39,7 +39,15 @@ from transport._http import (
     server_ssl_context,
     stream_route,
 )
-from transport._reader import DISCARD, Destination, Discard, FrameReader, Message, ReaderStatistics
+from transport._reader import (
+    DISCARD,
+    Destination,
+    Discard,
+    FrameReader,
+    InPlace,
+    Message,
+    ReaderStatistics,
+)
 from transport._shm_stream import (
     DEFAULT_ARENA_BYTES,
     DEFAULT_MIN_SHARED_BYTES,
@@ -101,6 +109,7 @@ __all__ = [
     "FrameHeader",
     "FrameReader",
     "HttpClient",
+    "InPlace",
     "JSONError",
     "LocalSite",
     "Message",

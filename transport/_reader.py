@@ -12,7 +12,9 @@ Between peers that share memory (:mod:`transport._shm_stream`) a frame's payload
 the sender's arena instead: the reader copies it from :attr:`FrameReader.arena` into the
 destinations and notes the region in :attr:`FrameReader.released`, to be handed back; the
 regions of this side's arena that the peer hands back are noted in
-:attr:`FrameReader.freed`.
+:attr:`FrameReader.freed`. A destination wrapped in :class:`InPlace` is not written for
+such a frame: the message carries a read-only view of the payload where it lies, and the
+application hands the region back itself (:attr:`Message.borrowed`) once it has read it.
 """
 
 from __future__ import annotations
@@ -68,9 +70,24 @@ class Discard(enum.Enum):
 #: buffer and dropped, whatever its declared size (nothing proportional to it is allocated).
 DISCARD: Final = Discard.DISCARD
 
+
+@dataclass(frozen=True, slots=True)
+class InPlace:
+    """A destination that is read in place when it can be.
+
+    On the socket the payload is received into ``buffer`` (as a plain destination is).
+    When the frame's payload lies in the peer's shared arena it is not copied: the message
+    holds a read-only view of it there, its offset is in :attr:`Message.borrowed`, and the
+    region stays the reader's until the application hands it back (see
+    :meth:`~transport.StreamProtocol.release`).
+    """
+
+    buffer: memoryview
+
+
 #: Where one array of a frame is received: a writable buffer of exactly its ``nbytes``,
-#: None (a fresh ``bytearray``), or :data:`DISCARD`.
-Destination: TypeAlias = memoryview | Literal[Discard.DISCARD] | None
+#: None (a fresh ``bytearray``), :data:`DISCARD`, or :class:`InPlace`.
+Destination: TypeAlias = memoryview | Literal[Discard.DISCARD] | InPlace | None
 #: The callback that chooses where each array of a frame is received.
 Destinations: TypeAlias = Callable[[FrameHeader], Sequence[Destination]]
 
@@ -88,11 +105,15 @@ class Message(NamedTuple):
     Each buffer is a ``memoryview`` of format ``"B"`` holding exactly the array's ``nbytes``:
     the destination the application chose, or a fresh ``bytearray`` it owns from now on;
     an array whose destination was :data:`DISCARD` has an empty buffer (its bytes were
-    dropped).
+    dropped). An :class:`InPlace` array of a frame in the peer's arena has a read-only view
+    of the arena, valid until its offset in ``borrowed`` is handed back.
     """
 
     header: FrameHeader
     buffers: tuple[memoryview, ...]
+    #: Offsets of the peer's arena that this message's in-place views lie at: the
+    #: application hands them back once it has read them, and nothing else does.
+    borrowed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,15 +123,18 @@ class ReaderStatistics:
     ``payload_bytes_direct`` were written by the caller (the kernel) straight into their
     destinations; ``payload_bytes_copied`` arrived in the scratch buffer and were copied there;
     ``payload_bytes_discarded`` arrived in the scratch buffer for a :data:`DISCARD`
-    destination and were dropped; ``payload_bytes_shared`` were copied from the peer's arena.
+    destination and were dropped; ``payload_bytes_shared`` came through the peer's arena
+    (copied out, or lent in place).
     """
 
     messages: int
     payload_bytes_direct: int
     payload_bytes_copied: int
     payload_bytes_discarded: int = 0
-    #: Payload bytes copied out of the peer's arena (frames sent through shared memory).
+    #: Payload bytes that came through the peer's arena (frames sent through shared memory).
     payload_bytes_shared: int = 0
+    #: Of those, the bytes lent in place to :class:`InPlace` destinations (not copied).
+    payload_bytes_lent: int = 0
 
 
 class FrameReader:
@@ -177,6 +201,9 @@ class FrameReader:
         # Each array's payload size, and which arrays are dropped (their buffer is empty).
         self._sizes: list[int] = []
         self._discards: list[bool] = []
+        # Which arrays were asked for in place; and the arena offsets the message lends.
+        self._in_place: list[bool] = []
+        self._borrowed: list[int] = []
         self._discarding = False
         self._index = 0
         self._current: memoryview = self._scratch[:0]
@@ -188,6 +215,7 @@ class FrameReader:
         self._copied_bytes = 0
         self._discarded_bytes = 0
         self._shared_bytes = 0
+        self._lent_bytes = 0
         self._arena_frame = False
         self._arena_arrays = 0
         #: The peer's arena (its frames of version 2 have their payload there); None: the
@@ -321,6 +349,7 @@ class FrameReader:
             self._copied_bytes,
             self._discarded_bytes,
             self._shared_bytes,
+            self._lent_bytes,
         )
 
     # -------------------------------------------------------------- parsing
@@ -403,7 +432,11 @@ class FrameReader:
             )
         buffers = []
         discards = []
+        in_place = []
         for index, (info, destination) in enumerate(zip(arrays, destinations, strict=True)):
+            lent = type(destination) is InPlace
+            if lent:
+                destination = destination.buffer
             if destination is DISCARD:
                 buffers.append(_DROPPED)
             elif destination is None:
@@ -411,10 +444,12 @@ class FrameReader:
             else:
                 buffers.append(_as_destination(destination, index, info.key, info.nbytes))
             discards.append(destination is DISCARD)
+            in_place.append(lent)
         self._header = header
         self._buffers = buffers
         self._sizes = [info.nbytes for info in arrays]
         self._discards = discards
+        self._in_place = in_place
         self._index = -1
         if self._arena_frame:
             self._arena_arrays = sum(1 for size in self._sizes if size)
@@ -430,7 +465,8 @@ class FrameReader:
 
     def _copy_from_arena(self, offsets: tuple[int, ...], messages: list[Message]) -> None:
         """Copy each array with bytes from its offset of the peer's arena into its
-        destination, and complete the frame."""
+        destination (or lend an :class:`InPlace` one a view of it), and complete the
+        frame."""
         arena = self.arena
         assert arena is not None  # checked at the prefix
         sizes = [size for size in self._sizes if size]
@@ -441,13 +477,20 @@ class FrameReader:
                     f"of {len(arena)} bytes"
                 )
         it = iter(offsets)
-        for buffer, size, discard in zip(self._buffers, self._sizes, self._discards, strict=True):
-            if size:
-                offset = next(it)
-                if not discard:
-                    buffer[:] = arena[offset : offset + size]
+        buffers = self._buffers
+        for index, (size, discard) in enumerate(zip(self._sizes, self._discards, strict=True)):
+            if not size:
+                continue
+            offset = next(it)
+            if self._in_place[index]:
+                buffers[index] = arena[offset : offset + size].toreadonly()
+                self._borrowed.append(offset)
+                self._lent_bytes += size
+                continue
+            if not discard:
+                buffers[index][:] = arena[offset : offset + size]
+            self.released.append(offset)
         self._shared_bytes += self._payload_len
-        self.released.extend(offsets)
         self._index = len(self._buffers)
         self._arena_frame = False
         self._next_array(messages)
@@ -468,12 +511,15 @@ class FrameReader:
                 return
             index += 1
         assert self._header is not None
-        messages.append(Message(self._header, tuple(buffers)))
+        borrowed = self._borrowed
+        messages.append(Message(self._header, tuple(buffers), tuple(borrowed)))
         self._messages += 1
         self._header = None
         self._buffers = []
         self._sizes = []
         self._discards = []
+        if borrowed:
+            self._borrowed = []
         self._discarding = False
         self._current = self._scratch[:0]
         self._state = _PREFIX

@@ -17,7 +17,7 @@ import ssl
 from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
-from transport._reader import Destinations, FrameReader, Message
+from transport._reader import Destinations, FrameReader, Message, ReaderStatistics
 from transport._shm_stream import SharedMemory, connect_local
 from transport.errors import AuthError, FrameError, RemoteError, TransportError
 from transport.frame import DEFAULT_MAX_PAYLOAD_BYTES
@@ -76,6 +76,19 @@ class StreamProtocol(asyncio.BufferedProtocol):
         now on). Call before the first frame."""
         self.shared = shared
         self._reader.arena = shared.peer_view()
+
+    def statistics(self) -> ReaderStatistics:
+        """The counters of what this end received (see :class:`~transport.ReaderStatistics`)."""
+        return self._reader.statistics()
+
+    def release(self, offsets: Sequence[int]) -> None:
+        """Hand back regions of the peer's arena that messages lent (their
+        :attr:`~transport.Message.borrowed` offsets), once their views were read. Call on
+        the stream's loop; a no-op once the connection is closing (the peer's arena goes
+        with it)."""
+        transport = self.transport
+        if offsets and transport is not None and not transport.is_closing():
+            transport.writelines(SharedMemory.release(list(offsets)))
 
     # -------------------------------------------------------------- asyncio callbacks
 

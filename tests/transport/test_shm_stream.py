@@ -19,6 +19,7 @@ from transport import (
     FrameError,
     FrameHeader,
     FrameReader,
+    InPlace,
     Message,
     StreamProtocol,
     TransportError,
@@ -112,6 +113,54 @@ def test_the_reader_copies_an_arena_frame_out_and_notes_the_region_to_hand_back(
     own.close()
 
 
+def in_place(header: FrameHeader) -> list[InPlace]:
+    return [InPlace(memoryview(bytearray(a.nbytes))) for a in header.arrays]
+
+
+def test_an_in_place_destination_reads_an_arena_frame_where_it_lies_until_handed_back():
+    own = Arena(1 << 20)
+    sender = SharedMemory(own, None, min_bytes=1)
+    placed = sender.place(encode_frame(7, 1, arrays(1000)))
+    assert placed is not None
+    reader = FrameReader(in_place)
+    reader.arena = own.view(0, own.nbytes)
+    wire = b"".join(bytes(b) for b in placed)
+    reader.get_buffer(-1)[: len(wire)] = wire
+    (message,) = reader.buffer_updated(len(wire))
+    for (_, array, _), got in zip(arrays(1000), message.buffers, strict=True):
+        assert got.readonly
+        assert np.array_equal(np.frombuffer(got, np.float32), array)
+    # Nothing was copied out or handed back: the message lends the regions.
+    assert message.borrowed == (0, 4032, 8064)
+    assert reader.released == []
+    assert reader.statistics().payload_bytes_lent == 3 * 4000
+    # The views are the sender's memory itself.
+    own.view(0, 4)[:] = b"\x00\x00\x80\x3f"
+    assert np.frombuffer(message.buffers[0], np.float32)[0] == 1.0
+    sender.freed(list(message.borrowed))
+    assert sender.regions.regions == 0
+    del message
+    own.close()
+
+
+def test_an_in_place_destination_receives_a_socket_frame_into_its_buffer():
+    targets: list[InPlace] = []
+
+    def destinations(header: FrameHeader) -> list[InPlace]:
+        targets.extend(in_place(header))
+        return targets
+
+    reader = FrameReader(destinations)
+    wire = b"".join(bytes(b) for b in encode_frame(7, 1, arrays(1000)))
+    view = reader.get_buffer(-1)
+    view[: len(wire)] = wire
+    (message,) = reader.buffer_updated(len(wire))
+    assert message.borrowed == ()
+    for (_, array, _), got, target in zip(arrays(1000), message.buffers, targets, strict=True):
+        assert not got.readonly
+        assert np.array_equal(np.frombuffer(target.buffer, np.float32), array)
+
+
 def test_an_arena_frame_from_a_peer_that_shared_no_arena_breaks_the_stream():
     reader = FrameReader(fresh)
     wire = b"".join(bytes(b) for b in to_arena_prefix(encode_frame(7, 1, arrays(10))[0], [0] * 3))
@@ -188,13 +237,14 @@ def open_files() -> list[str]:
 
 
 class Server:
-    def __init__(self) -> None:
+    def __init__(self, destinations=fresh) -> None:
+        self.destinations = destinations
         self.messages: asyncio.Queue[Message] = asyncio.Queue()
         self.protocols: list[StreamProtocol] = []
         self.port = 0
 
     def make_protocol(self, request: web.Request) -> StreamProtocol:
-        protocol = StreamProtocol(fresh, self.on_message, lambda exc: None)
+        protocol = StreamProtocol(self.destinations, self.on_message, lambda exc: None)
         self.protocols.append(protocol)
         return protocol
 
@@ -210,8 +260,8 @@ class Server:
 
 
 @pytest.fixture
-async def site(tmp_path) -> AsyncIterator[tuple[Server, str]]:
-    server = Server()
+async def site(tmp_path, request) -> AsyncIterator[tuple[Server, str]]:
+    server = Server(getattr(request, "param", fresh))  # the server's destinations
     app = create_app(TOKEN)
     stream_route(app, server.make_protocol)
     runner, server.port = await serve(app)
@@ -237,6 +287,15 @@ async def connect(path: str, replies: asyncio.Queue[Message], **options) -> Stre
     )
 
 
+async def all_handed_back(stream: StreamProtocol) -> None:
+    """Wait (at most a second) until the peer handed back every region of the stream's arena."""
+    for _ in range(100):
+        if stream.shared.regions.regions == 0:
+            return
+        await asyncio.sleep(0.01)
+    assert stream.shared.regions.regions == 0
+
+
 @pytest.mark.parametrize("n", [16, 100_000, 1_000_000])
 async def test_frames_cross_both_ways_with_the_same_values(site, n):
     server, path = site
@@ -254,11 +313,27 @@ async def test_frames_cross_both_ways_with_the_same_values(site, n):
         big = n * 12 >= stream.shared.min_bytes
         assert stream.shared.frames_shared == (3 if big else 0)
         assert server.protocols[0].shared.frames_shared == (3 if big else 0)
-        for _ in range(100):  # the server hands the regions back soon after it read them
-            if stream.shared.regions.regions == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert stream.shared.regions.regions == 0
+        await all_handed_back(stream)  # soon after the server read them
+    finally:
+        stream.close()
+
+
+@pytest.mark.parametrize("site", [in_place], indirect=True)
+async def test_a_lent_region_stays_taken_until_the_reader_releases_it(site):
+    server, path = site
+    replies: asyncio.Queue[Message] = asyncio.Queue()
+    stream = await connect(path, replies)
+    try:
+        sent = arrays(100_000)
+        stream.write(encode_frame(9, 1, sent))
+        message = await asyncio.wait_for(server.messages.get(), 10)
+        assert len(message.borrowed) == 3
+        for (_, array, _), got in zip(sent, message.buffers, strict=True):
+            assert np.array_equal(np.frombuffer(got, np.float32), array)
+        await asyncio.wait_for(replies.get(), 10)  # the echo came after any release would
+        assert stream.shared.regions.regions == 3
+        server.protocols[0].release(message.borrowed)
+        await all_handed_back(stream)
     finally:
         stream.close()
 

@@ -75,6 +75,7 @@ from transport import (
     Destination,
     FrameError,
     FrameHeader,
+    InPlace,
     LocalSite,
     Message,
     RequestError,
@@ -365,7 +366,10 @@ class ParameterServer:
         """A whole frame arrived from ``peer``: let the state decide, then do it."""
         header = message.header
         now = asyncio.get_running_loop().time()
-        self.execute(self.state.message_completed(peer, header, message.buffers, landing, now))
+        instructions = self.state.message_completed(peer, header, message.buffers, landing, now)
+        if landing.lent is not None:  # no task reads them (a refused or resent push)
+            landing.lent()
+        self.execute(instructions)
 
     def lost(self, peer: Peer, exc: BaseException | None) -> None:
         """``peer``'s stream ended."""
@@ -452,7 +456,11 @@ class ParameterServer:
             self.engine.loop.call_soon_threadsafe(fn, *args)
 
     def _land(self, work: Land) -> None:
-        done, failed = land(work, self.state.updater)
+        try:
+            done, failed = land(work, self.state.updater)
+        finally:
+            if work.lent is not None:
+                self._on_loop(work.lent)
         self._on_loop(self._landed, done, failed, work.reply)
 
     def _landed(
@@ -571,10 +579,18 @@ class _StreamLink:
         memory)."""
         landing = self.server.state.header_arrived(self.peer, header)
         self._landings[header.seq] = landing
-        return [DISCARD if b is None else b.data.cast("B") for b in landing.buffers]
+        in_place = landing.read_in_place and self.protocol.shared is not None
+        return [
+            DISCARD if b is None else InPlace(b.data.cast("B")) if in_place else b.data.cast("B")
+            for b in landing.buffers
+        ]
 
     def _on_message(self, message: Message) -> None:
-        self.server.message(self.peer, message, self._landings.pop(message.header.seq))
+        landing = self._landings.pop(message.header.seq)
+        if message.borrowed:
+            borrowed = message.borrowed
+            landing.lend(message.buffers, lambda: self.protocol.release(borrowed))
+        self.server.message(self.peer, message, landing)
 
     def _on_lost(self, exc: BaseException | None) -> None:
         self.server.lost(self.peer, exc)

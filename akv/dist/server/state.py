@@ -27,7 +27,7 @@ merge, the apply of its round and the pulls that read the result keep their orde
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, cast
 
@@ -152,6 +152,43 @@ class Landing:
     entries: list[ServerEntry | None] = field(default_factory=list)
     buffers: list[np.ndarray | None] = field(default_factory=list)
     error: AKVError | None = None
+    #: The payloads are only read (merged, or applied by the updater), so they may be read
+    #: in place where they lie in the sender's shared memory (push and pushpull).
+    read_in_place: bool = False
+    #: Hands back the payloads read in place (see :meth:`lend`); None when none are. The
+    #: :class:`Land` that reads them takes it over; whoever holds it last calls it.
+    lent: Callable[[], None] | None = None
+
+    def lend(self, payloads: Sequence[memoryview], hand_back: Callable[[], None]) -> None:
+        """Read the read-only ``payloads`` (those that lie in the sender's shared memory)
+        in place of their buffers, which go back to their keys; ``hand_back`` returns that
+        memory to the sender once nothing reads it any more.
+
+        A payload read in place is a read-only array: :func:`own` copies it into a buffer
+        of its key where it has to be kept.
+        """
+        for index, payload in enumerate(payloads):
+            entry, buffer = self.entries[index], self.buffers[index]
+            if payload.readonly and entry is not None and buffer is not None:
+                entry.give_buffer(buffer)
+                self.buffers[index] = np.frombuffer(payload, entry.dtype).reshape(entry.shape)
+        self.lent = hand_back
+
+
+def own(entry: ServerEntry, array: np.ndarray) -> np.ndarray:
+    """``array`` where the key may keep it: a buffer of its own already, or a copy of a
+    payload read in place (read-only: it lies in a sender's shared memory)."""
+    if array.flags.writeable:
+        return array
+    copy = entry.take_buffer()
+    np.copyto(copy, array)
+    return copy
+
+
+def give_back(entry: ServerEntry, array: np.ndarray) -> None:
+    """Return a buffer to its key, unless it is a payload read in place (not the key's)."""
+    if array.flags.writeable:
+        entry.give_buffer(array)
 
 
 # ---------------------------------------------------------------------- instructions
@@ -181,14 +218,19 @@ class Land:
     """One frame's pushes: add ``merges`` (entry, buffer, first of its round) to their
     rounds' sums, then apply ``closing`` (entry, buffer or None for the merge buffer,
     round), in one task that writes every key in ``entries``. Report the outcome with
-    :meth:`ServerState.rounds_applied` and :meth:`ServerState.update_failed`, and send
-    ``reply`` (a dist_async push's answer: it is applied when answered) afterwards."""
+    :meth:`ServerState.rounds_applied` and :meth:`ServerState.update_failed`, then call
+    ``lent`` (the payloads read in place are not read any more) and send ``reply`` (see
+    :meth:`ServerState.push_applied`) afterwards.
+
+    A push is answered after its task when its payloads were read in place: the sender may
+    write that memory again once answered."""
 
     entries: tuple[ServerEntry, ...]
     merges: tuple[tuple[ServerEntry, np.ndarray, bool], ...]
     closing: tuple[tuple[ServerEntry, np.ndarray | None, int], ...]
     inline: bool
     reply: Reply | None = None
+    lent: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,6 +524,7 @@ class ServerState:
                 for info in arrays
             ]
         elif op in (Op.PUSH, Op.PUSHPULL):
+            landing.read_in_place = True
             for index, info in enumerate(arrays):
                 entry = self.entries[cast("Key", info.key)]  # checked: initialized
                 landing.entries[index] = entry
@@ -588,7 +631,7 @@ class ServerState:
         except Exception as exc:
             for entry, buffer in zip(landing.entries, landing.buffers, strict=True):
                 if entry is not None and buffer is not None:
-                    entry.give_buffer(buffer)
+                    give_back(entry, buffer)
             if isinstance(exc, AKVError):
                 return [ReplyError(peer, header.seq, exc)]
             error = ServerError(
@@ -674,7 +717,7 @@ class ServerState:
         sync = self.sync
         for entry, buffer, tag, new in zip(entries, buffers, tags, fresh, strict=True):
             if not new:
-                entry.give_buffer(buffer)
+                give_back(entry, buffer)
                 continue
             decision = entry.rounds.accept_push(worker, now, tag, seq)
             counted.append(entry)
@@ -688,11 +731,16 @@ class ServerState:
         out: list[Instruction] = []
         reply = Reply(peer, header.seq) if header.op == Op.PUSH else None
         # dist_async: a push is answered once applied, so that whoever hears of the answer
-        # (a barrier) sees it; dist_sync: once counted (its round may wait for others).
-        after_land = reply if counted and not sync else None
+        # (a barrier) sees it; dist_sync: once counted (its round may wait for others), or
+        # once merged when its payloads are read in place.
+        lent = landing.lent if counted else None
+        after_land = reply if counted and (not sync or lent is not None) else None
         if counted:
+            landing.lent = None  # the task hands them back
             inline = nbytes <= INLINE_MAX_BYTES
-            out.append(Land(tuple(counted), tuple(merges), tuple(closing), inline, after_land))
+            out.append(
+                Land(tuple(counted), tuple(merges), tuple(closing), inline, after_land, lent)
+            )
         if header.op == Op.PUSHPULL:
             out.extend(self._pull(peer, header.seq, entries))
         elif after_land is None:
@@ -911,9 +959,10 @@ class ServerState:
     def push_applied(
         self, reply: Reply, failed: Sequence[tuple[ServerEntry, int, BaseException]]
     ) -> Reply | ReplyError:
-        """A dist_async push was applied: its answer, or the error of its first key whose
-        update raised (naming the key and the server)."""
-        if not failed:
+        """A push's task ran: its answer. In dist_async, where the push is applied when
+        answered, the error of its first key whose update raised (naming the key and the
+        server) instead; in dist_sync the pulls of a failed round get that error."""
+        if not failed or self.sync:
             return reply
         entry, round_no, exc = failed[0]
         error = ServerError(

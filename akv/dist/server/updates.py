@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from akv import optimizer as _optimizer
-from akv.dist.server.state import Land, ServerEntry
+from akv.dist.server.state import Land, ServerEntry, give_back, own
 
 __all__ = ["land"]
 
@@ -37,11 +37,11 @@ def land(
         try:
             if updater is None:
                 old = entry.value
-                entry.value = received
+                entry.value = own(entry, received)
                 entry.give_buffer(old)
             else:
-                updater(entry.key, received, entry.value)
-                entry.give_buffer(received)
+                updater(entry.key, received, entry.value)  # reads ``received`` only
+                give_back(entry, received)
         except Exception as exc:
             failed.append((entry, round_no, exc))
         else:
@@ -50,11 +50,12 @@ def land(
 
 
 def _merge(items: Sequence[tuple[ServerEntry, np.ndarray, bool]]) -> None:
-    """Start each round's sum with its first push, or add a later push to it."""
+    """Start each round's sum with its first push, or add a later push to it (straight
+    out of the sender's shared memory when it was read in place)."""
     for entry, buffer, first in items:
         if first:
-            entry.merged = buffer
+            entry.merged = own(entry, buffer)
         else:
             assert entry.merged is not None  # the round's first push started it
             np.add(entry.merged, buffer, out=entry.merged)
-            entry.give_buffer(buffer)
+            give_back(entry, buffer)

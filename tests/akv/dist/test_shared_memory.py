@@ -44,6 +44,16 @@ def shared(stores) -> list[bool]:
     return [link.shares_memory for kv in stores for link in kv._backend.links]
 
 
+def lent_bytes(cluster: Cluster) -> int:
+    """Payload bytes the servers read in place, out of the workers' shared memory."""
+    return sum(
+        link.protocol.statistics().payload_bytes_lent
+        for server in cluster.servers
+        for link in server.links.values()
+        if getattr(link, "protocol", None) is not None
+    )
+
+
 def frames_shared(cluster: Cluster, stores) -> tuple[int, int]:
     """Frames sent through shared memory: by the workers, by the servers."""
     pushed = sum(
@@ -66,6 +76,7 @@ async def run(cluster: Cluster) -> tuple[list[dict[str, np.ndarray]], list[bool]
     try:
         values = await exercise(stores)
         cluster.frames = frames_shared(cluster, stores)
+        cluster.lent = lent_bytes(cluster)
         return values, shared(stores)
     finally:
         await asyncio.gather(*(kv.close() for kv in stores))
@@ -86,6 +97,9 @@ async def test_on_one_host_streams_share_memory_and_the_values_match_tcp():
         pushed, answered = cluster.frames
         assert pushed >= 2 * 4  # every push of "big" went through a worker's arena
         assert answered >= 2 * 4  # and every pull answer of it through a server's
+        # The servers summed every push (3 pushes of both keys in one frame and a
+        # pushpull of "big", per worker) straight out of the workers' shared memory.
+        assert cluster.lent == 2 * (4 * np.zeros(SHAPE, np.float32).nbytes + 3 * 16 * 4)
         directories = [os.path.dirname(s.membership.local["path"]) for s in cluster.servers]
     for directory in directories:  # the servers stopped: their sockets are gone
         assert not os.path.exists(directory)
@@ -94,6 +108,7 @@ async def test_on_one_host_streams_share_memory_and_the_values_match_tcp():
         assert links == [False] * 4
         assert all(s.membership.local is None for s in cluster.servers)
         assert cluster.frames == (0, 0)
+        assert cluster.lent == 0
     assert same(on, off)
     total = sum(
         np.random.default_rng(r).standard_normal(SHAPE).astype(np.float32) for r in range(2)

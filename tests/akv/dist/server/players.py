@@ -5,6 +5,8 @@ service would (header, then the whole message), and the instructions it returns 
 carried out at once, synchronously: array work with the same ``land`` function the service
 runs, replies recorded per (worker, seq). ``hold_updates`` keeps array work queued until
 :meth:`Players.finish_updates`, to look at the state between a push and its apply.
+``lend`` hands push payloads over as a stream sharing memory does: read-only views read in
+place, handed back (noted in ``handed_back``) once nothing reads them.
 After every event the state's invariants are checked.
 """
 
@@ -58,6 +60,9 @@ class Players:
         self.checkpoints: list[Checkpoint] = []
         self.held: list[Land] = []
         self.hold_updates = False
+        self.lend = False
+        #: (worker, seq) of each request whose lent payloads were handed back, in order.
+        self.handed_back: list[tuple[int, int]] = []
         self._seq = itertools.count(1)
 
     # ---------------------------------------------------------------- requests
@@ -88,10 +93,17 @@ class Players:
         header, buffers = decode_frame(data)
         peer = self.peers[worker]
         landing = self.state.header_arrived(peer, header)
-        for buffer, target in zip(buffers, landing.buffers, strict=True):
-            if target is not None:
-                memoryview(target).cast("B")[:] = buffer
-        self.run(self.state.message_completed(peer, header, buffers, landing, self.now))
+        if self.lend and landing.read_in_place:
+            buffers = [memoryview(bytes(buffer)) for buffer in buffers]  # read-only
+            landing.lend(buffers, lambda: self.handed_back.append((worker, seq)))
+        else:
+            for buffer, target in zip(buffers, landing.buffers, strict=True):
+                if target is not None:
+                    memoryview(target).cast("B")[:] = buffer
+        instructions = self.state.message_completed(peer, header, buffers, landing, self.now)
+        if landing.lent is not None:  # as the service: nothing reads them any more
+            landing.lent()
+        self.run(instructions)
         return seq
 
     def init(self, worker: int, values: dict[Any, np.ndarray]) -> int:
@@ -185,6 +197,8 @@ class Players:
 
     def _land(self, work: Land) -> None:
         done, failed = land(work, self.state.updater)
+        if work.lent is not None:
+            work.lent()
         self.run(self.state.rounds_applied(done))
         for entry, round_no, exc in failed:
             self.run(self.state.update_failed(entry, round_no, exc))

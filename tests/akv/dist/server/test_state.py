@@ -716,3 +716,70 @@ def test_two_inits_of_one_key_in_flight_keep_the_first():
     assert players.reply(0, 1) == OK
     assert isinstance(players.reply(0, 2), DuplicateInitError)
     np.testing.assert_array_equal(state.entries["a"].value, f32(1))
+
+
+# ---------------------------------------------------------------- payloads read in place
+
+
+def pooled(entry: ServerEntry) -> list[np.ndarray]:
+    return list(entry._spares)
+
+
+def test_sync_pushes_read_in_place_are_summed_and_handed_back_after_their_merge():
+    players = started(3)
+    players.lend = True
+    players.hold_updates = True
+    first = players.push(0, {"w": f32(1, 2)}, tag=1)
+    second = players.push(1, {"w": f32(10, 20)}, tag=1)
+    # Read in place, a push is answered only after its merge: the sender may reuse that
+    # memory once answered.
+    assert players.waiting(0, first) and players.waiting(1, second)
+    assert players.handed_back == []
+    players.finish_updates()
+    assert players.reply(0, first) == OK and players.reply(1, second) == OK
+    assert players.handed_back == [(0, first), (1, second)]
+    entry = players.state.entries["w"]
+    assert entry.merged is not None and entry.merged.flags.writeable  # a copy of its own
+    players.hold_updates = False
+    players.push(2, {"w": f32(100, 200)}, tag=1)
+    np.testing.assert_array_equal(entry.value, f32(111, 222))
+    assert entry.value.flags.writeable
+    assert all(buffer.flags.writeable for buffer in pooled(entry))
+
+
+def test_a_resent_push_read_in_place_is_handed_back_at_once():
+    players = started(2)
+    players.lend = True
+    first = players.push(0, {"w": f32(1, 1)}, tag=1)
+    players.handed_back.clear()
+    players.push(0, {"w": f32(1, 1)}, tag=1, seq=first)
+    assert players.handed_back == [(0, first)]  # counted before: nothing reads it
+    assert players.reply(0, first) == OK
+    assert all(buffer.flags.writeable for buffer in pooled(players.state.entries["w"]))
+
+
+def test_a_refused_push_read_in_place_is_handed_back_at_once():
+    players = started(2)
+    players.lend = True
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    players.handed_back.clear()
+    seq = players.push(0, {"w": f32(1, 1)}, tag=2)  # the same round again
+    assert isinstance(players.reply(0, seq), DoublePushError)
+    assert players.handed_back == [(0, seq)]
+    assert all(buffer.flags.writeable for buffer in pooled(players.state.entries["w"]))
+
+
+@pytest.mark.parametrize("with_updater", [False, True])
+def test_async_pushes_read_in_place_become_values_of_their_own(with_updater):
+    players = started(2, store_type="dist_async", w=f32(5, 5))
+    players.lend = True
+    if with_updater:
+        text = sgd_text(learning_rate=1.0)
+        assert players.reply(0, players.send(0, Op.SET_OPTIMIZER, text=text)) == OK
+    push = players.push(0, {"w": f32(1, 2)}, tag=1)
+    assert players.reply(0, push) == OK
+    assert players.handed_back == [(0, push)]
+    entry = players.state.entries["w"]
+    np.testing.assert_array_equal(entry.value, f32(4, 3) if with_updater else f32(1, 2))
+    assert entry.value.flags.writeable
+    assert all(buffer.flags.writeable for buffer in pooled(entry))
