@@ -434,9 +434,9 @@ class FrameReader:
         discards = []
         in_place = []
         for index, (info, destination) in enumerate(zip(arrays, destinations, strict=True)):
-            lent = type(destination) is InPlace
-            if lent:
-                destination = destination.buffer
+            lent = False
+            if isinstance(destination, InPlace):
+                lent, destination = True, destination.buffer
             if destination is DISCARD:
                 buffers.append(_DROPPED)
             elif destination is None:

@@ -180,7 +180,7 @@ def own(entry: ServerEntry, array: np.ndarray) -> np.ndarray:
     payload read in place (read-only: it lies in a sender's shared memory)."""
     if array.flags.writeable:
         return array
-    copy = entry.take_buffer()
+    copy: np.ndarray = entry.take_buffer()
     np.copyto(copy, array)
     return copy
 
