@@ -70,6 +70,10 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self.handshake_done: asyncio.Future[None] | None = None
         #: The memory shared with the peer on this host (None: every byte on the socket).
         self.shared: SharedMemory | None = None
+        # Regions of the peer's arena to hand back: they go with the next frame written,
+        # or at the end of the loop turn (one write and one wake-up of the peer fewer).
+        self._releases: list[int] = []
+        self._releases_flush: asyncio.Handle | None = None
 
     def share(self, shared: SharedMemory) -> None:
         """Carry large payloads through ``shared`` (which the stream owns and closes from
@@ -83,12 +87,26 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     def release(self, offsets: Sequence[int]) -> None:
         """Hand back regions of the peer's arena that messages lent (their
-        :attr:`~transport.Message.borrowed` offsets), once their views were read. Call on
-        the stream's loop; a no-op once the connection is closing (the peer's arena goes
-        with it)."""
+        :attr:`~transport.Message.borrowed` offsets), once their views were read: with the
+        next frame written, at the latest at the end of this loop turn. Call on the
+        stream's loop; nothing is sent once the connection is closing (the peer's arena
+        goes with it)."""
+        if offsets:
+            self._hand_back(offsets)
+
+    def _hand_back(self, offsets: Sequence[int]) -> None:
+        """Hand ``offsets`` back with the next frame written, at the latest at the end of
+        this loop turn. ``offsets`` may be cleared once this returns."""
+        self._releases.extend(offsets)
+        if self._releases_flush is None:
+            self._releases_flush = asyncio.get_running_loop().call_soon(self._flush_releases)
+
+    def _flush_releases(self) -> None:
+        self._releases_flush = None
         transport = self.transport
-        if offsets and transport is not None and not transport.is_closing():
-            transport.writelines(SharedMemory.release(list(offsets)))
+        if self._releases and transport is not None and not transport.is_closing():
+            transport.writelines(SharedMemory.release(self._releases))
+        self._releases.clear()
 
     # -------------------------------------------------------------- asyncio callbacks
 
@@ -129,8 +147,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
             except FrameError as exc:
                 self.abort(exc)
                 return
-            if reader.released and self.transport is not None:
-                self.transport.writelines(shared.release(reader.released))
+            if reader.released:
+                self._hand_back(reader.released)
+                reader.released.clear()
         for message in messages:
             self._on_message(message)
 
@@ -173,6 +192,8 @@ class StreamProtocol(asyncio.BufferedProtocol):
             placed = self.shared.place(buffers)
             if placed is not None:
                 buffers = placed
+            if self._releases:
+                buffers = [*SharedMemory.release(self._releases), *buffers]
         if len(buffers) == 1:
             transport.write(buffers[0])
         else:

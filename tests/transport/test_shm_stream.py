@@ -161,6 +161,56 @@ def test_an_in_place_destination_receives_a_socket_frame_into_its_buffer():
         assert np.array_equal(np.frombuffer(target.buffer, np.float32), array)
 
 
+class Wire:
+    """A transport that records what is written, one entry per write call."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def writelines(self, buffers) -> None:
+        self.writes.append(b"".join(bytes(b) for b in buffers))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def set_write_buffer_limits(self, high: int = 0, low: int = 0) -> None:
+        pass
+
+
+async def test_regions_are_handed_back_with_the_next_frame_or_at_the_end_of_the_turn():
+    peer = Arena(1 << 20)
+    sender = SharedMemory(peer, None, min_bytes=1)
+    received: list[Message] = []
+    protocol = StreamProtocol(fresh, received.append, lambda exc: None)
+    wire = Wire()
+    protocol.connection_made(wire)
+    protocol.share(SharedMemory(None, peer))
+    release = encode_release([0, 4032, 8064])
+    reply = b"".join(bytes(b) for b in encode_frame(8, 1))
+
+    def arrive(seq: int) -> None:
+        placed = sender.place(encode_frame(7, seq, arrays(1000)))
+        data = b"".join(bytes(b) for b in placed)
+        protocol.get_buffer(-1)[: len(data)] = data
+        protocol.buffer_updated(len(data))
+
+    arrive(1)  # the regions are copied out; a reply written in the same turn takes them
+    protocol.write(encode_frame(8, 1))
+    assert wire.writes == [release + reply]
+    await asyncio.sleep(0)
+    assert wire.writes == [release + reply]  # nothing left to flush
+    sender.freed([0, 4032, 8064])
+    arrive(2)  # nothing else written in this turn: they go on their own at its end
+    assert wire.writes == [release + reply]
+    await asyncio.sleep(0)
+    assert wire.writes == [release + reply, release]
+    assert len(received) == 2
+    peer.close()
+
+
 def test_an_arena_frame_from_a_peer_that_shared_no_arena_breaks_the_stream():
     reader = FrameReader(fresh)
     wire = b"".join(bytes(b) for b in to_arena_prefix(encode_frame(7, 1, arrays(10))[0], [0] * 3))
