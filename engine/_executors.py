@@ -123,12 +123,9 @@ class LoopExecutor:
 
     def call(self, callback: Callable[..., Any], *args: Any) -> None:
         """``callback(*args)`` on the loop's thread: now if this is it, else soon."""
-        loop = self.loop
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
+        loop = self._loop or self.loop
+        # get_running_loop() without the RuntimeError it raises off the loop's thread.
+        if asyncio._get_running_loop() is loop:
             callback(*args)
         else:
             loop.call_soon_threadsafe(callback, *args)

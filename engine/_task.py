@@ -150,7 +150,9 @@ class Waitable:
         self._state = WAITING
         self._result: Any = None
         self._failure: Failure | None = None
-        self._event: threading.Event | None = None
+        # Made once a thread waits in result(): a lock held until the completion releases
+        # it (cheaper than a threading.Event, which is a Condition and two more locks).
+        self._event: threading.Lock | None = None
         self._callbacks: list[Callable[[Waitable], None]] | None = []
 
     @property
@@ -188,13 +190,24 @@ class Waitable:
         if self._state < DONE:
             with self._lock:
                 if self._state < DONE:
-                    if self._event is None:
-                        self._event = threading.Event()
                     event = self._event
+                    if event is None:
+                        # Held until the completion releases it (see _notify).
+                        event = self._event = threading.Lock()
+                        event.acquire()
                 else:
                     event = None
-            if event is not None and not event.wait(timeout):
-                raise TimeoutError(f"{self.name!r} did not complete within {timeout} s")
+            if event is not None:
+                # Each waiter passes the released lock on, so that every one of them wakes.
+                if timeout is None:
+                    woken = event.acquire()
+                elif timeout > 0:
+                    woken = event.acquire(True, timeout)
+                else:  # as threading.Event.wait: a timeout <= 0 only looks
+                    woken = event.acquire(False)
+                if not woken:
+                    raise TimeoutError(f"{self.name!r} did not complete within {timeout} s")
+                event.release()
         return self._outcome()
 
     def __await__(self) -> Generator[Any, None, Any]:
@@ -271,7 +284,7 @@ class Waitable:
 
     def _complete_locked(
         self, result: Any, failure: Failure | None
-    ) -> tuple[threading.Event | None, list[Callable[[Waitable], None]]]:
+    ) -> tuple[threading.Lock | None, list[Callable[[Waitable], None]]]:
         """Record the outcome (caller holds the lock); return what to notify after unlocking."""
         self._result = result
         self._failure = failure
@@ -283,11 +296,11 @@ class Waitable:
     @staticmethod
     def _notify(
         waitable: Waitable,
-        event: threading.Event | None,
+        event: threading.Lock | None,
         callbacks: list[Callable[[Waitable], None]],
     ) -> None:
         if event is not None:
-            event.set()
+            event.release()  # wakes the threads waiting in result()
         for callback in callbacks:
             callback(waitable)
 
@@ -428,7 +441,7 @@ class Task(Waitable):
         self._state = WAITING
         self._result: Any = None
         self._failure: Failure | None = None
-        self._event: threading.Event | None = None
+        self._event: threading.Lock | None = None
         self._callbacks: list[Callable[[Waitable], None]] | None = []
         self._given_name = name
         self.id = task_id

@@ -130,6 +130,7 @@ MAX_ARRAY_BYTES = (1 << 63) - 1
 _PREFIX = struct.Struct("<3sBIQ")
 _ARENA_PREFIX_START = MAGIC + bytes([VERSION_ARENA])
 _FIXED = struct.Struct("<HHIQqI")
+_FIXED_BYTES = _FIXED.size
 _DESCRIPTOR = struct.Struct("<BBBBI")
 _INT_KEY_TAG_NBYTES = struct.Struct("<qqQ")
 _TAG_NBYTES = struct.Struct("<qQ")
@@ -170,6 +171,10 @@ class FrameHeader(NamedTuple):
     text: str
     payload_len: int
 
+
+# A NamedTuple made from all its fields without the Python-level ``__new__`` that
+# NamedTuple adds (decoding makes two per message).
+_new_tuple = tuple.__new__
 
 # ---------------------------------------------------------------------- encoding
 
@@ -236,8 +241,9 @@ def encode_frame(
     buffers: list[bytes | memoryview] = [
         _encode_header(op, flags, seq, aux, infos, text, payload_len, from_array=True)
     ]
-    # Only now that every dtype is known to have a code can each array export its buffer.
-    buffers.extend(array.data.cast("B") for array in non_empty)
+    if non_empty:
+        # Only now that every dtype is known to have a code can each array export its buffer.
+        buffers += [array.data.cast("B") for array in non_empty]
     return buffers
 
 
@@ -559,8 +565,8 @@ def decode_header(data: bytes | bytearray | memoryview, payload_len: int) -> Fra
     size = len(data)
     if size > MAX_HEADER_BYTES:
         raise FrameError(f"frame header: {size} bytes exceed MAX_HEADER_BYTES {MAX_HEADER_BYTES}")
-    if size < _FIXED.size:
-        raise FrameError(f"frame header: {size} bytes, shorter than its fixed {_FIXED.size}")
+    if size < _FIXED_BYTES:
+        raise FrameError(f"frame header: {size} bytes, shorter than its fixed {_FIXED_BYTES}")
     op, flags, count, seq, aux, text_len = _FIXED.unpack_from(data)
     if count > MAX_ARRAYS:
         raise FrameError(f"frame header: count {count} exceeds MAX_ARRAYS {MAX_ARRAYS}")
@@ -568,7 +574,7 @@ def decode_header(data: bytes | bytearray | memoryview, payload_len: int) -> Fra
         raise FrameError(
             f"frame header: text_len {text_len} exceeds MAX_TEXT_BYTES {MAX_TEXT_BYTES}"
         )
-    offset = _FIXED.size
+    offset = _FIXED_BYTES
     if offset + count * _MIN_DESCRIPTOR_BYTES + text_len > size:
         raise FrameError(
             f"frame header: {size} bytes cannot hold {count} arrays and {text_len} bytes of text"
@@ -595,7 +601,7 @@ def decode_header(data: bytes | bytearray | memoryview, payload_len: int) -> Fra
         raise FrameError(
             f"frame header: arrays hold {total} bytes but payload_len is {payload_len}"
         )
-    return FrameHeader(op, flags, seq, aux, tuple(arrays), text, payload_len)
+    return _new_tuple(FrameHeader, (op, flags, seq, aux, tuple(arrays), text, payload_len))
 
 
 def _decode_descriptor(
@@ -665,7 +671,7 @@ def _decode_descriptor(
             f"frame header: nbytes {nbytes} of array {index} does not match shape {shape} of "
             f"{dtype} ({expected} bytes)"
         )
-    return ArrayInfo(key, dtype, shape, nbytes, tag), end
+    return _new_tuple(ArrayInfo, (key, dtype, shape, nbytes, tag)), end
 
 
 def decode_frame(

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,11 @@ __all__ = ["DistBackend"]
 log = logging.getLogger("akv.dist")
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+#: What a pull sends of a key: no values (one empty array per dtype, shared: it has no bytes
+#: to change).
+_NO_VALUES = {dtype: np.empty(0, dtype) for dtype in DTYPE_CODES}
+# The ops of the frequent requests, looked up once (an enum member lookup is not free).
+_PUSH, _PULL, _PUSHPULL = Op.PUSH, Op.PULL, Op.PUSHPULL
 
 #: What an engine task of the ``callback`` executor is given to report its end.
 Done = Callable[[Any, BaseException | None], None]
@@ -421,7 +427,7 @@ class DistBackend:
         With ``AKV_STRICT_PUSH=1`` the task is done once every server acknowledged.
         """
         self._check()
-        self._raise_late(entry for entry, _ in values)
+        self._raise_late(values)
         pipelined = not self.config.strict_push
         staged, release = self._stage(values, borrow and not pipelined, priority)
         return self._engine.push(
@@ -456,7 +462,7 @@ class DistBackend:
             replies = _Gather(len(batches), release, done)
         timeout = self.config.timeouts.request_s
         for server, arrays in batches.items():
-            self.links[server].send(Op.PUSH, arrays, replies.reply, timeout_s=timeout)
+            self.links[server].send(_PUSH, arrays, replies.reply, timeout_s=timeout)
         if pipelined and not waits:
             done(None, None)
 
@@ -481,11 +487,12 @@ class DistBackend:
 
         return acknowledged
 
-    def _raise_late(self, entries: Iterable[Entry]) -> None:
-        """Raise the error of an earlier pipelined push of one of ``entries``' keys (once)."""
+    def _raise_late(self, calls: Iterable[tuple[Entry, object]]) -> None:
+        """Raise the error of an earlier pipelined push of one of the keys of ``calls``
+        (a call's ``(entry, arrays)``), once."""
         if not self._late:
             return
-        for entry in entries:
+        for entry, _ in calls:
             late = self._late.get(entry.key)
             if late is not None:
                 self._forget_late(late)
@@ -516,7 +523,7 @@ class DistBackend:
     ) -> Waitable:
         """Fetch each key's value (in dist_sync: after the round of this worker's last push)."""
         self._check()
-        self._raise_late(entry for entry, _ in targets)
+        self._raise_late(targets)
         return self._schedule_pull(targets, result, None, _nothing, priority)
 
     def pushpull(
@@ -529,7 +536,7 @@ class DistBackend:
     ) -> Waitable:
         """Push, then pull the result, in one request per server."""
         self._check()
-        self._raise_late(entry for entry, _ in values)
+        self._raise_late(values)
         staged, release = self._stage(values, borrow, priority)
         return self._schedule_pull(targets, result, staged, release, priority)
 
@@ -544,9 +551,9 @@ class DistBackend:
         """A pull reads the keys; a pushpull (with ``staged`` values) writes them.
 
         In a ``*_device`` store, GPU outputs are landed in pinned buffers and copied to
-        their GPUs by GPU tasks (on copy streams) that follow the pull.
+        their GPUs by GPU tasks (on copy streams) that follow the pull. The callers
+        checked that the store is not broken.
         """
-        self._check()
         landed: list[tuple[Entry, np.ndarray, list[Array]]] = []
         if self.keeps_gpu_arrays:
             for target, arrays in targets:
@@ -608,30 +615,26 @@ class DistBackend:
         after: list[Any],
         done: Done,
     ) -> None:
-        pushed = {id(e): b for e, b in staged} if staged is not None else {}
-        for entry, _ in staged or ():
-            entry.pushes += 1
-        landing: list[tuple[np.ndarray, list[np.ndarray], Entry]] = []
+        piece: Callable[[Entry, Part, np.ndarray], tuple[WireArray, memoryview]]
+        if staged is None:
+            piece = _pull_piece
+        else:
+            for entry, _ in staged:
+                entry.pushes += 1
+            piece = partial(_pushpull_piece, {id(e): b for e, b in staged})
+        # Where each key's answer lands: its first output when that can take it as it is.
+        landing: list[tuple[Entry, np.ndarray]] = []
         for entry, outs in targets:
             first = outs[0]
             host = type(first) is np.ndarray or not is_gpu(first)
             receive = first if host and first.flags.c_contiguous else entry.take_buffer()
-            landing.append((receive, outs, entry))
-
-        def piece(entry: Entry, part: Part, receive: np.ndarray) -> tuple[WireArray, memoryview]:
-            if staged is not None:
-                sent = entry.wire_view(pushed[id(entry)], part)
-                tag = entry.pushes
-            else:
-                sent, tag = np.empty(0, entry.dtype), 0
-            return (entry.key, sent, tag), entry.wire_view(receive, part).data.cast("B")
-
-        requests = by_server(((entry, receive) for receive, _, entry in landing), piece)
+            landing.append((entry, receive))
+        requests = by_server(landing, piece)
 
         def finish() -> Any:
             release()
             # The answers landed in ``receive`` (sizes checked); fill the other outputs.
-            for receive, outs, entry in landing:
+            for (entry, receive), (_, outs) in zip(landing, targets, strict=True):
                 for out in outs:
                     if out is not receive:
                         copy_into(out, receive, after)
@@ -640,13 +643,12 @@ class DistBackend:
             return result
 
         replies = _Gather(len(requests), finish, done)
-        op = Op.PULL if staged is None else Op.PUSHPULL
+        op = _PULL if staged is None else _PUSHPULL
         timeout = self.config.timeouts.request_s
         for server, pieces in requests.items():
-            arrays = [array for array, _ in pieces]
-            views = [view for _, view in pieces]
+            arrays, views = zip(*pieces, strict=True)
             self.links[server].send(
-                op, arrays, replies.reply, destinations=views, timeout_s=timeout
+                op, arrays, replies.reply, destinations=list(views), timeout_s=timeout
             )
 
     def barrier(self) -> Task:
@@ -902,6 +904,20 @@ def _late_error(error: BaseException, keys: list[Key]) -> AKVError:
 def _part_of(entry: Entry, part: Part, array: np.ndarray) -> WireArray:
     """A key's part of a push (numbered: the key's pushes so far) or of an init."""
     return (entry.key, entry.wire_view(array, part), entry.pushes)
+
+
+def _pull_piece(entry: Entry, part: Part, receive: np.ndarray) -> tuple[WireArray, memoryview]:
+    """A pull's request for a key's part (no values), and where its answer lands."""
+    return (entry.key, _NO_VALUES[entry.dtype], 0), entry.wire_view(receive, part).data.cast("B")
+
+
+def _pushpull_piece(
+    pushed: dict[int, np.ndarray], entry: Entry, part: Part, receive: np.ndarray
+) -> tuple[WireArray, memoryview]:
+    """A pushpull's request for a key's part (``pushed``: ``id(entry)`` -> the values,
+    numbered with the key's pushes so far), and where its answer lands."""
+    sent = entry.wire_view(pushed[id(entry)], part)
+    return (entry.key, sent, entry.pushes), entry.wire_view(receive, part).data.cast("B")
 
 
 def _meta_of(entry: Entry, part: Part, _: None) -> tuple[Key, tuple[int, ...], str]:

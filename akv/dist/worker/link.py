@@ -39,6 +39,9 @@ __all__ = ["ServerLink", "local_address"]
 
 log = logging.getLogger("akv.dist")
 
+# Looked up once: an enum member lookup is not free, and every message asks.
+_DURABLE = Op.DURABLE
+
 
 def local_address(entry: dict[str, Any]) -> tuple[str, str] | None:
     """A server's way in for workers on its host, from its address book entry."""
@@ -163,7 +166,7 @@ class ServerLink:
 
     def _on_message(self, message: Message) -> None:
         header = message.header
-        if header.op == Op.DURABLE:
+        if header.op == _DURABLE:
             self._durable(header.aux)
             return
         # The request, to keep a copy of once answered (only for a server with checkpoints).

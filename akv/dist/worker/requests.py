@@ -35,6 +35,9 @@ OnReply = Callable[["Message | None", "AKVError | None"], None]
 #: One array of a request: (key, the array or its part, tag).
 WireArray = tuple[Any, np.ndarray, int]
 
+# Looked up once: an enum member lookup is not free, and every reply asks.
+_SAVE_STATES = Op.SAVE_STATES
+
 T = TypeVar("T")
 U = TypeVar("U")
 
@@ -161,16 +164,14 @@ class RequestTable:
         they are discarded as they arrive (an unknown request, an error, sizes other than
         asked for), so that a reply never makes this worker allocate what it declares."""
         request = self._pending.get(header.seq)
-        discard: list[Destination] = [DISCARD] * len(header.arrays)
-        if request is None or header.aux != OK:
-            return discard
-        if request.op == Op.SAVE_STATES:
-            return [None] * len(header.arrays)
-        if len(header.arrays) != len(request.sizes) or any(
-            size != info.nbytes for size, info in zip(request.sizes, header.arrays, strict=True)
-        ):
-            return discard
-        return request.destinations
+        arrays = header.arrays
+        if request is not None and header.aux == OK:
+            if request.op == _SAVE_STATES:
+                return [None] * len(arrays)
+            if request.sizes == [info.nbytes for info in arrays]:
+                return request.destinations
+        discard: list[Destination] = [DISCARD] * len(arrays)
+        return discard
 
     def reply(self, message: Message) -> Outcome | None:
         """A reply arrived: the outcome of its request (None for an unknown ``seq``).
@@ -184,13 +185,14 @@ class RequestTable:
             return None
         if header.aux != OK:
             return Outcome(request, None, error_from_status(header.aux, header.text, self.server))
-        got = [info.nbytes for info in header.arrays]
-        if request.sizes and got != request.sizes:
-            error = ServerError(
-                f"{self.server} answered with arrays of {got} bytes, expected {request.sizes}",
-                server=self.server,
-            )
-            return Outcome(request, None, error)
+        if request.sizes:
+            got = [info.nbytes for info in header.arrays]
+            if got != request.sizes:
+                error = ServerError(
+                    f"{self.server} answered with arrays of {got} bytes, expected {request.sizes}",
+                    server=self.server,
+                )
+                return Outcome(request, None, error)
         return Outcome(request, message, None)
 
     def sweep(self, now: float) -> list[Outcome]:
