@@ -131,6 +131,10 @@ class DistBackend:
         #: Pipelined pushes not acknowledged yet, who waits for none to be left, and the
         #: errors of those that failed, by key, until a call reports them.
         self._unacked = 0
+        #: Of those, the dist_sync pushes whose answer comes with a pull that went with
+        #: them (a pushpull answered once the round is applied): barrier and close do not
+        #: wait for those, the pull reports them.
+        self._riding = 0
         self._acks_waiters: list[asyncio.Future[None]] = []
         self._late: dict[Key, AKVError] = {}
 
@@ -420,10 +424,12 @@ class DistBackend:
         """Send summed values to the servers that hold each key (or each part).
 
         Pipelined (the default): the values are copied into staging buffers at the call,
-        and the task is done once the requests are written, without waiting for the
-        servers' acknowledgements (a later pull of the key goes out after them on the
-        same ordered streams, so it sees them). An error a server reports later is raised
-        by the next call on one of the keys, by :meth:`barrier` and by :meth:`close`.
+        and the task is done once the requests are handed to the links, without waiting
+        for the servers' acknowledgements (a later pull of the key goes out after them on
+        the same ordered streams, so it sees them). A link writes them at the end of the
+        loop turn, or with a pull of the same keys made in that turn as one pushpull
+        request (one answer instead of two). An error a server reports later is raised by
+        the next call on one of the keys, by :meth:`barrier` and by :meth:`close`.
         With ``AKV_STRICT_PUSH=1`` the task is done once every server acknowledged.
         """
         self._check()
@@ -451,41 +457,36 @@ class DistBackend:
         for entry, _ in staged:
             entry.pushes += 1  # in call order: pushes of a key run one after another
         batches = by_server(staged, _part_of)
-        if pipelined:
-            keys = [entry.key for entry, _ in staged]
-            waits = self._unacked >= MAX_UNACKED_PUSHES  # then it waits: memory stays bounded
-            self._unacked += 1
-            replies = _Gather(
-                len(batches), release, self._acknowledged(keys, done if waits else None)
-            )
-        else:
-            replies = _Gather(len(batches), release, done)
         timeout = self.config.timeouts.request_s
+        if not pipelined:
+            replies = _Gather(len(batches), release, done)
+            for server, arrays in batches.items():
+                self.links[server].send(_PUSH, arrays, replies.reply, timeout_s=timeout)
+            return
+        waits = self._unacked >= MAX_UNACKED_PUSHES  # then it waits: memory stays bounded
+        self._unacked += 1
+        answers = _PushAnswers(self, [entry.key for entry, _ in staged], done if waits else None)
+        replies = _Gather(len(batches), release, answers.acknowledged)
         for server, arrays in batches.items():
-            self.links[server].send(_PUSH, arrays, replies.reply, timeout_s=timeout)
-        if pipelined and not waits:
+            self.links[server].send(
+                _PUSH, arrays, replies.reply, timeout_s=timeout, hold=True, on_ride=answers.ride
+            )
+        if not waits:
             done(None, None)
 
-    def _acknowledged(self, keys: list[Key], done: Done | None) -> Done:
-        """What a pipelined push's acknowledgements report to: an error is kept for the
-        next call on one of ``keys`` (and barrier and close); ``done`` too, when the push
-        waited for them."""
+    def _answered(self, riding: bool) -> None:
+        """A pipelined push was answered (``riding``: with a pull that went with it)."""
+        self._unacked -= 1
+        self._riding -= riding
+        self._wake_acks_waiters()
 
-        def acknowledged(result: Any, error: BaseException | None) -> None:
-            self._unacked -= 1
-            if error is not None:
-                late = _late_error(error, keys)
-                for key in keys:
-                    self._late.setdefault(key, late)
-            if done is not None:
-                done(result, error)
-            if not self._unacked:
-                waiters, self._acks_waiters = self._acks_waiters, []
-                for waiter in waiters:
-                    if not waiter.done():
-                        waiter.set_result(None)
-
-        return acknowledged
+    def _wake_acks_waiters(self) -> None:
+        if self._unacked > (self._riding if self.type == "dist_sync" else 0):
+            return
+        waiters, self._acks_waiters = self._acks_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _raise_late(self, calls: Iterable[tuple[Entry, object]]) -> None:
         """Raise the error of an earlier pipelined push of one of the keys of ``calls``
@@ -512,8 +513,10 @@ class DistBackend:
 
     async def _acks(self) -> None:
         """Wait until every pipelined push was acknowledged (or failed: requests have
-        deadlines, so this ends)."""
-        if self._unacked:
+        deadlines, so this ends), but for a dist_sync push that a pull went with: its
+        answer waits for the round (which may need other workers' calls after a barrier),
+        and the pull reports its error."""
+        if self._unacked > (self._riding if self.type == "dist_sync" else 0):
             waiter = asyncio.get_running_loop().create_future()
             self._acks_waiters.append(waiter)
             await waiter
@@ -885,6 +888,37 @@ class _Gather:
             self._done(None, self._error)
         else:
             self._done(result, None)
+
+
+class _PushAnswers:
+    """What a pipelined push's answers report to: an error is kept for the next call on
+    one of ``keys`` (and barrier and close); ``done`` is told too when the push waited for
+    them (past ``MAX_UNACKED_PUSHES``)."""
+
+    __slots__ = ("_backend", "_done", "_keys", "_riding")
+
+    def __init__(self, backend: DistBackend, keys: list[Key], done: Done | None) -> None:
+        self._backend = backend
+        self._keys = keys
+        self._done = done
+        self._riding = False
+
+    def ride(self) -> None:
+        """A pull went with the push (to one of its servers, at least)."""
+        if not self._riding:
+            self._riding = True
+            self._backend._riding += 1
+            self._backend._wake_acks_waiters()
+
+    def acknowledged(self, result: Any, error: BaseException | None) -> None:
+        backend = self._backend
+        if error is not None:
+            late = _late_error(error, self._keys)
+            for key in self._keys:
+                backend._late.setdefault(key, late)
+        if self._done is not None:
+            self._done(result, error)
+        backend._answered(self._riding)
 
 
 def _late_error(error: BaseException, keys: list[Key]) -> AKVError:

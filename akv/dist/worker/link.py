@@ -21,6 +21,8 @@ from akv.dist.worker.requests import (
     Request,
     RequestTable,
     WireArray,
+    pull_rides_on_push,
+    push_then_pull,
     settle_before_resend,
 )
 from akv.errors import AKVError, PeerLostError
@@ -40,7 +42,16 @@ __all__ = ["ServerLink", "local_address"]
 log = logging.getLogger("akv.dist")
 
 # Looked up once: an enum member lookup is not free, and every message asks.
-_DURABLE = Op.DURABLE
+_DURABLE, _PUSH, _PULL, _PUSHPULL = Op.DURABLE, Op.PUSH, Op.PULL, Op.PUSHPULL
+
+
+#: A pipelined push held until the end of the loop turn: arrays, on_reply, timeout_s and
+#: the on_ride callback.
+_HeldPush = tuple[Sequence[WireArray], OnReply, float, Callable[[], None]]
+
+
+def _nothing() -> None:
+    pass
 
 
 def local_address(entry: dict[str, Any]) -> tuple[str, str] | None:
@@ -115,6 +126,10 @@ class ServerLink:
         self._replaying = False
         self._replay: asyncio.Task[None] | None = None
         self._deferred: list[int] = []
+        #: A pipelined push held until the end of the loop turn: (arrays, on_reply,
+        #: timeout_s). A pull of the same keys made in the same turn goes with it as one
+        #: pushpull; any other request sends it first.
+        self._held_push: _HeldPush | None = None
         #: The stream (None until :meth:`open`).
         self.protocol: StreamProtocol | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -381,13 +396,34 @@ class ServerLink:
         text: str = "",
         destinations: list[memoryview] | None = None,
         timeout_s: float,
+        hold: bool = False,
+        on_ride: Callable[[], None] = _nothing,
     ) -> None:
         """Send one request now; ``on_reply`` gets the reply or the error, exactly once.
 
         With ``destinations``, the reply's arrays are received straight into them. The
         deadline is enforced by :meth:`sweep`, which the backend runs periodically. The
         arrays must stay unchanged until the reply (the request may be sent again).
+
+        ``hold`` (a pipelined push): sent at the end of this loop turn, or before the next
+        request, whichever comes first; a pull of the same keys made before then goes with
+        it as one pushpull (:func:`~akv.dist.worker.requests.pull_rides_on_push`), whose
+        answer tells both (an error only the pull); ``on_ride()`` is called then.
         """
+        held = self._held_push
+        if held is not None:
+            self._held_push = None
+            pushed, pushed_reply, pushed_timeout_s, ride = held
+            if op == _PULL and pull_rides_on_push(pushed, arrays):
+                on_reply = push_then_pull(pushed_reply, on_reply)
+                op, arrays = _PUSHPULL, pushed
+                ride()
+            else:
+                self.send(_PUSH, pushed, pushed_reply, timeout_s=pushed_timeout_s)
+        if hold and self._loop is not None:
+            self._held_push = (arrays, on_reply, timeout_s, on_ride)
+            self._loop.call_soon(self._send_held)
+            return
         if (self.lost is not None or self._replaying) and self._loop and not self.closing:
             # Cut: kept, and sent once the stream is open again and the requests before it
             # were resent (or failed by the backend's verdict, or when the deadline passes).
@@ -400,6 +436,12 @@ class ServerLink:
             on_reply(None, self.lost)
             return
         self._send_now(op, arrays, on_reply, text, destinations, timeout_s)
+
+    def _send_held(self) -> None:
+        held = self._held_push
+        if held is not None:
+            self._held_push = None
+            self.send(_PUSH, held[0], held[1], timeout_s=held[2])
 
     def _send_now(
         self,
@@ -438,6 +480,7 @@ class ServerLink:
 
     def close(self) -> None:
         """Close the stream (no loss is reported for it); stop reconnecting."""
+        self._send_held()
         self.closing = True
         for task in (self._reconnecting, self._replay):
             if task is not None:

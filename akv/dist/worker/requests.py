@@ -27,6 +27,8 @@ __all__ = [
     "RequestTable",
     "WireArray",
     "by_server",
+    "pull_rides_on_push",
+    "push_then_pull",
     "settle_before_resend",
 ]
 
@@ -52,6 +54,30 @@ def by_server(
         for part in entry.parts:
             batches.setdefault(part.server, []).append(piece(entry, part, value))
     return batches
+
+
+def pull_rides_on_push(push: Sequence[WireArray], pull: Sequence[WireArray]) -> bool:
+    """Whether a pull sent right after a push (nothing between them on the stream) can go
+    with it as one pushpull request: it names the same keys in the same order. The server
+    handles a pushpull as that push followed by that pull, and answers once."""
+    return len(push) == len(pull) and all(
+        pushed[0] == pulled[0] for pushed, pulled in zip(push, pull, strict=True)
+    )
+
+
+def push_then_pull(push: OnReply, pull: OnReply) -> OnReply:
+    """The ``on_reply`` of a push and the pull that rides on it (:func:`pull_rides_on_push`).
+
+    The pull is told the answer or the error. The push is told it was taken: an error goes
+    to the pull alone, the next call on the keys, so that it is raised once, not again by
+    the call after it.
+    """
+
+    def on_reply(message: Message | None, error: AKVError | None) -> None:
+        push(message, None)
+        pull(message, error)
+
+    return on_reply
 
 
 def settle_before_resend(op: int, arrays: Sequence[WireArray], pushed: set[Any]) -> list[WireArray]:

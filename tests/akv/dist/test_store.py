@@ -195,6 +195,7 @@ async def test_a_pipelined_push_error_is_raised_by_barrier_and_by_close():
         with pytest.raises(DoublePushError, match="an earlier push of key 0"):
             await fast.barrier()
         await fast.push(0, full(1.0))  # refused again; nobody calls on key 0 after it
+        await fast._backend._acks()  # answered before worker 1 closes the round
         await slow.push(0, full(2.0))
         await slow.pull(0)
         slow.set_barrier_before_exit(False)
@@ -202,6 +203,60 @@ async def test_a_pipelined_push_error_is_raised_by_barrier_and_by_close():
         with pytest.raises(DoublePushError, match="an earlier push of key 0"):
             await fast.close()  # waits for the answer first: nothing is dropped
         await slow.close()
+
+
+async def test_a_pull_right_after_a_push_of_its_keys_goes_with_it_as_one_request():
+    with Cluster(1, 1) as cluster:
+        (kv,) = await cluster.workers()
+        await kv.init(["w", "v"], [full(0.0)] * 2)
+        (link,) = kv._backend.links
+        before = link.requests_sent
+        for step in range(1, 4):
+            kv.push("w", full(step))  # in the same loop turn as the pull
+            np.testing.assert_array_equal(await kv.pull("w"), full(step))
+        assert link.requests_sent - before == 3  # a pushpull each, not a push and a pull
+        before = link.requests_sent
+        kv.push("w", full(7.0))
+        np.testing.assert_array_equal(await kv.pull("v"), full(0.0))  # another key
+        np.testing.assert_array_equal(await kv.pull("w"), full(7.0))
+        assert link.requests_sent - before == 3
+        await close_all([kv])
+
+
+async def test_the_error_of_a_push_a_pull_rode_on_is_raised_by_that_pull_once():
+    with Cluster(2, 1) as cluster:
+        fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        await asyncio.gather(fast.init(0, full(0.0)), slow.init(0, full(0.0)))
+        await fast.push(0, full(1.0))
+        await asyncio.sleep(0)  # written: the next push meets the open round
+        (link,) = fast._backend.links
+        before = link.requests_sent
+        fast.push(0, full(1.0))  # pushed twice in one round: refused by the server
+        with pytest.raises(DoublePushError, match="worker 0 pushed key 0 twice in round 1"):
+            await fast.pull(0)  # rode on it: one request, and its answer is the refusal
+        assert link.requests_sent - before == 1
+        await slow.push(0, full(2.0))
+        first, second = await asyncio.gather(fast.pull(0), slow.pull(0))  # not raised again
+        np.testing.assert_array_equal(first, full(3.0))
+        np.testing.assert_array_equal(second, full(3.0))
+        await close_all([fast, slow])
+
+
+async def test_a_barrier_does_not_wait_for_the_round_of_a_push_a_pull_went_with():
+    with Cluster(2, 1) as cluster:
+        first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        await asyncio.gather(first.init(0, full(0.0)), second.init(0, full(0.0)))
+        (link,) = first._backend.links
+        before = link.requests_sent
+        first.push(0, full(1.0))
+        pulled = asyncio.ensure_future(first.pull(0))  # made in the same turn: goes with it
+        await asyncio.sleep(0.1)
+        assert link.requests_sent - before == 1
+        assert not pulled.done()  # the round waits for worker 1, who pushes after the barrier
+        await asyncio.wait_for(asyncio.gather(first.barrier(), second.barrier()), 10)
+        await second.push(0, full(2.0))
+        np.testing.assert_array_equal(await asyncio.wait_for(pulled, 10), full(3.0))
+        await close_all([first, second])
 
 
 async def test_a_pull_after_my_push_waits_for_the_other_workers():
@@ -359,15 +414,21 @@ async def test_many_keys_travel_in_one_request_per_server():
             await kv.init(keys, [np.zeros(4, np.float32)] * len(keys))
             sent = [link.requests_sent for link in kv._backend.links]
             await kv.push(keys, [np.ones(4, np.float32)] * len(keys))
+            await asyncio.sleep(0)  # a pipelined push is written at the end of the turn
             pushes = [
                 link.requests_sent - before
                 for link, before in zip(kv._backend.links, sent, strict=True)
             ]
             out = await kv.pull(keys)
-            return pushes, out
+            pulls = [
+                link.requests_sent - before - pushed
+                for link, before, pushed in zip(kv._backend.links, sent, pushes, strict=True)
+            ]
+            return pushes, pulls, out
 
-        for pushes, out in await each(stores, body):
+        for pushes, pulls, out in await each(stores, body):
             assert pushes == [1, 1]  # one push request per server for 200 keys
+            assert pulls == [1, 1]
             assert all(float(o[0]) == 2.0 for o in out)
         await close_all(stores)
 

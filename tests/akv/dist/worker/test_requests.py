@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from akv.dist.protocol import OK, Op, status_of
-from akv.dist.worker.requests import RequestTable, by_server, settle_before_resend
+from akv.dist.worker.requests import (
+    RequestTable,
+    by_server,
+    pull_rides_on_push,
+    push_then_pull,
+    settle_before_resend,
+)
 from akv.errors import DoublePushError, ServerError
 from akv.keys import Entry, Part
 from engine import Var
@@ -120,3 +126,29 @@ def test_a_replay_pulls_a_key_before_pushing_it_again():
     assert pull[0] == "a"
     assert pushed == {"a", "b", "c"}
     assert settle_before_resend(Op.INIT, [("a", a, 0)], pushed) == []
+
+
+def test_a_pull_rides_on_the_push_before_it_only_when_it_names_the_same_keys_in_order():
+    values = np.ones(4, np.float32)
+    none = np.empty(0, np.float32)
+    push = [("a", values, 3), ("b", values, 3)]
+    assert pull_rides_on_push(push, [("a", none, 0), ("b", none, 0)])
+    assert not pull_rides_on_push(push, [("b", none, 0), ("a", none, 0)])  # order
+    assert not pull_rides_on_push(push, [("a", none, 0)])  # fewer keys
+    assert not pull_rides_on_push(push, [("a", none, 0), ("c", none, 0)])
+
+
+def test_a_merged_answer_tells_both_and_an_error_only_the_pull():
+    told: list[tuple[str, object, object]] = []
+    on_reply = push_then_pull(
+        lambda message, error: told.append(("push", message, error)),
+        lambda message, error: told.append(("pull", message, error)),
+    )
+    message = Message(*decode_frame(frame_bytes(Op.REPLY, 1)))
+    on_reply(message, None)
+    assert told == [("push", message, None), ("pull", message, None)]
+    told.clear()
+    error = DoublePushError("worker 0 pushed key 'a' twice")
+    on_reply(None, error)
+    # The pull (the next call on the keys) raises it; the push is not failed a second time.
+    assert told == [("push", None, None), ("pull", None, error)]
