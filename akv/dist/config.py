@@ -159,6 +159,10 @@ class Config:
     #: A push waits for the servers' acknowledgement before it is done (``AKV_STRICT_PUSH``
     #: = 1; for debugging: by default pushes are pipelined).
     strict_push: bool = False
+    #: In dist_sync, a pipelined push asks for the key's value after its round too, and the
+    #: pulls of the key until the next push are answered from that value without a request
+    #: (``AKV_PULL_AHEAD``, 1 by default; 0: a pull asks the servers).
+    pull_ahead: bool = True
     #: Streams to a server on this host go through its private Unix socket, and payloads
     #: through shared memory (``AKV_SHM``, 1 by default; 0: TCP only).
     shm: bool = True
@@ -486,6 +490,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         checkpoint_interval_s=checkpoint_interval_s,
         retain_bytes=retain_bytes,
         strict_push=_flag(env, "AKV_STRICT_PUSH"),
+        pull_ahead=_flag(env, "AKV_PULL_AHEAD", default=True),
         shm=_flag(env, "AKV_SHM", default=True),
         shm_arena_bytes=int_setting(
             env.get("AKV_SHM_ARENA_BYTES", str(SHM_ARENA_BYTES)),

@@ -49,6 +49,7 @@ from akv import errors
 
 __all__ = [
     "CLIENT_HEADER",
+    "COUNTED",
     "DIST_STORE_TYPES",
     "JOB_FAILED_STATUS",
     "OK",
@@ -94,6 +95,9 @@ def op_label(op: int) -> str:
 
 #: ``aux`` of a reply that carries no error.
 OK: Final = 0
+#: ``flags`` of a pushpull request that asks to hear once its push is counted too, and of
+#: that interim answer (a reply without arrays; the request's own answer follows).
+COUNTED: Final = 1
 #: The status code of each error class a server sends back; anything else is INTERNAL.
 STATUS_CLASSES: Final[dict[int, type[errors.AKVError]]] = {
     1: errors.KeyNotInitializedError,

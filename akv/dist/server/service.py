@@ -29,6 +29,7 @@ from akv.dist.config import Config, format_address
 from akv.dist.membership import Membership
 from akv.dist.protocol import (
     CLIENT_HEADER,
+    COUNTED,
     OK,
     STOPPING_STATUS,
     Op,
@@ -383,7 +384,9 @@ class ParameterServer:
         """Carry out what the state decided, in order."""
         for instruction in instructions:
             if isinstance(instruction, Reply):
-                self.send_to(instruction.peer, encode_frame(Op.REPLY, instruction.seq, aux=OK))
+                flags = COUNTED if instruction.counted else 0
+                reply = encode_frame(Op.REPLY, instruction.seq, aux=OK, flags=flags)
+                self.send_to(instruction.peer, reply)
             elif isinstance(instruction, ReplyError):
                 self._reply_error(instruction)
             elif isinstance(instruction, Land):

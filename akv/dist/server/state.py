@@ -34,7 +34,7 @@ from typing import Any, TypeAlias, cast
 import numpy as np
 
 from akv import optimizer as _optimizer
-from akv.dist.protocol import DIST_STORE_TYPES, Op, decode_meta, op_label
+from akv.dist.protocol import COUNTED, DIST_STORE_TYPES, Op, decode_meta, op_label
 from akv.dist.server.rounds import KeyRounds
 from akv.errors import (
     AKVError,
@@ -196,10 +196,12 @@ def give_back(entry: ServerEntry, array: np.ndarray) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """Answer request ``seq`` of ``peer``: done, with no arrays."""
+    """Answer request ``seq`` of ``peer``: done, with no arrays. ``counted``: an interim
+    answer that its push was counted (the request's own answer follows)."""
 
     peer: Peer
     seq: int
+    counted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -742,6 +744,8 @@ class ServerState:
                 Land(tuple(counted), tuple(merges), tuple(closing), inline, after_land, lent)
             )
         if header.op == Op.PUSHPULL:
+            if header.flags & COUNTED and peer.stream:  # resent too: a second is ignored
+                out.append(Reply(peer, header.seq, counted=True))
             out.extend(self._pull(peer, header.seq, entries))
         elif after_land is None:
             out.append(cast("Reply", reply))

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ from akv.dist.protocol import Op, encode_meta
 from akv.dist.roles import default_worker_logging
 from akv.dist.states import merge_server_states, split_server_states
 from akv.dist.worker.link import ServerLink, local_address
-from akv.dist.worker.requests import by_server
+from akv.dist.worker.requests import Landing, by_server
 from akv.errors import (
     AKVError,
     AuthenticationError,
@@ -73,6 +73,7 @@ from engine import Engine, GPUExecutor, GPUWork, LoopThread, Task, Var, Waitable
 from transport import (
     DTYPE_CODES,
     AuthError,
+    InPlace,
     Message,
     RemoteError,
     SharedMemory,
@@ -137,6 +138,10 @@ class DistBackend:
         self._riding = 0
         self._acks_waiters: list[asyncio.Future[None]] = []
         self._late: dict[Key, AKVError] = {}
+        #: dist_sync: each key's value after the round of this worker's latest push, asked
+        #: for with the push (``AKV_PULL_AHEAD``); GPU-staging stores do not.
+        self._ahead: dict[Key, _Ahead] = {}
+        self._pulls_ahead = config.pull_ahead and store_type == "dist_sync" and not device
 
     @property
     def rank(self) -> int:
@@ -466,13 +471,95 @@ class DistBackend:
         waits = self._unacked >= MAX_UNACKED_PUSHES  # then it waits: memory stays bounded
         self._unacked += 1
         answers = _PushAnswers(self, [entry.key for entry, _ in staged], done if waits else None)
-        replies = _Gather(len(batches), release, answers.acknowledged)
-        for server, arrays in batches.items():
-            self.links[server].send(
-                _PUSH, arrays, replies.reply, timeout_s=timeout, hold=True, on_ride=answers.ride
-            )
+        if self._pulls_ahead:
+            self._push_ahead(staged, release, answers, timeout)
+        else:
+            replies = _Gather(len(batches), release, answers.acknowledged)
+            for server, arrays in batches.items():
+                self.links[server].send(
+                    _PUSH, arrays, replies.reply, timeout_s=timeout, hold=True, on_ride=answers.ride
+                )
         if not waits:
             done(None, None)
+
+    def _push_ahead(
+        self,
+        staged: list[tuple[Entry, np.ndarray]],
+        release: Callable[[], None],
+        answers: _PushAnswers,
+        timeout: float,
+    ) -> None:
+        """Send a pipelined dist_sync push as a pushpull whose answer (the value after the
+        round) is kept for the first pull of each key until its next push: in a buffer of
+        the key, or where it lies in the server's shared memory (a single-part key on a
+        stream that shares memory: read from there by the pull, then handed back).
+
+        Each server also says at once that it counted the push (``COUNTED``): that is the
+        push's acknowledgement, which barrier and close wait for. An error in the answer
+        goes to a pull waiting for the value, or else to the next call on the keys.
+        """
+        aheads = []
+        for entry, _ in staged:
+            ahead = _Ahead(entry, entry.pushes)
+            self._drop_ahead(entry)
+            self._ahead[entry.key] = ahead
+            aheads.append(ahead)
+        keys = [ahead.entry.key for ahead in aheads]
+
+        def answered(result: Any, error: BaseException | None) -> None:
+            # A pull waiting for the value raises what the push met, naming the push (a
+            # lost stream or a failed job as it is: every call raises that).
+            late: AKVError | None = None
+            if isinstance(error, PeerLostError):
+                late = error
+            elif error is not None:
+                late = _late_error(error, keys)
+            taken = False
+            for ahead in aheads:
+                taken |= ahead.arrive(late)
+                if late is not None or ahead.stale:
+                    self._drop_ahead(ahead.entry, ahead)
+            answers.answer_told(late, taken)
+
+        by_id = {
+            id(entry): (array, ahead) for (entry, array), ahead in zip(staged, aheads, strict=True)
+        }
+        requests = by_server(staged, partial(_ahead_piece, by_id))
+        replies = _Gather(len(requests), release, answered)
+        counted = _Gather(len(requests), _nothing, answers.acknowledged)
+        for server, pieces in requests.items():
+            link = self.links[server]
+            arrays, views, lendable = zip(*pieces, strict=True)
+            heard = _Counted(counted.reply, replies.reply)
+            on_reply: Callable[[Message | None, AKVError | None], None] = heard.answered
+            destinations: list[Landing] = list(views)
+            if link.shares_memory:
+                destinations = [
+                    InPlace(view) if ahead is not None else view
+                    for view, ahead in zip(views, lendable, strict=True)
+                ]
+                on_reply = partial(_lend_answers, heard.answered, link, lendable)
+            link.send(
+                _PUSHPULL,
+                arrays,
+                on_reply,
+                destinations=destinations,
+                timeout_s=timeout,
+                on_counted=heard.counted,
+            )
+
+    def _drop_ahead(self, entry: Entry, ahead: _Ahead | None = None) -> None:
+        """Forget the key's value asked for ahead (``ahead``: that one, whether it is still
+        the key's or not); what holds it goes back once it arrived and no pull reads it."""
+        current = self._ahead.get(entry.key)
+        if ahead is None:
+            ahead = current
+        if ahead is None:
+            return
+        if current is ahead:
+            del self._ahead[entry.key]
+        ahead.stale = True
+        ahead.free_when_unread()
 
     def _answered(self, riding: bool) -> None:
         """A pipelined push was answered (``riding``: with a pull that went with it)."""
@@ -619,8 +706,11 @@ class DistBackend:
         done: Done,
     ) -> None:
         piece: Callable[[Entry, Part, np.ndarray], tuple[WireArray, memoryview]]
+        ahead: list[tuple[_Ahead, list[np.ndarray]]] = []
         if staged is None:
             piece = _pull_piece
+            if self._ahead:
+                targets, ahead = self._answered_ahead(targets)
         else:
             for entry, _ in staged:
                 entry.pushes += 1
@@ -643,9 +733,20 @@ class DistBackend:
                         copy_into(out, receive, after)
                 if receive is not outs[0]:
                     entry.give_buffer(receive)
+            for value, outs in ahead:
+                if value.error is None:
+                    source = value.value()
+                    for out in outs:
+                        copy_into(out, source, after)
+                    if value.lent is not None:  # read once: its memory goes back
+                        self._drop_ahead(value.entry, value)
+                value.readers -= 1
+                value.free_when_unread()
             return result
 
-        replies = _Gather(len(requests), finish, done)
+        replies = _Gather(len(requests) + len(ahead), finish, done)
+        for value, _ in ahead:
+            value.when_arrived(replies.reply)
         op = _PULL if staged is None else _PUSHPULL
         timeout = self.config.timeouts.request_s
         for server, pieces in requests.items():
@@ -653,6 +754,25 @@ class DistBackend:
             self.links[server].send(
                 op, arrays, replies.reply, destinations=list(views), timeout_s=timeout
             )
+
+    def _answered_ahead(
+        self, targets: list[tuple[Entry, list[np.ndarray]]]
+    ) -> tuple[list[tuple[Entry, list[np.ndarray]]], list[tuple[_Ahead, list[np.ndarray]]]]:
+        """Split a pull's targets into those to ask the servers for and those answered by
+        the value asked for with the key's latest push (dist_sync: it cannot change before
+        this worker pushes the key again)."""
+        ask = []
+        ahead = []
+        for entry, outs in targets:
+            value = self._ahead.get(entry.key)
+            if value is not None and value.pushes == entry.pushes:
+                value.readers += 1
+                ahead.append((value, outs))
+            else:
+                if value is not None:  # a later push went another way (strict, pushpull)
+                    self._drop_ahead(entry)
+                ask.append((entry, outs))
+        return ask, ahead
 
     def barrier(self) -> Task:
         """Wait until every worker called barrier as often as this one (with a deadline).
@@ -665,17 +785,15 @@ class DistBackend:
         late = self._take_late()
         if late is not None:
             raise late
-        self._barriers += 1
-        return self._engine.push(
-            self._acked_barrier, self._barriers, executor="loop", name="barrier"
-        )
+        return self._engine.push(self._acked_barrier, executor="loop", name="barrier")
 
-    async def _acked_barrier(self, number: int) -> None:
+    async def _acked_barrier(self) -> None:
         await self._acks()
         late = self._take_late()
         if late is not None:
-            raise late
-        await self._barrier(number)
+            raise late  # before it is numbered: the next barrier takes its number
+        self._barriers += 1
+        await self._barrier(self._barriers)
 
     async def _barrier(self, number: int) -> None:
         deadline = time.monotonic() + self.config.timeouts.barrier_s
@@ -872,7 +990,7 @@ class _Gather:
         if count == 0:
             self._complete()
 
-    def reply(self, message: Message | None, error: AKVError | None) -> None:
+    def reply(self, message: Message | None, error: BaseException | None) -> None:
         if error is not None and self._error is None:
             self._error = error
         self._remaining -= 1
@@ -890,18 +1008,156 @@ class _Gather:
             self._done(result, None)
 
 
+class _Ahead:
+    """A key's value after the round of one of this worker's pushes, asked for with it.
+
+    ``pushes`` is the key's push count it belongs to. Once ``arrived``, ``error`` is what
+    the request failed with, else :meth:`value` is the value: in ``buffer`` (a buffer of
+    the key), or ``lent`` where it lies in the server's shared memory until handed back.
+    ``stale``: forgotten by the key (a later push, a failure, a read of lent memory);
+    ``readers``: pulls reading it now. Its memory goes back once it is stale, arrived and
+    unread.
+    """
+
+    __slots__ = (
+        "_freed",
+        "_hand_back",
+        "_waiters",
+        "arrived",
+        "buffer",
+        "entry",
+        "error",
+        "lent",
+        "pushes",
+        "readers",
+        "stale",
+    )
+
+    def __init__(self, entry: Entry, pushes: int) -> None:
+        self.entry = entry
+        self.buffer: np.ndarray = entry.take_buffer()
+        self.pushes = pushes
+        self.arrived = False
+        self.error: BaseException | None = None
+        self.lent: np.ndarray | None = None
+        self.stale = False
+        self.readers = 0
+        self._hand_back: Callable[[], None] | None = None
+        self._freed = False
+        self._waiters: list[Callable[[Message | None, BaseException | None], None]] = []
+
+    def when_arrived(self, waiter: Callable[[Message | None, BaseException | None], None]) -> None:
+        """``waiter(None, error)`` once it arrived (now, if it has)."""
+        if self.arrived:
+            waiter(None, self.error)
+        else:
+            self._waiters.append(waiter)
+
+    def lend(self, view: memoryview, hand_back: Callable[[], None]) -> None:
+        """The value arrived where it lies in the server's shared memory (read-only
+        ``view``); ``hand_back()`` returns that memory."""
+        entry = self.entry
+        self.lent = np.frombuffer(view, entry.dtype).reshape(entry.shape)
+        self._hand_back = hand_back
+
+    def arrive(self, error: BaseException | None) -> bool:
+        """It arrived (or failed with ``error``); True when a waiter was told of the error."""
+        self.arrived = True
+        self.error = error
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter(None, error)
+        return error is not None and bool(waiters)
+
+    def value(self) -> np.ndarray:
+        """The value (once arrived without an error)."""
+        return self.buffer if self.lent is None else self.lent
+
+    def free_when_unread(self) -> None:
+        """Give its memory back if it is stale, arrived and unread (once)."""
+        if self._freed or not (self.stale and self.arrived) or self.readers:
+            return
+        self._freed = True
+        self.entry.give_buffer(self.buffer)
+        if self._hand_back is not None:
+            self._hand_back()
+        self.lent = None
+
+
+def _lend_answers(
+    reply: Callable[[Message | None, AKVError | None], None],
+    link: ServerLink,
+    aheads: Sequence[_Ahead | None],
+    message: Message | None,
+    error: AKVError | None,
+) -> None:
+    """A pushpull's answer asked for ahead: the values that lie in the server's shared
+    memory are kept there for their pulls (each handed back on its own), then ``reply``."""
+    if message is not None and message.borrowed and link.protocol is not None:
+        release = link.protocol.release
+        offsets = iter(message.borrowed)
+        for ahead, view in zip(aheads, message.buffers, strict=True):
+            if view.readonly and ahead is not None:
+                ahead.lend(view, partial(release, [next(offsets)]))
+    reply(message, error)
+
+
+class _Counted:
+    """One server's interim "counted" answer to a push asked ahead, and its answer: the
+    first of the two acknowledges the push there (``acknowledge``), the second also goes
+    to ``answer``."""
+
+    __slots__ = ("_acknowledge", "_answer", "_heard")
+
+    def __init__(
+        self,
+        acknowledge: Callable[[Message | None, BaseException | None], None],
+        answer: Callable[[Message | None, BaseException | None], None],
+    ) -> None:
+        self._acknowledge = acknowledge
+        self._answer = answer
+        self._heard = False
+
+    def counted(self) -> None:
+        if not self._heard:
+            self._heard = True
+            self._acknowledge(None, None)
+
+    def answered(self, message: Message | None, error: AKVError | None) -> None:
+        self._answer(message, error)
+        if not self._heard:  # refused, lost, or resent without asking: the answer says
+            self._heard = True
+            self._acknowledge(None, error)
+
+
 class _PushAnswers:
     """What a pipelined push's answers report to: an error is kept for the next call on
     one of ``keys`` (and barrier and close); ``done`` is told too when the push waited for
     them (past ``MAX_UNACKED_PUSHES``)."""
 
-    __slots__ = ("_backend", "_done", "_keys", "_riding")
+    __slots__ = ("_backend", "_done", "_keys", "_late", "_riding", "_told")
 
     def __init__(self, backend: DistBackend, keys: list[Key], done: Done | None) -> None:
         self._backend = backend
         self._keys = keys
         self._done = done
         self._riding = False
+        #: The error kept for the keys, and whether a pull raised the push's error itself.
+        self._late: AKVError | None = None
+        self._told = False
+
+    def answer_told(self, late: AKVError | None, taken: bool) -> None:
+        """The value asked with the push arrived, or failed with ``late``, which a pull
+        waiting for it raised (``taken``): then it is not kept for a later call too; if
+        nobody raised it and the push was acknowledged already, it is kept now."""
+        backend = self._backend
+        if taken:
+            self._told = True
+            if self._late is not None:
+                backend._forget_late(self._late)
+        elif late is not None and self._late is None:
+            for key in self._keys:
+                backend._late.setdefault(key, late)
 
     def ride(self) -> None:
         """A pull went with the push (to one of its servers, at least)."""
@@ -912,8 +1168,8 @@ class _PushAnswers:
 
     def acknowledged(self, result: Any, error: BaseException | None) -> None:
         backend = self._backend
-        if error is not None:
-            late = _late_error(error, self._keys)
+        if error is not None and not self._told:
+            late = self._late = _late_error(error, self._keys)
             for key in self._keys:
                 backend._late.setdefault(key, late)
         if self._done is not None:
@@ -952,6 +1208,19 @@ def _pushpull_piece(
     numbered with the key's pushes so far), and where its answer lands."""
     sent = entry.wire_view(pushed[id(entry)], part)
     return (entry.key, sent, entry.pushes), entry.wire_view(receive, part).data.cast("B")
+
+
+def _ahead_piece(
+    staged: dict[int, tuple[np.ndarray, _Ahead]], entry: Entry, part: Part, _: np.ndarray
+) -> tuple[WireArray, memoryview, _Ahead | None]:
+    """A push's request for a key's part that asks for the value after its round too
+    (``staged``: ``id(entry)`` -> the values and the :class:`_Ahead` they land in), where
+    its answer lands, and the ahead when the answer may stay where it lies in shared memory
+    (a key in one part)."""
+    values, ahead = staged[id(entry)]
+    view = entry.wire_view(ahead.buffer, part).data.cast("B")
+    lendable = ahead if len(entry.parts) == 1 else None
+    return (entry.key, entry.wire_view(values, part), entry.pushes), view, lendable
 
 
 def _meta_of(entry: Entry, part: Part, _: None) -> tuple[Key, tuple[int, ...], str]:

@@ -13,9 +13,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from akv.dist.config import Config, format_address
-from akv.dist.protocol import CLIENT_HEADER, STOPPING_STATUS, Op, client_header
+from akv.dist.protocol import CLIENT_HEADER, COUNTED, STOPPING_STATUS, Op, client_header
 from akv.dist.roles import client_ssl
 from akv.dist.worker.requests import (
+    Landing,
     OnReply,
     Outcome,
     Request,
@@ -43,6 +44,7 @@ log = logging.getLogger("akv.dist")
 
 # Looked up once: an enum member lookup is not free, and every message asks.
 _DURABLE, _PUSH, _PULL, _PUSHPULL = Op.DURABLE, Op.PUSH, Op.PULL, Op.PUSHPULL
+_COUNTED = COUNTED
 
 
 #: A pipelined push held until the end of the loop turn: arrays, on_reply, timeout_s and
@@ -52,6 +54,11 @@ _HeldPush = tuple[Sequence[WireArray], OnReply, float, Callable[[], None]]
 
 def _nothing() -> None:
     pass
+
+
+def _flags(on_counted: Callable[[], None] | None) -> int:
+    """A request's frame flags: ``COUNTED`` when it waits to hear that its push counted."""
+    return _COUNTED if on_counted is not None else 0
 
 
 def local_address(entry: dict[str, Any]) -> tuple[str, str] | None:
@@ -184,6 +191,12 @@ class ServerLink:
         if header.op == _DURABLE:
             self._durable(header.aux)
             return
+        if header.flags & _COUNTED:  # its push is counted: kept as an answered push is
+            request = self._table.get(header.seq) if self.restartable else None
+            if request is not None:
+                self._retain(header.seq, request)
+            self._table.counted(header.seq)
+            return
         # The request, to keep a copy of once answered (only for a server with checkpoints).
         request = self._table.get(header.seq) if self.restartable else None
         outcome = self._table.reply(message)
@@ -201,8 +214,8 @@ class ServerLink:
         """Keep a copy of an acknowledged request that changed the server (a push, an init,
         an optimizer or its states) until a checkpoint holds it."""
         op = _RETAINED.get(request.op)
-        if op is None or seq < self._durable_below:
-            return
+        if op is None or seq < self._durable_below or seq in self._retained:
+            return  # (a pushpull asked ahead is kept once counted, not again when answered)
         arrays = [(key, array.copy(), tag) for key, array, tag in request.arrays]
         self._retained[seq] = (op, arrays, request.text)
         self.retained_bytes += sum(array.nbytes for _, array, _ in arrays)
@@ -315,21 +328,26 @@ class ServerLink:
         """Send the kept pushes and the unanswered requests again on ``protocol``, in their
         order, then those made meanwhile; a second push of a key waits for a pull of it
         first (:func:`settle_before_resend`). Stops when a newer stream took over."""
-        frames: list[tuple[int, int, Sequence[WireArray], str]] = [
-            (seq, op, arrays, text) for seq, (op, arrays, text) in self._retained.items()
-        ]
-        frames += [(seq, r.op, r.arrays, r.text) for seq, r in self._table.unanswered()]
-        frames.sort(key=lambda frame: frame[0])
+        by_seq: dict[int, tuple[int, int, Sequence[WireArray], str, int]] = {
+            seq: (seq, op, arrays, text, 0) for seq, (op, arrays, text) in self._retained.items()
+        }
+        # A pushpull asked ahead is kept once counted and may still wait for its answer:
+        # then it is resent once, as the request it is.
+        by_seq.update(
+            (seq, (seq, r.op, r.arrays, r.text, _flags(r.on_counted)))
+            for seq, r in self._table.unanswered()
+        )
+        frames = sorted(by_seq.values(), key=lambda frame: frame[0])
         pushed: set[object] = set()
         try:
-            for seq, op, arrays, text in frames:
-                if not await self._resend_one(protocol, seq, op, arrays, text, pushed):
+            for seq, op, arrays, text, flags in frames:
+                if not await self._resend_one(protocol, seq, op, arrays, text, flags, pushed):
                     return
             while self._deferred:  # made while this ran, in their order
                 seq = self._deferred.pop(0)
-                request = self._table.get(seq)
-                if request is not None and not await self._resend_one(
-                    protocol, seq, request.op, request.arrays, request.text, pushed
+                r = self._table.get(seq)
+                if r is not None and not await self._resend_one(
+                    protocol, seq, r.op, r.arrays, r.text, _flags(r.on_counted), pushed
                 ):
                     return
             self._replaying = False
@@ -346,6 +364,7 @@ class ServerLink:
         op: int,
         arrays: Sequence[WireArray],
         text: str,
+        flags: int,
         pushed: set[object],
     ) -> bool:
         """Resend one request (after the pull it must wait for); False when the stream
@@ -358,7 +377,7 @@ class ServerLink:
                 await self._request_now(Op.PULL, settle, timeout_s=timeout_s)
         if protocol is not self.protocol or self.failed or self.closing:
             return False
-        protocol.write(encode_frame(op, seq, arrays, text=text))
+        protocol.write(encode_frame(op, seq, arrays, text=text, flags=flags))
         return True
 
     async def _request_now(
@@ -394,10 +413,11 @@ class ServerLink:
         on_reply: OnReply,
         *,
         text: str = "",
-        destinations: list[memoryview] | None = None,
+        destinations: Sequence[Landing] | None = None,
         timeout_s: float,
         hold: bool = False,
         on_ride: Callable[[], None] = _nothing,
+        on_counted: Callable[[], None] | None = None,
     ) -> None:
         """Send one request now; ``on_reply`` gets the reply or the error, exactly once.
 
@@ -409,6 +429,9 @@ class ServerLink:
         request, whichever comes first; a pull of the same keys made before then goes with
         it as one pushpull (:func:`~akv.dist.worker.requests.pull_rides_on_push`), whose
         answer tells both (an error only the pull); ``on_ride()`` is called then.
+
+        ``on_counted`` (a pushpull): the request asks the server to say once its push is
+        counted (``COUNTED``), and ``on_counted()`` hears it, before the answer.
         """
         held = self._held_push
         if held is not None:
@@ -428,14 +451,14 @@ class ServerLink:
             # Cut: kept, and sent once the stream is open again and the requests before it
             # were resent (or failed by the backend's verdict, or when the deadline passes).
             deadline = self._loop.time() + timeout_s
-            seq = self._table.add(op, on_reply, destinations, deadline, arrays, text)
+            seq = self._table.add(op, on_reply, destinations, deadline, arrays, text, on_counted)
             if self.lost is None:
                 self._deferred.append(seq)
             return
         if self.lost is not None:
             on_reply(None, self.lost)
             return
-        self._send_now(op, arrays, on_reply, text, destinations, timeout_s)
+        self._send_now(op, arrays, on_reply, text, destinations, timeout_s, on_counted)
 
     def _send_held(self) -> None:
         held = self._held_push
@@ -449,16 +472,18 @@ class ServerLink:
         arrays: Sequence[WireArray],
         on_reply: OnReply,
         text: str,
-        destinations: list[memoryview] | None,
+        destinations: Sequence[Landing] | None,
         timeout_s: float,
+        on_counted: Callable[[], None] | None = None,
     ) -> None:
         if self.protocol is None or self._loop is None:
             on_reply(None, PeerLostError(f"{self.name}: the stream was never opened"))
             return
         deadline = self._loop.time() + timeout_s
-        seq = self._table.add(op, on_reply, destinations, deadline, arrays, text)
+        seq = self._table.add(op, on_reply, destinations, deadline, arrays, text, on_counted)
         try:
-            self.protocol.write(encode_frame(op, seq, arrays, text=text))
+            frame = encode_frame(op, seq, arrays, text=text, flags=_flags(on_counted))
+            self.protocol.write(frame)
         except TransportError as exc:
             # The stream is gone (its loss may not have been reported yet): the request
             # is resent on the next stream.

@@ -18,9 +18,10 @@ import numpy as np
 from akv.dist.protocol import OK, Op, error_from_status, op_label
 from akv.errors import AKVError, ServerError
 from akv.keys import Entry, Part
-from transport import DISCARD, Destination, FrameHeader, Message
+from transport import DISCARD, Destination, FrameHeader, InPlace, Message
 
 __all__ = [
+    "Landing",
     "OnReply",
     "Outcome",
     "Request",
@@ -36,6 +37,9 @@ __all__ = [
 OnReply = Callable[["Message | None", "AKVError | None"], None]
 #: One array of a request: (key, the array or its part, tag).
 WireArray = tuple[Any, np.ndarray, int]
+#: Where one array of a request's reply lands: a buffer of its size, or one wrapped in
+#: ``InPlace`` (the answer may stay where it lies in the server's shared memory).
+Landing = memoryview | InPlace
 
 # Looked up once: an enum member lookup is not free, and every reply asks.
 _SAVE_STATES = Op.SAVE_STATES
@@ -104,20 +108,32 @@ class Request:
     """One request waiting for its reply, with what it sent (``arrays``, ``text``: to send
     it again after a reconnect; the arrays stay unchanged until the reply)."""
 
-    __slots__ = ("arrays", "deadline", "destinations", "on_reply", "op", "sizes", "text")
+    __slots__ = (
+        "arrays",
+        "deadline",
+        "destinations",
+        "on_counted",
+        "on_reply",
+        "op",
+        "sizes",
+        "text",
+    )
 
     def __init__(
         self,
         on_reply: OnReply,
-        destinations: list[memoryview],
+        destinations: Sequence[Landing],
         op: int,
         deadline: float,
         arrays: Sequence[WireArray] = (),
         text: str = "",
+        on_counted: Callable[[], None] | None = None,
     ) -> None:
         self.on_reply = on_reply
+        #: Told of the interim answer that the request's push was counted (``COUNTED``).
+        self.on_counted = on_counted
         self.destinations = destinations
-        self.sizes = [d.nbytes for d in destinations]
+        self.sizes = [(d.buffer if isinstance(d, InPlace) else d).nbytes for d in destinations]
         self.op = op
         self.deadline = deadline
         self.arrays = arrays
@@ -156,19 +172,31 @@ class RequestTable:
         self,
         op: int,
         on_reply: OnReply,
-        destinations: list[memoryview] | None,
+        destinations: Sequence[Landing] | None,
         deadline: float,
         arrays: Sequence[WireArray] = (),
         text: str = "",
+        on_counted: Callable[[], None] | None = None,
     ) -> int:
         """Remember a request about to be sent; return its sequence number.
 
         With ``destinations``, the reply's arrays must have exactly their sizes and are
         received straight into them. ``arrays`` and ``text`` are what it sends.
+        ``on_counted``: the request asks to hear once its push is counted (see
+        :meth:`counted`).
         """
         self._seq += 1
-        self._pending[self._seq] = Request(on_reply, destinations or [], op, deadline, arrays, text)
+        self._pending[self._seq] = Request(
+            on_reply, destinations or [], op, deadline, arrays, text, on_counted
+        )
         return self._seq
+
+    def counted(self, seq: int) -> None:
+        """The interim answer that request ``seq``'s push was counted (it stays pending
+        for its own answer); told to its ``on_counted``, if it waits for one."""
+        request = self._pending.get(seq)
+        if request is not None and request.on_counted is not None:
+            request.on_counted()
 
     def unanswered(self) -> list[tuple[int, Request]]:
         """Every request still waiting for its reply, by sequence number (to send again

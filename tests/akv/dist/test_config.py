@@ -73,6 +73,7 @@ def test_akv_twins_work_alone_and_agreeing_with_mxnet_names():
             r"AKV_NUM_SERVERS='x' is not an integer",
         ),
         ({"AKV_BIGARRAY_BOUND": "inf"}, r"AKV_BIGARRAY_BOUND='inf' is not a number of elements"),
+        ({"AKV_PULL_AHEAD": "yes"}, r"AKV_PULL_AHEAD='yes': set it to 1 \(on\) or 0 \(off\)"),
         ({"AKV_PORT": "70000"}, r"AKV_PORT=70000 is out of range: set it to a TCP port"),
         (
             {"AKV_LOG_LEVEL": "verbose"},
@@ -253,3 +254,8 @@ def test_a_server_config_made_in_code_never_advertises_a_wildcard():
     )
     with pytest.raises(ConfigError, match="AKV_ADVERTISE is not set, and this server binds"):
         config.advertised(4000)
+
+
+def test_pull_ahead_is_on_unless_turned_off():
+    assert _config.from_env(env()).pull_ahead
+    assert not _config.from_env(env(AKV_PULL_AHEAD="0")).pull_ahead

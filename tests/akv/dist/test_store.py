@@ -206,7 +206,8 @@ async def test_a_pipelined_push_error_is_raised_by_barrier_and_by_close():
 
 
 async def test_a_pull_right_after_a_push_of_its_keys_goes_with_it_as_one_request():
-    with Cluster(1, 1) as cluster:
+    # (without asking ahead: a dist_sync push then asks for the value itself, see below)
+    with Cluster(1, 1, AKV_PULL_AHEAD="0") as cluster:
         (kv,) = await cluster.workers()
         await kv.init(["w", "v"], [full(0.0)] * 2)
         (link,) = kv._backend.links
@@ -224,7 +225,7 @@ async def test_a_pull_right_after_a_push_of_its_keys_goes_with_it_as_one_request
 
 
 async def test_the_error_of_a_push_a_pull_rode_on_is_raised_by_that_pull_once():
-    with Cluster(2, 1) as cluster:
+    with Cluster(2, 1, AKV_PULL_AHEAD="0") as cluster:
         fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
         await asyncio.gather(fast.init(0, full(0.0)), slow.init(0, full(0.0)))
         await fast.push(0, full(1.0))
@@ -243,7 +244,7 @@ async def test_the_error_of_a_push_a_pull_rode_on_is_raised_by_that_pull_once():
 
 
 async def test_a_barrier_does_not_wait_for_the_round_of_a_push_a_pull_went_with():
-    with Cluster(2, 1) as cluster:
+    with Cluster(2, 1, AKV_PULL_AHEAD="0") as cluster:
         first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
         await asyncio.gather(first.init(0, full(0.0)), second.init(0, full(0.0)))
         (link,) = first._backend.links
@@ -256,6 +257,87 @@ async def test_a_barrier_does_not_wait_for_the_round_of_a_push_a_pull_went_with(
         await asyncio.wait_for(asyncio.gather(first.barrier(), second.barrier()), 10)
         await second.push(0, full(2.0))
         np.testing.assert_array_equal(await asyncio.wait_for(pulled, 10), full(3.0))
+        await close_all([first, second])
+
+
+def server_regions_in_use(cluster: Cluster) -> int:
+    """Regions of the servers' shared memory that workers have not handed back."""
+    return sum(
+        link.protocol.shared.regions.regions
+        for server in cluster.servers
+        for link in server.links.values()
+        if getattr(link, "protocol", None) is not None and link.protocol.shared is not None
+    )
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+async def test_a_push_asks_ahead_so_its_pull_needs_no_request(shm):
+    big = (300, 1000)  # through shared memory when it is on
+    with Cluster(2, 1, AKV_SHM=shm) as cluster:
+        stores = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+
+        async def body(kv):
+            keys = ["a", "b", "c"]
+            shapes = [big, (16,), big]
+            await kv.init(keys, [np.zeros(shape, np.float32) for shape in shapes])
+            (link,) = kv._backend.links
+            seen = []
+            for step in range(1, 4):
+                before = link.requests_sent
+                for i, key in reversed(list(enumerate(keys))):  # as backward makes them
+                    kv.push(key, np.full(shapes[i], step * (kv.rank + 1), np.float32), -i)
+                outs = [await kv.pull(key) for key in keys]
+                seen.append((link.requests_sent - before, outs))
+            before = link.requests_sent
+            again = await kv.pull("b")  # a second pull of the round's value
+            return seen, link.requests_sent - before, again
+
+        for seen, second_pull, again in await each(stores, body):
+            for step, (requests, outs) in enumerate(seen, start=1):
+                assert requests == 3  # the pushes; the pulls were answered by their answers
+                for out in outs:
+                    np.testing.assert_array_equal(out, np.full(out.shape, 3.0 * step))
+            np.testing.assert_array_equal(again, np.full(16, 9.0))
+            # "b" is small: its value waits in a buffer of the key, and the pull reads it
+            # again; a value read from the server's shared memory is read once.
+            assert second_pull == 0
+        if shm == "1":
+            assert server_regions_in_use(cluster) == 0  # every value read was handed back
+        await close_all(stores)
+
+
+async def test_a_pull_asks_the_server_once_a_value_in_shared_memory_was_read():
+    with Cluster(1, 1) as cluster:
+        (kv,) = await cluster.workers()
+        await kv.init("w", np.zeros((300, 1000), np.float32))
+        (link,) = kv._backend.links
+        assert link.shares_memory
+        before = link.requests_sent
+        kv.push("w", np.ones((300, 1000), np.float32))
+        np.testing.assert_array_equal(await kv.pull("w"), np.ones((300, 1000)))
+        assert link.requests_sent - before == 1  # the push (a pushpull); the pull: none
+        np.testing.assert_array_equal(await kv.pull("w"), np.ones((300, 1000)))
+        assert link.requests_sent - before == 2  # read once, handed back: asked again
+        kv.push("w", np.full((300, 1000), 2.0, np.float32))
+        kv.push("w", np.full((300, 1000), 3.0, np.float32))  # the first is never pulled
+        np.testing.assert_array_equal(await kv.pull("w"), np.full((300, 1000), 3.0))
+        await asyncio.sleep(0.1)
+        assert server_regions_in_use(cluster) == 0  # the value nobody read went back too
+        await close_all([kv])
+
+
+async def test_a_barrier_waits_for_pushes_to_be_counted_not_for_their_rounds():
+    with Cluster(2, 1) as cluster:
+        first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        await asyncio.gather(first.init(0, full(0.0)), second.init(0, full(0.0)))
+        await first.push(0, full(1.0))  # asks ahead: its round needs worker 1's push
+        # Worker 1 pushes only after the barrier: had worker 0's barrier waited for the
+        # round, neither would get past it.
+        await asyncio.wait_for(asyncio.gather(first.barrier(), second.barrier()), 10)
+        await second.push(0, full(2.0))
+        first_value, second_value = await asyncio.gather(first.pull(0), second.pull(0))
+        np.testing.assert_array_equal(first_value, full(3.0))
+        np.testing.assert_array_equal(second_value, full(3.0))
         await close_all([first, second])
 
 
@@ -406,7 +488,7 @@ async def _barrier(kv):
 
 
 async def test_many_keys_travel_in_one_request_per_server():
-    with Cluster(2, 2) as cluster:
+    with Cluster(2, 2, AKV_PULL_AHEAD="0") as cluster:
         stores = await cluster.workers()
 
         async def body(kv):
@@ -512,12 +594,13 @@ async def test_joining_waits_for_the_rest_of_the_job_and_says_what_is_missing():
 
 @pytest.fixture
 def sent(monkeypatch) -> list[np.ndarray]:
-    """The arrays every push request hands to a server link, in order."""
+    """The arrays every push request hands to a server link, in order (a dist_sync push
+    asks for the value after its round too: a pushpull)."""
     arrays: list[np.ndarray] = []
     real_send = ServerLink.send
 
     def spy(self, op, wire, on_reply, **kwargs):
-        if op == Op.PUSH:
+        if op in (Op.PUSH, Op.PUSHPULL):
             arrays.extend(array for _, array, _ in wire)
         return real_send(self, op, wire, on_reply, **kwargs)
 
@@ -548,7 +631,7 @@ def test_a_blocking_push_returns_before_its_task_and_barrier_settles_it(monkeypa
         real_send = ServerLink.send
 
         def held(self, op, wire, on_reply, **kwargs):
-            if op == Op.PUSH:
+            if op in (Op.PUSH, Op.PUSHPULL):
                 assert gate.wait(WAIT_S)  # the loop thread waits here; the caller does not
             return real_send(self, op, wire, on_reply, **kwargs)
 
@@ -561,7 +644,7 @@ def test_a_blocking_push_returns_before_its_task_and_barrier_settles_it(monkeypa
         np.testing.assert_array_equal(kv.pull("w"), np.ones(4))
 
         def refused(self, op, wire, on_reply, **kwargs):
-            if op == Op.PUSH:  # as if the server answered with an error, later
+            if op in (Op.PUSH, Op.PUSHPULL):  # as if the server answered with an error, later
                 self._loop.call_soon(on_reply, None, akv.ServerError("refused by the server"))
                 return None
             return real_send(self, op, wire, on_reply, **kwargs)
@@ -571,6 +654,28 @@ def test_a_blocking_push_returns_before_its_task_and_barrier_settles_it(monkeypa
         with pytest.raises(akv.ServerError, match="earlier push of key 'w' failed: refused"):
             kv.barrier()  # waits for the push's answers: the refusal is raised here
         np.testing.assert_array_equal(kv.pull("v"), np.zeros(4))  # other keys unaffected
+        kv.close()
+
+
+def test_a_barrier_that_raises_a_late_error_leaves_the_next_barrier_in_step(monkeypatch):
+    with Cluster(1, 1) as cluster:
+        kv = akv.create("dist_sync", environ=cluster.worker_env(0))
+        kv.init("w", np.zeros(4, np.float32))
+        real_send = ServerLink.send
+
+        def refused_later(self, op, wire, on_reply, **kwargs):
+            if op in (Op.PUSH, Op.PUSHPULL):  # answered with an error once barrier waits
+                error = akv.ServerError("refused by the server")
+                self._loop.call_later(0.2, on_reply, None, error)
+                return None
+            return real_send(self, op, wire, on_reply, **kwargs)
+
+        monkeypatch.setattr(ServerLink, "send", refused_later)
+        kv.push("w", np.ones(4, np.float32))
+        with pytest.raises(akv.ServerError, match="earlier push of key 'w' failed: refused"):
+            kv.barrier()  # the refusal comes while it waits for the push's answer
+        monkeypatch.setattr(ServerLink, "send", real_send)
+        kv.barrier()  # numbered as the first barrier that reached the scheduler
         kv.close()
 
 

@@ -61,6 +61,8 @@ class Players:
         self.held: list[Land] = []
         self.hold_updates = False
         self.lend = False
+        #: (worker, seq) of each interim answer that a request's push was counted.
+        self.counted: list[tuple[int, int]] = []
         #: (worker, seq) of each request whose lent payloads were handed back, in order.
         self.handed_back: list[tuple[int, int]] = []
         self._seq = itertools.count(1)
@@ -76,6 +78,7 @@ class Players:
         *,
         seq: int | None = None,
         tags: list[int] | None = None,
+        flags: int = 0,
     ) -> int:
         """Worker ``worker`` sends one request (``seq``: sent again with that number;
         ``tags``: the push numbers of its arrays, 0 by default); returns its seq (look up
@@ -89,7 +92,7 @@ class Players:
             (key, array, tag)
             for (key, array), tag in zip(items, tags or [0] * len(items), strict=True)
         ]
-        data = frame_bytes(op, seq, wire, text=text)
+        data = frame_bytes(op, seq, wire, text=text, flags=flags)
         header, buffers = decode_frame(data)
         peer = self.peers[worker]
         landing = self.state.header_arrived(peer, header)
@@ -166,7 +169,9 @@ class Players:
         self.replies[key] = what
 
     def _carry_out(self, instruction: Instruction) -> None:
-        if isinstance(instruction, Reply):
+        if isinstance(instruction, Reply) and instruction.counted:
+            self.counted.append((instruction.peer.worker, instruction.seq))
+        elif isinstance(instruction, Reply):
             self._answer(instruction.peer, instruction.seq, OK)
         elif isinstance(instruction, ReplyError):
             self._answer(instruction.peer, instruction.seq, instruction.error)

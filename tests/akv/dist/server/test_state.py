@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from akv import optimizer
-from akv.dist.protocol import Op, encode_meta
+from akv.dist.protocol import COUNTED, Op, encode_meta
 from akv.dist.server.state import ServerEntry
 from akv.errors import (
     DoublePushError,
@@ -783,3 +783,15 @@ def test_async_pushes_read_in_place_become_values_of_their_own(with_updater):
     np.testing.assert_array_equal(entry.value, f32(4, 3) if with_updater else f32(1, 2))
     assert entry.value.flags.writeable
     assert all(buffer.flags.writeable for buffer in pooled(entry))
+
+
+def test_a_pushpull_that_asks_hears_once_its_push_is_counted_then_gets_the_round():
+    players = started(2)
+    seq = players.send(0, Op.PUSHPULL, [("w", f32(1, 2))], tags=[1], flags=COUNTED)
+    assert players.counted == [(0, seq)]  # at once: the round still waits for worker 1
+    assert players.waiting(0, seq)
+    players.push(1, {"w": f32(10, 20)}, tag=1)
+    np.testing.assert_array_equal(players.reply(0, seq)["w"], f32(11, 22))
+    plain = players.send(1, Op.PUSHPULL, [("w", f32(1, 1))], tags=[2])
+    assert players.counted == [(0, seq)]  # not asked: no interim answer
+    assert players.waiting(1, plain)
