@@ -28,6 +28,11 @@ DIST_ENGINE_SLOTS = 64
 #: Pushes a worker leaves unacknowledged (pipelined) before a push waits for its own
 #: acknowledgement: each holds its staging copy until then.
 MAX_UNACKED_PUSHES = 256
+#: In dist_sync, a value larger than this that would travel on a TCP stream is not asked
+#: for ahead with its push (``AKV_PULL_AHEAD``): copying it from the key's buffer into the
+#: pull's output costs more than the round trip it saves. On a shared-memory stream the
+#: value waits in the server's arena and the pull copies it once, at any size.
+AHEAD_COPY_MAX_BYTES = 1 << 20
 
 # ---------------------------------------------------------------- deadlines (seconds)
 

@@ -61,6 +61,7 @@ from akv.errors import (
 )
 from akv.keys import Entry, Part, merge_into
 from akv.limits import (
+    AHEAD_COPY_MAX_BYTES,
     BLAME_TIMEOUT_S,
     CONNECT_RETRY_S,
     GOODBYE_TIMEOUT_S,
@@ -471,7 +472,7 @@ class DistBackend:
         waits = self._unacked >= MAX_UNACKED_PUSHES  # then it waits: memory stays bounded
         self._unacked += 1
         answers = _PushAnswers(self, [entry.key for entry, _ in staged], done if waits else None)
-        if self._pulls_ahead:
+        if self._pulls_ahead and all(self._worth_asking_ahead(entry) for entry, _ in staged):
             self._push_ahead(staged, release, answers, timeout)
         else:
             replies = _Gather(len(batches), release, answers.acknowledged)
@@ -547,6 +548,13 @@ class DistBackend:
                 timeout_s=timeout,
                 on_counted=heard.counted,
             )
+
+    def _worth_asking_ahead(self, entry: Entry) -> bool:
+        """Whether a push of ``entry`` asks for the value after its round (see
+        :data:`~akv.limits.AHEAD_COPY_MAX_BYTES`)."""
+        return entry.nbytes <= AHEAD_COPY_MAX_BYTES or (
+            len(entry.parts) == 1 and self.links[entry.parts[0].server].shares_memory
+        )
 
     def _drop_ahead(self, entry: Entry, ahead: _Ahead | None = None) -> None:
         """Forget the key's value asked for ahead (``ahead``: that one, whether it is still

@@ -29,6 +29,7 @@ from akv import (
 )
 from akv.dist.protocol import Op
 from akv.dist.worker.link import ServerLink
+from akv.limits import AHEAD_COPY_MAX_BYTES
 from tests.akv.dist.cluster import Cluster, free_port, job_env
 
 pytestmark = pytest.mark.timeout(60)
@@ -272,7 +273,8 @@ def server_regions_in_use(cluster: Cluster) -> int:
 
 @pytest.mark.parametrize("shm", ["1", "0"])
 async def test_a_push_asks_ahead_so_its_pull_needs_no_request(shm):
-    big = (300, 1000)  # through shared memory when it is on
+    # Through shared memory when it is on; on TCP no larger than AHEAD_COPY_MAX_BYTES.
+    big = (300, 1000) if shm == "1" else (250, 1000)
     with Cluster(2, 1, AKV_SHM=shm) as cluster:
         stores = sorted(await cluster.workers(), key=lambda kv: kv.rank)
 
@@ -323,6 +325,31 @@ async def test_a_pull_asks_the_server_once_a_value_in_shared_memory_was_read():
         np.testing.assert_array_equal(await kv.pull("w"), np.full((300, 1000), 3.0))
         await asyncio.sleep(0.1)
         assert server_regions_in_use(cluster) == 0  # the value nobody read went back too
+        await close_all([kv])
+
+
+async def test_on_tcp_a_large_value_is_not_asked_ahead():
+    with Cluster(1, 1, AKV_SHM="0") as cluster:
+        (kv,) = await cluster.workers()
+        large = (AHEAD_COPY_MAX_BYTES // 4 + 1,)  # float32 elements
+        await kv.init(["large", "small"], [np.zeros(large, np.float32), full(0.0)])
+        (link,) = kv._backend.links
+        before = link.requests_sent
+        kv.push("large", np.ones(large, np.float32))
+        np.testing.assert_array_equal(await kv.pull("large"), np.ones(large))
+        # Not asked ahead (copying it would cost more than the round trip): a push and a
+        # pull made in one turn still go as one request.
+        assert link.requests_sent - before == 1
+        before = link.requests_sent
+        await kv.push("large", np.ones(large, np.float32))
+        await asyncio.sleep(0)
+        np.testing.assert_array_equal(await kv.pull("large"), np.full(large, 1.0))
+        assert link.requests_sent - before == 2  # in separate turns: a push and a pull
+        before = link.requests_sent
+        await kv.push("small", full(2.0))
+        await asyncio.sleep(0)
+        np.testing.assert_array_equal(await kv.pull("small"), full(2.0))
+        assert link.requests_sent - before == 1  # small: asked ahead with the push
         await close_all([kv])
 
 
