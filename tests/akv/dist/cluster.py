@@ -15,7 +15,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +148,12 @@ def launch(
             f"akv-launch {list(args)} ran past {timeout} s:\n{stdout}\n{stderr}"
         ) from exc
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        await asyncio.sleep(0.02)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
@@ -28,7 +27,7 @@ from akv.dist import config as _config
 from akv.dist.protocol import Op
 from akv.dist.server.checkpoint import KeyRecord, Snapshot, read_snapshot, write_snapshot
 from akv.dist.server.service import ParameterServer
-from tests.akv.dist.cluster import Cluster, free_port, job_env
+from tests.akv.dist.cluster import Cluster, free_port, job_env, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,15 +112,6 @@ def pushed_bytes(steps: int) -> int:
 
 def retained(stores) -> list[int]:
     return [link.retained_bytes for kv in stores for link in kv._backend.links]
-
-
-async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S):
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s")
-        await asyncio.sleep(0.02)
 
 
 def server_env(cluster: Cluster, rank: int) -> dict[str, str]:

@@ -30,7 +30,7 @@ from akv import (
 from akv.dist.protocol import Op
 from akv.dist.worker.link import ServerLink
 from akv.limits import AHEAD_COPY_MAX_BYTES
-from tests.akv.dist.cluster import Cluster, free_port, job_env
+from tests.akv.dist.cluster import Cluster, free_port, job_env, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0
@@ -303,8 +303,8 @@ async def test_a_push_asks_ahead_so_its_pull_needs_no_request(shm):
             # "b" is small: its value waits in a buffer of the key, and the pull reads it
             # again; a value read from the server's shared memory is read once.
             assert second_pull == 0
-        if shm == "1":
-            assert server_regions_in_use(cluster) == 0  # every value read was handed back
+        if shm == "1":  # every value read was handed back
+            await wait_until(lambda: server_regions_in_use(cluster) == 0, "regions handed back")
         await close_all(stores)
 
 
@@ -323,8 +323,8 @@ async def test_a_pull_asks_the_server_once_a_value_in_shared_memory_was_read():
         kv.push("w", np.full((300, 1000), 2.0, np.float32))
         kv.push("w", np.full((300, 1000), 3.0, np.float32))  # the first is never pulled
         np.testing.assert_array_equal(await kv.pull("w"), np.full((300, 1000), 3.0))
-        await asyncio.sleep(0.1)
-        assert server_regions_in_use(cluster) == 0  # the value nobody read went back too
+        # The value nobody read went back too.
+        await wait_until(lambda: server_regions_in_use(cluster) == 0, "regions handed back")
         await close_all([kv])
 
 
