@@ -497,7 +497,11 @@ class DistBackend:
 
         Each server also says at once that it counted the push (``COUNTED``): that is the
         push's acknowledgement, which barrier and close wait for. An error in the answer
-        goes to a pull waiting for the value, or else to the next call on the keys.
+        goes to a pull waiting for the value, or else to the next call on the keys. The
+        answer waits for the round (the other workers' pushes), which a server fails after
+        ``AKV_ROUND_TIMEOUT_S``: the request's deadline is that much longer than
+        ``AKV_REQUEST_TIMEOUT_S``, so that a round slower than a request may take is not
+        taken for a lost answer.
         """
         aheads = []
         for entry, _ in staged:
@@ -545,7 +549,8 @@ class DistBackend:
                 arrays,
                 on_reply,
                 destinations=destinations,
-                timeout_s=timeout,
+                # Its answer waits for the round, which the server fails after round_s.
+                timeout_s=timeout + self.config.timeouts.round_s,
                 on_counted=heard.counted,
             )
 

@@ -353,6 +353,19 @@ async def test_on_tcp_a_large_value_is_not_asked_ahead():
         await close_all([kv])
 
 
+async def test_a_round_slower_than_a_request_may_take_does_not_fail_a_value_asked_ahead():
+    with Cluster(2, 1, AKV_REQUEST_TIMEOUT_S="1") as cluster:
+        first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        await asyncio.gather(first.init(0, full(0.0)), second.init(0, full(0.0)))
+        await first.push(0, full(1.0))
+        await asyncio.sleep(1.6)  # worker 1 is late; the requests are swept meanwhile
+        await second.push(0, full(2.0))
+        first_value, second_value = await asyncio.gather(first.pull(0), second.pull(0))
+        np.testing.assert_array_equal(first_value, full(3.0))
+        np.testing.assert_array_equal(second_value, full(3.0))
+        await close_all([first, second])
+
+
 async def test_a_barrier_waits_for_pushes_to_be_counted_not_for_their_rounds():
     with Cluster(2, 1) as cluster:
         first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
