@@ -133,10 +133,6 @@ class DistBackend:
         #: Pipelined pushes not acknowledged yet, who waits for none to be left, and the
         #: errors of those that failed, by key, until a call reports them.
         self._unacked = 0
-        #: Of those, the dist_sync pushes whose answer comes with a pull that went with
-        #: them (a pushpull answered once the round is applied): barrier and close do not
-        #: wait for those, the pull reports them.
-        self._riding = 0
         self._acks_waiters: list[asyncio.Future[None]] = []
         self._late: dict[Key, AKVError] = {}
         #: dist_sync: each key's value after the round of this worker's latest push, asked
@@ -475,10 +471,19 @@ class DistBackend:
         if self._pulls_ahead and all(self._worth_asking_ahead(entry) for entry, _ in staged):
             self._push_ahead(staged, release, answers, timeout)
         else:
-            replies = _Gather(len(batches), release, answers.acknowledged)
+            # Held by the link until the end of the turn: a pull of the keys may go with
+            # it, and then the server says when it counted the push (see ``_Counted``).
+            replies = _Gather(len(batches), release, _ignored)
+            counted = _Gather(len(batches), _nothing, answers.acknowledged)
             for server, arrays in batches.items():
+                heard = _Counted(counted.reply, replies.reply)
                 self.links[server].send(
-                    _PUSH, arrays, replies.reply, timeout_s=timeout, hold=True, on_ride=answers.ride
+                    _PUSH,
+                    arrays,
+                    heard.answered,
+                    timeout_s=timeout,
+                    hold=True,
+                    on_counted=heard.counted,
                 )
         if not waits:
             done(None, None)
@@ -574,14 +579,10 @@ class DistBackend:
         ahead.stale = True
         ahead.free_when_unread()
 
-    def _answered(self, riding: bool) -> None:
-        """A pipelined push was answered (``riding``: with a pull that went with it)."""
+    def _answered(self) -> None:
+        """A pipelined push was acknowledged (or failed)."""
         self._unacked -= 1
-        self._riding -= riding
-        self._wake_acks_waiters()
-
-    def _wake_acks_waiters(self) -> None:
-        if self._unacked > (self._riding if self.type == "dist_sync" else 0):
+        if self._unacked:
             return
         waiters, self._acks_waiters = self._acks_waiters, []
         for waiter in waiters:
@@ -613,10 +614,10 @@ class DistBackend:
 
     async def _acks(self) -> None:
         """Wait until every pipelined push was acknowledged (or failed: requests have
-        deadlines, so this ends), but for a dist_sync push that a pull went with: its
-        answer waits for the round (which may need other workers' calls after a barrier),
-        and the pull reports its error."""
-        if self._unacked > (self._riding if self.type == "dist_sync" else 0):
+        deadlines, so this ends). A push sent as a pushpull is acknowledged once counted,
+        not once its round is applied (which may need other workers' calls after a
+        barrier)."""
+        if self._unacked:
             waiter = asyncio.get_running_loop().create_future()
             self._acks_waiters.append(waiter)
             await waiter
@@ -1116,9 +1117,10 @@ def _lend_answers(
 
 
 class _Counted:
-    """One server's interim "counted" answer to a push asked ahead, and its answer: the
-    first of the two acknowledges the push there (``acknowledge``), the second also goes
-    to ``answer``."""
+    """One server's answers to a push: its answer (to ``answer``) and, when the push went
+    as a pushpull (asked ahead, or with a pull the link sent along), the interim
+    ``COUNTED`` answer before it. The first of the two acknowledges the push there
+    (``acknowledge``)."""
 
     __slots__ = ("_acknowledge", "_answer", "_heard")
 
@@ -1148,13 +1150,12 @@ class _PushAnswers:
     one of ``keys`` (and barrier and close); ``done`` is told too when the push waited for
     them (past ``MAX_UNACKED_PUSHES``)."""
 
-    __slots__ = ("_backend", "_done", "_keys", "_late", "_riding", "_told")
+    __slots__ = ("_backend", "_done", "_keys", "_late", "_told")
 
     def __init__(self, backend: DistBackend, keys: list[Key], done: Done | None) -> None:
         self._backend = backend
         self._keys = keys
         self._done = done
-        self._riding = False
         #: The error kept for the keys, and whether a pull raised the push's error itself.
         self._late: AKVError | None = None
         self._told = False
@@ -1172,13 +1173,6 @@ class _PushAnswers:
             for key in self._keys:
                 backend._late.setdefault(key, late)
 
-    def ride(self) -> None:
-        """A pull went with the push (to one of its servers, at least)."""
-        if not self._riding:
-            self._riding = True
-            self._backend._riding += 1
-            self._backend._wake_acks_waiters()
-
     def acknowledged(self, result: Any, error: BaseException | None) -> None:
         backend = self._backend
         if error is not None and not self._told:
@@ -1187,7 +1181,7 @@ class _PushAnswers:
                 backend._late.setdefault(key, late)
         if self._done is not None:
             self._done(result, error)
-        backend._answered(self._riding)
+        backend._answered()
 
 
 def _late_error(error: BaseException, keys: list[Key]) -> AKVError:
@@ -1239,6 +1233,10 @@ def _ahead_piece(
 def _meta_of(entry: Entry, part: Part, _: None) -> tuple[Key, tuple[int, ...], str]:
     shape = entry.shape if len(entry.parts) == 1 else (part.size,)
     return (entry.key, shape, str(entry.dtype))
+
+
+def _ignored(result: Any, error: BaseException | None) -> None:
+    """A push's answer once its acknowledgement was reported (see ``_Counted``)."""
 
 
 def _nothing() -> None:

@@ -48,12 +48,8 @@ _COUNTED = COUNTED
 
 
 #: A pipelined push held until the end of the loop turn: arrays, on_reply, timeout_s and
-#: the on_ride callback.
-_HeldPush = tuple[Sequence[WireArray], OnReply, float, Callable[[], None]]
-
-
-def _nothing() -> None:
-    pass
+#: the on_counted callback (for the pushpull it becomes when a pull goes with it).
+_HeldPush = tuple[Sequence[WireArray], OnReply, float, Callable[[], None] | None]
 
 
 def _flags(on_counted: Callable[[], None] | None) -> int:
@@ -416,7 +412,6 @@ class ServerLink:
         destinations: Sequence[Landing] | None = None,
         timeout_s: float,
         hold: bool = False,
-        on_ride: Callable[[], None] = _nothing,
         on_counted: Callable[[], None] | None = None,
     ) -> None:
         """Send one request now; ``on_reply`` gets the reply or the error, exactly once.
@@ -428,23 +423,23 @@ class ServerLink:
         ``hold`` (a pipelined push): sent at the end of this loop turn, or before the next
         request, whichever comes first; a pull of the same keys made before then goes with
         it as one pushpull (:func:`~akv.dist.worker.requests.pull_rides_on_push`), whose
-        answer tells both (an error only the pull); ``on_ride()`` is called then.
+        answer tells both (an error only the pull).
 
-        ``on_counted`` (a pushpull): the request asks the server to say once its push is
-        counted (``COUNTED``), and ``on_counted()`` hears it, before the answer.
+        ``on_counted`` (a pushpull, or a held push if it becomes one): the request asks the
+        server to say once its push is counted (``COUNTED``), and ``on_counted()`` hears
+        it, before the answer.
         """
         held = self._held_push
         if held is not None:
             self._held_push = None
-            pushed, pushed_reply, pushed_timeout_s, ride = held
+            pushed, pushed_reply, pushed_timeout_s, pushed_counted = held
             if op == _PULL and pull_rides_on_push(pushed, arrays):
                 on_reply = push_then_pull(pushed_reply, on_reply)
-                op, arrays = _PUSHPULL, pushed
-                ride()
+                op, arrays, on_counted = _PUSHPULL, pushed, pushed_counted
             else:
                 self.send(_PUSH, pushed, pushed_reply, timeout_s=pushed_timeout_s)
         if hold and self._loop is not None:
-            self._held_push = (arrays, on_reply, timeout_s, on_ride)
+            self._held_push = (arrays, on_reply, timeout_s, on_counted)
             self._loop.call_soon(self._send_held)
             return
         if (self.lost is not None or self._replaying) and self._loop and not self.closing:
