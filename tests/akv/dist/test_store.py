@@ -227,8 +227,7 @@ async def test_a_pull_right_after_a_push_of_its_keys_goes_with_it_as_one_request
 
 async def test_the_error_of_a_push_a_pull_rode_on_is_raised_by_that_pull_once():
     with Cluster(2, 1, AKV_PULL_AHEAD="0") as cluster:
-        fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
-        await asyncio.gather(fast.init(0, full(0.0)), slow.init(0, full(0.0)))
+        fast, slow = await pair(cluster)
         await fast.push(0, full(1.0))
         await asyncio.sleep(0)  # written: the next push meets the open round
         (link,) = fast._backend.links
@@ -246,8 +245,7 @@ async def test_the_error_of_a_push_a_pull_rode_on_is_raised_by_that_pull_once():
 
 async def test_a_barrier_does_not_wait_for_the_round_of_a_push_a_pull_went_with():
     with Cluster(2, 1, AKV_PULL_AHEAD="0") as cluster:
-        first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
-        await asyncio.gather(first.init(0, full(0.0)), second.init(0, full(0.0)))
+        first, second = await pair(cluster)
         (link,) = first._backend.links
         before = link.requests_sent
         first.push(0, full(1.0))
@@ -353,32 +351,39 @@ async def test_on_tcp_a_large_value_is_not_asked_ahead():
         await close_all([kv])
 
 
+async def pair(cluster: Cluster):
+    """The two workers of ``cluster``, by rank, with key 0 initialized to zeros."""
+    first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+    await asyncio.gather(first.init(0, full(0.0)), second.init(0, full(0.0)))
+    return first, second
+
+
+async def both_pull_and_close(first, second, expected: np.ndarray) -> None:
+    """Both workers pull key 0 and get ``expected``; then both close."""
+    first_value, second_value = await asyncio.gather(first.pull(0), second.pull(0))
+    np.testing.assert_array_equal(first_value, expected)
+    np.testing.assert_array_equal(second_value, expected)
+    await close_all([first, second])
+
+
 async def test_a_round_slower_than_a_request_may_take_does_not_fail_a_value_asked_ahead():
     with Cluster(2, 1, AKV_REQUEST_TIMEOUT_S="1") as cluster:
-        first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
-        await asyncio.gather(first.init(0, full(0.0)), second.init(0, full(0.0)))
+        first, second = await pair(cluster)
         await first.push(0, full(1.0))
         await asyncio.sleep(1.6)  # worker 1 is late; the requests are swept meanwhile
         await second.push(0, full(2.0))
-        first_value, second_value = await asyncio.gather(first.pull(0), second.pull(0))
-        np.testing.assert_array_equal(first_value, full(3.0))
-        np.testing.assert_array_equal(second_value, full(3.0))
-        await close_all([first, second])
+        await both_pull_and_close(first, second, full(3.0))
 
 
 async def test_a_barrier_waits_for_pushes_to_be_counted_not_for_their_rounds():
     with Cluster(2, 1) as cluster:
-        first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
-        await asyncio.gather(first.init(0, full(0.0)), second.init(0, full(0.0)))
+        first, second = await pair(cluster)
         await first.push(0, full(1.0))  # asks ahead: its round needs worker 1's push
         # Worker 1 pushes only after the barrier: had worker 0's barrier waited for the
         # round, neither would get past it.
         await asyncio.wait_for(asyncio.gather(first.barrier(), second.barrier()), 10)
         await second.push(0, full(2.0))
-        first_value, second_value = await asyncio.gather(first.pull(0), second.pull(0))
-        np.testing.assert_array_equal(first_value, full(3.0))
-        np.testing.assert_array_equal(second_value, full(3.0))
-        await close_all([first, second])
+        await both_pull_and_close(first, second, full(3.0))
 
 
 async def test_a_pull_after_my_push_waits_for_the_other_workers():
