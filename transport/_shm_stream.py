@@ -153,11 +153,11 @@ class SharedMemory:
     Either may be None: that direction then carries every payload on the socket.
 
     A region can also be taken ahead (:meth:`reserve`) by a caller that writes a payload
-    there itself: a frame whose array lies in a reserved region is sent without a copy, and
-    the region stays the caller's (the peer's release does not free it) until
-    :meth:`unreserve`, which the caller may call once the peer answered the request (the
-    peer has read the frame by then). :meth:`reserve` and :meth:`unreserve` may be called
-    from any thread; the rest belongs to the stream's loop.
+    there itself: a frame whose array lies in a reserved region is sent without a copy. The
+    region is free again once the caller gave it back (:meth:`unreserve`) and the peer
+    released it from every frame that carried it, whichever comes last: the peer may keep
+    reading a payload in place after it answered the request. :meth:`reserve` and
+    :meth:`unreserve` may be called from any thread; the rest belongs to the stream's loop.
     """
 
     def __init__(
@@ -172,9 +172,9 @@ class SharedMemory:
         self.min_bytes = min_bytes
         self.regions = RegionAllocator(own.nbytes if own is not None else 0)
         self._lock = threading.Lock()
-        #: Reserved regions: their sorted starts, and start -> size.
+        #: Reserved regions: their sorted starts, and start -> reservation.
         self._reserved_starts: list[int] = []
-        self._reserved: dict[int, int] = {}
+        self._reserved: dict[int, _Reservation] = {}
         self._base = _address(own.view(0, own.nbytes)) if own is not None else 0
         #: Frames sent through the arena, those too large for the free regions, and the
         #: arrays sent from reserved regions without a copy.
@@ -198,7 +198,7 @@ class SharedMemory:
             if offset is None:
                 return None
             bisect.insort(self._reserved_starts, offset)
-            self._reserved[offset] = nbytes
+            self._reserved[offset] = _Reservation(nbytes)
         return own.view(offset, nbytes)
 
     def unreserve(self, view: memoryview | np.ndarray) -> None:
@@ -208,16 +208,28 @@ class SharedMemory:
             return
         offset = _address(view) - self._base
         with self._lock:
-            if self._reserved.pop(offset, None) is None:
+            reservation = self._reserved.get(offset)
+            if reservation is None or not reservation.kept:
                 raise ValueError(f"unreserve: no region is reserved at offset {offset}")
-            self._reserved_starts.remove(offset)
-            self.regions.free(offset)
+            reservation.kept = False
+            if not reservation.in_flight:
+                self._free_reserved(offset)
 
-    def _reserved_offset(self, payload: memoryview) -> int | None:
-        """The offset of ``payload`` in this side's arena when it lies inside a reserved
-        region (call with the lock held)."""
+    def _free_reserved(self, start: int) -> None:
+        """Free the reserved region at ``start`` (call with the lock held)."""
+        del self._reserved[start]
+        self._reserved_starts.remove(start)
+        self.regions.free(start)
+
+    def _reserved_offset(self, payload: memoryview) -> tuple[int, int] | None:
+        """The offset of ``payload`` in this side's arena and the start of the region the
+        caller holds that it lies inside; None when it lies in none (call with the lock
+        held)."""
         offset = _address(payload) - self._base
-        return offset if self._inside_reserved(offset, payload.nbytes) else None
+        start = self._reserved_start(offset, payload.nbytes)
+        if start is None or not self._reserved[start].kept:
+            return None
+        return offset, start
 
     def place(self, buffers: Sequence[bytes | memoryview]) -> list[bytes | memoryview] | None:
         """The buffers that send this frame (prefix and header, then each array's payload,
@@ -236,18 +248,25 @@ class SharedMemory:
         payloads = [memoryview(payload).cast("B") for payload in buffers[1:]]
         offsets: list[int] = []
         copies: list[tuple[int, memoryview]] = []
+        sent: list[int] = []
         with self._lock:
             for payload in payloads:
-                offset = self._reserved_offset(payload) if self._reserved else None
-                if offset is None:
-                    offset = self.regions.allocate(payload.nbytes)
-                    if offset is None:
+                reserved = self._reserved_offset(payload) if self._reserved else None
+                if reserved is not None:
+                    offset, start = reserved
+                    sent.append(start)
+                else:
+                    allocated = self.regions.allocate(payload.nbytes)
+                    if allocated is None:
                         for taken, _ in copies:
                             self.regions.free(taken)
                         self.frames_not_fitting += 1
                         return None
+                    offset = allocated
                     copies.append((offset, payload))
                 offsets.append(offset)
+            for start in sent:  # in flight until the peer releases it
+                self._reserved[start].in_flight += 1
         for offset, payload in copies:
             own.view(offset, payload.nbytes)[:] = payload
         self.frames_shared += 1
@@ -255,26 +274,36 @@ class SharedMemory:
         return to_arena_prefix(head, offsets)
 
     def freed(self, offsets: list[int]) -> None:
-        """The peer handed these regions back (those inside reserved regions stay the
-        reserver's). Raises :class:`FrameError` for one not in use."""
+        """The peer handed these regions back (a reserved one is freed once its caller gave
+        it back too). Raises :class:`FrameError` for one not in use or not sent."""
         with self._lock:
             for offset in offsets:
-                if self.regions.in_use(offset) and offset not in self._reserved:
+                start = self._reserved_start(offset) if self._reserved else None
+                if start is not None:
+                    reservation = self._reserved[start]
+                    if not reservation.in_flight:
+                        raise FrameError(
+                            f"release of offset {offset}, in a reserved region not sent"
+                        )
+                    reservation.in_flight -= 1
+                    if not reservation.in_flight and not reservation.kept:
+                        self._free_reserved(start)
+                elif self.regions.in_use(offset):
                     self.regions.free(offset)
-                elif not self._inside_reserved(offset):
+                else:
                     raise FrameError(
                         f"release of offset {offset}, where no region of the arena is in use"
                     )
         offsets.clear()
 
-    def _inside_reserved(self, offset: int, nbytes: int = 1) -> bool:
-        """Whether ``nbytes`` from ``offset`` lie inside one reserved region (call with the
-        lock held)."""
+    def _reserved_start(self, offset: int, nbytes: int = 1) -> int | None:
+        """The start of the reserved region that ``nbytes`` from ``offset`` lie inside;
+        None when there is none (call with the lock held)."""
         index = bisect.bisect_right(self._reserved_starts, offset) - 1
         if index < 0:
-            return False
+            return None
         start = self._reserved_starts[index]
-        return offset + nbytes <= start + self._reserved[start]
+        return start if offset + nbytes <= start + self._reserved[start].size else None
 
     @staticmethod
     def release(offsets: list[int]) -> list[bytes]:
@@ -290,6 +319,18 @@ class SharedMemory:
         for arena in (self.own, self.peer):
             if arena is not None:
                 arena.close()
+
+
+class _Reservation:
+    """A reserved region: its size, whether the caller still holds it, and how many sent
+    frames carry it that the peer has not released yet."""
+
+    __slots__ = ("in_flight", "kept", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.kept = True
+        self.in_flight = 0
 
 
 def _address(buffer: memoryview | np.ndarray) -> int:

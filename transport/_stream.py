@@ -70,10 +70,12 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self.handshake_done: asyncio.Future[None] | None = None
         #: The memory shared with the peer on this host (None: every byte on the socket).
         self.shared: SharedMemory | None = None
-        # Regions of the peer's arena to hand back: they go with the next frame written,
-        # or at the end of the loop turn (one write and one wake-up of the peer fewer).
+        # Regions of the peer's arena to hand back, and small frames that may wait: they
+        # go with the next frame written, or at the end of the loop turn (fewer writes,
+        # and fewer wake-ups of the peer).
         self._releases: list[int] = []
-        self._releases_flush: asyncio.Handle | None = None
+        self._soon: list[bytes] = []
+        self._flush: asyncio.Handle | None = None
 
     def share(self, shared: SharedMemory) -> None:
         """Carry large payloads through ``shared`` (which the stream owns and closes from
@@ -94,19 +96,41 @@ class StreamProtocol(asyncio.BufferedProtocol):
         if offsets:
             self._hand_back(offsets)
 
+    def write_soon(self, frame: bytes) -> None:
+        """Queue a small ``frame`` that need not go at once: it is written with the next
+        frame (before it), at the latest at the end of this loop turn, so that what a
+        turn produces of these takes one write. Frames keep their order. Call on the
+        stream's loop; raises :class:`TransportError` once the stream is closed."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise TransportError("the stream is closed")
+        self._soon.append(frame)
+        self._flush_soon()
+
     def _hand_back(self, offsets: Sequence[int]) -> None:
         """Hand ``offsets`` back with the next frame written, at the latest at the end of
         this loop turn. ``offsets`` may be cleared once this returns."""
         self._releases.extend(offsets)
-        if self._releases_flush is None:
-            self._releases_flush = asyncio.get_running_loop().call_soon(self._flush_releases)
+        self._flush_soon()
 
-    def _flush_releases(self) -> None:
-        self._releases_flush = None
+    def _flush_soon(self) -> None:
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_soon(self._flush_pending)
+
+    def _pending(self) -> list[bytes]:
+        """The releases and small frames waiting to go (now taken: the caller writes them)."""
+        pending = SharedMemory.release(self._releases) if self._releases else []
+        if self._soon:
+            pending.extend(self._soon)
+            self._soon.clear()
+        return pending
+
+    def _flush_pending(self) -> None:
+        self._flush = None
+        pending = self._pending()
         transport = self.transport
-        if self._releases and transport is not None and not transport.is_closing():
-            transport.writelines(SharedMemory.release(self._releases))
-        self._releases.clear()
+        if pending and transport is not None and not transport.is_closing():
+            transport.writelines(pending)
 
     # -------------------------------------------------------------- asyncio callbacks
 
@@ -192,8 +216,8 @@ class StreamProtocol(asyncio.BufferedProtocol):
             placed = self.shared.place(buffers)
             if placed is not None:
                 buffers = placed
-            if self._releases:
-                buffers = [*SharedMemory.release(self._releases), *buffers]
+        if self._releases or self._soon:
+            buffers = [*self._pending(), *buffers]
         if len(buffers) == 1:
             transport.write(buffers[0])
         else:

@@ -25,6 +25,7 @@ from transport import (
     TransportError,
     create_app,
     encode_frame,
+    frame_bytes,
     open_stream,
     remove_leftovers,
     serve,
@@ -166,6 +167,7 @@ class Wire:
 
     def __init__(self) -> None:
         self.writes: list[bytes] = []
+        self.closing = False
 
     def write(self, data: bytes) -> None:
         self.writes.append(bytes(data))
@@ -174,7 +176,7 @@ class Wire:
         self.writes.append(b"".join(bytes(b) for b in buffers))
 
     def is_closing(self) -> bool:
-        return False
+        return self.closing
 
     def set_write_buffer_limits(self, high: int = 0, low: int = 0) -> None:
         pass
@@ -209,6 +211,28 @@ async def test_regions_are_handed_back_with_the_next_frame_or_at_the_end_of_the_
     assert wire.writes == [release + reply, release]
     assert len(received) == 2
     peer.close()
+
+
+async def test_frames_written_soon_go_in_order_with_the_next_write_or_at_the_end_of_the_turn():
+    protocol = StreamProtocol(fresh, lambda message: None, lambda exc: None)
+    wire = Wire()
+    protocol.connection_made(wire)
+    first, second, third, fourth = (frame_bytes(8, seq, flags=1) for seq in range(1, 5))
+    answer = b"".join(bytes(b) for b in encode_frame(8, 5))
+    protocol.write_soon(first)
+    protocol.write_soon(second)
+    assert wire.writes == []  # they wait for the next write
+    protocol.write(encode_frame(8, 5))
+    assert wire.writes == [first + second + answer]  # one write, in the order queued
+    await asyncio.sleep(0)
+    assert wire.writes == [first + second + answer]  # nothing left to flush
+    protocol.write_soon(third)
+    protocol.write_soon(fourth)
+    await asyncio.sleep(0)  # nothing else written in this turn: they go together at its end
+    assert wire.writes == [first + second + answer, third + fourth]
+    wire.closing = True
+    with pytest.raises(TransportError):
+        protocol.write_soon(first)
 
 
 def test_an_arena_frame_from_a_peer_that_shared_no_arena_breaks_the_stream():
@@ -254,6 +278,34 @@ def test_an_array_in_a_reserved_region_is_sent_without_a_copy_and_stays_reserved
     assert sender.regions.regions == 0
     with pytest.raises(ValueError, match="no region is reserved"):
         sender.unreserve(staged)
+    own.close()
+
+
+def test_a_reserved_region_given_back_while_the_peer_reads_it_is_freed_by_the_release():
+    own = Arena(1 << 16)
+    sender = SharedMemory(own, None, min_bytes=1)
+    region = sender.reserve(4000)
+    staged = np.frombuffer(region, np.float32)
+    placed = sender.place(encode_frame(7, 1, [("a", staged, 0)]))
+    assert placed is not None and sender.arrays_in_place == 1
+    sender.unreserve(staged)  # the caller is done (its request was answered) ...
+    assert sender.regions.regions == 1  # ... but the peer still reads the payload in place
+    assert sender.reserve(1 << 16) is None
+    with pytest.raises(ValueError, match="no region is reserved"):
+        sender.unreserve(staged)
+    sender.freed([0])
+    assert sender.regions.regions == 0 and sender.reserve(1 << 16) is not None
+    with pytest.raises(FrameError, match="offset 0"):
+        sender.freed([0])  # released twice
+    own.close()
+
+
+def test_a_release_of_a_reserved_region_never_sent_breaks_the_stream():
+    own = Arena(1 << 16)
+    sender = SharedMemory(own, None, min_bytes=1)
+    sender.reserve(4000)
+    with pytest.raises(FrameError, match="not sent"):
+        sender.freed([0])
     own.close()
 
 
