@@ -105,6 +105,8 @@ class Link(Protocol):
 
     def send(self, buffers: list[Any]) -> None: ...
 
+    def send_soon(self, frame: bytes) -> None: ...
+
     def when_drained(self, callback: Callable[[BaseException | None], None]) -> None: ...
 
 
@@ -384,9 +386,12 @@ class ParameterServer:
         """Carry out what the state decided, in order."""
         for instruction in instructions:
             if isinstance(instruction, Reply):
-                flags = COUNTED if instruction.counted else 0
-                reply = encode_frame(Op.REPLY, instruction.seq, aux=OK, flags=flags)
-                self.send_to(instruction.peer, reply)
+                if instruction.counted:
+                    # Not waited for by a caller (the value follows): sent with what this
+                    # loop turn writes next, one write for a burst of counted pushes.
+                    self.send_soon(instruction)
+                else:
+                    self.send_to(instruction.peer, encode_frame(Op.REPLY, instruction.seq, aux=OK))
             elif isinstance(instruction, ReplyError):
                 self._reply_error(instruction)
             elif isinstance(instruction, Land):
@@ -435,6 +440,13 @@ class ParameterServer:
         if link is not None and not link.closing:
             link.send(buffers)
 
+    def send_soon(self, reply: Reply) -> None:
+        """Send the interim ``reply`` (a push counted) on its peer's stream with the next
+        frame written there, at the latest at the end of this loop turn."""
+        link = self.links.get(reply.peer.id)
+        if link is not None and not link.closing:
+            link.send_soon(frame_bytes(Op.REPLY, reply.seq, aux=OK, flags=COUNTED))
+
     def _reply_error(self, instruction: ReplyError) -> None:
         if instruction.cause is not None:
             log.error("%s: %s", self.name, instruction.error, exc_info=instruction.cause)
@@ -460,10 +472,12 @@ class ParameterServer:
 
     def _land(self, work: Land) -> None:
         try:
-            done, failed = land(work, self.state.updater)
+            done, failed, released = land(work, self.state.updater)
         finally:
             if work.lent is not None:
                 self._on_loop(work.lent)
+        for lent in released:
+            self._on_loop(lent)
         self._on_loop(self._landed, done, failed, work.reply)
 
     def _landed(
@@ -573,6 +587,9 @@ class _StreamLink:
     def send(self, buffers: list[Any]) -> None:
         self.protocol.write(buffers)
 
+    def send_soon(self, frame: bytes) -> None:
+        self.protocol.write_soon(frame)
+
     def when_drained(self, callback: Callable[[BaseException | None], None]) -> None:
         self.protocol.when_drained(callback)
 
@@ -610,6 +627,9 @@ class _OneShotLink:
     def send(self, buffers: list[Any]) -> None:
         if not self.reply.done():
             self.reply.set_result(b"".join(bytes(b) for b in buffers))
+
+    def send_soon(self, frame: bytes) -> None:
+        self.send([frame])
 
     def when_drained(self, callback: Callable[[BaseException | None], None]) -> None:
         callback(None)

@@ -99,7 +99,7 @@ class Peer:
 class ServerEntry(Entry):
     """A key (or this server's part of a split key) as the server holds it."""
 
-    __slots__ = ("durable", "made_by", "merged", "rounds")
+    __slots__ = ("borrowed", "durable", "made_by", "merged", "rounds")
 
     def __init__(
         self,
@@ -113,6 +113,9 @@ class ServerEntry(Entry):
         super().__init__(key, tuple(value.shape), value.dtype, new_var(f"key {key!r}"))
         self.value: np.ndarray = value
         self.merged: np.ndarray | None = None
+        #: When the open round's sum is still its first push, read in place where it lies
+        #: in the sender's shared memory (``merged`` is then read-only): what lent it.
+        self.borrowed: Lent | None = None
         self.rounds: KeyRounds[PullTicket] = KeyRounds(key, num_workers, sync)
         #: The (session, request number) of the init that made the key; None when it was
         #: restored from a checkpoint (then any init of it is a resent one).
@@ -155,9 +158,9 @@ class Landing:
     #: The payloads are only read (merged, or applied by the updater), so they may be read
     #: in place where they lie in the sender's shared memory (push and pushpull).
     read_in_place: bool = False
-    #: Hands back the payloads read in place (see :meth:`lend`); None when none are. The
-    #: :class:`Land` that reads them takes it over; whoever holds it last calls it.
-    lent: Callable[[], None] | None = None
+    #: The payloads read in place (see :meth:`lend`); None when none are. The
+    #: :class:`Land` that reads them takes it over.
+    lent: Lent | None = None
 
     def lend(self, payloads: Sequence[memoryview], hand_back: Callable[[], None]) -> None:
         """Read the read-only ``payloads`` (those that lie in the sender's shared memory)
@@ -172,7 +175,31 @@ class Landing:
             if payload.readonly and entry is not None and buffer is not None:
                 entry.give_buffer(buffer)
                 self.buffers[index] = np.frombuffer(payload, entry.dtype).reshape(entry.shape)
-        self.lent = hand_back
+        self.lent = Lent(hand_back)
+
+
+class Lent:
+    """One frame's payloads read in place in the sender's shared memory, handed back once
+    the last holder is done with them (calls it). The first holder is whoever received
+    the frame; a round's sum that starts as one of the payloads holds it too (:meth:`hold`),
+    until a later push makes the sum a buffer of the key's own. Called on the server's
+    loop only."""
+
+    __slots__ = ("_hand_back", "_holders")
+
+    def __init__(self, hand_back: Callable[[], None]) -> None:
+        self._hand_back = hand_back
+        self._holders = 1
+
+    def hold(self) -> None:
+        """One more holder (call while holding it already)."""
+        self._holders += 1
+
+    def __call__(self) -> None:
+        """A holder is done; the last one hands the payloads back."""
+        self._holders -= 1
+        if self._holders == 0:
+            self._hand_back()
 
 
 def own(entry: ServerEntry, array: np.ndarray) -> np.ndarray:
@@ -217,22 +244,20 @@ class ReplyError:
 
 @dataclass(frozen=True, slots=True)
 class Land:
-    """One frame's pushes: add ``merges`` (entry, buffer, first of its round) to their
-    rounds' sums, then apply ``closing`` (entry, buffer or None for the merge buffer,
-    round), in one task that writes every key in ``entries``. Report the outcome with
-    :meth:`ServerState.rounds_applied` and :meth:`ServerState.update_failed`, then call
-    ``lent`` (the payloads read in place are not read any more) and send ``reply`` (see
-    :meth:`ServerState.push_applied`) afterwards.
-
-    A push is answered after its task when its payloads were read in place: the sender may
-    write that memory again once answered."""
+    """One frame's pushes: add ``merges`` (entry, buffer, first of its round, and what
+    lent the buffer when the round's sum is to be that buffer as it lies) to their rounds'
+    sums, then apply ``closing`` (entry, buffer or None for the merge buffer, round), in
+    one task that writes every key in ``entries``. Report the outcome with
+    :meth:`ServerState.rounds_applied` and :meth:`ServerState.update_failed`, let go of
+    ``lent`` (the payloads read in place) and of what the task says its sums no longer
+    hold, and send ``reply`` (see :meth:`ServerState.push_applied`) afterwards."""
 
     entries: tuple[ServerEntry, ...]
-    merges: tuple[tuple[ServerEntry, np.ndarray, bool], ...]
+    merges: tuple[tuple[ServerEntry, np.ndarray, bool, Lent | None], ...]
     closing: tuple[tuple[ServerEntry, np.ndarray | None, int], ...]
     inline: bool
     reply: Reply | None = None
-    lent: Callable[[], None] | None = None
+    lent: Lent | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -725,7 +750,14 @@ class ServerState:
             counted.append(entry)
             nbytes += entry.nbytes
             if sync:
-                merges.append((entry, buffer, decision.first))
+                # A first push read in place that leaves its round open is the sum as it
+                # lies: the next push adds both into a buffer of the key's own in one pass.
+                keeps = landing.lent if decision.first and not decision.closes else None
+                if keeps is not None and not buffer.flags.writeable:
+                    keeps.hold()
+                else:
+                    keeps = None
+                merges.append((entry, buffer, decision.first, keeps))
                 if decision.closes:
                     closing.append((entry, None, decision.round))
             else:
@@ -733,12 +765,13 @@ class ServerState:
         out: list[Instruction] = []
         reply = Reply(peer, header.seq) if header.op == Op.PUSH else None
         # dist_async: a push is answered once applied, so that whoever hears of the answer
-        # (a barrier) sees it; dist_sync: once counted (its round may wait for others), or
-        # once merged when its payloads are read in place.
+        # (a barrier) sees it; dist_sync: once counted (its round may wait for others).
+        # Payloads read in place stay the server's until it hands them back, answered or
+        # not (the sender frees that memory on the hand-back).
         lent = landing.lent if counted else None
-        after_land = reply if counted and (not sync or lent is not None) else None
+        after_land = reply if counted and not sync else None
         if counted:
-            landing.lent = None  # the task hands them back
+            landing.lent = None  # the task lets go of them
             inline = nbytes <= INLINE_MAX_BYTES
             out.append(
                 Land(tuple(counted), tuple(merges), tuple(closing), inline, after_land, lent)

@@ -12,22 +12,24 @@ from collections.abc import Sequence
 import numpy as np
 
 from akv import optimizer as _optimizer
-from akv.dist.server.state import Land, ServerEntry, give_back, own
+from akv.dist.server.state import Land, Lent, ServerEntry, give_back, own
 
 __all__ = ["land"]
 
 
 def land(
     work: Land, updater: _optimizer.Updater | None
-) -> tuple[list[tuple[ServerEntry, int]], list[tuple[ServerEntry, int, Exception]]]:
+) -> tuple[list[tuple[ServerEntry, int]], list[tuple[ServerEntry, int, Exception]], list[Lent]]:
     """Merge ``work``'s pushes into their rounds, then apply the rounds it closes.
 
     Without ``updater`` a round's sum becomes the stored value (assignment); with one,
     ``updater(key, summed, stored)`` changes the stored value in place. Returns the
-    (key, round) pairs applied and the (key, round, exception) of those whose update
-    raised (the stored value of those is as the updater left it).
+    (key, round) pairs applied, the (key, round, exception) of those whose update raised
+    (the stored value of those is as the updater left it), and the payloads read in place
+    that a round's sum no longer holds (the caller lets go of them).
     """
-    _merge(work.merges)
+    released: list[Lent] = []
+    _merge(work.merges, released)
     done: list[tuple[ServerEntry, int]] = []
     failed: list[tuple[ServerEntry, int, Exception]] = []
     for entry, buffer, round_no in work.closing:
@@ -46,16 +48,40 @@ def land(
             failed.append((entry, round_no, exc))
         else:
             done.append((entry, round_no))
-    return done, failed
+        finally:
+            _let_go(entry, released)
+    return done, failed, released
 
 
-def _merge(items: Sequence[tuple[ServerEntry, np.ndarray, bool]]) -> None:
+def _merge(
+    items: Sequence[tuple[ServerEntry, np.ndarray, bool, Lent | None]], released: list[Lent]
+) -> None:
     """Start each round's sum with its first push, or add a later push to it (straight
-    out of the sender's shared memory when it was read in place)."""
-    for entry, buffer, first in items:
+    out of the sender's shared memory when it was read in place).
+
+    A first push that comes with what lent it is the sum as it lies (read-only, in the
+    sender's shared memory): the second push makes a buffer of the key's own the sum of
+    both in one pass, instead of a copy of the first and then an addition.
+    """
+    for entry, buffer, first, keeps in items:
         if first:
-            entry.merged = own(entry, buffer)
+            entry.merged = buffer if keeps is not None else own(entry, buffer)
+            entry.borrowed = keeps
+            continue
+        merged = entry.merged
+        assert merged is not None  # the round's first push started it
+        if entry.borrowed is not None:
+            total = entry.take_buffer()
+            np.add(merged, buffer, out=total)
+            entry.merged = total
+            _let_go(entry, released)
         else:
-            assert entry.merged is not None  # the round's first push started it
-            np.add(entry.merged, buffer, out=entry.merged)
-            give_back(entry, buffer)
+            np.add(merged, buffer, out=merged)
+        give_back(entry, buffer)
+
+
+def _let_go(entry: ServerEntry, released: list[Lent]) -> None:
+    """The key's round no longer reads a payload in place: note what lent it."""
+    if entry.borrowed is not None:
+        released.append(entry.borrowed)
+        entry.borrowed = None

@@ -201,9 +201,11 @@ class Players:
             raise AssertionError(f"unknown instruction {instruction!r}")
 
     def _land(self, work: Land) -> None:
-        done, failed = land(work, self.state.updater)
+        done, failed, released = land(work, self.state.updater)
         if work.lent is not None:
             work.lent()
+        for lent in released:
+            lent()
         self.run(self.state.rounds_applied(done))
         for entry, round_no, exc in failed:
             self.run(self.state.update_failed(entry, round_no, exc))

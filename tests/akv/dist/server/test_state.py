@@ -725,26 +725,52 @@ def pooled(entry: ServerEntry) -> list[np.ndarray]:
     return list(entry._spares)
 
 
-def test_sync_pushes_read_in_place_are_summed_and_handed_back_after_their_merge():
+def test_sync_pushes_read_in_place_are_answered_at_once_and_summed_out_of_the_senders_memory():
     players = started(3)
     players.lend = True
     players.hold_updates = True
     first = players.push(0, {"w": f32(1, 2)}, tag=1)
-    second = players.push(1, {"w": f32(10, 20)}, tag=1)
-    # Read in place, a push is answered only after its merge: the sender may reuse that
-    # memory once answered.
-    assert players.waiting(0, first) and players.waiting(1, second)
-    assert players.handed_back == []
+    # Answered once counted: what it lent stays the server's until handed back.
+    assert players.reply(0, first) == OK and players.handed_back == []
     players.finish_updates()
-    assert players.reply(0, first) == OK and players.reply(1, second) == OK
-    assert players.handed_back == [(0, first), (1, second)]
     entry = players.state.entries["w"]
-    assert entry.merged is not None and entry.merged.flags.writeable  # a copy of its own
+    # The round's sum is the first push as it lies in worker 0's memory: not copied, and
+    # held for the round.
+    assert entry.merged is not None and not entry.merged.flags.writeable
+    assert players.handed_back == []
+    second = players.push(1, {"w": f32(10, 20)}, tag=1)
+    assert players.reply(1, second) == OK
+    players.finish_updates()  # the sum of both, in one pass, into a buffer of the key's own
+    assert sorted(players.handed_back) == [(0, first), (1, second)]
+    assert entry.merged is not None and entry.merged.flags.writeable
+    np.testing.assert_array_equal(entry.merged, f32(11, 22))
     players.hold_updates = False
     players.push(2, {"w": f32(100, 200)}, tag=1)
     np.testing.assert_array_equal(entry.value, f32(111, 222))
-    assert entry.value.flags.writeable
+    assert entry.value.flags.writeable and entry.borrowed is None
     assert all(buffer.flags.writeable for buffer in pooled(entry))
+
+
+def test_a_push_read_in_place_that_closes_its_round_is_copied_and_handed_back_at_once():
+    players = started(1)
+    players.lend = True
+    first = players.push(0, {"w": f32(1, 2)}, tag=1)
+    entry = players.state.entries["w"]
+    assert players.handed_back == [(0, first)]
+    np.testing.assert_array_equal(entry.value, f32(1, 2))
+    assert entry.value.flags.writeable and entry.merged is None and entry.borrowed is None
+
+
+def test_a_frame_read_in_place_is_handed_back_once_every_round_it_started_moved_on():
+    players = started(2, a=f32(0, 0), w=f32(0, 0))
+    players.lend = True
+    both = players.push(0, {"a": f32(1, 1), "w": f32(2, 2)}, tag=1)
+    a = players.push(1, {"a": f32(10, 10)}, tag=1)
+    assert players.handed_back == [(1, a)]  # "w"'s round still reads worker 0's frame
+    w = players.push(1, {"w": f32(20, 20)}, tag=1)
+    assert sorted(players.handed_back) == sorted([(1, a), (0, both), (1, w)])
+    np.testing.assert_array_equal(players.state.entries["a"].value, f32(11, 11))
+    np.testing.assert_array_equal(players.state.entries["w"].value, f32(22, 22))
 
 
 def test_a_resent_push_read_in_place_is_handed_back_at_once():
