@@ -116,6 +116,10 @@ MAX_PAYLOAD_BYTES = 16 << 30
 #: Pull answers up to this many bytes are copied and sent at once; bigger ones are sent
 #: from the stored arrays themselves, held for reading until the kernel took the bytes.
 SMALL_REPLY_BYTES = 64 << 10
+#: A pull answer of at least this many bytes to a worker that shares memory with its server
+#: is copied into the stream's arena by a thread of the server's engine: the answers of a
+#: round to several workers are copied at once, and the loop is not held meanwhile.
+STAGED_REPLY_MIN_BYTES = 8 << 20
 #: Engine slots of a server.
 SERVER_ENGINE_SLOTS = max(4, os.cpu_count() or 1)
 #: A worker keeps each push to a server that writes checkpoints until a checkpoint holds

@@ -68,6 +68,7 @@ from akv.limits import (
     MAX_PAYLOAD_BYTES,
     ROUND_CHECK_INTERVAL_S,
     SERVER_ENGINE_SLOTS,
+    STAGED_REPLY_MIN_BYTES,
     STARTUP_MARGIN_S,
 )
 from engine import Engine
@@ -80,6 +81,7 @@ from transport import (
     LocalSite,
     Message,
     RequestError,
+    SharedMemory,
     StreamProtocol,
     TransportError,
     create_app,
@@ -500,8 +502,20 @@ class ParameterServer:
             self.execute(self.state.update_failed(entry, round_no, exc))
 
     def _send_values(self, instruction: SendValues) -> None:
-        reads = [entry.var for entry in instruction.ticket.entries]
-        if instruction.copy:
+        ticket = instruction.ticket
+        reads = [entry.var for entry in ticket.entries]
+        shared = self._arena_for(ticket)
+        if shared is not None:
+            self.engine.push(
+                self._send_staged,
+                ticket,
+                shared,
+                reads=reads,
+                executor="thread",
+                no_skip=True,
+                name="send",
+            )
+        elif instruction.copy:
             self.engine.push(
                 self._send_copy,
                 instruction.ticket,
@@ -525,6 +539,54 @@ class ParameterServer:
         arrays = [(e.key, e.value, e.rounds.applied_round) for e in ticket.entries]
         frame = [frame_bytes(Op.REPLY, ticket.seq, arrays, aux=OK)]
         self._on_loop(self.send_to, ticket.peer, frame)
+
+    def _arena_for(self, ticket: PullTicket) -> SharedMemory | None:
+        """The shared memory of the stream to answer ``ticket`` on, when the answer is large
+        enough to be staged there by a thread (:meth:`_send_staged`); else None."""
+        link = self.links.get(ticket.peer.id)
+        protocol = getattr(link, "protocol", None)
+        shared = None if protocol is None else protocol.shared
+        if shared is None or shared.own is None:
+            return None
+        if sum(entry.nbytes for entry in ticket.entries) < STAGED_REPLY_MIN_BYTES:
+            return None
+        return shared
+
+    def _send_staged(self, ticket: PullTicket, shared: SharedMemory) -> None:
+        """On an engine thread, holding the keys for reading: copy the values into regions
+        of the stream's arena (or, where none is free, into buffers of their own), then
+        send the answer from there on the loop."""
+        arrays = []
+        staged = []
+        for entry in ticket.entries:
+            view = shared.reserve(entry.nbytes)
+            if view is None:
+                array = entry.value.copy()
+            else:
+                array = np.frombuffer(view, entry.dtype).reshape(entry.shape)
+                np.copyto(array, entry.value)
+                staged.append(array)
+            arrays.append((entry.key, array, entry.rounds.applied_round))
+        frame = encode_frame(Op.REPLY, ticket.seq, arrays, aux=OK)
+        self._on_loop(self._send_from_arena, ticket.peer, frame, shared, staged)
+
+    def _send_from_arena(
+        self, peer: Peer, frame: list[Any], shared: SharedMemory, staged: list[np.ndarray]
+    ) -> None:
+        """Send ``frame``, whose payloads lie in regions of ``shared`` reserved for it, and
+        give the regions back once written: the worker's release frees them then."""
+        link = self.links.get(peer.id)
+        if link is None or link.closing:
+            for region in staged:
+                shared.unreserve(region)
+            return
+        link.send(frame)
+
+        def written(_: BaseException | None) -> None:
+            for region in staged:
+                shared.unreserve(region)
+
+        link.when_drained(written)
 
     def _send_held(self, ticket: PullTicket, done: Callable[[Any, Any], None]) -> None:
         """Answer a pull from the stored arrays themselves (no copy), holding their vars for

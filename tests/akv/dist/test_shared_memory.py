@@ -13,7 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.akv.dist.cluster import Cluster, launch
+from akv.limits import STAGED_REPLY_MIN_BYTES
+from tests.akv.dist.cluster import Cluster, launch, wait_until
 from tests.akv.dist.test_jobs import JOBS, results
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd (Linux)")
@@ -114,6 +115,52 @@ async def test_on_one_host_streams_share_memory_and_the_values_match_tcp():
         np.random.default_rng(r).standard_normal(SHAPE).astype(np.float32) for r in range(2)
     )
     assert np.allclose(on[0]["big 2"], 3 * total, rtol=1e-5, atol=1e-5)
+
+
+def server_arenas(cluster: Cluster) -> list:
+    return [
+        link.protocol.shared
+        for server in cluster.servers
+        for link in server.links.values()
+        if getattr(link, "protocol", None) is not None and link.protocol.shared is not None
+    ]
+
+
+@pytest.mark.parametrize("arena_fits", [True, False])
+async def test_a_large_answer_is_staged_in_the_arena_by_a_thread_and_its_region_comes_back(
+    arena_fits,
+):
+    shape = (STAGED_REPLY_MIN_BYTES // 4,)
+    # An arena too small for the value: the answer is copied aside and goes on the socket.
+    arena = {} if arena_fits else {"AKV_SHM_ARENA_BYTES": str(STAGED_REPLY_MIN_BYTES // 2)}
+    with Cluster(2, 1, **arena) as cluster:
+        stores = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+
+        async def body(kv):
+            await kv.init("w", np.zeros(shape, np.float32))
+            seen = []
+            for step in range(3):
+                await kv.push("w", np.full(shape, kv.rank + step, np.float32))
+                seen.append(await kv.pull("w"))
+            return seen
+
+        try:
+            seen = await asyncio.gather(*(body(kv) for kv in stores))
+            arenas = server_arenas(cluster)
+            assert len(arenas) == 2 and all(shared.own is not None for shared in arenas)
+            # Every answer's payload was copied into its region before the frame was
+            # written (by the engine's thread), so the frame went without another copy.
+            staged = 2 * 3 if arena_fits else 0
+            assert sum(shared.arrays_in_place for shared in arenas) == staged
+            await wait_until(
+                lambda: sum(shared.regions.regions for shared in arenas) == 0,
+                "the workers to hand the answers' regions back",
+            )
+        finally:
+            await asyncio.gather(*(kv.close() for kv in stores))
+    for values in seen:
+        for step, value in enumerate(values):
+            np.testing.assert_array_equal(value, np.full(shape, 1 + 2 * step, np.float32))
 
 
 async def test_workers_on_another_host_use_tcp():
