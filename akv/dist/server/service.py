@@ -575,18 +575,17 @@ class ParameterServer:
     ) -> None:
         """Send ``frame``, whose payloads lie in regions of ``shared`` reserved for it, and
         give the regions back once written: the worker's release frees them then."""
+
+        def give_back(_: BaseException | None = None) -> None:
+            for region in staged:
+                shared.unreserve(region)
+
         link = self.links.get(peer.id)
         if link is None or link.closing:
-            for region in staged:
-                shared.unreserve(region)
+            give_back()
             return
         link.send(frame)
-
-        def written(_: BaseException | None) -> None:
-            for region in staged:
-                shared.unreserve(region)
-
-        link.when_drained(written)
+        link.when_drained(give_back)
 
     def _send_held(self, ticket: PullTicket, done: Callable[[Any, Any], None]) -> None:
         """Answer a pull from the stored arrays themselves (no copy), holding their vars for
