@@ -70,7 +70,18 @@ from akv.limits import (
     MAX_UNACKED_PUSHES,
     SWEEP_INTERVAL_S,
 )
-from engine import Engine, GPUExecutor, GPUWork, LoopThread, Task, Var, Waitable, gather, then
+from engine import (
+    Completed,
+    Engine,
+    GPUExecutor,
+    GPUWork,
+    LoopThread,
+    Task,
+    Var,
+    Waitable,
+    gather,
+    then,
+)
 from transport import (
     DTYPE_CODES,
     AuthError,
@@ -628,7 +639,44 @@ class DistBackend:
         """Fetch each key's value (in dist_sync: after the round of this worker's last push)."""
         self._check()
         self._raise_late(targets)
+        if len(targets) == 1 and self._ahead:
+            done = self._pull_arrived(targets[0], result)
+            if done is not None:
+                return done
         return self._schedule_pull(targets, result, None, _nothing, priority)
+
+    def _pull_arrived(self, target: tuple[Entry, list[np.ndarray]], result: Any) -> Waitable | None:
+        """A pull of one key whose value, asked for with this worker's last push of it,
+        has arrived: copied out on the calling thread now, with no task and no hop to the
+        loop thread. None when it cannot be (not arrived yet, the key busy, an output that
+        is not a NumPy array)."""
+        entry, outs = target
+        if not _arrived(self._ahead.get(entry.key), entry):
+            return None
+        if any(type(out) is not np.ndarray for out in outs):
+            return None
+        done = self._engine.run_now(
+            self._copy_arrived, entry, outs, result, reads=(entry.var,), name="pull"
+        )
+        if isinstance(done, Completed) and done.result() is _NOT_ARRIVED:
+            return None
+        return done
+
+    def _copy_arrived(self, entry: Entry, outs: list[np.ndarray], result: Any) -> Any:
+        # The key's var is held: no push or pull of the key runs meanwhile, so its value
+        # asked ahead stays as it is (the loop thread changes it only in those, or on
+        # arrival, which came before).
+        value = self._ahead.get(entry.key)
+        if value is None or not _arrived(value, entry):
+            return _NOT_ARRIVED
+        source = value.value()
+        for out in outs:
+            np.copyto(out, source)
+        if value.lent is not None:  # read once: its memory goes back, on the loop
+            del self._ahead[entry.key]
+            value.stale = True
+            self._engine.loop.call_soon_threadsafe(value.free_when_unread)
+        return result
 
     def pushpull(
         self,
@@ -1096,6 +1144,23 @@ class _Ahead:
         if self._hand_back is not None:
             self._hand_back()
         self.lent = None
+
+
+#: What :meth:`DistBackend._copy_arrived` returns when the value was not there after all.
+_NOT_ARRIVED = object()
+
+
+def _arrived(value: _Ahead | None, entry: Entry) -> bool:
+    """Whether ``value`` is the key's value after its latest push, arrived without an
+    error, and nobody else reads it now."""
+    return (
+        value is not None
+        and value.arrived
+        and value.error is None
+        and value.pushes == entry.pushes
+        and not value.stale
+        and not value.readers
+    )
 
 
 def _lend_answers(

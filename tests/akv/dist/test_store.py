@@ -30,6 +30,7 @@ from akv import (
 from akv.dist.protocol import Op
 from akv.dist.worker.link import ServerLink
 from akv.limits import AHEAD_COPY_MAX_BYTES
+from engine import Completed
 from tests.akv.dist.cluster import Cluster, free_port, job_env, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -323,6 +324,31 @@ async def test_a_pull_asks_the_server_once_a_value_in_shared_memory_was_read():
         np.testing.assert_array_equal(await kv.pull("w"), np.full((300, 1000), 3.0))
         # The value nobody read went back too.
         await wait_until(lambda: server_regions_in_use(cluster) == 0, "regions handed back")
+        await close_all([kv])
+
+
+async def test_a_pull_of_a_value_that_arrived_ahead_is_copied_out_during_the_call():
+    big = (300, 1000)
+    with Cluster(1, 1) as cluster:
+        (kv,) = await cluster.workers()
+        await kv.init(["w", "b"], [np.zeros(big, np.float32), np.zeros(16, np.float32)])
+        backend = kv._backend
+        for key, shape in (("w", big), ("b", (16,))):
+            kv.push(key, np.full(shape, 2.0, np.float32))
+            await wait_until(
+                lambda key=key: key in backend._ahead and backend._ahead[key].arrived,
+                f"the value of {key!r} asked for with the push",
+            )
+            out = np.zeros(shape, np.float32)
+            pulled = kv.pull(key, out=out)
+            assert isinstance(pulled, Completed)  # ran during the call: no task, no hop
+            np.testing.assert_array_equal(out, np.full(shape, 2.0))
+            assert await pulled is out
+        # "w" was read from the server's shared memory: once, then handed back; "b" waits
+        # in a buffer of the key for another pull.
+        assert "w" not in backend._ahead and "b" in backend._ahead
+        await wait_until(lambda: server_regions_in_use(cluster) == 0, "regions handed back")
+        np.testing.assert_array_equal(await kv.pull("w"), np.full(big, 2.0))
         await close_all([kv])
 
 
