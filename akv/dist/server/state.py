@@ -753,10 +753,10 @@ class ServerState:
                 # A first push read in place that leaves its round open is the sum as it
                 # lies: the next push adds both into a buffer of the key's own in one pass.
                 keeps = landing.lent if decision.first and not decision.closes else None
-                if keeps is not None and not buffer.flags.writeable:
+                if keeps is not None and buffer.flags.writeable:
+                    keeps = None  # not read in place: copied to start the sum as usual
+                if keeps is not None:
                     keeps.hold()
-                else:
-                    keeps = None
                 merges.append((entry, buffer, decision.first, keeps))
                 if decision.closes:
                     closing.append((entry, None, decision.round))

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -667,7 +667,7 @@ class DistBackend:
         # asked ahead stays as it is (the loop thread changes it only in those, or on
         # arrival, which came before).
         value = self._ahead.get(entry.key)
-        if value is None or not _arrived(value, entry):
+        if not _arrived(value, entry):
             return _NOT_ARRIVED
         source = value.value()
         for out in outs:
@@ -1150,7 +1150,7 @@ class _Ahead:
 _NOT_ARRIVED = object()
 
 
-def _arrived(value: _Ahead | None, entry: Entry) -> bool:
+def _arrived(value: _Ahead | None, entry: Entry) -> TypeGuard[_Ahead]:
     """Whether ``value`` is the key's value after its latest push, arrived without an
     error, and nobody else reads it now."""
     return (
