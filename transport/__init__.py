@@ -51,6 +51,7 @@ from transport._reader import (
 from transport._shm_stream import (
     DEFAULT_ARENA_BYTES,
     DEFAULT_MIN_SHARED_BYTES,
+    ArenaBook,
     LocalSite,
     SharedMemory,
     remove_leftovers,
@@ -101,6 +102,7 @@ __all__ = [
     "DTYPE_CODES",
     "UPGRADE_PROTOCOL",
     "Arena",
+    "ArenaBook",
     "ArrayInfo",
     "AuthError",
     "Destination",

@@ -1,14 +1,17 @@
 """A framed stream between two processes on one host: frames over a private Unix socket,
 large payloads through shared memory.
 
-Each side of such a stream owns one :class:`~transport._shm_arena.Arena` (a sealed memfd)
-and maps the peer's. A frame whose payload is at least ``min_bytes`` is sent as its header
-and one offset per array (:data:`~transport.frame.VERSION_ARENA`): each array is copied
-once into a free region of the sender's arena (or is there already, in a region the caller
-reserved), and the receiver copies it from there into the buffer it chose for it, then
-hands the regions back with a release (:data:`~transport.frame.VERSION_RELEASE`). Small
-frames, and any frame whose payload finds no free region, travel on the socket as usual;
-the order of frames never changes.
+Each side of such a stream sends through an :class:`~transport._shm_arena.Arena` (a sealed
+memfd) and maps the peer's. A client's arena is its stream's own; a :class:`LocalSite`
+sends through one arena for all its streams (:class:`ArenaBook`), so that what lies in a
+region of it reaches every local peer without a copy. A frame whose payload is at least
+``min_bytes`` is sent as its header and one offset per array
+(:data:`~transport.frame.VERSION_ARENA`): each array is copied once into a free region of
+the sender's arena (or is there already, in a region the caller reserved), and the
+receiver copies it from there into the buffer it chose for it, then hands the regions back
+with a release (:data:`~transport.frame.VERSION_RELEASE`). A stream accepts releases only
+of what it sent. Small frames, and any frame whose payload finds no free region, travel on
+the socket as usual; the order of frames never changes.
 
 Setting a stream up (:class:`LocalSite` on the server, :func:`connect_local` on the client):
 
@@ -23,8 +26,9 @@ Setting a stream up (:class:`LocalSite` on the server, :func:`connect_local` on 
    TCP.
 
 Nothing here has a name in the file system but the site's socket: the arenas are reached
-only through their descriptors (close-on-exec), and the kernel frees them when the stream's
-two processes have closed them, or died.
+only through their descriptors (close-on-exec), and the kernel frees them when the
+processes that map them have closed them, or died: a client's when its stream closes, a
+site's once the site and its last stream are closed.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ __all__ = [
     "ALIGNMENT",
     "DEFAULT_ARENA_BYTES",
     "DEFAULT_MIN_SHARED_BYTES",
+    "ArenaBook",
     "LocalSite",
     "RegionAllocator",
     "SharedMemory",
@@ -146,9 +151,147 @@ class RegionAllocator:
         free.insert(index, (start, end))
 
 
+class ArenaBook:
+    """Which regions of one arena are taken, by whom: shared by the streams that send
+    through that arena (a :class:`LocalSite` gives one to every stream it serves, so that
+    a region one stream's caller reserved can be sent on any of them without a copy).
+
+    A region is either taken by a frame (copied there by :meth:`SharedMemory.place`, free
+    again once the peer releases it) or reserved by a caller (:meth:`reserve`), free again
+    once the caller gave it back (:meth:`unreserve`) and the peers released it from every
+    frame, on any stream, that carried it. :meth:`reserve`, :meth:`unreserve` and
+    :meth:`holds` may be called from any thread. The arena is closed when the last stream
+    that uses the book closed (:meth:`join`, :meth:`leave`).
+    """
+
+    def __init__(self, arena: Arena, *, min_bytes: int = DEFAULT_MIN_SHARED_BYTES) -> None:
+        self.arena = arena
+        self.min_bytes = min_bytes
+        self.regions = RegionAllocator(arena.nbytes)
+        self._lock = threading.Lock()
+        #: Reserved regions: their sorted starts, and start -> reservation.
+        self._reserved_starts: list[int] = []
+        self._reserved: dict[int, _Reservation] = {}
+        self._base = _address(arena.view(0, arena.nbytes))
+        self._streams = 0
+
+    def join(self) -> None:
+        """A stream sends through this book from now on."""
+        with self._lock:
+            self._streams += 1
+
+    def leave(self) -> None:
+        """A stream that joined is closed: the arena closes with the last one."""
+        with self._lock:
+            self._streams -= 1
+            last = self._streams <= 0
+        if last:
+            self.arena.close()
+
+    def reserve(self, nbytes: int) -> memoryview | None:
+        """A writable region of ``nbytes`` of the arena, the caller's until
+        :meth:`unreserve`; None when ``nbytes`` is below ``min_bytes`` (it would travel on
+        the socket), the arena is closed, or no free range is large enough."""
+        if nbytes < self.min_bytes or self.arena.closed:
+            return None
+        with self._lock:
+            offset = self.regions.allocate(nbytes)
+            if offset is None:
+                return None
+            bisect.insort(self._reserved_starts, offset)
+            self._reserved[offset] = _Reservation(nbytes)
+        return self.arena.view(offset, nbytes)
+
+    def unreserve(self, view: memoryview | np.ndarray) -> None:
+        """Give back a region :meth:`reserve` returned (or an array over all of it); a
+        no-op once the arena is closed."""
+        if self.arena.closed:
+            return
+        offset = _address(view) - self._base
+        with self._lock:
+            reservation = self._reserved.get(offset)
+            if reservation is None or not reservation.kept:
+                raise ValueError(f"unreserve: no region is reserved at offset {offset}")
+            reservation.kept = False
+            if not reservation.in_flight:
+                self._free_reserved(offset)
+
+    def holds(self, array: np.ndarray) -> bool:
+        """Whether ``array`` lies inside a region reserved (and not yet given back) here:
+        a frame that carries it is sent without a copy."""
+        if self.arena.closed or not self._reserved:
+            return False
+        offset = _address(array) - self._base
+        with self._lock:
+            start = self._reserved_start(offset, array.nbytes)
+            return start is not None and self._reserved[start].kept
+
+    def _free_reserved(self, start: int) -> None:
+        """Free the reserved region at ``start`` (call with the lock held)."""
+        del self._reserved[start]
+        self._reserved_starts.remove(start)
+        self.regions.free(start)
+
+    def _take(self, payloads: list[memoryview]) -> tuple[list[int], list[int]] | None:
+        """The offsets that carry ``payloads`` in one frame, and those of them that need a
+        copy (new regions); None when a payload finds no free region (nothing is taken)."""
+        offsets: list[int] = []
+        copies: list[int] = []
+        sent: list[int] = []
+        with self._lock:
+            for payload in payloads:
+                reserved = self._reserved_offset(payload) if self._reserved else None
+                if reserved is not None:
+                    offset, start = reserved
+                    sent.append(start)
+                else:
+                    allocated = self.regions.allocate(payload.nbytes)
+                    if allocated is None:
+                        for taken in copies:
+                            self.regions.free(taken)
+                        return None
+                    offset = allocated
+                    copies.append(offset)
+                offsets.append(offset)
+            for start in sent:  # in flight until the peer releases it
+                self._reserved[start].in_flight += 1
+        return offsets, copies
+
+    def _reserved_offset(self, payload: memoryview) -> tuple[int, int] | None:
+        """The offset of ``payload`` in the arena and the start of the region a caller
+        holds that it lies inside; None when it lies in none (call with the lock held)."""
+        offset = _address(payload) - self._base
+        start = self._reserved_start(offset, payload.nbytes)
+        if start is None or not self._reserved[start].kept:
+            return None
+        return offset, start
+
+    def _give(self, offset: int) -> None:
+        """A frame no longer carries the region at ``offset``: free it, or for a reserved
+        one count it no longer in flight (call with the lock held; ``offset`` was sent)."""
+        start = self._reserved_start(offset) if self._reserved else None
+        if start is None:
+            self.regions.free(offset)
+            return
+        reservation = self._reserved[start]
+        reservation.in_flight -= 1
+        if not reservation.in_flight and not reservation.kept:
+            self._free_reserved(start)
+
+    def _reserved_start(self, offset: int, nbytes: int = 1) -> int | None:
+        """The start of the reserved region that ``nbytes`` from ``offset`` lie inside;
+        None when there is none (call with the lock held)."""
+        index = bisect.bisect_right(self._reserved_starts, offset) - 1
+        if index < 0:
+            return None
+        start = self._reserved_starts[index]
+        return start if offset + nbytes <= start + self._reserved[start].size else None
+
+
 class SharedMemory:
-    """One side's shared memory for one stream: its own arena (regions of which carry its
-    large payloads) and the peer's (mapped, read only by the frame reader).
+    """One side's shared memory for one stream: the book of the arena its large payloads
+    travel through (its own arena, or one a :class:`LocalSite` shares among its streams),
+    and the peer's arena (mapped, read only by the frame reader).
 
     Either may be None: that direction then carries every payload on the socket.
 
@@ -162,20 +305,23 @@ class SharedMemory:
 
     def __init__(
         self,
-        own: Arena | None,
+        own: Arena | ArenaBook | None,
         peer: Arena | None,
         *,
         min_bytes: int = DEFAULT_MIN_SHARED_BYTES,
     ) -> None:
-        self.own = own
+        if isinstance(own, Arena):
+            own = ArenaBook(own, min_bytes=min_bytes)
+        if own is not None:
+            own.join()
+        self.book = own
+        self.own = own.arena if own is not None else None
         self.peer = peer
         self.min_bytes = min_bytes
-        self.regions = RegionAllocator(own.nbytes if own is not None else 0)
-        self._lock = threading.Lock()
-        #: Reserved regions: their sorted starts, and start -> reservation.
-        self._reserved_starts: list[int] = []
-        self._reserved: dict[int, _Reservation] = {}
-        self._base = _address(own.view(0, own.nbytes)) if own is not None else 0
+        self.regions = own.regions if own is not None else RegionAllocator(0)
+        #: The offsets this stream's frames carry that its peer has not released yet.
+        self._sent: dict[int, int] = {}
+        self._closed = False
         #: Frames sent through the arena, those too large for the free regions, and the
         #: arrays sent from reserved regions without a copy.
         self.frames_shared = 0
@@ -187,49 +333,15 @@ class SharedMemory:
         return None if self.peer is None else self.peer.view(0, self.peer.nbytes)
 
     def reserve(self, nbytes: int) -> memoryview | None:
-        """A writable region of ``nbytes`` of this side's arena, the caller's until
-        :meth:`unreserve`; None when ``nbytes`` is below ``min_bytes`` (it would travel on
-        the socket), there is no arena, it is closed, or no free range is large enough."""
-        own = self.own
-        if nbytes < self.min_bytes or own is None or own.closed:
-            return None
-        with self._lock:
-            offset = self.regions.allocate(nbytes)
-            if offset is None:
-                return None
-            bisect.insort(self._reserved_starts, offset)
-            self._reserved[offset] = _Reservation(nbytes)
-        return own.view(offset, nbytes)
+        """A writable region of ``nbytes`` of the arena this side sends through (see
+        :meth:`ArenaBook.reserve`); None also when there is none."""
+        return None if self.book is None else self.book.reserve(nbytes)
 
     def unreserve(self, view: memoryview | np.ndarray) -> None:
         """Give back a region :meth:`reserve` returned (or an array over all of it); a
         no-op once the arena is closed."""
-        if self.own is None or self.own.closed:
-            return
-        offset = _address(view) - self._base
-        with self._lock:
-            reservation = self._reserved.get(offset)
-            if reservation is None or not reservation.kept:
-                raise ValueError(f"unreserve: no region is reserved at offset {offset}")
-            reservation.kept = False
-            if not reservation.in_flight:
-                self._free_reserved(offset)
-
-    def _free_reserved(self, start: int) -> None:
-        """Free the reserved region at ``start`` (call with the lock held)."""
-        del self._reserved[start]
-        self._reserved_starts.remove(start)
-        self.regions.free(start)
-
-    def _reserved_offset(self, payload: memoryview) -> tuple[int, int] | None:
-        """The offset of ``payload`` in this side's arena and the start of the region the
-        caller holds that it lies inside; None when it lies in none (call with the lock
-        held)."""
-        offset = _address(payload) - self._base
-        start = self._reserved_start(offset, payload.nbytes)
-        if start is None or not self._reserved[start].kept:
-            return None
-        return offset, start
+        if self.book is not None:
+            self.book.unreserve(view)
 
     def place(self, buffers: Sequence[bytes | memoryview]) -> list[bytes | memoryview] | None:
         """The buffers that send this frame (prefix and header, then each array's payload,
@@ -237,8 +349,11 @@ class SharedMemory:
         payload copied into a region of its own now, or referred to where it lies in a
         reserved region; None when it goes on the socket as it is (small, no arena, too
         many arrays, or no free region large enough)."""
-        own = self.own
-        if own is None or own.closed or not 2 <= len(buffers) <= MAX_ARENA_ARRAYS + 1:
+        book = self.book
+        if book is None or self._closed or not 2 <= len(buffers) <= MAX_ARENA_ARRAYS + 1:
+            return None
+        own = book.arena
+        if own.closed:
             return None
         head = buffers[0]
         if len(head) < PREFIX_BYTES or head[3] != VERSION:
@@ -246,64 +361,49 @@ class SharedMemory:
         if int.from_bytes(head[8:PREFIX_BYTES], "little") < self.min_bytes:
             return None
         payloads = [memoryview(payload).cast("B") for payload in buffers[1:]]
-        offsets: list[int] = []
-        copies: list[tuple[int, memoryview]] = []
-        sent: list[int] = []
-        with self._lock:
-            for payload in payloads:
-                reserved = self._reserved_offset(payload) if self._reserved else None
-                if reserved is not None:
-                    offset, start = reserved
-                    sent.append(start)
-                else:
-                    allocated = self.regions.allocate(payload.nbytes)
-                    if allocated is None:
-                        for taken, _ in copies:
-                            self.regions.free(taken)
-                        self.frames_not_fitting += 1
-                        return None
-                    offset = allocated
-                    copies.append((offset, payload))
-                offsets.append(offset)
-            for start in sent:  # in flight until the peer releases it
-                self._reserved[start].in_flight += 1
-        for offset, payload in copies:
-            own.view(offset, payload.nbytes)[:] = payload
+        taken = book._take(payloads)
+        if taken is None:
+            self.frames_not_fitting += 1
+            return None
+        offsets, copies = taken
+        sent = self._sent
+        for offset in offsets:
+            sent[offset] = sent.get(offset, 0) + 1
+        if copies:
+            copied = set(copies)
+            for offset, payload in zip(offsets, payloads, strict=True):
+                if offset in copied:
+                    own.view(offset, payload.nbytes)[:] = payload
         self.frames_shared += 1
         self.arrays_in_place += len(payloads) - len(copies)
         return to_arena_prefix(head, offsets)
 
     def freed(self, offsets: list[int]) -> None:
         """The peer handed these regions back (a reserved one is freed once its caller gave
-        it back too). Raises :class:`FrameError` for one not in use or not sent."""
-        with self._lock:
+        it back too). Raises :class:`FrameError` for one this stream did not send."""
+        book = self.book
+        sent = self._sent
+        try:
             for offset in offsets:
-                start = self._reserved_start(offset) if self._reserved else None
-                if start is not None:
-                    reservation = self._reserved[start]
-                    if not reservation.in_flight:
-                        raise FrameError(
-                            f"release of offset {offset}, in a reserved region not sent"
-                        )
-                    reservation.in_flight -= 1
-                    if not reservation.in_flight and not reservation.kept:
-                        self._free_reserved(start)
-                elif self.regions.in_use(offset):
-                    self.regions.free(offset)
+                count = sent.get(offset, 0)
+                if not count or book is None:
+                    raise FrameError(self._not_sent(offset))
+                if count == 1:
+                    del sent[offset]
                 else:
-                    raise FrameError(
-                        f"release of offset {offset}, where no region of the arena is in use"
-                    )
-        offsets.clear()
+                    sent[offset] = count - 1
+                with book._lock:
+                    book._give(offset)
+        finally:
+            offsets.clear()
 
-    def _reserved_start(self, offset: int, nbytes: int = 1) -> int | None:
-        """The start of the reserved region that ``nbytes`` from ``offset`` lie inside;
-        None when there is none (call with the lock held)."""
-        index = bisect.bisect_right(self._reserved_starts, offset) - 1
-        if index < 0:
-            return None
-        start = self._reserved_starts[index]
-        return start if offset + nbytes <= start + self._reserved[start].size else None
+    def _not_sent(self, offset: int) -> str:
+        book = self.book
+        if book is not None:
+            with book._lock:
+                if book._reserved and book._reserved_start(offset) is not None:
+                    return f"release of offset {offset}, in a reserved region not sent"
+        return f"release of offset {offset}, where no region of the arena is in use"
 
     @staticmethod
     def release(offsets: list[int]) -> list[bytes]:
@@ -314,11 +414,23 @@ class SharedMemory:
         return releases
 
     def close(self) -> None:
-        """Close both arenas (the memory is freed once the peer closed them too; views
-        still held elsewhere keep it mapped until they go)."""
-        for arena in (self.own, self.peer):
-            if arena is not None:
-                arena.close()
+        """Let go of both arenas: the regions the peer never released are free again, this
+        side's arena closes with the last stream that sends through it, and the peer's is
+        unmapped (the memory is freed once the peer closed it too; views still held
+        elsewhere keep it mapped until they go). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        book = self.book
+        if book is not None:
+            with book._lock:
+                for offset, count in self._sent.items():
+                    for _ in range(count):
+                        book._give(offset)
+            self._sent.clear()
+            book.leave()
+        if self.peer is not None:
+            self.peer.close()
 
 
 class _Reservation:
@@ -382,14 +494,11 @@ async def _exchange(
 async def _trade(
     connection: ShmConnection, own: Arena | None, send_first: bool, timeout_s: float
 ) -> tuple[socket.socket, Arena | None]:
-    """:func:`_exchange` within ``timeout_s``; on any failure ``connection`` and ``own``
-    are closed."""
+    """:func:`_exchange` within ``timeout_s``; on any failure ``connection`` is closed."""
     try:
         return await asyncio.wait_for(_exchange(connection, own, send_first), timeout_s)
     except BaseException:
         connection.close()
-        if own is not None:
-            own.close()
         raise
 
 
@@ -407,8 +516,12 @@ async def connect_local(
     own = _make_arena(arena_bytes)
     try:
         sock, peer = await _trade(connection, own, True, timeout_s)
-    except (OSError, asyncio.TimeoutError, FrameError) as exc:
-        raise TransportError(f"cannot share memory through {path!r}: {exc!r}") from exc
+    except BaseException as exc:
+        if own is not None:
+            own.close()
+        if isinstance(exc, (OSError, asyncio.TimeoutError, FrameError)):
+            raise TransportError(f"cannot share memory through {path!r}: {exc!r}") from exc
+        raise
     return sock, SharedMemory(own, peer)
 
 
@@ -419,6 +532,11 @@ class LocalSite:
     ``await adopt(sock, shared)`` takes each connection once its arenas were traded: it
     serves the connection (HTTP, then the stream) and owns ``sock`` and ``shared`` from then
     on, also when it raises.
+
+    The site's side of every stream sends through one arena (:attr:`book`): a region
+    reserved there reaches any of the site's peers without a copy (a server keeps the
+    values it answers with in such regions). The arena lives while the site or any of its
+    streams does: it is freed once the site and all its streams are closed.
     """
 
     def __init__(
@@ -435,7 +553,18 @@ class LocalSite:
         self._arena_bytes = arena_bytes
         self._timeout_s = timeout_s
         self._tasks: set[asyncio.Task[None]] = set()
+        arena = _make_arena(arena_bytes)
+        self._book = None if arena is None else ArenaBook(arena)
+        if self._book is not None:
+            self._book.join()  # the site's own hold, let go by close()
+        self._closed = False
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
+
+    @property
+    def book(self) -> ArenaBook | None:
+        """The regions of the arena the site's side of every stream sends through (None:
+        the site shares no memory)."""
+        return self._book
 
     @property
     def path(self) -> str:
@@ -458,7 +587,8 @@ class LocalSite:
             task.add_done_callback(self._tasks.discard)
 
     async def _take(self, connection: ShmConnection) -> None:
-        own = _make_arena(self._arena_bytes)
+        book = self._book
+        own = None if book is None or book.arena.closed else book.arena
         try:
             sock, peer = await _trade(connection, own, False, self._timeout_s)
         except (OSError, asyncio.TimeoutError, TransportError) as exc:
@@ -467,11 +597,14 @@ class LocalSite:
         except Exception as exc:  # a bug: logged, and only this connection is lost
             log.error("trading arenas with a local stream failed: %r", exc, exc_info=exc)
             return
-        await self._adopt(sock, SharedMemory(own, peer))
+        await self._adopt(sock, SharedMemory(book if own is not None else None, peer))
 
     async def close(self) -> None:
         """Stop accepting and remove the socket and its directory (streams already open
-        go on). Idempotent."""
+        go on, and the arena with them). Idempotent."""
+        if not self._closed and self._book is not None:
+            self._book.leave()
+        self._closed = True
         self._accepting.cancel()
         for task in list(self._tasks):
             task.cancel()

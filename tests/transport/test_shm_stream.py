@@ -32,7 +32,7 @@ from transport import (
     serve_local,
     stream_route,
 )
-from transport._shm_stream import ALIGNMENT, RegionAllocator, SharedMemory
+from transport._shm_stream import ALIGNMENT, ArenaBook, RegionAllocator, SharedMemory
 from transport.frame import encode_release, to_arena_prefix
 from transport.shm import Arena
 
@@ -368,6 +368,7 @@ async def site(tmp_path, request) -> AsyncIterator[tuple[Server, str]]:
     stream_route(app, server.make_protocol)
     runner, server.port = await serve(app)
     local = await serve_local(runner, TOKEN, arena_bytes=64 << 20, parent_directory=str(tmp_path))
+    server.local = local
     try:
         yield server, local.path
     finally:
@@ -555,18 +556,105 @@ def test_leftovers_that_hold_more_than_a_socket_are_not_touched(tmp_path):
     assert directory.exists()
 
 
-async def test_a_closed_stream_closes_its_arenas(site):
+async def test_the_site_sends_through_one_arena_that_outlives_its_streams(site):
     server, path = site
-    stream = await connect(path, asyncio.Queue())
-    shared = stream.shared
-    stream.close()
-    await asyncio.wait_for(stream.wait_closed(), 10)
-    assert shared.own.closed and shared.peer.closed
+    streams = [await connect(path, asyncio.Queue()) for _ in range(2)]
     for _ in range(100):
-        if server.protocols and server.protocols[0].shared.own.closed:
+        if len(server.protocols) == 2:
             break
         await asyncio.sleep(0.01)
-    assert server.protocols[0].shared.own.closed
+    served = [protocol.shared for protocol in server.protocols]
+    site_arena = server.local.book.arena
+    assert served[0].own is served[1].own is site_arena
+    assert streams[0].shared.peer is not streams[1].shared.peer  # each maps it on its own
+    mine = streams[0].shared
+    streams[0].close()
+    await asyncio.wait_for(streams[0].wait_closed(), 10)
+    assert mine.own.closed and mine.peer.closed  # the client's own arena and its mapping
+    for _ in range(100):
+        if served[0].peer.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert served[0].peer.closed and not site_arena.closed  # the other stream still uses it
+    await server.local.close()
+    assert not site_arena.closed
+    streams[1].close()
+    await asyncio.wait_for(streams[1].wait_closed(), 10)
+    for _ in range(100):
+        if site_arena.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert site_arena.closed  # the site and its last stream are gone
+
+
+def shared_book(nbytes: int = 1 << 20) -> tuple[ArenaBook, SharedMemory, SharedMemory]:
+    """A book the caller holds (as a site does) and two streams that send through it."""
+    book = ArenaBook(Arena(nbytes), min_bytes=1)
+    book.join()
+    return book, SharedMemory(book, None, min_bytes=1), SharedMemory(book, None, min_bytes=1)
+
+
+def read_placed(arena: Arena, placed: list) -> list[np.ndarray]:
+    reader = FrameReader(fresh)
+    reader.arena = arena.view(0, arena.nbytes)
+    wire = b"".join(bytes(b) for b in placed)
+    reader.get_buffer(-1)[: len(wire)] = wire
+    (message,) = reader.buffer_updated(len(wire))
+    return [np.frombuffer(buffer, np.float32) for buffer in message.buffers]
+
+
+def test_a_region_reserved_in_a_shared_arena_reaches_every_stream_without_a_copy():
+    book, first, second = shared_book()
+    value = np.frombuffer(book.reserve(4000), np.float32)
+    value[:] = np.arange(1000)
+    assert book.holds(value) and not book.holds(np.arange(1000, dtype=np.float32))
+    frames = [s.place(encode_frame(7, 1, [("a", value, 0)])) for s in (first, second)]
+    assert first.arrays_in_place == second.arrays_in_place == 1
+    assert book.regions.regions == 1
+    for placed in frames:
+        (got,) = read_placed(book.arena, placed)
+        assert np.array_equal(got, np.arange(1000))
+    book.unreserve(value)  # replaced by a newer value: no longer the caller's ...
+    assert not book.holds(value) and book.regions.regions == 1  # ... but both peers read it
+    first.freed([0])
+    assert book.regions.regions == 1
+    with pytest.raises(FrameError, match="offset 0, in a reserved region not sent"):
+        first.freed([0])  # this stream's peer released it already
+    second.freed([0])
+    assert book.regions.regions == 0
+    first.close()
+    second.close()
+    book.leave()
+    assert book.arena.closed
+
+
+def test_a_stream_cannot_release_a_region_another_stream_sent():
+    book, first, second = shared_book()
+    placed = first.place(encode_frame(7, 1, arrays(1000)))
+    offsets = [int(x) for x in np.frombuffer(bytes(placed[2]), np.uint64)]
+    assert book.regions.regions == 3 and first._sent  # three copies, sent on the first
+    with pytest.raises(FrameError, match=f"offset {offsets[0]}, where no region"):
+        second.freed([offsets[0]])
+    assert book.regions.regions == 3
+    first.freed(offsets)
+    assert book.regions.regions == 0
+    book.leave()
+
+
+def test_closing_a_stream_gives_back_what_its_peer_never_released():
+    book, stream, other = shared_book()
+    value = np.frombuffer(book.reserve(4000), np.float32)
+    stream.place(encode_frame(7, 1, [("a", value, 0), ("b", np.ones(1000, np.float32), 0)]))
+    assert book.regions.regions == 2
+    book.unreserve(value)
+    stream.close()
+    stream.close()  # idempotent
+    assert book.regions.regions == 0 and not book.arena.closed  # still the site's and other's
+    assert stream.place(encode_frame(7, 2, arrays(1000))) is None  # closed: on the socket
+    other.close()
+    assert not book.arena.closed
+    book.leave()
+    assert book.arena.closed
 
 
 async def test_a_site_refuses_nothing_but_cannot_be_reached_once_closed(tmp_path):

@@ -186,6 +186,8 @@ class ParameterServer:
                 idle_timeout_s=config.timeouts.idle_s,
             )
             self.membership.local = {"host": config.host_id, "path": self._local.path}
+            # Sums kept where the local streams send from: answered without a copy.
+            self.state.value_regions = self._local.book
         if self.checkpoints is not None:
             self.checkpoints.restore()  # before registering: workers resend what it lacks
         deadline = time.monotonic() + config.timeouts.connect_s
@@ -546,10 +548,13 @@ class ParameterServer:
         link = self.links.get(ticket.peer.id)
         protocol = getattr(link, "protocol", None)
         shared = None if protocol is None else protocol.shared
-        if shared is None or shared.own is None:
+        if shared is None or shared.book is None:
             return None
         if sum(entry.nbytes for entry in ticket.entries) < STAGED_REPLY_MIN_BYTES:
             return None
+        book = shared.book
+        if any(book.holds(entry.value) for entry in ticket.entries):
+            return None  # sent from where it lies, while the keys are held (_send_held)
         return shared
 
     def _send_staged(self, ticket: PullTicket, shared: SharedMemory) -> None:

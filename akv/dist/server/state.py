@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias, cast
+from typing import Any, Protocol, TypeAlias, cast
 
 import numpy as np
 
@@ -71,6 +71,7 @@ __all__ = [
     "SendValues",
     "ServerEntry",
     "ServerState",
+    "ValueRegions",
 ]
 
 Key: TypeAlias = "int | str"
@@ -96,10 +97,35 @@ class Peer:
     session: str = ""
 
 
-class ServerEntry(Entry):
-    """A key (or this server's part of a split key) as the server holds it."""
+class ValueRegions(Protocol):
+    """Memory that answers can be sent from without a copy (regions of the arena a
+    server's local streams share, :class:`transport.ArenaBook`): thread-safe."""
 
-    __slots__ = ("borrowed", "durable", "made_by", "merged", "rounds")
+    def reserve(self, nbytes: int) -> memoryview | None:
+        """A writable region of ``nbytes``, the caller's until :meth:`unreserve`; None
+        when there is no room (or ``nbytes`` is too small to be worth it)."""
+        ...
+
+    def unreserve(self, view: np.ndarray) -> None:
+        """Give a reserved region back (peers still reading it keep it until they are
+        done)."""
+        ...
+
+    def holds(self, array: np.ndarray) -> bool:
+        """Whether ``array`` lies in a region reserved and not given back."""
+        ...
+
+
+class ServerEntry(Entry):
+    """A key (or this server's part of a split key) as the server holds it.
+
+    With :attr:`regions`, the sums that become the stored value without an updater live in
+    them, so that answers to local workers are sent without a copy. Peers may read a
+    stored value there until they release it, after a newer value replaced it: such a
+    value is never changed in place (:meth:`private_value` moves it out first).
+    """
+
+    __slots__ = ("borrowed", "durable", "made_by", "merged", "regions", "rounds")
 
     def __init__(
         self,
@@ -122,6 +148,39 @@ class ServerEntry(Entry):
         self.made_by = made_by
         #: A checkpoint holds the key (always True without checkpoints).
         self.durable = True
+        self.regions: ValueRegions | None = None
+
+    def take_sum_buffer(self) -> np.ndarray:
+        """A buffer for a round's sum that will become the stored value: in
+        :attr:`regions` where there is room, else as :meth:`take_buffer`."""
+        regions = self.regions
+        if regions is not None:
+            view = regions.reserve(self.nbytes)
+            if view is not None:
+                return np.frombuffer(view, self.dtype).reshape(self.shape)
+        return cast(np.ndarray, self.take_buffer())
+
+    def give_buffer(self, buffer: Any) -> None:
+        """As :meth:`Entry.give_buffer`; a buffer in :attr:`regions` is given back to them
+        instead (freed once no peer reads it)."""
+        regions = self.regions
+        if regions is not None and regions.holds(buffer):
+            regions.unreserve(buffer)
+        else:
+            super().give_buffer(buffer)
+
+    def private_value(self) -> np.ndarray:
+        """The stored value, moved into a buffer of the key's own first if it lies in
+        :attr:`regions` (peers may be reading it there): call before changing it in
+        place."""
+        regions = self.regions
+        value = self.value
+        if regions is not None and regions.holds(value):
+            private = cast(np.ndarray, self.take_buffer())
+            np.copyto(private, value)
+            regions.unreserve(value)
+            self.value = private
+        return self.value
 
 
 @dataclass(eq=False)
@@ -202,12 +261,13 @@ class Lent:
             self._hand_back()
 
 
-def own(entry: ServerEntry, array: np.ndarray) -> np.ndarray:
+def own(entry: ServerEntry, array: np.ndarray, stored: bool = False) -> np.ndarray:
     """``array`` where the key may keep it: a buffer of its own already, or a copy of a
-    payload read in place (read-only: it lies in a sender's shared memory)."""
+    payload read in place (read-only: it lies in a sender's shared memory); ``stored``:
+    the copy becomes the stored value (:meth:`ServerEntry.take_sum_buffer`)."""
     if array.flags.writeable:
         return array
-    copy: np.ndarray = entry.take_buffer()
+    copy: np.ndarray = entry.take_sum_buffer() if stored else entry.take_buffer()
     np.copyto(copy, array)
     return copy
 
@@ -386,6 +446,9 @@ class ServerState:
         self.store_type: str | None = None
         self.updater: _optimizer.Updater | None = None
         self.optimizer_config: dict[str, Any] | None = None
+        #: Where the keys keep their sums (:attr:`ServerEntry.regions`); None: in buffers
+        #: of their own.
+        self.value_regions: ValueRegions | None = None
         self.failure: str | None = None
         self.stopping = False
         self.peers: dict[int, Peer] = {}
@@ -830,6 +893,7 @@ class ServerState:
             # workers' init checks) once a checkpoint holds it: a worker never pushes to a
             # key that a restarted server would not have.
             entry.durable = not self.checkpoints
+            entry.regions = self.value_regions
             self.entries[info.key] = entry
         if self.checkpoints:
             return [Checkpoint(peer, header.seq)]
@@ -973,6 +1037,7 @@ class ServerState:
         for key, value, closed_round, tags, last in keys:
             entry = ServerEntry(key, value, self._new_var, self.sync, self.num_workers, None)
             entry.rounds.restore(closed_round, tags, last)
+            entry.regions = self.value_regions
             self.entries[key] = entry
         if optimizer_config is not None:
             self.updater = _optimizer.get_updater(_optimizer.from_config(optimizer_config))

@@ -29,7 +29,7 @@ def land(
     that a round's sum no longer holds (the caller lets go of them).
     """
     released: list[Lent] = []
-    _merge(work.merges, released)
+    _merge(work.merges, released, stored=updater is None)
     done: list[tuple[ServerEntry, int]] = []
     failed: list[tuple[ServerEntry, int, Exception]] = []
     for entry, buffer, round_no in work.closing:
@@ -39,10 +39,11 @@ def land(
         try:
             if updater is None:
                 old = entry.value
-                entry.value = own(entry, received)
+                entry.value = own(entry, received, stored=True)
                 entry.give_buffer(old)
             else:
-                updater(entry.key, received, entry.value)  # reads ``received`` only
+                # Reads ``received`` only; changes the stored value in place.
+                updater(entry.key, received, entry.private_value())
                 give_back(entry, received)
         except Exception as exc:
             failed.append((entry, round_no, exc))
@@ -54,14 +55,18 @@ def land(
 
 
 def _merge(
-    items: Sequence[tuple[ServerEntry, np.ndarray, bool, Lent | None]], released: list[Lent]
+    items: Sequence[tuple[ServerEntry, np.ndarray, bool, Lent | None]],
+    released: list[Lent],
+    stored: bool,
 ) -> None:
     """Start each round's sum with its first push, or add a later push to it (straight
     out of the sender's shared memory when it was read in place).
 
     A first push that comes with what lent it is the sum as it lies (read-only, in the
     sender's shared memory): the second push makes a buffer of the key's own the sum of
-    both in one pass, instead of a copy of the first and then an addition.
+    both in one pass, instead of a copy of the first and then an addition. ``stored``: the
+    sums become the stored values (no updater), so that buffer is taken where answers are
+    sent from without a copy (:meth:`ServerEntry.take_sum_buffer`).
     """
     for entry, buffer, first, keeps in items:
         if first:
@@ -71,7 +76,7 @@ def _merge(
         merged = entry.merged
         assert merged is not None  # the round's first push started it
         if entry.borrowed is not None:
-            total = entry.take_buffer()
+            total = entry.take_sum_buffer() if stored else entry.take_buffer()
             np.add(merged, buffer, out=total)
             entry.merged = total
             _let_go(entry, released)

@@ -157,3 +157,20 @@ async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float 
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s:g} s")
         await asyncio.sleep(0.02)
+
+
+def server_books(cluster: Cluster) -> list[Any]:
+    """The books of the arenas the servers' local streams send through (one per server)."""
+    return [server._local.book for server in cluster.servers if server._local is not None]
+
+
+def server_regions_in_use(cluster: Cluster) -> int:
+    """Regions of the servers' shared memory that carry answers the workers have not handed
+    back yet (the regions that hold stored values are not counted)."""
+    in_use = 0
+    for server in cluster.servers:
+        book = server._local.book if server._local is not None else None
+        if book is not None:
+            stored = sum(book.holds(entry.value) for entry in server.state.entries.values())
+            in_use += book.regions.regions - stored
+    return in_use

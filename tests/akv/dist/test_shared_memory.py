@@ -13,8 +13,9 @@ import time
 import numpy as np
 import pytest
 
+import akv
 from akv.limits import STAGED_REPLY_MIN_BYTES
-from tests.akv.dist.cluster import Cluster, launch, wait_until
+from tests.akv.dist.cluster import Cluster, launch, server_books, wait_until
 from tests.akv.dist.test_jobs import JOBS, results
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd (Linux)")
@@ -126,18 +127,18 @@ def server_arenas(cluster: Cluster) -> list:
     ]
 
 
-@pytest.mark.parametrize("arena_fits", [True, False])
-async def test_a_large_answer_is_staged_in_the_arena_by_a_thread_and_its_region_comes_back(
-    arena_fits,
-):
+@pytest.mark.parametrize("case", ["in the arena", "arena too small", "optimizer"])
+async def test_large_answers_to_local_workers_are_sent_without_a_copy_where_they_can_be(case):
     shape = (STAGED_REPLY_MIN_BYTES // 4,)
-    # An arena too small for the value: the answer is copied aside and goes on the socket.
-    arena = {} if arena_fits else {"AKV_SHM_ARENA_BYTES": str(STAGED_REPLY_MIN_BYTES // 2)}
-    with Cluster(2, 1, **arena) as cluster:
+    # An arena too small for the value: the sum is kept aside, the answer copied aside.
+    small = {"AKV_SHM_ARENA_BYTES": str(STAGED_REPLY_MIN_BYTES // 2)}
+    with Cluster(2, 1, **(small if case == "arena too small" else {})) as cluster:
         stores = sorted(await cluster.workers(), key=lambda kv: kv.rank)
 
         async def body(kv):
             await kv.init("w", np.zeros(shape, np.float32))
+            if case == "optimizer":
+                await kv.set_optimizer(akv.optimizer.SGD(learning_rate=1.0))
             seen = []
             for step in range(3):
                 await kv.push("w", np.full(shape, kv.rank + step, np.float32))
@@ -148,19 +149,30 @@ async def test_a_large_answer_is_staged_in_the_arena_by_a_thread_and_its_region_
             seen = await asyncio.gather(*(body(kv) for kv in stores))
             arenas = server_arenas(cluster)
             assert len(arenas) == 2 and all(shared.own is not None for shared in arenas)
-            # Every answer's payload was copied into its region before the frame was
-            # written (by the engine's thread), so the frame went without another copy.
-            staged = 2 * 3 if arena_fits else 0
-            assert sum(shared.arrays_in_place for shared in arenas) == staged
+            (book,) = server_books(cluster)
+            assert all(shared.book is book for shared in arenas)  # one arena for both
+            (entry,) = cluster.servers[0].state.entries.values()
+            # "in the arena": each round's sum was made in a region of the arena both
+            # streams send through, and each answer went from there (no copy on the
+            # server). "optimizer": the value changes in place, so it is kept aside; each
+            # answer was copied into a region by an engine thread, then the frame went
+            # without another copy. "arena too small": copied aside, on the socket.
+            in_arena = case == "in the arena"
+            assert book.holds(entry.value) == in_arena
+            sent_in_place = 0 if case == "arena too small" else 2 * 3
+            assert sum(shared.arrays_in_place for shared in arenas) == sent_in_place
+            # Older sums are freed once the workers have read them: the stored one stays.
             await wait_until(
-                lambda: sum(shared.regions.regions for shared in arenas) == 0,
+                lambda: book.regions.regions == (1 if in_arena else 0),
                 "the workers to hand the answers' regions back",
             )
         finally:
             await asyncio.gather(*(kv.close() for kv in stores))
     for values in seen:
         for step, value in enumerate(values):
-            np.testing.assert_array_equal(value, np.full(shape, 1 + 2 * step, np.float32))
+            # Sums 1, 3, 5; with the optimizer w -= 1.0 * sum, so w = -(step + 1) ** 2.
+            expected = -((step + 1) ** 2) if case == "optimizer" else 1 + 2 * step
+            np.testing.assert_array_equal(value, np.full(shape, expected, np.float32))
 
 
 async def test_workers_on_another_host_use_tcp():

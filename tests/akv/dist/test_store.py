@@ -31,7 +31,13 @@ from akv.dist.protocol import Op
 from akv.dist.worker.link import ServerLink
 from akv.limits import AHEAD_COPY_MAX_BYTES
 from engine import Completed
-from tests.akv.dist.cluster import Cluster, free_port, job_env, wait_until
+from tests.akv.dist.cluster import (
+    Cluster,
+    free_port,
+    job_env,
+    server_regions_in_use,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0
@@ -258,16 +264,6 @@ async def test_a_barrier_does_not_wait_for_the_round_of_a_push_a_pull_went_with(
         await second.push(0, full(2.0))
         np.testing.assert_array_equal(await asyncio.wait_for(pulled, 10), full(3.0))
         await close_all([first, second])
-
-
-def server_regions_in_use(cluster: Cluster) -> int:
-    """Regions of the servers' shared memory that workers have not handed back."""
-    return sum(
-        link.protocol.shared.regions.regions
-        for server in cluster.servers
-        for link in server.links.values()
-        if getattr(link, "protocol", None) is not None and link.protocol.shared is not None
-    )
 
 
 @pytest.mark.parametrize("shm", ["1", "0"])

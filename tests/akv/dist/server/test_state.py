@@ -27,7 +27,8 @@ from akv.errors import (
     WaitTimeoutError,
 )
 from tests.akv.dist.server.players import OK, Players
-from transport import ArrayInfo, FrameHeader, decode_frame, frame_bytes
+from transport import ArenaBook, ArrayInfo, FrameHeader, decode_frame, frame_bytes
+from transport.shm import Arena
 
 
 def f32(*values: float) -> np.ndarray:
@@ -809,6 +810,50 @@ def test_async_pushes_read_in_place_become_values_of_their_own(with_updater):
     np.testing.assert_array_equal(entry.value, f32(4, 3) if with_updater else f32(1, 2))
     assert entry.value.flags.writeable
     assert all(buffer.flags.writeable for buffer in pooled(entry))
+
+
+def with_regions(num_workers: int) -> tuple[Players, ArenaBook]:
+    """Players whose server keeps its sums in the regions of an arena's book (as a server
+    with local workers does)."""
+    book = ArenaBook(Arena(1 << 16), min_bytes=1)
+    book.join()
+    players = Players(num_workers)
+    players.state.value_regions = book
+    assert players.reply(0, players.init(0, {"w": f32(0, 0)})) == OK
+    players.lend = True
+    return players, book
+
+
+def test_a_rounds_sum_is_made_in_a_shared_region_and_the_old_value_given_back_to_it():
+    players, book = with_regions(2)
+    entry = players.state.entries["w"]
+    assert not book.holds(entry.value)  # the init value is a buffer of the key's own
+    for step in (1, 2, 3):
+        players.push(0, {"w": f32(step, 1)}, tag=step)
+        players.push(1, {"w": f32(10 * step, 2)}, tag=step)
+        np.testing.assert_array_equal(entry.value, f32(11 * step, 3))
+        # The sum was made where answers are sent from; the one it replaced is free again
+        # (no stream sent it), and no region ever enters the key's spare buffers.
+        assert book.holds(entry.value) and book.regions.regions == 1
+        assert not any(book.holds(buffer) for buffer in pooled(entry))
+    book.arena.close()
+
+
+def test_an_updater_moves_a_stored_value_out_of_the_shared_regions_before_changing_it():
+    players, book = with_regions(2)
+    entry = players.state.entries["w"]
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    players.push(1, {"w": f32(2, 2)}, tag=1)
+    shared = entry.value
+    assert book.holds(shared)
+    text = sgd_text(learning_rate=1.0)
+    assert players.reply(0, players.send(0, Op.SET_OPTIMIZER, text=text)) == OK
+    players.push(0, {"w": f32(1, 1)}, tag=2)
+    players.push(1, {"w": f32(1, 2)}, tag=2)
+    np.testing.assert_array_equal(entry.value, f32(1, 0))  # 3 - 1 * (1 + 1), 3 - 1 * (1 + 2)
+    np.testing.assert_array_equal(shared, f32(3, 3))  # what a peer may still read: unchanged
+    assert not book.holds(entry.value) and book.regions.regions == 0
+    book.arena.close()
 
 
 def test_a_pushpull_that_asks_hears_once_its_push_is_counted_then_gets_the_round():
