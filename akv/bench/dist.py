@@ -10,9 +10,13 @@ Two floors are measured in the same run, before the jobs:
 
 - raw TCP: an echo of the case's bytes between two processes (it moves the bytes once each
   way, as a push and a pull do, but with no second worker, no server work and no framing);
-- memcpy (for the 4 MiB and 64 MiB rounds and the steps): the copies and the sum one worker's
-  round needs in memory, done by NumPy in this process: the push's copy into a staging
-  buffer, the server's sum of the second worker's contribution, the pull's copy out.
+- memcpy (for the 4 MiB and 64 MiB rounds and the steps, in the shared-memory rows): the
+  copies and the sum one worker's round needs in memory, done by NumPy in this process:
+  the push's copy into a staging buffer, the server's sum of the second worker's
+  contribution, the pull's copy out;
+- raw TCP round (in the TCP rows): the same round written on plain blocking sockets, with
+  the same processes (two clients, one summing server with a thread per client, see
+  :mod:`akv.bench._raw`): what the round's bytes cost on TCP without akv.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import numpy as np
 
 import akv
 from akv.args import Key
-from akv.bench._raw import RawEcho, round_trip
+from akv.bench._raw import RawEcho, RawRound, round_trip
 from akv.bench._report import _SETTINGS, Row, Table, time_per_call
 from akv.bench.soak import percentile
 from akv.bench.steps import Shape, elements, list_step, per_key_step, resnet18_shapes
@@ -76,6 +80,7 @@ WARMUP_CALLS = 2
 JOB_TIMEOUT_S = 600
 TCP_FLOOR = "raw socket echo of {nbytes} B"
 MEMCPY_FLOOR = "NumPy copyto + add + copyto"
+ROUND_FLOOR = "raw TCP round: 2 clients, summing server"
 
 #: What a case's call does, on every worker:
 #: "key": push one key, then pull it; "pull": pull one key;
@@ -304,16 +309,23 @@ def measure(
     table = Table(
         "akv bench dist (dist_sync, 2 workers on 127.0.0.1, times per call or per step of "
         "worker 0)",
-        second_floor_heading="memcpy floor",
+        second_floor_heading="floor 2",
     )
     tcp_floors: dict[int, float] = {}
-    with RawEcho() as echo:
-        for case in cases:
-            if case.nbytes not in tcp_floors:
-                iterations = max(1, int(case.calls * scale))
-                tcp_floors[case.nbytes] = round_trip(
-                    echo, case.nbytes, iterations, rounds * case.rounds_factor
-                )
+    round_floors: dict[int, float] = {}
+    for raw, floors, wanted in (
+        (RawEcho, tcp_floors, True),
+        (RawRound, round_floors, "TCP" in transports),
+    ):
+        if not wanted:
+            continue
+        with raw() as peer:
+            for case in cases:
+                if case.nbytes not in floors:
+                    iterations = max(1, int(case.calls * scale))
+                    floors[case.nbytes] = round_trip(
+                        peer, case.nbytes, iterations, rounds * case.rounds_factor
+                    )
     memcpy_floors: dict[tuple[Shape, ...], float] = {}
     for case in cases:
         if case.memcpy_floor and case.shapes not in memcpy_floors:
@@ -326,7 +338,12 @@ def measure(
                 raise akv.BenchmarkError(
                     f"the benchmark job with {count} server(s) reported no times for {case.name!r}"
                 )
-            memcpy_s = memcpy_floors.get(case.shapes) if case.memcpy_floor else None
+            if transport == "TCP":
+                second_s, second = round_floors[case.nbytes], ROUND_FLOOR
+            elif case.memcpy_floor:
+                second_s, second = memcpy_floors[case.shapes], MEMCPY_FLOOR
+            else:
+                second_s, second = None, ""
             table.add(
                 Row(
                     f"{case.name}, {count} server{'s' if count > 1 else ''}, {transport}",
@@ -336,15 +353,17 @@ def measure(
                     unit_ops=case.unit_ops,
                     reference_s=MXNET_S.get((case.name, count)),
                     akv_p90_s=percentile(samples, 0.9),
-                    second_floor_s=memcpy_s,
-                    second_floor=MEMCPY_FLOOR if memcpy_s is not None else "",
+                    second_floor_s=second_s,
+                    second_floor=second,
                 )
             )
     table.notes.append(
         f"Floors, measured in this run: 'floor' is a {TCP_FLOOR.format(nbytes='N')} between "
-        "two processes (once each way); 'memcpy floor' is one worker's copies in memory "
-        f"({MEMCPY_FLOOR}: the push's copy, the server's sum of the second worker's "
-        "contribution, the pull's copy), in this process. akv and akv p90: the median and "
+        "two processes (once each way); 'floor 2' is, in the shared-memory rows, one "
+        f"worker's copies in memory ({MEMCPY_FLOOR}: the push's copy, the server's sum of "
+        "the second worker's contribution, the pull's copy), in this process, and in the "
+        f"TCP rows a {ROUND_FLOOR} (the same round on plain blocking sockets, a server "
+        "thread per client, each adding half the sum). akv and akv p90: the median and "
         "the nearest-rank p90 over the rounds (over single steps for the steps). A step's "
         "per-key calls push each gradient last layer first with priority=-i, then pull each "
         "weight, as MXNet's Module does; its list calls make one push and one pull of all "

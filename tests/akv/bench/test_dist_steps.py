@@ -1,9 +1,10 @@
-"""``akv bench dist``'s step workloads and memcpy floor (issue #10)."""
+"""``akv bench dist``'s step workloads and its floors (issue #10)."""
 
 from __future__ import annotations
 
 import json
 import math
+import struct
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import akv
 import akv.bench.dist as dist
 from akv.bench import configure
+from akv.bench._raw import RawRound, _recv_exactly, round_trip
 from akv.bench.dist import (
     MXNET_S,
     STEP_ROUNDS_FACTOR,
@@ -229,8 +231,13 @@ def test_a_tiny_run_reports_each_step_with_both_floors(quick_bench_settings, tmp
     assert table.rows[1].floor == f"raw socket echo of {step_bytes} B"
     assert table.rows[1].floor_s == table.rows[2].floor_s == table.rows[4].floor_s
 
+    # The second floor: in memory through shared memory, a raw TCP round on TCP.
+    assert [row.second_floor for row in table.rows] == [dist.MEMCPY_FLOOR] * 3 + [
+        dist.ROUND_FLOOR
+    ] * 3
+    assert table.rows[3].second_floor_s != table.rows[0].second_floor_s
     rendered = table.render()
-    assert "memcpy floor" in rendered and "akv p90" in rendered
+    assert "floor 2" in rendered and "akv p90" in rendered
     report = tmp_path / "dist.json"
     with open(tmp_path / "dist.txt", "w") as stream:
         table.write(stream, json_path=str(report))
@@ -238,3 +245,18 @@ def test_a_tiny_run_reports_each_step_with_both_floors(quick_bench_settings, tmp
     assert [row["name"] for row in rows] == names
     for row in rows:
         assert row["second_ratio"] == pytest.approx(row["akv_s"] / row["second_floor_s"])
+
+
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S)
+def test_the_raw_tcp_round_answers_each_client_the_sum_of_both():
+    with RawRound() as raw:
+        for nbytes in (64, 3 << 20):  # one segment, and many (the server reads in chunks)
+            values = np.arange(nbytes // 4, dtype=np.float32)
+            back = np.empty_like(values)
+            raw.before(nbytes, 1)  # the second client sends float32 ones
+            raw.sock.sendall(struct.pack("<Q", nbytes))
+            raw.sock.sendall(values)
+            _recv_exactly(raw.sock, memoryview(back).cast("B"))
+            np.testing.assert_array_equal(back, values + 1)
+        assert round_trip(raw, 4096, iterations=3, rounds=2) > 0
+    assert raw.process.returncode == 0 and raw.peer.returncode == 0  # both left on their own
