@@ -83,7 +83,7 @@ def serve_round(port: int) -> None:
                 received[index] = np.empty(length // 4, np.float32)
             mine = received[index][: length // 4]
             try:
-                _recv_exactly(conn, memoryview(mine).cast("B"))
+                _recv_exactly(conn, mine.data.cast("B"))
                 barrier.wait()
                 if index == 0 and total[0].nbytes < length:
                     total[0] = np.empty(length // 4, np.float32)
@@ -92,7 +92,7 @@ def serve_round(port: int) -> None:
                 out = total[0][: len(mine)]
                 np.add(received[0][half], received[1][half], out=out[half])
                 barrier.wait()
-                conn.sendall(memoryview(out).cast("B"))
+                conn.sendall(out.data.cast("B"))
             except (ConnectionError, threading.BrokenBarrierError):
                 barrier.abort()
                 return
@@ -137,14 +137,23 @@ def _end(process: subprocess.Popen[bytes]) -> None:
 class RawEcho:
     """An echo server process and a connected client socket."""
 
+    #: The server's arguments before its port.
+    _SERVER: tuple[str, ...] = ()
+
     def __init__(self) -> None:
         port = _free_port()
-        self.process = subprocess.Popen([sys.executable, "-m", "akv.bench._raw", str(port)])
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "akv.bench._raw", *self._SERVER, str(port)]
+        )
+        self._started(port)
         try:
             self.sock = _connect(port, self.process)
         except OSError:
             self.close()
             raise
+
+    def _started(self, port: int) -> None:
+        """Start what else takes part, once the server process is started."""
 
     def before(self, nbytes: int, iterations: int) -> None:
         """Nothing to prepare: the echo answers whatever comes."""
@@ -166,19 +175,12 @@ class RawRound(RawEcho):
     """A summing round server process, a second client process, and this process's
     connected client socket (see the module docstring)."""
 
-    def __init__(self) -> None:
-        port = _free_port()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "akv.bench._raw", "round", str(port)]
-        )
+    _SERVER = ("round",)
+
+    def _started(self, port: int) -> None:
         self.peer = subprocess.Popen(
             [sys.executable, "-m", "akv.bench._raw", "peer", str(port)], stdin=subprocess.PIPE
         )
-        try:
-            self.sock = _connect(port, self.process)
-        except OSError:
-            self.close()
-            raise
 
     def before(self, nbytes: int, iterations: int) -> None:
         """Have the second client take part in the next ``iterations`` rounds of ``nbytes``."""
@@ -200,7 +202,7 @@ def peer(port: int) -> None:
     for line in sys.stdin:
         nbytes, iterations = (int(word) for word in line.split())
         header = struct.pack("<Q", nbytes)
-        payload = memoryview(np.ones(nbytes // 4, np.float32)).cast("B")
+        payload = np.ones(nbytes // 4, np.float32).data.cast("B")
         back = memoryview(bytearray(nbytes))
         for _ in range(iterations):
             sock.sendall(header)
