@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from types import CoroutineType
-from typing import Any
+from typing import Any, NoReturn
 
 from engine._executors import CallbackExecutor, Executor, LoopExecutor, ThreadExecutor
 from engine._graph import to_dot
@@ -329,7 +329,9 @@ class Engine:
                 raise EngineClosedError(f"engine {self.name!r} is closed")
             return None
         try:
-            result = _call_inline(fn, args, name or fn.__name__)
+            result = fn(*args)  # as _call_inline does, without a call more: the hot path
+            if type(result) is CoroutineType:
+                _refuse_coroutine(result, name or fn.__name__)
         except BaseException as exc:
             return self._inline_failed(fn, args, var, is_write, name, exc)
         startable: list[Task] | None = None
@@ -694,8 +696,12 @@ def _call_inline(fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> An
     loop)."""
     result = fn(*args)
     if type(result) is CoroutineType:
-        result.close()
-        raise EngineError(
-            f"task {name!r} returned a coroutine: push coroutine functions with executor='loop'"
-        )
+        _refuse_coroutine(result, name)
     return result
+
+
+def _refuse_coroutine(result: CoroutineType[Any, Any, Any], name: str) -> NoReturn:
+    result.close()
+    raise EngineError(
+        f"task {name!r} returned a coroutine: push coroutine functions with executor='loop'"
+    )
