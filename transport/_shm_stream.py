@@ -94,11 +94,12 @@ class RegionAllocator:
         self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes > 0 else []
         #: offset -> size of each region in use.
         self._used: dict[int, int] = {}
+        self._used_bytes = 0
 
     @property
     def used_bytes(self) -> int:
         """Bytes in use (aligned sizes)."""
-        return sum(self._used.values())
+        return self._used_bytes
 
     @property
     def regions(self) -> int:
@@ -120,6 +121,7 @@ class RegionAllocator:
                 else:
                     self._free[index] = (start + size, end)
                 self._used[start] = size
+                self._used_bytes += size
                 return start
         return None
 
@@ -131,6 +133,7 @@ class RegionAllocator:
         size = self._used.pop(offset, None)
         if size is None:
             raise FrameError(f"release of offset {offset}, where no region of the arena is in use")
+        self._used_bytes -= size
         start, end = offset, offset + size
         free = self._free
         low, high = 0, len(free)
@@ -175,6 +178,11 @@ class ArenaBook:
         self._base = _address(arena.view(0, arena.nbytes))
         self._streams = 0
 
+    @property
+    def nbytes(self) -> int:
+        """The arena's size."""
+        return self.arena.nbytes
+
     def join(self) -> None:
         """A stream sends through this book from now on."""
         with self._lock:
@@ -188,14 +196,18 @@ class ArenaBook:
         if last:
             self.arena.close()
 
-    def reserve(self, nbytes: int) -> memoryview | None:
+    def reserve(self, nbytes: int, keep_free: int = 0) -> memoryview | None:
         """A writable region of ``nbytes`` of the arena, the caller's until
         :meth:`unreserve`; None when ``nbytes`` is below ``min_bytes`` (it would travel on
-        the socket), the arena is closed, or no free range is large enough."""
+        the socket), the arena is closed, no free range is large enough, or taking it would
+        leave less than ``keep_free`` bytes of the arena free."""
         if nbytes < self.min_bytes or self.arena.closed:
             return None
         with self._lock:
-            offset = self.regions.allocate(nbytes)
+            regions = self.regions
+            if regions.nbytes - regions.used_bytes - nbytes < keep_free:
+                return None
+            offset = regions.allocate(nbytes)
             if offset is None:
                 return None
             bisect.insort(self._reserved_starts, offset)

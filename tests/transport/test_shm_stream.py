@@ -676,3 +676,16 @@ def test_a_region_too_small_to_travel_through_the_arena_is_not_reserved():
     assert region is not None and shared.regions.regions == 1
     shared.unreserve(region)
     own.close()
+
+
+def test_a_reservation_can_leave_part_of_the_arena_free():
+    book = ArenaBook(Arena(4096), min_bytes=1)
+    book.join()
+    first = book.reserve(1000, keep_free=2048)
+    assert first is not None and book.regions.used_bytes == 1024
+    assert book.reserve(1000, keep_free=2100) is None  # 4096 - 1024 - 1000 < 2100
+    second = book.reserve(1000, keep_free=1024)
+    assert second is not None and book.regions.used_bytes == 2048
+    book.unreserve(first)
+    assert book.regions.used_bytes == 1024
+    book.leave()

@@ -97,13 +97,23 @@ class Peer:
     session: str = ""
 
 
+#: Stored values leave this fraction (1/N) of the regions' memory free.
+VALUES_KEEP_FREE = 4
+
+
 class ValueRegions(Protocol):
     """Memory that answers can be sent from without a copy (regions of the arena a
     server's local streams share, :class:`transport.ArenaBook`): thread-safe."""
 
-    def reserve(self, nbytes: int) -> memoryview | None:
+    @property
+    def nbytes(self) -> int:
+        """The size of the memory the regions are taken from."""
+        ...
+
+    def reserve(self, nbytes: int, keep_free: int = 0) -> memoryview | None:
         """A writable region of ``nbytes``, the caller's until :meth:`unreserve`; None
-        when there is no room (or ``nbytes`` is too small to be worth it)."""
+        when there is no room, or it would leave less than ``keep_free`` bytes free (or
+        ``nbytes`` is too small to be worth it)."""
         ...
 
     def unreserve(self, view: np.ndarray) -> None:
@@ -152,10 +162,13 @@ class ServerEntry(Entry):
 
     def take_sum_buffer(self) -> np.ndarray:
         """A buffer for a round's sum that will become the stored value: in
-        :attr:`regions` where there is room, else as :meth:`take_buffer`."""
+        :attr:`regions` where there is room (leaving a quarter of them free), else as
+        :meth:`take_buffer`."""
         regions = self.regions
         if regions is not None:
-            view = regions.reserve(self.nbytes)
+            # Stored values never take the last quarter: answers not kept there (keys
+            # past it, values an updater changes) are copied into regions of their own.
+            view = regions.reserve(self.nbytes, keep_free=regions.nbytes // VALUES_KEEP_FREE)
             if view is not None:
                 return np.frombuffer(view, self.dtype).reshape(self.shape)
         return cast(np.ndarray, self.take_buffer())

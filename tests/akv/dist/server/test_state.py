@@ -812,16 +812,32 @@ def test_async_pushes_read_in_place_become_values_of_their_own(with_updater):
     assert all(buffer.flags.writeable for buffer in pooled(entry))
 
 
-def with_regions(num_workers: int) -> tuple[Players, ArenaBook]:
+def with_regions(
+    num_workers: int, nbytes: int = 1 << 16, keys: tuple[str, ...] = ("w",)
+) -> tuple[Players, ArenaBook]:
     """Players whose server keeps its sums in the regions of an arena's book (as a server
     with local workers does)."""
-    book = ArenaBook(Arena(1 << 16), min_bytes=1)
+    book = ArenaBook(Arena(nbytes), min_bytes=1)
     book.join()
     players = Players(num_workers)
     players.state.value_regions = book
-    assert players.reply(0, players.init(0, {"w": f32(0, 0)})) == OK
+    assert players.reply(0, players.init(0, {key: f32(0, 0) for key in keys})) == OK
     players.lend = True
     return players, book
+
+
+def test_stored_values_leave_a_quarter_of_the_shared_regions_free():
+    keys = tuple(f"k{i}" for i in range(60))
+    players, book = with_regions(2, nbytes=4096, keys=keys)  # 64 regions of 64 bytes
+    players.push(0, {key: f32(1, 2) for key in keys}, tag=1)
+    players.push(1, {key: f32(10, 20) for key in keys}, tag=1)
+    entries = [players.state.entries[key] for key in keys]
+    for entry in entries:
+        np.testing.assert_array_equal(entry.value, f32(11, 22))
+    in_regions = [entry for entry in entries if book.holds(entry.value)]
+    assert len(in_regions) == 48 and book.regions.regions == 48  # 3/4 of 64
+    assert book.reserve(8) is not None  # the last quarter is still there for answers
+    book.arena.close()
 
 
 def test_a_rounds_sum_is_made_in_a_shared_region_and_the_old_value_given_back_to_it():
