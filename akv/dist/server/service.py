@@ -14,6 +14,7 @@ overlap and keep their order.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -68,6 +69,7 @@ from akv.limits import (
     MAX_PAYLOAD_BYTES,
     ROUND_CHECK_INTERVAL_S,
     SERVER_ENGINE_SLOTS,
+    SPLIT_ADD_MIN_BYTES,
     STAGED_REPLY_MIN_BYTES,
     STARTUP_MARGIN_S,
 )
@@ -140,6 +142,8 @@ class ParameterServer:
         #: The private Unix socket for workers on this host (None: TCP only).
         self._local: LocalSite | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Adds the second half of a large sum (:meth:`_add`); its thread starts on first use.
+        self._adder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="akv-add")
         #: Stopped by a signal with a checkpoint written: a restart takes its rank over.
         self._awaits_restart = False
 
@@ -276,6 +280,7 @@ class ParameterServer:
         for task in list(self._tasks):
             task.cancel()
         await self.engine.aclose()
+        self._adder.shutdown(wait=False)
         if self.checkpoints is not None:
             self.checkpoints.close()
         if self._local is not None:
@@ -474,9 +479,12 @@ class ParameterServer:
         else:
             self.engine.loop.call_soon_threadsafe(fn, *args)
 
+    def _add(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        split_add(self._adder, a, b, out)
+
     def _land(self, work: Land) -> None:
         try:
-            done, failed, released = land(work, self.state.updater)
+            done, failed, released = land(work, self.state.updater, self._add)
         finally:
             if work.lent is not None:
                 self._on_loop(work.lent)
@@ -627,6 +635,22 @@ class ParameterServer:
             self.execute([_failed_reply(work.peer, work.seq, "load_optimizer_states", exc)])
             return
         self.execute([Reply(work.peer, work.seq)])
+
+
+def split_add(
+    helper: concurrent.futures.Executor, a: np.ndarray, b: np.ndarray, out: np.ndarray
+) -> None:
+    """``out = a + b`` (``out`` may be ``a``); from :data:`SPLIT_ADD_MIN_BYTES` on, the
+    second half is added by ``helper`` meanwhile (NumPy lets go of the GIL while it adds)."""
+    contiguous = a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous
+    if out.nbytes < SPLIT_ADD_MIN_BYTES or not contiguous:
+        np.add(a, b, out=out)
+        return
+    a, b, whole = a.reshape(-1), b.reshape(-1), out.reshape(-1)
+    half = len(whole) // 2
+    second = helper.submit(np.add, a[half:], b[half:], whole[half:])
+    np.add(a[:half], b[:half], out=whole[:half])
+    second.result()
 
 
 def _failed_reply(peer: Peer, seq: int, what: str, exc: Exception) -> ReplyError:

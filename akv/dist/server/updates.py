@@ -7,20 +7,29 @@ pulls that read the result.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.dist.server.state import Land, Lent, ServerEntry, give_back, own
 
-__all__ = ["land"]
+__all__ = ["Add", "land"]
+
+#: ``add(a, b, out)``: ``out = a + b`` (the arrays are C-contiguous, of one shape and
+#: dtype; ``out`` may be ``a``).
+Add = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.add(a, b, out=out)
 
 
 def land(
-    work: Land, updater: _optimizer.Updater | None
+    work: Land, updater: _optimizer.Updater | None, add: Add = _add
 ) -> tuple[list[tuple[ServerEntry, int]], list[tuple[ServerEntry, int, Exception]], list[Lent]]:
-    """Merge ``work``'s pushes into their rounds, then apply the rounds it closes.
+    """Merge ``work``'s pushes into their rounds (summed with ``add``), then apply the
+    rounds it closes.
 
     Without ``updater`` a round's sum becomes the stored value (assignment); with one,
     ``updater(key, summed, stored)`` changes the stored value in place. Returns the
@@ -29,7 +38,7 @@ def land(
     that a round's sum no longer holds (the caller lets go of them).
     """
     released: list[Lent] = []
-    _merge(work.merges, released, stored=updater is None)
+    _merge(work.merges, released, updater is None, add)
     done: list[tuple[ServerEntry, int]] = []
     failed: list[tuple[ServerEntry, int, Exception]] = []
     for entry, buffer, round_no in work.closing:
@@ -58,6 +67,7 @@ def _merge(
     items: Sequence[tuple[ServerEntry, np.ndarray, bool, Lent | None]],
     released: list[Lent],
     stored: bool,
+    add: Add,
 ) -> None:
     """Start each round's sum with its first push, or add a later push to it (straight
     out of the sender's shared memory when it was read in place).
@@ -77,11 +87,11 @@ def _merge(
         assert merged is not None  # the round's first push started it
         if entry.borrowed is not None:
             total = entry.take_sum_buffer() if stored else entry.take_buffer()
-            np.add(merged, buffer, out=total)
+            add(merged, buffer, total)
             entry.merged = total
             _let_go(entry, released)
         else:
-            np.add(merged, buffer, out=merged)
+            add(merged, buffer, merged)
         give_back(entry, buffer)
 
 
