@@ -244,7 +244,7 @@ class ArenaBook:
         self._reserved_starts.remove(start)
         self.regions.free(start)
 
-    def _take(self, payloads: list[memoryview]) -> tuple[list[int], list[int]] | None:
+    def take(self, payloads: list[memoryview]) -> tuple[list[int], list[int]] | None:
         """The offsets that carry ``payloads`` in one frame, and those of them that need a
         copy (new regions); None when a payload finds no free region (nothing is taken)."""
         offsets: list[int] = []
@@ -277,6 +277,18 @@ class ArenaBook:
         if start is None or not self._reserved[start].kept:
             return None
         return offset, start
+
+    def give_back(self, offsets: Sequence[int]) -> None:
+        """Frames no longer carry the regions at ``offsets`` (each one sent: the caller
+        checked): free them, or count a reserved one no longer in flight."""
+        with self._lock:
+            for offset in offsets:
+                self._give(offset)
+
+    def is_reserved(self, offset: int) -> bool:
+        """Whether ``offset`` lies in a reserved region."""
+        with self._lock:
+            return bool(self._reserved) and self._reserved_start(offset) is not None
 
     def _give(self, offset: int) -> None:
         """A frame no longer carries the region at ``offset``: free it, or for a reserved
@@ -373,7 +385,7 @@ class SharedMemory:
         if int.from_bytes(head[8:PREFIX_BYTES], "little") < self.min_bytes:
             return None
         payloads = [memoryview(payload).cast("B") for payload in buffers[1:]]
-        taken = book._take(payloads)
+        taken = book.take(payloads)
         if taken is None:
             self.frames_not_fitting += 1
             return None
@@ -404,17 +416,13 @@ class SharedMemory:
                     del sent[offset]
                 else:
                     sent[offset] = count - 1
-                with book._lock:
-                    book._give(offset)
+                book.give_back((offset,))
         finally:
             offsets.clear()
 
     def _not_sent(self, offset: int) -> str:
-        book = self.book
-        if book is not None:
-            with book._lock:
-                if book._reserved and book._reserved_start(offset) is not None:
-                    return f"release of offset {offset}, in a reserved region not sent"
+        if self.book is not None and self.book.is_reserved(offset):
+            return f"release of offset {offset}, in a reserved region not sent"
         return f"release of offset {offset}, where no region of the arena is in use"
 
     @staticmethod
@@ -435,10 +443,7 @@ class SharedMemory:
         self._closed = True
         book = self.book
         if book is not None:
-            with book._lock:
-                for offset, count in self._sent.items():
-                    for _ in range(count):
-                        book._give(offset)
+            book.give_back([o for o, count in self._sent.items() for _ in range(count)])
             self._sent.clear()
             book.leave()
         if self.peer is not None:
