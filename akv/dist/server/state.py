@@ -121,10 +121,6 @@ class ValueRegions(Protocol):
         done)."""
         ...
 
-    def holds(self, array: np.ndarray) -> bool:
-        """Whether ``array`` lies in a region reserved and not given back."""
-        ...
-
 
 class ServerEntry(Entry):
     """A key (or this server's part of a split key) as the server holds it.
@@ -135,7 +131,7 @@ class ServerEntry(Entry):
     value is never changed in place (:meth:`private_value` moves it out first).
     """
 
-    __slots__ = ("borrowed", "durable", "made_by", "merged", "regions", "rounds")
+    __slots__ = ("_in_regions", "borrowed", "durable", "made_by", "merged", "regions", "rounds")
 
     def __init__(
         self,
@@ -159,6 +155,9 @@ class ServerEntry(Entry):
         #: A checkpoint holds the key (always True without checkpoints).
         self.durable = True
         self.regions: ValueRegions | None = None
+        #: The buffers this key took from :attr:`regions` and has not given back (the
+        #: stored value and the open round's sum, at most).
+        self._in_regions: list[np.ndarray] = []
 
     def take_sum_buffer(self) -> np.ndarray:
         """A buffer for a round's sum that will become the stored value: in
@@ -170,15 +169,17 @@ class ServerEntry(Entry):
             # past it, values an updater changes) are copied into regions of their own.
             view = regions.reserve(self.nbytes, keep_free=regions.nbytes // VALUES_KEEP_FREE)
             if view is not None:
-                return np.frombuffer(view, self.dtype).reshape(self.shape)
+                buffer: np.ndarray = np.frombuffer(view, self.dtype).reshape(self.shape)
+                self._in_regions.append(buffer)
+                return buffer
         return cast(np.ndarray, self.take_buffer())
 
     def give_buffer(self, buffer: Any) -> None:
-        """As :meth:`Entry.give_buffer`; a buffer in :attr:`regions` is given back to them
-        instead (freed once no peer reads it)."""
-        regions = self.regions
-        if regions is not None and regions.holds(buffer):
-            regions.unreserve(buffer)
+        """As :meth:`Entry.give_buffer`; a buffer taken from :attr:`regions` is given back
+        to them instead (freed once no peer reads it)."""
+        if self._in_regions and self._out_of_regions(buffer):
+            assert self.regions is not None  # it came from them
+            self.regions.unreserve(buffer)
         else:
             super().give_buffer(buffer)
 
@@ -186,14 +187,23 @@ class ServerEntry(Entry):
         """The stored value, moved into a buffer of the key's own first if it lies in
         :attr:`regions` (peers may be reading it there): call before changing it in
         place."""
-        regions = self.regions
         value = self.value
-        if regions is not None and regions.holds(value):
+        if self._in_regions and self._out_of_regions(value):
+            assert self.regions is not None  # it came from them
             private = cast(np.ndarray, self.take_buffer())
             np.copyto(private, value)
-            regions.unreserve(value)
+            self.regions.unreserve(value)
             self.value = private
         return self.value
+
+    def _out_of_regions(self, buffer: object) -> bool:
+        """Forget ``buffer`` as taken from :attr:`regions`; False when it was not."""
+        taken = self._in_regions
+        for index, array in enumerate(taken):
+            if array is buffer:
+                del taken[index]
+                return True
+        return False
 
 
 @dataclass(eq=False)

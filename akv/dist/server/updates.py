@@ -80,7 +80,7 @@ def _merge(
     """
     for entry, buffer, first, keeps in items:
         if first:
-            entry.merged = buffer if keeps is not None else own(entry, buffer)
+            entry.merged = buffer if keeps is not None else own(entry, buffer, stored)
             entry.borrowed = keeps
             continue
         merged = entry.merged

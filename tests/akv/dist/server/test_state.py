@@ -855,6 +855,17 @@ def test_a_rounds_sum_is_made_in_a_shared_region_and_the_old_value_given_back_to
     book.arena.close()
 
 
+def test_a_lone_workers_push_is_copied_once_into_a_shared_region_and_stored_there():
+    players, book = with_regions(1)
+    entry = players.state.entries["w"]
+    for step in (1, 2):
+        players.push(0, {"w": f32(step, 2 * step)}, tag=step)
+        np.testing.assert_array_equal(entry.value, f32(step, 2 * step))
+        assert book.holds(entry.value) and book.regions.regions == 1
+    assert players.handed_back == [(0, 2), (0, 3)]  # the pushes, read in place, went back
+    book.arena.close()
+
+
 def test_an_updater_moves_a_stored_value_out_of_the_shared_regions_before_changing_it():
     players, book = with_regions(2)
     entry = players.state.entries["w"]
