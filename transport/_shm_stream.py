@@ -245,13 +245,14 @@ class ArenaBook:
         self.regions.free(start)
 
     def take(self, payloads: list[memoryview]) -> tuple[list[int], list[int]] | None:
-        """The offsets that carry ``payloads`` in one frame, and those of them that need a
-        copy (new regions); None when a payload finds no free region (nothing is taken)."""
+        """The offsets that carry ``payloads`` in one frame, and the indices of the
+        payloads that need a copy there (new regions); None when a payload finds no free
+        region (nothing is taken)."""
         offsets: list[int] = []
         copies: list[int] = []
         sent: list[int] = []
         with self._lock:
-            for payload in payloads:
+            for index, payload in enumerate(payloads):
                 reserved = self._reserved_offset(payload) if self._reserved else None
                 if reserved is not None:
                     offset, start = reserved
@@ -260,10 +261,10 @@ class ArenaBook:
                     allocated = self.regions.allocate(payload.nbytes)
                     if allocated is None:
                         for taken in copies:
-                            self.regions.free(taken)
+                            self.regions.free(offsets[taken])
                         return None
                     offset = allocated
-                    copies.append(offset)
+                    copies.append(index)
                 offsets.append(offset)
             for start in sent:  # in flight until the peer releases it
                 self._reserved[start].in_flight += 1
@@ -393,11 +394,9 @@ class SharedMemory:
         sent = self._sent
         for offset in offsets:
             sent[offset] = sent.get(offset, 0) + 1
-        if copies:
-            copied = set(copies)
-            for offset, payload in zip(offsets, payloads, strict=True):
-                if offset in copied:
-                    own.view(offset, payload.nbytes)[:] = payload
+        for index in copies:
+            payload = payloads[index]
+            own.view(offsets[index], payload.nbytes)[:] = payload
         self.frames_shared += 1
         self.arrays_in_place += len(payloads) - len(copies)
         return to_arena_prefix(head, offsets)
@@ -405,19 +404,21 @@ class SharedMemory:
     def freed(self, offsets: list[int]) -> None:
         """The peer handed these regions back (a reserved one is freed once its caller gave
         it back too). Raises :class:`FrameError` for one this stream did not send."""
-        book = self.book
         sent = self._sent
+        given: list[int] = []
         try:
             for offset in offsets:
                 count = sent.get(offset, 0)
-                if not count or book is None:
+                if not count:
                     raise FrameError(self._not_sent(offset))
                 if count == 1:
                     del sent[offset]
                 else:
                     sent[offset] = count - 1
-                book.give_back((offset,))
+                given.append(offset)
         finally:
+            if given and self.book is not None:  # anything sent has a book
+                self.book.give_back(given)
             offsets.clear()
 
     def _not_sent(self, offset: int) -> str:
