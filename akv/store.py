@@ -547,8 +547,6 @@ class AsyncKVStore:
                 await self._engine.aclose()
 
     def _check_usable(self) -> None:
-        if GUARD.store is None and not self._closed and self._backend.broken is None:
-            return  # the common case, one test
         if GUARD.store is self:
             raise ReentrantCallError(
                 "a store method was called from inside that store's updater; the updater "
