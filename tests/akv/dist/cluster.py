@@ -3,7 +3,8 @@
 :class:`Cluster` runs the scheduler and the servers on a private event-loop thread of the
 test process and makes worker stores through ``akv.create_async(..., environ=...)``, so a
 test can drive several workers from one coroutine. :func:`launch` runs a real job through
-``akv-launch`` in subprocesses and returns its output.
+``akv-launch`` in subprocesses and returns its output; :func:`launch_shm_on_and_off` runs it
+with shared memory on and off.
 """
 
 from __future__ import annotations
@@ -148,6 +149,27 @@ def launch(
             f"akv-launch {list(args)} ran past {timeout} s:\n{stdout}\n{stderr}"
         ) from exc
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def launch_shm_on_and_off(
+    args: Sequence[str],
+    *,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Run ``akv-launch ARGS`` twice, with shared memory between co-located workers and
+    servers (``AKV_SHM=1``, the default) and without it (``AKV_SHM=0``, TCP only), each as
+    :func:`launch` runs it; fail unless both end with exit code 0.
+
+    Returns both runs by their ``AKV_SHM`` value, for the test to check that they computed
+    exactly the same values.
+    """
+    runs = {}
+    for shm in ("1", "0"):
+        done = launch(args, timeout=timeout, env={**(env or {}), "AKV_SHM": shm})
+        assert done.returncode == 0, f"AKV_SHM={shm}:\n{done.stdout}\n{done.stderr}"
+        runs[shm] = done
+    return runs
 
 
 async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:

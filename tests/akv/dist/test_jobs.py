@@ -15,7 +15,14 @@ import sys
 
 import pytest
 
-from tests.akv.dist.cluster import FAST_TIMEOUTS, ROOT, free_port, job_env, launch
+from tests.akv.dist.cluster import (
+    FAST_TIMEOUTS,
+    ROOT,
+    free_port,
+    job_env,
+    launch,
+    launch_shm_on_and_off,
+)
 
 JOBS = ROOT / "tests" / "akv" / "dist" / "jobs"
 pytestmark = pytest.mark.timeout(180)
@@ -28,25 +35,27 @@ def results(stdout: str) -> list[dict]:
     )
 
 
+def values(stdout: str) -> list[dict]:
+    """The workers' JSON lines without ``shm`` (whether every link shared memory)."""
+    return [{k: v for k, v in r.items() if k != "shm"} for r in results(stdout)]
+
+
+def semantics_job(workers: int, servers: int, store_type: str) -> list[dict]:
+    """What the workers of ``jobs/semantics.py`` saw, the same with shared memory on and off."""
+    args = ["-n", str(workers), "-s", str(servers), "--"]
+    runs = launch_shm_on_and_off([*args, sys.executable, str(JOBS / "semantics.py"), store_type])
+    for shm, done in runs.items():
+        assert {r["shm"] for r in results(done.stdout)} == {shm == "1"}, done.stdout
+    assert values(runs["1"].stdout) == values(runs["0"].stdout)
+    return values(runs["1"].stdout)
+
+
 @pytest.mark.parametrize(
     ("workers", "servers", "store_type"),
     [(2, 1, "dist_sync"), (3, 2, "dist_sync"), (2, 2, "dist_sync_device")],
 )
 def test_dist_sync_semantics_across_processes(workers, servers, store_type):
-    done = launch(
-        [
-            "-n",
-            str(workers),
-            "-s",
-            str(servers),
-            "--",
-            sys.executable,
-            str(JOBS / "semantics.py"),
-            store_type,
-        ]
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    seen = results(done.stdout)
+    seen = semantics_job(workers, servers, store_type)
     total = sum(range(1, workers + 1))
     assert [r["rank"] for r in seen] == list(range(workers))
     for r in seen:
@@ -63,27 +72,33 @@ def test_dist_sync_semantics_across_processes(workers, servers, store_type):
 
 @pytest.mark.parametrize("store_type", ["dist_async", "dist_device_async"])
 def test_dist_async_semantics_across_processes(store_type):
-    done = launch(
-        ["-n", "2", "-s", "2", "--", sys.executable, str(JOBS / "semantics.py"), store_type]
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    for r in results(done.stdout):
+    seen = semantics_job(2, 2, store_type)
+    assert [r["rank"] for r in seen] == [0, 1]
+    for r in seen:
         assert r["type"] == store_type
         assert r["init"] == 10.0
         assert r["sgd"] == pytest.approx(0.8)  # both pushes applied, each on arrival
 
 
+#: What examples/train_dist.py prints per epoch and at the end (the times left out).
+EPOCH = re.compile(r"^\[worker (\d)\] worker \d epoch +(\d+)/\d+ \S+ (loss .*)$", re.M)
+FINAL = re.compile(r"^\[worker (\d)\] worker \d: loss ([0-9.]+) -> ([0-9.]+) in .*?, (.*)$", re.M)
+
+
 def test_the_training_example_runs_and_the_loss_falls():
-    done = launch(
+    runs = launch_shm_on_and_off(
         ["-n", "2", "-s", "1", "--", sys.executable, "examples/train_dist.py", "--epochs", "4"]
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    finals = [line for line in done.stdout.splitlines() if "->" in line]
-    assert len(finals) == 2
-    for line in finals:
-        first, last = (float(x) for x in line.split("loss ")[1].split(" in ")[0].split(" -> "))
-        assert last < first
+    done = runs["1"]
+    finals = FINAL.findall(done.stdout)
+    assert len(finals) == 2, done.stdout
+    for _, first, last, _ in finals:
+        assert float(last) < float(first)
     assert "epoch  4/4 [########################]" in done.stdout
+    # Exactly the same losses and accuracies, epoch by epoch, with shared memory on and off.
+    for pattern in (EPOCH, FINAL):
+        assert sorted(pattern.findall(done.stdout)) == sorted(pattern.findall(runs["0"].stdout))
+    assert len(EPOCH.findall(done.stdout)) == 8
 
 
 def test_a_worker_that_dies_fails_the_job_naming_its_rank():

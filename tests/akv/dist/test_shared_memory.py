@@ -15,8 +15,7 @@ import pytest
 
 import akv
 from akv.limits import STAGED_REPLY_MIN_BYTES
-from tests.akv.dist.cluster import Cluster, launch, server_books, wait_until
-from tests.akv.dist.test_jobs import JOBS, results
+from tests.akv.dist.cluster import Cluster, server_books, wait_until
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd (Linux)")
 
@@ -192,19 +191,6 @@ async def test_a_worker_falls_back_to_tcp_when_the_socket_is_gone():
         values, links = await run(cluster)
         assert links == [False]
         assert values[0]["big 0"].shape == SHAPE
-
-
-def test_a_job_gives_the_same_values_with_shared_memory_on_and_off():
-    seen = {}
-    for shm in ("1", "0"):
-        done = launch(
-            ["-n", "2", "-s", "2", "--", sys.executable, str(JOBS / "semantics.py"), "dist_sync"],
-            env={"AKV_SHM": shm},
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-        seen[shm] = [{k: v for k, v in r.items() if k != "shm"} for r in results(done.stdout)]
-        assert {r["shm"] for r in results(done.stdout)} == {shm == "1"}
-    assert seen["1"] == seen["0"]
 
 
 def test_nothing_is_left_in_the_file_system_after_a_server_is_killed(tmp_path):
