@@ -509,6 +509,21 @@ class AsyncKVStore:
         self._check_usable()
         return self._backend.barrier()
 
+    def wait_all(self) -> Waitable:
+        """Wait for every call made on this store before this one (MXNet: ``mx.nd.waitall()``).
+
+        It completes once each of those calls has, as if every call's own awaitable were
+        awaited: the way to wait for many calls issued without awaiting them, with no list
+        of awaitables and no ``asyncio.gather`` (which costs more per awaitable than a
+        small local call does). It raises the first failure among those calls that no wait
+        has raised yet, noting how many others failed; each failure is raised once. In a
+        distributed store a pipelined push counts once its request is sent: an error a
+        server reports about it later is raised by the next call on its key, by
+        :meth:`barrier` and by :meth:`close`.
+        """
+        self._check_usable()
+        return self._engine.wait_all()
+
     def set_barrier_before_exit(self, barrier_before_exit: bool = True) -> None:
         """Whether ``close()`` waits for every worker first (default True; local: no-op)."""
         self._barrier_before_exit = bool(barrier_before_exit)
@@ -731,6 +746,12 @@ class KVStore:
         """See :meth:`AsyncKVStore.barrier`."""
         self._settle()
         self._wait(self._inner.barrier())
+
+    def wait_all(self) -> None:
+        """See :meth:`AsyncKVStore.wait_all`. The calls of this face return once done,
+        except a distributed store's pipelined pushes, which this waits for too."""
+        self._settle()
+        self._wait(self._inner.wait_all())
 
     def set_barrier_before_exit(self, barrier_before_exit: bool = True) -> None:
         """See :meth:`AsyncKVStore.set_barrier_before_exit`."""

@@ -180,6 +180,10 @@ def test_bench_prints_a_table_with_a_floor_and_writes_json(tmp_path, suite):
     for row in rows:
         assert row["akv_s"] > 0 and row["floor_s"] > 0
         assert row["ratio"] == pytest.approx(row["akv_s"] / row["floor_s"])
+    if suite == "local":  # the ways of waiting for 1000 small calls issued without awaiting
+        names = {row["name"] for row in rows}
+        for way in ("gathered", "awaited", "wait_all"):
+            assert f"async 1000 keys x 16 floats, issued+{way}" in names
 
 
 def test_a_plain_wheel_carries_every_package_and_py_typed(tmp_path):

@@ -101,6 +101,22 @@ def test_the_training_example_runs_and_the_loss_falls():
     assert len(EPOCH.findall(done.stdout)) == 8
 
 
+def test_the_small_round_profiling_script_times_rounds_that_sum_both_workers():
+    done = launch(
+        ["-n", "2", "-s", "1", "--", sys.executable, "docs/profiling/small_round.py"],
+        env={"AKV_PROFILE_ROUNDS": "20"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr  # it checks the sums itself
+    lines = re.findall(
+        r"^\[worker 0\] round (\d+) us, calling thread CPU (\d+) us, process CPU (\d+) us$",
+        done.stdout,
+        re.M,
+    )
+    assert len(lines) == 3, done.stdout
+    for wall, caller, process in lines:
+        assert int(wall) > 0 and int(caller) <= int(process)
+
+
 def test_a_worker_that_dies_fails_the_job_naming_its_rank():
     done = launch(
         ["-n", "2", "-s", "1", "--", sys.executable, str(JOBS / "faults.py"), "die"], timeout=90

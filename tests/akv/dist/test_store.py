@@ -421,6 +421,25 @@ async def test_a_pull_after_my_push_waits_for_the_other_workers():
         await close_all([first, second])
 
 
+async def test_wait_all_waits_for_pulls_issued_without_awaiting_them():
+    with Cluster(2, 1) as cluster:
+        stores = await cluster.workers()
+        keys = [f"k{i}" for i in range(20)]
+
+        async def body(kv):
+            await kv.init(keys, [full(0.0)] * len(keys))
+            outs = [np.zeros(SHAPE, np.float32) for _ in keys]
+            for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
+                kv.push(key, full(i + kv.rank))  # none of these awaited
+                kv.pull(key, out=out)
+            await kv.wait_all()
+            return [float(out[0, 0]) for out in outs]
+
+        seen = await each(stores, body)
+        assert seen == [[2.0 * i + 1 for i in range(len(keys))]] * 2  # both workers' pushes
+        await close_all(stores)
+
+
 async def _pulled(kv):
     return await kv.pull(0)
 
