@@ -317,29 +317,11 @@ class Completed(Waitable):
 
     __slots__ = ()
 
-    #: A done future to asyncio, always (an attribute: ``asyncio.gather`` asks each one).
-    _asyncio_future_blocking = False
-
     def __init__(self, result: Any, name: str) -> None:
         self._name = name
         self._state = DONE
         self._result = result
         self._failure = None
-
-    # What asyncio.gather calls on each of its arguments, without the state checks.
-    def result(self, timeout: float | None = None) -> Any:
-        """The result (it never waits)."""
-        return self._result
-
-    def exception(self) -> None:
-        """None: it completed successfully."""
-        return None
-
-    def add_done_callback(
-        self, fn: FutureCallback, *, context: contextvars.Context | None = None
-    ) -> None:
-        """Schedule ``fn(self)`` on the running loop (see :meth:`Waitable.add_done_callback`)."""
-        _call_soon_batched(asyncio.get_running_loop(), fn, self, context)
 
     def _add_callback(self, callback: Callable[[Waitable], None]) -> None:
         callback(self)

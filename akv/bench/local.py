@@ -14,6 +14,7 @@ import numpy as np
 import akv
 from akv.args import Key
 from akv.bench._report import Row, Table, compare, compare_async
+from engine import Waitable
 
 __all__ = ["run"]
 
@@ -169,25 +170,23 @@ async def _async_rows(table: Table) -> None:
                 await kv.push(key, v)
                 await kv.pull(key, out=o)
 
-        async def issued_then_gathered() -> None:
+        def issued() -> list[Waitable]:
+            """A push and a pull per key, none awaited."""
             waitables = []
             for key, v, o in zip(keys, values, outs, strict=True):
                 waitables.append(kv.push(key, v))
                 waitables.append(kv.pull(key, out=o))
-            await asyncio.gather(*waitables)
+            return waitables
+
+        async def issued_then_gathered() -> None:
+            await asyncio.gather(*issued())
 
         async def issued_then_awaited_each() -> None:
-            waitables = []
-            for key, v, o in zip(keys, values, outs, strict=True):
-                waitables.append(kv.push(key, v))
-                waitables.append(kv.pull(key, out=o))
-            for waitable in waitables:
+            for waitable in issued():
                 await waitable
 
         async def issued_then_wait_all() -> None:  # as MXNet's loop ends with waitall()
-            for key, v, o in zip(keys, values, outs, strict=True):
-                kv.push(key, v)
-                kv.pull(key, out=o)
+            issued()
             await kv.wait_all()
 
         for name, fn in (

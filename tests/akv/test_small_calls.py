@@ -107,7 +107,6 @@ async def test_a_small_call_behind_busy_work_is_queued_with_a_copy_of_its_value(
 
 async def test_a_failing_small_push_raises_at_the_gather_naming_the_key():
     kv, keys = await small_store()
-
     fail_on_the_fourth_key(kv, keys)
     waitables = [kv.push(key, np.ones(SIZE, np.float32)) for key in keys[:5]]
     pull = kv.pull(keys[3], out=np.zeros(SIZE, np.float32))
@@ -158,7 +157,6 @@ async def test_wait_all_after_1000_small_calls_makes_no_task_or_future_each(monk
 
 async def test_wait_all_raises_a_failure_nobody_awaited_once_naming_the_key():
     kv, keys = await small_store()
-
     fail_on_the_fourth_key(kv, keys)
     for key in keys[:5]:
         kv.push(key, np.ones(SIZE, np.float32))  # none awaited

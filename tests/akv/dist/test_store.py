@@ -743,6 +743,28 @@ def test_a_blocking_push_returns_before_its_task_and_barrier_settles_it(monkeypa
         kv.close()
 
 
+def test_the_blocking_wait_all_settles_pushes_it_returned_from_early(monkeypatch):
+    with Cluster(1, 1) as cluster:
+        kv = akv.create("dist_sync", environ=cluster.worker_env(0))
+        kv.init("w", np.zeros(4, np.float32))
+        gate = threading.Event()
+        real_send = ServerLink.send
+
+        def held(self, op, wire, on_reply, **kwargs):
+            if op in (Op.PUSH, Op.PUSHPULL):
+                assert gate.wait(WAIT_S)  # the loop thread waits here; the caller does not
+            return real_send(self, op, wire, on_reply, **kwargs)
+
+        monkeypatch.setattr(ServerLink, "send", held)
+        kv.push("w", np.ones(4, np.float32))  # returns although the send is held
+        assert len(kv._unsettled) == 1
+        threading.Timer(0.1, gate.set).start()
+        kv.wait_all()  # waits for the held send
+        assert gate.is_set() and len(kv._unsettled) == 0
+        np.testing.assert_array_equal(kv.pull("w"), np.ones(4))
+        kv.close()
+
+
 def test_a_barrier_that_raises_a_late_error_leaves_the_next_barrier_in_step(monkeypatch):
     with Cluster(1, 1) as cluster:
         kv = akv.create("dist_sync", environ=cluster.worker_env(0))
