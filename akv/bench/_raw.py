@@ -11,10 +11,21 @@
   :class:`RawRound` measures the first client: the same bytes and processes as a
   2-worker, 1-server round over TCP, with no framing, no event loop and no Python
   beyond the socket calls.
+- The same round through shared memory (:class:`RawShmRound`): the three processes map
+  one memfd. Each client copies its N bytes into a region of its own there and says so
+  on a pipe; the server (``python -m akv.bench._raw shmround ...``) adds the two regions
+  into a third with NumPy (from :data:`~akv.limits.SPLIT_ADD_MIN_BYTES` on with a second
+  thread adding half, as akv's server does) and says so to both; each client copies the
+  sum out. These are the copies and the sum of the memcpy floor, made by three processes
+  on their own cores and caches, with two pipe wake-ups each way and nothing else: the
+  floor of a shared-memory design with a server process.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import mmap
+import os
 import socket
 import statistics
 import struct
@@ -25,7 +36,9 @@ import time
 
 import numpy as np
 
-__all__ = ["RawEcho", "RawRound", "round_trip"]
+from akv.limits import SPLIT_ADD_MIN_BYTES
+
+__all__ = ["RawEcho", "RawRound", "RawShmRound", "round_trip"]
 
 CHUNK_BYTES = 1 << 20
 START_TIMEOUT_S = 20.0
@@ -158,6 +171,12 @@ class RawEcho:
     def before(self, nbytes: int, iterations: int) -> None:
         """Nothing to prepare: the echo answers whatever comes."""
 
+    def exchange(self, header: bytes, payload: memoryview, back: memoryview) -> None:
+        """Send ``payload`` (announced by ``header``, its length) and receive ``back``."""
+        self.sock.sendall(header)
+        self.sock.sendall(payload)
+        _recv_exactly(self.sock, back)
+
     def close(self) -> None:
         sock = getattr(self, "sock", None)
         if sock is not None:
@@ -211,9 +230,168 @@ def peer(port: int) -> None:
     sock.close()
 
 
-def round_trip(echo: RawEcho, nbytes: int, iterations: int, rounds: int = 5) -> float:
+#: The bytes a client's signal to the shared-memory round server carries: the round's N.
+_SIGNAL = struct.Struct("<Q")
+
+
+def _read_exactly(fd: int, count: int) -> bytes:
+    """``count`` bytes from pipe ``fd``; b"" at its end."""
+    data = b""
+    while len(data) < count:
+        chunk = os.read(fd, count - len(data))
+        if not chunk:
+            return b""
+        data += chunk
+    return data
+
+
+def _regions(fd: int, max_bytes: int) -> tuple[mmap.mmap, list[memoryview]]:
+    """The shared arena of a :class:`RawShmRound`: client 0's region, client 1's, the sum."""
+    # Mapped with every page in place, so that no round pays for first touches.
+    mapping = mmap.mmap(fd, 3 * max_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    view = memoryview(mapping)
+    return mapping, [view[i * max_bytes : (i + 1) * max_bytes] for i in range(3)]
+
+
+def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out = a + b``, returning nothing (a future keeps no view of the arena)."""
+    np.add(a, b, out=out)
+
+
+def serve_shm_round(fd: int, max_bytes: int, signals: list[int], answers: list[int]) -> None:
+    """Serve shared-memory rounds until a client's pipe ends: read N from both clients'
+    ``signals``, add their regions' first N bytes as float32 into the third, write a byte
+    to both ``answers``."""
+    mapping, regions = _regions(fd, max_bytes)
+    helper = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        while True:
+            sizes = [_read_exactly(signal, _SIGNAL.size) for signal in signals]
+            if not all(sizes):
+                return
+            (nbytes,) = _SIGNAL.unpack(sizes[0])
+            first, second, total = (
+                np.frombuffer(region[:nbytes], np.float32) for region in regions
+            )
+            if nbytes < SPLIT_ADD_MIN_BYTES:
+                np.add(first, second, out=total)
+            else:  # as akv's server does: a helper thread adds the second half meanwhile
+                half = len(total) // 2
+                rest = helper.submit(_add, first[half:], second[half:], total[half:])
+                np.add(first[:half], second[:half], out=total[:half])
+                rest.result()
+            del first, second, total  # the mapping closes below only without exports
+            for answer in answers:
+                os.write(answer, b"x")
+    finally:
+        helper.shutdown()
+        for region in regions:
+            region.release()
+        mapping.close()
+
+
+class RawShmRound:
+    """A sync round of two clients through shared memory (see the module docstring): a
+    server process, a second client process and this process's side, for rounds of at
+    most ``max_bytes``. The arena is a memfd: it has no name, and nothing of it is left
+    once the three processes have ended."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._fd = os.memfd_create("akv-bench-raw-round", os.MFD_CLOEXEC)
+        opened = [self._fd]
+        try:
+            os.posix_fallocate(self._fd, 0, 3 * max_bytes)
+            signals, answers = [os.pipe() for _ in range(2)], [os.pipe() for _ in range(2)]
+            opened += [fd for pair in signals + answers for fd in pair]
+            server_fds = [signals[0][0], signals[1][0], answers[0][1], answers[1][1]]
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "akv.bench._raw", "shmround", str(self._fd), str(max_bytes)]
+                + [str(fd) for fd in server_fds],
+                pass_fds=[self._fd, *server_fds],
+            )
+            peer_fds = [signals[1][1], answers[1][0]]
+            self.peer = subprocess.Popen(
+                [sys.executable, "-m", "akv.bench._raw", "shmpeer", str(self._fd), str(max_bytes)]
+                + [str(fd) for fd in peer_fds],
+                pass_fds=[self._fd, *peer_fds],
+                stdin=subprocess.PIPE,
+            )
+        except BaseException:
+            for fd in opened:
+                os.close(fd)
+            raise
+        # This side keeps its own ends; the children have theirs.
+        self._signal, self._answer = signals[0][1], answers[0][0]
+        for fd in opened:
+            if fd not in (self._fd, self._signal, self._answer):
+                os.close(fd)
+        self._mapping, (self._mine, _, self._total) = _regions(self._fd, max_bytes)
+
+    def before(self, nbytes: int, iterations: int) -> None:
+        """Have the second client take part in the next ``iterations`` rounds of ``nbytes``."""
+        if nbytes > self._max_bytes:
+            raise ValueError(f"a round of {nbytes} bytes exceeds this arena's {self._max_bytes}")
+        assert self.peer.stdin is not None
+        self.peer.stdin.write(f"{nbytes} {iterations}\n".encode())
+        self.peer.stdin.flush()
+
+    def exchange(self, header: bytes, payload: memoryview, back: memoryview) -> None:
+        """One round: copy ``payload`` in, signal its length (``header``), wait for the sum,
+        copy it out into ``back``."""
+        nbytes = len(payload)
+        self._mine[:nbytes] = payload
+        os.write(self._signal, header)
+        if not _read_exactly(self._answer, 1):
+            raise ConnectionError("the shared-memory round server ended")
+        back[:] = self._total[:nbytes]
+
+    def close(self) -> None:
+        if self.peer.stdin is not None:
+            self.peer.stdin.close()  # the second client leaves at the end of its input
+        _end(self.peer)
+        os.close(self._signal)  # the server's pipes end: it leaves
+        _end(self.process)
+        os.close(self._answer)
+        for region in (self._mine, self._total):
+            region.release()
+        self._mapping.close()
+        os.close(self._fd)
+
+    def __enter__(self) -> RawShmRound:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def shm_peer(fd: int, max_bytes: int, signal: int, answer: int) -> None:
+    """The second client of a :class:`RawShmRound`: for each line ``N ITERATIONS`` on
+    standard input, take part in that many rounds of N bytes (float32 ones)."""
+    mapping, regions = _regions(fd, max_bytes)
+    mine, total = regions[1], regions[2]
+    try:
+        for line in sys.stdin:
+            nbytes, iterations = (int(word) for word in line.split())
+            header = _SIGNAL.pack(nbytes)
+            payload = np.ones(nbytes // 4, np.float32).data.cast("B")
+            back = memoryview(bytearray(nbytes))
+            for _ in range(iterations):
+                mine[:nbytes] = payload
+                os.write(signal, header)
+                if not _read_exactly(answer, 1):
+                    return
+                back[:] = total[:nbytes]
+    finally:
+        os.close(signal)
+        for region in regions:
+            region.release()
+        mapping.close()
+
+
+def round_trip(echo: RawEcho | RawShmRound, nbytes: int, iterations: int, rounds: int = 5) -> float:
     """Median seconds to send ``nbytes`` and receive as many back (``echo`` a
-    :class:`RawEcho` or a :class:`RawRound`)."""
+    :class:`RawEcho`, :class:`RawRound` or :class:`RawShmRound`)."""
     payload = memoryview(bytearray(nbytes))
     back = memoryview(bytearray(nbytes))
     header = struct.pack("<Q", nbytes)
@@ -222,15 +400,19 @@ def round_trip(echo: RawEcho, nbytes: int, iterations: int, rounds: int = 5) -> 
         echo.before(nbytes, iterations)
         start = time.perf_counter()
         for _ in range(iterations):
-            echo.sock.sendall(header)
-            echo.sock.sendall(payload)
-            _recv_exactly(echo.sock, back)
+            echo.exchange(header, payload, back)
         samples.append((time.perf_counter() - start) / iterations)
     return statistics.median(samples)
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "round":
+    if sys.argv[1] == "shmround":
+        fd, limit, *pipes = (int(word) for word in sys.argv[2:])
+        serve_shm_round(fd, limit, pipes[:2], pipes[2:])
+    elif sys.argv[1] == "shmpeer":
+        fd, limit, signal, answer = (int(word) for word in sys.argv[2:])
+        shm_peer(fd, limit, signal, answer)
+    elif sys.argv[1] == "round":
         serve_round(int(sys.argv[2]))
     elif sys.argv[1] == "peer":
         peer(int(sys.argv[2]))

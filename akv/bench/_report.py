@@ -138,6 +138,9 @@ class Row:
     #: A second floor for the same work (``akv bench dist``: memory copies beside raw TCP).
     second_floor_s: float | None = None
     second_floor: str = ""
+    #: A third (``akv bench dist``: the raw shared-memory round beside the memory copies).
+    third_floor_s: float | None = None
+    third_floor: str = ""
 
     @property
     def ratio(self) -> float:
@@ -147,9 +150,17 @@ class Row:
     @property
     def second_ratio(self) -> float | None:
         """akv's time over the second floor's; None where the row has no second floor."""
-        if self.second_floor_s is None:
+        return self._ratio_to(self.second_floor_s)
+
+    @property
+    def third_ratio(self) -> float | None:
+        """akv's time over the third floor's; None where the row has no third floor."""
+        return self._ratio_to(self.third_floor_s)
+
+    def _ratio_to(self, floor_s: float | None) -> float | None:
+        if floor_s is None:
             return None
-        return self.akv_s / self.second_floor_s if self.second_floor_s > 0 else float("inf")
+        return self.akv_s / floor_s if floor_s > 0 else float("inf")
 
 
 @dataclass
@@ -161,6 +172,8 @@ class Table:
     notes: list[str] = field(default_factory=list)
     #: The heading of the second floor's column (shown when a row has a second floor).
     second_floor_heading: str = "floor 2"
+    #: The heading of the third floor's column (shown when a row has a third floor).
+    third_floor_heading: str = "floor 3"
 
     def add(self, row: Row) -> Row:
         self.rows.append(row)
@@ -168,13 +181,30 @@ class Table:
 
     def render(self) -> str:
         with_p90 = any(row.akv_p90_s is not None for row in self.rows)
-        with_second = any(row.second_floor_s is not None for row in self.rows)
+        # The extra floors' columns: (heading, the row's floor seconds, its ratio), shown
+        # when some row has that floor.
+        extras: list[tuple[str, Callable[[Row], tuple[float | None, float | None]]]] = [
+            (heading, floor)
+            for heading, floor, shown in (
+                (
+                    self.second_floor_heading,
+                    lambda row: (row.second_floor_s, row.second_ratio),
+                    any(row.second_floor_s is not None for row in self.rows),
+                ),
+                (
+                    self.third_floor_heading,
+                    lambda row: (row.third_floor_s, row.third_ratio),
+                    any(row.third_floor_s is not None for row in self.rows),
+                ),
+            )
+            if shown
+        ]
         head = " ".join(
             [
                 f"{'operation':44} {'akv':>12}",
                 *([f"{'akv p90':>12}"] if with_p90 else []),
                 f"{'floor':>12} {'ratio':>6}  {'floor is':30}",
-                *([f"{self.second_floor_heading:>12} {'ratio':>6}"] if with_second else []),
+                *[f"{heading:>12} {'ratio':>6}" for heading, _ in extras],
                 f"{'MXNet 1.9.1*':>12} {'speedup':>7}",
             ]
         )
@@ -185,17 +215,20 @@ class Table:
                 ref = _fmt(row.reference_s, row.unit_ops)
                 speedup = f"{row.reference_s / row.akv_s:.2f}x"
             p90 = "-" if row.akv_p90_s is None else _fmt(row.akv_p90_s, row.unit_ops)
-            second, second_ratio = "-", "-"
-            if row.second_floor_s is not None:
-                second = _fmt(row.second_floor_s, row.unit_ops)
-                second_ratio = f"{row.second_ratio:6.2f}"
+            cells = []
+            for _, floor in extras:
+                floor_s, ratio = floor(row)
+                if floor_s is None or ratio is None:
+                    cells.append(f"{'-':>12} {'-':>6}")
+                else:
+                    cells.append(f"{_fmt(floor_s, row.unit_ops):>12} {ratio:6.2f}")
             lines.append(
                 " ".join(
                     [
                         f"{row.name:44} {_fmt(row.akv_s, row.unit_ops):>12}",
                         *([f"{p90:>12}"] if with_p90 else []),
                         f"{_fmt(row.floor_s, row.unit_ops):>12} {row.ratio:6.2f}  {row.floor:30}",
-                        *([f"{second:>12} {second_ratio:>6}"] if with_second else []),
+                        *cells,
                         f"{ref:>12} {speedup:>7}",
                     ]
                 )
@@ -206,10 +239,8 @@ class Table:
             "this project's 2-core machine (docs/benchmarks.md): a reference, not part of this "
             "run; speedup = MXNet / akv."
         )
-        if with_second:
-            lines.append(
-                f"The ratio after '{self.second_floor_heading}' is akv / that second floor."
-            )
+        for heading, _ in extras:
+            lines.append(f"The ratio after '{heading}' is akv / that floor.")
         lines.extend(self.notes)
         return "\n".join(lines) + "\n"
 
@@ -218,7 +249,13 @@ class Table:
         stream.flush()
         if json_path:
             rows = [
-                {**asdict(r), "ratio": r.ratio, "second_ratio": r.second_ratio} for r in self.rows
+                {
+                    **asdict(r),
+                    "ratio": r.ratio,
+                    "second_ratio": r.second_ratio,
+                    "third_ratio": r.third_ratio,
+                }
+                for r in self.rows
             ]
             with open(json_path, "w") as handle:
                 json.dump(

@@ -16,7 +16,11 @@ Two floors are measured in the same run, before the jobs:
   contribution, the pull's copy out;
 - raw TCP round (in the TCP rows): the same round written on plain blocking sockets, with
   the same processes (two clients, one summing server with a thread per client, see
-  :mod:`akv.bench._raw`): what the round's bytes cost on TCP without akv.
+  :mod:`akv.bench._raw`): what the round's bytes cost on TCP without akv;
+- raw shared-memory round (in the shared-memory rows of one key's rounds, "floor 3"): the
+  memcpy floor's copies and sum made by the round's three processes through one shared
+  arena, woken by pipes (:class:`~akv.bench._raw.RawShmRound`): what the round costs
+  through shared memory without akv.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import numpy as np
 
 import akv
 from akv.args import Key
-from akv.bench._raw import RawEcho, RawRound, round_trip
+from akv.bench._raw import RawEcho, RawRound, RawShmRound, round_trip
 from akv.bench._report import _SETTINGS, Row, Table, time_per_call
 from akv.bench.soak import percentile
 from akv.bench.steps import Shape, elements, list_step, per_key_step, resnet18_shapes
@@ -81,6 +85,7 @@ JOB_TIMEOUT_S = 600
 TCP_FLOOR = "raw socket echo of {nbytes} B"
 MEMCPY_FLOOR = "NumPy copyto + add + copyto"
 ROUND_FLOOR = "raw TCP round: 2 clients, summing server"
+SHM_ROUND_FLOOR = "raw shared-memory round: 2 clients, summing server"
 
 #: What a case's call does, on every worker:
 #: "key": push one key, then pull it; "pull": pull one key;
@@ -171,6 +176,12 @@ def default_cases() -> list[Case]:
         ),
         *step_cases([shape for _, shape in resnet18_shapes()]),
     ]
+
+
+def _has_shm_floor(case: Case) -> bool:
+    """Whether ``case``'s shared-memory rows carry the raw shared-memory round (one key's
+    push+pull rounds with the memcpy floor: the 4 MiB and 64 MiB rounds)."""
+    return case.memcpy_floor and case.kind == "key"
 
 
 def _size(nbytes: int) -> str:
@@ -310,6 +321,7 @@ def measure(
         "akv bench dist (dist_sync, 2 workers on 127.0.0.1, times per call or per step of "
         "worker 0)",
         second_floor_heading="floor 2",
+        third_floor_heading="floor 3",
     )
     tcp_floors: dict[int, float] = {}
     round_floors: dict[int, float] = {}
@@ -330,6 +342,16 @@ def measure(
     for case in cases:
         if case.memcpy_floor and case.shapes not in memcpy_floors:
             memcpy_floors[case.shapes] = time_per_call(memcpy_round(case.shapes))
+    shm_floors: dict[int, float] = {}
+    shm_cases = [case for case in cases if _has_shm_floor(case)]
+    if shm_cases and "shared memory" in transports:
+        with RawShmRound(max(case.nbytes for case in shm_cases)) as raw_shm:
+            for case in shm_cases:
+                if case.nbytes not in shm_floors:
+                    iterations = max(1, int(case.calls * scale))
+                    shm_floors[case.nbytes] = round_trip(
+                        raw_shm, case.nbytes, iterations, rounds * case.rounds_factor
+                    )
     for count, transport in [(c, t) for c in servers for t in transports]:
         results = _job(count, cases, rounds, scale, TRANSPORTS[transport])
         for case in cases:
@@ -344,6 +366,8 @@ def measure(
                 second_s, second = memcpy_floors[case.shapes], MEMCPY_FLOOR
             else:
                 second_s, second = None, ""
+            shm_row = transport != "TCP" and _has_shm_floor(case)
+            third_s = shm_floors[case.nbytes] if shm_row else None
             table.add(
                 Row(
                     f"{case.name}, {count} server{'s' if count > 1 else ''}, {transport}",
@@ -355,6 +379,8 @@ def measure(
                     akv_p90_s=percentile(samples, 0.9),
                     second_floor_s=second_s,
                     second_floor=second,
+                    third_floor_s=third_s,
+                    third_floor=SHM_ROUND_FLOOR if third_s is not None else "",
                 )
             )
     table.notes.append(
@@ -363,11 +389,13 @@ def measure(
         f"worker's copies in memory ({MEMCPY_FLOOR}: the push's copy, the server's sum of "
         "the second worker's contribution, the pull's copy), in this process, and in the "
         f"TCP rows a {ROUND_FLOOR} (the same round on plain blocking sockets, a server "
-        "thread per client, each adding half the sum). akv and akv p90: the median and "
-        "the nearest-rank p90 over the rounds (over single steps for the steps). A step's "
-        "per-key calls push each gradient last layer first with priority=-i, then pull each "
-        "weight, as MXNet's Module does; its list calls make one push and one pull of all "
-        "of them."
+        "thread per client, each adding half the sum); 'floor 3', in the shared-memory rows "
+        f"of one key's rounds, a {SHM_ROUND_FLOOR} (the memcpy floor's copies and sum made "
+        "by three processes through one shared arena, woken by pipes). akv and akv p90: the "
+        "median and the nearest-rank p90 over the rounds (over single steps for the "
+        "steps). A step's per-key calls push each gradient last layer first with "
+        "priority=-i, then pull each weight, as MXNet's Module does; its list calls make one "
+        "push and one pull of all of them."
     )
     return table
 

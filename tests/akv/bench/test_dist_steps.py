@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 import akv
 import akv.bench.dist as dist
 from akv.bench import configure
-from akv.bench._raw import RawRound, _recv_exactly, round_trip
+from akv.bench._raw import RawRound, RawShmRound, _recv_exactly, round_trip
 from akv.bench.dist import (
     MXNET_S,
     STEP_ROUNDS_FACTOR,
@@ -35,6 +36,7 @@ from akv.bench.steps import (
     per_key_step,
     resnet18_shapes,
 )
+from akv.limits import SPLIT_ADD_MIN_BYTES
 
 MIB = 1 << 20
 #: A job of 2 workers and 1 server with tiny cases: about 5 s on the 2-core machine.
@@ -236,8 +238,16 @@ def test_a_tiny_run_reports_each_step_with_both_floors(quick_bench_settings, tmp
         dist.ROUND_FLOOR
     ] * 3
     assert table.rows[3].second_floor_s != table.rows[0].second_floor_s
+    # The third floor: the raw shared-memory round, in the shared-memory row of the key's
+    # round only (the steps have none, nor does TCP).
+    assert [row.third_floor for row in table.rows] == [dist.SHM_ROUND_FLOOR] + [""] * 5
+    shm_row = table.rows[0]
+    assert shm_row.third_floor_s is not None and shm_row.third_floor_s > 0
+    assert shm_row.third_ratio == pytest.approx(shm_row.akv_s / shm_row.third_floor_s)
+    assert all(row.third_floor_s is None and row.third_ratio is None for row in table.rows[1:])
     rendered = table.render()
-    assert "floor 2" in rendered and "akv p90" in rendered
+    assert "floor 2" in rendered and "floor 3" in rendered and "akv p90" in rendered
+    assert dist.SHM_ROUND_FLOOR in rendered
     report = tmp_path / "dist.json"
     with open(tmp_path / "dist.txt", "w") as stream:
         table.write(stream, json_path=str(report))
@@ -245,6 +255,8 @@ def test_a_tiny_run_reports_each_step_with_both_floors(quick_bench_settings, tmp
     assert [row["name"] for row in rows] == names
     for row in rows:
         assert row["second_ratio"] == pytest.approx(row["akv_s"] / row["second_floor_s"])
+    assert rows[0]["third_ratio"] == pytest.approx(rows[0]["akv_s"] / rows[0]["third_floor_s"])
+    assert rows[1]["third_ratio"] is None
 
 
 @pytest.mark.timeout(JOB_TEST_TIMEOUT_S)
@@ -260,3 +272,24 @@ def test_the_raw_tcp_round_answers_each_client_the_sum_of_both():
             np.testing.assert_array_equal(back, values + 1)
         assert round_trip(raw, 4096, iterations=3, rounds=2) > 0
     assert raw.process.returncode == 0 and raw.peer.returncode == 0  # both left on their own
+
+
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S)
+def test_the_raw_shared_memory_round_answers_each_client_the_sum_of_both():
+    limit = 2 * SPLIT_ADD_MIN_BYTES
+    with RawShmRound(limit) as raw:
+        # One sum by the server alone, and one split with its helper thread.
+        for nbytes in (64, limit):
+            values = np.arange(nbytes // 4, dtype=np.float32)
+            back = np.empty_like(values)
+            raw.before(nbytes, 1)  # the second client sends float32 ones
+            raw.exchange(
+                struct.pack("<Q", nbytes), memoryview(values).cast("B"), memoryview(back).cast("B")
+            )
+            np.testing.assert_array_equal(back, values + 1)
+        assert round_trip(raw, 4096, iterations=3, rounds=2) > 0
+        with pytest.raises(ValueError, match="exceeds"):
+            raw.before(limit + 4, 1)
+    assert raw.process.returncode == 0 and raw.peer.returncode == 0  # both left on their own
+    # The arena is a memfd: no file names it.
+    assert not [name for name in os.listdir("/dev/shm") if "akv-bench" in name]
