@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -218,16 +219,35 @@ def peer(port: int) -> None:
     """The second client of a :class:`RawRound`: for each line ``N ITERATIONS`` on standard
     input, take part in that many rounds of N bytes (float32 ones)."""
     sock = _connect(port)
+
+    def exchange(header: bytes, payload: memoryview, back: memoryview) -> None:
+        sock.sendall(header)
+        sock.sendall(payload)
+        _recv_exactly(sock, back)
+
+    _take_part(exchange)
+    sock.close()
+
+
+def _take_part(exchange: Callable[[bytes, memoryview, memoryview], object]) -> None:
+    """A second client's rounds: for each line ``N ITERATIONS`` on standard input, that many
+    calls of ``exchange`` with N bytes of float32 ones. The buffers of a size are made
+    once and every page of them written first, so that no round pays for first touches."""
+    buffers: dict[int, tuple[memoryview, memoryview]] = {}
     for line in sys.stdin:
         nbytes, iterations = (int(word) for word in line.split())
+        if nbytes not in buffers:
+            buffers[nbytes] = _touched(nbytes, 1.0), _touched(nbytes, 0.0)
+        payload, back = buffers[nbytes]
         header = struct.pack("<Q", nbytes)
-        payload = np.ones(nbytes // 4, np.float32).data.cast("B")
-        back = memoryview(bytearray(nbytes))
         for _ in range(iterations):
-            sock.sendall(header)
-            sock.sendall(payload)
-            _recv_exactly(sock, back)
-    sock.close()
+            if exchange(header, payload, back) is False:
+                return
+
+
+def _touched(nbytes: int, value: float) -> memoryview:
+    """``nbytes`` of float32 ``value`` (every page written), as bytes."""
+    return np.full(nbytes // 4, value, np.float32).data.cast("B")
 
 
 #: The bytes a client's signal to the shared-memory round server carries: the round's N.
@@ -370,18 +390,18 @@ def shm_peer(fd: int, max_bytes: int, signal: int, answer: int) -> None:
     standard input, take part in that many rounds of N bytes (float32 ones)."""
     mapping, regions = _regions(fd, max_bytes)
     mine, total = regions[1], regions[2]
+
+    def exchange(header: bytes, payload: memoryview, back: memoryview) -> bool:
+        nbytes = len(payload)
+        mine[:nbytes] = payload
+        os.write(signal, header)
+        if not _read_exactly(answer, 1):
+            return False  # the server left
+        back[:] = total[:nbytes]
+        return True
+
     try:
-        for line in sys.stdin:
-            nbytes, iterations = (int(word) for word in line.split())
-            header = _SIGNAL.pack(nbytes)
-            payload = np.ones(nbytes // 4, np.float32).data.cast("B")
-            back = memoryview(bytearray(nbytes))
-            for _ in range(iterations):
-                mine[:nbytes] = payload
-                os.write(signal, header)
-                if not _read_exactly(answer, 1):
-                    return
-                back[:] = total[:nbytes]
+        _take_part(exchange)
     finally:
         os.close(signal)
         for region in regions:
@@ -392,8 +412,7 @@ def shm_peer(fd: int, max_bytes: int, signal: int, answer: int) -> None:
 def round_trip(echo: RawEcho | RawShmRound, nbytes: int, iterations: int, rounds: int = 5) -> float:
     """Median seconds to send ``nbytes`` and receive as many back (``echo`` a
     :class:`RawEcho`, :class:`RawRound` or :class:`RawShmRound`)."""
-    payload = memoryview(bytearray(nbytes))
-    back = memoryview(bytearray(nbytes))
+    payload, back = _touched(nbytes, 1.0), _touched(nbytes, 0.0)
     header = struct.pack("<Q", nbytes)
     samples = []
     for _ in range(rounds):
