@@ -117,6 +117,23 @@ def test_the_small_round_profiling_script_times_rounds_that_sum_both_workers():
         assert int(wall) > 0 and int(caller) <= int(process)
 
 
+@pytest.mark.parametrize("kind", ["unix", "tcp"])
+def test_the_minimal_round_script_times_rounds_that_sum_both_workers(kind):
+    # akv's architecture without akv's layers (docs/profiling/minimal_round.py): it checks
+    # the sums itself, and ends its server and workers by PID.
+    done = subprocess.run(
+        [sys.executable, "docs/profiling/minimal_round.py", "20", kind],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = re.findall(r"^round (\d+) us, process CPU (\d+) us$", done.stdout, re.M)
+    assert len(lines) == 1, done.stdout  # worker 0 only
+    assert int(lines[0][0]) > 0
+
+
 def test_a_worker_that_dies_fails_the_job_naming_its_rank():
     done = launch(
         ["-n", "2", "-s", "1", "--", sys.executable, str(JOBS / "faults.py"), "die"], timeout=90
