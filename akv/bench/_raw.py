@@ -337,16 +337,19 @@ class RawShmRound:
                 pass_fds=[self._fd, *peer_fds],
                 stdin=subprocess.PIPE,
             )
+            self._mapping, (self._mine, _, self._total) = _regions(self._fd, max_bytes)
         except BaseException:
             for fd in opened:
-                os.close(fd)
+                os.close(fd)  # the server's pipes end: a server started leaves
+            for started in ("peer", "process"):
+                if hasattr(self, started):
+                    _end(getattr(self, started))
             raise
         # This side keeps its own ends; the children have theirs.
         self._signal, self._answer = signals[0][1], answers[0][0]
         for fd in opened:
             if fd not in (self._fd, self._signal, self._answer):
                 os.close(fd)
-        self._mapping, (self._mine, _, self._total) = _regions(self._fd, max_bytes)
 
     def before(self, nbytes: int, iterations: int) -> None:
         """Have the second client take part in the next ``iterations`` rounds of ``nbytes``."""

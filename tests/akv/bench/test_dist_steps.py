@@ -293,3 +293,22 @@ def test_the_raw_shared_memory_round_answers_each_client_the_sum_of_both():
     assert raw.process.returncode == 0 and raw.peer.returncode == 0  # both left on their own
     # The arena is a memfd: no file names it.
     assert not [name for name in os.listdir("/dev/shm") if "akv-bench" in name]
+
+
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S)
+def test_a_raw_shared_memory_round_that_cannot_start_ends_what_it_started(monkeypatch):
+    import akv.bench._raw as raw_module
+
+    started = []
+    real_popen = raw_module.subprocess.Popen
+
+    def popen(args, **kwargs):
+        if "shmpeer" in args:
+            raise OSError("no second client today")
+        started.append(real_popen(args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(raw_module.subprocess, "Popen", popen)
+    with pytest.raises(OSError, match="no second client"):
+        RawShmRound(1 << 20)
+    assert len(started) == 1 and started[0].returncode == 0  # the server left on its own
