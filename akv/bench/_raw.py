@@ -14,11 +14,11 @@
 - The same round through shared memory (:class:`RawShmRound`): the three processes map
   one memfd. Each client copies its N bytes into a region of its own there and says so
   on a pipe; the server (``python -m akv.bench._raw shmround ...``) adds the two regions
-  into a third with NumPy (from :data:`~akv.limits.SPLIT_ADD_MIN_BYTES` on with a second
-  thread adding half, as akv's server does) and says so to both; each client copies the
-  sum out. These are the copies and the sum of the memcpy floor, made by three processes
-  on their own cores and caches, with two pipe wake-ups each way and nothing else: the
-  floor of a shared-memory design with a server process.
+  into a third with akv's server's own ``split_add`` (from
+  :data:`~akv.limits.SPLIT_ADD_MIN_BYTES` on, a second thread adds half) and says so to
+  both; each client copies the sum out. These are the copies and the sum of the memcpy
+  floor, made by three processes on their own cores and caches, with two pipe wake-ups
+  each way and nothing else: the floor of a shared-memory design with a server process.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
-from akv.limits import SPLIT_ADD_MIN_BYTES
+from akv.dist.server.service import split_add
 
 __all__ = ["RawEcho", "RawRound", "RawShmRound", "round_trip"]
 
@@ -174,9 +175,7 @@ class RawEcho:
 
     def exchange(self, header: bytes, payload: memoryview, back: memoryview) -> None:
         """Send ``payload`` (announced by ``header``, its length) and receive ``back``."""
-        self.sock.sendall(header)
-        self.sock.sendall(payload)
-        _recv_exactly(self.sock, back)
+        _socket_exchange(self.sock, header, payload, back)
 
     def close(self) -> None:
         sock = getattr(self, "sock", None)
@@ -219,19 +218,24 @@ def peer(port: int) -> None:
     """The second client of a :class:`RawRound`: for each line ``N ITERATIONS`` on standard
     input, take part in that many rounds of N bytes (float32 ones)."""
     sock = _connect(port)
-
-    def exchange(header: bytes, payload: memoryview, back: memoryview) -> None:
-        sock.sendall(header)
-        sock.sendall(payload)
-        _recv_exactly(sock, back)
-
-    _take_part(exchange)
+    _take_part(partial(_socket_exchange, sock))
     sock.close()
 
 
-def _take_part(exchange: Callable[[bytes, memoryview, memoryview], object]) -> None:
+def _socket_exchange(
+    sock: socket.socket, header: bytes, payload: memoryview, back: memoryview
+) -> bool:
+    """One round on ``sock``: send ``header`` and ``payload``, receive ``back``."""
+    sock.sendall(header)
+    sock.sendall(payload)
+    _recv_exactly(sock, back)
+    return True
+
+
+def _take_part(exchange: Callable[[bytes, memoryview, memoryview], bool]) -> None:
     """A second client's rounds: for each line ``N ITERATIONS`` on standard input, that many
-    calls of ``exchange`` with N bytes of float32 ones. The buffers of a size are made
+    calls of ``exchange`` with N bytes of float32 ones (until one returns False: the server
+    left). The buffers of a size are made
     once and every page of them written first, so that no round pays for first touches."""
     buffers: dict[int, tuple[memoryview, memoryview]] = {}
     for line in sys.stdin:
@@ -241,7 +245,7 @@ def _take_part(exchange: Callable[[bytes, memoryview, memoryview], object]) -> N
         payload, back = buffers[nbytes]
         header = struct.pack("<Q", nbytes)
         for _ in range(iterations):
-            if exchange(header, payload, back) is False:
+            if not exchange(header, payload, back):
                 return
 
 
@@ -273,11 +277,6 @@ def _regions(fd: int, max_bytes: int) -> tuple[mmap.mmap, list[memoryview]]:
     return mapping, [view[i * max_bytes : (i + 1) * max_bytes] for i in range(3)]
 
 
-def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """``out = a + b``, returning nothing (a future keeps no view of the arena)."""
-    np.add(a, b, out=out)
-
-
 def serve_shm_round(fd: int, max_bytes: int, signals: list[int], answers: list[int]) -> None:
     """Serve shared-memory rounds until a client's pipe ends: read N from both clients'
     ``signals``, add their regions' first N bytes as float32 into the third, write a byte
@@ -293,13 +292,7 @@ def serve_shm_round(fd: int, max_bytes: int, signals: list[int], answers: list[i
             first, second, total = (
                 np.frombuffer(region[:nbytes], np.float32) for region in regions
             )
-            if nbytes < SPLIT_ADD_MIN_BYTES:
-                np.add(first, second, out=total)
-            else:  # as akv's server does: a helper thread adds the second half meanwhile
-                half = len(total) // 2
-                rest = helper.submit(_add, first[half:], second[half:], total[half:])
-                np.add(first[:half], second[:half], out=total[:half])
-                rest.result()
+            split_add(helper, first, second, total)  # as akv's server adds
             del first, second, total  # the mapping closes below only without exports
             for answer in answers:
                 os.write(answer, b"x")
@@ -360,14 +353,10 @@ class RawShmRound:
         self.peer.stdin.flush()
 
     def exchange(self, header: bytes, payload: memoryview, back: memoryview) -> None:
-        """One round: copy ``payload`` in, signal its length (``header``), wait for the sum,
-        copy it out into ``back``."""
-        nbytes = len(payload)
-        self._mine[:nbytes] = payload
-        os.write(self._signal, header)
-        if not _read_exactly(self._answer, 1):
+        """One round (see :func:`_shm_exchange`)."""
+        sides = (self._mine, self._total, self._signal, self._answer)
+        if not _shm_exchange(sides, header, payload, back):
             raise ConnectionError("the shared-memory round server ended")
-        back[:] = self._total[:nbytes]
 
     def close(self) -> None:
         if self.peer.stdin is not None:
@@ -392,24 +381,32 @@ def shm_peer(fd: int, max_bytes: int, signal: int, answer: int) -> None:
     """The second client of a :class:`RawShmRound`: for each line ``N ITERATIONS`` on
     standard input, take part in that many rounds of N bytes (float32 ones)."""
     mapping, regions = _regions(fd, max_bytes)
-    mine, total = regions[1], regions[2]
-
-    def exchange(header: bytes, payload: memoryview, back: memoryview) -> bool:
-        nbytes = len(payload)
-        mine[:nbytes] = payload
-        os.write(signal, header)
-        if not _read_exactly(answer, 1):
-            return False  # the server left
-        back[:] = total[:nbytes]
-        return True
-
     try:
-        _take_part(exchange)
+        _take_part(partial(_shm_exchange, (regions[1], regions[2], signal, answer)))
     finally:
         os.close(signal)
         for region in regions:
             region.release()
         mapping.close()
+
+
+def _shm_exchange(
+    sides: tuple[memoryview, memoryview, int, int],
+    header: bytes,
+    payload: memoryview,
+    back: memoryview,
+) -> bool:
+    """One shared-memory round of a client whose ``sides`` are its region, the sum's, its
+    signal pipe and its answer pipe: copy ``payload`` in, signal its length (``header``),
+    wait for the sum, copy it out into ``back``. False when the server left."""
+    mine, total, signal, answer = sides
+    nbytes = len(payload)
+    mine[:nbytes] = payload
+    os.write(signal, header)
+    if not _read_exactly(answer, 1):
+        return False
+    back[:] = total[:nbytes]
+    return True
 
 
 def round_trip(echo: RawEcho | RawShmRound, nbytes: int, iterations: int, rounds: int = 5) -> float:

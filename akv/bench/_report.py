@@ -181,30 +181,22 @@ class Table:
 
     def render(self) -> str:
         with_p90 = any(row.akv_p90_s is not None for row in self.rows)
-        # The extra floors' columns: (heading, the row's floor seconds, its ratio), shown
-        # when some row has that floor.
-        extras: list[tuple[str, Callable[[Row], tuple[float | None, float | None]]]] = [
-            (heading, floor)
-            for heading, floor, shown in (
-                (
-                    self.second_floor_heading,
-                    lambda row: (row.second_floor_s, row.second_ratio),
-                    any(row.second_floor_s is not None for row in self.rows),
-                ),
-                (
-                    self.third_floor_heading,
-                    lambda row: (row.third_floor_s, row.third_ratio),
-                    any(row.third_floor_s is not None for row in self.rows),
-                ),
+        # The extra floors' columns, shown when some row has that floor: (heading, the
+        # row's attribute with the floor's seconds, the one with akv's ratio to it).
+        extras = [
+            (heading, seconds, ratio)
+            for heading, seconds, ratio in (
+                (self.second_floor_heading, "second_floor_s", "second_ratio"),
+                (self.third_floor_heading, "third_floor_s", "third_ratio"),
             )
-            if shown
+            if any(getattr(row, seconds) is not None for row in self.rows)
         ]
         head = " ".join(
             [
                 f"{'operation':44} {'akv':>12}",
                 *([f"{'akv p90':>12}"] if with_p90 else []),
                 f"{'floor':>12} {'ratio':>6}  {'floor is':30}",
-                *[f"{heading:>12} {'ratio':>6}" for heading, _ in extras],
+                *[f"{heading:>12} {'ratio':>6}" for heading, _, _ in extras],
                 f"{'MXNet 1.9.1*':>12} {'speedup':>7}",
             ]
         )
@@ -215,13 +207,12 @@ class Table:
                 ref = _fmt(row.reference_s, row.unit_ops)
                 speedup = f"{row.reference_s / row.akv_s:.2f}x"
             p90 = "-" if row.akv_p90_s is None else _fmt(row.akv_p90_s, row.unit_ops)
-            cells = []
-            for _, floor in extras:
-                floor_s, ratio = floor(row)
-                if floor_s is None or ratio is None:
-                    cells.append(f"{'-':>12} {'-':>6}")
-                else:
-                    cells.append(f"{_fmt(floor_s, row.unit_ops):>12} {ratio:6.2f}")
+            cells = [
+                f"{'-':>12} {'-':>6}"
+                if getattr(row, seconds) is None
+                else f"{_fmt(getattr(row, seconds), row.unit_ops):>12} {getattr(row, ratio):6.2f}"
+                for _, seconds, ratio in extras
+            ]
             lines.append(
                 " ".join(
                     [
@@ -239,7 +230,7 @@ class Table:
             "this project's 2-core machine (docs/benchmarks.md): a reference, not part of this "
             "run; speedup = MXNet / akv."
         )
-        for heading, _ in extras:
+        for heading, _, _ in extras:
             lines.append(f"The ratio after '{heading}' is akv / that floor.")
         lines.extend(self.notes)
         return "\n".join(lines) + "\n"
