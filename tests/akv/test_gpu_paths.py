@@ -22,6 +22,7 @@ from akv.device import DeviceBackend
 from akv.dist.worker.backend import DistBackend
 from tests import fakecupy
 from tests.akv import test_device_store
+from tests.akv.dist import test_dist_device_gpu
 from tests.akv.dist.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(60)
@@ -411,7 +412,7 @@ async def test_the_async_local_store_with_gpu_values(cupy):
 
 
 # ---------------------------------------------------------------------------- the GPU tests of
-# test_device_store, run on the fake (they are written for a GPU machine)
+# test_device_store and test_dist_device_gpu, run on the fake (written for a GPU machine)
 
 
 @pytest.mark.parametrize(
@@ -422,6 +423,9 @@ async def test_the_async_local_store_with_gpu_values(cupy):
         test_device_store.test_optimizers_on_the_gpu_match_numpy,
         test_device_store.test_keys_spread_over_gpus_and_pushes_from_each_are_summed,
         test_device_store.test_the_local_store_copies_gpu_values_to_the_host,
+        test_dist_device_gpu.test_dist_sync_device_rounds_of_two_workers_on_the_gpu,
+        test_dist_device_gpu.test_dist_sync_device_server_optimizer_matches_the_local_store,
+        test_dist_device_gpu.test_dist_async_device_applies_each_push_on_the_gpu,
     ],
     ids=lambda test: test.__name__,
 )
