@@ -64,8 +64,9 @@ Completion = Literal["host_func", "waiter"]
 STREAM_KINDS: tuple[StreamKind, ...] = ("compute", "copy")
 COMPLETIONS: tuple[Completion, ...] = ("host_func", "waiter")
 
-#: The completion strategy when none is given. Not measured on a GPU yet (docs/engine.md).
-DEFAULT_COMPLETION: Completion = "host_func"
+#: The completion strategy when none is given: the waiter threads, measured on an H200 at
+#: about half the latency of host callbacks per task (docs/engine.md, docs/benchmarks.md).
+DEFAULT_COMPLETION: Completion = "waiter"
 #: Set to ``host_func`` or ``waiter`` to choose the strategy of executors made without one.
 COMPLETION_ENV = "ENGINE_GPU_COMPLETION"
 #: Streams per device for each kind (MXNet's engine has two copy workers per device).
@@ -407,7 +408,7 @@ class GPUExecutor:
         stream blocks on the end event of each of the stream's tasks in turn (events made
         with ``cudaEventBlockingSync``, so the wait sleeps; one thread per stream, so a
         long task on one stream does not hold back completions on the others).
-        By default ``$ENGINE_GPU_COMPLETION``, else ``"host_func"``.
+        By default ``$ENGINE_GPU_COMPLETION``, else ``"waiter"`` (:data:`DEFAULT_COMPLETION`).
     compute_streams, copy_streams:
         The pool sizes per device (each at least 1).
     health_check_s:

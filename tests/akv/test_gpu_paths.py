@@ -11,8 +11,10 @@ violation of CUDA's rules recorded by the fake.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +28,13 @@ from tests.akv.dist import test_dist_device_gpu
 from tests.akv.dist.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(60)
+
+_spec = importlib.util.spec_from_file_location(
+    "gpu_completion", Path(__file__).resolve().parents[2] / "docs/profiling/gpu_completion.py"
+)
+assert _spec is not None and _spec.loader is not None
+gpu_completion = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_completion)
 
 F32 = np.float32
 
@@ -621,3 +630,15 @@ async def test_host_stores_write_gpu_outputs_after_the_callers_queued_work(cupy)
         cupy.synchronize_all()
         assert [peek(o).tolist() for o in outs] == [[6.0] * 8] * 2
         await dist.close()
+
+
+# ---------------------------------------------------------------------------- profiling script
+
+
+@pytest.mark.parametrize("completion", ["host_func", "waiter"])
+@pytest.mark.parametrize("chained", [True, False])
+def test_the_completion_script_runs_every_task(cupy, completion, chained):
+    """docs/profiling/gpu_completion.py on the fake: every task ran (it checks the count
+    itself and exits otherwise), and the times are positive."""
+    wall, cpu = gpu_completion.per_task(completion, 50, chained)
+    assert wall > 0 and cpu >= 0

@@ -665,10 +665,10 @@ def test_submit_after_close_fails_the_task(gpu):
 
 def test_the_completion_strategy_comes_from_the_argument_or_the_environment(driver, monkeypatch):
     monkeypatch.delenv("ENGINE_GPU_COMPLETION", raising=False)
-    assert GPUExecutor(driver).completion == "host_func"
-    monkeypatch.setenv("ENGINE_GPU_COMPLETION", "waiter")
     assert GPUExecutor(driver).completion == "waiter"
-    assert GPUExecutor(driver, completion="host_func").completion == "host_func"
+    monkeypatch.setenv("ENGINE_GPU_COMPLETION", "host_func")
+    assert GPUExecutor(driver).completion == "host_func"
+    assert GPUExecutor(driver, completion="waiter").completion == "waiter"
     monkeypatch.setenv("ENGINE_GPU_COMPLETION", "polling")
     with pytest.raises(EngineError, match="'polling'"):
         GPUExecutor(driver)
