@@ -191,11 +191,31 @@ def test_jax_outputs_are_refused_as_immutable(kv, jnp):
 def test_jax_bfloat16(kv, jnp):
     import jax
 
-    kv.init(0, jnp.ones(3, dtype=jnp.bfloat16))
-    kv.push(0, [jnp.ones(3, dtype=jnp.bfloat16)] * 3)
+    # On the host: JAX's default device is a GPU where it has one (see the next test).
+    with jax.default_device(jax.devices("cpu")[0]):
+        kv.init(0, jnp.ones(3, dtype=jnp.bfloat16))
+        kv.push(0, [jnp.ones(3, dtype=jnp.bfloat16)] * 3)
     pulled = kv.pull(0)
     assert isinstance(pulled, jax.Array) and pulled.dtype == jnp.bfloat16
+    assert {device.platform for device in pulled.devices()} == {"cpu"}
     np.testing.assert_array_equal(np.asarray(pulled, np.float32), np.full(3, 3.0, np.float32))
+
+
+@pytest.mark.gpu
+def test_jax_bfloat16_on_a_gpu_is_a_typed_error(kv, jnp):
+    """CuPy has no bfloat16: a bfloat16 JAX array on a GPU is refused at the call, naming
+    the key and what to do, and the store is unchanged."""
+    import jax
+
+    try:
+        gpu = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX sees no GPU here")
+    kv.init(0, np.zeros(3, np.float32))
+    value = jax.device_put(jnp.ones(3, dtype=jnp.bfloat16), gpu)
+    with pytest.raises(akv.UnsupportedDTypeError, match=r"key 0 is a bfloat16 JAX array on a GPU"):
+        kv.push(0, value)
+    assert kv.pull(0).tolist() == [0.0] * 3
 
 
 async def test_a_failed_pull_of_a_jax_key_fails_its_awaitable(jnp):
