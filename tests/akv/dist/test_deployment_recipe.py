@@ -73,6 +73,10 @@ def localize(line: str, port: int, token_file: Path) -> str:
 
 
 def test_the_recipe_runs_a_job_to_its_end_on_one_host(tmp_path):
+    bin_dir = Path(sys.executable).parent
+    if not all((bin_dir / name).exists() for name in ("akv-scheduler", "akv-server")):
+        # The recipe's commands are the ones `pip install` makes (the test command does).
+        pytest.skip(f"akv is not installed beside {sys.executable}: pip install -e .")
     exports, commands = recipe()
     text = "\n".join(exports + commands)
     for written in ("10.0.0.1", "AKV_SCHEDULER_PORT=9091", "/run/secrets/akv-token"):
@@ -84,7 +88,7 @@ def test_the_recipe_runs_a_job_to_its_end_on_one_host(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AKV_", "DMLC_"))}
     env.update(FAST_TIMEOUTS)
     # The recipe's `python`, `akv-scheduler` and `akv-server` are this interpreter's.
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
     prelude = "\n".join(localize(line, port, token_file) for line in exports)
     processes: list[tuple[str, subprocess.Popen, Path]] = []
     try:
