@@ -65,7 +65,7 @@ STREAM_KINDS: tuple[StreamKind, ...] = ("compute", "copy")
 COMPLETIONS: tuple[Completion, ...] = ("host_func", "waiter")
 
 #: The completion strategy when none is given: the waiter threads, measured on an H200 at
-#: about half the latency of host callbacks per task (docs/engine.md, docs/benchmarks.md).
+#: about two thirds of host callbacks' latency per task, with less CPU (docs/engine.md).
 DEFAULT_COMPLETION: Completion = "waiter"
 #: Set to ``host_func`` or ``waiter`` to choose the strategy of executors made without one.
 COMPLETION_ENV = "ENGINE_GPU_COMPLETION"

@@ -87,15 +87,6 @@ def test_devices_is_checked_and_only_for_local_device_stores():
 # ---------------------------------------------------------------------------- on a GPU
 
 
-@pytest.fixture
-def cupy():
-    if not gpu_available():
-        pytest.skip("needs CuPy and a CUDA GPU")
-    import cupy
-
-    return cupy
-
-
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_values_are_reduced_and_kept_on_the_gpu(cupy):

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 import akv
-from engine import gpu_available
 from tests.akv.dist.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,15 +28,6 @@ pytestmark = pytest.mark.timeout(120)
 F32 = np.float32
 N = 1 << 20  # 4 MiB of float32: split over both servers with AKV_BIGARRAY_BOUND below
 SPIN_CYCLES = 20_000_000  # about 10 ms at the H200's 1.98 GHz
-
-
-@pytest.fixture
-def cupy():
-    if not gpu_available():
-        pytest.skip("needs CuPy and a CUDA GPU")
-    import cupy
-
-    return cupy
 
 
 _SPIN_SOURCE = r"""
