@@ -117,6 +117,34 @@ def test_the_small_round_profiling_script_times_rounds_that_sum_both_workers():
         assert int(wall) > 0 and int(caller) <= int(process)
 
 
+def test_the_round_timeline_script_reports_each_span_of_the_rounds():
+    # docs/profiling/round_timeline.py runs its own job (its workers check the sums) and
+    # merges the stamps of the server and both workers.
+    done = subprocess.run(
+        [sys.executable, "docs/profiling/round_timeline.py", "16", "40"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(re.findall(r"^round of [\d.]+ us$", done.stdout, re.M)) == 3, done.stdout
+    for event in ("W0:push<", "W0:write<", "S:recv<", "S:write<", "W1:recv>", "W0:pull>"):
+        assert event in done.stdout, event
+    assert "medians over the middle half of 39 rounds (us):" in done.stdout, done.stdout
+    spans = dict(re.findall(r"^  ([a-z, ]+): ([\d.]+)$", done.stdout, re.M))
+    assert set(spans) == {
+        "round",
+        "push call",
+        "push to wire",
+        "server, last frame in to first answer out",
+        "answer in to pull return",
+        "server busy",
+    }, done.stdout
+    assert 0 < float(spans["push call"]) < float(spans["round"])
+    assert float(spans["server busy"]) > 0
+
+
 @pytest.mark.parametrize("kind", ["unix", "tcp"])
 def test_the_minimal_round_script_times_rounds_that_sum_both_workers(kind):
     # akv's architecture without akv's layers (docs/profiling/minimal_round.py): it checks
