@@ -191,11 +191,14 @@ class Table:
             )
             if any(getattr(row, seconds) is not None for row in self.rows)
         ]
+        # The text columns are as wide as their longest cell: every row's numbers line up.
+        name_width = max([44, *(len(row.name) for row in self.rows)])
+        floor_width = max([30, *(len(row.floor) for row in self.rows)])
         head = " ".join(
             [
-                f"{'operation':44} {'akv':>12}",
+                f"{'operation':{name_width}} {'akv':>12}",
                 *([f"{'akv p90':>12}"] if with_p90 else []),
-                f"{'floor':>12} {'ratio':>6}  {'floor is':30}",
+                f"{'floor':>12} {'ratio':>6}  {'floor is':{floor_width}}",
                 *[f"{heading:>12} {'ratio':>6}" for heading, _, _ in extras],
                 f"{'MXNet 1.9.1*':>12} {'speedup':>7}",
             ]
@@ -216,9 +219,10 @@ class Table:
             lines.append(
                 " ".join(
                     [
-                        f"{row.name:44} {_fmt(row.akv_s, row.unit_ops):>12}",
+                        f"{row.name:{name_width}} {_fmt(row.akv_s, row.unit_ops):>12}",
                         *([f"{p90:>12}"] if with_p90 else []),
-                        f"{_fmt(row.floor_s, row.unit_ops):>12} {row.ratio:6.2f}  {row.floor:30}",
+                        f"{_fmt(row.floor_s, row.unit_ops):>12} {row.ratio:6.2f}  "
+                        f"{row.floor:{floor_width}}",
                         *cells,
                         f"{ref:>12} {speedup:>7}",
                     ]
