@@ -156,15 +156,27 @@ def _intervals(events: list[tuple[int, str]]) -> dict[str, list[float]]:
         add("server, last frame in to first answer out", closing, answer)
         received = [t for t, e in window if e == "W0:recv<"]
         add("answer in to pull return", received[-1] if received else None, events[last][0])
-        busy, opened = 0, None
-        for t, event in window:
-            if event.startswith("S:") and event.endswith("<"):
-                opened = t
-            elif event.startswith("S:") and event.endswith(">") and opened is not None:
-                busy += t - opened
-                opened = None
-        add("server busy", 0, busy)
+        add("server busy", 0, _busy(window, "S:"))
     return spans
+
+
+def _busy(window: list[tuple[int, str]], prefix: str) -> int:
+    """The time (ns) that the process of ``prefix`` spent inside its stamped calls: a
+    write inside a receive counts once."""
+    busy = depth = 0
+    opened = 0
+    for t, event in window:
+        if not event.startswith(prefix):
+            continue
+        if event.endswith("<"):
+            if not depth:
+                opened = t
+            depth += 1
+        elif depth:  # a call that began before the window is not counted
+            depth -= 1
+            if not depth:
+                busy += t - opened
+    return busy
 
 
 def _report(events: list[tuple[int, str]]) -> None:

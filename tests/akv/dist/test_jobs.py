@@ -6,6 +6,7 @@ runs in a process group that the test kills if it outlives its timeout.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -143,6 +144,30 @@ def test_the_round_timeline_script_reports_each_span_of_the_rounds():
     }, done.stdout
     assert 0 < float(spans["push call"]) < float(spans["round"])
     assert float(spans["server busy"]) > 0
+
+
+def _round_timeline():
+    path = ROOT / "docs" / "profiling" / "round_timeline.py"
+    spec = importlib.util.spec_from_file_location("round_timeline", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_round_timeline_counts_a_write_inside_a_receive_once():
+    window = [
+        (0, "S:recv<"),
+        (10, "S:write<"),  # the answer, written while the frame is handled
+        (15, "S:write>"),
+        (30, "S:recv>"),
+        (40, "W0:recv<"),  # another process: not the server's time
+        (50, "S:flush<"),
+        (55, "S:flush>"),
+        (60, "S:write>"),  # began before the window: not counted
+        (70, "S:recv<"),  # not over within the window: not counted
+    ]
+    assert _round_timeline()._busy(window, "S:") == 30 + 5
 
 
 @pytest.mark.parametrize("kind", ["unix", "tcp"])
