@@ -19,7 +19,7 @@ from tests.akv.dist.test_jobs import JOBS
 pytestmark = pytest.mark.timeout(240)
 
 
-def run(mode: str, checkpoints: str) -> tuple[int, str, list[dict]]:
+def run(mode: str, checkpoints: str, shm: str = "1") -> tuple[int, str, list[dict]]:
     done = launch(
         [
             "-n",
@@ -40,6 +40,7 @@ def run(mode: str, checkpoints: str) -> tuple[int, str, list[dict]]:
             mode,
         ],
         timeout=150,
+        env={"AKV_SHM": shm},
     )
     output = done.stdout + done.stderr
     finals = [
@@ -58,14 +59,17 @@ def clean_run(tmp_path_factory) -> list[dict]:
     return clean
 
 
+# The clean run shares memory (the default); the restarted ones run with it and without
+# (TCP only): the same weights either way.
+@pytest.mark.parametrize("shm", ["1", "0"])
 @pytest.mark.parametrize(
     ("mode", "signal_name", "status"),
     [("kill", "SIGKILL", "signal SIGKILL"), ("term", "SIGTERM", "code 143")],
 )
 def test_a_server_killed_or_stopped_is_restarted_from_its_checkpoint_with_exact_weights(
-    clean_run, tmp_path, mode, signal_name, status
+    clean_run, tmp_path, mode, signal_name, status, shm
 ):
-    code, output, restarted = run(mode, str(tmp_path))
+    code, output, restarted = run(mode, str(tmp_path), shm)
     assert code == 0, output
     assert re.search(
         rf"akv-launch: server 1 \(pid \d+\) exited with {status}; restarting it from its "
