@@ -146,13 +146,15 @@ def _intervals(events: list[tuple[int, str]]) -> dict[str, list[float]]:
         pushed = times.get("W0:push>")
         written = next((t for t, e in window if e == "W0:write<" and t >= (pushed or 0)), None)
         add("push to wire", pushed, written)
-        answer = next((t for t, e in window if e == "S:write<"), None)
-        closing = None
+        # The round's first answer is the server's first write after a frame came in (a
+        # write before any is the previous round's answer to the other worker).
+        closing = answer = None
         for t, event in window:
-            if answer is not None and t > answer:
-                break
             if event == "S:recv<":
                 closing = t
+            elif event == "S:write<" and closing is not None:
+                answer = t
+                break
         add("server, last frame in to first answer out", closing, answer)
         received = [t for t, e in window if e == "W0:recv<"]
         add("answer in to pull return", received[-1] if received else None, events[last][0])

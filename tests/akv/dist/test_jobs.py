@@ -170,6 +170,40 @@ def test_the_round_timeline_counts_a_write_inside_a_receive_once():
     assert _round_timeline()._busy(window, "S:") == 30 + 5
 
 
+def test_the_round_timeline_takes_the_answer_after_the_closing_frame_not_a_late_one():
+    events = [
+        (0, "W0:pull>"),
+        (5, "S:write<"),  # the previous round's answer to worker 1, written late
+        (8, "S:write>"),
+        (10, "W0:push<"),
+        (40, "W0:push>"),
+        (100, "W0:write<"),
+        (110, "W0:write>"),
+        (120, "S:recv<"),
+        (150, "S:recv>"),
+        (300, "S:recv<"),  # worker 1's push closes the round
+        (400, "S:write<"),
+        (410, "W0:recv<"),
+        (450, "W0:recv>"),
+        (460, "S:write>"),
+        (480, "S:recv>"),
+        (500, "W0:pull>"),
+    ]
+    spans = _round_timeline()._intervals(events)
+    # (The stamps are in ns, the spans in us.)
+    assert [len(values) for values in spans.values()] == [1] * 6
+    assert {name: values[0] for name, values in spans.items()} == pytest.approx(
+        {
+            "round": 0.5,
+            "push call": 0.03,
+            "push to wire": 0.06,
+            "server, last frame in to first answer out": 0.1,
+            "answer in to pull return": 0.09,
+            "server busy": 0.003 + 0.03 + 0.18,
+        }
+    )
+
+
 @pytest.mark.parametrize("kind", ["unix", "tcp"])
 def test_the_minimal_round_script_times_rounds_that_sum_both_workers(kind):
     # akv's architecture without akv's layers (docs/profiling/minimal_round.py): it checks
