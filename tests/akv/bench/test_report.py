@@ -1,5 +1,8 @@
-"""The benchmark table's layout (akv.bench._report)."""
+"""The benchmark table's layout (akv.bench._report) and how its floors are timed."""
 
+import struct
+
+from akv.bench._raw import round_trip
 from akv.bench._report import Row, Table
 
 
@@ -18,3 +21,26 @@ def test_every_row_lines_up_with_the_header_however_long_its_name_or_floor():
     for line, name in zip(rows, names, strict=True):
         assert line.startswith(name)
         assert line[:akv_end].endswith("2.000 ms")
+
+
+class _Recorder:
+    """Takes the place of a raw peer: notes each call (no process, no socket)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def before(self, nbytes: int, iterations: int) -> None:
+        self.calls.append(("before", iterations))
+
+    def exchange(self, header: bytes, payload: memoryview, back: memoryview) -> None:
+        assert struct.unpack("<Q", header)[0] == len(payload) == len(back)
+        self.calls.append(("exchange", len(payload)))
+
+
+def test_a_floor_makes_one_untimed_exchange_before_its_timed_rounds():
+    # The first exchange waits for peers that are still starting: it must not be a sample.
+    recorder = _Recorder()
+    assert round_trip(recorder, 64, iterations=3, rounds=2) >= 0
+    warm_up = [("before", 1), ("exchange", 64)]
+    one_round = [("before", 3)] + [("exchange", 64)] * 3
+    assert recorder.calls == warm_up + one_round * 2
