@@ -1,8 +1,8 @@
 """The docs' complete examples run and do what their comments say.
 
-The README has its own test (tests/test_readme.py). Here: the examples in docs/ that are
-whole programs (the rest are fragments of a training loop or of a job under akv-launch,
-which the job tests run in full).
+The README's examples are tested in tests/test_readme.py, with :func:`run` from here. Here:
+the examples in docs/ that are whole programs (the rest are fragments of a training loop
+or of a job under akv-launch, which the job tests run in full).
 """
 
 from __future__ import annotations
@@ -21,11 +21,18 @@ import akv
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
+def python_blocks(path: Path) -> list[str]:
+    """The ```python blocks of a Markdown file, in order."""
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
 def blocks(name: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (DOCS / name).read_text(), flags=re.S)
+    return python_blocks(DOCS / name)
 
 
 def run(block: str, name: str) -> tuple[dict[str, Any], list[str]]:
+    """Run ``block`` (compiled as file ``name``) as a program; its namespace and the lines
+    it printed."""
     namespace: dict[str, Any] = {"__name__": "docs"}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

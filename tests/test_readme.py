@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-import re
 from pathlib import Path
 
 import pytest
 
+from tests.test_docs import python_blocks, run
+
 README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+BLOCKS = python_blocks(README)
 LOCAL_BLOCKS = [block for block in BLOCKS if "dist_sync" not in block]
 
 
@@ -30,8 +29,5 @@ def test_the_readme_has_examples_of_both_faces():
 
 @pytest.mark.parametrize("block", LOCAL_BLOCKS, ids=lambda b: b.splitlines()[0][:40])
 def test_a_readme_example_prints_what_it_says(block):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(block, "README.md", "exec"), {"__name__": "readme"})
-    printed = [line.strip() for line in out.getvalue().splitlines()]
-    assert printed == expected_lines(block)
+    _, printed = run(block, "README.md")
+    assert [line.strip() for line in printed] == expected_lines(block)

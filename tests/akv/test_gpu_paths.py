@@ -11,10 +11,8 @@ violation of CUDA's rules recorded by the fake.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,19 +20,14 @@ import pytest
 import akv
 from akv.device import DeviceBackend
 from akv.dist.worker.backend import DistBackend
-from tests import fakecupy
+from tests import fakecupy, profiling
 from tests.akv import test_device_store
 from tests.akv.dist import test_dist_device_gpu
 from tests.akv.dist.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(60)
 
-_spec = importlib.util.spec_from_file_location(
-    "gpu_completion", Path(__file__).resolve().parents[2] / "docs/profiling/gpu_completion.py"
-)
-assert _spec is not None and _spec.loader is not None
-gpu_completion = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_completion)
+gpu_completion = profiling.load("gpu_completion")
 
 F32 = np.float32
 

@@ -172,6 +172,28 @@ def launch_shm_on_and_off(
     return runs
 
 
+async def each(stores: Sequence[akv.AsyncKVStore], body: Callable[[Any], Any]) -> list[Any]:
+    """Run ``body(kv)`` on every worker at once; return their results by rank."""
+    results = await asyncio.gather(*(body(kv) for kv in stores))
+    return [r for _, r in sorted(zip([kv.rank for kv in stores], results, strict=True))]
+
+
+async def close_all(stores: Sequence[akv.AsyncKVStore]) -> None:
+    await asyncio.gather(*(kv.close() for kv in stores))
+
+
+async def on_every_worker(
+    cluster: Cluster, store_type: str, body: Callable[[Any], Any]
+) -> list[Any]:
+    """Open every worker's ``store_type`` store, run ``body(kv)`` on all of them at once,
+    close them (also when one failed); return the results by rank."""
+    stores = await cluster.workers(store_type)
+    try:
+        return await each(stores, body)
+    finally:
+        await close_all(stores)
+
+
 async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
     """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

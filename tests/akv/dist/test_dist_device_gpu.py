@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import akv
-from tests.akv.dist.cluster import Cluster
+from tests.akv.dist.cluster import Cluster, on_every_worker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,11 +92,9 @@ def test_dist_sync_device_rounds_of_two_workers_on_the_gpu(cupy):
 
     async def main(shm: str) -> None:
         with Cluster(2, 2, AKV_BIGARRAY_BOUND="4096", AKV_SHM=shm) as cluster:
-            stores = await cluster.workers("dist_sync_device")
-            try:
-                seen = await asyncio.gather(*(_sync_round(cupy, kv) for kv in stores))
-            finally:
-                await asyncio.gather(*(kv.close() for kv in stores))
+            seen = await on_every_worker(
+                cluster, "dist_sync_device", functools.partial(_sync_round, cupy)
+            )
         for one in seen:
             assert one == {
                 "w": [3.0],
@@ -118,22 +116,17 @@ def test_dist_sync_device_server_optimizer_matches_the_local_store(cupy):
     grads = [[rng.standard_normal(N).astype(F32) for _ in range(2)] for _ in range(3)]
 
     async def main() -> list[np.ndarray]:
+        async def body(kv: Any) -> np.ndarray:
+            await kv.init("w", cupy.asarray(weight))
+            await kv.set_optimizer(akv.optimizer.Adam(learning_rate=0.01))
+            out = cupy.empty(N, F32)
+            for step in grads:  # in dist_sync a worker pulls before it pushes again
+                await kv.push("w", cupy.asarray(step[kv.rank]))
+                await kv.pull("w", out=out)
+            return host(cupy, out)
+
         with Cluster(2, 2, AKV_BIGARRAY_BOUND="4096") as cluster:
-            stores = await cluster.workers("dist_sync_device")
-
-            async def body(kv: Any) -> np.ndarray:
-                await kv.init("w", cupy.asarray(weight))
-                await kv.set_optimizer(akv.optimizer.Adam(learning_rate=0.01))
-                out = cupy.empty(N, F32)
-                for step in grads:  # in dist_sync a worker pulls before it pushes again
-                    await kv.push("w", cupy.asarray(step[kv.rank]))
-                    await kv.pull("w", out=out)
-                return host(cupy, out)
-
-            try:
-                return list(await asyncio.gather(*(body(kv) for kv in stores)))
-            finally:
-                await asyncio.gather(*(kv.close() for kv in stores))
+            return await on_every_worker(cluster, "dist_sync_device", body)
 
     results = asyncio.run(main())
     with akv.create("local") as local:
@@ -203,11 +196,7 @@ def test_cuda_tensors_through_a_dist_store(cupy, store):
 
     async def main() -> list[list[float]]:
         with Cluster(2, 1) as cluster:
-            stores = await cluster.workers(store)
-            try:
-                return list(await asyncio.gather(*(body(kv) for kv in stores)))
-            finally:
-                await asyncio.gather(*(kv.close() for kv in stores))
+            return await on_every_worker(cluster, store, body)
 
     assert asyncio.run(main()) == [[3.0], [3.0]]
 

@@ -6,7 +6,6 @@ runs in a process group that the test kills if it outlives its timeout.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import sys
 
 import pytest
 
+from tests import profiling
 from tests.akv.dist.cluster import (
     FAST_TIMEOUTS,
     ROOT,
@@ -26,6 +26,7 @@ from tests.akv.dist.cluster import (
 )
 
 JOBS = ROOT / "tests" / "akv" / "dist" / "jobs"
+round_timeline = profiling.load("round_timeline")
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -146,15 +147,6 @@ def test_the_round_timeline_script_reports_each_span_of_the_rounds():
     assert float(spans["server busy"]) > 0
 
 
-def _round_timeline():
-    path = ROOT / "docs" / "profiling" / "round_timeline.py"
-    spec = importlib.util.spec_from_file_location("round_timeline", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_round_timeline_counts_a_write_inside_a_receive_once():
     window = [
         (0, "S:recv<"),
@@ -167,7 +159,7 @@ def test_the_round_timeline_counts_a_write_inside_a_receive_once():
         (60, "S:write>"),  # began before the window: not counted
         (70, "S:recv<"),  # not over within the window: not counted
     ]
-    assert _round_timeline()._busy(window, "S:") == 30 + 5
+    assert round_timeline._busy(window, "S:") == 30 + 5
 
 
 def test_the_round_timeline_takes_the_answer_after_the_closing_frame_not_a_late_one():
@@ -189,7 +181,7 @@ def test_the_round_timeline_takes_the_answer_after_the_closing_frame_not_a_late_
         (480, "S:recv>"),
         (500, "W0:pull>"),
     ]
-    spans = _round_timeline()._intervals(events)
+    spans = round_timeline._intervals(events)
     # (The stamps are in ns, the spans in us.)
     assert [len(values) for values in spans.values()] == [1] * 6
     assert {name: values[0] for name, values in spans.items()} == pytest.approx(

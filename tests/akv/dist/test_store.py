@@ -33,6 +33,8 @@ from akv.limits import AHEAD_COPY_MAX_BYTES
 from engine import Completed
 from tests.akv.dist.cluster import (
     Cluster,
+    close_all,
+    each,
     free_port,
     job_env,
     server_regions_in_use,
@@ -46,16 +48,6 @@ SHAPE = (2, 3)
 
 def full(value: float, shape=SHAPE, dtype=np.float32) -> np.ndarray:
     return np.full(shape, value, dtype)
-
-
-async def each(stores, body):
-    """Run ``body(kv)`` on every worker at once; return their results by rank."""
-    results = await asyncio.gather(*(body(kv) for kv in stores))
-    return [r for _, r in sorted(zip([kv.rank for kv in stores], results, strict=True))]
-
-
-async def close_all(stores):
-    await asyncio.gather(*(kv.close() for kv in stores))
 
 
 @pytest.mark.parametrize(("workers", "servers"), [(2, 1), (2, 2), (3, 1), (3, 2)])
