@@ -3,7 +3,7 @@
 :class:`~akv.store.AsyncKVStore` checks every argument, then hands checked work to its
 backend, which schedules it as engine tasks on the keys' vars and returns them. The local
 backend (:mod:`akv.local`) holds values in this process; the distributed one
-(:mod:`akv.dist.worker`) sends them to the job's servers. A new store type (a GPU store,
+(:mod:`akv.cluster.worker`) sends them to the job's servers. A new store type (a GPU store,
 say) is a new class that satisfies :class:`Backend`, chosen in :mod:`akv.store`.
 """
 

@@ -3,7 +3,7 @@
 A limit that a user may change names the environment variable that overrides it; the
 variable is read where the limit is used: when a store is created (``AKV_INLINE_MAX_BYTES``,
 ``AKV_ENGINE_SLOTS``, ``AKV_DIST_SLOTS``) or when a distributed process reads its
-configuration (:func:`akv.dist.config.from_env`, every other variable). The launcher's own
+configuration (:func:`akv.cluster.config.from_env`, every other variable). The launcher's own
 limits live in :mod:`akv.launch.limits`. Nothing here does I/O.
 """
 

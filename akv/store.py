@@ -24,8 +24,8 @@ from akv import optimizer as _optimizer
 from akv.args import Key, group, normalize_key, pairs
 from akv.arrays import Array, Origin, finisher, is_gpu, read, to_host, write_view
 from akv.backend import Backend, KeyArrays, Updater
+from akv.cluster.config import Config, from_env, int_setting
 from akv.device import DeviceBackend
-from akv.dist.config import Config, from_env, int_setting
 from akv.errors import (
     AKVError,
     ClosedError,
@@ -176,9 +176,9 @@ def _dist_config(kind: StoreType, environ: object, blocking: bool) -> Config | N
             f"{config.role} (DMLC_ROLE/AKV_ROLE): run `{command}` for that role, or use "
             "the blocking akv.create, which serves the role and exits"
         )
-    from akv.dist.roles import serve_role
-    from akv.dist.scheduler.service import run_scheduler
-    from akv.dist.server.service import run_server
+    from akv.cluster.roles import serve_role
+    from akv.cluster.scheduler.service import run_scheduler
+    from akv.cluster.server.service import run_server
 
     sys.exit(
         serve_role(config.role, config, run_server if config.role == "server" else run_scheduler)
@@ -296,7 +296,7 @@ class AsyncKVStore:
         elif config is None:
             self._backend = LocalBackend(self._engine, self, inline_max_bytes)
         else:
-            from akv.dist.worker.backend import DistBackend
+            from akv.cluster.worker.backend import DistBackend
 
             self._backend = DistBackend(self._engine, kind.mode, config, device=kind.device)
             try:

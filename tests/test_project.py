@@ -111,7 +111,7 @@ def test_pure_modules_do_no_io(module):
 
 
 def test_the_pure_modules_include_the_servers_state_machine():
-    assert {"akv.dist.server.state", "akv.dist.worker.requests", "akv.launch.rules"} <= set(
+    assert {"akv.cluster.server.state", "akv.cluster.worker.requests", "akv.launch.rules"} <= set(
         PURE_AKV_MODULES
     )
 
@@ -212,15 +212,15 @@ def test_a_plain_wheel_carries_every_package_and_py_typed(tmp_path):
         assert f"{package}/py.typed" in names
     assert "akv/optimizer/__init__.py" in names
     assert "akv/bench/local.py" in names
-    for module in ("dist/worker", "dist/server", "dist/scheduler", "launch"):
+    for module in ("cluster/worker", "cluster/server", "cluster/scheduler", "launch"):
         assert f"akv/{module}/__init__.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
     for line in (
         "akv = akv.cli:main",
         "akv-launch = akv.launch:main",
-        "akv-server = akv.dist.server:main",
-        "akv-scheduler = akv.dist.scheduler:main",
+        "akv-server = akv.cluster.server:main",
+        "akv-scheduler = akv.cluster.scheduler:main",
     ):
         assert line in scripts
 
@@ -237,16 +237,33 @@ def test_types_are_checked():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_ruff_sees_the_folders_named_dist():
-    """Ruff skips folders named dist by default; akv/dist/ and tests/akv/dist/ are code."""
+#: Folder names that tools take for their own output and skip by default (ruff, pytest's
+#: norecursedirs, .gitignore templates, code maps).
+TOOL_OUTPUT_NAMES = {"dist", "build", "node_modules", "venv", "site-packages", "_build"}
+
+
+def test_no_code_folder_has_a_name_tools_reserve():
+    named = [
+        path.relative_to(ROOT)
+        for top in ("akv", "engine", "transport", "tests", "examples", "docs")
+        for path in (ROOT / top).rglob("*")
+        if path.is_dir() and path.name in TOOL_OUTPUT_NAMES
+    ]
+    assert not named, named
+
+
+def test_ruff_sees_every_code_folder_with_its_defaults():
+    """pyproject.toml keeps ruff's default exclusions: no folder of ours needs an override."""
     listed = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "--show-files", str(ROOT)],
         capture_output=True,
         text=True,
         timeout=120,
     ).stdout
-    for path in ("akv/dist/protocol.py", "tests/akv/dist/test_store.py"):
+    for path in ("akv/cluster/protocol.py", "tests/akv/cluster/test_store.py"):
         assert str(ROOT / path) in listed, path
+    config = (ROOT / "pyproject.toml").read_text()
+    assert "exclude" not in config and "norecursedirs" not in config
 
 
 def test_code_is_ruff_clean():

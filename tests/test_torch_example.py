@@ -2,7 +2,7 @@
 and shared memory on or off changes no value.
 
 The job runs through akv-launch in a process group of its own; past its timeout the whole
-group is killed by its id (``tests.akv.dist.cluster.launch``) and the test fails.
+group is killed by its id (``tests.akv.cluster.cluster.launch``) and the test fails.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.akv.dist.cluster import launch, launch_shm_on_and_off
+from tests.akv.cluster.cluster import launch, launch_shm_on_and_off
 
 pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
 pytest.importorskip("sklearn", reason="the example needs scikit-learn: pip install akv[examples]")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, NoReturn
 
 from akv import __version__
-from akv.dist.config import (
+from akv.cluster.config import (
     ADVERTISE_VARIABLE,
     CHECKPOINT_DIR_VARIABLE,
     TWIN_VARIABLES,
@@ -72,7 +72,7 @@ class LaunchOptions:
     """Everything the command line says, checked by :func:`validate`.
 
     ``scheduler_command`` and ``server_command`` replace the role commands
-    ``[PYTHON, "-m", "akv.dist.scheduler"]`` and ``[PYTHON, "-m", "akv.dist.server"]``;
+    ``[PYTHON, "-m", "akv.cluster.scheduler"]`` and ``[PYTHON, "-m", "akv.cluster.server"]``;
     they are a seam for tests and custom role programs and have no flag.
     """
 

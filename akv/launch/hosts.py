@@ -2,7 +2,7 @@
 
 :func:`parse_hostfile` and :func:`assign_hosts` are pure; :func:`load_hostfile` only adds
 reading the file. (This is process placement; key placement over servers is
-:func:`akv.dist.placement.place`.)
+:func:`akv.cluster.placement.place`.)
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from akv.dist.config import parse_address
+from akv.cluster.config import parse_address
 from akv.errors import ConfigError, LaunchError
 
 __all__ = ["Host", "assign_hosts", "load_hostfile", "parse_hostfile"]

@@ -16,7 +16,7 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from akv.dist.config import ADVERTISE_VARIABLE, CHECKPOINT_DIR_VARIABLE, TWIN_VARIABLES
+from akv.cluster.config import ADVERTISE_VARIABLE, CHECKPOINT_DIR_VARIABLE, TWIN_VARIABLES
 from akv.errors import LaunchError
 from akv.launch.args import (
     CHECKPOINT_INTERVAL_VARIABLE,
@@ -496,7 +496,7 @@ def _scheduler_spec(options: LaunchOptions, context: JobContext) -> ProcessSpec:
     return ProcessSpec(
         role="scheduler",
         rank=None,
-        argv=options.scheduler_command or (context.python, "-m", "akv.dist.scheduler"),
+        argv=options.scheduler_command or (context.python, "-m", "akv.cluster.scheduler"),
         env={**_inherited(context.environ), **env},
         job_env=env,
         pass_fds=() if fd is None else (fd,),
@@ -508,7 +508,7 @@ def _roles(options: LaunchOptions, context: JobContext) -> list[tuple[str, tuple
     """``(role, argv, count)`` of the servers, then the workers."""
     remote = options.launcher in REMOTE_LAUNCHERS
     python = options.python or (DEFAULT_REMOTE_PYTHON if remote else context.python)
-    server_argv = options.server_command or (python, "-m", "akv.dist.server")
+    server_argv = options.server_command or (python, "-m", "akv.cluster.server")
     return [
         ("server", tuple(server_argv), options.num_servers),
         ("worker", tuple(options.command), options.num_workers),

@@ -21,7 +21,7 @@ from akv.launch.spec import ProcessSpec
 
 __all__ = ["Decision", "ExitRules", "exit_code_of", "scheduler_verdict", "status_text"]
 
-#: What the scheduler logs when it fails the job (``akv.dist.scheduler.service``).
+#: What the scheduler logs when it fails the job (``akv.cluster.scheduler.service``).
 _VERDICT = re.compile(r"\bjob failed: (.+)$")
 
 

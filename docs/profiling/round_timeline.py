@@ -80,7 +80,7 @@ def _instrument(tag: str) -> None:
 
 def _server() -> int:
     _instrument("S")
-    from akv.dist.server import main
+    from akv.cluster.server import main
 
     return main([])
 

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import akv
+from akv.cluster.worker.backend import DistBackend
 from akv.device import DeviceBackend
-from akv.dist.worker.backend import DistBackend
 from tests import fakecupy, profiling
 from tests.akv import test_device_store
-from tests.akv.dist import test_dist_device_gpu
-from tests.akv.dist.cluster import Cluster
+from tests.akv.cluster import test_dist_device_gpu
+from tests.akv.cluster.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -321,7 +321,7 @@ def test_importing_akv_does_not_import_torch():
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("rescale_grad", [1.0, 0.5], ids=["summed", "averaged"])
 def test_two_dist_sync_workers_sum_gradients_and_end_equal(rescale_grad):
-    from tests.akv.dist.cluster import Cluster
+    from tests.akv.cluster.cluster import Cluster
 
     steps, lr, momentum, wd = 4, 0.1, 0.9, 1e-3
     data = batches(steps, size=2 * BATCH)

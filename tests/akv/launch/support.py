@@ -1,7 +1,7 @@
 """Stand-in programs, fake ``ssh``/``mpirun``/``srun`` and helpers for the launcher's tests.
 
 The scheduler, servers and workers of the real jobs are small Python programs standing in
-for ``akv.dist.scheduler``/``akv.dist.server`` (through ``LaunchOptions.scheduler_command``
+for ``akv.cluster.scheduler``/``akv.cluster.server`` (through ``LaunchOptions.scheduler_command``
 and ``server_command``, the seam the launcher defines for this). ``ssh``, ``mpirun`` and
 ``srun`` are fake executables put first on ``PATH``; they run the command on this machine.
 Every process a test starts prints its PID, and the ``reaper`` fixture (``conftest.py``)

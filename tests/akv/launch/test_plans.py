@@ -58,8 +58,8 @@ def test_local_plan_starts_scheduler_then_servers_then_workers_with_ranks_in_tha
         ("worker", 1),
     ]
     assert [s.label for s in specs] == ["scheduler", "server 0", "server 1", "worker 0", "worker 1"]
-    assert specs[0].argv == ("/py", "-m", "akv.dist.scheduler")
-    assert specs[1].argv == ("/py", "-m", "akv.dist.server")
+    assert specs[0].argv == ("/py", "-m", "akv.cluster.scheduler")
+    assert specs[1].argv == ("/py", "-m", "akv.cluster.server")
     assert specs[3].argv == ("python", "train.py")
 
 
@@ -123,7 +123,7 @@ def _ssh_plan() -> list[ProcessSpec]:
 def test_ssh_plan_places_servers_then_workers_round_robin_with_exact_ssh_commands():
     scheduler, server, worker0, worker1 = _ssh_plan()
     assert scheduler.host is None and scheduler.env["AKV_SCHEDULER_HOST"] == "10.0.0.1"
-    assert scheduler.argv == ("/py", "-m", "akv.dist.scheduler")
+    assert scheduler.argv == ("/py", "-m", "akv.cluster.scheduler")
     assert [(s.label, s.host) for s in (server, worker0, worker1)] == [
         ("server 0", "n1"),
         ("worker 0", "n2"),
@@ -146,7 +146,7 @@ def test_ssh_script_exports_the_environment_cds_and_runs_the_command():
     assert server.job_env["AKV_HOST"] == server.job_env["DMLC_NODE_HOST"] == "n1"
     assert worker0.job_env["AKV_RANK"] == "0" and "AKV_HOST" not in worker0.job_env
     assert server.stdin == remote_script(
-        server.job_env, "/work dir", ("python3", "-m", "akv.dist.server")
+        server.job_env, "/work dir", ("python3", "-m", "akv.cluster.server")
     )
     script = worker0.stdin
     assert "  export AKV_ROLE=worker\n" in script
@@ -235,7 +235,7 @@ def test_open_mpi_plan_is_two_mpiruns_forwarding_variables_by_name():
         *HOST_WRAPPER,
         "python3",
         "-m",
-        "akv.dist.server",
+        "akv.cluster.server",
     ]
     assert list(workers.argv) == [
         *head,
@@ -295,7 +295,7 @@ def test_slurm_plan_is_one_srun_step_per_role():
         *HOST_WRAPPER,
         "python3",
         "-m",
-        "akv.dist.server",
+        "akv.cluster.server",
     ]
 
 

@@ -118,7 +118,8 @@ def test_processes_are_named_by_role_rank_host_and_pid():
 
 def test_the_scheduler_verdict_is_read_from_its_job_failed_line():
     line = (
-        "2026-12-03 09:00:00,000 akv.dist.scheduler ERROR job failed: worker 1 (pid 7 on h) died\n"
+        "2026-12-03 09:00:00,000 akv.cluster.scheduler ERROR job failed: "
+        "worker 1 (pid 7 on h) died\n"
     )
     assert scheduler_verdict(line) == "worker 1 (pid 7 on h) died"
     assert scheduler_verdict("scheduler waiting: 1 of 2 workers have not registered") is None

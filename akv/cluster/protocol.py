@@ -1,0 +1,211 @@
+"""What akv's frames mean between a worker and a server: ops, status codes, the client header.
+
+Every request frame carries a sequence number chosen by the worker; the server answers
+each request with one :attr:`Op.REPLY` frame of the same ``seq`` whose ``aux`` is a status
+code (:data:`OK` = done) and whose ``text`` holds the error message when it is not. Errors
+raised on a server reach the worker as the same :mod:`akv.errors` class
+(:func:`status_of` and :func:`error_from_status` are inverses on every class listed in
+:data:`STATUS_CLASSES`).
+
+Ops (arrays carry the key):
+
+* ``INIT``: rank 0's initial values (the server's part of each key).
+* ``INIT_CHECK``: another worker's ``init``; ``text`` is JSON ``[[key, shape, dtype], ...]``;
+  answered once rank 0's values arrived (or with an error when shapes or dtypes differ).
+* ``PUSH``: values to merge into the key's open round (``dist_sync``) or apply at once.
+* ``PULL``: zero-length arrays naming the keys and their dtypes; answered with the values,
+  once the round of the worker's last push to each key is applied (``dist_sync``).
+* ``PUSHPULL``: a push, then a pull, in one request.
+* ``CLOSE``: the worker closed its store; a disconnect without it means the worker died.
+* ``SET_OPTIMIZER``: ``text`` is the optimizer's JSON configuration (a name and its
+  hyper-parameters; never a pickle). The same name again keeps the per-key states.
+* ``SAVE_STATES``: ``text`` is JSON ``{"dump_optimizer": bool}``; answered with one uint8
+  array, the server's states in akv's state format (see ``docs/optimizer.md``).
+* ``LOAD_STATES``: one uint8 array in that format, for this server's keys.
+* ``CHECKPOINT``: write a checkpoint now (a server with a checkpoint directory); answered
+  once it is durable. A worker asks when the pushes it keeps for the server grow past
+  ``AKV_RETAIN_BYTES``.
+* ``DURABLE`` (server to worker, ``seq`` 0, never answered): every request of this worker
+  numbered below ``aux`` is held by a checkpoint; the worker drops the pushes it kept.
+
+Exactly once: every push array's ``tag`` is the worker's push number for that key (1, 2,
+...; 0 for a sender that does not number its pushes). A server counts a worker's push to a
+key only when its number is above the last one it counted, so a request resent after a
+reconnect, or to a server restored from a checkpoint, is answered without being applied
+twice.
+
+Adding an op: a member here, a branch in
+:meth:`akv.cluster.server.state.ServerState.message_completed`, and the worker call that sends
+it (``docs/architecture.md``). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import IntEnum
+from typing import Final
+
+from akv import errors
+
+__all__ = [
+    "CLIENT_HEADER",
+    "COUNTED",
+    "DIST_STORE_TYPES",
+    "JOB_FAILED_STATUS",
+    "OK",
+    "REFUSED_STATUS",
+    "STATUS_CLASSES",
+    "STOPPING_STATUS",
+    "Op",
+    "client_header",
+    "decode_meta",
+    "encode_meta",
+    "error_from_status",
+    "op_label",
+    "parse_client_header",
+    "status_of",
+]
+
+
+class Op(IntEnum):
+    """A frame's ``op`` field."""
+
+    INIT = 1
+    INIT_CHECK = 2
+    PUSH = 3
+    PULL = 4
+    PUSHPULL = 5
+    CLOSE = 6
+    SET_OPTIMIZER = 7
+    SAVE_STATES = 8
+    LOAD_STATES = 9
+    CHECKPOINT = 10
+    REPLY = 100
+    DURABLE = 101
+
+
+def op_label(op: int) -> str:
+    """The name of ``op`` as messages print it (``push``, ``init_check``), also for a number
+    no :class:`Op` has (``op 77``)."""
+    try:
+        return Op(op).name.lower()
+    except ValueError:
+        return f"op {op}"
+
+
+#: ``aux`` of a reply that carries no error.
+OK: Final = 0
+#: ``flags`` of a pushpull request that asks to hear once its push is counted too, and of
+#: that interim answer (a reply without arrays; the request's own answer follows).
+COUNTED: Final = 1
+#: The status code of each error class a server sends back; anything else is INTERNAL.
+STATUS_CLASSES: Final[dict[int, type[errors.AKVError]]] = {
+    1: errors.KeyNotInitializedError,
+    2: errors.ShapeMismatchError,
+    3: errors.DTypeMismatchError,
+    4: errors.DoublePushError,
+    5: errors.RoundTimeoutError,
+    6: errors.PeerLostError,
+    7: errors.OptimizerError,
+    8: errors.StateFormatError,
+    9: errors.DuplicateInitError,
+    10: errors.InvalidArgumentError,
+    11: errors.ServerError,
+    12: errors.WaitTimeoutError,
+    13: errors.OptimizerNotSetError,
+}
+INTERNAL: Final = 11
+_CODES: Final[dict[type[BaseException], int]] = {cls: code for code, cls in STATUS_CLASSES.items()}
+
+#: The scheduler's HTTP status when it refuses a request because the job failed.
+JOB_FAILED_STATUS: Final = 409
+#: A server's HTTP status when it refuses a stream because it stops (a restart may come).
+STOPPING_STATUS: Final = 503
+#: Its status when a registration, heartbeat or barrier does not fit the job (a rank
+#: already taken, an unknown node, a barrier out of turn).
+REFUSED_STATUS: Final = 422
+
+#: Header a worker sends when it opens a stream: ``"<rank> <store type> [<session>]"``.
+#: The session (the worker's node id) tells a server that a new stream comes from the same
+#: worker process as a cut one.
+CLIENT_HEADER: Final = "X-AKV-Client"
+#: The store types whose workers talk to servers.
+DIST_STORE_TYPES: Final = ("dist_sync", "dist_async")
+
+
+def status_of(exc: BaseException) -> int:
+    """The status code for an exception raised while serving a request (its nearest listed
+    class; :data:`INTERNAL` for anything else)."""
+    for cls in type(exc).__mro__:
+        code = _CODES.get(cls)
+        if code is not None:
+            return code
+    return INTERNAL
+
+
+def error_from_status(status: int, text: str, server: str) -> errors.AKVError:
+    """The error a worker raises for a non-zero status from ``server`` (named in it)."""
+    cls = STATUS_CLASSES.get(status, errors.ServerError)
+    if cls is errors.ServerError:
+        return errors.ServerError(f"{server}: {text}", server=server)
+    return cls(f"{text} (on {server})")
+
+
+def client_header(rank: int, store_type: str, session: str = "") -> str:
+    """The :data:`CLIENT_HEADER` value of worker ``rank`` opening a ``store_type`` store
+    (``session``: its node id; empty for a sender without one)."""
+    return f"{rank} {store_type} {session}".rstrip()
+
+
+def parse_client_header(text: str) -> tuple[int, str, str]:
+    """The worker rank, store type and session (``""`` if none) in a
+    :data:`CLIENT_HEADER` value.
+
+    Raises
+    ------
+    InvalidArgumentError
+        When it is not ``"<rank> <store type> [<session>]"`` with a known distributed
+        store type and a session of at most 64 letters, digits, ``-`` or ``_``.
+    """
+    fields = text.split()
+    try:
+        if len(fields) not in (2, 3):
+            raise ValueError
+        rank = int(fields[0])
+    except ValueError:
+        raise errors.InvalidArgumentError(
+            f"{CLIENT_HEADER} must be '<rank> <store type> [<session>]', got {text[:64]!r}"
+        ) from None
+    store_type = fields[1]
+    session = fields[2] if len(fields) == 3 else ""
+    if store_type not in DIST_STORE_TYPES:
+        raise errors.InvalidArgumentError(f"unknown store type {store_type[:64]!r}")
+    if session and (len(session) > 64 or not session.replace("-", "").replace("_", "").isalnum()):
+        raise errors.InvalidArgumentError(f"malformed session id {session[:64]!r}")
+    return rank, store_type, session
+
+
+def encode_meta(items: list[tuple[int | str, tuple[int, ...], str]]) -> str:
+    """``INIT_CHECK``'s text: the keys with their (part) shapes and dtypes."""
+    return json.dumps([[key, list(shape), dtype] for key, shape, dtype in items])
+
+
+def decode_meta(text: str) -> list[tuple[int | str, tuple[int, ...], str]]:
+    """The inverse of :func:`encode_meta`.
+
+    Raises
+    ------
+    InvalidArgumentError
+        When ``text`` is not a list of ``[key, shape, dtype]`` with int or str keys.
+    """
+    try:
+        items = json.loads(text)
+        decoded = [(key, tuple(int(n) for n in shape), str(dtype)) for key, shape, dtype in items]
+    except (ValueError, TypeError) as exc:
+        raise errors.InvalidArgumentError(f"malformed init_check request: {exc}") from None
+    for key, _, _ in decoded:
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise errors.InvalidArgumentError(
+                f"malformed init_check request: key {key!r} is not an int or a str"
+            )
+    return decoded

@@ -1,0 +1,5 @@
+import sys
+
+from akv.cluster.scheduler import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from akv.cluster.server import main
+
+sys.exit(main())

@@ -1,0 +1,251 @@
+"""When a server writes its checkpoint, and how it starts from one (the I/O around
+:mod:`akv.cluster.server.checkpoint`'s file and :meth:`ServerState.checkpoint_plan`).
+
+A server started with ``--checkpoint-dir`` (``AKV_CHECKPOINT_DIR``):
+
+* locks ``server-<rank>.lock`` in the directory for as long as it runs, so that two
+  processes never write one rank's checkpoint, and a restarted server that holds the lock
+  knows the one before it is gone (the scheduler lets it take over its rank);
+* restores ``server-<rank>.akvckpt`` when there is one, before it registers;
+* writes a checkpoint every ``AKV_CHECKPOINT_INTERVAL_S`` when anything changed, when a
+  worker asks (``CHECKPOINT``: the pushes it keeps for this server grew past
+  ``AKV_RETAIN_BYTES``), and when it stops (at the job's end, or on SIGTERM/Ctrl-C);
+* after each one, tells every connected worker which of its requests the checkpoint holds
+  (``DURABLE``), so that the worker drops the pushes it kept for a restart.
+
+A checkpoint's values are copied by an engine task that reads every key (so it follows
+every write issued before it and holds the keys only while it copies); the file is written
+on a thread while the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from akv.cluster.protocol import Op
+from akv.cluster.server.checkpoint import (
+    KeyRecord,
+    Snapshot,
+    read_snapshot,
+    remove_leftovers,
+    write_snapshot,
+)
+from akv.cluster.server.state import (
+    Checkpoint,
+    CheckpointPlan,
+    Instruction,
+    Peer,
+    Reply,
+    ReplyError,
+)
+from akv.errors import AKVError, CheckpointError
+from akv.limits import FINAL_CHECKPOINT_S
+from transport import encode_frame
+
+if TYPE_CHECKING:
+    from akv.cluster.server.service import ParameterServer
+
+__all__ = ["Checkpoints"]
+
+log = logging.getLogger("akv.cluster.server")
+
+
+class Checkpoints:
+    """One server's checkpoints (see the module docstring)."""
+
+    def __init__(self, server: ParameterServer) -> None:
+        config = server.config
+        assert config.checkpoint_dir is not None and config.rank is not None  # from_env checks
+        self.server = server
+        self.directory = Path(config.checkpoint_dir)
+        self.rank = config.rank
+        self.interval_s = config.checkpoint_interval_s
+        #: The last checkpoint's number (0: none yet), and what it holds of each worker's
+        #: requests (every one numbered below).
+        self.generation = 0
+        self.durable_seqs: dict[int, int] = {}
+        self._written_changes = -1
+        self._lock: asyncio.Lock | None = None
+        self._requests: list[Checkpoint] = []
+        self._serving_requests = False
+        self._lock_fd: int | None = None
+
+    # ------------------------------------------------------------ starting
+
+    def restore(self) -> Snapshot | None:
+        """Lock this rank's checkpoint and restore the server's state from it (if any).
+
+        Raises
+        ------
+        CheckpointError
+            Another process holds the lock (this rank's server still runs), the directory
+            cannot be made, or the checkpoint cannot be read or does not fit this job.
+        """
+        lock_path = self.directory / f"server-{self.rank}.lock"
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot use checkpoint directory {self.directory}: {exc}"
+            ) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            raise CheckpointError(
+                f"{lock_path} is locked by another process: server {self.rank} of this "
+                "checkpoint directory is still running"
+            ) from exc
+        self._lock_fd = fd
+        remove_leftovers(self.directory, self.rank)  # of a writer that died: none runs now
+        snapshot = read_snapshot(self.directory, self.rank)
+        if snapshot is None:
+            log.info(
+                "server %d: no checkpoint in %s yet: starting empty", self.rank, self.directory
+            )
+            return None
+        num_workers = self.server.config.num_workers
+        if snapshot.num_workers != num_workers:
+            raise CheckpointError(
+                f"the checkpoint of server {self.rank} in {self.directory} is of a job with "
+                f"{snapshot.num_workers} workers, this job has {num_workers}"
+            )
+        self.server.state.restore(
+            snapshot.store_type,
+            [(r.key, r.value, r.closed_round, r.tags, r.last_round) for r in snapshot.keys],
+            snapshot.optimizer_config,
+            snapshot.optimizer_states,
+            snapshot.durable_seqs,
+        )
+        self.generation = snapshot.generation
+        self.durable_seqs = dict(snapshot.durable_seqs)
+        self._written_changes = self.server.state.changes
+        rounds = max((r.closed_round for r in snapshot.keys), default=0)
+        log.warning(
+            "server %d restored checkpoint %d from %s: %d keys, rounds up to %d; the workers "
+            "resend what it does not hold",
+            self.rank,
+            snapshot.generation,
+            self.directory,
+            len(snapshot.keys),
+            rounds,
+        )
+        return snapshot
+
+    def close(self) -> None:
+        """Release the directory's lock (at the server's stop)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # ------------------------------------------------------------ writing
+
+    async def write(self) -> int:
+        """Write a checkpoint of everything issued so far; return its number.
+
+        Raises
+        ------
+        CheckpointError
+            The file could not be written (the previous checkpoint stays).
+        """
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            server = self.server
+            state = server.state
+            changes = state.changes
+            plan = state.checkpoint_plan()
+            reads = [entry.var for entry, _, _, _ in plan.entries]
+            copy = server.engine.push(
+                _copy, plan, reads=reads, executor="thread", name="checkpoint"
+            )
+            records, states = await copy
+            snapshot = Snapshot(
+                rank=self.rank,
+                num_workers=server.config.num_workers,
+                store_type=plan.store_type or "dist_sync",
+                generation=self.generation + 1,
+                keys=records,
+                optimizer_config=plan.optimizer_config,
+                optimizer_states=states,
+                durable_seqs=plan.durable_seqs,
+            )
+            await asyncio.to_thread(write_snapshot, self.directory, snapshot)
+            self.generation = snapshot.generation
+            self.durable_seqs = plan.durable_seqs
+            self._written_changes = changes
+            for peer in list(state.peers.values()):
+                self.tell(peer)
+            server.execute(state.checkpointed(plan))
+            return self.generation
+
+    def tell(self, peer: Peer) -> None:
+        """Tell ``peer``'s worker which of its requests the last checkpoint holds."""
+        seq = self.durable_seqs.get(peer.worker)
+        if seq is not None:
+            self.server.send_to(peer, encode_frame(Op.DURABLE, 0, aux=seq))
+
+    async def on_request(self, instruction: Checkpoint) -> None:
+        """A worker asked for a checkpoint (or sent an init, answered once a checkpoint
+        holds it): write one, then answer. Requests that come while one is written are
+        answered together by the next one."""
+        self._requests.append(instruction)
+        if self._serving_requests:
+            return
+        self._serving_requests = True
+        try:
+            while self._requests:
+                batch, self._requests = self._requests, []
+                error: AKVError | None = None
+                try:
+                    await self.write()
+                except AKVError as exc:
+                    log.error("server %d: %s", self.rank, exc)
+                    error = exc
+                answers: list[Instruction] = [
+                    Reply(r.peer, r.seq) if error is None else ReplyError(r.peer, r.seq, error)
+                    for r in batch
+                ]
+                self.server.execute(answers)
+        finally:
+            self._serving_requests = False
+
+    async def every_interval(self) -> None:
+        """Write a checkpoint every interval in which anything changed (a failed one is
+        logged; the next interval tries again)."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if self.server.state.changes == self._written_changes:
+                continue
+            try:
+                await self.write()
+            except AKVError as exc:
+                log.error("server %d: %s", self.rank, exc)
+
+    async def final(self) -> None:
+        """The checkpoint at a stop: everything applied so far, within
+        :data:`FINAL_CHECKPOINT_S` (a failure or a timeout is logged)."""
+        if self.server.state.changes == self._written_changes:
+            return
+        try:
+            generation = await asyncio.wait_for(self.write(), FINAL_CHECKPOINT_S)
+            log.info("server %d wrote its final checkpoint %d", self.rank, generation)
+        except (AKVError, asyncio.TimeoutError) as exc:
+            log.error("server %d: the final checkpoint failed: %r", self.rank, exc)
+
+
+def _copy(plan: CheckpointPlan) -> tuple[list[KeyRecord], bytes | None]:
+    """The keys' values and the optimizer's states, copied (an engine task that reads every
+    key in ``plan``: no update runs meanwhile)."""
+    records = [
+        KeyRecord(entry.key, entry.value.copy(), closed_round, tags, last)
+        for entry, closed_round, tags, last in plan.entries
+    ]
+    states = plan.updater.dump_states(False) if plan.updater is not None else None
+    return records, states

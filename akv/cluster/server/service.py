@@ -1,0 +1,745 @@
+"""A parameter server's I/O: the HTTP app, the workers' streams, the engine, the scheduler.
+
+Run it with ``akv-server`` (or ``python -m akv.cluster.server``), configured by the
+environment or by flags (see ``docs/distributed.md``); akv-launch starts servers for you.
+
+Every decision is :class:`~akv.cluster.server.state.ServerState`'s: this module feeds it
+events (a header or a whole frame arrived, a stream ended, array work finished, the clock
+ticked, the scheduler reported a failure) and carries out the instructions it returns.
+Array work (merging, applying, answering pulls) runs as engine tasks on each key's var, so
+that per key a merge, the apply of its round and the pulls that read the result never
+overlap and keep their order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+from aiohttp import web
+
+from akv.cluster.config import Config, format_address
+from akv.cluster.membership import Membership
+from akv.cluster.protocol import (
+    CLIENT_HEADER,
+    COUNTED,
+    OK,
+    STOPPING_STATUS,
+    Op,
+    parse_client_header,
+    status_of,
+)
+from akv.cluster.roles import run_role, server_ssl, stopped_by_signal
+from akv.cluster.server.checkpointing import Checkpoints
+from akv.cluster.server.state import (
+    Checkpoint,
+    FailJob,
+    InstallOptimizer,
+    Instruction,
+    Land,
+    Landing,
+    LoadStates,
+    Peer,
+    PullTicket,
+    Reply,
+    ReplyError,
+    SaveStates,
+    SendValues,
+    ServerEntry,
+    ServerState,
+)
+from akv.cluster.server.updates import land
+from akv.errors import (
+    AKVError,
+    InvalidArgumentError,
+    MembershipError,
+    PeerLostError,
+    ServerError,
+)
+from akv.limits import (
+    DRAIN_S,
+    MAX_PAYLOAD_BYTES,
+    ROUND_CHECK_INTERVAL_S,
+    SERVER_ENGINE_SLOTS,
+    SPLIT_ADD_MIN_BYTES,
+    STAGED_REPLY_MIN_BYTES,
+    STARTUP_MARGIN_S,
+)
+from engine import Engine
+from transport import (
+    DISCARD,
+    Destination,
+    FrameError,
+    FrameHeader,
+    InPlace,
+    LocalSite,
+    Message,
+    RequestError,
+    SharedMemory,
+    StreamProtocol,
+    TransportError,
+    create_app,
+    decode_frame,
+    encode_frame,
+    frame_bytes,
+    remove_leftovers,
+    serve,
+    serve_local,
+    stream_route,
+)
+
+__all__ = ["ParameterServer", "main", "run_server"]
+
+log = logging.getLogger("akv.cluster.server")
+
+
+class Link(Protocol):
+    """Where a peer's replies go: its stream, or the response to its single request."""
+
+    @property
+    def closing(self) -> bool: ...
+
+    def send(self, buffers: list[Any]) -> None: ...
+
+    def send_soon(self, frame: bytes) -> None: ...
+
+    def when_drained(self, callback: Callable[[BaseException | None], None]) -> None: ...
+
+
+class ParameterServer:
+    """One server of a job (see the module docstring)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.engine = Engine(slots=SERVER_ENGINE_SLOTS, name="akv-server")
+        checkpoints = config.checkpoint_dir is not None
+        self.membership = Membership(config, "server", uuid.uuid4().hex, restartable=checkpoints)
+        self.state = ServerState(
+            "server ?",
+            config.num_workers,
+            config.timeouts.connect_s,
+            self.engine.new_var,
+            reconnect_s=config.timeouts.reconnect_s,
+            checkpoints=checkpoints,
+        )
+        #: Writes this server's checkpoints (None: it writes none).
+        self.checkpoints = Checkpoints(self) if checkpoints else None
+        self.links: dict[int, Link] = {}
+        #: The port this server listens on, and the ``(host, port)`` the scheduler gives the
+        #: workers for it (``AKV_ADVERTISE``; by default the bound host and port).
+        self.port = 0
+        self.advertised = (config.host, 0)
+        self._loop_thread = threading.get_ident()
+        self._runner: web.AppRunner | None = None
+        #: The private Unix socket for workers on this host (None: TCP only).
+        self._local: LocalSite | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: Adds the second half of a large sum (:meth:`_add`); its thread starts on first use.
+        self._adder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="akv-add")
+        #: Stopped by a signal with a checkpoint written: a restart takes its rank over.
+        self._awaits_restart = False
+
+    @property
+    def rank(self) -> int | None:
+        """This server's rank (None until the scheduler gave it one)."""
+        return self.membership.rank
+
+    @property
+    def name(self) -> str:
+        """``"server <rank>"``, as messages name it."""
+        return self.state.name
+
+    # ------------------------------------------------------------ lifecycle
+
+    def app(self) -> web.Application:
+        """The HTTP application: the stream route, one-frame requests, a status page."""
+        app = create_app(self.config.token, max_body_bytes=self.config.max_body_bytes)
+        stream_route(app, self._open_stream)
+        app.router.add_post("/v1/frame", self._one_frame)
+        app.router.add_get("/v1/status", self._status)
+        return app
+
+    async def start(self) -> int:
+        """Listen, register with the scheduler (which gives the workers the advertised
+        address); return the bound port."""
+        self._loop_thread = threading.get_ident()
+        config = self.config
+        self._runner, self.port = await serve(
+            self.app(),
+            config.host,
+            config.port,
+            ssl_context=server_ssl(config),
+            idle_timeout_s=config.timeouts.idle_s,
+            max_connections_per_peer=config.max_connections_per_peer,
+        )
+        self.advertised = config.advertised(self.port)
+        if config.shm:
+            remove_leftovers()  # of servers on this host killed by SIGKILL
+            self._local = await serve_local(
+                self._runner,
+                config.token,
+                arena_bytes=config.shm_arena_bytes,
+                idle_timeout_s=config.timeouts.idle_s,
+            )
+            self.membership.local = {"host": config.host_id, "path": self._local.path}
+            # Sums kept where the local streams send from: answered without a copy.
+            self.state.value_regions = self._local.book
+        if self.checkpoints is not None:
+            self.checkpoints.restore()  # before registering: workers resend what it lacks
+        deadline = time.monotonic() + config.timeouts.connect_s
+        await self.membership.register(self.port, deadline)
+        self.state.name = f"server {self.rank}"
+        bound = format_address(config.host, self.port)
+        advertised = format_address(*self.advertised)
+        if advertised == bound:
+            log.info("%s listening on %s", self.name, bound)
+        else:
+            log.info("%s listening on %s, advertised as %s", self.name, bound, advertised)
+        return self.port
+
+    async def run(self) -> int:
+        """Serve until the scheduler says stop; return 0, or 1 when the job failed (or
+        never assembled: see :meth:`_await_job`)."""
+        if self._runner is None:
+            await self.start()
+        ticker = self._spawn(self._tick(), "the round deadline check")
+        gave_up = asyncio.Event()
+        assembly = self._spawn(self._await_job(gave_up), "waiting for the job to assemble")
+        timer = None
+        if self.checkpoints is not None:
+            timer = self._spawn(self.checkpoints.every_interval(), "the checkpoint timer")
+        try:
+            stopped = await self.membership.heartbeats(self._job_failed, gave_up.is_set)
+            ok = stopped and self.state.failure is None and not gave_up.is_set()
+            if ok and self.checkpoints is not None:
+                await self.checkpoints.final()
+            return 0 if ok else 1
+        except asyncio.CancelledError as exc:
+            if stopped_by_signal(exc):
+                await self._stopped_by_signal()
+            raise
+        finally:
+            ticker.cancel()
+            assembly.cancel()
+            if timer is not None:
+                timer.cancel()
+            await self.stop()
+
+    async def _stopped_by_signal(self) -> None:
+        """SIGTERM or Ctrl-C: the work in flight gets :data:`DRAIN_S` to finish, a final
+        checkpoint is written when this server writes them, and the scheduler is told, so
+        that the job fails naming this server and why (unless it can be restarted from
+        its checkpoint: then the scheduler waits for its restart)."""
+        rank = self.membership.rank if self.membership.rank is not None else -1
+        address = format_address(*self.advertised)
+        detail = f"at {address} was stopped by a signal (SIGTERM or Ctrl-C)"
+        with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError):
+            await asyncio.wait_for(self.engine.wait_all(), DRAIN_S)
+        if self.checkpoints is not None:
+            await self.checkpoints.final()
+            self._awaits_restart = True  # no goodbye: the scheduler waits for its restart
+            return
+        with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError, ValueError):
+            # Reported by itself: the scheduler names it as stopping, not as lost.
+            report = self.membership.report_lost(self.membership.node_id, "server", rank, detail)
+            await asyncio.wait_for(report, DRAIN_S)
+
+    async def _await_job(self, gave_up: asyncio.Event) -> None:
+        """Wait until every worker and server joined the job. The scheduler fails a job
+        that has not assembled within the connect timeout plus ``STARTUP_MARGIN_S``,
+        naming the ranks that never registered, and this server hears it; should the
+        scheduler not say so, this server gives up a margin later by itself. Either way
+        the job fails here (logged) and :meth:`run` returns 1."""
+        wait_s = self.config.timeouts.connect_s + 2 * STARTUP_MARGIN_S
+        try:
+            await self.membership.register(self.port, time.monotonic() + wait_s, whole_job=True)
+        except AKVError as exc:
+            self._job_failed(f"{self.name} gave up waiting for the job to assemble: {exc}")
+            gave_up.set()
+
+    async def stop(self) -> None:
+        """Close every stream, the engine and the listener; tell the scheduler. Idempotent."""
+        if self.state.stopping:
+            return
+        self.state.stopping = True
+        for link in list(self.links.values()):
+            if isinstance(link, _StreamLink):
+                link.protocol.close()
+        if not self._awaits_restart:
+            with contextlib.suppress(TransportError, AKVError):  # it may be gone already
+                await self.membership.finish()
+        await self.membership.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await self.engine.aclose()
+        self._adder.shutdown(wait=False)
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        if self._local is not None:
+            await self._local.close()
+            self._local = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(ROUND_CHECK_INTERVAL_S)
+            self.execute(self.state.tick(loop.time(), self.config.timeouts.round_s))
+
+    def _job_failed(self, reason: str) -> None:
+        self.execute(self.state.job_failed(reason))
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
+        """Run ``coroutine`` in the background, kept until it ends; if it fails, the job
+        fails with its error."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+
+        def finished(task: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            if task.cancelled() or task.exception() is None:
+                return
+            exc = task.exception()
+            log.error("%s: %s failed: %r", self.name, what, exc)
+            self._job_failed(f"{what} failed on {self.name}: {exc!r}")
+
+        task.add_done_callback(finished)
+        return task
+
+    async def _status(self, request: web.Request) -> web.Response:
+        status = {"rank": self.rank, **self.state.status()}
+        status["engine"] = self.engine.statistics().__dict__
+        return web.json_response(status)
+
+    # ------------------------------------------------------------ peers
+
+    def _admit(self, request: web.Request, stream: bool) -> Peer:
+        try:
+            worker, store_type, session = parse_client_header(
+                request.headers.get(CLIENT_HEADER, "")
+            )
+            return self.state.admit(worker, store_type, stream, session)
+        except InvalidArgumentError as exc:
+            raise RequestError(400, str(exc)) from None
+        except MembershipError as exc:
+            raise RequestError(409, str(exc)) from None
+        except PeerLostError as exc:  # stopping: a restarted server may take the stream
+            raise RequestError(STOPPING_STATUS, str(exc)) from None
+
+    def _open_stream(self, request: web.Request) -> StreamProtocol:
+        peer = self._admit(request, stream=True)
+        for other_id, other in list(self.links.items()):  # the stream this one replaces
+            if isinstance(other, _StreamLink) and other.peer.worker == peer.worker:
+                del self.links[other_id]
+                other.protocol.close()
+        link = _StreamLink(self, peer)
+        self.links[peer.id] = link
+        if self.checkpoints is not None:
+            self.checkpoints.tell(peer)
+        return link.protocol
+
+    async def _one_frame(self, request: web.Request) -> web.Response:
+        """``POST /v1/frame``: one request frame in the body; the reply frame is the answer.
+
+        A body that is not exactly one valid frame gets 400, one above the body limit 413.
+        """
+        peer = self._admit(request, stream=False)
+        body = await request.read()
+        try:
+            header, buffers = decode_frame(body, max_payload_bytes=self.config.max_body_bytes)
+        except FrameError as exc:
+            raise RequestError(400, f"not a valid frame: {exc}") from None
+        link = _OneShotLink()
+        self.links[peer.id] = link
+        try:
+            landing = self.state.header_arrived(peer, header)
+            for buffer, target in zip(buffers, landing.buffers, strict=True):
+                if target is not None:
+                    target.data.cast("B")[:] = buffer
+            self.message(peer, Message(header, tuple(buffers)), landing)
+            reply = await asyncio.wait_for(link.reply, self.config.timeouts.request_s)
+        except asyncio.TimeoutError:
+            raise RequestError(504, "no answer in time") from None
+        finally:
+            del self.links[peer.id]
+        return web.Response(body=reply, content_type="application/octet-stream")
+
+    def message(self, peer: Peer, message: Message, landing: Landing) -> None:
+        """A whole frame arrived from ``peer``: let the state decide, then do it."""
+        header = message.header
+        now = asyncio.get_running_loop().time()
+        instructions = self.state.message_completed(peer, header, message.buffers, landing, now)
+        if landing.lent is not None:  # no task reads them (a refused or resent push)
+            landing.lent()
+        self.execute(instructions)
+
+    def lost(self, peer: Peer, exc: BaseException | None) -> None:
+        """``peer``'s stream ended."""
+        self.links.pop(peer.id, None)
+        now = asyncio.get_running_loop().time()
+        self.execute(self.state.peer_lost(peer, exc, now))
+
+    # ------------------------------------------------------------ carrying out instructions
+
+    def execute(self, instructions: Sequence[Instruction]) -> None:
+        """Carry out what the state decided, in order."""
+        for instruction in instructions:
+            if isinstance(instruction, Reply):
+                if instruction.counted:
+                    # Not waited for by a caller (the value follows): sent with what this
+                    # loop turn writes next, one write for a burst of counted pushes.
+                    self.send_soon(instruction)
+                else:
+                    self.send_to(instruction.peer, encode_frame(Op.REPLY, instruction.seq, aux=OK))
+            elif isinstance(instruction, ReplyError):
+                self._reply_error(instruction)
+            elif isinstance(instruction, Land):
+                self.engine.push(
+                    self._land,
+                    instruction,
+                    writes=[entry.var for entry in instruction.entries],
+                    executor="inline" if instruction.inline else "thread",
+                    name="push",
+                )
+            elif isinstance(instruction, SendValues):
+                self._send_values(instruction)
+            elif isinstance(instruction, InstallOptimizer):
+                self.engine.push(
+                    self._install,
+                    instruction,
+                    writes=[entry.var for entry in instruction.entries],
+                    executor="loop",
+                    name="set_optimizer",
+                )
+            elif isinstance(instruction, SaveStates):
+                self.engine.push(
+                    self._save_states,
+                    instruction,
+                    reads=[entry.var for entry in instruction.entries],
+                    executor="loop",
+                    name="save_states",
+                )
+            elif isinstance(instruction, LoadStates):
+                self.engine.push(
+                    self._load_states,
+                    instruction,
+                    writes=[entry.var for entry in instruction.entries],
+                    executor="loop",
+                    name="load_states",
+                )
+            elif isinstance(instruction, Checkpoint):
+                assert self.checkpoints is not None  # the state asks only then
+                self._spawn(self.checkpoints.on_request(instruction), "a checkpoint")
+            elif isinstance(instruction, FailJob):
+                self._fail_job(instruction)
+
+    def send_to(self, peer: Peer, buffers: list[Any]) -> None:
+        """Send ``buffers`` on ``peer``'s stream (dropped when it is gone: the worker resends)."""
+        link = self.links.get(peer.id)
+        if link is not None and not link.closing:
+            link.send(buffers)
+
+    def send_soon(self, reply: Reply) -> None:
+        """Send the interim ``reply`` (a push counted) on its peer's stream with the next
+        frame written there, at the latest at the end of this loop turn."""
+        link = self.links.get(reply.peer.id)
+        if link is not None and not link.closing:
+            link.send_soon(frame_bytes(Op.REPLY, reply.seq, aux=OK, flags=COUNTED))
+
+    def _reply_error(self, instruction: ReplyError) -> None:
+        if instruction.cause is not None:
+            log.error("%s: %s", self.name, instruction.error, exc_info=instruction.cause)
+        error = instruction.error
+        frame = encode_frame(Op.REPLY, instruction.seq, aux=status_of(error), text=str(error))
+        self.send_to(instruction.peer, frame)
+
+    def _fail_job(self, instruction: FailJob) -> None:
+        if instruction.lost_worker is None:
+            log.error("%s: %s", self.name, instruction.reason)
+            return
+        worker = instruction.lost_worker
+        log.error("worker %d vanished: %s", worker, instruction.detail)
+        report = self.membership.report_lost(self.name, "worker", worker, instruction.detail)
+        self._spawn(report, f"telling the scheduler that worker {worker} vanished")
+
+    def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Call ``fn(*args)`` on the server's loop: now if this is its thread, else soon."""
+        if threading.get_ident() == self._loop_thread:
+            fn(*args)
+        else:
+            self.engine.loop.call_soon_threadsafe(fn, *args)
+
+    def _add(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        split_add(self._adder, a, b, out)
+
+    def _land(self, work: Land) -> None:
+        try:
+            done, failed, released = land(work, self.state.updater, self._add)
+        finally:
+            if work.lent is not None:
+                self._on_loop(work.lent)
+        for lent in released:
+            self._on_loop(lent)
+        self._on_loop(self._landed, done, failed, work.reply)
+
+    def _landed(
+        self,
+        done: list[tuple[ServerEntry, int]],
+        failed: list[tuple[ServerEntry, int, Exception]],
+        reply: Reply | None = None,
+    ) -> None:
+        self.execute(self.state.rounds_applied(done))
+        if reply is not None:
+            self.execute([self.state.push_applied(reply, failed)])
+        for entry, round_no, exc in failed:
+            log.error(
+                "%s: the update of key %r (round %d) failed: %r",
+                self.name,
+                entry.key,
+                round_no,
+                exc,
+            )
+            self.execute(self.state.update_failed(entry, round_no, exc))
+
+    def _send_values(self, instruction: SendValues) -> None:
+        ticket = instruction.ticket
+        reads = [entry.var for entry in ticket.entries]
+        shared = self._arena_for(ticket)
+        if shared is not None:
+            self.engine.push(
+                self._send_staged,
+                ticket,
+                shared,
+                reads=reads,
+                executor="thread",
+                no_skip=True,
+                name="send",
+            )
+        elif instruction.copy:
+            self.engine.push(
+                self._send_copy,
+                instruction.ticket,
+                reads=reads,
+                executor="inline",
+                no_skip=True,
+                name="send",
+            )
+        else:
+            self.engine.push(
+                self._send_held,
+                instruction.ticket,
+                reads=reads,
+                executor="callback",
+                no_skip=True,
+                name="send",
+            )
+
+    def _send_copy(self, ticket: PullTicket) -> None:
+        """Answer a small pull with a copy of the values (no need to hold them until sent)."""
+        arrays = [(e.key, e.value, e.rounds.applied_round) for e in ticket.entries]
+        frame = [frame_bytes(Op.REPLY, ticket.seq, arrays, aux=OK)]
+        self._on_loop(self.send_to, ticket.peer, frame)
+
+    def _arena_for(self, ticket: PullTicket) -> SharedMemory | None:
+        """The shared memory of the stream to answer ``ticket`` on, when the answer is large
+        enough to be staged there by a thread (:meth:`_send_staged`); else None."""
+        link = self.links.get(ticket.peer.id)
+        protocol = getattr(link, "protocol", None)
+        shared = None if protocol is None else protocol.shared
+        if shared is None or shared.book is None:
+            return None
+        if sum(entry.nbytes for entry in ticket.entries) < STAGED_REPLY_MIN_BYTES:
+            return None
+        book = shared.book
+        if any(book.holds(entry.value) for entry in ticket.entries):
+            return None  # sent from where it lies, while the keys are held (_send_held)
+        return shared
+
+    def _send_staged(self, ticket: PullTicket, shared: SharedMemory) -> None:
+        """On an engine thread, holding the keys for reading: copy the values into regions
+        of the stream's arena (or, where none is free, into buffers of their own), then
+        send the answer from there on the loop."""
+        arrays = []
+        staged = []
+        for entry in ticket.entries:
+            view = shared.reserve(entry.nbytes)
+            if view is None:
+                array = entry.value.copy()
+            else:
+                array = np.frombuffer(view, entry.dtype).reshape(entry.shape)
+                np.copyto(array, entry.value)
+                staged.append(array)
+            arrays.append((entry.key, array, entry.rounds.applied_round))
+        frame = encode_frame(Op.REPLY, ticket.seq, arrays, aux=OK)
+        self._on_loop(self._send_from_arena, ticket.peer, frame, shared, staged)
+
+    def _send_from_arena(
+        self, peer: Peer, frame: list[Any], shared: SharedMemory, staged: list[np.ndarray]
+    ) -> None:
+        """Send ``frame``, whose payloads lie in regions of ``shared`` reserved for it, and
+        give the regions back once written: the worker's release frees them then."""
+
+        def give_back(_: BaseException | None = None) -> None:
+            for region in staged:
+                shared.unreserve(region)
+
+        link = self.links.get(peer.id)
+        if link is None or link.closing:
+            give_back()
+            return
+        link.send(frame)
+        link.when_drained(give_back)
+
+    def _send_held(self, ticket: PullTicket, done: Callable[[Any, Any], None]) -> None:
+        """Answer a pull from the stored arrays themselves (no copy), holding their vars for
+        reading (this task runs until ``done``) until the kernel has taken every byte."""
+        link = self.links.get(ticket.peer.id)
+        if link is None or link.closing:
+            done(None, None)
+            return
+        arrays = [(e.key, e.value, e.rounds.applied_round) for e in ticket.entries]
+        link.send(encode_frame(Op.REPLY, ticket.seq, arrays, aux=OK))
+        link.when_drained(lambda _: done(None, None))  # a lost stream ends the task as well
+
+    async def _install(self, work: InstallOptimizer) -> None:
+        try:
+            self.state.install_optimizer(work.optimizer, work.config)
+        except Exception as exc:
+            self.execute([_failed_reply(work.peer, work.seq, "set_optimizer", exc)])
+            return
+        self.execute([Reply(work.peer, work.seq)])
+
+    async def _save_states(self, work: SaveStates) -> None:
+        try:
+            data = await asyncio.to_thread(work.updater.dump_states, work.dump)
+        except Exception as exc:
+            self.execute([_failed_reply(work.peer, work.seq, "save_optimizer_states", exc)])
+            return
+        arrays = [(None, np.frombuffer(data, np.uint8), 0)]
+        self.send_to(work.peer, encode_frame(Op.REPLY, work.seq, arrays, aux=OK))
+
+    async def _load_states(self, work: LoadStates) -> None:
+        try:
+            await asyncio.to_thread(work.updater.load_states, work.data)
+        except Exception as exc:
+            self.execute([_failed_reply(work.peer, work.seq, "load_optimizer_states", exc)])
+            return
+        self.execute([Reply(work.peer, work.seq)])
+
+
+def split_add(
+    helper: concurrent.futures.Executor, a: np.ndarray, b: np.ndarray, out: np.ndarray
+) -> None:
+    """``out = a + b`` (``out`` may be ``a``); from :data:`SPLIT_ADD_MIN_BYTES` on, the
+    second half is added by ``helper`` meanwhile (NumPy lets go of the GIL while it adds)."""
+    contiguous = a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous
+    if out.nbytes < SPLIT_ADD_MIN_BYTES or not contiguous:
+        np.add(a, b, out=out)
+        return
+    a, b, whole = a.reshape(-1), b.reshape(-1), out.reshape(-1)
+    half = len(whole) // 2
+    second = helper.submit(np.add, a[half:], b[half:], whole[half:])
+    np.add(a[:half], b[:half], out=whole[:half])
+    second.result()
+
+
+def _failed_reply(peer: Peer, seq: int, what: str, exc: Exception) -> ReplyError:
+    if isinstance(exc, AKVError):
+        return ReplyError(peer, seq, exc)
+    return ReplyError(peer, seq, ServerError(f"{what}: {type(exc).__name__}: {exc}"), exc)
+
+
+class _StreamLink:
+    """One worker's stream to this server: frames in to the state, replies out."""
+
+    def __init__(self, server: ParameterServer, peer: Peer) -> None:
+        self.server = server
+        self.peer = peer
+        self._landings: dict[int, Landing] = {}
+        self.protocol = StreamProtocol(
+            self._destinations, self._on_message, self._on_lost, max_payload_bytes=MAX_PAYLOAD_BYTES
+        )
+
+    @property
+    def closing(self) -> bool:
+        return self.protocol.closing
+
+    def send(self, buffers: list[Any]) -> None:
+        self.protocol.write(buffers)
+
+    def send_soon(self, frame: bytes) -> None:
+        self.protocol.write_soon(frame)
+
+    def when_drained(self, callback: Callable[[BaseException | None], None]) -> None:
+        self.protocol.when_drained(callback)
+
+    def _destinations(self, header: FrameHeader) -> list[Destination]:
+        """Where the frame's payloads go, as the state decided: buffers it chose, and
+        DISCARD for the rest (a refused frame's payload is read and dropped, never given
+        memory)."""
+        landing = self.server.state.header_arrived(self.peer, header)
+        self._landings[header.seq] = landing
+        in_place = landing.read_in_place and self.protocol.shared is not None
+        return [
+            DISCARD if b is None else InPlace(b.data.cast("B")) if in_place else b.data.cast("B")
+            for b in landing.buffers
+        ]
+
+    def _on_message(self, message: Message) -> None:
+        landing = self._landings.pop(message.header.seq)
+        if message.borrowed:
+            borrowed = message.borrowed
+            landing.lend(message.buffers, lambda: self.protocol.release(borrowed))
+        self.server.message(self.peer, message, landing)
+
+    def _on_lost(self, exc: BaseException | None) -> None:
+        self.server.lost(self.peer, exc)
+
+
+class _OneShotLink:
+    """A single frame that came in an HTTP body; its reply is the response body."""
+
+    closing = False
+
+    def __init__(self) -> None:
+        self.reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    def send(self, buffers: list[Any]) -> None:
+        if not self.reply.done():
+            self.reply.set_result(b"".join(bytes(b) for b in buffers))
+
+    def send_soon(self, frame: bytes) -> None:
+        self.send([frame])
+
+    def when_drained(self, callback: Callable[[BaseException | None], None]) -> None:
+        callback(None)
+
+
+# ---------------------------------------------------------------------- command line
+
+
+async def run_server(config: Config) -> int:
+    """Run one server until the job ends; return the exit status."""
+    server = ParameterServer(config)
+    try:
+        await server.start()
+    except AKVError as exc:
+        log.error("%s", exc)
+        await server.stop()
+        return 1
+    return await server.run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``akv-server``: run one parameter server; exit 0 when the job ended well."""
+    return run_role("server", argv, "Run one parameter server of an akv job.", run_server)

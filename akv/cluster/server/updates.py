@@ -1,0 +1,102 @@
+"""The array work of a server's rounds: merging pushes and applying rounds.
+
+Plain functions on NumPy arrays, no I/O: the service runs them inside engine tasks that
+write the keys involved, so that per key they never overlap with each other or with the
+pulls that read the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from akv import optimizer as _optimizer
+from akv.cluster.server.state import Land, Lent, ServerEntry, give_back, own
+
+__all__ = ["Add", "land"]
+
+#: ``add(a, b, out)``: ``out = a + b`` (the arrays are C-contiguous, of one shape and
+#: dtype; ``out`` may be ``a``).
+Add = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.add(a, b, out=out)
+
+
+def land(
+    work: Land, updater: _optimizer.Updater | None, add: Add = _add
+) -> tuple[list[tuple[ServerEntry, int]], list[tuple[ServerEntry, int, Exception]], list[Lent]]:
+    """Merge ``work``'s pushes into their rounds (summed with ``add``), then apply the
+    rounds it closes.
+
+    Without ``updater`` a round's sum becomes the stored value (assignment); with one,
+    ``updater(key, summed, stored)`` changes the stored value in place. Returns the
+    (key, round) pairs applied, the (key, round, exception) of those whose update raised
+    (the stored value of those is as the updater left it), and the payloads read in place
+    that a round's sum no longer holds (the caller lets go of them).
+    """
+    released: list[Lent] = []
+    _merge(work.merges, released, updater is None, add)
+    done: list[tuple[ServerEntry, int]] = []
+    failed: list[tuple[ServerEntry, int, Exception]] = []
+    for entry, buffer, round_no in work.closing:
+        received = entry.merged if buffer is None else buffer
+        entry.merged = None
+        assert received is not None  # a closing sync round always has a merge buffer
+        try:
+            if updater is None:
+                old = entry.value
+                entry.value = own(entry, received, stored=True)
+                entry.give_buffer(old)
+            else:
+                # Reads ``received`` only; changes the stored value in place.
+                updater(entry.key, received, entry.private_value())
+                give_back(entry, received)
+        except Exception as exc:
+            failed.append((entry, round_no, exc))
+        else:
+            done.append((entry, round_no))
+        finally:
+            _let_go(entry, released)
+    return done, failed, released
+
+
+def _merge(
+    items: Sequence[tuple[ServerEntry, np.ndarray, bool, Lent | None]],
+    released: list[Lent],
+    stored: bool,
+    add: Add,
+) -> None:
+    """Start each round's sum with its first push, or add a later push to it (straight
+    out of the sender's shared memory when it was read in place).
+
+    A first push that comes with what lent it is the sum as it lies (read-only, in the
+    sender's shared memory): the second push makes a buffer of the key's own the sum of
+    both in one pass, instead of a copy of the first and then an addition. ``stored``: the
+    sums become the stored values (no updater), so that buffer is taken where answers are
+    sent from without a copy (:meth:`ServerEntry.take_sum_buffer`).
+    """
+    for entry, buffer, first, keeps in items:
+        if first:
+            entry.merged = buffer if keeps is not None else own(entry, buffer, stored)
+            entry.borrowed = keeps
+            continue
+        merged = entry.merged
+        assert merged is not None  # the round's first push started it
+        if entry.borrowed is not None:
+            total = entry.take_sum_buffer() if stored else entry.take_buffer()
+            add(merged, buffer, total)
+            entry.merged = total
+            _let_go(entry, released)
+        else:
+            add(merged, buffer, merged)
+        give_back(entry, buffer)
+
+
+def _let_go(entry: ServerEntry, released: list[Lent]) -> None:
+    """The key's round no longer reads a payload in place: note what lent it."""
+    if entry.borrowed is not None:
+        released.append(entry.borrowed)
+        entry.borrowed = None

@@ -1,5 +1,0 @@
-import sys
-
-from akv.dist.scheduler import main
-
-sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from akv.dist.server import main
-
-sys.exit(main())

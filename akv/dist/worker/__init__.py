@@ -1,5 +1,0 @@
-"""The worker's side of ``dist_sync``/``dist_async`` stores."""
-
-from akv.dist.worker.backend import DistBackend
-
-__all__ = ["DistBackend"]

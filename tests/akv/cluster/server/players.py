@@ -1,0 +1,213 @@
+"""A test helper that plays several workers against one :class:`ServerState`, no sockets.
+
+Requests are encoded and decoded with the real frame code, fed to the state as the
+service would (header, then the whole message), and the instructions it returns are
+carried out at once, synchronously: array work with the same ``land`` function the service
+runs, replies recorded per (worker, seq). ``hold_updates`` keeps array work queued until
+:meth:`Players.finish_updates`, to look at the state between a push and its apply.
+``lend`` hands push payloads over as a stream sharing memory does: read-only views read in
+place, handed back (noted in ``handed_back``) once nothing reads them.
+After every event the state's invariants are checked.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from akv.cluster.protocol import Op
+from akv.cluster.server.state import (
+    Checkpoint,
+    FailJob,
+    InstallOptimizer,
+    Instruction,
+    Land,
+    LoadStates,
+    Peer,
+    Reply,
+    ReplyError,
+    SaveStates,
+    SendValues,
+    ServerState,
+)
+from akv.cluster.server.updates import land
+from engine import Var
+from transport import decode_frame, frame_bytes
+
+OK = "ok"
+
+
+class Players:
+    """``num_workers`` workers of a ``store_type`` job talking to one server state."""
+
+    def __init__(
+        self, num_workers: int = 2, store_type: str = "dist_sync", init_timeout_s: float = 5.0
+    ) -> None:
+        ids = itertools.count()
+        self.state = ServerState(
+            "server 0", num_workers, init_timeout_s, lambda name: Var(None, next(ids), name)
+        )
+        self.store_type = store_type
+        self.peers: list[Peer] = [
+            self.state.admit(worker, store_type, stream=True, session=f"session{worker}")
+            for worker in range(num_workers)
+        ]
+        self.now = 0.0
+        self.replies: dict[tuple[int, int], Any] = {}
+        self.failures: list[FailJob] = []
+        self.checkpoints: list[Checkpoint] = []
+        self.held: list[Land] = []
+        self.hold_updates = False
+        self.lend = False
+        #: (worker, seq) of each interim answer that a request's push was counted.
+        self.counted: list[tuple[int, int]] = []
+        #: (worker, seq) of each request whose lent payloads were handed back, in order.
+        self.handed_back: list[tuple[int, int]] = []
+        self._seq = itertools.count(1)
+
+    # ---------------------------------------------------------------- requests
+
+    def send(
+        self,
+        worker: int,
+        op: Op,
+        arrays: list[tuple[Any, np.ndarray]] | None = None,
+        text: str = "",
+        *,
+        seq: int | None = None,
+        tags: list[int] | None = None,
+        flags: int = 0,
+    ) -> int:
+        """Worker ``worker`` sends one request (``seq``: sent again with that number;
+        ``tags``: the push numbers of its arrays, 0 by default); returns its seq (look up
+        :meth:`reply`)."""
+        if seq is None:
+            seq = next(self._seq)
+        else:
+            self.replies.pop((worker, seq), None)  # a resent request is answered again
+        items = arrays or []
+        wire = [
+            (key, array, tag)
+            for (key, array), tag in zip(items, tags or [0] * len(items), strict=True)
+        ]
+        data = frame_bytes(op, seq, wire, text=text, flags=flags)
+        header, buffers = decode_frame(data)
+        peer = self.peers[worker]
+        landing = self.state.header_arrived(peer, header)
+        if self.lend and landing.read_in_place:
+            buffers = [memoryview(bytes(buffer)) for buffer in buffers]  # read-only
+            landing.lend(buffers, lambda: self.handed_back.append((worker, seq)))
+        else:
+            for buffer, target in zip(buffers, landing.buffers, strict=True):
+                if target is not None:
+                    memoryview(target).cast("B")[:] = buffer
+        instructions = self.state.message_completed(peer, header, buffers, landing, self.now)
+        if landing.lent is not None:  # as the service: nothing reads them any more
+            landing.lent()
+        self.run(instructions)
+        return seq
+
+    def init(self, worker: int, values: dict[Any, np.ndarray]) -> int:
+        return self.send(worker, Op.INIT, list(values.items()))
+
+    def push(
+        self, worker: int, values: dict[Any, np.ndarray], tag: int = 0, seq: int | None = None
+    ) -> int:
+        """A push whose arrays all carry push number ``tag``."""
+        return self.send(worker, Op.PUSH, list(values.items()), seq=seq, tags=[tag] * len(values))
+
+    def pull(self, worker: int, keys: list[Any], dtype: Any = np.float32) -> int:
+        return self.send(worker, Op.PULL, [(key, np.empty(0, dtype)) for key in keys])
+
+    def reply(self, worker: int, seq: int) -> Any:
+        """What request ``seq`` of ``worker`` got: ``"ok"``, an error, a ``{key: array}``
+        of pulled values, or bytes (saved states); KeyError while it waits."""
+        return self.replies[(worker, seq)]
+
+    def waiting(self, worker: int, seq: int) -> bool:
+        return (worker, seq) not in self.replies
+
+    # ---------------------------------------------------------------- events
+
+    def lose(self, worker: int, exc: BaseException | None = None) -> None:
+        self.run(self.state.peer_lost(self.peers[worker], exc, self.now))
+
+    def reconnect(self, worker: int) -> None:
+        """Worker ``worker`` opens a new stream of its session (after a cut)."""
+        self.peers[worker] = self.state.admit(
+            worker, self.store_type, stream=True, session=f"session{worker}"
+        )
+
+    def tick(self, now: float, round_timeout_s: float = 10.0) -> None:
+        self.now = now
+        self.run(self.state.tick(now, round_timeout_s))
+
+    def checkpoint_written(self) -> None:
+        """A checkpoint of everything so far was written: answer who asked for it."""
+        asked, self.checkpoints = self.checkpoints, []
+        self.run(self.state.checkpointed(self.state.checkpoint_plan()))
+        for checkpoint in asked:
+            self._answer(checkpoint.peer, checkpoint.seq, OK)
+
+    def finish_updates(self) -> None:
+        held, self.held = self.held, []
+        for work in held:
+            self._land(work)
+
+    # ---------------------------------------------------------------- carrying out
+
+    def run(self, instructions: list[Instruction]) -> None:
+        for instruction in instructions:
+            self._carry_out(instruction)
+        self.state.validate()
+
+    def _answer(self, peer: Peer, seq: int, what: Any) -> None:
+        key = (peer.worker, seq)
+        assert key not in self.replies, f"request {key} answered twice"
+        self.replies[key] = what
+
+    def _carry_out(self, instruction: Instruction) -> None:
+        if isinstance(instruction, Reply) and instruction.counted:
+            self.counted.append((instruction.peer.worker, instruction.seq))
+        elif isinstance(instruction, Reply):
+            self._answer(instruction.peer, instruction.seq, OK)
+        elif isinstance(instruction, ReplyError):
+            self._answer(instruction.peer, instruction.seq, instruction.error)
+        elif isinstance(instruction, Land):
+            if self.hold_updates:
+                self.held.append(instruction)
+            else:
+                self._land(instruction)
+        elif isinstance(instruction, SendValues):
+            ticket = instruction.ticket
+            values = {e.key: e.value.copy() for e in ticket.entries}
+            self._answer(ticket.peer, ticket.seq, values)
+        elif isinstance(instruction, InstallOptimizer):
+            self.state.install_optimizer(instruction.optimizer, instruction.config)
+            self._answer(instruction.peer, instruction.seq, OK)
+        elif isinstance(instruction, SaveStates):
+            data = instruction.updater.dump_states(instruction.dump)
+            self._answer(instruction.peer, instruction.seq, data)
+        elif isinstance(instruction, LoadStates):
+            instruction.updater.load_states(instruction.data)
+            self._answer(instruction.peer, instruction.seq, OK)
+        elif isinstance(instruction, FailJob):
+            self.failures.append(instruction)
+        elif isinstance(instruction, Checkpoint):
+            self.checkpoints.append(instruction)  # answered by :meth:`checkpoint_written`
+        else:  # pragma: no cover - a new instruction nobody taught this helper
+            raise AssertionError(f"unknown instruction {instruction!r}")
+
+    def _land(self, work: Land) -> None:
+        done, failed, released = land(work, self.state.updater)
+        if work.lent is not None:
+            work.lent()
+        for lent in released:
+            lent()
+        self.run(self.state.rounds_applied(done))
+        for entry, round_no, exc in failed:
+            self.run(self.state.update_failed(entry, round_no, exc))
+        if work.reply is not None:
+            self.run([self.state.push_applied(work.reply, failed)])

@@ -1,0 +1,89 @@
+"""A server killed in the middle of a dist_sync training run, restarted by akv-launch from
+its checkpoint: the job ends well, with the weights of a run that lost nothing.
+
+Each job runs under ``akv-launch`` in a process group of its own, bounded in time (see
+:func:`tests.akv.cluster.cluster.launch`); the launcher ends every process it started.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from tests.akv.cluster.cluster import launch
+from tests.akv.cluster.test_jobs import JOBS
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run(mode: str, checkpoints: str, shm: str = "1") -> tuple[int, str, list[dict]]:
+    done = launch(
+        [
+            "-n",
+            "2",
+            "-s",
+            "2",
+            "--checkpoint-dir",
+            checkpoints,
+            "--checkpoint-interval-s",
+            "0.2",
+            "--max-restarts",
+            "1",
+            "--env",
+            "AKV_BIGARRAY_BOUND=1024",
+            "--",
+            sys.executable,
+            str(JOBS / "restart.py"),
+            mode,
+        ],
+        timeout=150,
+        env={"AKV_SHM": shm},
+    )
+    output = done.stdout + done.stderr
+    finals = [
+        json.loads(line.split("] ", 1)[1])
+        for line in done.stdout.splitlines()
+        if line.startswith("[worker") and line.split("] ", 1)[1].startswith("{")
+    ]
+    return done.returncode, output, sorted(finals, key=lambda r: r["rank"])
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> list[dict]:
+    code, output, clean = run("clean", str(tmp_path_factory.mktemp("clean")))
+    assert code == 0, output
+    assert len(clean) == 2
+    return clean
+
+
+# The clean run shares memory (the default); the restarted ones run with it and without
+# (TCP only): the same weights either way.
+@pytest.mark.parametrize("shm", ["1", "0"])
+@pytest.mark.parametrize(
+    ("mode", "signal_name", "status"),
+    [("kill", "SIGKILL", "signal SIGKILL"), ("term", "SIGTERM", "code 143")],
+)
+def test_a_server_killed_or_stopped_is_restarted_from_its_checkpoint_with_exact_weights(
+    clean_run, tmp_path, mode, signal_name, status, shm
+):
+    code, output, restarted = run(mode, str(tmp_path), shm)
+    assert code == 0, output
+    assert re.search(
+        rf"akv-launch: server 1 \(pid \d+\) exited with {status}; restarting it from its "
+        r"checkpoint \(restart 1 of 1\)",
+        output,
+    ), output
+    assert re.search(r"\[server 1\] .*server 1 restored checkpoint \d+", output), output
+    if mode == "term":  # it drained and wrote a final checkpoint before it exited
+        assert re.search(r"\[server 1\] .*got SIGTERM: stopping", output), output
+        before_restart = output.split("restarting it from its checkpoint")[0]
+        assert "server 1 wrote its final checkpoint" in before_restart, output
+    assert len(restarted) == 2
+    for got, expected in zip(restarted, clean_run, strict=True):
+        assert got["first"] == expected["first"] != 0
+        for key in ("w", "split", "bias"):
+            assert got[key] == expected[key], f"worker {got['rank']}: {key} differs"
+    assert (tmp_path / "server-1.akvckpt").stat().st_mode & 0o777 == 0o600

@@ -1,0 +1,278 @@
+"""Workers and servers on one host share memory; with AKV_SHM=0 or across hosts they use TCP,
+and the values are exactly the same either way."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import akv
+from akv.limits import STAGED_REPLY_MIN_BYTES
+from tests.akv.cluster.cluster import Cluster, server_books, wait_until
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd (Linux)")
+
+#: Large enough to go through the arena (more than 64 KiB), small enough to be quick.
+SHAPE = (300, 1000)
+
+
+async def exercise(stores) -> list[dict[str, np.ndarray]]:
+    """Pushes and pulls of a large and a small key on every worker; what each pulled."""
+
+    async def body(kv):
+        rng = np.random.default_rng(kv.rank)
+        big = rng.standard_normal(SHAPE).astype(np.float32)
+        small = rng.standard_normal(16).astype(np.float32)
+        await kv.init(["big", "small"], [np.zeros(SHAPE, np.float32), np.zeros(16, np.float32)])
+        seen = {}
+        for step in range(3):
+            await kv.push(["big", "small"], [big * (step + 1), small * (step + 1)])
+            seen[f"big {step}"], seen[f"small {step}"] = await kv.pull(["big", "small"])
+        seen["pushpull"] = await kv.pushpull("big", big)
+        return seen
+
+    return list(await asyncio.gather(*(body(kv) for kv in stores)))
+
+
+def shared(stores) -> list[bool]:
+    return [link.shares_memory for kv in stores for link in kv._backend.links]
+
+
+def lent_bytes(cluster: Cluster) -> int:
+    """Payload bytes the servers read in place, out of the workers' shared memory."""
+    return sum(
+        link.protocol.statistics().payload_bytes_lent
+        for server in cluster.servers
+        for link in server.links.values()
+        if getattr(link, "protocol", None) is not None
+    )
+
+
+def frames_shared(cluster: Cluster, stores) -> tuple[int, int]:
+    """Frames sent through shared memory: by the workers, by the servers."""
+    pushed = sum(
+        link.protocol.shared.frames_shared
+        for kv in stores
+        for link in kv._backend.links
+        if link.shares_memory
+    )
+    answered = sum(
+        link.protocol.shared.frames_shared
+        for server in cluster.servers
+        for link in server.links.values()
+        if getattr(link, "protocol", None) is not None and link.protocol.shared is not None
+    )
+    return pushed, answered
+
+
+async def run(cluster: Cluster) -> tuple[list[dict[str, np.ndarray]], list[bool]]:
+    stores = await cluster.workers()
+    try:
+        values = await exercise(stores)
+        cluster.frames = frames_shared(cluster, stores)
+        cluster.lent = lent_bytes(cluster)
+        return values, shared(stores)
+    finally:
+        await asyncio.gather(*(kv.close() for kv in stores))
+
+
+def same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> bool:
+    return all(
+        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+async def test_on_one_host_streams_share_memory_and_the_values_match_tcp():
+    with Cluster(2, 2) as cluster:
+        on, links = await run(cluster)
+        assert links == [True] * 4
+        assert all(s.membership.local is not None for s in cluster.servers)
+        pushed, answered = cluster.frames
+        assert pushed >= 2 * 4  # every push of "big" went through a worker's arena
+        assert answered >= 2 * 4  # and every pull answer of it through a server's
+        # The servers summed every push (3 pushes of both keys in one frame and a
+        # pushpull of "big", per worker) straight out of the workers' shared memory.
+        assert cluster.lent == 2 * (4 * np.zeros(SHAPE, np.float32).nbytes + 3 * 16 * 4)
+        directories = [os.path.dirname(s.membership.local["path"]) for s in cluster.servers]
+    for directory in directories:  # the servers stopped: their sockets are gone
+        assert not os.path.exists(directory)
+    with Cluster(2, 2, AKV_SHM="0") as cluster:
+        off, links = await run(cluster)
+        assert links == [False] * 4
+        assert all(s.membership.local is None for s in cluster.servers)
+        assert cluster.frames == (0, 0)
+        assert cluster.lent == 0
+    assert same(on, off)
+    total = sum(
+        np.random.default_rng(r).standard_normal(SHAPE).astype(np.float32) for r in range(2)
+    )
+    assert np.allclose(on[0]["big 2"], 3 * total, rtol=1e-5, atol=1e-5)
+
+
+def server_arenas(cluster: Cluster) -> list:
+    return [
+        link.protocol.shared
+        for server in cluster.servers
+        for link in server.links.values()
+        if getattr(link, "protocol", None) is not None and link.protocol.shared is not None
+    ]
+
+
+@pytest.mark.parametrize("case", ["in the arena", "arena too small", "optimizer"])
+async def test_large_answers_to_local_workers_are_sent_without_a_copy_where_they_can_be(case):
+    shape = (STAGED_REPLY_MIN_BYTES // 4,)
+    # An arena too small for the value: the sum is kept aside, the answer copied aside.
+    small = {"AKV_SHM_ARENA_BYTES": str(STAGED_REPLY_MIN_BYTES // 2)}
+    with Cluster(2, 1, **(small if case == "arena too small" else {})) as cluster:
+        stores = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+
+        async def body(kv):
+            await kv.init("w", np.zeros(shape, np.float32))
+            if case == "optimizer":
+                await kv.set_optimizer(akv.optimizer.SGD(learning_rate=1.0))
+            seen = []
+            for step in range(3):
+                await kv.push("w", np.full(shape, kv.rank + step, np.float32))
+                seen.append(await kv.pull("w"))
+            return seen
+
+        try:
+            seen = await asyncio.gather(*(body(kv) for kv in stores))
+            arenas = server_arenas(cluster)
+            assert len(arenas) == 2 and all(shared.own is not None for shared in arenas)
+            (book,) = server_books(cluster)
+            assert all(shared.book is book for shared in arenas)  # one arena for both
+            (entry,) = cluster.servers[0].state.entries.values()
+            # "in the arena": each round's sum was made in a region of the arena both
+            # streams send through, and each answer went from there (no copy on the
+            # server). "optimizer": the value changes in place, so it is kept aside; each
+            # answer was copied into a region by an engine thread, then the frame went
+            # without another copy. "arena too small": copied aside, on the socket.
+            in_arena = case == "in the arena"
+            assert book.holds(entry.value) == in_arena
+            sent_in_place = 0 if case == "arena too small" else 2 * 3
+            assert sum(shared.arrays_in_place for shared in arenas) == sent_in_place
+            # Older sums are freed once the workers have read them: the stored one stays.
+            await wait_until(
+                lambda: book.regions.regions == (1 if in_arena else 0),
+                "the workers to hand the answers' regions back",
+            )
+        finally:
+            await asyncio.gather(*(kv.close() for kv in stores))
+    for values in seen:
+        for step, value in enumerate(values):
+            # Sums 1, 3, 5; with the optimizer w -= 1.0 * sum, so w = -(step + 1) ** 2.
+            expected = -((step + 1) ** 2) if case == "optimizer" else 1 + 2 * step
+            np.testing.assert_array_equal(value, np.full(shape, expected, np.float32))
+
+
+async def test_workers_on_another_host_use_tcp():
+    with Cluster(2, 1) as cluster:
+        cluster.env["AKV_HOST_ID"] = "another host"  # the workers only: the server started
+        values, links = await run(cluster)
+        assert links == [False, False]
+    with Cluster(2, 1) as cluster:
+        same_host, _ = await run(cluster)
+    assert same(values, same_host)
+
+
+async def test_a_worker_falls_back_to_tcp_when_the_socket_is_gone():
+    with Cluster(1, 1) as cluster:
+        server = cluster.servers[0]
+        os.unlink(server._local.path)  # as if the file were cleaned away
+        values, links = await run(cluster)
+        assert links == [False]
+        assert values[0]["big 0"].shape == SHAPE
+
+
+def test_nothing_is_left_in_the_file_system_after_a_server_is_killed(tmp_path):
+    """The launcher removes what the killed server left (its socket and directory)."""
+    env = {"TMPDIR": str(tmp_path), "AKV_HEARTBEAT_TIMEOUT_S": "2"}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "akv.launch",
+            "-n",
+            "1",
+            "-s",
+            "1",
+            "--",
+            sys.executable,
+            "-c",
+            "import time; import akv; kv = akv.create('dist_sync'); time.sleep(60)",
+        ],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        directories: list[str] = []
+        while time.monotonic() < deadline and not directories:
+            directories = [n for n in os.listdir(tmp_path) if n.startswith("akv-shm-")]
+            time.sleep(0.1)
+        assert len(directories) == 1, os.listdir(tmp_path)
+        pid = int(directories[0].split("-")[2])
+        os.kill(pid, signal.SIGKILL)  # the server, by the pid in its directory's name
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+    assert [n for n in os.listdir(tmp_path) if n.startswith("akv-shm-")] == []
+
+
+async def test_a_cut_shared_memory_stream_reconnects_and_loses_nothing():
+    """A stream through the Unix socket that is cut mid-job (pushes staged in its arena
+    and not answered yet) is opened again with fresh arenas; every value stays right."""
+    with Cluster(2, 1) as cluster:
+        stores = await cluster.workers()
+        try:
+            first = await exercise(stores)
+            server = cluster.servers[0]
+
+            async def cut() -> None:  # on the server's loop: drop worker 0's stream
+                (link,) = [
+                    link
+                    for link in server.links.values()
+                    if getattr(link, "peer", None) is not None and link.peer.worker == 0
+                ]
+                link.protocol.abort()
+
+            async def body(kv):
+                rng = np.random.default_rng(kv.rank)
+                big = rng.standard_normal(SHAPE).astype(np.float32)
+                seen = []
+                for step in range(4):
+                    await kv.push("big", big * (step + 10))  # staged in the arena
+                    if step == 1 and kv.rank == 0:  # cut before the push is answered
+                        await asyncio.wrap_future(
+                            asyncio.run_coroutine_threadsafe(cut(), cluster.thread.loop)
+                        )
+                    seen.append(await kv.pull("big"))
+                return seen
+
+            after = await asyncio.gather(*(body(kv) for kv in stores))
+            links = [link for kv in stores for link in kv._backend.links]
+            assert [link.reconnects for link in links] == [1, 0]
+            assert all(link.shares_memory for link in links)
+        finally:
+            await asyncio.gather(*(kv.close() for kv in stores))
+    total = sum(
+        np.random.default_rng(r).standard_normal(SHAPE).astype(np.float32) for r in range(2)
+    )
+    for seen in after:
+        for step, value in enumerate(seen):
+            assert np.allclose(value, (step + 10) * total, rtol=1e-5, atol=1e-4)
+    assert len(first) == 2
