@@ -112,7 +112,8 @@ def bfloat16(key: object, what: str) -> np.dtype:
             f"{what} for key {key!r} is bfloat16, which NumPy holds only with ml_dtypes: "
             "pip install 'akv[interop]' (or ml_dtypes), or convert it to float32 first"
         ) from exc
-    return np.dtype(ml_dtypes.bfloat16)
+    bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return bfloat16
 
 
 def is_cupy(value: object) -> bool:

@@ -106,6 +106,12 @@ class Backend(Protocol):
         """Load optimizer states after earlier pushes and before later ones."""
         ...
 
+    async def abandon(self, reason: str) -> None:
+        """The caller's code failed with the store open (``reason``: why, one line): tell
+        the peers at once and fail the work in flight instead of waiting for it.
+        :meth:`close` (without the barrier) follows."""
+        ...
+
     async def close(self, barrier_before_exit: bool) -> None:
         """Leave: release what the backend holds (peers, threads)."""
         ...

@@ -84,6 +84,12 @@ MIN_HEARTBEAT_REQUEST_S = 5.0
 INIT_CHECK_MARGIN_S = 5.0
 #: How long a leaving node waits for each goodbye (to a server, to the scheduler).
 GOODBYE_TIMEOUT_S = 10.0
+#: How long a worker whose code failed waits for the scheduler to take its report.
+REPORT_FAILURE_S = 5.0
+#: How long a store that leaves after its caller's code failed may take in all (the
+#: report, failing the work in flight, closing the streams); past it the caller's
+#: exception propagates anyway.
+LEAVE_FAILED_S = 20.0
 #: How long the worker's heartbeat thread may take to stop, beyond one interval.
 HEARTBEAT_STOP_S = 6.0
 

@@ -326,5 +326,8 @@ class LocalBackend:
             read, writes=[entry.var for entry in entries], name="load_optimizer_states"
         )
 
+    async def abandon(self, reason: str) -> None:
+        """Nothing to tell: a local store has no peers (its work in flight finishes)."""
+
     async def close(self, barrier_before_exit: bool) -> None:
         """Nothing to leave: a local store has no peers."""

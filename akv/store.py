@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import sys
 import threading
@@ -35,6 +36,7 @@ from akv.errors import (
     UnknownStoreTypeError,
     WaitTimeoutError,
 )
+from akv.exits import describe, second_signal_exits, sigterm_raises, sigterm_released
 from akv.keys import Entry, KeyTable
 from akv.local import GUARD, LocalBackend
 from engine import Engine, LoopThread, Waitable, then
@@ -222,7 +224,10 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
     if inline is None:
         inline = _env_int("AKV_INLINE_MAX_BYTES", limits.INLINE_MAX_BYTES, 0)
     config = _dist_config(kind, options.get("environ"), blocking=False)
-    return await AsyncKVStore._open(kind, slots, inline, config, options.get("devices"))
+    store = await AsyncKVStore._open(kind, slots, inline, config, options.get("devices"))
+    # SIGTERM leaves the job as an exception does, telling the scheduler why.
+    store._holds_sigterm = config is not None and sigterm_raises()
+    return store
 
 
 def create(name: str = "local", **options: Any) -> KVStore:
@@ -246,7 +251,10 @@ def create(name: str = "local", **options: Any) -> KVStore:
     except BaseException:
         loop_thread.close()
         raise
-    return KVStore(inner, loop_thread)
+    store = KVStore(inner, loop_thread)
+    # SIGTERM leaves the job as an exception does, telling the scheduler why.
+    store._holds_sigterm = config is not None and sigterm_raises()
+    return store
 
 
 class AsyncKVStore:
@@ -267,6 +275,8 @@ class AsyncKVStore:
     _barrier_before_exit: bool
     _closed: bool
     _closing: asyncio.Future[None] | None
+    _abandoning: asyncio.Future[None] | None
+    _holds_sigterm: bool
 
     def __init__(self) -> None:
         raise TypeError("use `await akv.create_async(type)` to make an AsyncKVStore")
@@ -291,6 +301,8 @@ class AsyncKVStore:
         self._barrier_before_exit = True
         self._closed = False
         self._closing = None
+        self._abandoning = None
+        self._holds_sigterm = False
         if config is None and kind.device:
             self._backend = DeviceBackend(self._engine, self, inline_max_bytes, devices)
         elif config is None:
@@ -536,14 +548,39 @@ class AsyncKVStore:
         """
         if self._closing is None:
             self._closed = True
-            self._closing = asyncio.ensure_future(self._shutdown())
+            self._closing = asyncio.ensure_future(self._shutdown(None))
+        return self._closing
+
+    def _leave_failed(self, exc: BaseException) -> asyncio.Future[None]:
+        """Close because the caller's code failed with ``exc`` while the store was open.
+
+        A distributed store skips the exit barrier, tells the scheduler at once that this
+        worker failed (``exc``'s type and message, :func:`akv.exits.describe`), so that
+        the job fails within seconds naming it, and fails its own work in flight instead of
+        waiting for it. Also when a clean :meth:`close` is under way (Ctrl-C while it
+        waits at the barrier): that close then ends too. Returns the closing future.
+        """
+        reason = describe(exc)
+        if self._closing is None:
+            self._closed = True
+            self._closing = asyncio.ensure_future(self._shutdown(reason))
+        else:
+            self._abandoning = asyncio.ensure_future(self._backend.abandon(reason))
         return self._closing
 
     async def __aenter__(self) -> AsyncKVStore:
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        """A clean exit closes (with the exit barrier); an exception (a cancellation
+        too) leaves as :meth:`_leave_failed` says, and it is that exception which
+        propagates, never an error of the work the leaving failed."""
+        if exc is None:
+            await self.close()
+            return
+        # The work in flight failed because this worker left: ``exc`` says why.
+        with contextlib.suppress(AKVError, asyncio.CancelledError):
+            await self._leave_failed(exc)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._keys)} keys"
@@ -551,15 +588,21 @@ class AsyncKVStore:
 
     # ---------------------------------------------------------------- internals
 
-    async def _shutdown(self) -> None:
+    async def _shutdown(self, failure: str | None) -> None:
         self._closed = True
         try:
+            if failure is not None:
+                await self._backend.abandon(failure)
             await self._engine.wait_all()
         finally:
             try:
-                await self._backend.close(self._barrier_before_exit)
+                barrier = self._barrier_before_exit and failure is None
+                await self._backend.close(barrier)
             finally:
                 await self._engine.aclose()
+                if self._holds_sigterm:
+                    self._holds_sigterm = False
+                    sigterm_released()
 
     def _check_usable(self) -> None:
         if GUARD.store is self:
@@ -635,6 +678,8 @@ class KVStore:
         #: (which only send what the call took); settled by the calls that need them done.
         self._unsettled: collections.deque[Waitable] = collections.deque()
         self._unsettled_lock = threading.Lock()
+        #: This store made SIGTERM raise :class:`akv.exits.Terminated` (given back at close).
+        self._holds_sigterm = False
 
     @property
     def type(self) -> str:
@@ -760,7 +805,9 @@ class KVStore:
     def close(self) -> None:
         """Finish the work in flight, then release the engine and the event loop.
 
-        Raises the first failure of work that no call reported. Idempotent.
+        Raises the first failure of work that no call reported. Idempotent. Interrupted
+        (Ctrl-C, SIGTERM) while it waits, say at the exit barrier, it leaves as
+        ``__exit__`` does after an exception, then raises the interruption.
         """
         if not self._loop_thread.running:
             return
@@ -769,14 +816,44 @@ class KVStore:
                 self._settle()
             finally:
                 self._loop_thread.run(_await(self._inner.close), self._timeout)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            self._leave_failed(exc)
+            raise
         finally:
-            self._loop_thread.close()
+            self._release()
 
     def __enter__(self) -> KVStore:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        """A clean exit closes (with the exit barrier). After an exception (Ctrl-C and
+        SIGTERM included) a distributed store skips the barrier and tells the scheduler
+        at once that this worker failed, and why, so that every other process of the job
+        fails within seconds naming it; that exception then propagates (an error of the
+        work the leaving failed never replaces it). A second Ctrl-C or SIGTERM meanwhile
+        ends the process at once."""
+        if exc is None:
+            self.close()
+        else:
+            self._leave_failed(exc)
+
+    def _leave_failed(self, exc: BaseException) -> None:
+        """:meth:`AsyncKVStore._leave_failed`, waited for (bounded), then release."""
+        if not self._loop_thread.running:
+            return
+        try:
+            with second_signal_exits(), contextlib.suppress(AKVError, TimeoutError):
+                self._loop_thread.run(
+                    _await(lambda: self._inner._leave_failed(exc)), limits.LEAVE_FAILED_S
+                )
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._loop_thread.close()
+        if self._holds_sigterm:
+            self._holds_sigterm = False
+            sigterm_released()
 
     def __repr__(self) -> str:
         return repr(self._inner).replace("AsyncKVStore", "KVStore", 1)

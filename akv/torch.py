@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -228,10 +228,11 @@ class DistributedOptimizer:
         kv.set_optimizer(optimizer)
         kv.pull(self._keys, out=[p.detach() for p in self._params])
         _bump_versions(self._params)
-        self._handles = [
-            param.register_post_accumulate_grad_hook(self._hook(slot))
-            for slot, param in enumerate(self._params)
-        ]
+        self._handles: list[Any] = []
+        for slot, param in enumerate(self._params):
+            # torch leaves this method unannotated: typed here, where it is called.
+            register = cast(Callable[..., Any], param.register_post_accumulate_grad_hook)
+            self._handles.append(register(self._hook(slot)))
 
     # ------------------------------------------------------------------ properties
 

@@ -22,7 +22,7 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from akv.cluster import config as _config
 from akv.errors import ConfigError
@@ -318,7 +318,13 @@ def setup_logging(prefix: str, level: int = logging.INFO) -> None:
     )
 
 
-class _UntilConfigured(logging.StreamHandler):
+if TYPE_CHECKING:
+    _StderrHandler = logging.StreamHandler[TextIO]
+else:  # subscriptable at run time only from Python 3.11 on
+    _StderrHandler = logging.StreamHandler
+
+
+class _UntilConfigured(_StderrHandler):
     """Writes the ``akv`` logger's records to stderr while the program has configured no
     logging of its own; once the root logger has a handler it steps aside, and gives back
     the ``akv`` logger's level if it set it (``level_set``), so that records are neither

@@ -16,6 +16,7 @@ __all__ = [
     "REPORT_GRACE_S",
     "TERMINATE_GRACE_S",
     "TOKEN_BYTES",
+    "TRACEBACK_MAX_LINES",
 ]
 
 #: How long the scheduler and servers get to stop on their own once every worker exited 0,
@@ -34,6 +35,8 @@ TERMINATE_GRACE_S = 5.0
 OUTPUT_SETTLE_S = 0.5
 #: Longest piece of a child's output printed as one line; longer lines are split (bytes).
 MAX_LINE_BYTES = 64 << 10
+#: How many lines of a process's latest traceback the job's summary shows (the last ones).
+TRACEBACK_MAX_LINES = 60
 #: How often the supervisor looks at the clock and at process groups while it waits
 #: (seconds).
 POLL_INTERVAL_S = 0.05

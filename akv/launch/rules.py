@@ -23,6 +23,8 @@ __all__ = ["Decision", "ExitRules", "exit_code_of", "scheduler_verdict", "status
 
 #: What the scheduler logs when it fails the job (``akv.cluster.scheduler.service``).
 _VERDICT = re.compile(r"\bjob failed: (.+)$")
+#: The process a verdict opens with: ``worker 1 (pid ...``, ``server 0 at ...``.
+_NAMED = re.compile(r"(scheduler|server|worker)(?: (\d+))?\b")
 
 
 def scheduler_verdict(line: str) -> str | None:
@@ -75,7 +77,8 @@ class ExitRules:
     """The job's exit rules, as a state machine with no I/O.
 
     * The first worker that fails (non-zero code or a signal), in the order the exits are
-      reported, decides the exit code; the job stops.
+      reported, decides the exit code. The other workers get ``report_grace_s`` to hear of
+      it (the scheduler tells them), say why and exit on their own; then the job stops.
     * A server that fails (non-zero code or a signal) while workers still run, and before the
       job failed, is started again (``restart``) while it has restarts left: up to
       ``max_restarts`` times per server. Only a server that is a process of its own (not an
@@ -118,6 +121,7 @@ class ExitRules:
         self._pids: dict[int, int] = {}
         self._restarts: dict[int, int] = {}
         self._draining = False
+        self._failed_first: int | None = None
 
     @property
     def running(self) -> frozenset[int]:
@@ -128,6 +132,18 @@ class ExitRules:
     def restarts(self) -> Mapping[int, int]:
         """How many times each process (by index) was restarted; absent: never."""
         return dict(self._restarts)
+
+    def culprit(self, verdict: str | None) -> int | None:
+        """The process to blame once the job failed: the one the scheduler's ``verdict``
+        names first (it knows who failed first: a worker that left with an exception may
+        exit after another that it made fail), else the first process that failed here."""
+        match = _NAMED.match(verdict or "")
+        if match is not None:
+            role, rank = match.group(1), match.group(2)
+            for index, spec in enumerate(self._specs):
+                if spec.role == role and (rank is None or spec.rank == int(rank)):
+                    return index
+        return self._failed_first
 
     def started(self, index: int, pid: int) -> None:
         """Record that process ``index`` runs as ``pid`` (again, after a ``restart``)."""
@@ -157,7 +173,12 @@ class ExitRules:
             )
         if spec.role == "worker":
             if failed:
-                return Decision("stop", code, f"{who} exited with {status}; stopping the job")
+                self._failed_first = index
+                if not workers_left:
+                    return Decision("stop", code, f"{who} exited with {status}; stopping the job")
+                # The others are told by the scheduler and fail within seconds, each saying
+                # why: they get the report grace to do so before they are stopped.
+                return self._job_failed(index, code, f"{who} exited with {status}", workers_left)
             if workers_left:
                 return Decision("continue", 0, f"{who} exited with {status}")
             return self._all_workers_done(f"{who} exited with {status}")
@@ -174,20 +195,24 @@ class ExitRules:
                     )
                 if self._restartable(spec) and self._max_restarts > 0:
                     status += f" (no restarts left: --max-restarts {self._max_restarts})"
-                what = (
-                    f"{who} exited with {status} while {_count(workers_left, 'worker')} still ran"
-                )
-                self._failure = Decision("stop", code, what)
-                return Decision(
-                    "report",
-                    code,
-                    f"{what}; the job failed: waiting up to {self._report_grace_s:g} s for the "
-                    "workers to report it and exit",
-                )
+                return self._job_failed(index, code, f"{who} exited with {status}", workers_left)
             return Decision("stop", code, f"{who} exited with {status} after every worker finished")
         if self._draining and not self._running:
             return Decision("stop", 0, f"{who} exited with {status}; every process finished")
         return Decision("continue", 0, f"{who} exited with {status}")
+
+    def _job_failed(self, index: int, code: int, exited: str, workers_left: list[str]) -> Decision:
+        """Process ``index`` failed the job with ``code`` while ``workers_left`` ran: they
+        get the report grace to hear of it, say so and exit (``report``)."""
+        what = f"{exited} while {_count(workers_left, 'worker')} still ran"
+        self._failed_first = index
+        self._failure = Decision("stop", code, what)
+        return Decision(
+            "report",
+            code,
+            f"{what}; the job failed: waiting up to {self._report_grace_s:g} s for the "
+            "workers to report it and exit",
+        )
 
     def grace_expired(self) -> Decision:
         """The grace after the last worker ran out: stop what is left, exit 0."""

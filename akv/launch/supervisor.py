@@ -10,6 +10,7 @@ end stops every process group it started, by PID: SIGTERM, a grace, then SIGKILL
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import os
@@ -32,6 +33,7 @@ from akv.launch.limits import (
     POLL_INTERVAL_S,
     REPORT_GRACE_S,
     TERMINATE_GRACE_S,
+    TRACEBACK_MAX_LINES,
 )
 from akv.launch.rules import Decision, ExitRules, scheduler_verdict
 from akv.launch.spec import ProcessSpec
@@ -42,6 +44,9 @@ __all__ = ["supervise"]
 #: What :func:`signal.signal` takes and returns: a function, ``SIG_DFL``/``SIG_IGN``, or
 #: ``None`` (a handler not installed from Python).
 _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+#: How a Python traceback starts on a process's stderr.
+_TRACEBACK_START = b"Traceback (most recent call last):"
 
 #: ``prctl`` option that sets the signal a process gets when its parent dies (Linux).
 PR_SET_PDEATHSIG = 1
@@ -176,6 +181,8 @@ class _Supervisor:
         self._signo: int | None = None
         #: The scheduler's "job failed: ..." reason, the first one it logged.
         self._verdict: str | None = None
+        #: Each process's latest traceback on stderr (see :meth:`_note_traceback`).
+        self._tracebacks: dict[int, collections.deque[bytes]] = {}
 
     def run(self, inherited: Sequence[socket.socket], handle_signals: bool) -> int:
         rules = ExitRules(self._specs, self._grace_s, max_restarts=self._max_restarts)
@@ -210,8 +217,10 @@ class _Supervisor:
                 if decision.action == "restart":
                     decision = self._restart(decision, rules)
             self._say(decision.message)
-            if decision.exit_code != 0 and self._verdict is not None:
-                self._say(f"the scheduler's verdict: the job failed: {self._verdict}")
+            if decision.exit_code != 0:
+                if self._verdict is not None:
+                    self._say(f"the scheduler's verdict: the job failed: {self._verdict}")
+                self._show_traceback(rules.culprit(self._verdict))
             return decision.exit_code
         finally:
             for sock in inherited:
@@ -338,7 +347,29 @@ class _Supervisor:
                     line += b"\n"
                 if self._verdict is None and self._specs[index].role == "scheduler":
                     self._verdict = scheduler_verdict(line.decode(errors="replace"))
+                if out is self._stderr:
+                    self._note_traceback(index, line)
                 self._emit(index, out, prefix + line)
+
+    def _note_traceback(self, index: int, line: bytes) -> None:
+        """Keep process ``index``'s latest Python traceback, from its first line on (at
+        most :data:`TRACEBACK_MAX_LINES`, the last ones), for the job's summary."""
+        if line.startswith(_TRACEBACK_START):
+            self._tracebacks[index] = collections.deque(maxlen=TRACEBACK_MAX_LINES)
+        kept = self._tracebacks.get(index)
+        if kept is not None:
+            kept.append(line)
+
+    def _show_traceback(self, index: int | None) -> None:
+        """Print the traceback of the process the job's failure is blamed on, if it left
+        one (the first lines of the summary name it)."""
+        if index is None or not self._tracebacks.get(index):
+            return
+        self._let_output_settle(index)
+        lines = b"".join(b"    " + line for line in self._tracebacks[index])
+        self._say(
+            f"{self._specs[index].label}'s traceback:\n{lines.decode(errors='replace')}".rstrip()
+        )
 
     def _emit(self, index: int, out: BinaryIO, line: bytes) -> None:
         """Write one prefixed line to ``out`` and to process ``index``'s log file."""

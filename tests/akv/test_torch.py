@@ -215,13 +215,22 @@ def test_a_second_backward_before_step_is_refused(kv):
         F.cross_entropy(model(x), y).backward()
 
 
-def test_close_removes_the_hooks(kv):
+def test_close_removes_the_hooks(kv, monkeypatch):
     model = mlp()
     opt = DistributedOptimizer(model.parameters(), kv, akv.optimizer.SGD(learning_rate=0.1))
+    params = list(model.parameters())
+    assert all(p._post_accumulate_grad_hooks for p in params)  # torch's own record
     opt.close()
+    assert not any(p._post_accumulate_grad_hooks for p in params)
+    pushed = []
+    monkeypatch.setattr(kv._inner, "push", lambda *args, **kwargs: pushed.append(args))
+    keys = kv.keys()
+    stored = [kv.pull(key).clone() for key in keys]
     x, y = batches(1)[0]
     for _ in range(2):
         F.cross_entropy(model(x), y).backward()  # no hook: no push, no DoublePushError
+    assert pushed == []
+    assert all(torch.equal(kv.pull(k), v) for k, v in zip(keys, stored, strict=True))
     opt.close()
 
 

@@ -68,6 +68,7 @@ from akv.limits import (
     HEARTBEAT_STOP_S,
     INIT_CHECK_MARGIN_S,
     MAX_UNACKED_PUSHES,
+    REPORT_FAILURE_S,
     SWEEP_INTERVAL_S,
 )
 from engine import (
@@ -254,11 +255,13 @@ class DistBackend:
         seen = "cutting its connection" if cut else "refusing a request"
         self.fail(PeerLostError(f"the job failed: {failure} (seen as {link.name} {seen})"))
 
-    def fail(self, error: AKVError) -> None:
-        """The job failed: every waiting request and every later call raises ``error``."""
+    def fail(self, error: AKVError, quiet: bool = False) -> None:
+        """The job failed: every waiting request and every later call raises ``error``
+        (logged, unless ``quiet``: this worker's own code failed, and says so itself)."""
         if self.broken is None:
             self.broken = error
-            log.error("worker %d: %s", self.rank, error)
+            if not quiet:
+                log.error("worker %d: %s", self.rank, error)
         for link in self.links:
             link.fail_all(self.broken)
 
@@ -948,6 +951,29 @@ class DistBackend:
 
     # ------------------------------------------------------------ leaving
 
+    async def abandon(self, reason: str) -> None:
+        """The caller's code failed (``reason``): tell the scheduler that this worker
+        failed, so that the job fails at once naming it (within
+        :data:`~akv.limits.REPORT_FAILURE_S`; should the scheduler not answer, the
+        servers still see this worker's streams end without a goodbye), then fail every
+        request in flight. :meth:`close` follows, without the barrier and without goodbyes.
+        """
+        if self.rank < 0 or self._closed:
+            return
+        rank = self.rank
+        if self.broken is None:
+            detail = f"left the job: {reason}"
+            try:
+                await asyncio.wait_for(
+                    self.membership.report_lost(self.membership.node_id, "worker", rank, detail),
+                    REPORT_FAILURE_S,
+                )
+            except (asyncio.TimeoutError, TransportError, AKVError, ValueError) as exc:
+                log.warning(
+                    "worker %d: the scheduler did not take its failure report: %r", rank, exc
+                )
+        self.fail(PeerLostError(f"worker {rank} left the job: {reason}"), quiet=True)
+
     async def close(self, barrier_before_exit: bool) -> None:
         """Leave the job: barrier (if asked), say goodbye to each server and the scheduler.
 
@@ -961,7 +987,8 @@ class DistBackend:
         try:
             if not joined:
                 return
-            await self._acks()  # nothing pushed is dropped: every push is answered first
+            if self.broken is None:  # a failed job answers nothing more: nothing to wait for
+                await self._acks()  # nothing pushed is dropped: every push is answered first
             late = self._take_late()
             if barrier_before_exit and self.broken is None:
                 self._barriers += 1

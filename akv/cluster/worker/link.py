@@ -106,6 +106,8 @@ class ServerLink:
         self.lost: AKVError | None = None
         self.closing = False
         self.failed = False
+        #: What :meth:`fail_all` failed the requests with; later requests fail with it too.
+        self._failure: AKVError | None = None
         self.restartable = restartable
         #: The server's way in for workers on its host: (host identity, Unix socket path).
         self.local = local
@@ -392,6 +394,7 @@ class ServerLink:
     def fail_all(self, error: AKVError) -> None:
         """Fail every outstanding (and held) request with ``error``; stop reconnecting."""
         self.failed = True
+        self._failure = error
         for task in (self._reconnecting, self._replay):
             if task is not None:
                 task.cancel()
@@ -429,6 +432,10 @@ class ServerLink:
         server to say once its push is counted (``COUNTED``), and ``on_counted()`` hears
         it, before the answer.
         """
+        if self._failure is not None:  # the job failed: nothing is sent any more
+            self._send_held()
+            on_reply(None, self._failure)
+            return
         held = self._held_push
         if held is not None:
             self._held_push = None

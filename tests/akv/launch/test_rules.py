@@ -22,8 +22,22 @@ def _rules() -> ExitRules:
     return rules
 
 
-def test_first_failing_worker_decides_the_exit_code():
+def test_first_failing_worker_decides_the_exit_code_and_the_others_get_the_report_grace():
     rules = _rules()
+    decision = rules.exited(3, 3)
+    assert (decision.action, decision.exit_code) == ("report", 3)
+    assert decision.message == (
+        "worker 1 (pid 103) exited with code 3 while 1 worker still ran; the job failed: "
+        "waiting up to 5 s for the workers to report it and exit"
+    )
+    last = rules.exited(2, 1)
+    assert (last.action, last.exit_code) == ("stop", 3)
+    assert last.message == "worker 0 (pid 102) exited with code 1; stopping the job"
+
+
+def test_a_failing_last_worker_stops_the_job_at_once():
+    rules = _rules()
+    assert rules.exited(2, 0).action == "continue"
     decision = rules.exited(3, 3)
     assert (decision.action, decision.exit_code) == ("stop", 3)
     assert decision.message == "worker 1 (pid 103) exited with code 3; stopping the job"
@@ -31,7 +45,7 @@ def test_first_failing_worker_decides_the_exit_code():
 
 def test_a_signal_death_is_reported_as_such_with_128_plus_signo():
     decision = _rules().exited(2, -signal.SIGKILL)
-    assert (decision.action, decision.exit_code) == ("stop", 137)
+    assert (decision.action, decision.exit_code) == ("report", 137)
     assert "worker 0 (pid 102) exited with signal SIGKILL" in decision.message
     assert (status_text(-15), exit_code_of(-15), exit_code_of(4)) == ("signal SIGTERM", 143, 4)
 
@@ -225,7 +239,7 @@ def test_nothing_is_restarted_after_the_job_failed():
 
 def test_workers_and_the_scheduler_are_never_restarted():
     worker = _restarting_rules(2).exited(3, -signal.SIGKILL)
-    assert (worker.action, worker.exit_code) == ("stop", 137)
+    assert (worker.action, worker.exit_code) == ("report", 137)
     scheduler = _restarting_rules(2).exited(0, 1)
     assert (scheduler.action, scheduler.exit_code) == ("report", 1)
     assert "restart" not in worker.message + scheduler.message
@@ -242,3 +256,20 @@ def test_a_group_of_servers_is_never_restarted():
     decision = rules.exited(0, 1)
     assert (decision.action, decision.exit_code) == ("report", 1)
     assert "restart" not in decision.message
+
+
+def test_the_culprit_is_the_process_the_verdict_names_first():
+    rules = _rules()
+    rules.exited(2, 1)  # worker 0 failed first here, because worker 1 failed the job
+    verdict = "worker 1 (pid 103 on h) left its store because its code failed: ValueError: x"
+    assert rules.culprit(verdict) == 3
+    assert rules.culprit("server 0 at 127.0.0.1:9 was stopped by a signal") == 1
+
+
+def test_without_a_verdict_naming_a_process_the_culprit_is_the_first_that_failed():
+    rules = _rules()
+    assert rules.culprit(None) is None
+    rules.exited(2, 1)
+    rules.exited(3, 1)
+    assert rules.culprit(None) == 2
+    assert rules.culprit("the scheduler was stopped by a signal (SIGTERM or Ctrl-C)") == 2

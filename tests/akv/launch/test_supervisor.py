@@ -50,9 +50,11 @@ def test_first_failing_worker_exit_code_is_the_jobs_and_nothing_survives(tmp_pat
     result = run_job(job_options(tmp_path, actions, num_workers=3), reaper)
     assert result.code == 3, result.err
     worker1 = pids_in("\n".join(x for x in result.out.splitlines() if x.startswith("[worker 1]")))
-    assert f"akv-launch: worker 1 (pid {worker1[0]}) exited with code 3; stopping the job" in (
-        result.err
-    )
+    # The other workers (which sleep: nothing tells them) get the report grace, then stop.
+    assert (
+        f"akv-launch: worker 0, worker 2 still running 5 s after worker 1 (pid {worker1[0]}) "
+        "exited with code 3 while 2 workers still ran; stopping the job"
+    ) in result.err
     assert len(result.pids) == 6  # scheduler, server, 3 workers, worker 1's grandchild
     assert not wait_gone(result.pids, timeout_s=0.5)
 

@@ -1,4 +1,5 @@
-"""A worker for fault tests: one rank misbehaves (dies, hangs, or kills a server)."""
+"""A worker for fault tests: one rank misbehaves (dies, hangs, raises, kills a server), or
+says it is ready to be interrupted by the test."""
 
 import os
 import signal
@@ -27,6 +28,10 @@ with akv.create("dist_sync") as kv:
         time.sleep(0.5)
     if kv.rank == 1 and MODE == "kill-worker":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kv.rank == 1 and MODE == "raise":
+        raise ValueError("boom in the training loop")
+    if MODE == "interruptible":  # the test interrupts (or stops) one rank once it is ready
+        print(f"rank {kv.rank} ready", flush=True)
     stopped = None
     if kv.rank == 0 and MODE == "term-server":
         stopped = server_pids()[0]

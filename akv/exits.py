@@ -1,0 +1,148 @@
+"""How a worker leaves a distributed store when its own code fails, or a signal stops it.
+
+A worker that raises inside ``with akv.create("dist_sync") as kv:`` must not wait at the
+exit barrier for a round the others can never finish: the store skips the barrier and tells
+the scheduler that this worker failed and why (:func:`describe`), so every other process of
+the job fails within seconds naming it. This module holds the pieces of that path that are
+about the process rather than the store:
+
+* :func:`describe`: the one-line reason sent to the scheduler (the exception's type and
+  message, or the signal);
+* :class:`Terminated` and :func:`sigterm_raises`: SIGTERM becomes an exception in the main
+  thread (as Ctrl-C is ``KeyboardInterrupt``), so that ``with`` blocks and ``finally``
+  clauses run and the store leaves the job as for any other failure;
+* :func:`second_signal_exits`: while the store leaves after a failure, a second Ctrl-C or
+  SIGTERM ends the process at once.
+
+Signal handlers are only ever installed from the main thread, and only over the default
+handlers: a program that set its own keeps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+__all__ = [
+    "MAX_REASON_CHARS",
+    "Terminated",
+    "describe",
+    "second_signal_exits",
+    "sigterm_raises",
+]
+
+#: The longest reason a worker sends the scheduler (longer messages are cut, with "...").
+MAX_REASON_CHARS = 500
+
+
+class Terminated(SystemExit):
+    """The process got SIGTERM while a distributed store was open (exit status 143).
+
+    A :class:`SystemExit`: ``except Exception`` in user code does not catch it, and the
+    interpreter exits with its code once it propagates."""
+
+    def __init__(self, signo: int = signal.SIGTERM) -> None:
+        super().__init__(128 + signo)
+        self.signo = signo
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signo).name}"
+
+
+def describe(exc: BaseException) -> str:
+    """Why a worker leaves its store, in one line that follows "left the job: ": ``its
+    code raised ValueError: boom``, ``it was interrupted (Ctrl-C)``, ``it was stopped by
+    SIGTERM``, ``its code exited with status 4``, ``its task was cancelled``; at most
+    :data:`MAX_REASON_CHARS`."""
+    if isinstance(exc, KeyboardInterrupt):
+        text = "it was interrupted (Ctrl-C)"
+    elif isinstance(exc, Terminated):
+        text = f"it was {exc}"
+    elif isinstance(exc, SystemExit):
+        text = f"its code exited with status {exc.code!r}"
+    elif type(exc).__name__ == "CancelledError":
+        text = "its task was cancelled (Ctrl-C under asyncio.run cancels the main task)"
+    else:
+        message = " ".join(str(exc).split())
+        name = type(exc).__name__
+        text = f"its code raised {name}: {message}" if message else f"its code raised {name}"
+    if len(text) > MAX_REASON_CHARS:
+        text = text[: MAX_REASON_CHARS - 3] + "..."
+    return text
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_terminated(signo: int, frame: FrameType | None) -> None:
+    raise Terminated(signo)
+
+
+class _SigtermHolder:
+    """Counts the open stores that asked for :func:`sigterm_raises` (the handler stays
+    while any is open)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+        self.previous: Any = None
+
+
+_HOLDER = _SigtermHolder()
+
+
+def sigterm_raises() -> bool:
+    """From now on, SIGTERM raises :class:`Terminated` in the main thread, unless the
+    program installed a handler of its own (or this is not the main thread). Returns
+    whether this call holds the handler; give it back with :func:`sigterm_released`."""
+    if not _on_main_thread():
+        return False
+    with _HOLDER.lock:
+        if _HOLDER.count == 0:
+            current = signal.getsignal(signal.SIGTERM)
+            if current is not signal.SIG_DFL:
+                return False
+            signal.signal(signal.SIGTERM, _raise_terminated)
+            _HOLDER.previous = current
+        _HOLDER.count += 1
+        return True
+
+
+def sigterm_released() -> None:
+    """Give back what :func:`sigterm_raises` took (the last one restores the default)."""
+    if not _on_main_thread():
+        return
+    with _HOLDER.lock:
+        if _HOLDER.count == 0:
+            return
+        _HOLDER.count -= 1
+        if _HOLDER.count == 0 and signal.getsignal(signal.SIGTERM) is _raise_terminated:
+            signal.signal(signal.SIGTERM, _HOLDER.previous)
+
+
+def _exit_now(signo: int, frame: FrameType | None) -> None:
+    os._exit(128 + signo)
+
+
+@contextlib.contextmanager
+def second_signal_exits() -> Iterator[None]:
+    """Within the block (a store leaving after a failure), Ctrl-C or SIGTERM ends the
+    process at once with 128+N: the first signal, if any, already started the leaving.
+    The previous handlers come back after it. Only on the main thread; elsewhere a no-op."""
+    if not _on_main_thread():
+        yield
+        return
+    previous = {signo: signal.getsignal(signo) for signo in (signal.SIGINT, signal.SIGTERM)}
+    for signo in previous:
+        signal.signal(signo, _exit_now)
+    try:
+        yield
+    finally:
+        for signo, handler in previous.items():
+            signal.signal(signo, handler if handler is not None else signal.SIG_DFL)

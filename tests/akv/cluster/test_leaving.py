@@ -1,0 +1,291 @@
+"""A worker whose code fails, or that is interrupted, fails the job at once, named.
+
+Leaving a store with an exception (Ctrl-C and SIGTERM included) skips the exit barrier and
+tells the scheduler that this worker failed, and why; every other process then fails within
+seconds naming it, and the launcher's summary shows its traceback. A clean exit keeps the
+barrier. The jobs here run in subprocesses (through akv-launch, or started by hand as a
+user would), or in this process (:class:`Cluster`); every process a test starts is ended by
+its PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+import akv
+from akv.exits import (
+    MAX_REASON_CHARS,
+    Terminated,
+    describe,
+    second_signal_exits,
+    sigterm_raises,
+    sigterm_released,
+)
+from tests.akv.cluster.cluster import ROOT, Cluster, free_port, job_env, launch
+
+JOBS = ROOT / "tests" / "akv" / "cluster" / "jobs"
+pytestmark = pytest.mark.timeout(120)
+#: "Within seconds": the bound these tests hold every failure to (the round deadline they
+#: would otherwise wait for is 20 s under FAST_TIMEOUTS, 300 s by default).
+FAILS_WITHIN_S = 15.0
+
+
+# ---------------------------------------------------------------- the reason, the signals
+
+
+def test_the_reason_names_the_exception_or_the_signal():
+    assert (
+        describe(ValueError("boom\n  at  step 3")) == "its code raised ValueError: boom at step 3"
+    )
+    assert describe(RuntimeError()) == "its code raised RuntimeError"
+    assert describe(KeyboardInterrupt()) == "it was interrupted (Ctrl-C)"
+    assert describe(Terminated()) == "it was stopped by SIGTERM"
+    assert describe(SystemExit(4)) == "its code exited with status 4"
+    assert describe(asyncio.CancelledError()).startswith("its task was cancelled")
+    long = describe(ValueError("x" * 5000))
+    assert len(long) == MAX_REASON_CHARS and long.endswith("...")
+
+
+def test_sigterm_raises_terminated_while_a_store_holds_it_then_the_default_comes_back():
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert sigterm_raises() and sigterm_raises()  # two stores
+    try:
+        with pytest.raises(Terminated) as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs at the next bytecode; never reached
+        assert info.value.code == 143
+        sigterm_released()
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # one store left
+    finally:
+        sigterm_released()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_handler_of_the_programs_own_is_kept():
+    def mine(signo, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert not sigterm_raises()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_off_the_main_thread_no_handler_is_touched():
+    held: list[bool] = []
+    thread = threading.Thread(target=lambda: held.append(sigterm_raises()))
+    thread.start()
+    thread.join()
+    assert held == [False] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_the_handlers_come_back_after_the_leaving():
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with second_signal_exits():
+        assert signal.getsignal(signal.SIGINT) not in before
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+# ---------------------------------------------------------------- in this process
+
+
+async def test_an_exception_inside_async_with_fails_the_other_workers_at_once():
+    with Cluster(2, 1) as cluster:
+        alive, failing = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        await asyncio.gather(
+            alive.init("w", np.zeros(3, np.float32)), failing.init("w", np.zeros(3, np.float32))
+        )
+        await alive.push("w", np.ones(3, np.float32))
+        waiting = asyncio.ensure_future(alive.pull("w"))  # needs worker 1's push
+
+        async def fail() -> None:
+            async with failing:
+                raise ValueError("boom")
+
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="boom"):  # the caller's error, not the store's
+            await fail()
+        with pytest.raises(
+            akv.PeerLostError, match=r"worker 1 .*left the job: its code raised ValueError: boom"
+        ):
+            await asyncio.wait_for(waiting, FAILS_WITHIN_S)
+        assert time.monotonic() - started < FAILS_WITHIN_S
+        await alive.close()  # the pull raised the failure; closing adds nothing
+        assert cluster.scheduler is not None
+        assert "worker 1" in str(cluster.scheduler.roster.failure)
+
+
+async def test_a_clean_exit_still_waits_at_the_barrier_for_the_others():
+    with Cluster(2, 1) as cluster:
+        first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        await asyncio.gather(
+            first.init("w", np.zeros(3, np.float32)), second.init("w", np.zeros(3, np.float32))
+        )
+
+        async def leave_cleanly() -> None:
+            async with first:
+                pass
+
+        leaving = asyncio.ensure_future(leave_cleanly())
+        await asyncio.sleep(0.5)
+        assert not leaving.done()  # at the exit barrier, for worker 1
+        await second.close()
+        await asyncio.wait_for(leaving, FAILS_WITHIN_S)
+        assert cluster.scheduler is not None and cluster.scheduler.roster.failure is None
+
+
+# ---------------------------------------------------------------- under akv-launch
+
+
+def test_an_exception_inside_with_fails_the_job_at_once_and_the_launcher_shows_it():
+    started = time.monotonic()
+    done = launch(
+        ["-n", "2", "-s", "1", "--", sys.executable, str(JOBS / "faults.py"), "raise"],
+        timeout=90,
+    )
+    output = done.stdout + done.stderr
+    assert time.monotonic() - started < 30, output  # not the round deadline
+    assert done.returncode != 0, output
+    verdict = re.search(r"akv-launch: the scheduler's verdict: the job failed: (.*)", output)
+    assert verdict is not None, output
+    assert re.match(
+        r"worker 1 \(pid \d+ on 127\.0\.0\.1\) left the job: its code raised ValueError: "
+        r"boom in the training loop$",
+        verdict.group(1),
+    ), verdict.group(1)
+    traceback = output.split("akv-launch: worker 1's traceback:\n", 1)
+    assert len(traceback) == 2, output
+    assert "Traceback (most recent call last):" in traceback[1]
+    assert "ValueError: boom in the training loop" in traceback[1]
+    got = re.search(r"rank 0 got PeerLostError after ([\d.]+) s: (.*)", output)
+    if got is not None:  # printed unless the launcher stopped it first
+        assert float(got.group(1)) < FAILS_WITHIN_S
+        assert got.group(2).startswith("the job failed: worker 1 "), got.group(2)
+
+
+# ---------------------------------------------------------------- started by hand
+
+
+@contextmanager
+def hand_started_job(num_workers: int = 2) -> Iterator[tuple[list[subprocess.Popen], dict]]:
+    """A scheduler, a server and ``faults.py interruptible`` workers, started as a user
+    would start them by hand (no launcher). Yields (scheduler, server, *workers) and the
+    job's environment; every process is ended by its PID afterwards."""
+    env = {**os.environ, **job_env(num_workers, 1, free_port())}
+    env.pop("AKV_ROLE", None)
+    processes: list[subprocess.Popen] = []
+
+    def start(role: str, argv: list[str], rank: int | None = None) -> None:
+        role_env = {**env, "AKV_ROLE": role}
+        if rank is not None:
+            role_env["AKV_RANK"] = str(rank)
+        processes.append(
+            subprocess.Popen(
+                argv,
+                env=role_env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+
+    try:
+        start("scheduler", [sys.executable, "-m", "akv.cluster.scheduler"])
+        start("server", [sys.executable, "-m", "akv.cluster.server"], 0)
+        for rank in range(num_workers):
+            start("worker", [sys.executable, str(JOBS / "faults.py"), "interruptible"], rank)
+        yield processes, env
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate(timeout=30)
+
+
+def _read_until(process: subprocess.Popen, pattern: str, timeout_s: float) -> str:
+    """The output of ``process`` up to the first line matching ``pattern``."""
+    lines: list[str] = []
+    found = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if re.search(pattern, line):
+                found.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    assert found.wait(timeout_s), f"no line matching {pattern!r}:\n{''.join(lines)}"
+    return "".join(lines)
+
+
+def _rest(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
+    out, _ = process.communicate(timeout=timeout_s)
+    return process.returncode, out
+
+
+@pytest.mark.parametrize(
+    ("signo", "reason", "status"),
+    [
+        (signal.SIGINT, "it was interrupted (Ctrl-C)", -signal.SIGINT),
+        (signal.SIGTERM, "it was stopped by SIGTERM", 128 + signal.SIGTERM),
+    ],
+)
+def test_interrupting_a_hand_started_worker_fails_the_job_naming_it(signo, reason, status):
+    with hand_started_job() as (processes, _):
+        scheduler, server, worker0, worker1 = processes
+        _read_until(worker1, r"rank 1 ready", 60)
+        _read_until(worker0, r"rank 0 ready", 60)
+        started = time.monotonic()
+        worker1.send_signal(signo)
+        code1, out1 = _rest(worker1, FAILS_WITHIN_S)
+        code0, out0 = _rest(worker0, FAILS_WITHIN_S)
+        assert time.monotonic() - started < FAILS_WITHIN_S
+        assert code1 == status, out1
+        got = re.search(r"rank 0 got PeerLostError after [\d.]+ s: (.*)", out0)
+        assert got is not None, out0
+        assert re.match(
+            rf"the job failed: worker 1 \(pid {worker1.pid} on 127\.0\.0\.1\) left the job: "
+            + re.escape(reason),
+            got.group(1),
+        ), got.group(1)
+        assert code0 == 4, out0
+        # The scheduler and the server end too, saying why.
+        code, out = _rest(scheduler, FAILS_WITHIN_S)
+        assert code != 0 and f"job failed: worker 1 (pid {worker1.pid}" in out, out
+        assert _rest(server, FAILS_WITHIN_S)[0] != 0
+
+
+def test_a_second_ctrl_c_ends_a_leaving_worker_at_once():
+    with hand_started_job() as (processes, _):
+        scheduler, _server, worker0, worker1 = processes
+        _read_until(worker1, r"rank 1 ready", 60)
+        _read_until(worker0, r"rank 0 ready", 60)
+        # A scheduler that does not answer makes the leaving wait for its report...
+        scheduler.send_signal(signal.SIGSTOP)
+        try:
+            worker1.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            # ... which a second Ctrl-C cuts short: os._exit(130), not death by SIGINT.
+            worker1.send_signal(signal.SIGINT)
+            code, out = _rest(worker1, FAILS_WITHIN_S)
+            assert code == 128 + signal.SIGINT, out
+        finally:
+            scheduler.send_signal(signal.SIGCONT)
