@@ -5,9 +5,13 @@
 * :class:`FrameReader`: a sans-IO stream parser that lands large payloads straight in the
   buffers they belong to.
 * :func:`create_app` / :func:`serve` / :class:`HttpClient`: aiohttp for the control plane
-  (routing, token authentication in constant time, body limits, TLS, status codes), and
-  bounds on what a hostile peer may hold (idle and slow connections time out, connections
-  per address are capped); :func:`parse_json` decodes what peers send, strictly.
+  (routing, token authentication in constant time, body limits, status codes:
+  :mod:`transport._http_server`, :mod:`transport._http_client`), bounds on what a hostile
+  peer may hold (idle and slow connections time out, connections per address are capped:
+  :mod:`transport._http_guard`), logs that never show the token
+  (:mod:`transport._http_log`), TLS (:mod:`transport._tls`).
+* :func:`parse_json`: the strict JSON decoder for whatever peers send (no I/O:
+  :mod:`transport._json`).
 * :func:`stream_route` / :func:`open_stream` / :class:`StreamProtocol`: an authenticated
   HTTP Upgrade to a framed stream for bulk arrays (zero-copy sends, receives into
   preallocated buffers).
@@ -22,23 +26,20 @@
 This package never imports ``akv`` or ``engine``.
 """
 
-from transport._http import (
-    CLIENT_MISTAKE_LOG_INTERVAL_S,
+from transport._http_client import HttpClient
+from transport._http_log import CLIENT_MISTAKE_LOG_INTERVAL_S
+from transport._http_server import (
     DEFAULT_HOST,
     DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_JSON_MAX_DEPTH,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS_PER_PEER,
-    HttpClient,
     RequestError,
-    client_ssl_context,
     create_app,
-    parse_json,
     serve,
     serve_local,
-    server_ssl_context,
     stream_route,
 )
+from transport._json import DEFAULT_JSON_MAX_DEPTH, parse_json
 from transport._reader import (
     DISCARD,
     Destination,
@@ -57,6 +58,7 @@ from transport._shm_stream import (
     remove_leftovers,
 )
 from transport._stream import UPGRADE_PROTOCOL, StreamProtocol, open_stream
+from transport._tls import client_ssl_context, server_ssl_context
 from transport.errors import (
     AuthError,
     FrameError,

@@ -1,32 +1,28 @@
 """Hostile peers against create_app/serve, over real sockets on 127.0.0.1: header bytes
 that are not UTF-8, malformed requests, idle and slowloris connections, connection floods,
-binds without TLS, and the strict JSON decoder (issue #9)."""
+binds without TLS, and the client's strict reading of answers (issue #9). The strict JSON
+decoder's own tests are in test_json.py."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import ssl
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
+from tests.hostile import closed_within, forget_logged_mistakes
 from tests.tls import make_certificates
 from transport import (
     FrameHeader,
     HttpClient,
-    JSONError,
     Message,
+    RequestError,
     StreamProtocol,
-    _http,
     client_ssl_context,
     create_app,
     frame_bytes,
@@ -36,6 +32,8 @@ from transport import (
     server_ssl_context,
     stream_route,
 )
+from transport._http_client import _message
+from transport._http_log import install_log_filter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,7 +46,7 @@ MARGIN_S = 1.5
 @pytest.fixture(autouse=True)
 def fresh_log_limits() -> None:
     """Every test starts with no peer's mistake logged yet (the limiter is process-wide)."""
-    _http._MISTAKES.clear()
+    forget_logged_mistakes()
 
 
 def fresh(header: FrameHeader) -> list[memoryview | None]:
@@ -69,7 +67,7 @@ class Service:
             try:
                 body = parse_json(await request.read())
             except ValueError as exc:
-                raise _http.RequestError(400, str(exc)) from None
+                raise RequestError(400, str(exc)) from None
             return web.json_response({"got": body})
 
         async def slow(request: web.Request) -> web.Response:
@@ -139,17 +137,6 @@ async def exchange(port: int, raw: bytes, timeout_s: float = 10.0) -> tuple[int,
         writer.close()
     assert answer.startswith(b"HTTP/1."), answer[:200]
     return int(answer.split(b" ", 2)[1]), answer
-
-
-async def closed_within(reader: asyncio.StreamReader, timeout_s: float) -> float:
-    """Seconds until the server closed the connection (it sends nothing first)."""
-    started_at = time.monotonic()
-    try:
-        data = await asyncio.wait_for(reader.read(), timeout_s)
-    except ConnectionResetError:
-        data = b""
-    assert data == b"", data[:200]
-    return time.monotonic() - started_at
 
 
 async def still_serving(port: int) -> None:
@@ -230,7 +217,7 @@ async def test_malformed_requests_are_logged_once_per_peer_per_interval(service,
 
 
 def test_other_aiohttp_lines_lose_whatever_follows_a_credential(caplog):
-    _http._install_log_filter()
+    install_log_filter()
     caplog.set_level(logging.DEBUG)
     logger = logging.getLogger("aiohttp.server")
     logger.error("bad header %r", f"Authorization: Bearer {TOKEN}")
@@ -512,96 +499,7 @@ async def test_tls_end_to_end_with_the_bounds_in_place(certificates):
         await runner.cleanup()
 
 
-# ---------------------------------------------------------------------- parse_json
-
-
-def depth_of(value: Any) -> int:
-    if isinstance(value, dict):
-        return 1 + max(map(depth_of, value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max(map(depth_of, value), default=0)
-    return 0
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "[" * 5000 + "]" * 5000,
-        '{"a": ' * 5000 + "1" + "}" * 5000,
-        "[" * 200000,  # not even closed
-        "NaN",
-        "[Infinity]",
-        '{"x": -Infinity}',
-        "1e999",
-        "[-1e999]",
-        '{"port": 1e400}',
-        str(1 << 64),
-        str(-(1 << 63) - 1),
-        "9" * 5000,
-        "[1, 2",
-        "",
-        "\ufeff{}",
-        '{"a": 1} x',
-    ],
-)
-def test_parse_json_refuses_hostile_text(text):
-    with pytest.raises(JSONError):
-        parse_json(text)
-    with pytest.raises(ValueError):  # a JSONError is a ValueError too
-        parse_json(text.encode())
-
-
-def test_parse_json_accepts_the_edges_of_what_it_allows():
-    assert parse_json(str((1 << 64) - 1)) == (1 << 64) - 1
-    assert parse_json(str(-(1 << 63))) == -(1 << 63)
-    assert parse_json("1.7976931348623157e308") == 1.7976931348623157e308
-    assert parse_json("[" * 32 + "]" * 32, max_depth=32) == json.loads("[" * 32 + "]" * 32)
-    with pytest.raises(JSONError, match="33"):
-        parse_json("[" * 33 + "]" * 33, max_depth=32)
-    # Brackets, quotes and backslashes inside strings do not nest.
-    text = json.dumps({"a": '[[[{{{"\\\\"]]]', "b": ["\\", '"[', "]"]})
-    assert parse_json(text, max_depth=2) == json.loads(text)
-    with pytest.raises(JSONError):
-        parse_json(b'{"a": "\xff"}')
-
-
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(alphabet=st.sampled_from('ab[]{}"\\\n:,é\u2028')),
-    lambda children: (
-        st.lists(children, max_size=4)
-        | st.dictionaries(st.text(alphabet=st.sampled_from('k[]{}"\\'), max_size=4), children)
-    ),
-    max_leaves=30,
-)
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(value=json_values, pretty=st.booleans())
-def test_parse_json_round_trips_and_measures_depth_exactly(value, pretty):
-    text = json.dumps(value, indent=1 if pretty else None, ensure_ascii=pretty)
-    depth = depth_of(value)
-    assert parse_json(text, max_depth=depth) == value
-    assert _http._nesting(text) == depth
-    if depth > 0:
-        with pytest.raises(JSONError):
-            parse_json(text, max_depth=depth - 1)
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    data=st.binary(max_size=200)
-    | st.text(alphabet=st.sampled_from('[]{}"\\:,1eE.-+ atnul')).map(str.encode)
-)
-def test_parse_json_raises_nothing_but_json_error(data):
-    with contextlib.suppress(JSONError):
-        parse_json(data, max_depth=8)
-
-
 def test_the_client_decodes_answers_strictly():
-    decode: Callable[[bytes], str] = _http._message
+    decode: Callable[[bytes], str] = _message
     assert decode(b'{"error": "nope"}') == "nope"
     assert decode(b"[" * 10000) == ("[" * 10000)[:500]  # deep garbage is shown, not parsed

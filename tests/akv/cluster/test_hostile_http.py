@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,7 +19,8 @@ from akv.cluster import config as _config
 from akv.cluster.protocol import CLIENT_HEADER, Op
 from akv.cluster.scheduler import Scheduler
 from tests.akv.cluster.cluster import Cluster, free_port, job_env
-from transport import _http, frame_bytes
+from tests.hostile import closed_within, forget_logged_mistakes
+from transport import frame_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,7 +72,7 @@ GARBAGE = [
 
 @pytest.fixture(autouse=True)
 def fresh_log_limits() -> None:
-    _http._MISTAKES.clear()
+    forget_logged_mistakes()
 
 
 #: The connection bounds the scheduler and the servers of these tests are configured with.
@@ -422,16 +422,6 @@ async def test_random_requests_to_a_server_get_4xx_and_the_job_goes_on(cluster, 
 
 
 # ---------------------------------------------------------------------- idle connections
-
-
-async def closed_within(reader: asyncio.StreamReader, timeout_s: float) -> float:
-    started = time.monotonic()
-    try:
-        data = await asyncio.wait_for(reader.read(), timeout_s)
-    except ConnectionResetError:
-        data = b""
-    assert data == b"", data[:200]
-    return time.monotonic() - started
 
 
 async def trickle(writer: asyncio.StreamWriter, data: bytes) -> None:
