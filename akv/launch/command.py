@@ -134,7 +134,7 @@ def launch(
 
 def _make_log_dir(path: str) -> None:
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise LaunchError(f"--log-dir {path} cannot be created: {exc}") from exc
 

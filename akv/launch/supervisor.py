@@ -45,6 +45,9 @@ __all__ = ["supervise"]
 #: ``None`` (a handler not installed from Python).
 _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
+#: The mode of the ``--log-dir`` files: the user's only.
+LOG_FILE_MODE = 0o600
+
 #: How a Python traceback starts on a process's stderr.
 _TRACEBACK_START = b"Traceback (most recent call last):"
 
@@ -401,8 +404,11 @@ class _Supervisor:
             if spec.log_path is None:
                 continue
             try:
-                # Closed by _close_logs, under the lock the pumps write under.
-                self._logs[index] = open(spec.log_path, "wb")  # noqa: SIM115
+                # Only the user reads them (as the checkpoints): a job's output may name
+                # hosts, paths and data. Closed by _close_logs, under the pumps' lock.
+                fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, LOG_FILE_MODE)
+                os.fchmod(fd, LOG_FILE_MODE)  # a file of an earlier job may be wider open
+                self._logs[index] = os.fdopen(fd, "wb")
             except OSError as exc:
                 raise LaunchError(
                     f"--log-dir: cannot write {spec.log_path}: {exc}; nothing was started"

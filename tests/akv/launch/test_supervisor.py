@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from dataclasses import replace
 
 import pytest
@@ -274,11 +275,23 @@ def test_log_files_of_an_earlier_job_are_overwritten(tmp_path, reaper):
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "worker-0.log").write_text("[worker 0] from an earlier job\n")
+    (logs / "worker-0.log").chmod(0o644)
     result = run_job(job_options(tmp_path, num_workers=1, log_dir=str(logs)), reaper)
     assert result.code == 0, result.err
     text = (logs / "worker-0.log").read_text()
     assert "earlier job" not in text
     assert "[worker 0] worker 0 of 1\n" in text
+    assert stat.S_IMODE((logs / "worker-0.log").stat().st_mode) == 0o600  # narrowed
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_log_files_and_a_new_log_dir_are_the_users_only(tmp_path, reaper):
+    logs = tmp_path / "new" / "logs"
+    result = run_job(job_options(tmp_path, num_workers=1, log_dir=str(logs)), reaper)
+    assert result.code == 0, result.err
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in logs.iterdir()}
+    assert modes and set(modes.values()) == {0o600}, modes
 
 
 def test_a_log_file_that_cannot_be_opened_fails_before_any_process_starts(tmp_path):
