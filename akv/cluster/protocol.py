@@ -52,6 +52,7 @@ __all__ = [
     "COUNTED",
     "DIST_STORE_TYPES",
     "JOB_FAILED_STATUS",
+    "LAUNCHER_REPORTER",
     "OK",
     "REFUSED_STATUS",
     "STATUS_CLASSES",
@@ -117,6 +118,9 @@ STATUS_CLASSES: Final[dict[int, type[errors.AKVError]]] = {
 INTERNAL: Final = 11
 _CODES: Final[dict[type[BaseException], int]] = {cls: code for code, cls in STATUS_CLASSES.items()}
 
+#: The ``reporter`` of a ``/v1/lost`` report that akv-launch sends when it saw one of its
+#: processes exit with a failure (a worker killed by a signal tells nobody itself).
+LAUNCHER_REPORTER: Final = "akv-launch"
 #: The scheduler's HTTP status when it refuses a request because the job failed.
 JOB_FAILED_STATUS: Final = 409
 #: A server's HTTP status when it refuses a stream because it stops (a restart may come).

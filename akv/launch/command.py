@@ -10,19 +10,24 @@ Thin I/O around the pure parts: :func:`launch` reads the host file, looks for ``
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import BinaryIO
 
-from akv.errors import LaunchError
+from akv.cluster.config import from_env
+from akv.cluster.protocol import LAUNCHER_REPORTER
+from akv.cluster.roles import scheduler_client
+from akv.errors import AKVError, LaunchError
 from akv.launch.args import LOCAL_SCHEDULER_HOST, LaunchOptions, parse_args, validate
 from akv.launch.hosts import load_hostfile
-from akv.launch.limits import MPI_VERSION_TIMEOUT_S, TERMINATE_GRACE_S
+from akv.launch.limits import MPI_VERSION_TIMEOUT_S, REPORT_EXIT_S, TERMINATE_GRACE_S
 from akv.launch.plans import (
     LAUNCHER_TOOLS,
     JobContext,
@@ -31,6 +36,7 @@ from akv.launch.plans import (
     mpi_flavour_from_version,
     plan,
 )
+from akv.launch.spec import ProcessSpec
 from akv.launch.supervisor import supervise
 
 __all__ = ["EXIT_USAGE", "launch", "main"]
@@ -129,7 +135,45 @@ def launch(
         stdout=out,
         stderr=stderr,
         inherited=[listener],
+        report_failure=_failure_reporter(specs),
     )
+
+
+def _failure_reporter(specs: Sequence[ProcessSpec]) -> Callable[[ProcessSpec, str], None] | None:
+    """What tells the job's scheduler that akv-launch saw one of its processes fail (a
+    worker killed by a signal tells nobody itself; the servers give it
+    ``AKV_RECONNECT_GRACE_S`` to come back, and the job may be stopped before then), so that
+    the scheduler's verdict names it. None when the scheduler's configuration cannot be
+    read here. The report is best effort, bounded by :data:`REPORT_EXIT_S`."""
+    scheduler = next((spec for spec in specs if spec.role == "scheduler"), None)
+    if scheduler is None:
+        return None
+    try:
+        config = from_env(scheduler.env)
+    except AKVError:
+        return None
+
+    def report(spec: ProcessSpec, what: str) -> None:
+        if spec.rank is None or spec.role == "scheduler":
+            return  # an mpirun/srun group: which rank failed is not known here
+        body = {
+            "reporter": LAUNCHER_REPORTER,
+            "role": spec.role,
+            "rank": spec.rank,
+            "detail": f"{what} (seen by akv-launch)",
+        }
+
+        async def post() -> None:
+            client = scheduler_client(config, REPORT_EXIT_S, retries=0)
+            try:
+                await client.json("POST", "/v1/lost", body)
+            finally:
+                await client.close()
+
+        with contextlib.suppress(Exception):  # the scheduler may be gone: nothing to tell
+            asyncio.run(asyncio.wait_for(post(), REPORT_EXIT_S))
+
+    return report
 
 
 def _make_log_dir(path: str) -> None:

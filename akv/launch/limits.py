@@ -13,6 +13,7 @@ __all__ = [
     "MPI_VERSION_TIMEOUT_S",
     "OUTPUT_SETTLE_S",
     "POLL_INTERVAL_S",
+    "REPORT_EXIT_S",
     "REPORT_GRACE_S",
     "TERMINATE_GRACE_S",
     "TOKEN_BYTES",
@@ -27,6 +28,8 @@ DEFAULT_GRACE_S = 15.0
 #: (seconds). akv's workers notice a dead server at once (its stream ends) and a dead
 #: scheduler within AKV_HEARTBEAT_TIMEOUT_S.
 REPORT_GRACE_S = 5.0
+#: How long akv-launch waits for the scheduler to take its report of a process that failed.
+REPORT_EXIT_S = 2.0
 #: How long a process group gets between SIGTERM and SIGKILL when the job is stopped, here
 #: and in the ``ssh`` launcher's remote script (seconds).
 TERMINATE_GRACE_S = 5.0

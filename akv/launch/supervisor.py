@@ -35,7 +35,7 @@ from akv.launch.limits import (
     TERMINATE_GRACE_S,
     TRACEBACK_MAX_LINES,
 )
-from akv.launch.rules import Decision, ExitRules, scheduler_verdict
+from akv.launch.rules import Decision, ExitRules, scheduler_verdict, status_text
 from akv.launch.spec import ProcessSpec
 from transport import remove_leftovers
 
@@ -89,6 +89,7 @@ def supervise(
     stderr: BinaryIO | None = None,
     inherited: Sequence[socket.socket] = (),
     handle_signals: bool = True,
+    report_failure: Callable[[ProcessSpec, str], None] | None = None,
 ) -> int:
     """Run the job's processes to the end and return the launcher's exit code.
 
@@ -130,6 +131,11 @@ def supervise(
         On the main thread, make SIGINT and SIGTERM stop the job (exit 130 and 143), unless
         the launcher was started with that signal ignored. The previous handlers are
         restored on return.
+    report_failure
+        ``report_failure(spec, what)`` is called (on this thread; it must be quick and
+        swallow its errors) when the exit of ``spec``'s process fails the job, with what
+        was seen (``exited with signal SIGKILL``): the launcher tells the scheduler, so that
+        its verdict names that process even when nobody else saw it die.
 
     Returns
     -------
@@ -150,6 +156,7 @@ def supervise(
         terminate_grace_s=terminate_grace_s,
         stdout=stdout if stdout is not None else sys.stdout.buffer,
         stderr=stderr if stderr is not None else sys.stderr.buffer,
+        report_failure=report_failure,
     )
     return supervisor.run(inherited, handle_signals)
 
@@ -164,8 +171,10 @@ class _Supervisor:
         terminate_grace_s: float,
         stdout: BinaryIO,
         stderr: BinaryIO,
+        report_failure: Callable[[ProcessSpec, str], None] | None = None,
     ) -> None:
         self._specs = list(specs)
+        self._report_failure = report_failure
         self._grace_s = grace_s
         self._max_restarts = max_restarts
         self._terminate_grace_s = terminate_grace_s
@@ -255,7 +264,12 @@ class _Supervisor:
             if event.generation != self._generations.get(event.index):
                 continue  # the exit of a process that was since restarted: already judged
             self._let_output_settle(event.index)
-            return rules.exited(event.index, event.value)
+            blamed = rules.culprit(None)
+            decision = rules.exited(event.index, event.value)
+            if blamed is None and rules.culprit(None) == event.index and self._report_failure:
+                spec = self._specs[event.index]
+                self._report_failure(spec, f"exited with {status_text(event.value)}")
+            return decision
 
     def _install_signal_handlers(self) -> dict[int, _SignalHandler]:
         if threading.current_thread() is not threading.main_thread():

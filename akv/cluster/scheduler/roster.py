@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from akv.cluster.protocol import LAUNCHER_REPORTER
 from akv.errors import MembershipError, PeerLostError
 from akv.limits import HEARTBEAT_INTERVAL_S, RESTART_WINDOW_S, SCHEDULER_LINGER_S
 
@@ -448,9 +449,10 @@ class Roster:
         return dead
 
     def lost(self, reporter: str, role: str, rank: int, detail: str) -> str | None:
-        """A node saw a peer disconnect without closing, or a node reports that it stops
-        (``reporter`` is its own node id: a server stopped by a signal): fail the job
-        naming it.
+        """A node saw a peer disconnect without closing, a node reports that it stops
+        (``reporter`` is its own node id: a server stopped by a signal, a worker whose code
+        failed), or the launcher saw a process exit (``reporter`` is
+        :data:`LAUNCHER_REPORTER`): fail the job naming it.
 
         Returns the failure this report caused, or None (the peer had finished, or the
         job had failed already).
@@ -461,7 +463,7 @@ class Roster:
         name = peer.describe() if peer else f"{role} {rank}"
         if peer is not None:
             peer.dead = True
-        if peer is not None and peer.node_id == reporter:
+        if reporter == LAUNCHER_REPORTER or (peer is not None and peer.node_id == reporter):
             reason = f"{name} {detail}"
         else:
             reason = f"{name} disconnected from {reporter} without closing: {detail}"

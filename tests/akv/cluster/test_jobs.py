@@ -259,6 +259,14 @@ def test_a_killed_worker_is_named_by_the_launcher():
     assert re.search(r"akv-launch: worker 1 \(pid \d+\) exited with signal SIGKILL", output)
     for line in re.findall(r"rank 0 got PeerLostError after [\d.]+ s: (.*)", output):
         assert re.match(r"the job failed: worker 1 ", line), line  # when it got printed
+    # The launcher saw it die and told the scheduler: the verdict names it, not a process
+    # that the launcher stopped afterwards.
+    verdict = re.search(r"akv-launch: the scheduler's verdict: the job failed: (.*)", output)
+    assert verdict is not None, output
+    assert re.match(
+        r"worker 1 \(pid \d+ on 127\.0\.0\.1\) exited with signal SIGKILL \(seen by akv-launch\)$",
+        verdict.group(1),
+    ), verdict.group(1)
 
 
 def test_a_hanging_server_is_blamed_by_the_workers_and_the_launcher():

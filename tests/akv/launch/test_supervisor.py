@@ -325,3 +325,42 @@ def test_a_log_file_that_fails_to_write_is_reported_once_and_the_console_keeps_t
     assert "[worker 0] oops\n" in messages
     assert messages.count("akv-launch: cannot write /dev/full: ") == 1
     assert "the rest of worker 0's output goes to the console only" in messages
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_the_process_whose_exit_fails_the_job_is_reported_once(tmp_path):
+    env = dict(os.environ)
+    die = (PYTHON, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    fail = (PYTHON, "-c", "import time, sys; time.sleep(0.5); sys.exit(4)")
+    specs = [ProcessSpec("worker", 0, fail, env, {}), ProcessSpec("worker", 1, die, env, {})]
+    reports: list[tuple[str, int | None, str]] = []
+    code = supervise(
+        specs,
+        grace_s=1,
+        stdout=io.BytesIO(),
+        stderr=io.BytesIO(),
+        handle_signals=False,
+        report_failure=lambda spec, what: reports.append((spec.role, spec.rank, what)),
+    )
+    assert code == 128 + 9
+    assert reports == [("worker", 1, "exited with signal SIGKILL")]  # not worker 0's too
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_the_summary_shows_the_traceback_of_the_process_to_blame(tmp_path):
+    env = dict(os.environ)
+    raises = (PYTHON, "-c", "print('before'); raise ValueError('boom')")
+    later = (
+        PYTHON,
+        "-c",
+        "import sys, time; time.sleep(1); print('x', file=sys.stderr); sys.exit(3)",
+    )
+    specs = [ProcessSpec("worker", 0, later, env, {}), ProcessSpec("worker", 1, raises, env, {})]
+    err = io.BytesIO()
+    assert supervise(specs, grace_s=1, stdout=io.BytesIO(), stderr=err, handle_signals=False) == 1
+    text = err.getvalue().decode()
+    summary = text.split("akv-launch: worker 1's traceback:\n", 1)
+    assert len(summary) == 2, text
+    assert summary[1].splitlines()[0] == "    Traceback (most recent call last):"
+    assert summary[1].rstrip().endswith("    ValueError: boom")
+    assert "worker 0's traceback" not in text  # it printed none

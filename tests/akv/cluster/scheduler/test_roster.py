@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from akv.cluster.protocol import LAUNCHER_REPORTER
 from akv.cluster.scheduler.roster import (
     BarrierState,
     HeartbeatAnswer,
@@ -244,6 +245,15 @@ def test_a_node_reporting_itself_is_named_as_stopping_not_as_lost():
     failure = roster.lost("s", "server", 0, "was stopped by a signal")
     assert failure == "server 0 (pid 10 on 127.0.0.1) was stopped by a signal"
     assert roster.nodes["s"].dead
+
+
+def test_the_launcher_reports_what_it_saw_of_a_process_by_role_and_rank():
+    roster = full_roster()
+    detail = "exited with signal SIGKILL (seen by akv-launch)"
+    failure = roster.lost(LAUNCHER_REPORTER, "worker", 1, detail)
+    assert failure is not None and failure.startswith("worker 1 (pid ")
+    assert failure.endswith(f") {detail}")
+    assert "disconnected" not in failure
 
 
 # ------------------------------------------------------------------ restartable servers
