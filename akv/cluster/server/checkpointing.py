@@ -35,7 +35,7 @@ from akv.cluster.server.checkpoint import (
     remove_leftovers,
     write_snapshot,
 )
-from akv.cluster.server.state import (
+from akv.cluster.server.instructions import (
     Checkpoint,
     CheckpointPlan,
     Instruction,

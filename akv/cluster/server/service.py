@@ -38,14 +38,14 @@ from akv.cluster.protocol import (
     status_of,
 )
 from akv.cluster.roles import run_role, server_ssl, stopped_by_signal
+from akv.cluster.server.buffers import Landing
 from akv.cluster.server.checkpointing import Checkpoints
-from akv.cluster.server.state import (
+from akv.cluster.server.instructions import (
     Checkpoint,
     FailJob,
     InstallOptimizer,
     Instruction,
     Land,
-    Landing,
     LoadStates,
     Peer,
     PullTicket,
@@ -54,8 +54,8 @@ from akv.cluster.server.state import (
     SaveStates,
     SendValues,
     ServerEntry,
-    ServerState,
 )
+from akv.cluster.server.state import ServerState
 from akv.cluster.server.updates import land
 from akv.errors import (
     AKVError,

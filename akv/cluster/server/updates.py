@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from akv import optimizer as _optimizer
-from akv.cluster.server.state import Land, Lent, ServerEntry, give_back, own
+from akv.cluster.server.buffers import Lent, give_back, own
+from akv.cluster.server.instructions import Land, ServerEntry
 
 __all__ = ["Add", "land"]
 

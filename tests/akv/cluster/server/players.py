@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from akv.cluster.protocol import Op
-from akv.cluster.server.state import (
+from akv.cluster.server.instructions import (
     Checkpoint,
     FailJob,
     InstallOptimizer,
@@ -30,8 +30,8 @@ from akv.cluster.server.state import (
     ReplyError,
     SaveStates,
     SendValues,
-    ServerState,
 )
+from akv.cluster.server.state import ServerState
 from akv.cluster.server.updates import land
 from engine import Var
 from transport import decode_frame, frame_bytes

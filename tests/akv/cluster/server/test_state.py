@@ -10,7 +10,7 @@ import pytest
 
 from akv import optimizer
 from akv.cluster.protocol import COUNTED, Op, encode_meta
-from akv.cluster.server.state import ServerEntry
+from akv.cluster.server.instructions import ServerEntry
 from akv.errors import (
     DoublePushError,
     DTypeMismatchError,
