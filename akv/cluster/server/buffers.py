@@ -10,7 +10,10 @@ without a copy. A sender owns the payloads the server reads in place in its shar
 and :func:`give_back` move an array between the two: copied into a buffer of the key where
 it must be kept, returned to the key only when it is the key's.
 
-No I/O: the service hands these objects its streams' memory and callbacks.
+One pair of verbs for who holds what, as in :mod:`transport`'s shared memory: ``take``
+and ``give_back`` (a region of :class:`ValueRegions`, a share of what is :class:`Lent`, a
+buffer of a key). No I/O: the service hands these objects its streams' memory and
+callbacks.
 """
 
 from __future__ import annotations
@@ -48,15 +51,15 @@ class ValueRegions(Protocol):
         """The size of the memory the regions are taken from."""
         ...
 
-    def reserve(self, nbytes: int, keep_free: int = 0) -> memoryview | None:
-        """A writable region of ``nbytes``, the caller's until :meth:`unreserve`; None
+    def take(self, nbytes: int, keep_free: int = 0) -> memoryview | None:
+        """A writable region of ``nbytes``, the caller's until :meth:`give_back`; None
         when there is no room, or it would leave less than ``keep_free`` bytes free (or
         ``nbytes`` is too small to be worth it)."""
         ...
 
-    def unreserve(self, view: np.ndarray) -> None:
-        """Give a reserved region back (peers still reading it keep it until they are
-        done)."""
+    def give_back(self, view: np.ndarray) -> None:
+        """Give a region :meth:`take` returned back (peers still reading it keep it until
+        they gave it back too)."""
         ...
 
 
@@ -66,7 +69,7 @@ class RegionEntry(Entry):
 
     With :attr:`regions`, the sums that become the stored value without an updater live in
     them, so that answers to local workers are sent without a copy. Peers may read a
-    stored value there until they release it, after a newer value replaced it: such a
+    stored value there until they give it back, after a newer value replaced it: such a
     value is never changed in place (:meth:`private_value` moves it out first).
     """
 
@@ -92,7 +95,7 @@ class RegionEntry(Entry):
         if regions is not None:
             # Stored values never take the last quarter: answers not kept there (keys
             # past it, values an updater changes) are copied into regions of their own.
-            view = regions.reserve(self.nbytes, keep_free=regions.nbytes // VALUES_KEEP_FREE)
+            view = regions.take(self.nbytes, keep_free=regions.nbytes // VALUES_KEEP_FREE)
             if view is not None:
                 buffer: np.ndarray = np.frombuffer(view, self.dtype).reshape(self.shape)
                 self._in_regions.append(buffer)
@@ -101,10 +104,10 @@ class RegionEntry(Entry):
 
     def give_buffer(self, buffer: Any) -> None:
         """As :meth:`Entry.give_buffer`; a buffer taken from :attr:`regions` is given back
-        to them instead (freed once no peer reads it)."""
+        to them instead (free once no peer reads it)."""
         if self._in_regions and self._out_of_regions(buffer):
             assert self.regions is not None  # it came from them
-            self.regions.unreserve(buffer)
+            self.regions.give_back(buffer)
         else:
             super().give_buffer(buffer)
 
@@ -117,7 +120,7 @@ class RegionEntry(Entry):
             assert self.regions is not None  # it came from them
             private = cast(np.ndarray, self.take_buffer())
             np.copyto(private, value)
-            self.regions.unreserve(value)
+            self.regions.give_back(value)
             self.value = private
         return self.value
 
@@ -148,10 +151,10 @@ class Landing:
     #: :class:`~akv.cluster.server.instructions.Land` that reads them takes it over.
     lent: Lent | None = None
 
-    def lend(self, payloads: Sequence[memoryview], hand_back: Callable[[], None]) -> None:
+    def lend(self, payloads: Sequence[memoryview], give_back: Callable[[], None]) -> None:
         """Read the read-only ``payloads`` (those that lie in the sender's shared memory)
-        in place of their buffers, which go back to their keys; ``hand_back`` returns that
-        memory to the sender once nothing reads it any more.
+        in place of their buffers, which go back to their keys; ``give_back`` gives that
+        memory back to the sender once nothing reads it any more (:class:`Lent`).
 
         A payload read in place is a read-only array: :func:`own` copies it into a buffer
         of its key where it has to be kept.
@@ -161,31 +164,31 @@ class Landing:
             if payload.readonly and entry is not None and buffer is not None:
                 entry.give_buffer(buffer)
                 self.buffers[index] = np.frombuffer(payload, entry.dtype).reshape(entry.shape)
-        self.lent = Lent(hand_back)
+        self.lent = Lent(give_back)
 
 
 class Lent:
-    """One frame's payloads read in place in the sender's shared memory, handed back once
-    the last holder is done with them (calls it). The first holder is whoever received
-    the frame; a round's sum that starts as one of the payloads holds it too (:meth:`hold`),
-    until a later push makes the sum a buffer of the key's own. Called on the server's
-    loop only."""
+    """One frame's payloads read in place in the sender's shared memory, given back to
+    the sender once the last holder gave its share back. The first holder is whoever
+    received the frame; a round's sum that starts as one of the payloads takes a share too
+    (:meth:`take`), until a later push makes the sum a buffer of the key's own. Called on
+    the server's loop only."""
 
-    __slots__ = ("_hand_back", "_holders")
+    __slots__ = ("_give_back", "_holders")
 
-    def __init__(self, hand_back: Callable[[], None]) -> None:
-        self._hand_back = hand_back
+    def __init__(self, give_back: Callable[[], None]) -> None:
+        self._give_back = give_back
         self._holders = 1
 
-    def hold(self) -> None:
-        """One more holder (call while holding it already)."""
+    def take(self) -> None:
+        """One more holder (call while holding a share already)."""
         self._holders += 1
 
-    def __call__(self) -> None:
-        """A holder is done; the last one hands the payloads back."""
+    def give_back(self) -> None:
+        """A holder is done; the last one gives the payloads back to the sender."""
         self._holders -= 1
         if self._holders == 0:
-            self._hand_back()
+            self._give_back()
 
 
 def own(entry: RegionEntry, array: np.ndarray, stored: bool = False) -> np.ndarray:

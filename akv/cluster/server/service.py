@@ -380,7 +380,7 @@ class ParameterServer:
         now = asyncio.get_running_loop().time()
         instructions = self.state.message_completed(peer, header, message.buffers, landing, now)
         if landing.lent is not None:  # no task reads them (a refused or resent push)
-            landing.lent()
+            landing.lent.give_back()
         self.execute(instructions)
 
     def lost(self, peer: Peer, exc: BaseException | None) -> None:
@@ -484,12 +484,12 @@ class ParameterServer:
 
     def _land(self, work: Land) -> None:
         try:
-            done, failed, released = land(work, self.state.updater, self._add)
+            done, failed, to_give_back = land(work, self.state.updater, self._add)
         finally:
             if work.lent is not None:
-                self._on_loop(work.lent)
-        for lent in released:
-            self._on_loop(lent)
+                self._on_loop(work.lent.give_back)
+        for lent in to_give_back:
+            self._on_loop(lent.give_back)
         self._on_loop(self._landed, done, failed, work.reply)
 
     def _landed(
@@ -572,7 +572,7 @@ class ParameterServer:
         arrays = []
         staged = []
         for entry in ticket.entries:
-            view = shared.reserve(entry.nbytes)
+            view = shared.take(entry.nbytes)
             if view is None:
                 array = entry.value.copy()
             else:
@@ -586,12 +586,12 @@ class ParameterServer:
     def _send_from_arena(
         self, peer: Peer, frame: list[Any], shared: SharedMemory, staged: list[np.ndarray]
     ) -> None:
-        """Send ``frame``, whose payloads lie in regions of ``shared`` reserved for it, and
-        give the regions back once written: the worker's release frees them then."""
+        """Send ``frame``, whose payloads lie in regions of ``shared`` taken for it, and
+        give the regions back once written: free once the worker gave them back too."""
 
         def give_back(_: BaseException | None = None) -> None:
             for region in staged:
-                shared.unreserve(region)
+                shared.give_back(region)
 
         link = self.links.get(peer.id)
         if link is None or link.closing:
@@ -699,7 +699,7 @@ class _StreamLink:
         landing = self._landings.pop(message.header.seq)
         if message.borrowed:
             borrowed = message.borrowed
-            landing.lend(message.buffers, lambda: self.protocol.release(borrowed))
+            landing.lend(message.buffers, lambda: self.protocol.give_back(borrowed))
         self.server.message(self.peer, message, landing)
 
     def _on_lost(self, exc: BaseException | None) -> None:

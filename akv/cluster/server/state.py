@@ -417,7 +417,7 @@ class ServerState:
                 if keeps is not None and buffer.flags.writeable:
                     keeps = None  # not read in place: copied to start the sum as usual
                 if keeps is not None:
-                    keeps.hold()
+                    keeps.take()
                 merges.append((entry, buffer, decision.first, keeps))
                 if decision.closes:
                     closing.append((entry, None, decision.round))
@@ -427,8 +427,8 @@ class ServerState:
         reply = Reply(peer, header.seq) if header.op == Op.PUSH else None
         # dist_async: a push is answered once applied, so that whoever hears of the answer
         # (a barrier) sees it; dist_sync: once counted (its round may wait for others).
-        # Payloads read in place stay the server's until it hands them back, answered or
-        # not (the sender frees that memory on the hand-back).
+        # Payloads read in place stay the server's until it gives them back, answered or
+        # not (the sender frees that memory then).
         lent = landing.lent if counted else None
         after_land = reply if counted and not sync else None
         if counted:

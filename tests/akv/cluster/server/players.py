@@ -6,7 +6,7 @@ carried out at once, synchronously: array work with the same ``land`` function t
 runs, replies recorded per (worker, seq). ``hold_updates`` keeps array work queued until
 :meth:`Players.finish_updates`, to look at the state between a push and its apply.
 ``lend`` hands push payloads over as a stream sharing memory does: read-only views read in
-place, handed back (noted in ``handed_back``) once nothing reads them.
+place, given back (noted in ``given_back``) once nothing reads them.
 After every event the state's invariants are checked.
 """
 
@@ -63,8 +63,8 @@ class Players:
         self.lend = False
         #: (worker, seq) of each interim answer that a request's push was counted.
         self.counted: list[tuple[int, int]] = []
-        #: (worker, seq) of each request whose lent payloads were handed back, in order.
-        self.handed_back: list[tuple[int, int]] = []
+        #: (worker, seq) of each request whose lent payloads were given back, in order.
+        self.given_back: list[tuple[int, int]] = []
         self._seq = itertools.count(1)
 
     # ---------------------------------------------------------------- requests
@@ -98,14 +98,14 @@ class Players:
         landing = self.state.header_arrived(peer, header)
         if self.lend and landing.read_in_place:
             buffers = [memoryview(bytes(buffer)) for buffer in buffers]  # read-only
-            landing.lend(buffers, lambda: self.handed_back.append((worker, seq)))
+            landing.lend(buffers, lambda: self.given_back.append((worker, seq)))
         else:
             for buffer, target in zip(buffers, landing.buffers, strict=True):
                 if target is not None:
                     memoryview(target).cast("B")[:] = buffer
         instructions = self.state.message_completed(peer, header, buffers, landing, self.now)
         if landing.lent is not None:  # as the service: nothing reads them any more
-            landing.lent()
+            landing.lent.give_back()
         self.run(instructions)
         return seq
 
@@ -201,11 +201,11 @@ class Players:
             raise AssertionError(f"unknown instruction {instruction!r}")
 
     def _land(self, work: Land) -> None:
-        done, failed, released = land(work, self.state.updater)
+        done, failed, to_give_back = land(work, self.state.updater)
         if work.lent is not None:
-            work.lent()
-        for lent in released:
-            lent()
+            work.lent.give_back()
+        for lent in to_give_back:
+            lent.give_back()
         self.run(self.state.rounds_applied(done))
         for entry, round_no, exc in failed:
             self.run(self.state.update_failed(entry, round_no, exc))
