@@ -17,6 +17,7 @@ instruction                 what the service does
 :class:`SaveStates`,
 :class:`LoadStates`
 :class:`Checkpoint`         write a checkpoint, then answer the request
+:class:`CloseStream`        close a stream that a newer one of its worker replaced
 :class:`FailJob`            the job failed: log it, tell the scheduler who vanished
 ==========================  ==========================================================
 
@@ -42,6 +43,7 @@ from akv.keys import VarFactory
 __all__ = [
     "Checkpoint",
     "CheckpointPlan",
+    "CloseStream",
     "FailJob",
     "InitWait",
     "InstallOptimizer",
@@ -221,9 +223,17 @@ class FailJob:
     detail: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class CloseStream:
+    """Close ``peer``'s stream: the same worker opened a newer one (it reconnected before
+    the server saw the old one end). Its end is no loss: the state expects it."""
+
+    peer: Peer
+
+
 Instruction: TypeAlias = (
     "Reply | ReplyError | Land | SendValues | InstallOptimizer | SaveStates | LoadStates "
-    "| Checkpoint | FailJob"
+    "| Checkpoint | FailJob | CloseStream"
 )
 
 

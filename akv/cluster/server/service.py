@@ -42,6 +42,7 @@ from akv.cluster.server.buffers import Landing
 from akv.cluster.server.checkpointing import Checkpoints
 from akv.cluster.server.instructions import (
     Checkpoint,
+    CloseStream,
     FailJob,
     InstallOptimizer,
     Instruction,
@@ -324,24 +325,24 @@ class ParameterServer:
     # ------------------------------------------------------------ peers
 
     def _admit(self, request: web.Request, stream: bool) -> Peer:
+        """The peer the state admits for ``request``, once what its admission asks (closing
+        a stream it replaces) is done; refused with the HTTP status of the reason."""
         try:
             worker, store_type, session = parse_client_header(
                 request.headers.get(CLIENT_HEADER, "")
             )
-            return self.state.admit(worker, store_type, stream, session)
+            peer, instructions = self.state.admit(worker, store_type, stream, session)
         except InvalidArgumentError as exc:
             raise RequestError(400, str(exc)) from None
         except MembershipError as exc:
             raise RequestError(409, str(exc)) from None
         except PeerLostError as exc:  # stopping: a restarted server may take the stream
             raise RequestError(STOPPING_STATUS, str(exc)) from None
+        self.execute(instructions)
+        return peer
 
     def _open_stream(self, request: web.Request) -> StreamProtocol:
         peer = self._admit(request, stream=True)
-        for other_id, other in list(self.links.items()):  # the stream this one replaces
-            if isinstance(other, _StreamLink) and other.peer.worker == peer.worker:
-                del self.links[other_id]
-                other.protocol.close()
         link = _StreamLink(self, peer)
         self.links[peer.id] = link
         if self.checkpoints is not None:
@@ -442,6 +443,10 @@ class ParameterServer:
                 self._spawn(self.checkpoints.on_request(instruction), "a checkpoint")
             elif isinstance(instruction, FailJob):
                 self._fail_job(instruction)
+            elif isinstance(instruction, CloseStream):
+                link = self.links.pop(instruction.peer.id, None)
+                if isinstance(link, _StreamLink):
+                    link.protocol.close()
 
     def send_to(self, peer: Peer, buffers: list[Any]) -> None:
         """Send ``buffers`` on ``peer``'s stream (dropped when it is gone: the worker resends)."""

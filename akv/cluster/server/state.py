@@ -45,6 +45,7 @@ from akv.cluster.server.checks import check_frame, entry_of, require_updater
 from akv.cluster.server.instructions import (
     Checkpoint,
     CheckpointPlan,
+    CloseStream,
     FailJob,
     InitWait,
     InstallOptimizer,
@@ -154,13 +155,17 @@ class ServerState:
 
     # ------------------------------------------------------------ events: connections
 
-    def admit(self, worker: int, store_type: str, stream: bool, session: str = "") -> Peer:
+    def admit(
+        self, worker: int, store_type: str, stream: bool, session: str = ""
+    ) -> tuple[Peer, list[Instruction]]:
         """A worker opens its stream (``stream``) or sends a single frame; ``session``
-        names its process.
+        names its process. Returns the new peer, and what to do first: a
+        :class:`CloseStream` for each stream it replaces.
 
         The first worker fixes the job's store type; every later one must match. A new
         stream of a worker that has one already (or had one cut) replaces it when it comes
-        from the same session: the worker reconnected. The old stream's end is then no loss.
+        from the same session: the worker reconnected. The old stream is closed, and its
+        end (:meth:`peer_lost`) is no loss.
 
         Raises
         ------
@@ -190,6 +195,7 @@ class ServerState:
             raise PeerLostError(f"{self.name} takes no stream: it is stopping")
         current = [p for p in self.peers.values() if p.worker == worker]
         known = self._sessions.get(worker)
+        replaced: list[Instruction] = []
         if stream and (current or known is not None):
             same = bool(session) and session == known
             if not same:
@@ -197,6 +203,7 @@ class ServerState:
             for old in current:
                 self.peers.pop(old.id)
                 self._replaced.add(old.id)
+                replaced.append(CloseStream(old))
         self.store_type = store_type
         self._next_peer += 1
         peer = Peer(worker, self._next_peer, stream, session)
@@ -205,7 +212,7 @@ class ServerState:
             self._absent.pop(worker, None)
             if session:
                 self._sessions[worker] = session
-        return peer
+        return peer, replaced
 
     def peer_lost(self, peer: Peer, exc: BaseException | None, now: float) -> list[Instruction]:
         """``peer``'s stream ended (``exc``: why, if known; ``now``: the clock). Without a

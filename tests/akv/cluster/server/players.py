@@ -20,6 +20,7 @@ import numpy as np
 from akv.cluster.protocol import Op
 from akv.cluster.server.instructions import (
     Checkpoint,
+    CloseStream,
     FailJob,
     InstallOptimizer,
     Instruction,
@@ -50,11 +51,9 @@ class Players:
             "server 0", num_workers, init_timeout_s, lambda name: Var(None, next(ids), name)
         )
         self.store_type = store_type
-        self.peers: list[Peer] = [
-            self.state.admit(worker, store_type, stream=True, session=f"session{worker}")
-            for worker in range(num_workers)
-        ]
         self.now = 0.0
+        #: The streams the state told the service to close (a newer one replaced them).
+        self.closed: list[Peer] = []
         self.replies: dict[tuple[int, int], Any] = {}
         self.failures: list[FailJob] = []
         self.checkpoints: list[Checkpoint] = []
@@ -66,6 +65,7 @@ class Players:
         #: (worker, seq) of each request whose lent payloads were given back, in order.
         self.given_back: list[tuple[int, int]] = []
         self._seq = itertools.count(1)
+        self.peers: list[Peer] = [self._open(worker) for worker in range(num_workers)]
 
     # ---------------------------------------------------------------- requests
 
@@ -136,9 +136,14 @@ class Players:
 
     def reconnect(self, worker: int) -> None:
         """Worker ``worker`` opens a new stream of its session (after a cut)."""
-        self.peers[worker] = self.state.admit(
+        self.peers[worker] = self._open(worker)
+
+    def _open(self, worker: int) -> Peer:
+        peer, instructions = self.state.admit(
             worker, self.store_type, stream=True, session=f"session{worker}"
         )
+        self.run(instructions)
+        return peer
 
     def tick(self, now: float, round_timeout_s: float = 10.0) -> None:
         self.now = now
@@ -197,6 +202,8 @@ class Players:
             self.failures.append(instruction)
         elif isinstance(instruction, Checkpoint):
             self.checkpoints.append(instruction)  # answered by :meth:`checkpoint_written`
+        elif isinstance(instruction, CloseStream):
+            self.closed.append(instruction.peer)
         else:  # pragma: no cover - a new instruction nobody taught this helper
             raise AssertionError(f"unknown instruction {instruction!r}")
 

@@ -10,7 +10,7 @@ import pytest
 
 from akv import optimizer
 from akv.cluster.protocol import COUNTED, Op, encode_meta
-from akv.cluster.server.instructions import ServerEntry
+from akv.cluster.server.instructions import CloseStream, ServerEntry
 from akv.errors import (
     DoublePushError,
     DTypeMismatchError,
@@ -254,20 +254,52 @@ def test_a_new_stream_of_the_same_session_replaces_the_old_one_silently():
     assert players.failures == [] and players.state.workers_connected() == [0, 1]
 
 
+def test_admitting_a_reconnect_of_the_same_session_says_to_close_the_old_stream():
+    players = started(2)
+    old = players.peers[1]
+    new, todo = players.state.admit(1, "dist_sync", stream=True, session="session1")
+    assert todo == [CloseStream(old)]  # the service closes it; the state expects its end
+    assert new.id != old.id and new.worker == 1 and new.stream
+    assert players.state.peers == {players.peers[0].id: players.peers[0], new.id: new}
+    assert players.state.peer_lost(old, None, players.now) == []  # no goodbye, no loss
+    assert players.state.status()["workers_reconnecting"] == []
+    players.peers[1] = new
+    pull = players.pull(1, ["w"])  # the new stream serves the worker
+    np.testing.assert_array_equal(players.reply(1, pull)["w"], f32(0, 0))
+    players.lose(1)  # the new stream's own end is a cut like any other
+    assert players.state.status()["workers_reconnecting"] == [1]
+
+
+def test_a_reconnect_after_the_old_stream_ended_closes_nothing():
+    players = started(2)
+    players.lose(1, ConnectionResetError("cut"))
+    _, todo = players.state.admit(1, "dist_sync", stream=True, session="session1")
+    assert todo == [] and players.state.status()["workers_reconnecting"] == []
+
+
 def test_a_stream_of_another_session_for_a_connected_rank_is_refused():
     players = started(2)
+    peers = dict(players.state.peers)
     with pytest.raises(MembershipError, match="already connected"):
         players.state.admit(1, "dist_sync", stream=True, session="intruder")
+    with pytest.raises(MembershipError, match="already connected"):
+        players.state.admit(1, "dist_sync", stream=True)  # no session: never a reconnect
+    assert players.state.peers == peers and players.closed == []  # nothing changed
     players.lose(1)
     with pytest.raises(MembershipError, match="already connected"):
         players.state.admit(1, "dist_sync", stream=True, session="intruder")
+    assert players.state.status()["workers_reconnecting"] == [1]  # still its own to retake
 
 
 def test_no_stream_is_taken_after_the_job_failed():
     players = started(2)
     players.run(players.state.job_failed("worker 0 died"))
+    peers = dict(players.state.peers)
     with pytest.raises(MembershipError, match="the job failed"):
         players.reconnect(1)
+    assert players.state.peers == peers and players.closed == []  # the old stream stays
+    one_shot, todo = players.state.admit(1, "dist_sync", stream=False)  # still taken
+    assert not one_shot.stream and todo == []
 
 
 # ---------------------------------------------------------------- exactly once
@@ -457,8 +489,8 @@ def test_admission_names_what_does_not_fit():
         players.state.admit(2, "dist_sync", stream=True)
     with pytest.raises(InvalidArgumentError, match="unknown store type"):
         players.state.admit(1, "local", stream=False)
-    one_shot = players.state.admit(0, "dist_sync", stream=False)  # a single frame may come
-    assert not one_shot.stream and players.state.workers_connected() == [0, 1]
+    one_shot, todo = players.state.admit(0, "dist_sync", stream=False)  # one frame may come
+    assert not one_shot.stream and todo == [] and players.state.workers_connected() == [0, 1]
 
 
 # ---------------------------------------------------------------- the optimizer
