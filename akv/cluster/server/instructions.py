@@ -18,6 +18,8 @@ instruction                 what the service does
 :class:`LoadStates`
 :class:`Checkpoint`         write a checkpoint, then answer the request
 :class:`CloseStream`        close a stream that a newer one of its worker replaced
+:class:`Durable`            tell a worker what the last checkpoint holds (from
+                            :class:`~akv.cluster.server.checkpointing.Checkpoints`)
 :class:`FailJob`            the job failed: log it, tell the scheduler who vanished
 ==========================  ==========================================================
 
@@ -44,6 +46,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointPlan",
     "CloseStream",
+    "Durable",
     "FailJob",
     "InitWait",
     "InstallOptimizer",
@@ -231,9 +234,18 @@ class CloseStream:
     peer: Peer
 
 
+@dataclass(frozen=True, slots=True)
+class Durable:
+    """Tell ``peer``'s worker that the last checkpoint holds each of its requests numbered
+    below ``seq`` (a ``DURABLE`` frame): it drops the pushes it kept for a restart."""
+
+    peer: Peer
+    seq: int
+
+
 Instruction: TypeAlias = (
     "Reply | ReplyError | Land | SendValues | InstallOptimizer | SaveStates | LoadStates "
-    "| Checkpoint | FailJob | CloseStream"
+    "| Checkpoint | FailJob | CloseStream | Durable"
 )
 
 

@@ -20,7 +20,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,10 +40,12 @@ from akv.cluster.protocol import (
 )
 from akv.cluster.roles import run_role, server_ssl, stopped_by_signal
 from akv.cluster.server.buffers import Landing
-from akv.cluster.server.checkpointing import Checkpoints
+from akv.cluster.server.checkpointing import Checkpoints, Copied, copy_plan
 from akv.cluster.server.instructions import (
     Checkpoint,
+    CheckpointPlan,
     CloseStream,
+    Durable,
     FailJob,
     InstallOptimizer,
     Instruction,
@@ -121,7 +124,8 @@ class ParameterServer:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.engine = Engine(slots=SERVER_ENGINE_SLOTS, name="akv-server")
-        checkpoints = config.checkpoint_dir is not None
+        directory = config.checkpoint_dir
+        checkpoints = directory is not None
         self.membership = Membership(config, "server", uuid.uuid4().hex, restartable=checkpoints)
         self.state = ServerState(
             "server ?",
@@ -132,7 +136,17 @@ class ParameterServer:
             checkpoints=checkpoints,
         )
         #: Writes this server's checkpoints (None: it writes none).
-        self.checkpoints = Checkpoints(self) if checkpoints else None
+        self.checkpoints: Checkpoints | None = None
+        if directory is not None:
+            assert config.rank is not None  # from_env: checkpoints need a fixed rank
+            self.checkpoints = Checkpoints(
+                self.state,
+                self,
+                directory=Path(directory),
+                rank=config.rank,
+                num_workers=config.num_workers,
+                interval_s=config.checkpoint_interval_s,
+            )
         self.links: dict[int, Link] = {}
         #: The port this server listens on, and the ``(host, port)`` the scheduler gives the
         #: workers for it (``AKV_ADVERTISE``; by default the bound host and port).
@@ -447,6 +461,17 @@ class ParameterServer:
                 link = self.links.pop(instruction.peer.id, None)
                 if isinstance(link, _StreamLink):
                     link.protocol.close()
+            elif isinstance(instruction, Durable):
+                self.send_to(instruction.peer, encode_frame(Op.DURABLE, 0, aux=instruction.seq))
+
+    def copy_values(self, plan: CheckpointPlan) -> Awaitable[Copied]:
+        """A checkpoint's copy of ``plan``'s keys: an engine task that reads every one of
+        them (after every earlier write; holding them only while it copies)."""
+        reads = [entry.var for entry, _, _, _ in plan.entries]
+        task: Awaitable[Copied] = self.engine.push(
+            copy_plan, plan, reads=reads, executor="thread", name="checkpoint"
+        )
+        return task
 
     def send_to(self, peer: Peer, buffers: list[Any]) -> None:
         """Send ``buffers`` on ``peer``'s stream (dropped when it is gone: the worker resends)."""

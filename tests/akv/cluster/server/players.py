@@ -41,14 +41,23 @@ OK = "ok"
 
 
 class Players:
-    """``num_workers`` workers of a ``store_type`` job talking to one server state."""
+    """``num_workers`` workers of a ``store_type`` job talking to one server state (one that
+    writes checkpoints with ``checkpoints``)."""
 
     def __init__(
-        self, num_workers: int = 2, store_type: str = "dist_sync", init_timeout_s: float = 5.0
+        self,
+        num_workers: int = 2,
+        store_type: str = "dist_sync",
+        init_timeout_s: float = 5.0,
+        checkpoints: bool = False,
     ) -> None:
         ids = itertools.count()
         self.state = ServerState(
-            "server 0", num_workers, init_timeout_s, lambda name: Var(None, next(ids), name)
+            "server 0",
+            num_workers,
+            init_timeout_s,
+            lambda name: Var(None, next(ids), name),
+            checkpoints=checkpoints,
         )
         self.store_type = store_type
         self.now = 0.0
