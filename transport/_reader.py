@@ -10,11 +10,12 @@ it.
 
 Between peers that share memory (:mod:`transport._shm_stream`) a frame's payload may lie in
 the sender's arena instead: the reader copies it from :attr:`FrameReader.arena` into the
-destinations and notes the region in :attr:`FrameReader.released`, to be handed back; the
-regions of this side's arena that the peer hands back are noted in
-:attr:`FrameReader.freed`. A destination wrapped in :class:`InPlace` is not written for
-such a frame: the message carries a read-only view of the payload where it lies, and the
-application hands the region back itself (:attr:`Message.borrowed`) once it has read it.
+destinations and notes the region in :attr:`FrameReader.to_give_back` (the stream gives it
+back by a release frame); the regions of this side's arena that the peer's release frames
+give back are noted in :attr:`FrameReader.given_back`. A destination wrapped in
+:class:`InPlace` is not written for such a frame: the message carries a read-only view of
+the payload where it lies, and the application gives the region back itself
+(:attr:`Message.borrowed`) once it has read it.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ class InPlace:
     On the socket the payload is received into ``buffer`` (as a plain destination is).
     When the frame's payload lies in the peer's shared arena it is not copied: the message
     holds a read-only view of it there, its offset is in :attr:`Message.borrowed`, and the
-    region stays the reader's until the application hands it back (see
-    :meth:`~transport.StreamProtocol.release`).
+    region stays the reader's until the application gives it back (see
+    :meth:`~transport.StreamProtocol.give_back`).
     """
 
     buffer: memoryview
@@ -106,13 +107,13 @@ class Message(NamedTuple):
     the destination the application chose, or a fresh ``bytearray`` it owns from now on;
     an array whose destination was :data:`DISCARD` has an empty buffer (its bytes were
     dropped). An :class:`InPlace` array of a frame in the peer's arena has a read-only view
-    of the arena, valid until its offset in ``borrowed`` is handed back.
+    of the arena, valid until its offset in ``borrowed`` is given back.
     """
 
     header: FrameHeader
     buffers: tuple[memoryview, ...]
     #: Offsets of the peer's arena that this message's in-place views lie at: the
-    #: application hands them back once it has read them, and nothing else does.
+    #: application gives them back once it has read them, and nothing else does.
     borrowed: tuple[int, ...] = ()
 
 
@@ -221,10 +222,10 @@ class FrameReader:
         #: The peer's arena (its frames of version 2 have their payload there); None: the
         #: peer may send none.
         self.arena: memoryview | None = None
-        #: Offsets of the peer's arena whose payload was copied out: to hand back.
-        self.released: list[int] = []
-        #: Offsets of this side's arena that the peer handed back.
-        self.freed: list[int] = []
+        #: Offsets of the peer's arena whose payload was copied out: to give back.
+        self.to_give_back: list[int] = []
+        #: Offsets of this side's arena that the peer gave back (by release frames).
+        self.given_back: list[int] = []
 
     # -------------------------------------------------------------- the protocol's face
 
@@ -409,7 +410,7 @@ class FrameReader:
                 count = self._payload_len
                 if end - start < count:
                     break
-                self.freed.extend(decode_release(view[start : start + count]))
+                self.given_back.extend(decode_release(view[start : start + count]))
                 start += count
                 self._state = _PREFIX
             else:  # _HEADER: _BIG_HEADER never has bytes in scratch
@@ -489,7 +490,7 @@ class FrameReader:
                 continue
             if not discard:
                 buffers[index][:] = arena[offset : offset + size]
-            self.released.append(offset)
+            self.to_give_back.append(offset)
         self._shared_bytes += self._payload_len
         self._index = len(self._buffers)
         self._arena_frame = False

@@ -7,11 +7,18 @@ sends through one arena for all its streams (:class:`ArenaBook`), so that what l
 region of it reaches every local peer without a copy. A frame whose payload is at least
 ``min_bytes`` is sent as its header and one offset per array
 (:data:`~transport.frame.VERSION_ARENA`): each array is copied once into a free region of
-the sender's arena (or is there already, in a region the caller reserved), and the
-receiver copies it from there into the buffer it chose for it, then hands the regions back
-with a release (:data:`~transport.frame.VERSION_RELEASE`). A stream accepts releases only
+the sender's arena (or is there already, in a region the caller took), and the receiver
+copies it from there into the buffer it chose for it, then gives the regions back with a
+*release* frame (:data:`~transport.frame.VERSION_RELEASE`). A stream accepts releases only
 of what it sent. Small frames, and any frame whose payload finds no free region, travel on
 the socket as usual; the order of frames never changes.
+
+One pair of verbs says who holds a region, at every level: ``take`` and ``give_back``
+(:class:`RegionAllocator`, :class:`ArenaBook`, :class:`SharedMemory`, and
+:meth:`StreamProtocol.give_back <transport.StreamProtocol.give_back>` for the regions of the
+peer's arena that a message lent). *Release* names only the frame on the wire by which a
+receiver gives the sender's regions back (:meth:`SharedMemory.release_frames` makes them,
+:meth:`SharedMemory.given_back` takes in what they name).
 
 Setting a stream up (:class:`LocalSite` on the server, :func:`connect_local` on the client):
 
@@ -110,7 +117,7 @@ class RegionAllocator:
         """Whether a region in use starts at ``offset``."""
         return offset in self._used
 
-    def allocate(self, nbytes: int) -> int | None:
+    def take(self, nbytes: int) -> int | None:
         """The offset of a free region of ``nbytes`` (at least 1), now in use; None when no
         free range is large enough."""
         size = -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
@@ -125,8 +132,8 @@ class RegionAllocator:
                 return start
         return None
 
-    def free(self, offset: int) -> None:
-        """Give the region at ``offset`` back.
+    def give_back(self, offset: int) -> None:
+        """Give the region at ``offset`` back: free again.
 
         Raises :class:`FrameError` when no region starts there (offsets come from a peer).
         """
@@ -157,14 +164,15 @@ class RegionAllocator:
 class ArenaBook:
     """Which regions of one arena are taken, by whom: shared by the streams that send
     through that arena (a :class:`LocalSite` gives one to every stream it serves, so that
-    a region one stream's caller reserved can be sent on any of them without a copy).
+    a region one stream's caller took can be sent on any of them without a copy).
 
-    A region is either taken by a frame (copied there by :meth:`SharedMemory.place`, free
-    again once the peer releases it) or reserved by a caller (:meth:`reserve`), free again
-    once the caller gave it back (:meth:`unreserve`) and the peers released it from every
-    frame, on any stream, that carried it. :meth:`reserve`, :meth:`unreserve` and
-    :meth:`holds` may be called from any thread. The arena is closed when the last stream
-    that uses the book closed (:meth:`join`, :meth:`leave`).
+    A region is taken either for a frame (:meth:`take_for_frame`: copied there by
+    :meth:`SharedMemory.place`, free again once the peer gave it back,
+    :meth:`give_back_sent`) or by a caller ahead of any frame (:meth:`take`: a *reserved*
+    region), free again once the caller gave it back (:meth:`give_back`) and the peers gave
+    it back from every frame, on any stream, that carried it. :meth:`take`,
+    :meth:`give_back` and :meth:`holds` may be called from any thread. The arena is closed
+    when the last stream that uses the book closed (:meth:`join`, :meth:`leave`).
     """
 
     def __init__(self, arena: Arena, *, min_bytes: int = DEFAULT_MIN_SHARED_BYTES) -> None:
@@ -196,9 +204,9 @@ class ArenaBook:
         if last:
             self.arena.close()
 
-    def reserve(self, nbytes: int, keep_free: int = 0) -> memoryview | None:
+    def take(self, nbytes: int, keep_free: int = 0) -> memoryview | None:
         """A writable region of ``nbytes`` of the arena, the caller's until
-        :meth:`unreserve`; None when ``nbytes`` is below ``min_bytes`` (it would travel on
+        :meth:`give_back`; None when ``nbytes`` is below ``min_bytes`` (it would travel on
         the socket), the arena is closed, no free range is large enough, or taking it would
         leave less than ``keep_free`` bytes of the arena free."""
         if nbytes < self.min_bytes or self.arena.closed:
@@ -207,30 +215,30 @@ class ArenaBook:
             regions = self.regions
             if regions.nbytes - regions.used_bytes - nbytes < keep_free:
                 return None
-            offset = regions.allocate(nbytes)
+            offset = regions.take(nbytes)
             if offset is None:
                 return None
             bisect.insort(self._reserved_starts, offset)
             self._reserved[offset] = _Reservation(nbytes)
         return self.arena.view(offset, nbytes)
 
-    def unreserve(self, view: memoryview | np.ndarray) -> None:
-        """Give back a region :meth:`reserve` returned (or an array over all of it); a
-        no-op once the arena is closed."""
+    def give_back(self, view: memoryview | np.ndarray) -> None:
+        """Give back a region :meth:`take` returned (or an array over all of it): free once
+        no frame that carried it is still unreleased; a no-op once the arena is closed."""
         if self.arena.closed:
             return
         offset = _address(view) - self._base
         with self._lock:
             reservation = self._reserved.get(offset)
             if reservation is None or not reservation.kept:
-                raise ValueError(f"unreserve: no region is reserved at offset {offset}")
+                raise ValueError(f"give_back: no region is reserved at offset {offset}")
             reservation.kept = False
             if not reservation.in_flight:
-                self._free_reserved(offset)
+                self._give_back_reserved(offset)
 
     def holds(self, array: np.ndarray) -> bool:
-        """Whether ``array`` lies inside a region reserved (and not yet given back) here:
-        a frame that carries it is sent without a copy."""
+        """Whether ``array`` lies inside a region a caller took (and has not given back)
+        here: a frame that carries it is sent without a copy."""
         if self.arena.closed or not self._reserved:
             return False
         offset = _address(array) - self._base
@@ -238,16 +246,17 @@ class ArenaBook:
             start = self._reserved_start(offset, array.nbytes)
             return start is not None and self._reserved[start].kept
 
-    def _free_reserved(self, start: int) -> None:
+    def _give_back_reserved(self, start: int) -> None:
         """Free the reserved region at ``start`` (call with the lock held)."""
         del self._reserved[start]
         self._reserved_starts.remove(start)
-        self.regions.free(start)
+        self.regions.give_back(start)
 
-    def take(self, payloads: list[memoryview]) -> tuple[list[int], list[int]] | None:
+    def take_for_frame(self, payloads: list[memoryview]) -> tuple[list[int], list[int]] | None:
         """The offsets that carry ``payloads`` in one frame, and the indices of the
-        payloads that need a copy there (new regions); None when a payload finds no free
-        region (nothing is taken)."""
+        payloads that need a copy there (regions taken now; a payload that lies in a
+        reserved region is sent from there); None when a payload finds no free region
+        (nothing is taken). Each offset is the frame's until :meth:`give_back_sent`."""
         offsets: list[int] = []
         copies: list[int] = []
         sent: list[int] = []
@@ -258,15 +267,15 @@ class ArenaBook:
                     offset, start = reserved
                     sent.append(start)
                 else:
-                    allocated = self.regions.allocate(payload.nbytes)
+                    allocated = self.regions.take(payload.nbytes)
                     if allocated is None:
                         for taken in copies:
-                            self.regions.free(offsets[taken])
+                            self.regions.give_back(offsets[taken])
                         return None
                     offset = allocated
                     copies.append(index)
                 offsets.append(offset)
-            for start in sent:  # in flight until the peer releases it
+            for start in sent:  # in flight until the peer gives it back
                 self._reserved[start].in_flight += 1
         return offsets, copies
 
@@ -279,29 +288,30 @@ class ArenaBook:
             return None
         return offset, start
 
-    def give_back(self, offsets: Sequence[int]) -> None:
-        """Frames no longer carry the regions at ``offsets`` (each one sent: the caller
-        checked): free them, or count a reserved one no longer in flight."""
+    def give_back_sent(self, offsets: Sequence[int]) -> None:
+        """Frames no longer carry the regions at ``offsets`` (each one taken by
+        :meth:`take_for_frame`: the caller checked): free them, or count a reserved one no
+        longer in flight."""
         with self._lock:
             for offset in offsets:
-                self._give(offset)
+                self._give_back_sent_offset(offset)
 
     def is_reserved(self, offset: int) -> bool:
         """Whether ``offset`` lies in a reserved region."""
         with self._lock:
             return bool(self._reserved) and self._reserved_start(offset) is not None
 
-    def _give(self, offset: int) -> None:
+    def _give_back_sent_offset(self, offset: int) -> None:
         """A frame no longer carries the region at ``offset``: free it, or for a reserved
         one count it no longer in flight (call with the lock held; ``offset`` was sent)."""
         start = self._reserved_start(offset) if self._reserved else None
         if start is None:
-            self.regions.free(offset)
+            self.regions.give_back(offset)
             return
         reservation = self._reserved[start]
         reservation.in_flight -= 1
         if not reservation.in_flight and not reservation.kept:
-            self._free_reserved(start)
+            self._give_back_reserved(start)
 
     def _reserved_start(self, offset: int, nbytes: int = 1) -> int | None:
         """The start of the reserved region that ``nbytes`` from ``offset`` lie inside;
@@ -320,12 +330,13 @@ class SharedMemory:
 
     Either may be None: that direction then carries every payload on the socket.
 
-    A region can also be taken ahead (:meth:`reserve`) by a caller that writes a payload
-    there itself: a frame whose array lies in a reserved region is sent without a copy. The
-    region is free again once the caller gave it back (:meth:`unreserve`) and the peer
-    released it from every frame that carried it, whichever comes last: the peer may keep
-    reading a payload in place after it answered the request. :meth:`reserve` and
-    :meth:`unreserve` may be called from any thread; the rest belongs to the stream's loop.
+    A region can also be taken ahead (:meth:`take`) by a caller that writes a payload
+    there itself: a frame whose array lies in such a (reserved) region is sent without a
+    copy. The region is free again once the caller gave it back (:meth:`give_back`) and the
+    peer gave it back from every frame that carried it (:meth:`given_back`), whichever
+    comes last: the peer may keep reading a payload in place after it answered the
+    request. :meth:`take` and :meth:`give_back` may be called from any thread; the rest
+    belongs to the stream's loop.
     """
 
     def __init__(
@@ -344,7 +355,7 @@ class SharedMemory:
         self.peer = peer
         self.min_bytes = min_bytes
         self.regions = own.regions if own is not None else RegionAllocator(0)
-        #: The offsets this stream's frames carry that its peer has not released yet.
+        #: The offsets this stream's frames carry that its peer has not given back yet.
         self._sent: dict[int, int] = {}
         self._closed = False
         #: Frames sent through the arena, those too large for the free regions, and the
@@ -357,16 +368,17 @@ class SharedMemory:
         """The peer's arena, whole (None: it shares none)."""
         return None if self.peer is None else self.peer.view(0, self.peer.nbytes)
 
-    def reserve(self, nbytes: int) -> memoryview | None:
-        """A writable region of ``nbytes`` of the arena this side sends through (see
-        :meth:`ArenaBook.reserve`); None also when there is none."""
-        return None if self.book is None else self.book.reserve(nbytes)
+    def take(self, nbytes: int) -> memoryview | None:
+        """A writable region of ``nbytes`` of the arena this side sends through, the
+        caller's until :meth:`give_back` (see :meth:`ArenaBook.take`); None also when there
+        is none."""
+        return None if self.book is None else self.book.take(nbytes)
 
-    def unreserve(self, view: memoryview | np.ndarray) -> None:
-        """Give back a region :meth:`reserve` returned (or an array over all of it); a
+    def give_back(self, view: memoryview | np.ndarray) -> None:
+        """Give back a region :meth:`take` returned (or an array over all of it); a
         no-op once the arena is closed."""
         if self.book is not None:
-            self.book.unreserve(view)
+            self.book.give_back(view)
 
     def place(self, buffers: Sequence[bytes | memoryview]) -> list[bytes | memoryview] | None:
         """The buffers that send this frame (prefix and header, then each array's payload,
@@ -386,7 +398,7 @@ class SharedMemory:
         if int.from_bytes(head[8:PREFIX_BYTES], "little") < self.min_bytes:
             return None
         payloads = [memoryview(payload).cast("B") for payload in buffers[1:]]
-        taken = book.take(payloads)
+        taken = book.take_for_frame(payloads)
         if taken is None:
             self.frames_not_fitting += 1
             return None
@@ -401,9 +413,10 @@ class SharedMemory:
         self.arrays_in_place += len(payloads) - len(copies)
         return to_arena_prefix(head, offsets)
 
-    def freed(self, offsets: list[int]) -> None:
-        """The peer handed these regions back (a reserved one is freed once its caller gave
-        it back too). Raises :class:`FrameError` for one this stream did not send."""
+    def given_back(self, offsets: list[int]) -> None:
+        """The peer gave these regions back (its release frames named them): free them (a
+        reserved one once its caller gave it back too), and clear ``offsets``. Raises
+        :class:`FrameError` for one this stream did not send."""
         sent = self._sent
         given: list[int] = []
         try:
@@ -418,7 +431,7 @@ class SharedMemory:
                 given.append(offset)
         finally:
             if given and self.book is not None:  # anything sent has a book
-                self.book.give_back(given)
+                self.book.give_back_sent(given)
             offsets.clear()
 
     def _not_sent(self, offset: int) -> str:
@@ -427,15 +440,16 @@ class SharedMemory:
         return f"release of offset {offset}, where no region of the arena is in use"
 
     @staticmethod
-    def release(offsets: list[int]) -> list[bytes]:
-        """The releases that hand ``offsets`` of the peer's arena back (and clear them)."""
+    def release_frames(offsets: list[int]) -> list[bytes]:
+        """The release frames that give ``offsets`` of the peer's arena back (and clear
+        ``offsets``)."""
         step = MAX_RELEASE_OFFSETS
         releases = [encode_release(offsets[i : i + step]) for i in range(0, len(offsets), step)]
         offsets.clear()
         return releases
 
     def close(self) -> None:
-        """Let go of both arenas: the regions the peer never released are free again, this
+        """Let go of both arenas: the regions the peer never gave back are free again, this
         side's arena closes with the last stream that sends through it, and the peer's is
         unmapped (the memory is freed once the peer closed it too; views still held
         elsewhere keep it mapped until they go). Idempotent."""
@@ -444,7 +458,7 @@ class SharedMemory:
         self._closed = True
         book = self.book
         if book is not None:
-            book.give_back([o for o, count in self._sent.items() for _ in range(count)])
+            book.give_back_sent([o for o, count in self._sent.items() for _ in range(count)])
             self._sent.clear()
             book.leave()
         if self.peer is not None:
@@ -453,7 +467,7 @@ class SharedMemory:
 
 class _Reservation:
     """A reserved region: its size, whether the caller still holds it, and how many sent
-    frames carry it that the peer has not released yet."""
+    frames carry it that the peer has not given back yet."""
 
     __slots__ = ("in_flight", "kept", "size")
 

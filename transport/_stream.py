@@ -70,9 +70,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self.handshake_done: asyncio.Future[None] | None = None
         #: The memory shared with the peer on this host (None: every byte on the socket).
         self.shared: SharedMemory | None = None
-        # Regions of the peer's arena to hand back, and small frames that may wait: they
-        # go with the next frame written, or at the end of the loop turn (fewer writes,
-        # and fewer wake-ups of the peer).
+        # Regions of the peer's arena to give back (by release frames), and small frames
+        # that may wait: they go with the next frame written, or at the end of the loop turn
+        # (fewer writes, and fewer wake-ups of the peer).
         self._releases: list[int] = []
         self._soon: list[bytes] = []
         self._flush: asyncio.Handle | None = None
@@ -87,14 +87,14 @@ class StreamProtocol(asyncio.BufferedProtocol):
         """The counters of what this end received (see :class:`~transport.ReaderStatistics`)."""
         return self._reader.statistics()
 
-    def release(self, offsets: Sequence[int]) -> None:
-        """Hand back regions of the peer's arena that messages lent (their
-        :attr:`~transport.Message.borrowed` offsets), once their views were read: with the
-        next frame written, at the latest at the end of this loop turn. Call on the
-        stream's loop; nothing is sent once the connection is closing (the peer's arena
-        goes with it)."""
+    def give_back(self, offsets: Sequence[int]) -> None:
+        """Give back regions of the peer's arena that messages lent (their
+        :attr:`~transport.Message.borrowed` offsets), once their views were read: a release
+        frame naming them goes with the next frame written, at the latest at the end of
+        this loop turn. Call on the stream's loop; nothing is sent once the connection is
+        closing (the peer's arena goes with it)."""
         if offsets:
-            self._hand_back(offsets)
+            self._queue_releases(offsets)
 
     def write_soon(self, frame: bytes) -> None:
         """Queue a small ``frame`` that need not go at once: it is written with the next
@@ -107,9 +107,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._soon.append(frame)
         self._flush_soon()
 
-    def _hand_back(self, offsets: Sequence[int]) -> None:
-        """Hand ``offsets`` back with the next frame written, at the latest at the end of
-        this loop turn. ``offsets`` may be cleared once this returns."""
+    def _queue_releases(self, offsets: Sequence[int]) -> None:
+        """Give ``offsets`` back by a release frame written with the next frame, at the
+        latest at the end of this loop turn. ``offsets`` may be cleared once this returns."""
         self._releases.extend(offsets)
         self._flush_soon()
 
@@ -119,7 +119,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     def _pending(self) -> list[bytes]:
         """The releases and small frames waiting to go (now taken: the caller writes them)."""
-        pending = SharedMemory.release(self._releases) if self._releases else []
+        pending = SharedMemory.release_frames(self._releases) if self._releases else []
         if self._soon:
             pending.extend(self._soon)
             self._soon.clear()
@@ -166,14 +166,14 @@ class StreamProtocol(asyncio.BufferedProtocol):
         if shared is not None:
             reader = self._reader
             try:
-                if reader.freed:
-                    shared.freed(reader.freed)
+                if reader.given_back:
+                    shared.given_back(reader.given_back)
             except FrameError as exc:
                 self.abort(exc)
                 return
-            if reader.released:
-                self._hand_back(reader.released)
-                reader.released.clear()
+            if reader.to_give_back:
+                self._queue_releases(reader.to_give_back)
+                reader.to_give_back.clear()
         for message in messages:
             self._on_message(message)
 

@@ -20,7 +20,7 @@ Two more kinds of message share the prefix, only between peers that share memory
   then, instead of the payload, one ``offset u64`` per array that has bytes (in descriptor
   order; at most :data:`MAX_ARENA_ARRAYS`): where that array's bytes start in the arena;
 * version 3, a release: ``header_len`` 0 and a payload of ``payload_len / 8`` offsets (u64)
-  of the receiver's arena that the sender of the release has read and hands back.
+  of the receiver's arena that the sender of the release has read and gives back.
 
 Every integer is little-endian, and so is every array. ``op``, ``flags``, ``seq``, ``aux`` and
 each array's ``tag`` are opaque here: the application gives them meaning. Encoding and decoding
@@ -82,7 +82,7 @@ VERSION_RELEASE = 3
 ARENA_REF_BYTES = 8
 #: Most arrays with bytes that a :data:`VERSION_ARENA` frame may have.
 MAX_ARENA_ARRAYS = 4096
-#: Most offsets one release may hand back.
+#: Most offsets one release may give back.
 MAX_RELEASE_OFFSETS = 8192
 #: Size of the prefix (magic, version, header_len, payload_len).
 PREFIX_BYTES = 16

@@ -50,33 +50,33 @@ def fresh(header: FrameHeader) -> list[memoryview | None]:
 
 def test_regions_are_taken_from_the_lowest_free_offset_and_merge_when_freed():
     regions = RegionAllocator(1024)
-    a = regions.allocate(100)
-    b = regions.allocate(64)
-    c = regions.allocate(1)
+    a = regions.take(100)
+    b = regions.take(64)
+    c = regions.take(1)
     assert (a, b, c) == (0, 128, 192)
-    assert regions.allocate(1024) is None
-    regions.free(b)
-    assert regions.allocate(64) == 128  # the hole is reused first
-    regions.free(128)
-    regions.free(a)
-    regions.free(c)
+    assert regions.take(1024) is None
+    regions.give_back(b)
+    assert regions.take(64) == 128  # the hole is reused first
+    regions.give_back(128)
+    regions.give_back(a)
+    regions.give_back(c)
     assert regions.used_bytes == 0 and regions.regions == 0
-    assert regions.allocate(1024) == 0  # every range merged back into one
+    assert regions.take(1024) == 0  # every range merged back into one
 
 
 def test_a_region_that_is_not_in_use_cannot_be_released():
     regions = RegionAllocator(4096)
-    offset = regions.allocate(10)
+    offset = regions.take(10)
     with pytest.raises(FrameError, match="offset 64"):
-        regions.free(64)
-    regions.free(offset)
+        regions.give_back(64)
+    regions.give_back(offset)
     with pytest.raises(FrameError, match="offset 0"):
-        regions.free(offset)
+        regions.give_back(offset)
 
 
 def test_regions_are_aligned():
     regions = RegionAllocator(1 << 20)
-    offsets = [regions.allocate(n) for n in (1, 63, 65, 1000, 7)]
+    offsets = [regions.take(n) for n in (1, 63, 65, 1000, 7)]
     assert all(o is not None and o % ALIGNMENT == 0 for o in offsets)
 
 
@@ -88,7 +88,7 @@ def arrays(n: int, seed: int = 0) -> list[tuple[int, np.ndarray, int]]:
     return [(k, rng.standard_normal(n).astype(np.float32), k) for k in range(3)]
 
 
-def test_the_reader_copies_an_arena_frame_out_and_notes_the_region_to_hand_back():
+def test_the_reader_copies_an_arena_frame_out_and_notes_the_region_to_give_back():
     own = Arena(1 << 20)
     sender = SharedMemory(own, None, min_bytes=1)
     buffers = encode_frame(7, 1, arrays(1000))
@@ -102,14 +102,14 @@ def test_the_reader_copies_an_arena_frame_out_and_notes_the_region_to_hand_back(
     (message,) = reader.buffer_updated(len(wire))
     for (_, array, _), got in zip(arrays(1000), message.buffers, strict=True):
         assert np.array_equal(np.frombuffer(got, np.float32), array)
-    assert reader.released == [0, 4032, 8064]  # each array's region (4000 B, aligned)
+    assert reader.to_give_back == [0, 4032, 8064]  # each array's region (4000 B, aligned)
     assert reader.statistics().payload_bytes_shared == 3 * 4000
     # Handing the region back makes it free again.
     view = reader.get_buffer(-1)
-    release = encode_release(reader.released)
+    release = encode_release(reader.to_give_back)
     view[: len(release)] = release
     assert reader.buffer_updated(len(release)) == []
-    sender.freed(reader.freed)
+    sender.given_back(reader.given_back)
     assert sender.regions.regions == 0
     own.close()
 
@@ -118,7 +118,7 @@ def in_place(header: FrameHeader) -> list[InPlace]:
     return [InPlace(memoryview(bytearray(a.nbytes))) for a in header.arrays]
 
 
-def test_an_in_place_destination_reads_an_arena_frame_where_it_lies_until_handed_back():
+def test_an_in_place_destination_reads_an_arena_frame_where_it_lies_until_given_back():
     own = Arena(1 << 20)
     sender = SharedMemory(own, None, min_bytes=1)
     placed = sender.place(encode_frame(7, 1, arrays(1000)))
@@ -131,14 +131,14 @@ def test_an_in_place_destination_reads_an_arena_frame_where_it_lies_until_handed
     for (_, array, _), got in zip(arrays(1000), message.buffers, strict=True):
         assert got.readonly
         assert np.array_equal(np.frombuffer(got, np.float32), array)
-    # Nothing was copied out or handed back: the message lends the regions.
+    # Nothing was copied out or given back: the message lends the regions.
     assert message.borrowed == (0, 4032, 8064)
-    assert reader.released == []
+    assert reader.to_give_back == []
     assert reader.statistics().payload_bytes_lent == 3 * 4000
     # The views are the sender's memory itself.
     own.view(0, 4)[:] = b"\x00\x00\x80\x3f"
     assert np.frombuffer(message.buffers[0], np.float32)[0] == 1.0
-    sender.freed(list(message.borrowed))
+    sender.given_back(list(message.borrowed))
     assert sender.regions.regions == 0
     del message
     own.close()
@@ -182,7 +182,7 @@ class Wire:
         pass
 
 
-async def test_regions_are_handed_back_with_the_next_frame_or_at_the_end_of_the_turn():
+async def test_regions_are_given_back_with_the_next_frame_or_at_the_end_of_the_turn():
     peer = Arena(1 << 20)
     sender = SharedMemory(peer, None, min_bytes=1)
     received: list[Message] = []
@@ -204,7 +204,7 @@ async def test_regions_are_handed_back_with_the_next_frame_or_at_the_end_of_the_
     assert wire.writes == [release + reply]
     await asyncio.sleep(0)
     assert wire.writes == [release + reply]  # nothing left to flush
-    sender.freed([0, 4032, 8064])
+    sender.given_back([0, 4032, 8064])
     arrive(2)  # nothing else written in this turn: they go on their own at its end
     assert wire.writes == [release + reply]
     await asyncio.sleep(0)
@@ -258,7 +258,7 @@ def test_an_offset_outside_the_peers_arena_breaks_the_stream():
 def test_an_array_in_a_reserved_region_is_sent_without_a_copy_and_stays_reserved():
     own = Arena(1 << 20)
     sender = SharedMemory(own, None, min_bytes=1)
-    region = sender.reserve(4000)
+    region = sender.take(4000)
     staged = np.frombuffer(region, np.float32)
     staged[:] = np.arange(1000)
     other = np.full(1000, 7.0, np.float32)
@@ -271,41 +271,41 @@ def test_an_array_in_a_reserved_region_is_sent_without_a_copy_and_stays_reserved
     (message,) = reader.buffer_updated(len(wire))
     assert np.array_equal(np.frombuffer(message.buffers[0], np.float32), np.arange(1000))
     assert np.array_equal(np.frombuffer(message.buffers[1], np.float32), other)
-    sender.freed(reader.released)  # b's region is freed, a's stays reserved
+    sender.given_back(reader.to_give_back)  # b's region is freed, a's stays reserved
     assert sender.regions.regions == 1
-    assert sender.reserve(1 << 20) is None  # the reserved region still holds its place
-    sender.unreserve(staged)
+    assert sender.take(1 << 20) is None  # the reserved region still holds its place
+    sender.give_back(staged)
     assert sender.regions.regions == 0
     with pytest.raises(ValueError, match="no region is reserved"):
-        sender.unreserve(staged)
+        sender.give_back(staged)
     own.close()
 
 
 def test_a_reserved_region_given_back_while_the_peer_reads_it_is_freed_by_the_release():
     own = Arena(1 << 16)
     sender = SharedMemory(own, None, min_bytes=1)
-    region = sender.reserve(4000)
+    region = sender.take(4000)
     staged = np.frombuffer(region, np.float32)
     placed = sender.place(encode_frame(7, 1, [("a", staged, 0)]))
     assert placed is not None and sender.arrays_in_place == 1
-    sender.unreserve(staged)  # the caller is done (its request was answered) ...
+    sender.give_back(staged)  # the caller is done (its request was answered) ...
     assert sender.regions.regions == 1  # ... but the peer still reads the payload in place
-    assert sender.reserve(1 << 16) is None
+    assert sender.take(1 << 16) is None
     with pytest.raises(ValueError, match="no region is reserved"):
-        sender.unreserve(staged)
-    sender.freed([0])
-    assert sender.regions.regions == 0 and sender.reserve(1 << 16) is not None
+        sender.give_back(staged)
+    sender.given_back([0])
+    assert sender.regions.regions == 0 and sender.take(1 << 16) is not None
     with pytest.raises(FrameError, match="offset 0"):
-        sender.freed([0])  # released twice
+        sender.given_back([0])  # released twice
     own.close()
 
 
 def test_a_release_of_a_reserved_region_never_sent_breaks_the_stream():
     own = Arena(1 << 16)
     sender = SharedMemory(own, None, min_bytes=1)
-    sender.reserve(4000)
+    sender.take(4000)
     with pytest.raises(FrameError, match="not sent"):
-        sender.freed([0])
+        sender.given_back([0])
     own.close()
 
 
@@ -313,7 +313,7 @@ def test_a_release_of_an_offset_not_in_use_breaks_the_stream():
     own = Arena(1 << 16)
     sender = SharedMemory(own, None)
     with pytest.raises(FrameError, match="offset 128"):
-        sender.freed([128])
+        sender.given_back([128])
     own.close()
 
 
@@ -390,8 +390,8 @@ async def connect(path: str, replies: asyncio.Queue[Message], **options) -> Stre
     )
 
 
-async def all_handed_back(stream: StreamProtocol) -> None:
-    """Wait (at most a second) until the peer handed back every region of the stream's arena."""
+async def all_given_back(stream: StreamProtocol) -> None:
+    """Wait (at most a second) until the peer gave back every region of the stream's arena."""
     for _ in range(100):
         if stream.shared.regions.regions == 0:
             return
@@ -406,7 +406,7 @@ async def test_frames_cross_both_ways_with_the_same_values(site, n):
     stream = await connect(path, replies)
     try:
         sent = arrays(n, seed=n)
-        for seq in range(3):  # regions are handed back and reused
+        for seq in range(3):  # regions are given back and reused
             stream.write(encode_frame(9, seq, sent))
         for seq in range(3):
             reply = await asyncio.wait_for(replies.get(), 10)
@@ -416,7 +416,7 @@ async def test_frames_cross_both_ways_with_the_same_values(site, n):
         big = n * 12 >= stream.shared.min_bytes
         assert stream.shared.frames_shared == (3 if big else 0)
         assert server.protocols[0].shared.frames_shared == (3 if big else 0)
-        await all_handed_back(stream)  # soon after the server read them
+        await all_given_back(stream)  # soon after the server read them
     finally:
         stream.close()
 
@@ -435,8 +435,8 @@ async def test_a_lent_region_stays_taken_until_the_reader_releases_it(site):
             assert np.array_equal(np.frombuffer(got, np.float32), array)
         await asyncio.wait_for(replies.get(), 10)  # the echo came after any release would
         assert stream.shared.regions.regions == 3
-        server.protocols[0].release(message.borrowed)
-        await all_handed_back(stream)
+        server.protocols[0].give_back(message.borrowed)
+        await all_given_back(stream)
     finally:
         stream.close()
 
@@ -605,7 +605,7 @@ def read_placed(arena: Arena, placed: list) -> list[np.ndarray]:
 
 def test_a_region_reserved_in_a_shared_arena_reaches_every_stream_without_a_copy():
     book, first, second = shared_book()
-    value = np.frombuffer(book.reserve(4000), np.float32)
+    value = np.frombuffer(book.take(4000), np.float32)
     value[:] = np.arange(1000)
     assert book.holds(value) and not book.holds(np.arange(1000, dtype=np.float32))
     frames = [s.place(encode_frame(7, 1, [("a", value, 0)])) for s in (first, second)]
@@ -614,13 +614,13 @@ def test_a_region_reserved_in_a_shared_arena_reaches_every_stream_without_a_copy
     for placed in frames:
         (got,) = read_placed(book.arena, placed)
         assert np.array_equal(got, np.arange(1000))
-    book.unreserve(value)  # replaced by a newer value: no longer the caller's ...
+    book.give_back(value)  # replaced by a newer value: no longer the caller's ...
     assert not book.holds(value) and book.regions.regions == 1  # ... but both peers read it
-    first.freed([0])
+    first.given_back([0])
     assert book.regions.regions == 1
     with pytest.raises(FrameError, match="offset 0, in a reserved region not sent"):
-        first.freed([0])  # this stream's peer released it already
-    second.freed([0])
+        first.given_back([0])  # this stream's peer released it already
+    second.given_back([0])
     assert book.regions.regions == 0
     first.close()
     second.close()
@@ -634,19 +634,19 @@ def test_a_stream_cannot_release_a_region_another_stream_sent():
     offsets = [int(x) for x in np.frombuffer(bytes(placed[2]), np.uint64)]
     assert book.regions.regions == 3 and first._sent  # three copies, sent on the first
     with pytest.raises(FrameError, match=f"offset {offsets[0]}, where no region"):
-        second.freed([offsets[0]])
+        second.given_back([offsets[0]])
     assert book.regions.regions == 3
-    first.freed(offsets)
+    first.given_back(offsets)
     assert book.regions.regions == 0
     book.leave()
 
 
 def test_closing_a_stream_gives_back_what_its_peer_never_released():
     book, stream, other = shared_book()
-    value = np.frombuffer(book.reserve(4000), np.float32)
+    value = np.frombuffer(book.take(4000), np.float32)
     stream.place(encode_frame(7, 1, [("a", value, 0), ("b", np.ones(1000, np.float32), 0)]))
     assert book.regions.regions == 2
-    book.unreserve(value)
+    book.give_back(value)
     stream.close()
     stream.close()  # idempotent
     assert book.regions.regions == 0 and not book.arena.closed  # still the site's and other's
@@ -671,21 +671,21 @@ async def test_a_site_refuses_nothing_but_cannot_be_reached_once_closed(tmp_path
 def test_a_region_too_small_to_travel_through_the_arena_is_not_reserved():
     own = Arena(1 << 20)
     shared = SharedMemory(own, None, min_bytes=4096)
-    assert shared.reserve(4095) is None  # it would go on the socket anyway
-    region = shared.reserve(4096)
+    assert shared.take(4095) is None  # it would go on the socket anyway
+    region = shared.take(4096)
     assert region is not None and shared.regions.regions == 1
-    shared.unreserve(region)
+    shared.give_back(region)
     own.close()
 
 
 def test_a_reservation_can_leave_part_of_the_arena_free():
     book = ArenaBook(Arena(4096), min_bytes=1)
     book.join()
-    first = book.reserve(1000, keep_free=2048)
+    first = book.take(1000, keep_free=2048)
     assert first is not None and book.regions.used_bytes == 1024
-    assert book.reserve(1000, keep_free=2100) is None  # 4096 - 1024 - 1000 < 2100
-    second = book.reserve(1000, keep_free=1024)
+    assert book.take(1000, keep_free=2100) is None  # 4096 - 1024 - 1000 < 2100
+    second = book.take(1000, keep_free=1024)
     assert second is not None and book.regions.used_bytes == 2048
-    book.unreserve(first)
+    book.give_back(first)
     assert book.regions.used_bytes == 1024
     book.leave()

@@ -16,6 +16,12 @@ A server started with ``--checkpoint-dir`` (``AKV_CHECKPOINT_DIR``):
 A checkpoint's values are copied by an engine task that reads every key (so it follows
 every write issued before it and holds the keys only while it copies); the file is written
 on a thread while the server goes on serving.
+
+:class:`Checkpoints` reads the server's pure state (:class:`ServerState`: what changed,
+the plan of what a checkpoint holds, the connected workers) and asks the server for two
+things only, through :class:`CheckpointedServer`: copy a plan's values after every earlier
+write, and carry out instructions (answers, ``DURABLE`` notes, what the state says once a
+checkpoint is written). The configuration comes as plain values.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ import asyncio
 import fcntl
 import logging
 import os
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from akv.cluster.protocol import Op
 from akv.cluster.server.checkpoint import (
     KeyRecord,
     Snapshot,
@@ -35,36 +41,77 @@ from akv.cluster.server.checkpoint import (
     remove_leftovers,
     write_snapshot,
 )
-from akv.cluster.server.state import (
+from akv.cluster.server.instructions import (
     Checkpoint,
     CheckpointPlan,
+    Durable,
     Instruction,
     Peer,
     Reply,
     ReplyError,
 )
+from akv.cluster.server.state import ServerState
 from akv.errors import AKVError, CheckpointError
 from akv.limits import FINAL_CHECKPOINT_S
-from transport import encode_frame
 
-if TYPE_CHECKING:
-    from akv.cluster.server.service import ParameterServer
-
-__all__ = ["Checkpoints"]
+__all__ = ["CheckpointedServer", "Checkpoints", "Copied", "copy_plan"]
 
 log = logging.getLogger("akv.cluster.server")
 
+#: What a checkpoint copies of the keys: their records, and the optimizer's states.
+Copied = tuple[list[KeyRecord], bytes | None]
+
+
+class CheckpointedServer(Protocol):
+    """What :class:`Checkpoints` asks of its server
+    (:class:`~akv.cluster.server.service.ParameterServer` implements it)."""
+
+    def copy_values(self, plan: CheckpointPlan) -> Awaitable[Copied]:
+        """``copy_plan(plan)``, run once every write issued so far to the plan's keys
+        finished, with no update of them running meanwhile."""
+        ...
+
+    def execute(self, instructions: Sequence[Instruction]) -> None:
+        """Carry out ``instructions``, in order."""
+        ...
+
 
 class Checkpoints:
-    """One server's checkpoints (see the module docstring)."""
+    """One server's checkpoints (see the module docstring).
 
-    def __init__(self, server: ParameterServer) -> None:
-        config = server.config
-        assert config.checkpoint_dir is not None and config.rank is not None  # from_env checks
+    Parameters
+    ----------
+    state:
+        The server's state: what a checkpoint holds, and what a restore feeds.
+    server:
+        What the checkpoints ask of the server.
+    directory:
+        Where the checkpoint, its lock and its temporary files lie (``--checkpoint-dir``).
+    rank:
+        The server's rank (its files are ``server-<rank>.*``).
+    num_workers:
+        The job's workers (a checkpoint of a job with another number is refused).
+    interval_s:
+        How often :meth:`every_interval` writes one when anything changed
+        (``AKV_CHECKPOINT_INTERVAL_S``).
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        server: CheckpointedServer,
+        *,
+        directory: Path,
+        rank: int,
+        num_workers: int,
+        interval_s: float,
+    ) -> None:
+        self.state = state
         self.server = server
-        self.directory = Path(config.checkpoint_dir)
-        self.rank = config.rank
-        self.interval_s = config.checkpoint_interval_s
+        self.directory = directory
+        self.rank = rank
+        self.num_workers = num_workers
+        self.interval_s = interval_s
         #: The last checkpoint's number (0: none yet), and what it holds of each worker's
         #: requests (every one numbered below).
         self.generation = 0
@@ -110,13 +157,13 @@ class Checkpoints:
                 "server %d: no checkpoint in %s yet: starting empty", self.rank, self.directory
             )
             return None
-        num_workers = self.server.config.num_workers
+        num_workers = self.num_workers
         if snapshot.num_workers != num_workers:
             raise CheckpointError(
                 f"the checkpoint of server {self.rank} in {self.directory} is of a job with "
                 f"{snapshot.num_workers} workers, this job has {num_workers}"
             )
-        self.server.state.restore(
+        self.state.restore(
             snapshot.store_type,
             [(r.key, r.value, r.closed_round, r.tags, r.last_round) for r in snapshot.keys],
             snapshot.optimizer_config,
@@ -125,7 +172,7 @@ class Checkpoints:
         )
         self.generation = snapshot.generation
         self.durable_seqs = dict(snapshot.durable_seqs)
-        self._written_changes = self.server.state.changes
+        self._written_changes = self.state.changes
         rounds = max((r.closed_round for r in snapshot.keys), default=0)
         log.warning(
             "server %d restored checkpoint %d from %s: %d keys, rounds up to %d; the workers "
@@ -157,18 +204,13 @@ class Checkpoints:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            server = self.server
-            state = server.state
+            state = self.state
             changes = state.changes
             plan = state.checkpoint_plan()
-            reads = [entry.var for entry, _, _, _ in plan.entries]
-            copy = server.engine.push(
-                _copy, plan, reads=reads, executor="thread", name="checkpoint"
-            )
-            records, states = await copy
+            records, states = await self.server.copy_values(plan)
             snapshot = Snapshot(
                 rank=self.rank,
-                num_workers=server.config.num_workers,
+                num_workers=self.num_workers,
                 store_type=plan.store_type or "dist_sync",
                 generation=self.generation + 1,
                 keys=records,
@@ -180,16 +222,21 @@ class Checkpoints:
             self.generation = snapshot.generation
             self.durable_seqs = plan.durable_seqs
             self._written_changes = changes
-            for peer in list(state.peers.values()):
-                self.tell(peer)
-            server.execute(state.checkpointed(plan))
+            durable = [self._durable(peer) for peer in state.peers.values()]
+            told: list[Instruction] = [d for d in durable if d is not None]
+            self.server.execute(told + state.checkpointed(plan))
             return self.generation
 
     def tell(self, peer: Peer) -> None:
-        """Tell ``peer``'s worker which of its requests the last checkpoint holds."""
+        """Tell ``peer``'s worker which of its requests the last checkpoint holds (a
+        :class:`~akv.cluster.server.instructions.Durable`; nothing before the first)."""
+        durable = self._durable(peer)
+        if durable is not None:
+            self.server.execute([durable])
+
+    def _durable(self, peer: Peer) -> Durable | None:
         seq = self.durable_seqs.get(peer.worker)
-        if seq is not None:
-            self.server.send_to(peer, encode_frame(Op.DURABLE, 0, aux=seq))
+        return None if seq is None else Durable(peer, seq)
 
     async def on_request(self, instruction: Checkpoint) -> None:
         """A worker asked for a checkpoint (or sent an init, answered once a checkpoint
@@ -221,7 +268,7 @@ class Checkpoints:
         logged; the next interval tries again)."""
         while True:
             await asyncio.sleep(self.interval_s)
-            if self.server.state.changes == self._written_changes:
+            if self.state.changes == self._written_changes:
                 continue
             try:
                 await self.write()
@@ -231,7 +278,7 @@ class Checkpoints:
     async def final(self) -> None:
         """The checkpoint at a stop: everything applied so far, within
         :data:`FINAL_CHECKPOINT_S` (a failure or a timeout is logged)."""
-        if self.server.state.changes == self._written_changes:
+        if self.state.changes == self._written_changes:
             return
         try:
             generation = await asyncio.wait_for(self.write(), FINAL_CHECKPOINT_S)
@@ -240,9 +287,9 @@ class Checkpoints:
             log.error("server %d: the final checkpoint failed: %r", self.rank, exc)
 
 
-def _copy(plan: CheckpointPlan) -> tuple[list[KeyRecord], bytes | None]:
-    """The keys' values and the optimizer's states, copied (an engine task that reads every
-    key in ``plan``: no update runs meanwhile)."""
+def copy_plan(plan: CheckpointPlan) -> Copied:
+    """The keys' values and the optimizer's states that ``plan`` names, copied (run it where
+    no update of them runs meanwhile: :meth:`CheckpointedServer.copy_values`)."""
     records = [
         KeyRecord(entry.key, entry.value.copy(), closed_round, tags, last)
         for entry, closed_round, tags, last in plan.entries

@@ -20,7 +20,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,14 +39,17 @@ from akv.cluster.protocol import (
     status_of,
 )
 from akv.cluster.roles import run_role, server_ssl, stopped_by_signal
-from akv.cluster.server.checkpointing import Checkpoints
-from akv.cluster.server.state import (
+from akv.cluster.server.buffers import Landing
+from akv.cluster.server.checkpointing import Checkpoints, Copied, copy_plan
+from akv.cluster.server.instructions import (
     Checkpoint,
+    CheckpointPlan,
+    CloseStream,
+    Durable,
     FailJob,
     InstallOptimizer,
     Instruction,
     Land,
-    Landing,
     LoadStates,
     Peer,
     PullTicket,
@@ -54,8 +58,8 @@ from akv.cluster.server.state import (
     SaveStates,
     SendValues,
     ServerEntry,
-    ServerState,
 )
+from akv.cluster.server.state import ServerState
 from akv.cluster.server.updates import land
 from akv.errors import (
     AKVError,
@@ -120,7 +124,8 @@ class ParameterServer:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.engine = Engine(slots=SERVER_ENGINE_SLOTS, name="akv-server")
-        checkpoints = config.checkpoint_dir is not None
+        directory = config.checkpoint_dir
+        checkpoints = directory is not None
         self.membership = Membership(config, "server", uuid.uuid4().hex, restartable=checkpoints)
         self.state = ServerState(
             "server ?",
@@ -131,7 +136,17 @@ class ParameterServer:
             checkpoints=checkpoints,
         )
         #: Writes this server's checkpoints (None: it writes none).
-        self.checkpoints = Checkpoints(self) if checkpoints else None
+        self.checkpoints: Checkpoints | None = None
+        if directory is not None:
+            assert config.rank is not None  # from_env: checkpoints need a fixed rank
+            self.checkpoints = Checkpoints(
+                self.state,
+                self,
+                directory=Path(directory),
+                rank=config.rank,
+                num_workers=config.num_workers,
+                interval_s=config.checkpoint_interval_s,
+            )
         self.links: dict[int, Link] = {}
         #: The port this server listens on, and the ``(host, port)`` the scheduler gives the
         #: workers for it (``AKV_ADVERTISE``; by default the bound host and port).
@@ -324,24 +339,24 @@ class ParameterServer:
     # ------------------------------------------------------------ peers
 
     def _admit(self, request: web.Request, stream: bool) -> Peer:
+        """The peer the state admits for ``request``, once what its admission asks (closing
+        a stream it replaces) is done; refused with the HTTP status of the reason."""
         try:
             worker, store_type, session = parse_client_header(
                 request.headers.get(CLIENT_HEADER, "")
             )
-            return self.state.admit(worker, store_type, stream, session)
+            peer, instructions = self.state.admit(worker, store_type, stream, session)
         except InvalidArgumentError as exc:
             raise RequestError(400, str(exc)) from None
         except MembershipError as exc:
             raise RequestError(409, str(exc)) from None
         except PeerLostError as exc:  # stopping: a restarted server may take the stream
             raise RequestError(STOPPING_STATUS, str(exc)) from None
+        self.execute(instructions)
+        return peer
 
     def _open_stream(self, request: web.Request) -> StreamProtocol:
         peer = self._admit(request, stream=True)
-        for other_id, other in list(self.links.items()):  # the stream this one replaces
-            if isinstance(other, _StreamLink) and other.peer.worker == peer.worker:
-                del self.links[other_id]
-                other.protocol.close()
         link = _StreamLink(self, peer)
         self.links[peer.id] = link
         if self.checkpoints is not None:
@@ -380,7 +395,7 @@ class ParameterServer:
         now = asyncio.get_running_loop().time()
         instructions = self.state.message_completed(peer, header, message.buffers, landing, now)
         if landing.lent is not None:  # no task reads them (a refused or resent push)
-            landing.lent()
+            landing.lent.give_back()
         self.execute(instructions)
 
     def lost(self, peer: Peer, exc: BaseException | None) -> None:
@@ -442,6 +457,21 @@ class ParameterServer:
                 self._spawn(self.checkpoints.on_request(instruction), "a checkpoint")
             elif isinstance(instruction, FailJob):
                 self._fail_job(instruction)
+            elif isinstance(instruction, CloseStream):
+                link = self.links.pop(instruction.peer.id, None)
+                if isinstance(link, _StreamLink):
+                    link.protocol.close()
+            elif isinstance(instruction, Durable):
+                self.send_to(instruction.peer, encode_frame(Op.DURABLE, 0, aux=instruction.seq))
+
+    def copy_values(self, plan: CheckpointPlan) -> Awaitable[Copied]:
+        """A checkpoint's copy of ``plan``'s keys: an engine task that reads every one of
+        them (after every earlier write; holding them only while it copies)."""
+        reads = [entry.var for entry, _, _, _ in plan.entries]
+        task: Awaitable[Copied] = self.engine.push(
+            copy_plan, plan, reads=reads, executor="thread", name="checkpoint"
+        )
+        return task
 
     def send_to(self, peer: Peer, buffers: list[Any]) -> None:
         """Send ``buffers`` on ``peer``'s stream (dropped when it is gone: the worker resends)."""
@@ -484,12 +514,12 @@ class ParameterServer:
 
     def _land(self, work: Land) -> None:
         try:
-            done, failed, released = land(work, self.state.updater, self._add)
+            done, failed, to_give_back = land(work, self.state.updater, self._add)
         finally:
             if work.lent is not None:
-                self._on_loop(work.lent)
-        for lent in released:
-            self._on_loop(lent)
+                self._on_loop(work.lent.give_back)
+        for lent in to_give_back:
+            self._on_loop(lent.give_back)
         self._on_loop(self._landed, done, failed, work.reply)
 
     def _landed(
@@ -572,7 +602,7 @@ class ParameterServer:
         arrays = []
         staged = []
         for entry in ticket.entries:
-            view = shared.reserve(entry.nbytes)
+            view = shared.take(entry.nbytes)
             if view is None:
                 array = entry.value.copy()
             else:
@@ -586,12 +616,12 @@ class ParameterServer:
     def _send_from_arena(
         self, peer: Peer, frame: list[Any], shared: SharedMemory, staged: list[np.ndarray]
     ) -> None:
-        """Send ``frame``, whose payloads lie in regions of ``shared`` reserved for it, and
-        give the regions back once written: the worker's release frees them then."""
+        """Send ``frame``, whose payloads lie in regions of ``shared`` taken for it, and
+        give the regions back once written: free once the worker gave them back too."""
 
         def give_back(_: BaseException | None = None) -> None:
             for region in staged:
-                shared.unreserve(region)
+                shared.give_back(region)
 
         link = self.links.get(peer.id)
         if link is None or link.closing:
@@ -699,7 +729,7 @@ class _StreamLink:
         landing = self._landings.pop(message.header.seq)
         if message.borrowed:
             borrowed = message.borrowed
-            landing.lend(message.buffers, lambda: self.protocol.release(borrowed))
+            landing.lend(message.buffers, lambda: self.protocol.give_back(borrowed))
         self.server.message(self.peer, message, landing)
 
     def _on_lost(self, exc: BaseException | None) -> None:

@@ -1,432 +1,84 @@
 """A parameter server's decisions, as a state machine without I/O.
 
-:class:`ServerState` takes events and returns instructions, as h11's ``Connection`` and
-Dask's ``WorkerState.handle_stimulus`` do. The service (:mod:`akv.cluster.server.service`)
-feeds it what happened on the wire and on the clock, and carries out what it returns:
+:class:`ServerState` takes events and returns instructions
+(:mod:`akv.cluster.server.instructions`), as h11's ``Connection`` and Dask's
+``WorkerState.handle_stimulus`` do. The service (:mod:`akv.cluster.server.service`) feeds
+it what happened on the wire and on the clock, and carries out what it returns:
 
-events (methods)                          instructions (returned)
-----------------------------------------  ----------------------------------------------
-:meth:`~ServerState.admit`: a worker      :class:`Reply`: answer a request "done"
-opens a stream or sends one frame         :class:`ReplyError`: answer it with an error
-:meth:`~ServerState.header_arrived`:      :class:`Land`: merge pushes into their rounds
-where a frame's payloads land             and apply the rounds they close (array work)
-:meth:`~ServerState.message_completed`    :class:`SendValues`: answer a pull with values
-:meth:`~ServerState.rounds_applied`,      :class:`InstallOptimizer`, :class:`SaveStates`,
-:meth:`~ServerState.update_failed`        :class:`LoadStates`: optimizer work on the keys
-:meth:`~ServerState.peer_lost`            :class:`FailJob`: the job failed; tell the
-:meth:`~ServerState.job_failed`           scheduler (and who vanished, if a worker did)
-:meth:`~ServerState.tick`: the clock
+=========================================  ==============================================
+event (method)                             when
+=========================================  ==============================================
+:meth:`~ServerState.admit`                 a worker opens a stream or sends one frame
+:meth:`~ServerState.header_arrived`        a frame's header arrived: where its payloads
+                                           land (:class:`~akv.cluster.server.buffers.Landing`)
+:meth:`~ServerState.message_completed`     the whole frame arrived
+:meth:`~ServerState.rounds_applied`,       array work finished
+:meth:`~ServerState.push_applied`,
+:meth:`~ServerState.update_failed`
+:meth:`~ServerState.peer_lost`             a stream ended
+:meth:`~ServerState.job_failed`            the scheduler said the job failed
+:meth:`~ServerState.checkpointed`          a checkpoint was written
+:meth:`~ServerState.tick`                  the clock
+=========================================  ==============================================
 
 It owns the keys and their rounds (:class:`~akv.cluster.server.rounds.KeyRounds`), pull
 tickets, init waits, the job's store type, optimizer installation and deduplication, and
-the overdue checks. :meth:`~ServerState.validate` checks its invariants. Array work
-(merging, applying, copying out) is the service's, through the engine, so that per key a
-merge, the apply of its round and the pulls that read the result keep their order.
+the overdue checks; which frames it takes at all is :mod:`akv.cluster.server.checks`'s.
+:meth:`~ServerState.validate` checks its invariants. Array work (merging, applying,
+copying out) is the service's, through the engine, so that per key a merge, the apply of
+its round and the pulls that read the result keep their order.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias, cast
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 
 from akv import optimizer as _optimizer
+from akv.args import Key
 from akv.cluster.protocol import COUNTED, DIST_STORE_TYPES, Op, decode_meta, op_label
-from akv.cluster.server.rounds import KeyRounds
+from akv.cluster.server.buffers import Landing, ValueRegions, give_back
+from akv.cluster.server.checks import check_frame, entry_of, require_updater
+from akv.cluster.server.instructions import (
+    Checkpoint,
+    CheckpointPlan,
+    CloseStream,
+    FailJob,
+    InitWait,
+    InstallOptimizer,
+    Instruction,
+    Land,
+    LoadStates,
+    Peer,
+    PullTicket,
+    Reply,
+    ReplyError,
+    SaveStates,
+    SendValues,
+    ServerEntry,
+)
 from akv.errors import (
     AKVError,
     DuplicateInitError,
     InvalidArgumentError,
-    KeyNotInitializedError,
     MembershipError,
-    OptimizerNotSetError,
     PeerLostError,
     RoundTimeoutError,
     ServerError,
     ShapeMismatchError,
     WaitTimeoutError,
 )
-from akv.keys import Entry, VarFactory
+from akv.keys import VarFactory
 from akv.limits import INLINE_MAX_BYTES, RECONNECT_GRACE_S, SMALL_REPLY_BYTES
-from transport import ArrayInfo, FrameHeader
+from transport import FrameHeader
 
-__all__ = [
-    "Checkpoint",
-    "CheckpointPlan",
-    "FailJob",
-    "InitWait",
-    "InstallOptimizer",
-    "Instruction",
-    "Land",
-    "Landing",
-    "LoadStates",
-    "Peer",
-    "PullTicket",
-    "Reply",
-    "ReplyError",
-    "SaveStates",
-    "SendValues",
-    "ServerEntry",
-    "ServerState",
-    "ValueRegions",
-]
+__all__ = ["ServerState"]
 
-Key: TypeAlias = "int | str"
-
-#: The ops a worker may send a server.
-_REQUEST_OPS = frozenset(op for op in Op if op not in (Op.REPLY, Op.DURABLE))
 #: The requests that may change keys, rounds or the optimizer (for the checkpoint timer).
 _CHANGING_OPS = frozenset({Op.INIT, Op.PUSH, Op.PUSHPULL, Op.SET_OPTIMIZER, Op.LOAD_STATES})
-#: The requests that carry no arrays (their meaning is in ``text``).
-_NO_ARRAY_OPS = frozenset(
-    {Op.INIT_CHECK, Op.SET_OPTIMIZER, Op.SAVE_STATES, Op.CLOSE, Op.CHECKPOINT}
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Peer:
-    """One way a worker sends requests: its stream, or a single HTTP request.
-    ``session``: the worker process's id (its node id; empty for a sender without one)."""
-
-    worker: int
-    id: int
-    stream: bool = True
-    session: str = ""
-
-
-#: Stored values leave this fraction (1/N) of the regions' memory free.
-VALUES_KEEP_FREE = 4
-
-
-class ValueRegions(Protocol):
-    """Memory that answers can be sent from without a copy (regions of the arena a
-    server's local streams share, :class:`transport.ArenaBook`): thread-safe."""
-
-    @property
-    def nbytes(self) -> int:
-        """The size of the memory the regions are taken from."""
-        ...
-
-    def reserve(self, nbytes: int, keep_free: int = 0) -> memoryview | None:
-        """A writable region of ``nbytes``, the caller's until :meth:`unreserve`; None
-        when there is no room, or it would leave less than ``keep_free`` bytes free (or
-        ``nbytes`` is too small to be worth it)."""
-        ...
-
-    def unreserve(self, view: np.ndarray) -> None:
-        """Give a reserved region back (peers still reading it keep it until they are
-        done)."""
-        ...
-
-
-class ServerEntry(Entry):
-    """A key (or this server's part of a split key) as the server holds it.
-
-    With :attr:`regions`, the sums that become the stored value without an updater live in
-    them, so that answers to local workers are sent without a copy. Peers may read a
-    stored value there until they release it, after a newer value replaced it: such a
-    value is never changed in place (:meth:`private_value` moves it out first).
-    """
-
-    __slots__ = ("_in_regions", "borrowed", "durable", "made_by", "merged", "regions", "rounds")
-
-    def __init__(
-        self,
-        key: Key,
-        value: np.ndarray,
-        new_var: VarFactory,
-        sync: bool,
-        num_workers: int,
-        made_by: tuple[str, int] | None = None,
-    ) -> None:
-        super().__init__(key, tuple(value.shape), value.dtype, new_var(f"key {key!r}"))
-        self.value: np.ndarray = value
-        self.merged: np.ndarray | None = None
-        #: When the open round's sum is still its first push, read in place where it lies
-        #: in the sender's shared memory (``merged`` is then read-only): what lent it.
-        self.borrowed: Lent | None = None
-        self.rounds: KeyRounds[PullTicket] = KeyRounds(key, num_workers, sync)
-        #: The (session, request number) of the init that made the key; None when it was
-        #: restored from a checkpoint (then any init of it is a resent one).
-        self.made_by = made_by
-        #: A checkpoint holds the key (always True without checkpoints).
-        self.durable = True
-        self.regions: ValueRegions | None = None
-        #: The buffers this key took from :attr:`regions` and has not given back (the
-        #: stored value and the open round's sum, at most).
-        self._in_regions: list[np.ndarray] = []
-
-    def take_sum_buffer(self) -> np.ndarray:
-        """A buffer for a round's sum that will become the stored value: in
-        :attr:`regions` where there is room (leaving a quarter of them free), else as
-        :meth:`take_buffer`."""
-        regions = self.regions
-        if regions is not None:
-            # Stored values never take the last quarter: answers not kept there (keys
-            # past it, values an updater changes) are copied into regions of their own.
-            view = regions.reserve(self.nbytes, keep_free=regions.nbytes // VALUES_KEEP_FREE)
-            if view is not None:
-                buffer: np.ndarray = np.frombuffer(view, self.dtype).reshape(self.shape)
-                self._in_regions.append(buffer)
-                return buffer
-        return cast(np.ndarray, self.take_buffer())
-
-    def give_buffer(self, buffer: Any) -> None:
-        """As :meth:`Entry.give_buffer`; a buffer taken from :attr:`regions` is given back
-        to them instead (freed once no peer reads it)."""
-        if self._in_regions and self._out_of_regions(buffer):
-            assert self.regions is not None  # it came from them
-            self.regions.unreserve(buffer)
-        else:
-            super().give_buffer(buffer)
-
-    def private_value(self) -> np.ndarray:
-        """The stored value, moved into a buffer of the key's own first if it lies in
-        :attr:`regions` (peers may be reading it there): call before changing it in
-        place."""
-        value = self.value
-        if self._in_regions and self._out_of_regions(value):
-            assert self.regions is not None  # it came from them
-            private = cast(np.ndarray, self.take_buffer())
-            np.copyto(private, value)
-            self.regions.unreserve(value)
-            self.value = private
-        return self.value
-
-    def _out_of_regions(self, buffer: object) -> bool:
-        """Forget ``buffer`` as taken from :attr:`regions`; False when it was not."""
-        taken = self._in_regions
-        for index, array in enumerate(taken):
-            if array is buffer:
-                del taken[index]
-                return True
-        return False
-
-
-@dataclass(eq=False)
-class PullTicket:
-    """A pull (or the pull half of a pushpull) waiting for rounds to be applied."""
-
-    peer: Peer
-    seq: int
-    entries: list[ServerEntry]
-    remaining: int = 0
-    answered: bool = False
-
-
-@dataclass(eq=False)
-class InitWait:
-    """Another worker's init, waiting for rank 0's values of its keys."""
-
-    peer: Peer
-    seq: int
-    items: list[tuple[Key, tuple[int, ...], str]]
-    deadline: float
-
-
-@dataclass
-class Landing:
-    """What to do with a frame's arrays, decided when its header arrived: the key each
-    payload belongs to and the buffer it is received into (None: not received, its bytes
-    are read and dropped), or the error that refuses the whole frame (then every buffer is
-    None: a refused frame is given no memory)."""
-
-    entries: list[ServerEntry | None] = field(default_factory=list)
-    buffers: list[np.ndarray | None] = field(default_factory=list)
-    error: AKVError | None = None
-    #: The payloads are only read (merged, or applied by the updater), so they may be read
-    #: in place where they lie in the sender's shared memory (push and pushpull).
-    read_in_place: bool = False
-    #: The payloads read in place (see :meth:`lend`); None when none are. The
-    #: :class:`Land` that reads them takes it over.
-    lent: Lent | None = None
-
-    def lend(self, payloads: Sequence[memoryview], hand_back: Callable[[], None]) -> None:
-        """Read the read-only ``payloads`` (those that lie in the sender's shared memory)
-        in place of their buffers, which go back to their keys; ``hand_back`` returns that
-        memory to the sender once nothing reads it any more.
-
-        A payload read in place is a read-only array: :func:`own` copies it into a buffer
-        of its key where it has to be kept.
-        """
-        for index, payload in enumerate(payloads):
-            entry, buffer = self.entries[index], self.buffers[index]
-            if payload.readonly and entry is not None and buffer is not None:
-                entry.give_buffer(buffer)
-                self.buffers[index] = np.frombuffer(payload, entry.dtype).reshape(entry.shape)
-        self.lent = Lent(hand_back)
-
-
-class Lent:
-    """One frame's payloads read in place in the sender's shared memory, handed back once
-    the last holder is done with them (calls it). The first holder is whoever received
-    the frame; a round's sum that starts as one of the payloads holds it too (:meth:`hold`),
-    until a later push makes the sum a buffer of the key's own. Called on the server's
-    loop only."""
-
-    __slots__ = ("_hand_back", "_holders")
-
-    def __init__(self, hand_back: Callable[[], None]) -> None:
-        self._hand_back = hand_back
-        self._holders = 1
-
-    def hold(self) -> None:
-        """One more holder (call while holding it already)."""
-        self._holders += 1
-
-    def __call__(self) -> None:
-        """A holder is done; the last one hands the payloads back."""
-        self._holders -= 1
-        if self._holders == 0:
-            self._hand_back()
-
-
-def own(entry: ServerEntry, array: np.ndarray, stored: bool = False) -> np.ndarray:
-    """``array`` where the key may keep it: a buffer of its own already, or a copy of a
-    payload read in place (read-only: it lies in a sender's shared memory); ``stored``:
-    the copy becomes the stored value (:meth:`ServerEntry.take_sum_buffer`)."""
-    if array.flags.writeable:
-        return array
-    copy: np.ndarray = entry.take_sum_buffer() if stored else entry.take_buffer()
-    np.copyto(copy, array)
-    return copy
-
-
-def give_back(entry: ServerEntry, array: np.ndarray) -> None:
-    """Return a buffer to its key, unless it is a payload read in place (not the key's)."""
-    if array.flags.writeable:
-        entry.give_buffer(array)
-
-
-# ---------------------------------------------------------------------- instructions
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """Answer request ``seq`` of ``peer``: done, with no arrays. ``counted``: an interim
-    answer that its push was counted (the request's own answer follows)."""
-
-    peer: Peer
-    seq: int
-    counted: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ReplyError:
-    """Answer request ``seq`` of ``peer`` with ``error``. ``cause`` is an unexpected
-    exception behind it (the service logs it with its traceback)."""
-
-    peer: Peer
-    seq: int
-    error: AKVError
-    cause: BaseException | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Land:
-    """One frame's pushes: add ``merges`` (entry, buffer, first of its round, and what
-    lent the buffer when the round's sum is to be that buffer as it lies) to their rounds'
-    sums, then apply ``closing`` (entry, buffer or None for the merge buffer, round), in
-    one task that writes every key in ``entries``. Report the outcome with
-    :meth:`ServerState.rounds_applied` and :meth:`ServerState.update_failed`, let go of
-    ``lent`` (the payloads read in place) and of what the task says its sums no longer
-    hold, and send ``reply`` (see :meth:`ServerState.push_applied`) afterwards."""
-
-    entries: tuple[ServerEntry, ...]
-    merges: tuple[tuple[ServerEntry, np.ndarray, bool, Lent | None], ...]
-    closing: tuple[tuple[ServerEntry, np.ndarray | None, int], ...]
-    inline: bool
-    reply: Reply | None = None
-    lent: Lent | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SendValues:
-    """Answer ``ticket`` with its keys' values, read in order after earlier writes.
-    ``copy``: small enough to copy and send at once (else send the stored arrays and
-    hold them for reading until the bytes left)."""
-
-    ticket: PullTicket
-    copy: bool
-
-
-@dataclass(frozen=True, slots=True)
-class InstallOptimizer:
-    """After every earlier write to ``entries``, call
-    :meth:`ServerState.install_optimizer` with these, then reply."""
-
-    peer: Peer
-    seq: int
-    optimizer: _optimizer.Optimizer
-    config: dict[str, Any]
-    entries: tuple[ServerEntry, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SaveStates:
-    """After earlier writes to ``entries``, answer with ``updater``'s states as one uint8
-    array (``dump``: with the optimizer's configuration)."""
-
-    peer: Peer
-    seq: int
-    updater: _optimizer.Updater
-    dump: bool
-    entries: tuple[ServerEntry, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class LoadStates:
-    """After earlier writes to ``entries``, load ``data`` into ``updater``, then reply."""
-
-    peer: Peer
-    seq: int
-    updater: _optimizer.Updater
-    data: bytes
-    entries: tuple[ServerEntry, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
-    """Write a checkpoint now, and answer request ``seq`` of ``peer`` (a checkpoint request,
-    or an init) once it holds everything so far."""
-
-    peer: Peer
-    seq: int
-
-
-@dataclass(frozen=True, slots=True)
-class FailJob:
-    """The job failed for ``reason``: log it, and tell the scheduler that ``lost_worker``
-    vanished (``detail`` says how) when that is the cause."""
-
-    reason: str
-    lost_worker: int | None = None
-    detail: str = ""
-
-
-Instruction: TypeAlias = (
-    "Reply | ReplyError | Land | SendValues | InstallOptimizer | SaveStates | LoadStates "
-    "| Checkpoint | FailJob"
-)
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointPlan:
-    """What a checkpoint holds, decided on the loop when it is asked for: each key with its
-    durable rounds (:meth:`KeyRounds.durable`), read once every earlier write finished; and
-    per worker, the request number below which each of its requests is in it."""
-
-    entries: tuple[tuple[ServerEntry, int, dict[int, int], dict[int, int]], ...]
-    durable_seqs: dict[int, int]
-    store_type: str | None
-    optimizer_config: dict[str, Any] | None
-    updater: _optimizer.Updater | None
-
-
-# ---------------------------------------------------------------------- the state
 
 
 class ServerState:
@@ -503,13 +155,17 @@ class ServerState:
 
     # ------------------------------------------------------------ events: connections
 
-    def admit(self, worker: int, store_type: str, stream: bool, session: str = "") -> Peer:
+    def admit(
+        self, worker: int, store_type: str, stream: bool, session: str = ""
+    ) -> tuple[Peer, list[Instruction]]:
         """A worker opens its stream (``stream``) or sends a single frame; ``session``
-        names its process.
+        names its process. Returns the new peer, and what to do first: a
+        :class:`CloseStream` for each stream it replaces.
 
         The first worker fixes the job's store type; every later one must match. A new
         stream of a worker that has one already (or had one cut) replaces it when it comes
-        from the same session: the worker reconnected. The old stream's end is then no loss.
+        from the same session: the worker reconnected. The old stream is closed, and its
+        end (:meth:`peer_lost`) is no loss.
 
         Raises
         ------
@@ -539,6 +195,7 @@ class ServerState:
             raise PeerLostError(f"{self.name} takes no stream: it is stopping")
         current = [p for p in self.peers.values() if p.worker == worker]
         known = self._sessions.get(worker)
+        replaced: list[Instruction] = []
         if stream and (current or known is not None):
             same = bool(session) and session == known
             if not same:
@@ -546,6 +203,7 @@ class ServerState:
             for old in current:
                 self.peers.pop(old.id)
                 self._replaced.add(old.id)
+                replaced.append(CloseStream(old))
         self.store_type = store_type
         self._next_peer += 1
         peer = Peer(worker, self._next_peer, stream, session)
@@ -554,7 +212,7 @@ class ServerState:
             self._absent.pop(worker, None)
             if session:
                 self._sessions[worker] = session
-        return peer
+        return peer, replaced
 
     def peer_lost(self, peer: Peer, exc: BaseException | None, now: float) -> list[Instruction]:
         """``peer``'s stream ended (``exc``: why, if known; ``now``: the clock). Without a
@@ -611,13 +269,14 @@ class ServerState:
     def header_arrived(self, peer: Peer, header: FrameHeader) -> Landing:
         """Where each payload of the frame that ``header`` starts is received.
 
-        The whole frame is checked first, before anything is allocated or counted (see
-        :meth:`_check_frame`): a known op; arrays that fit it (keys present, of one kind,
-        none named twice; a pull, and a request without arrays, declare no payload); each
-        pushed key initialized, with its shape and dtype, so that no declared size exceeds
-        the key's. Only then do payloads get buffers: push payloads buffers of their keys
-        (never the stored values), init payloads fresh arrays of their declared size (the
-        stream's payload limit bounds it), a load_states payload a fresh byte array.
+        The whole frame is checked first, before anything is allocated or counted
+        (:func:`~akv.cluster.server.checks.check_frame`): a known op; arrays that fit it
+        (keys present, of one kind, none named twice; a pull, and a request without
+        arrays, declare no payload); each pushed key initialized, with its shape and dtype,
+        so that no declared size exceeds the key's. Only then do payloads get buffers:
+        push payloads buffers of their keys (never the stored values), init payloads fresh
+        arrays of their declared size (the stream's payload limit bounds it), a
+        load_states payload a fresh byte array.
 
         A refused frame gets a landing with ``error`` set and no buffer at all (None: the
         service reads its payloads and drops them), and :meth:`message_completed` answers
@@ -626,7 +285,7 @@ class ServerState:
         arrays = header.arrays
         landing = Landing([None] * len(arrays), [None] * len(arrays))
         try:
-            self._check_frame(peer, header)
+            check_frame(peer, header, self.entries, self.updater, self.name)
         except AKVError as exc:
             landing.error = exc
             return landing
@@ -645,78 +304,6 @@ class ServerState:
         elif op == Op.LOAD_STATES:
             landing.buffers = [np.empty(info.nbytes, np.uint8) for info in arrays]
         return landing
-
-    def _check_frame(self, peer: Peer, header: FrameHeader) -> None:
-        """Raise the error that refuses a frame whose header does not fit its op.
-
-        Nothing here changes the state or allocates: it runs before any payload has a
-        buffer, so a refused frame costs its header and nothing proportional to the
-        payload it declares.
-        """
-        op, arrays = header.op, header.arrays
-        label = op_label(op)
-        if op not in _REQUEST_OPS:
-            raise InvalidArgumentError(
-                f"unknown op {op} from worker {peer.worker} ({len(arrays)} arrays, "
-                f"{header.payload_len} payload bytes): {self.name} refuses it"
-            )
-        if op in _NO_ARRAY_OPS:
-            if arrays:
-                raise InvalidArgumentError(
-                    f"{label} carries no arrays, but worker {peer.worker} sent {len(arrays)} "
-                    f"({header.payload_len} payload bytes)"
-                )
-            return
-        if op == Op.LOAD_STATES:
-            if len(arrays) != 1 or arrays[0].key is not None or arrays[0].dtype != np.uint8:
-                raise InvalidArgumentError(
-                    f"load_states carries one uint8 array without a key, got {len(arrays)} "
-                    f"arrays ({', '.join(f'{a.key!r} {a.dtype}' for a in arrays[:3])})"
-                )
-            self._require_updater("load_optimizer_states")
-            return
-        kinds = set()
-        seen: set[Key] = set()
-        for index, info in enumerate(arrays):
-            key = info.key
-            if key is None:
-                raise InvalidArgumentError(
-                    f"{label} from worker {peer.worker}: array {index} carries no key"
-                )
-            if key in seen:
-                raise InvalidArgumentError(
-                    f"{label} names key {key!r} twice in one request (worker {peer.worker})"
-                )
-            seen.add(key)
-            kinds.add(type(key))
-            if len(kinds) > 1:
-                raise InvalidArgumentError(
-                    f"{label} from worker {peer.worker} mixes int and str keys (key {key!r}): "
-                    "a job's keys are all int or all str"
-                )
-            if op == Op.INIT:
-                held = self.entries.get(key)
-                if held is not None and not self._resent_init(peer, header.seq, held, info):
-                    raise DuplicateInitError(
-                        f"init key {key!r}: {self.name} already holds it", key=key
-                    )
-            elif op == Op.PULL:
-                self._entry(key, "pull from")
-                if info.nbytes:
-                    raise InvalidArgumentError(
-                        f"pull of key {key!r} from worker {peer.worker} declares "
-                        f"{info.nbytes} payload bytes: a pull carries none"
-                    )
-            else:
-                self._entry(key, "push to").check(info, "push to")
-
-    def _resent_init(self, peer: Peer, seq: int, entry: ServerEntry, info: ArrayInfo) -> bool:
-        """Whether an init of ``entry``'s key is the one that made it, sent again after a
-        reconnect (or to a server restored from a checkpoint), with the same shape and dtype."""
-        resent = entry.made_by is None or (
-            bool(peer.session) and entry.made_by == (peer.session, seq)
-        )
-        return resent and entry.shape == tuple(info.shape) and entry.dtype == info.dtype
 
     def message_completed(
         self,
@@ -790,12 +377,7 @@ class ServerState:
         raise InvalidArgumentError(f"unknown op {op}")
 
     def _entry(self, key: Key | None, what: str) -> ServerEntry:
-        entry = self.entries.get(key) if key is not None else None
-        if entry is None:
-            raise KeyNotInitializedError(
-                f"{what} key {key!r}: the key was never initialized (on {self.name})", key=key
-            )
-        return entry
+        return entry_of(self.entries, key, what, self.name)
 
     def _push(
         self, peer: Peer, header: FrameHeader, landing: Landing, now: float
@@ -842,7 +424,7 @@ class ServerState:
                 if keeps is not None and buffer.flags.writeable:
                     keeps = None  # not read in place: copied to start the sum as usual
                 if keeps is not None:
-                    keeps.hold()
+                    keeps.take()
                 merges.append((entry, buffer, decision.first, keeps))
                 if decision.closes:
                     closing.append((entry, None, decision.round))
@@ -852,8 +434,8 @@ class ServerState:
         reply = Reply(peer, header.seq) if header.op == Op.PUSH else None
         # dist_async: a push is answered once applied, so that whoever hears of the answer
         # (a barrier) sees it; dist_sync: once counted (its round may wait for others).
-        # Payloads read in place stay the server's until it hands them back, answered or
-        # not (the sender frees that memory on the hand-back).
+        # Payloads read in place stay the server's until it gives them back, answered or
+        # not (the sender frees that memory then).
         lent = landing.lent if counted else None
         after_land = reply if counted and not sync else None
         if counted:
@@ -990,11 +572,7 @@ class ServerState:
         self.optimizer_config = config
 
     def _require_updater(self, what: str) -> _optimizer.Updater:
-        if self.updater is None:
-            raise OptimizerNotSetError(
-                f"{what}: no optimizer is set on {self.name} (call set_optimizer first)"
-            )
-        return self.updater
+        return require_updater(self.updater, what, self.name)
 
     def _save_states(self, peer: Peer, seq: int, text: str) -> list[Instruction]:
         try:
@@ -1089,25 +667,22 @@ class ServerState:
         server) instead; in dist_sync the pulls of a failed round get that error."""
         if not failed or self.sync:
             return reply
-        entry, round_no, exc = failed[0]
-        error = ServerError(
-            f"the update of key {entry.key!r} in round {round_no} failed on "
-            f"{self.name}: {type(exc).__name__}: {exc}",
-            server=self.name,
-        )
-        return ReplyError(reply.peer, reply.seq, error)
+        return ReplyError(reply.peer, reply.seq, self._update_error(*failed[0]))
 
     def update_failed(
         self, entry: ServerEntry, round_no: int, exc: BaseException
     ) -> list[Instruction]:
         """Applying round ``round_no`` of ``entry`` raised ``exc``: the pulls waiting for it
         get a :class:`~akv.errors.ServerError` naming the key, the round and the server."""
-        error = ServerError(
+        error = self._update_error(entry, round_no, exc)
+        return self._fail_tickets(entry.rounds.applied(round_no), error)
+
+    def _update_error(self, entry: ServerEntry, round_no: int, exc: BaseException) -> ServerError:
+        return ServerError(
             f"the update of key {entry.key!r} in round {round_no} failed on "
             f"{self.name}: {type(exc).__name__}: {exc}",
             server=self.name,
         )
-        return self._fail_tickets(entry.rounds.applied(round_no), error)
 
     def _fail_tickets(self, tickets: list[PullTicket], error: AKVError) -> list[Instruction]:
         out: list[Instruction] = []

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from akv import optimizer as _optimizer
-from akv.cluster.server.state import Land, Lent, ServerEntry, give_back, own
+from akv.cluster.server.buffers import Lent, give_back, own
+from akv.cluster.server.instructions import Land, ServerEntry
 
 __all__ = ["Add", "land"]
 
@@ -35,10 +36,10 @@ def land(
     ``updater(key, summed, stored)`` changes the stored value in place. Returns the
     (key, round) pairs applied, the (key, round, exception) of those whose update raised
     (the stored value of those is as the updater left it), and the payloads read in place
-    that a round's sum no longer holds (the caller lets go of them).
+    that a round's sum no longer holds (the caller gives them back: :meth:`Lent.give_back`).
     """
-    released: list[Lent] = []
-    _merge(work.merges, released, updater is None, add)
+    to_give_back: list[Lent] = []
+    _merge(work.merges, to_give_back, updater is None, add)
     done: list[tuple[ServerEntry, int]] = []
     failed: list[tuple[ServerEntry, int, Exception]] = []
     for entry, buffer, round_no in work.closing:
@@ -59,13 +60,13 @@ def land(
         else:
             done.append((entry, round_no))
         finally:
-            _let_go(entry, released)
-    return done, failed, released
+            _give_back_borrowed(entry, to_give_back)
+    return done, failed, to_give_back
 
 
 def _merge(
     items: Sequence[tuple[ServerEntry, np.ndarray, bool, Lent | None]],
-    released: list[Lent],
+    to_give_back: list[Lent],
     stored: bool,
     add: Add,
 ) -> None:
@@ -89,14 +90,15 @@ def _merge(
             total = entry.take_sum_buffer() if stored else entry.take_buffer()
             add(merged, buffer, total)
             entry.merged = total
-            _let_go(entry, released)
+            _give_back_borrowed(entry, to_give_back)
         else:
             add(merged, buffer, merged)
         give_back(entry, buffer)
 
 
-def _let_go(entry: ServerEntry, released: list[Lent]) -> None:
-    """The key's round no longer reads a payload in place: note what lent it."""
+def _give_back_borrowed(entry: ServerEntry, to_give_back: list[Lent]) -> None:
+    """The key's round no longer reads a payload in place: note what lent it, to be
+    given back."""
     if entry.borrowed is not None:
-        released.append(entry.borrowed)
+        to_give_back.append(entry.borrowed)
         entry.borrowed = None

@@ -380,13 +380,13 @@ class DistBackend:
                 staged.append((entry, buffer))
                 owned.append((entry, buffer))
 
-        def release() -> None:
+        def give_back() -> None:
             for entry, buffer in owned:
                 entry.give_buffer(buffer)
             for shared, region in reserved:
-                shared.unreserve(region)
+                shared.give_back(region)
 
-        return staged, release
+        return staged, give_back
 
     def _arena_buffer(self, entry: Entry) -> tuple[SharedMemory, np.ndarray] | None:
         """A staging buffer for ``entry`` in the arena of the stream to the one server that
@@ -398,7 +398,7 @@ class DistBackend:
         protocol = link.protocol
         if link.restartable or protocol is None or protocol.shared is None:
             return None
-        view = protocol.shared.reserve(entry.nbytes)
+        view = protocol.shared.take(entry.nbytes)
         if view is None:
             return None
         return protocol.shared, np.frombuffer(view, entry.dtype).reshape(entry.shape)
@@ -451,11 +451,11 @@ class DistBackend:
         self._check()
         self._raise_late(values)
         pipelined = not self.config.strict_push
-        staged, release = self._stage(values, borrow and not pipelined, priority)
+        staged, give_back = self._stage(values, borrow and not pipelined, priority)
         return self._engine.push(
             self._start_push,
             staged,
-            release,
+            give_back,
             pipelined,
             writes=[e.var for e, _ in staged],
             priority=priority,
@@ -466,7 +466,7 @@ class DistBackend:
     def _start_push(
         self,
         staged: list[tuple[Entry, np.ndarray]],
-        release: Callable[[], None],
+        give_back: Callable[[], None],
         pipelined: bool,
         done: Done,
     ) -> None:
@@ -475,7 +475,7 @@ class DistBackend:
         batches = by_server(staged, _part_of)
         timeout = self.config.timeouts.request_s
         if not pipelined:
-            replies = _Gather(len(batches), release, done)
+            replies = _Gather(len(batches), give_back, done)
             for server, arrays in batches.items():
                 self.links[server].send(_PUSH, arrays, replies.reply, timeout_s=timeout)
             return
@@ -483,11 +483,11 @@ class DistBackend:
         self._unacked += 1
         answers = _PushAnswers(self, [entry.key for entry, _ in staged], done if waits else None)
         if self._pulls_ahead and all(self._worth_asking_ahead(entry) for entry, _ in staged):
-            self._push_ahead(staged, release, answers, timeout)
+            self._push_ahead(staged, give_back, answers, timeout)
         else:
             # Held by the link until the end of the turn: a pull of the keys may go with
             # it, and then the server says when it counted the push (see ``_Counted``).
-            replies = _Gather(len(batches), release, _ignored)
+            replies = _Gather(len(batches), give_back, _ignored)
             counted = _Gather(len(batches), _nothing, answers.acknowledged)
             for server, arrays in batches.items():
                 heard = _Counted(counted.reply, replies.reply)
@@ -505,14 +505,14 @@ class DistBackend:
     def _push_ahead(
         self,
         staged: list[tuple[Entry, np.ndarray]],
-        release: Callable[[], None],
+        give_back: Callable[[], None],
         answers: _PushAnswers,
         timeout: float,
     ) -> None:
         """Send a pipelined dist_sync push as a pushpull whose answer (the value after the
         round) is kept for the first pull of each key until its next push: in a buffer of
         the key, or where it lies in the server's shared memory (a single-part key on a
-        stream that shares memory: read from there by the pull, then handed back).
+        stream that shares memory: read from there by the pull, then given back).
 
         Each server also says at once that it counted the push (``COUNTED``): that is the
         push's acknowledgement, which barrier and close wait for. An error in the answer
@@ -549,7 +549,7 @@ class DistBackend:
             id(entry): (array, ahead) for (entry, array), ahead in zip(staged, aheads, strict=True)
         }
         requests = by_server(staged, partial(_ahead_piece, by_id))
-        replies = _Gather(len(requests), release, answered)
+        replies = _Gather(len(requests), give_back, answered)
         counted = _Gather(len(requests), _nothing, answers.acknowledged)
         for server, pieces in requests.items():
             link = self.links[server]
@@ -591,7 +591,7 @@ class DistBackend:
         if current is ahead:
             del self._ahead[entry.key]
         ahead.stale = True
-        ahead.free_when_unread()
+        ahead.give_back_when_unread()
 
     def _answered(self) -> None:
         """A pipelined push was acknowledged (or failed)."""
@@ -678,7 +678,7 @@ class DistBackend:
         if value.lent is not None:  # read once: its memory goes back, on the loop
             del self._ahead[entry.key]
             value.stale = True
-            self._engine.loop.call_soon_threadsafe(value.free_when_unread)
+            self._engine.loop.call_soon_threadsafe(value.give_back_when_unread)
         return result
 
     def pushpull(
@@ -692,15 +692,15 @@ class DistBackend:
         """Push, then pull the result, in one request per server."""
         self._check()
         self._raise_late(values)
-        staged, release = self._stage(values, borrow, priority)
-        return self._schedule_pull(targets, result, staged, release, priority)
+        staged, give_back = self._stage(values, borrow, priority)
+        return self._schedule_pull(targets, result, staged, give_back, priority)
 
     def _schedule_pull(
         self,
         targets: list[tuple[Entry, list[np.ndarray]]],
         result: Any,
         staged: list[tuple[Entry, np.ndarray]] | None,
-        release: Callable[[], None],
+        give_back: Callable[[], None],
         priority: int,
     ) -> Waitable:
         """A pull reads the keys; a pushpull (with ``staged`` values) writes them.
@@ -722,7 +722,7 @@ class DistBackend:
             targets,
             result,
             staged,
-            release,
+            give_back,
             # GPU outputs of a host store are written on the loop thread: after the work
             # the caller queued on them (on its own streams) before the call.
             caller_events(targets),
@@ -754,19 +754,19 @@ class DistBackend:
             for device, items in by_device.items()
         ]
 
-        def give_back(_: object) -> Any:
+        def give_back_landed(_: object) -> Any:
             for entry, buffer, _outs in landed:
                 entry.give_buffer(buffer)
             return result
 
-        return then(gather([task, *copies]), give_back)
+        return then(gather([task, *copies]), give_back_landed)
 
     def _start_pull(
         self,
         targets: list[tuple[Entry, list[np.ndarray]]],
         result: Any,
         staged: list[tuple[Entry, np.ndarray]] | None,
-        release: Callable[[], None],
+        give_back: Callable[[], None],
         after: list[Any],
         done: Done,
     ) -> None:
@@ -790,7 +790,7 @@ class DistBackend:
         requests = by_server(landing, piece)
 
         def finish() -> Any:
-            release()
+            give_back()
             # The answers landed in ``receive`` (sizes checked); fill the other outputs.
             for (entry, receive), (_, outs) in zip(landing, targets, strict=True):
                 for out in outs:
@@ -806,7 +806,7 @@ class DistBackend:
                     if value.lent is not None:  # read once: its memory goes back
                         self._drop_ahead(value.entry, value)
                 value.readers -= 1
-                value.free_when_unread()
+                value.give_back_when_unread()
             return result
 
         replies = _Gather(len(requests) + len(ahead), finish, done)
@@ -1102,15 +1102,15 @@ class _Ahead:
 
     ``pushes`` is the key's push count it belongs to. Once ``arrived``, ``error`` is what
     the request failed with, else :meth:`value` is the value: in ``buffer`` (a buffer of
-    the key), or ``lent`` where it lies in the server's shared memory until handed back.
+    the key), or ``lent`` where it lies in the server's shared memory until given back.
     ``stale``: forgotten by the key (a later push, a failure, a read of lent memory);
     ``readers``: pulls reading it now. Its memory goes back once it is stale, arrived and
     unread.
     """
 
     __slots__ = (
-        "_freed",
-        "_hand_back",
+        "_give_back",
+        "_given_back",
         "_waiters",
         "arrived",
         "buffer",
@@ -1131,8 +1131,8 @@ class _Ahead:
         self.lent: np.ndarray | None = None
         self.stale = False
         self.readers = 0
-        self._hand_back: Callable[[], None] | None = None
-        self._freed = False
+        self._give_back: Callable[[], None] | None = None
+        self._given_back = False
         self._waiters: list[Callable[[Message | None, BaseException | None], None]] = []
 
     def when_arrived(self, waiter: Callable[[Message | None, BaseException | None], None]) -> None:
@@ -1142,12 +1142,12 @@ class _Ahead:
         else:
             self._waiters.append(waiter)
 
-    def lend(self, view: memoryview, hand_back: Callable[[], None]) -> None:
+    def lend(self, view: memoryview, give_back: Callable[[], None]) -> None:
         """The value arrived where it lies in the server's shared memory (read-only
-        ``view``); ``hand_back()`` returns that memory."""
+        ``view``); ``give_back()`` gives that memory back."""
         entry = self.entry
         self.lent = np.frombuffer(view, entry.dtype).reshape(entry.shape)
-        self._hand_back = hand_back
+        self._give_back = give_back
 
     def arrive(self, error: BaseException | None) -> bool:
         """It arrived (or failed with ``error``); True when a waiter was told of the error."""
@@ -1162,14 +1162,14 @@ class _Ahead:
         """The value (once arrived without an error)."""
         return self.buffer if self.lent is None else self.lent
 
-    def free_when_unread(self) -> None:
+    def give_back_when_unread(self) -> None:
         """Give its memory back if it is stale, arrived and unread (once)."""
-        if self._freed or not (self.stale and self.arrived) or self.readers:
+        if self._given_back or not (self.stale and self.arrived) or self.readers:
             return
-        self._freed = True
+        self._given_back = True
         self.entry.give_buffer(self.buffer)
-        if self._hand_back is not None:
-            self._hand_back()
+        if self._give_back is not None:
+            self._give_back()
         self.lent = None
 
 
@@ -1198,13 +1198,13 @@ def _lend_answers(
     error: AKVError | None,
 ) -> None:
     """A pushpull's answer asked for ahead: the values that lie in the server's shared
-    memory are kept there for their pulls (each handed back on its own), then ``reply``."""
+    memory are kept there for their pulls (each given back on its own), then ``reply``."""
     if message is not None and message.borrowed and link.protocol is not None:
-        release = link.protocol.release
+        give_back = link.protocol.give_back
         offsets = iter(message.borrowed)
         for ahead, view in zip(aheads, message.buffers, strict=True):
             if view.readonly and ahead is not None:
-                ahead.lend(view, partial(release, [next(offsets)]))
+                ahead.lend(view, partial(give_back, [next(offsets)]))
     reply(message, error)
 
 

@@ -6,7 +6,7 @@ carried out at once, synchronously: array work with the same ``land`` function t
 runs, replies recorded per (worker, seq). ``hold_updates`` keeps array work queued until
 :meth:`Players.finish_updates`, to look at the state between a push and its apply.
 ``lend`` hands push payloads over as a stream sharing memory does: read-only views read in
-place, handed back (noted in ``handed_back``) once nothing reads them.
+place, given back (noted in ``given_back``) once nothing reads them.
 After every event the state's invariants are checked.
 """
 
@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from akv.cluster.protocol import Op
-from akv.cluster.server.state import (
+from akv.cluster.server.instructions import (
     Checkpoint,
+    CloseStream,
     FailJob,
     InstallOptimizer,
     Instruction,
@@ -30,8 +31,8 @@ from akv.cluster.server.state import (
     ReplyError,
     SaveStates,
     SendValues,
-    ServerState,
 )
+from akv.cluster.server.state import ServerState
 from akv.cluster.server.updates import land
 from engine import Var
 from transport import decode_frame, frame_bytes
@@ -40,21 +41,28 @@ OK = "ok"
 
 
 class Players:
-    """``num_workers`` workers of a ``store_type`` job talking to one server state."""
+    """``num_workers`` workers of a ``store_type`` job talking to one server state (one that
+    writes checkpoints with ``checkpoints``)."""
 
     def __init__(
-        self, num_workers: int = 2, store_type: str = "dist_sync", init_timeout_s: float = 5.0
+        self,
+        num_workers: int = 2,
+        store_type: str = "dist_sync",
+        init_timeout_s: float = 5.0,
+        checkpoints: bool = False,
     ) -> None:
         ids = itertools.count()
         self.state = ServerState(
-            "server 0", num_workers, init_timeout_s, lambda name: Var(None, next(ids), name)
+            "server 0",
+            num_workers,
+            init_timeout_s,
+            lambda name: Var(None, next(ids), name),
+            checkpoints=checkpoints,
         )
         self.store_type = store_type
-        self.peers: list[Peer] = [
-            self.state.admit(worker, store_type, stream=True, session=f"session{worker}")
-            for worker in range(num_workers)
-        ]
         self.now = 0.0
+        #: The streams the state told the service to close (a newer one replaced them).
+        self.closed: list[Peer] = []
         self.replies: dict[tuple[int, int], Any] = {}
         self.failures: list[FailJob] = []
         self.checkpoints: list[Checkpoint] = []
@@ -63,9 +71,10 @@ class Players:
         self.lend = False
         #: (worker, seq) of each interim answer that a request's push was counted.
         self.counted: list[tuple[int, int]] = []
-        #: (worker, seq) of each request whose lent payloads were handed back, in order.
-        self.handed_back: list[tuple[int, int]] = []
+        #: (worker, seq) of each request whose lent payloads were given back, in order.
+        self.given_back: list[tuple[int, int]] = []
         self._seq = itertools.count(1)
+        self.peers: list[Peer] = [self._open(worker) for worker in range(num_workers)]
 
     # ---------------------------------------------------------------- requests
 
@@ -98,14 +107,14 @@ class Players:
         landing = self.state.header_arrived(peer, header)
         if self.lend and landing.read_in_place:
             buffers = [memoryview(bytes(buffer)) for buffer in buffers]  # read-only
-            landing.lend(buffers, lambda: self.handed_back.append((worker, seq)))
+            landing.lend(buffers, lambda: self.given_back.append((worker, seq)))
         else:
             for buffer, target in zip(buffers, landing.buffers, strict=True):
                 if target is not None:
                     memoryview(target).cast("B")[:] = buffer
         instructions = self.state.message_completed(peer, header, buffers, landing, self.now)
         if landing.lent is not None:  # as the service: nothing reads them any more
-            landing.lent()
+            landing.lent.give_back()
         self.run(instructions)
         return seq
 
@@ -136,9 +145,14 @@ class Players:
 
     def reconnect(self, worker: int) -> None:
         """Worker ``worker`` opens a new stream of its session (after a cut)."""
-        self.peers[worker] = self.state.admit(
+        self.peers[worker] = self._open(worker)
+
+    def _open(self, worker: int) -> Peer:
+        peer, instructions = self.state.admit(
             worker, self.store_type, stream=True, session=f"session{worker}"
         )
+        self.run(instructions)
+        return peer
 
     def tick(self, now: float, round_timeout_s: float = 10.0) -> None:
         self.now = now
@@ -197,15 +211,17 @@ class Players:
             self.failures.append(instruction)
         elif isinstance(instruction, Checkpoint):
             self.checkpoints.append(instruction)  # answered by :meth:`checkpoint_written`
+        elif isinstance(instruction, CloseStream):
+            self.closed.append(instruction.peer)
         else:  # pragma: no cover - a new instruction nobody taught this helper
             raise AssertionError(f"unknown instruction {instruction!r}")
 
     def _land(self, work: Land) -> None:
-        done, failed, released = land(work, self.state.updater)
+        done, failed, to_give_back = land(work, self.state.updater)
         if work.lent is not None:
-            work.lent()
-        for lent in released:
-            lent()
+            work.lent.give_back()
+        for lent in to_give_back:
+            lent.give_back()
         self.run(self.state.rounds_applied(done))
         for entry, round_no, exc in failed:
             self.run(self.state.update_failed(entry, round_no, exc))

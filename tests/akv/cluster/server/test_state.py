@@ -10,7 +10,7 @@ import pytest
 
 from akv import optimizer
 from akv.cluster.protocol import COUNTED, Op, encode_meta
-from akv.cluster.server.state import ServerEntry
+from akv.cluster.server.instructions import CloseStream, ServerEntry
 from akv.errors import (
     DoublePushError,
     DTypeMismatchError,
@@ -254,20 +254,52 @@ def test_a_new_stream_of_the_same_session_replaces_the_old_one_silently():
     assert players.failures == [] and players.state.workers_connected() == [0, 1]
 
 
+def test_admitting_a_reconnect_of_the_same_session_says_to_close_the_old_stream():
+    players = started(2)
+    old = players.peers[1]
+    new, todo = players.state.admit(1, "dist_sync", stream=True, session="session1")
+    assert todo == [CloseStream(old)]  # the service closes it; the state expects its end
+    assert new.id != old.id and new.worker == 1 and new.stream
+    assert players.state.peers == {players.peers[0].id: players.peers[0], new.id: new}
+    assert players.state.peer_lost(old, None, players.now) == []  # no goodbye, no loss
+    assert players.state.status()["workers_reconnecting"] == []
+    players.peers[1] = new
+    pull = players.pull(1, ["w"])  # the new stream serves the worker
+    np.testing.assert_array_equal(players.reply(1, pull)["w"], f32(0, 0))
+    players.lose(1)  # the new stream's own end is a cut like any other
+    assert players.state.status()["workers_reconnecting"] == [1]
+
+
+def test_a_reconnect_after_the_old_stream_ended_closes_nothing():
+    players = started(2)
+    players.lose(1, ConnectionResetError("cut"))
+    _, todo = players.state.admit(1, "dist_sync", stream=True, session="session1")
+    assert todo == [] and players.state.status()["workers_reconnecting"] == []
+
+
 def test_a_stream_of_another_session_for_a_connected_rank_is_refused():
     players = started(2)
+    peers = dict(players.state.peers)
     with pytest.raises(MembershipError, match="already connected"):
         players.state.admit(1, "dist_sync", stream=True, session="intruder")
+    with pytest.raises(MembershipError, match="already connected"):
+        players.state.admit(1, "dist_sync", stream=True)  # no session: never a reconnect
+    assert players.state.peers == peers and players.closed == []  # nothing changed
     players.lose(1)
     with pytest.raises(MembershipError, match="already connected"):
         players.state.admit(1, "dist_sync", stream=True, session="intruder")
+    assert players.state.status()["workers_reconnecting"] == [1]  # still its own to retake
 
 
 def test_no_stream_is_taken_after_the_job_failed():
     players = started(2)
     players.run(players.state.job_failed("worker 0 died"))
+    peers = dict(players.state.peers)
     with pytest.raises(MembershipError, match="the job failed"):
         players.reconnect(1)
+    assert players.state.peers == peers and players.closed == []  # the old stream stays
+    one_shot, todo = players.state.admit(1, "dist_sync", stream=False)  # still taken
+    assert not one_shot.stream and todo == []
 
 
 # ---------------------------------------------------------------- exactly once
@@ -457,8 +489,8 @@ def test_admission_names_what_does_not_fit():
         players.state.admit(2, "dist_sync", stream=True)
     with pytest.raises(InvalidArgumentError, match="unknown store type"):
         players.state.admit(1, "local", stream=False)
-    one_shot = players.state.admit(0, "dist_sync", stream=False)  # a single frame may come
-    assert not one_shot.stream and players.state.workers_connected() == [0, 1]
+    one_shot, todo = players.state.admit(0, "dist_sync", stream=False)  # one frame may come
+    assert not one_shot.stream and todo == [] and players.state.workers_connected() == [0, 1]
 
 
 # ---------------------------------------------------------------- the optimizer
@@ -732,17 +764,17 @@ def test_sync_pushes_read_in_place_are_answered_at_once_and_summed_out_of_the_se
     players.hold_updates = True
     first = players.push(0, {"w": f32(1, 2)}, tag=1)
     # Answered once counted: what it lent stays the server's until handed back.
-    assert players.reply(0, first) == OK and players.handed_back == []
+    assert players.reply(0, first) == OK and players.given_back == []
     players.finish_updates()
     entry = players.state.entries["w"]
     # The round's sum is the first push as it lies in worker 0's memory: not copied, and
     # held for the round.
     assert entry.merged is not None and not entry.merged.flags.writeable
-    assert players.handed_back == []
+    assert players.given_back == []
     second = players.push(1, {"w": f32(10, 20)}, tag=1)
     assert players.reply(1, second) == OK
     players.finish_updates()  # the sum of both, in one pass, into a buffer of the key's own
-    assert sorted(players.handed_back) == [(0, first), (1, second)]
+    assert sorted(players.given_back) == [(0, first), (1, second)]
     assert entry.merged is not None and entry.merged.flags.writeable
     np.testing.assert_array_equal(entry.merged, f32(11, 22))
     players.hold_updates = False
@@ -752,47 +784,47 @@ def test_sync_pushes_read_in_place_are_answered_at_once_and_summed_out_of_the_se
     assert all(buffer.flags.writeable for buffer in pooled(entry))
 
 
-def test_a_push_read_in_place_that_closes_its_round_is_copied_and_handed_back_at_once():
+def test_a_push_read_in_place_that_closes_its_round_is_copied_and_given_back_at_once():
     players = started(1)
     players.lend = True
     first = players.push(0, {"w": f32(1, 2)}, tag=1)
     entry = players.state.entries["w"]
-    assert players.handed_back == [(0, first)]
+    assert players.given_back == [(0, first)]
     np.testing.assert_array_equal(entry.value, f32(1, 2))
     assert entry.value.flags.writeable and entry.merged is None and entry.borrowed is None
 
 
-def test_a_frame_read_in_place_is_handed_back_once_every_round_it_started_moved_on():
+def test_a_frame_read_in_place_is_given_back_once_every_round_it_started_moved_on():
     players = started(2, a=f32(0, 0), w=f32(0, 0))
     players.lend = True
     both = players.push(0, {"a": f32(1, 1), "w": f32(2, 2)}, tag=1)
     a = players.push(1, {"a": f32(10, 10)}, tag=1)
-    assert players.handed_back == [(1, a)]  # "w"'s round still reads worker 0's frame
+    assert players.given_back == [(1, a)]  # "w"'s round still reads worker 0's frame
     w = players.push(1, {"w": f32(20, 20)}, tag=1)
-    assert sorted(players.handed_back) == sorted([(1, a), (0, both), (1, w)])
+    assert sorted(players.given_back) == sorted([(1, a), (0, both), (1, w)])
     np.testing.assert_array_equal(players.state.entries["a"].value, f32(11, 11))
     np.testing.assert_array_equal(players.state.entries["w"].value, f32(22, 22))
 
 
-def test_a_resent_push_read_in_place_is_handed_back_at_once():
+def test_a_resent_push_read_in_place_is_given_back_at_once():
     players = started(2)
     players.lend = True
     first = players.push(0, {"w": f32(1, 1)}, tag=1)
-    players.handed_back.clear()
+    players.given_back.clear()
     players.push(0, {"w": f32(1, 1)}, tag=1, seq=first)
-    assert players.handed_back == [(0, first)]  # counted before: nothing reads it
+    assert players.given_back == [(0, first)]  # counted before: nothing reads it
     assert players.reply(0, first) == OK
     assert all(buffer.flags.writeable for buffer in pooled(players.state.entries["w"]))
 
 
-def test_a_refused_push_read_in_place_is_handed_back_at_once():
+def test_a_refused_push_read_in_place_is_given_back_at_once():
     players = started(2)
     players.lend = True
     players.push(0, {"w": f32(1, 1)}, tag=1)
-    players.handed_back.clear()
+    players.given_back.clear()
     seq = players.push(0, {"w": f32(1, 1)}, tag=2)  # the same round again
     assert isinstance(players.reply(0, seq), DoublePushError)
-    assert players.handed_back == [(0, seq)]
+    assert players.given_back == [(0, seq)]
     assert all(buffer.flags.writeable for buffer in pooled(players.state.entries["w"]))
 
 
@@ -805,7 +837,7 @@ def test_async_pushes_read_in_place_become_values_of_their_own(with_updater):
         assert players.reply(0, players.send(0, Op.SET_OPTIMIZER, text=text)) == OK
     push = players.push(0, {"w": f32(1, 2)}, tag=1)
     assert players.reply(0, push) == OK
-    assert players.handed_back == [(0, push)]
+    assert players.given_back == [(0, push)]
     entry = players.state.entries["w"]
     np.testing.assert_array_equal(entry.value, f32(4, 3) if with_updater else f32(1, 2))
     assert entry.value.flags.writeable
@@ -836,7 +868,7 @@ def test_stored_values_leave_a_quarter_of_the_shared_regions_free():
         np.testing.assert_array_equal(entry.value, f32(11, 22))
     in_regions = [entry for entry in entries if book.holds(entry.value)]
     assert len(in_regions) == 48 and book.regions.regions == 48  # 3/4 of 64
-    assert book.reserve(8) is not None  # the last quarter is still there for answers
+    assert book.take(8) is not None  # the last quarter is still there for answers
     book.arena.close()
 
 
@@ -862,7 +894,7 @@ def test_a_lone_workers_push_is_copied_once_into_a_shared_region_and_stored_ther
         players.push(0, {"w": f32(step, 2 * step)}, tag=step)
         np.testing.assert_array_equal(entry.value, f32(step, 2 * step))
         assert book.holds(entry.value) and book.regions.regions == 1
-    assert players.handed_back == [(0, 2), (0, 3)]  # the pushes, read in place, went back
+    assert players.given_back == [(0, 2), (0, 3)]  # the pushes, read in place, went back
     book.arena.close()
 
 

@@ -1,0 +1,137 @@
+"""Which request frames a server takes: the checks of a frame's header against the keys
+the server holds, made before any payload is given memory or anything is counted, so that
+a refused frame costs its header and nothing proportional to the payload it declares.
+
+Plain functions that change nothing and do no I/O:
+:meth:`~akv.cluster.server.state.ServerState.header_arrived` calls :func:`check_frame`,
+and the state looks its keys and its optimizer up with :func:`entry_of` and
+:func:`require_updater`, which raise the errors a worker is answered with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from akv import optimizer as _optimizer
+from akv.args import Key
+from akv.cluster.protocol import Op, op_label
+from akv.cluster.server.instructions import Peer, ServerEntry
+from akv.errors import (
+    DuplicateInitError,
+    InvalidArgumentError,
+    KeyNotInitializedError,
+    OptimizerNotSetError,
+)
+from transport import ArrayInfo, FrameHeader
+
+__all__ = ["NO_ARRAY_OPS", "REQUEST_OPS", "check_frame", "entry_of", "require_updater"]
+
+#: The ops a worker may send a server.
+REQUEST_OPS = frozenset(op for op in Op if op not in (Op.REPLY, Op.DURABLE))
+#: The requests that carry no arrays (their meaning is in ``text``).
+NO_ARRAY_OPS = frozenset({Op.INIT_CHECK, Op.SET_OPTIMIZER, Op.SAVE_STATES, Op.CLOSE, Op.CHECKPOINT})
+
+
+def check_frame(
+    peer: Peer,
+    header: FrameHeader,
+    entries: Mapping[Key, ServerEntry],
+    updater: _optimizer.Updater | None,
+    server: str,
+) -> None:
+    """Raise the error that refuses a frame whose header does not fit its op.
+
+    A known op; arrays that fit it (keys present, of one kind, none named twice; a pull,
+    and a request without arrays, declare no payload); each pushed key initialized, with
+    its shape and dtype, so that no declared size exceeds the key's; an init only of keys
+    not held yet, unless it is the init that made them, resent; a load_states only with an
+    optimizer set. ``entries`` are the keys the server holds, ``updater`` its optimizer's,
+    ``server`` its name in messages.
+    """
+    op, arrays = header.op, header.arrays
+    label = op_label(op)
+    if op not in REQUEST_OPS:
+        raise InvalidArgumentError(
+            f"unknown op {op} from worker {peer.worker} ({len(arrays)} arrays, "
+            f"{header.payload_len} payload bytes): {server} refuses it"
+        )
+    if op in NO_ARRAY_OPS:
+        if arrays:
+            raise InvalidArgumentError(
+                f"{label} carries no arrays, but worker {peer.worker} sent {len(arrays)} "
+                f"({header.payload_len} payload bytes)"
+            )
+        return
+    if op == Op.LOAD_STATES:
+        if len(arrays) != 1 or arrays[0].key is not None or arrays[0].dtype != np.uint8:
+            raise InvalidArgumentError(
+                f"load_states carries one uint8 array without a key, got {len(arrays)} "
+                f"arrays ({', '.join(f'{a.key!r} {a.dtype}' for a in arrays[:3])})"
+            )
+        require_updater(updater, "load_optimizer_states", server)
+        return
+    kinds = set()
+    seen: set[Key] = set()
+    for index, info in enumerate(arrays):
+        key = info.key
+        if key is None:
+            raise InvalidArgumentError(
+                f"{label} from worker {peer.worker}: array {index} carries no key"
+            )
+        if key in seen:
+            raise InvalidArgumentError(
+                f"{label} names key {key!r} twice in one request (worker {peer.worker})"
+            )
+        seen.add(key)
+        kinds.add(type(key))
+        if len(kinds) > 1:
+            raise InvalidArgumentError(
+                f"{label} from worker {peer.worker} mixes int and str keys (key {key!r}): "
+                "a job's keys are all int or all str"
+            )
+        if op == Op.INIT:
+            held = entries.get(key)
+            if held is not None and not _resent_init(peer, header.seq, held, info):
+                raise DuplicateInitError(f"init key {key!r}: {server} already holds it", key=key)
+        elif op == Op.PULL:
+            entry_of(entries, key, "pull from", server)
+            if info.nbytes:
+                raise InvalidArgumentError(
+                    f"pull of key {key!r} from worker {peer.worker} declares "
+                    f"{info.nbytes} payload bytes: a pull carries none"
+                )
+        else:
+            entry_of(entries, key, "push to", server).check(info, "push to")
+
+
+def entry_of(
+    entries: Mapping[Key, ServerEntry], key: Key | None, what: str, server: str
+) -> ServerEntry:
+    """The key ``key`` of ``entries``; :class:`~akv.errors.KeyNotInitializedError` (naming
+    ``what`` was asked of it, and the server) when there is none."""
+    entry = entries.get(key) if key is not None else None
+    if entry is None:
+        raise KeyNotInitializedError(
+            f"{what} key {key!r}: the key was never initialized (on {server})", key=key
+        )
+    return entry
+
+
+def require_updater(
+    updater: _optimizer.Updater | None, what: str, server: str
+) -> _optimizer.Updater:
+    """``updater``; :class:`~akv.errors.OptimizerNotSetError` when no optimizer is set."""
+    if updater is None:
+        raise OptimizerNotSetError(
+            f"{what}: no optimizer is set on {server} (call set_optimizer first)"
+        )
+    return updater
+
+
+def _resent_init(peer: Peer, seq: int, entry: ServerEntry, info: ArrayInfo) -> bool:
+    """Whether an init of ``entry``'s key is the one that made it, sent again after a
+    reconnect (or to a server restored from a checkpoint), with the same shape and dtype."""
+    resent = entry.made_by is None or (bool(peer.session) and entry.made_by == (peer.session, seq))
+    return resent and entry.shape == tuple(info.shape) and entry.dtype == info.dtype

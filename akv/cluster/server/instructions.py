@@ -1,0 +1,262 @@
+"""What a server's state and its service say to each other: who asks (:class:`Peer`), about
+which keys (:class:`ServerEntry`, :class:`PullTicket`, :class:`InitWait`), and what the
+service is to do (the instructions).
+
+:class:`~akv.cluster.server.state.ServerState` takes events (its methods) and returns
+instructions; the service (:mod:`akv.cluster.server.service`) carries them out:
+
+==========================  ==========================================================
+instruction                 what the service does
+==========================  ==========================================================
+:class:`Reply`              answer a request "done"
+:class:`ReplyError`         answer a request with an error
+:class:`Land`               merge pushes into their rounds and apply the rounds they
+                            close (array work, in one engine task)
+:class:`SendValues`         answer a pull with values
+:class:`InstallOptimizer`,  optimizer work on the keys, after their earlier writes
+:class:`SaveStates`,
+:class:`LoadStates`
+:class:`Checkpoint`         write a checkpoint, then answer the request
+:class:`CloseStream`        close a stream that a newer one of its worker replaced
+:class:`Durable`            tell a worker what the last checkpoint holds (from
+                            :class:`~akv.cluster.server.checkpointing.Checkpoints`)
+:class:`FailJob`            the job failed: log it, tell the scheduler who vanished
+==========================  ==========================================================
+
+Plain data, no I/O. A :class:`ServerEntry` is the key as the server holds it: its rounds
+(:class:`~akv.cluster.server.rounds.KeyRounds`) and what made it, on top of its buffers
+(:class:`~akv.cluster.server.buffers.RegionEntry`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from akv import optimizer as _optimizer
+from akv.args import Key
+from akv.cluster.server.buffers import Lent, RegionEntry
+from akv.cluster.server.rounds import KeyRounds
+from akv.errors import AKVError
+from akv.keys import VarFactory
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointPlan",
+    "CloseStream",
+    "Durable",
+    "FailJob",
+    "InitWait",
+    "InstallOptimizer",
+    "Instruction",
+    "Land",
+    "LoadStates",
+    "Peer",
+    "PullTicket",
+    "Reply",
+    "ReplyError",
+    "SaveStates",
+    "SendValues",
+    "ServerEntry",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """One way a worker sends requests: its stream, or a single HTTP request.
+    ``session``: the worker process's id (its node id; empty for a sender without one)."""
+
+    worker: int
+    id: int
+    stream: bool = True
+    session: str = ""
+
+
+class ServerEntry(RegionEntry):
+    """A key (or this server's part of a split key) as the server holds it: its buffers
+    (:class:`~akv.cluster.server.buffers.RegionEntry`), its rounds, and the init that
+    made it."""
+
+    __slots__ = ("durable", "made_by", "rounds")
+
+    def __init__(
+        self,
+        key: Key,
+        value: np.ndarray,
+        new_var: VarFactory,
+        sync: bool,
+        num_workers: int,
+        made_by: tuple[str, int] | None = None,
+    ) -> None:
+        super().__init__(key, value, new_var)
+        self.rounds: KeyRounds[PullTicket] = KeyRounds(key, num_workers, sync)
+        #: The (session, request number) of the init that made the key; None when it was
+        #: restored from a checkpoint (then any init of it is a resent one).
+        self.made_by = made_by
+        #: A checkpoint holds the key (always True without checkpoints).
+        self.durable = True
+
+
+@dataclass(eq=False)
+class PullTicket:
+    """A pull (or the pull half of a pushpull) waiting for rounds to be applied."""
+
+    peer: Peer
+    seq: int
+    entries: list[ServerEntry]
+    remaining: int = 0
+    answered: bool = False
+
+
+@dataclass(eq=False)
+class InitWait:
+    """Another worker's init, waiting for rank 0's values of its keys."""
+
+    peer: Peer
+    seq: int
+    items: list[tuple[Key, tuple[int, ...], str]]
+    deadline: float
+
+
+# ---------------------------------------------------------------------- instructions
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Answer request ``seq`` of ``peer``: done, with no arrays. ``counted``: an interim
+    answer that its push was counted (the request's own answer follows)."""
+
+    peer: Peer
+    seq: int
+    counted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyError:
+    """Answer request ``seq`` of ``peer`` with ``error``. ``cause`` is an unexpected
+    exception behind it (the service logs it with its traceback)."""
+
+    peer: Peer
+    seq: int
+    error: AKVError
+    cause: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Land:
+    """One frame's pushes: add ``merges`` (entry, buffer, first of its round, and what
+    lent the buffer when the round's sum is to be that buffer as it lies) to their rounds'
+    sums, then apply ``closing`` (entry, buffer or None for the merge buffer, round), in
+    one task that writes every key in ``entries``. Report the outcome with
+    :meth:`ServerState.rounds_applied` and :meth:`ServerState.update_failed`, let go of
+    ``lent`` (the payloads read in place) and of what the task says its sums no longer
+    hold, and send ``reply`` (see :meth:`ServerState.push_applied`) afterwards."""
+
+    entries: tuple[ServerEntry, ...]
+    merges: tuple[tuple[ServerEntry, np.ndarray, bool, Lent | None], ...]
+    closing: tuple[tuple[ServerEntry, np.ndarray | None, int], ...]
+    inline: bool
+    reply: Reply | None = None
+    lent: Lent | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SendValues:
+    """Answer ``ticket`` with its keys' values, read in order after earlier writes.
+    ``copy``: small enough to copy and send at once (else send the stored arrays and
+    hold them for reading until the bytes left)."""
+
+    ticket: PullTicket
+    copy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class InstallOptimizer:
+    """After every earlier write to ``entries``, call
+    :meth:`ServerState.install_optimizer` with these, then reply."""
+
+    peer: Peer
+    seq: int
+    optimizer: _optimizer.Optimizer
+    config: dict[str, Any]
+    entries: tuple[ServerEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveStates:
+    """After earlier writes to ``entries``, answer with ``updater``'s states as one uint8
+    array (``dump``: with the optimizer's configuration)."""
+
+    peer: Peer
+    seq: int
+    updater: _optimizer.Updater
+    dump: bool
+    entries: tuple[ServerEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStates:
+    """After earlier writes to ``entries``, load ``data`` into ``updater``, then reply."""
+
+    peer: Peer
+    seq: int
+    updater: _optimizer.Updater
+    data: bytes
+    entries: tuple[ServerEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """Write a checkpoint now, and answer request ``seq`` of ``peer`` (a checkpoint request,
+    or an init) once it holds everything so far."""
+
+    peer: Peer
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class FailJob:
+    """The job failed for ``reason``: log it, and tell the scheduler that ``lost_worker``
+    vanished (``detail`` says how) when that is the cause."""
+
+    reason: str
+    lost_worker: int | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CloseStream:
+    """Close ``peer``'s stream: the same worker opened a newer one (it reconnected before
+    the server saw the old one end). Its end is no loss: the state expects it."""
+
+    peer: Peer
+
+
+@dataclass(frozen=True, slots=True)
+class Durable:
+    """Tell ``peer``'s worker that the last checkpoint holds each of its requests numbered
+    below ``seq`` (a ``DURABLE`` frame): it drops the pushes it kept for a restart."""
+
+    peer: Peer
+    seq: int
+
+
+Instruction: TypeAlias = (
+    "Reply | ReplyError | Land | SendValues | InstallOptimizer | SaveStates | LoadStates "
+    "| Checkpoint | FailJob | CloseStream | Durable"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointPlan:
+    """What a checkpoint holds, decided on the loop when it is asked for: each key with its
+    durable rounds (:meth:`KeyRounds.durable`), read once every earlier write finished; and
+    per worker, the request number below which each of its requests is in it."""
+
+    entries: tuple[tuple[ServerEntry, int, dict[int, int], dict[int, int]], ...]
+    durable_seqs: dict[int, int]
+    store_type: str | None
+    optimizer_config: dict[str, Any] | None
+    updater: _optimizer.Updater | None

@@ -1,0 +1,315 @@
+"""When a server writes its checkpoints and what it tells whom (``checkpointing.Checkpoints``),
+driven through its narrow interface: a real server state (played by ``Players``), a fake
+of the two things it asks of the server, and real files in ``tmp_path``."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from akv import optimizer
+from akv.cluster.protocol import Op, encode_meta
+from akv.cluster.server import checkpointing
+from akv.cluster.server.checkpoint import KeyRecord, Snapshot, read_snapshot, write_snapshot
+from akv.cluster.server.checkpointing import Checkpoints, Copied, copy_plan
+from akv.cluster.server.instructions import (
+    Checkpoint,
+    CheckpointPlan,
+    Durable,
+    Instruction,
+    Reply,
+    ReplyError,
+)
+from akv.cluster.server.state import ServerState
+from akv.errors import CheckpointError
+from engine import Var
+from tests.akv.cluster.cluster import wait_until
+from tests.akv.cluster.server.players import Players
+
+pytestmark = pytest.mark.timeout(30)
+
+RANK = 3
+
+
+def f32(*values: float) -> np.ndarray:
+    return np.array(values, np.float32)
+
+
+class FakeServer:
+    """What ``Checkpoints`` asks of a server, done at once: a plan's values are copied
+    (after ``gate``, when set), and each instruction is noted with the generation of the
+    checkpoint on disk when it came."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.executed: list[Instruction] = []
+        self.on_disk: list[int | None] = []
+        self.copies = 0
+        self.gate: asyncio.Event | None = None
+
+    async def copy_values(self, plan: CheckpointPlan) -> Copied:
+        self.copies += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        return copy_plan(plan)
+
+    def execute(self, instructions: Sequence[Instruction]) -> None:
+        for instruction in instructions:
+            snapshot = read_snapshot(self.directory, RANK)
+            self.executed.append(instruction)
+            self.on_disk.append(None if snapshot is None else snapshot.generation)
+
+    def told(self, kind: type) -> list[Any]:
+        """The instructions of ``kind`` executed so far, in order."""
+        return [i for i in self.executed if isinstance(i, kind)]
+
+    def disk_when(self, instruction: Instruction) -> int | None:
+        """The checkpoint on disk when ``instruction`` was executed."""
+        return self.on_disk[self.executed.index(instruction)]
+
+
+Opener = Callable[..., tuple[Checkpoints, FakeServer]]
+
+
+@pytest.fixture
+def opened(tmp_path: Path) -> Iterator[Opener]:
+    """Makes the checkpoints of a state, in ``tmp_path``; unlocks them all at the end."""
+    made: list[Checkpoints] = []
+
+    def open_(
+        state: ServerState, num_workers: int = 2, interval_s: float = 3600.0
+    ) -> tuple[Checkpoints, FakeServer]:
+        server = FakeServer(tmp_path)
+        checkpoints = Checkpoints(
+            state,
+            server,
+            directory=tmp_path,
+            rank=RANK,
+            num_workers=num_workers,
+            interval_s=interval_s,
+        )
+        made.append(checkpoints)
+        return checkpoints, server
+
+    yield open_
+    for checkpoints in made:
+        checkpoints.close()
+
+
+def started() -> Players:
+    players = Players(2)
+    players.init(0, {"w": f32(0, 0)})
+    return players
+
+
+def on_disk(directory: Path) -> Snapshot:
+    snapshot = read_snapshot(directory, RANK)
+    assert snapshot is not None, "no checkpoint on disk"
+    return snapshot
+
+
+# ---------------------------------------------------------------------- when one is written
+
+
+async def test_a_checkpoint_is_written_only_when_something_changed_since_the_last(opened, tmp_path):
+    players = started()
+    checkpoints, server = opened(players.state)
+    assert checkpoints.restore() is None  # none yet: the first write is the first one
+    await checkpoints.final()
+    assert checkpoints.generation == on_disk(tmp_path).generation == 1
+    await checkpoints.final()  # nothing changed since
+    players.pull(0, ["w"])  # reading changes nothing either
+    await checkpoints.final()
+    assert server.copies == 1 and on_disk(tmp_path).generation == 1
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    await checkpoints.final()
+    assert checkpoints.generation == on_disk(tmp_path).generation == 2
+    assert server.copies == 2
+
+
+async def test_the_interval_writes_a_checkpoint_only_after_a_change(opened):
+    players = started()
+    checkpoints, server = opened(players.state, interval_s=0.01)
+    checkpoints.restore()
+    timer = asyncio.create_task(checkpoints.every_interval())
+    try:
+        await wait_until(lambda: checkpoints.generation == 1, "the first checkpoint")
+        await asyncio.sleep(0.2)  # about twenty intervals, idle
+        assert checkpoints.generation == 1 and server.copies == 1
+        players.push(0, {"w": f32(1, 1)}, tag=1)
+        await wait_until(lambda: checkpoints.generation == 2, "a checkpoint after the push")
+    finally:
+        timer.cancel()
+
+
+# ---------------------------------------------------------------------- answers
+
+
+async def test_a_checkpoint_request_is_answered_once_the_file_holds_what_it_asked_for(
+    opened, tmp_path
+):
+    players = Players(2, checkpoints=True)
+    init = players.init(0, {"w": f32(1, 2)})
+    assert players.waiting(0, init)  # a new key is answered once a checkpoint holds it
+    checkpoints, server = opened(players.state)
+    checkpoints.restore()
+    (asked,) = players.checkpoints
+    assert asked == Checkpoint(players.peers[0], init)
+    await checkpoints.on_request(asked)
+    answer = Reply(players.peers[0], init)
+    assert server.told(Reply) == [answer] and server.disk_when(answer) == 1
+    (record,) = on_disk(tmp_path).keys
+    assert record.key == "w"
+    np.testing.assert_array_equal(record.value, f32(1, 2))
+
+    request = players.send(1, Op.CHECKPOINT)  # a worker whose kept pushes grew too large
+    await checkpoints.on_request(players.checkpoints[-1])
+    answer = Reply(players.peers[1], request)
+    assert server.told(Reply)[-1] == answer and server.disk_when(answer) == 2
+
+
+async def test_other_workers_init_checks_are_answered_once_a_checkpoint_holds_the_key(opened):
+    players = Players(2, checkpoints=True)
+    init = players.init(0, {"w": f32(1, 2)})
+    check = players.send(1, Op.INIT_CHECK, text=encode_meta([("w", (2,), "float32")]))
+    assert players.waiting(1, check)  # the key exists, but a restart would not have it
+    checkpoints, server = opened(players.state)
+    checkpoints.restore()
+    await checkpoints.on_request(players.checkpoints[0])
+    answers = server.told(Reply)
+    assert set(answers) == {Reply(players.peers[1], check), Reply(players.peers[0], init)}
+    assert {server.disk_when(answer) for answer in answers} == {1}
+
+
+async def test_requests_that_come_during_a_write_are_answered_by_the_next_one(opened):
+    players = Players(2, checkpoints=True)
+    init = players.init(0, {"w": f32(1, 2)})
+    checkpoints, server = opened(players.state)
+    checkpoints.restore()
+    server.gate = asyncio.Event()
+    first = asyncio.create_task(checkpoints.on_request(players.checkpoints[0]))
+    await wait_until(lambda: server.copies == 1, "the first write copying")
+    request = players.send(1, Op.CHECKPOINT)
+    await checkpoints.on_request(players.checkpoints[-1])  # returns: the first one serves it
+    assert server.told(Reply) == []
+    server.gate.set()
+    await first
+    early, late = Reply(players.peers[0], init), Reply(players.peers[1], request)
+    assert server.told(Reply) == [early, late]
+    assert server.disk_when(early) == 1 and server.disk_when(late) == 2
+    assert server.copies == 2
+
+
+async def test_a_failed_write_answers_each_request_with_its_error_and_keeps_the_last(
+    opened, tmp_path, monkeypatch
+):
+    players = Players(2, checkpoints=True)
+    init = players.init(0, {"w": f32(1, 2)})
+    checkpoints, server = opened(players.state)
+    checkpoints.restore()
+
+    def full(directory: Path, snapshot: Snapshot) -> Path:
+        raise CheckpointError(f"cannot write {directory}: no space left")
+
+    monkeypatch.setattr(checkpointing, "write_snapshot", full)
+    await checkpoints.on_request(players.checkpoints[0])
+    (answer,) = server.executed
+    assert isinstance(answer, ReplyError) and (answer.peer, answer.seq) == (players.peers[0], init)
+    assert "no space left" in str(answer.error)
+    assert checkpoints.generation == 0 and read_snapshot(tmp_path, RANK) is None
+    assert not players.state.entries["w"].durable  # still not answered for
+
+
+# ---------------------------------------------------------------------- DURABLE
+
+
+async def test_durable_tells_each_connected_worker_which_of_its_requests_the_file_holds(
+    opened, tmp_path
+):
+    players = started()
+    checkpoints, server = opened(players.state)
+    checkpoints.restore()
+    checkpoints.tell(players.peers[0])
+    assert server.executed == []  # no checkpoint yet: nothing to say
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    closing = players.push(1, {"w": f32(2, 2)}, tag=1)  # round 1 is complete
+    still_open = players.push(0, {"w": f32(3, 3)}, tag=2)  # round 2 waits for worker 1
+    await checkpoints.final()
+    first, second = players.peers
+    # Worker 0's open push is not in the values: it is to keep it (resend it on a restart).
+    expected = [Durable(first, still_open), Durable(second, closing + 1)]
+    assert server.told(Durable) == expected
+    assert on_disk(tmp_path).durable_seqs == {0: still_open, 1: closing + 1}
+
+    players.reconnect(1)  # a new stream hears it at once
+    checkpoints.tell(players.peers[1])
+    assert server.executed[-1] == Durable(players.peers[1], closing + 1)
+
+
+# ---------------------------------------------------------------------- restoring
+
+
+def stored_snapshot(directory: Path, num_workers: int = 2) -> Snapshot:
+    snapshot = Snapshot(
+        rank=RANK,
+        num_workers=num_workers,
+        store_type="dist_sync",
+        generation=7,
+        keys=[KeyRecord("w", f32(3, 4), 5, {0: 5, 1: 4}, {0: 5, 1: 4})],
+        optimizer_config=optimizer.SGD(learning_rate=0.5).get_config(),
+        optimizer_states=None,
+        durable_seqs={0: 12, 1: 9},
+    )
+    write_snapshot(directory, snapshot)
+    return snapshot
+
+
+def fresh_state() -> ServerState:
+    ids = itertools.count()
+    return ServerState(
+        "server 3", 2, 5.0, lambda name: Var(None, next(ids), name), checkpoints=True
+    )
+
+
+async def test_a_restore_feeds_the_state_what_the_checkpoint_holds(opened, tmp_path):
+    stored = stored_snapshot(tmp_path)
+    state = fresh_state()
+    checkpoints, server = opened(state)
+    restored = checkpoints.restore()
+    assert restored is not None and restored.generation == 7
+    assert state.store_type == "dist_sync"
+    entry = state.entries["w"]
+    np.testing.assert_array_equal(entry.value, f32(3, 4))
+    assert entry.rounds.closed_round == 5 and entry.made_by is None  # any init is a resend
+    assert state.optimizer_config == stored.optimizer_config and state.updater is not None
+    assert state.checkpoint_plan().durable_seqs == {0: 12, 1: 9}
+    assert checkpoints.durable_seqs == {0: 12, 1: 9}
+    state.validate()
+    await checkpoints.final()  # nothing changed since the restore: nothing to write
+    assert server.copies == 0
+    assert await checkpoints.write() == 8  # the numbering goes on
+
+
+async def test_a_checkpoint_of_a_job_with_another_number_of_workers_is_refused(opened, tmp_path):
+    stored_snapshot(tmp_path, num_workers=3)
+    state = fresh_state()
+    checkpoints, _ = opened(state)
+    with pytest.raises(CheckpointError, match="3 workers, this job has 2"):
+        checkpoints.restore()
+    assert state.entries == {}
+
+
+def test_a_rank_is_restored_by_one_process_at_a_time(opened):
+    first, _ = opened(fresh_state())
+    second, _ = opened(fresh_state())
+    first.restore()
+    with pytest.raises(CheckpointError, match="locked by another process"):
+        second.restore()
+    first.close()  # as when the first server stopped
+    assert second.restore() is None
