@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import akv
+import akv.exits
 from akv.exits import (
     MAX_REASON_CHARS,
     Terminated,
@@ -58,8 +59,17 @@ def test_the_reason_names_the_exception_or_the_signal():
     assert len(long) == MAX_REASON_CHARS and long.endswith("...")
 
 
+@pytest.fixture(autouse=True)
+def default_sigterm(monkeypatch):
+    """Each test starts from the default SIGTERM handler and no store holding it (stores
+    that earlier tests left open keep theirs), and leaves the handler as it found it."""
+    monkeypatch.setattr(akv.exits, "_HOLDER", akv.exits._SigtermHolder())
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
 def test_sigterm_raises_terminated_while_a_store_holds_it_then_the_default_comes_back():
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert sigterm_raises() and sigterm_raises()  # two stores
     try:
         with pytest.raises(Terminated) as info:
