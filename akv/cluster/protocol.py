@@ -46,6 +46,7 @@ from enum import IntEnum
 from typing import Final
 
 from akv import errors
+from transport import parse_json
 
 __all__ = [
     "CLIENT_HEADER",
@@ -200,10 +201,12 @@ def decode_meta(text: str) -> list[tuple[int | str, tuple[int, ...], str]]:
     Raises
     ------
     InvalidArgumentError
-        When ``text`` is not a list of ``[key, shape, dtype]`` with int or str keys.
+        When ``text`` is not a list of ``[key, shape, dtype]`` with int or str keys, or
+        not strict JSON (:func:`transport.parse_json`: no NaN, no overflowing number, no
+        nesting past its depth), never with a traceback of its own.
     """
     try:
-        items = json.loads(text)
+        items = parse_json(text)
         decoded = [(key, tuple(int(n) for n in shape), str(dtype)) for key, shape, dtype in items]
     except (ValueError, TypeError) as exc:
         raise errors.InvalidArgumentError(f"malformed init_check request: {exc}") from None

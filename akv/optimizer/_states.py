@@ -32,6 +32,7 @@ import numpy as np
 from akv.arrays import is_cupy, to_host
 from akv.errors import InvalidArgumentError, MixedKeyKindsError, StateFormatError
 from akv.optimizer._base import Index, State
+from transport import parse_json
 
 __all__ = [
     "STATE_FORMAT_NAME",
@@ -255,7 +256,7 @@ def _read_structure(archive: zipfile.ZipFile) -> dict[str, Any]:
             f"MAX_STRUCTURE_BYTES ({MAX_STRUCTURE_BYTES})"
         )
     try:
-        structure = json.loads(archive.read(info).decode("utf-8"))
+        structure = parse_json(archive.read(info))
     except (*_ZIP_ERRORS, UnicodeDecodeError) as exc:
         raise StateFormatError(f"optimizer states: unreadable {STRUCTURE_MEMBER}: {exc}") from exc
     if not isinstance(structure, dict):

@@ -96,26 +96,23 @@ def check_frame(
             if held is not None and not _resent_init(peer, header.seq, held, info):
                 raise DuplicateInitError(f"init key {key!r}: {server} already holds it", key=key)
         elif op == Op.PULL:
-            entry_of(entries, key, "pull from", server)
+            entry_of(entries, key, "pull from")
             if info.nbytes:
                 raise InvalidArgumentError(
                     f"pull of key {key!r} from worker {peer.worker} declares "
                     f"{info.nbytes} payload bytes: a pull carries none"
                 )
         else:
-            entry_of(entries, key, "push to", server).check(info, "push to")
+            entry_of(entries, key, "push to").check(info, "push to")
 
 
-def entry_of(
-    entries: Mapping[Key, ServerEntry], key: Key | None, what: str, server: str
-) -> ServerEntry:
+def entry_of(entries: Mapping[Key, ServerEntry], key: Key | None, what: str) -> ServerEntry:
     """The key ``key`` of ``entries``; :class:`~akv.errors.KeyNotInitializedError` (naming
-    ``what`` was asked of it, and the server) when there is none."""
+    ``what`` was asked of it) when there is none. The worker that gets the error adds which
+    server answered it (:func:`akv.cluster.protocol.error_from_status`)."""
     entry = entries.get(key) if key is not None else None
     if entry is None:
-        raise KeyNotInitializedError(
-            f"{what} key {key!r}: the key was never initialized (on {server})", key=key
-        )
+        raise KeyNotInitializedError(f"{what} key {key!r}: the key was never initialized", key=key)
     return entry
 
 

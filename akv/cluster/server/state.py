@@ -31,7 +31,6 @@ its round and the pulls that read the result keep their order.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -73,7 +72,7 @@ from akv.errors import (
 )
 from akv.keys import VarFactory
 from akv.limits import INLINE_MAX_BYTES, RECONNECT_GRACE_S, SMALL_REPLY_BYTES
-from transport import FrameHeader
+from transport import FrameHeader, parse_json
 
 __all__ = ["ServerState"]
 
@@ -377,7 +376,7 @@ class ServerState:
         raise InvalidArgumentError(f"unknown op {op}")
 
     def _entry(self, key: Key | None, what: str) -> ServerEntry:
-        return entry_of(self.entries, key, what, self.name)
+        return entry_of(self.entries, key, what)
 
     def _push(
         self, peer: Peer, header: FrameHeader, landing: Landing, now: float
@@ -549,7 +548,7 @@ class ServerState:
 
     def _set_optimizer(self, peer: Peer, seq: int, text: str) -> list[Instruction]:
         try:
-            config = json.loads(text)
+            config = parse_json(text)
         except ValueError as exc:
             raise InvalidArgumentError(f"optimizer configuration is not JSON: {exc}") from None
         if not isinstance(config, dict):
@@ -576,7 +575,7 @@ class ServerState:
 
     def _save_states(self, peer: Peer, seq: int, text: str) -> list[Instruction]:
         try:
-            request = json.loads(text or "{}")
+            request = parse_json(text or "{}")
             dump = bool(request.get("dump_optimizer", False))
         except (ValueError, AttributeError) as exc:
             raise InvalidArgumentError(f"malformed save_states request: {exc}") from None
@@ -709,9 +708,8 @@ class ServerState:
             if rounds.waiting_tickets() and rounds.overdue(now, round_timeout_s):
                 error = RoundTimeoutError(
                     f"round {rounds.open_round} of key {entry.key!r} waited "
-                    f"{round_timeout_s:g} s for pushes from workers {rounds.missing()} "
-                    f"(on {self.name})"
-                )
+                    f"{round_timeout_s:g} s for pushes from workers {rounds.missing()}"
+                )  # the worker adds which server answered (error_from_status)
                 out.extend(self._fail_tickets(rounds.take_waiting(), error))
         still = []
         for wait in self._init_waits:

@@ -650,8 +650,10 @@ async def test_a_round_that_times_out_names_the_workers_that_did_not_push():
         with pytest.raises(
             akv.RoundTimeoutError,
             match=r"round 1 of key 'w' waited 1 s for pushes from workers \[1\]",
-        ):
+        ) as info:
             await first.pull("w")
+        assert re.search(r" \(on server 0 at 127\.0\.0\.1:\d+\)$", str(info.value))
+        assert str(info.value).count("server 0") == 1, str(info.value)
         await asyncio.gather(first.close(), second.close())
 
 

@@ -64,6 +64,9 @@ class Players:
         #: The streams the state told the service to close (a newer one replaced them).
         self.closed: list[Peer] = []
         self.replies: dict[tuple[int, int], Any] = {}
+        #: Exceptions behind error answers that the state did not expect (logged with a
+        #: traceback by the service): a client's mistake never adds one.
+        self.unexpected: list[BaseException] = []
         self.failures: list[FailJob] = []
         self.checkpoints: list[Checkpoint] = []
         self.held: list[Land] = []
@@ -189,6 +192,8 @@ class Players:
             self._answer(instruction.peer, instruction.seq, OK)
         elif isinstance(instruction, ReplyError):
             self._answer(instruction.peer, instruction.seq, instruction.error)
+            if instruction.cause is not None:  # the service logs it with its traceback
+                self.unexpected.append(instruction.cause)
         elif isinstance(instruction, Land):
             if self.hold_updates:
                 self.held.append(instruction)

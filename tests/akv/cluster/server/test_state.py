@@ -203,6 +203,28 @@ def test_a_malformed_init_check_is_refused():
     assert isinstance(error, InvalidArgumentError) and "init_check" in str(error)
 
 
+#: Texts a hostile or broken client may put in a frame: numbers JSON cannot hold as a
+#: float, NaN, nesting deep enough to exhaust Python's recursion, not JSON at all.
+HOSTILE_TEXTS = {
+    "overflow": '{"name": "sgd", "learning_rate": 1e999}',
+    "nan": '{"name": "sgd", "learning_rate": NaN}',
+    "deep": "[" * 100_000 + "]" * 100_000,
+    "truncated": '{"name": "sgd"',
+}
+
+
+@pytest.mark.parametrize("text", list(HOSTILE_TEXTS.values()), ids=list(HOSTILE_TEXTS))
+@pytest.mark.parametrize("op", [Op.INIT_CHECK, Op.SET_OPTIMIZER, Op.SAVE_STATES])
+def test_a_hostile_text_in_a_frame_is_a_typed_refusal_without_a_traceback(op, text):
+    players = Players(2)
+    players.init(0, {"w": np.zeros(2, np.float32)})
+    players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.1))
+    error = players.reply(1, players.send(1, op, text=text))
+    assert isinstance(error, InvalidArgumentError), error
+    assert players.unexpected == []  # a client's mistake: nothing for the log's traceback
+    assert players.reply(0, players.push(0, {"w": np.ones(2, np.float32)}, tag=1)) == OK
+
+
 # ---------------------------------------------------------------- deadlines and failures
 
 
