@@ -466,7 +466,9 @@ class Roster:
         if reporter == LAUNCHER_REPORTER or (peer is not None and peer.node_id == reporter):
             reason = f"{name} {detail}"
         else:
-            reason = f"{name} disconnected from {reporter} without closing: {detail}"
+            # A worker reports by its node id (a session's random hex): named as a node.
+            seen_by = self.nodes[reporter].describe() if reporter in self.nodes else reporter
+            reason = f"{name} disconnected from {seen_by} without closing: {detail}"
         if self.fail(reason):
             return self.failure
         return None

@@ -165,6 +165,15 @@ def test_a_disconnect_reported_by_a_server_fails_the_job_unless_the_worker_finis
     assert roster.lost("server 0", "worker", 1, "again") is None  # reported once
 
 
+def test_a_node_that_reports_by_its_node_id_is_named_as_a_node_not_by_the_id():
+    roster = full_roster()
+    failure = roster.lost("w-a", "server", 0, "connection reset")
+    assert failure == (
+        "server 0 (pid 10 on 127.0.0.1) disconnected from worker 0 (pid 12 on 127.0.0.1) "
+        "without closing: connection reset"
+    )
+
+
 def test_after_a_failure_registrations_and_barriers_are_refused_with_the_reason():
     roster = full_roster()
     roster.fail("server 0 (pid 10 on 127.0.0.1) sent no heartbeat")
