@@ -584,8 +584,7 @@ class ParameterServer:
         """The shared memory of the stream to answer ``ticket`` on, when the answer is large
         enough to be staged there by a thread (:meth:`_send_staged`); else None."""
         link = self.links.get(ticket.peer.id)
-        protocol = getattr(link, "protocol", None)
-        shared = None if protocol is None else protocol.shared
+        shared = link.protocol.shared if isinstance(link, _StreamLink) else None
         if shared is None or shared.book is None:
             return None
         if sum(entry.nbytes for entry in ticket.entries) < STAGED_REPLY_MIN_BYTES:
