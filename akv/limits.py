@@ -155,6 +155,19 @@ STARTUP_MARGIN_S = 2.0
 #: body sent nothing this long, is closed (seconds). A worker's upgraded stream is never
 #: closed for being idle. ``AKV_IDLE_TIMEOUT_S``.
 IDLE_TIMEOUT_S = 10.0
-#: Connections one IP address may hold open at once to a server or the scheduler (streams
-#: included); more are closed as soon as they are accepted. ``AKV_MAX_CONNECTIONS_PER_PEER``.
-MAX_CONNECTIONS_PER_PEER = 64
+#: Authenticated connections (a request on them carried the job's token) one IP address may
+#: hold open at once to a server or the scheduler, streams included: a bound on a buggy
+#: process of the job (about 3 per process on a host). A new connection from an address
+#: that holds this many is closed as soon as it is accepted; connections without the token
+#: never count against it. It also caps :data:`MAX_STRANGERS_PER_PEER` (before issue #24 it
+#: bounded every connection of an address together, at 64). ``AKV_MAX_CONNECTIONS_PER_PEER``.
+MAX_CONNECTIONS_PER_PEER = 256
+#: Connections that have not (yet) sent a request with the token, per IP address, each for
+#: the idle timeout at most. A new connection that finds them all taken is on probation:
+#: closed unless it sends a request with the token within half a second (a job's own
+#: connection sends one at once; ``transport.DEFAULT_PROBATION_S``).
+#: ``AKV_MAX_STRANGERS_PER_PEER``.
+MAX_STRANGERS_PER_PEER = 64
+#: The same, all addresses together: bounds the descriptors strangers hold whatever
+#: addresses they come from. ``AKV_MAX_STRANGERS``.
+MAX_STRANGERS = 256

@@ -7,9 +7,10 @@
 * :func:`create_app` / :func:`serve` / :class:`HttpClient`: aiohttp for the control plane
   (routing, token authentication in constant time, body limits, status codes:
   :mod:`transport._http_server`, :mod:`transport._http_client`), bounds on what a hostile
-  peer may hold (idle and slow connections time out, connections per address are capped:
-  :mod:`transport._http_guard`), logs that never show the token
-  (:mod:`transport._http_log`), TLS (:mod:`transport._tls`).
+  peer may hold (idle and slow connections time out; connections without the token are
+  capped per address and in all, apart from the authenticated ones, which they never
+  displace: :mod:`transport._http_guard`, deciding with :mod:`transport._admission`), logs
+  that never show the token (:mod:`transport._http_log`), TLS (:mod:`transport._tls`).
 * :func:`parse_json`: the strict JSON decoder for whatever peers send (no I/O:
   :mod:`transport._json`).
 * :func:`stream_route` / :func:`open_stream` / :class:`StreamProtocol`: an authenticated
@@ -33,6 +34,10 @@ from transport._http_server import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS_PER_PEER,
+    DEFAULT_MAX_PROBATION,
+    DEFAULT_MAX_STRANGERS,
+    DEFAULT_MAX_STRANGERS_PER_PEER,
+    DEFAULT_PROBATION_S,
     RequestError,
     create_app,
     serve,
@@ -99,7 +104,11 @@ __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CONNECTIONS_PER_PEER",
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "DEFAULT_MAX_PROBATION",
+    "DEFAULT_MAX_STRANGERS",
+    "DEFAULT_MAX_STRANGERS_PER_PEER",
     "DEFAULT_MIN_SHARED_BYTES",
+    "DEFAULT_PROBATION_S",
     "DISCARD",
     "DTYPE_CODES",
     "UPGRADE_PROTOCOL",

@@ -3,8 +3,11 @@
 A :class:`Connections` (one per listener) makes a :class:`Guard` for each accepted
 connection, which stands between it and aiohttp's protocol and guarantees:
 
-* one IP address holds at most ``max_per_peer`` connections at once, upgraded streams
-  included; one more is aborted as soon as it is accepted;
+* connections that have not authenticated (strangers) never take the place of the job's
+  own: who may hold a connection is decided by :class:`transport._admission.Admission`
+  (strangers and authenticated connections have separate budgets per address; a new
+  connection that finds the strangers' places taken is on probation: it is closed unless
+  a request on it passes the token check within ``probation_s``);
 * a connection that has not sent a whole request header within ``idle_timeout_s`` of
   opening (or of its last answer) is aborted, however slowly it trickles bytes, and so is
   one whose request body sends nothing for that long;
@@ -12,7 +15,8 @@ connection, which stands between it and aiohttp's protocol and guarantees:
   cut.
 
 The :func:`track_request` middleware tells the guard when a request's header arrived and
-when its handler returned. Each closed connection is one rationed line
+when its handler returned; :func:`authenticate` (called by the token check) that a request
+on it carried the token. Each closed connection is one rationed line
 (:func:`transport._http_log.log_mistake`).
 """
 
@@ -26,62 +30,42 @@ from typing import cast
 import aiohttp
 from aiohttp import web
 
+from transport._admission import Admission, Standing
 from transport._http_log import log_mistake
 from transport._shm_stream import SharedMemory
 
-__all__ = ["Connections", "Guard", "Handler", "track_request"]
+__all__ = ["Connections", "Guard", "Handler", "authenticate", "track_request"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Connections:
-    """The open connections of one listener: how many each peer address holds."""
+    """The open connections of one listener: who holds them, by address and standing."""
 
     def __init__(
         self,
         handlers: Callable[[], asyncio.Protocol],
         idle_timeout_s: float | None,
-        max_per_peer: int | None,
+        admission: Admission[Guard],
+        probation_s: float,
     ) -> None:
         self._handlers = handlers  # aiohttp's Server: makes the HTTP protocol of a connection
         self.idle_timeout_s = idle_timeout_s
-        self.max_per_peer = max_per_peer
-        self.per_peer: dict[str, int] = {}
+        self.admission = admission
+        self.probation_s = probation_s
 
     def protocol(self) -> Guard:
         """The protocol factory of the listener."""
         return Guard(self, self._handlers())
 
-    def admit(self, peer: str) -> bool:
-        """Count a new connection of ``peer``; False (and not counted) past the limit."""
-        count = self.per_peer.get(peer, 0)
-        if self.max_per_peer is not None and count >= self.max_per_peer:
-            log_mistake(
-                logging.WARNING,
-                peer,
-                "crowd",
-                "closed a connection from %s at once: it holds %d already, the most one "
-                "address may",
-                peer,
-                count,
-            )
-            return False
-        self.per_peer[peer] = count + 1
-        return True
-
-    def release(self, peer: str) -> None:
-        count = self.per_peer.get(peer, 0) - 1
-        if count > 0:
-            self.per_peer[peer] = count
-        else:
-            self.per_peer.pop(peer, None)
-
 
 class Guard(asyncio.Protocol):
     """Stands between one connection and aiohttp's protocol for it (to which it passes
-    every event): counts the connection against its peer, and closes it when its request
-    header is late or its request body stalls. :func:`track_request` tells it when a
-    request's header arrived and when its handler returned."""
+    every event): has the connection admitted (:class:`Connections`), and closes it when
+    its request header is late, its request body stalls, or it is on probation and did
+    not authenticate in time. :func:`track_request` tells it when a request's header
+    arrived and when its handler returned, :func:`authenticate` when a request on it
+    carried the token."""
 
     def __init__(self, connections: Connections, inner: asyncio.Protocol) -> None:
         self._connections = connections
@@ -89,8 +73,12 @@ class Guard(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.peer = "?"
-        self._counted = False
+        self._admitted = False  # aiohttp's protocol has the connection
+        self._spoke = False
+        self._extended = False  # its probation was extended once
         self._timer: asyncio.TimerHandle | None = None
+        self._probation: asyncio.TimerHandle | None = None
+        self._crowded = ""  # why it is on probation
         self._waiting_header = False
         self._body: aiohttp.StreamReader | None = None
         self._last_data = 0.0
@@ -104,10 +92,26 @@ class Guard(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
         self._loop = asyncio.get_running_loop()
         self.peer = _peer_address(transport)
-        if not self._connections.admit(self.peer):
+        decision = self._connections.admission.admit(self, self.peer)
+        for evicted in decision.evicted:
+            evicted._close_crowded("a newer connection took its place on probation")
+        if decision.standing is None:
+            log_mistake(
+                logging.WARNING,
+                self.peer,
+                "crowd",
+                "closed a connection from %s at once: %s",
+                self.peer,
+                decision.why,
+            )
             self._transport.abort()
             return
-        self._counted = True
+        self._admitted = True
+        if decision.standing is Standing.PROBATION:
+            self._crowded = decision.why
+            self._probation = self._loop.call_later(
+                self._connections.probation_s, self._probation_over
+            )
         timeout = self._connections.idle_timeout_s
         if timeout is not None:
             self._waiting_header = True
@@ -115,33 +119,47 @@ class Guard(asyncio.Protocol):
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        if not self._counted:
+        if not self._admitted:
             return
+        if not self._spoke:
+            self._spoke = True
+            self._connections.admission.spoke(self)
         if self._body is not None and self._loop is not None:
             self._last_data = self._loop.time()
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received() if self._counted else None
+        return self._inner.eof_received() if self._admitted else None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        self._end_probation()
         if self.shared is not None:
             self.shared.close()
             self.shared = None
-        if self._counted:
-            self._release()
+        if self._admitted:
+            self._connections.admission.release(self)
             self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        if self._counted:
+        if self._admitted:
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self._counted:
+        if self._admitted:
             self._inner.resume_writing()
 
     # -------------------------------------------------------------- the request cycle
+
+    def authenticated(self) -> bool:
+        """A request on this connection passed the token check. False when its address
+        holds all the authenticated connections it may (answer it, then close it)."""
+        if not self._admitted:
+            return True  # not a connection of the listener's (nothing to count)
+        if not self._connections.admission.authenticate(self):
+            return False
+        self._end_probation()
+        return True
 
     def request_started(self, body: aiohttp.StreamReader) -> None:
         """A request's header arrived: from now on only its body may be late."""
@@ -159,10 +177,10 @@ class Guard(asyncio.Protocol):
         self._body = None
         self._stop_timer()
         transport = self._transport
-        if self._counted and transport is not None and transport.get_protocol() is not self:
+        if transport is not None and transport.get_protocol() is not self:
             # It was upgraded to a stream, which ended (or its handler failed): neither
             # this guard nor aiohttp's protocol hears of the connection any more.
-            self._release()
+            self._connections.admission.release(self)
 
     def _expired(self) -> None:
         self._timer = None
@@ -181,10 +199,38 @@ class Guard(asyncio.Protocol):
         else:
             self._start_timer(timeout - silent)
 
+    def _probation_over(self) -> None:
+        self._probation = None
+        if self._connections.admission.standing(self) is not Standing.PROBATION:
+            return
+        probation_s = self._connections.probation_s
+        if self._spoke and not self._extended and self._loop is not None:
+            # Its bytes may be a request whose token check has not run yet (a loop that
+            # was held up runs this timer before the handler): once, wait as long again.
+            self._extended = True
+            self._probation = self._loop.call_later(probation_s, self._probation_over)
+            return
+        self._close_crowded(f"it sent no request with the token within {probation_s:g} s")
+
     def _close_idle(self, why: str) -> None:
         log_mistake(
             logging.INFO, self.peer, "idle", "closed a connection from %s: it %s", self.peer, why
         )
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _close_crowded(self, why: str) -> None:
+        """Close a connection on probation (``why``: what ended it)."""
+        log_mistake(
+            logging.WARNING,
+            self.peer,
+            "crowd",
+            "closed a connection from %s, on probation since %s: %s",
+            self.peer,
+            self._crowded,
+            why,
+        )
+        self._end_probation()
         if self._transport is not None:
             self._transport.abort()
 
@@ -197,10 +243,19 @@ class Guard(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
-    def _release(self) -> None:
-        if self._counted:
-            self._counted = False
-            self._connections.release(self.peer)
+    def _end_probation(self) -> None:
+        if self._probation is not None:
+            self._probation.cancel()
+            self._probation = None
+
+
+def authenticate(request: web.Request) -> bool:
+    """Tell the connection's :class:`Guard` that ``request`` passed the token check: the
+    connection is authenticated from now on. False when its address holds all the
+    authenticated connections it may (the caller refuses the request and closes it)."""
+    transport = request.transport
+    guard = transport.get_protocol() if transport is not None else None
+    return guard.authenticated() if isinstance(guard, Guard) else True
 
 
 @web.middleware

@@ -7,8 +7,9 @@
   :func:`stream_route` adds the route that upgrades a connection to a framed stream.
 * :func:`serve` starts it on a host and port (127.0.0.1 unless told otherwise), or on an
   inherited listening socket, every connection behind the bounds of
-  :mod:`transport._http_guard` (idle and slow connections time out, connections per address
-  are capped) and aiohttp's logs behind the filter of :mod:`transport._http_log` (no
+  :mod:`transport._http_guard` (idle and slow connections time out; connections that have
+  not authenticated are capped per address and in all, apart from the authenticated ones,
+  which they never displace) and aiohttp's logs behind the filter of :mod:`transport._http_log` (no
   token, no traceback for a client's mistake); listening beyond loopback without TLS logs
   a warning. :func:`serve_local` serves the same application to processes on this host.
 """
@@ -26,7 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
-from transport._http_guard import Connections, Guard, Handler, track_request
+from transport._admission import Admission, check_bound
+from transport._http_guard import Connections, Guard, Handler, authenticate, track_request
 from transport._http_log import CLIENT_MISTAKES, install_log_filter, log
 from transport._shm_stream import DEFAULT_ARENA_BYTES, LocalSite, SharedMemory
 from transport._stream import UPGRADE_PROTOCOL, StreamProtocol
@@ -37,6 +39,10 @@ __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CONNECTIONS_PER_PEER",
+    "DEFAULT_MAX_PROBATION",
+    "DEFAULT_MAX_STRANGERS",
+    "DEFAULT_MAX_STRANGERS_PER_PEER",
+    "DEFAULT_PROBATION_S",
     "RequestError",
     "create_app",
     "serve",
@@ -51,8 +57,22 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 #: A connection that has not sent a whole request header this long after it opened (or
 #: after its last answer), or whose request body stalled this long, is closed (seconds).
 DEFAULT_IDLE_TIMEOUT_S = 10.0
-#: Connections one IP address may hold open at once; more are closed at once.
-DEFAULT_MAX_CONNECTIONS_PER_PEER = 64
+#: Authenticated connections (a request on them carried the token) one IP address may hold
+#: open at once, streams included; a new connection from an address that holds this many
+#: is closed at once. Generous: it bounds a buggy process, not a stranger.
+DEFAULT_MAX_CONNECTIONS_PER_PEER = 256
+#: Connections that have not authenticated (yet) one IP address may hold open at once, each
+#: for the idle timeout at most; they never count against the authenticated ones.
+DEFAULT_MAX_STRANGERS_PER_PEER = 64
+#: The same, all addresses together (so that many addresses cannot exhaust descriptors).
+DEFAULT_MAX_STRANGERS = 256
+#: A new connection that finds the strangers' places taken is on probation: closed unless a
+#: request on it carries the token within this many seconds (twice this for one that sent
+#: bytes, whose token check may be late); a job's own connection sends one at once.
+DEFAULT_PROBATION_S = 0.5
+#: Connections on probation at once, all addresses together; past this, the oldest (first
+#: those that sent nothing) are closed to make room for new ones.
+DEFAULT_MAX_PROBATION = 64
 
 TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
 
@@ -91,7 +111,9 @@ def create_app(token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> w
     """An aiohttp application whose every route needs ``token``; add routes to it.
 
     Guarantees: a request with a wrong or missing token (any bytes) gets 401 before any
-    handler runs; a body larger than ``max_body_bytes`` gets 413 (checked on
+    handler runs; one with the token makes its connection authenticated (on a listener of
+    :func:`serve`: 503, and the connection closed, when its address holds all the
+    authenticated connections it may); a body larger than ``max_body_bytes`` gets 413 (checked on
     Content-Length before the body is read, and while reading it); a truncated or garbled
     body 400; a :class:`RequestError` becomes its status with a JSON ``{"error": ...}``;
     any other exception becomes 500 with its message (the only answer logged with a
@@ -105,6 +127,12 @@ def create_app(token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> w
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not hmac.compare_digest(_bearer(request), expected):
             return _error(401, "missing or wrong token")
+        if not authenticate(request):
+            refused = _error(
+                503, "this address holds all the authenticated connections it may; retry later"
+            )
+            refused.force_close()
+            return refused
         length = request.content_length
         if length is not None and length > max_body_bytes:
             return _error(
@@ -179,6 +207,8 @@ async def serve(
     sock: socket.socket | None = None,
     idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
     max_connections_per_peer: int | None = DEFAULT_MAX_CONNECTIONS_PER_PEER,
+    max_strangers_per_peer: int | None = DEFAULT_MAX_STRANGERS_PER_PEER,
+    max_strangers: int | None = DEFAULT_MAX_STRANGERS,
 ) -> tuple[web.AppRunner, int]:
     """Start ``app``; return its runner (``await runner.cleanup()`` stops it) and the port.
 
@@ -192,18 +222,32 @@ async def serve(
       (keep-alive), is closed, however slowly it trickles bytes; so is one whose request
       body sent nothing for this long. An upgraded stream is never closed for being idle,
       nor is a request whose handler takes its time.
-    * ``max_connections_per_peer``: connections open at once from one IP address, streams
-      included; one more is closed as soon as it is accepted.
+    * ``max_connections_per_peer``: authenticated connections (a request on them passed the
+      token check) open at once from one IP address, streams included; a new connection
+      from an address that holds this many is closed as soon as it is accepted.
+    * ``max_strangers_per_peer`` (never more than ``max_connections_per_peer``) and
+      ``max_strangers``: connections not yet authenticated, per IP address and in all.
+      They never count against the authenticated ones, and never take their place: a new
+      connection that finds the strangers' places taken is on probation, closed unless it
+      authenticates within :data:`DEFAULT_PROBATION_S` (at most :data:`DEFAULT_MAX_PROBATION`
+      at once; the oldest make room for new ones). A connection of the job sends its
+      request with the token at once, so strangers holding idle connections cannot keep
+      it out.
 
     Listening on any address but a loopback one without ``ssl_context`` logs a warning:
     the token would cross the network in clear text.
     """
     if idle_timeout_s is not None and not (math.isfinite(idle_timeout_s) and idle_timeout_s > 0):
         raise ValueError(f"idle_timeout_s must be positive seconds or None, not {idle_timeout_s}")
-    if max_connections_per_peer is not None and max_connections_per_peer < 1:
-        raise ValueError(
-            f"max_connections_per_peer must be at least 1 or None, not {max_connections_per_peer}"
-        )
+    check_bound("max_connections_per_peer", max_connections_per_peer)
+    check_bound("max_strangers_per_peer", max_strangers_per_peer)
+    check_bound("max_strangers", max_strangers)
+    admission: Admission[Guard] = Admission(
+        max_authenticated_per_peer=max_connections_per_peer,
+        max_strangers_per_peer=max_strangers_per_peer,
+        max_strangers=max_strangers,
+        max_probation=DEFAULT_MAX_PROBATION,
+    )
     install_log_filter()
     if track_request not in app.middlewares:
         app.middlewares.insert(0, track_request)
@@ -214,7 +258,7 @@ async def serve(
     await runner.setup()
     handlers = runner.server
     assert handlers is not None  # set up above
-    connections = Connections(handlers, idle_timeout_s, max_connections_per_peer)
+    connections = Connections(handlers, idle_timeout_s, admission, DEFAULT_PROBATION_S)
     site = _Site(runner, connections, host, port, sock, ssl_context)
     try:
         await site.start()
@@ -260,7 +304,13 @@ async def serve_local(
     handlers = runner.server
     if handlers is None:
         raise TransportError("serve_local: the runner is not set up (call serve() first)")
-    connections = Connections(handlers, idle_timeout_s, None)
+    unbounded: Admission[Guard] = Admission(
+        max_authenticated_per_peer=None,
+        max_strangers_per_peer=None,
+        max_strangers=None,
+        max_probation=0,
+    )  # the peers authenticated on the socket already, and are this host's processes
+    connections = Connections(handlers, idle_timeout_s, unbounded, DEFAULT_PROBATION_S)
     loop = asyncio.get_running_loop()
 
     async def adopt(sock: socket.socket, shared: SharedMemory) -> None:

@@ -27,6 +27,8 @@ from akv.limits import (
     IDLE_TIMEOUT_S,
     MAX_BODY_BYTES,
     MAX_CONNECTIONS_PER_PEER,
+    MAX_STRANGERS,
+    MAX_STRANGERS_PER_PEER,
     MIN_TOKEN_CHARS,
     RECONNECT_GRACE_S,
     REQUEST_TIMEOUT_S,
@@ -143,7 +145,12 @@ class Config:
     scheduler_fd: int | None = None
     bigarray_bound: int = BIGARRAY_BOUND
     max_body_bytes: int = MAX_BODY_BYTES
+    #: Authenticated connections one address may hold to this process's listener
+    #: (``AKV_MAX_CONNECTIONS_PER_PEER``), connections without the token one address may
+    #: (``AKV_MAX_STRANGERS_PER_PEER``) and all together (``AKV_MAX_STRANGERS``).
     max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER
+    max_strangers_per_peer: int = MAX_STRANGERS_PER_PEER
+    max_strangers: int = MAX_STRANGERS
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -429,11 +436,13 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         1,
         "a number of bytes",
     )
-    max_connections = int_setting(
-        env.get("AKV_MAX_CONNECTIONS_PER_PEER", str(MAX_CONNECTIONS_PER_PEER)),
-        "AKV_MAX_CONNECTIONS_PER_PEER",
-        1,
-        "a number of connections",
+    max_connections, max_strangers_per_peer, max_strangers = (
+        int_setting(env.get(name, str(default)), name, 1, "a number of connections")
+        for name, default in [
+            ("AKV_MAX_CONNECTIONS_PER_PEER", MAX_CONNECTIONS_PER_PEER),
+            ("AKV_MAX_STRANGERS_PER_PEER", MAX_STRANGERS_PER_PEER),
+            ("AKV_MAX_STRANGERS", MAX_STRANGERS),
+        ]
     )
     tls_cert, tls_key, tls_ca = (
         env.get("AKV_TLS_CERT"),
@@ -481,6 +490,8 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         bigarray_bound=bound,
         max_body_bytes=max_body,
         max_connections_per_peer=max_connections,
+        max_strangers_per_peer=max_strangers_per_peer,
+        max_strangers=max_strangers,
         tls_cert=tls_cert,
         tls_key=tls_key,
         tls_ca=tls_ca,

@@ -36,6 +36,7 @@ __all__ = [
     "config_from_args",
     "default_worker_logging",
     "flag_hint",
+    "listener_bounds",
     "role_parser",
     "run_role",
     "scheduler_client",
@@ -65,6 +66,18 @@ def server_ssl(config: _config.Config) -> ssl.SSLContext | None:
     if not (config.tls_cert and config.tls_key):
         return None
     return server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca)
+
+
+def listener_bounds(config: _config.Config) -> dict[str, Any]:
+    """What one peer may hold of this process's listener: :func:`transport.serve`'s bounds,
+    as configured (``AKV_IDLE_TIMEOUT_S``, ``AKV_MAX_CONNECTIONS_PER_PEER``,
+    ``AKV_MAX_STRANGERS_PER_PEER``, ``AKV_MAX_STRANGERS``)."""
+    return {
+        "idle_timeout_s": config.timeouts.idle_s,
+        "max_connections_per_peer": config.max_connections_per_peer,
+        "max_strangers_per_peer": config.max_strangers_per_peer,
+        "max_strangers": config.max_strangers,
+    }
 
 
 def scheduler_client(

@@ -6,6 +6,8 @@ decoder's own tests are in test_json.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import ssl
 from collections.abc import AsyncIterator, Callable
@@ -15,9 +17,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.hostile import closed_within, forget_logged_mistakes
+from tests.hostile import Flood, closed_within, forget_logged_mistakes
 from tests.tls import make_certificates
 from transport import (
+    DEFAULT_MAX_STRANGERS_PER_PEER,
+    DEFAULT_PROBATION_S,
     FrameHeader,
     HttpClient,
     Message,
@@ -413,11 +417,116 @@ async def test_streams_count_against_the_cap_until_they_close():
         await runner.cleanup()
 
 
+# ---------------------------------------------------------------------- strangers (issue #24)
+
+
+async def test_idle_strangers_past_their_cap_keep_no_authenticated_peer_out(caplog):
+    caplog.set_level(logging.DEBUG)
+    service, runner = await started(idle_timeout_s=30.0)  # the default caps
+    count = DEFAULT_MAX_STRANGERS_PER_PEER + 16
+    client = HttpClient(f"http://127.0.0.1:{service.port}", TOKEN, timeout_s=10)
+    try:
+        with Flood(service.port, count) as flood:
+            await asyncio.to_thread(functools.partial(flood.wait, opened=count))
+            # The strangers' places of 127.0.0.1 are taken: one more idle connection is on
+            # probation, and closed soon.
+            reader, writer = await asyncio.open_connection("127.0.0.1", service.port)
+            try:
+                await closed_within(reader, DEFAULT_PROBATION_S + MARGIN_S)
+            finally:
+                writer.close()
+            # Requests with the token still get in, each on a new connection.
+            for _ in range(5):
+                await still_serving(service.port)
+            assert await client.json("POST", "/echo", {"n": 1}) == {"got": {"n": 1}}
+            stream, replies = await open_echo_stream(service.port)
+            try:
+                await echo_works(stream, replies, 1)
+                # Past probation, the authenticated connections stay; strangers came and went.
+                await asyncio.sleep(3 * DEFAULT_PROBATION_S)
+                await echo_works(stream, replies, 2)
+                assert await client.json("POST", "/echo", [2]) == {"got": [2]}
+                await still_serving(service.port)
+            finally:
+                stream.close()
+            # Those past the cap were on probation, and closed.
+            await asyncio.to_thread(functools.partial(flood.wait, closed=16))
+        lines = [r.getMessage() for r in caplog.records if "on probation" in r.getMessage()]
+        assert lines and "the most one address may" in lines[0]
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_strangers_from_many_addresses_fill_only_the_global_cap():
+    service, runner = await started(idle_timeout_s=30.0, max_strangers=8)
+    try:
+        with contextlib.ExitStack() as stack:
+            floods = []
+            for host in (2, 3, 4):  # one address after the other
+                flood = stack.enter_context(Flood(service.port, 4, source=f"127.0.0.{host}"))
+                await asyncio.to_thread(functools.partial(flood.wait, opened=4))
+                floods.append(flood)
+            # 12 idle strangers from three addresses, 8 places in all: another address's
+            # idle connection is on probation, a connection with the token is not kept out.
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", service.port, local_addr=("127.0.0.5", 0)
+            )
+            try:
+                await closed_within(reader, DEFAULT_PROBATION_S + MARGIN_S)
+            finally:
+                writer.close()
+            await still_serving(service.port)
+            # The third address found the 8 places taken: its connections were on probation.
+            await asyncio.to_thread(functools.partial(floods[2].wait, closed=4))
+            assert floods[0].closed == floods[1].closed == 0
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_connection_on_probation_that_sent_bytes_gets_the_deadline_twice():
+    service, runner = await started(idle_timeout_s=30.0, max_strangers_per_peer=1)
+    _, idle = await asyncio.open_connection("127.0.0.1", service.port)  # the one place
+    reader, writer = await asyncio.open_connection("127.0.0.1", service.port)
+    try:
+        writer.write(b"GET /hello HTTP/1.1\r\n")  # part of a header: its check may be late
+        elapsed = await closed_within(reader, 2 * DEFAULT_PROBATION_S + MARGIN_S)
+        assert elapsed >= 2 * DEFAULT_PROBATION_S * 0.8
+    finally:
+        idle.close()
+        writer.close()
+        await runner.cleanup()
+
+
+async def test_a_connection_that_authenticates_past_its_addresss_bound_gets_503():
+    service, runner = await started(idle_timeout_s=30.0, max_connections_per_peer=1)
+    first_reader, first = await asyncio.open_connection("127.0.0.1", service.port)
+    second_reader, second = await asyncio.open_connection("127.0.0.1", service.port)
+    try:
+        first.write(request_bytes(close=False))
+        head = await asyncio.wait_for(first_reader.readuntil(b'{"hello": true}'), 10)
+        assert head.startswith(b"HTTP/1.1 200")  # the one authenticated connection
+        second.write(request_bytes(close=False))
+        answer = await asyncio.wait_for(second_reader.read(), 10)  # then it is closed
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+        first.write(request_bytes(close=False))
+        head = await asyncio.wait_for(first_reader.readuntil(b'{"hello": true}'), 10)
+        assert head.startswith(b"HTTP/1.1 200")
+    finally:
+        first.close()
+        second.close()
+        await runner.cleanup()
+
+
 async def test_serve_refuses_nonsense_bounds():
     with pytest.raises(ValueError, match="idle_timeout_s"):
         await serve(Service().app(), idle_timeout_s=0)
     with pytest.raises(ValueError, match="max_connections_per_peer"):
         await serve(Service().app(), max_connections_per_peer=0)
+    with pytest.raises(ValueError, match="max_strangers_per_peer"):
+        await serve(Service().app(), max_strangers_per_peer=0)
+    with pytest.raises(ValueError, match="max_strangers"):
+        await serve(Service().app(), max_strangers=-1)
 
 
 # ---------------------------------------------------------------------- binding without TLS

@@ -48,7 +48,7 @@ from aiohttp import web
 
 from akv.cluster import config as _config
 from akv.cluster.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
-from akv.cluster.roles import run_role, server_ssl, stopped_by_signal
+from akv.cluster.roles import listener_bounds, run_role, server_ssl, stopped_by_signal
 from akv.cluster.scheduler.roster import Roster, ServerAddress
 from akv.errors import MembershipError, PeerLostError
 from akv.limits import (
@@ -108,8 +108,7 @@ class Scheduler:
             config.scheduler_port,
             ssl_context=server_ssl(config),
             sock=sock,
-            idle_timeout_s=config.timeouts.idle_s,
-            max_connections_per_peer=config.max_connections_per_peer,
+            **listener_bounds(config),
         )
         log.info(
             "akv-scheduler listening on %s:%d for %d workers and %d servers",

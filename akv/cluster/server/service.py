@@ -38,7 +38,7 @@ from akv.cluster.protocol import (
     parse_client_header,
     status_of,
 )
-from akv.cluster.roles import run_role, server_ssl, stopped_by_signal
+from akv.cluster.roles import listener_bounds, run_role, server_ssl, stopped_by_signal
 from akv.cluster.server.buffers import Landing
 from akv.cluster.server.checkpointing import Checkpoints, Copied, copy_plan
 from akv.cluster.server.instructions import (
@@ -192,8 +192,7 @@ class ParameterServer:
             config.host,
             config.port,
             ssl_context=server_ssl(config),
-            idle_timeout_s=config.timeouts.idle_s,
-            max_connections_per_peer=config.max_connections_per_peer,
+            **listener_bounds(config),
         )
         self.advertised = config.advertised(self.port)
         if config.shm:

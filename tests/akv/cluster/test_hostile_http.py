@@ -472,17 +472,26 @@ async def test_idle_and_slowloris_connections_to_a_server_are_closed_but_streams
 # ---------------------------------------------------------------------- connections per peer
 
 
+async def one_past(
+    port: int, count: int, writers: list[asyncio.StreamWriter]
+) -> asyncio.StreamReader:
+    """Open ``count`` idle connections to ``port``, then one more; return that one's reader
+    (every writer goes to ``writers``, for the caller to close)."""
+    for _ in range(count):
+        writers.append((await asyncio.open_connection("127.0.0.1", port))[1])
+    await asyncio.sleep(0.1)  # all accepted
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writers.append(writer)
+    return reader
+
+
 async def test_the_fifth_connection_from_one_address_is_closed_at_once():
     scheduler, token = await start_scheduler(
         AKV_IDLE_TIMEOUT_S="30", AKV_MAX_CONNECTIONS_PER_PEER="4"
     )
-    writers = []
+    writers: list[asyncio.StreamWriter] = []
     try:
-        for _ in range(4):
-            writers.append((await asyncio.open_connection("127.0.0.1", scheduler.port))[1])
-        await asyncio.sleep(0.1)
-        reader, writer = await asyncio.open_connection("127.0.0.1", scheduler.port)
-        writers.append(writer)
+        reader = await one_past(scheduler.port, 4, writers)
         assert await closed_within(reader, 1.0) < 1.0
         for writer in writers:
             writer.close()
@@ -495,8 +504,30 @@ async def test_the_fifth_connection_from_one_address_is_closed_at_once():
         await scheduler.stop()
 
 
+async def test_idle_strangers_past_their_cap_keep_no_request_with_the_token_out():
+    scheduler, token = await start_scheduler(
+        AKV_IDLE_TIMEOUT_S="30", AKV_MAX_STRANGERS_PER_PEER="3", AKV_MAX_STRANGERS="100"
+    )
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        # The three places of 127.0.0.1 without the token are taken: a fourth idle
+        # connection is on probation and closed soon, one with the token is not kept out.
+        reader = await one_past(scheduler.port, 3, writers)
+        assert await closed_within(reader, MARGIN_S) < MARGIN_S
+        for _ in range(3):
+            assert (await call(scheduler.port, "GET", "/v1/status", token))[0] == 200
+    finally:
+        for writer in writers:
+            writer.close()
+        await scheduler.stop()
+
+
 async def test_a_malformed_connection_setting_is_a_configuration_error():
     with pytest.raises(_config.ConfigError, match="AKV_MAX_CONNECTIONS_PER_PEER"):
         await start_scheduler(AKV_MAX_CONNECTIONS_PER_PEER="many")
+    with pytest.raises(_config.ConfigError, match="AKV_MAX_STRANGERS_PER_PEER"):
+        await start_scheduler(AKV_MAX_STRANGERS_PER_PEER="0")
+    with pytest.raises(_config.ConfigError, match="AKV_MAX_STRANGERS"):
+        await start_scheduler(AKV_MAX_STRANGERS="-3")
     with pytest.raises(_config.ConfigError, match="AKV_IDLE_TIMEOUT_S"):
         await start_scheduler(AKV_IDLE_TIMEOUT_S="-1")
