@@ -14,23 +14,33 @@ about the process rather than the store:
 * :func:`second_signal_exits`: while the store leaves after a failure, a second Ctrl-C or
   SIGTERM ends the process at once.
 
+* :func:`close_at_exit`: a blocking store the program never closed is closed when the
+  interpreter exits, as MXNet's KVStore is by its destructor: with the exit barrier after a
+  normal end, or leaving as after a failure when an exception ended the program (recorded
+  by a :func:`sys.excepthook` that chains to the one it replaced).
+
 Signal handlers are only ever installed from the main thread, and only over the default
 handlers: a program that set its own keeps it.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
-from types import FrameType
-from typing import Any
+from types import FrameType, TracebackType
+from typing import Any, Protocol
 
 __all__ = [
     "MAX_REASON_CHARS",
+    "Closable",
     "Terminated",
+    "close_at_exit",
+    "closed",
     "describe",
     "second_signal_exits",
     "sigterm_raises",
@@ -81,7 +91,9 @@ def _on_main_thread() -> bool:
 
 
 def _raise_terminated(signo: int, frame: FrameType | None) -> None:
-    raise Terminated(signo)
+    exc = Terminated(signo)
+    _AT_EXIT.uncaught = exc  # a SystemExit: sys.excepthook never sees it
+    raise exc
 
 
 class _SigtermHolder:
@@ -146,3 +158,63 @@ def second_signal_exits() -> Iterator[None]:
     finally:
         for signo, handler in previous.items():
             signal.signal(signo, handler if handler is not None else signal.SIG_DFL)
+
+
+class Closable(Protocol):
+    """What :func:`close_at_exit` needs of a store."""
+
+    def close(self) -> None: ...
+
+    def _leave_failed(self, exc: BaseException) -> None: ...
+
+
+class _AtExit:
+    """The stores to close when the interpreter exits, and the exception that ended the
+    program, if one did (seen by the chained :func:`sys.excepthook`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        #: Held strongly: an open store runs a loop thread whether the program still holds
+        #: it or not, and must be closed all the same.
+        self.stores: set[Any] = set()
+        self.installed = False
+        self.uncaught: BaseException | None = None
+        self.previous_hook = sys.excepthook
+
+    def install(self) -> None:
+        with self.lock:
+            if self.installed:
+                return
+            self.installed = True
+            self.previous_hook = sys.excepthook
+            sys.excepthook = self.excepthook
+            atexit.register(self.close_all)
+
+    def excepthook(
+        self, kind: type[BaseException], exc: BaseException, tb: TracebackType | None
+    ) -> None:
+        self.uncaught = exc
+        self.previous_hook(kind, exc, tb)
+
+    def close_all(self) -> None:
+        for store in list(self.stores):
+            with contextlib.suppress(Exception):  # the exit goes on: say nothing more
+                if self.uncaught is not None:
+                    store._leave_failed(self.uncaught)
+                else:
+                    store.close()
+
+
+_AT_EXIT = _AtExit()
+
+
+def close_at_exit(store: Closable) -> None:
+    """Close ``store`` when the interpreter exits, if the program has not by then (see the
+    module docstring); a store forgets itself when closed (:func:`closed`)."""
+    _AT_EXIT.install()
+    _AT_EXIT.stores.add(store)
+
+
+def closed(store: Closable) -> None:
+    """``store`` was closed: nothing to do for it at exit."""
+    _AT_EXIT.stores.discard(store)

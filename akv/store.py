@@ -36,7 +36,14 @@ from akv.errors import (
     UnknownStoreTypeError,
     WaitTimeoutError,
 )
-from akv.exits import describe, second_signal_exits, sigterm_raises, sigterm_released
+from akv.exits import (
+    close_at_exit,
+    closed,
+    describe,
+    second_signal_exits,
+    sigterm_raises,
+    sigterm_released,
+)
 from akv.keys import Entry, KeyTable
 from akv.local import GUARD, LocalBackend
 from engine import Engine, LoopThread, Waitable, then
@@ -252,8 +259,11 @@ def create(name: str = "local", **options: Any) -> KVStore:
         loop_thread.close()
         raise
     store = KVStore(inner, loop_thread)
-    # SIGTERM leaves the job as an exception does, telling the scheduler why.
-    store._holds_sigterm = config is not None and sigterm_raises()
+    if config is not None:
+        # SIGTERM leaves the job as an exception does, telling the scheduler why; a store
+        # the program never closes is closed at exit (as MXNet's destructor does).
+        store._holds_sigterm = sigterm_raises()
+        close_at_exit(store)
     return store
 
 
@@ -850,6 +860,7 @@ class KVStore:
             self._release()
 
     def _release(self) -> None:
+        closed(self)
         self._loop_thread.close()
         if self._holds_sigterm:
             self._holds_sigterm = False

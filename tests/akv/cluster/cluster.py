@@ -129,7 +129,8 @@ def launch(
     group (the launcher and everything it started) is killed by its group id, and the test
     fails.
     """
-    full_env = {**os.environ, **FAST_TIMEOUTS, **(env or {})}
+    # A process that crashes in C code prints its threads' Python stacks (faulthandler).
+    full_env = {**os.environ, **FAST_TIMEOUTS, "PYTHONFAULTHANDLER": "1", **(env or {})}
     full_env.pop("AKV_TOKEN", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "akv.launch", *args],

@@ -187,6 +187,34 @@ def test_an_exception_inside_with_fails_the_job_at_once_and_the_launcher_shows_i
         assert got.group(2).startswith("the job failed: worker 1 "), got.group(2)
 
 
+def test_a_store_never_closed_is_closed_at_exit_with_the_barrier_after_a_normal_end():
+    done = launch(
+        ["-n", "2", "-s", "1", "--", sys.executable, str(JOBS / "unclosed.py"), "clean"],
+        timeout=90,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "[worker 0] rank 0 done: 2.0" in output and "[worker 1] rank 1 done: 2.0" in output
+    assert "Unclosed" not in output  # aiohttp's warnings of sessions nobody closed
+
+
+def test_a_store_never_closed_leaves_as_failed_when_an_exception_ends_the_program():
+    started = time.monotonic()
+    done = launch(
+        ["-n", "2", "-s", "1", "--", sys.executable, str(JOBS / "unclosed.py"), "raise"],
+        timeout=90,
+    )
+    output = done.stdout + done.stderr
+    assert time.monotonic() - started < 30, output
+    assert done.returncode != 0, output
+    assert re.search(
+        r"akv-launch: the scheduler's verdict: the job failed: worker 1 \(pid \d+ on "
+        r"127\.0\.0\.1\) left the job: its code raised ValueError: boom in a script",
+        output,
+    ), output
+    assert "Unclosed" not in output
+
+
 # ---------------------------------------------------------------- started by hand
 
 
