@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import pytest
@@ -323,3 +324,58 @@ def test_code_is_ruff_clean():
         timeout=120,
     )
     assert fmt.returncode == 0, fmt.stdout
+
+
+def _module_names() -> dict[str, Path]:
+    names = {}
+    for top in ("akv", "engine", "transport"):
+        for path in (ROOT / top).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            names[".".join(parts)] = path
+    return names
+
+
+def _runtime_imports(path: Path, module: str, known: dict[str, Path]) -> set[str]:
+    """The library modules ``module`` imports when it runs: at import time or inside its
+    functions; ``if TYPE_CHECKING:`` blocks aside (annotations only)."""
+    found: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def nearest(name: str) -> None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            found.add(name)
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                nearest(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                nearest(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return found
+
+
+def test_no_import_cycle_in_the_library():
+    known = _module_names()
+    graph = {name: _runtime_imports(path, name, known) for name, path in known.items()}
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as exc:
+        raise AssertionError(f"an import cycle: {' -> '.join(exc.args[1])}") from None
+    assert "akv.cluster.worker.backend" in graph["akv.store"]  # imports in functions count
