@@ -45,7 +45,10 @@ class StreamProtocol(asyncio.BufferedProtocol):
     """One end of a framed stream.
 
     ``on_message(message)`` is called on the loop for each complete message, in order.
-    ``on_lost(exc)`` once when the connection ends (``exc`` None for a clean close).
+    ``on_lost(exc)`` once when the connection ends (``exc`` None for a clean close), also
+    when it ends before :meth:`connection_made` (a server's stream whose upgrade failed);
+    a client's stream (``handshake``) reports its end only once :func:`open_stream` has
+    returned it (a stream that ends before is its caller's error, not a loss).
     ``destinations(header)`` chooses where each array's payload is received.
     """
 
@@ -61,6 +64,13 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._reader = FrameReader(destinations, max_payload_bytes=max_payload_bytes)
         self._on_message = on_message
         self._on_lost = on_lost
+        #: Whether the end is reported (a client's only once open_stream returned it).
+        self._announce = not handshake
+        #: The connection ended (and why): reported once, whatever ends it first.
+        self._ended = False
+        self._end_cause: BaseException | None = None
+        #: close() or abort() came before connection_made: done there.
+        self._close_requested = False
         self.transport: asyncio.Transport | None = None
         self._paused = False
         self._drain_waiters: list[Callable[[BaseException | None], None]] = []
@@ -140,13 +150,17 @@ class StreamProtocol(asyncio.BufferedProtocol):
         stream = cast(asyncio.Transport, transport)
         self.transport = stream
         loop = asyncio.get_running_loop()
-        self._closed = loop.create_future()
+        if self._closed is None:
+            self._closed = loop.create_future()
         if self._handshake is not None:
             self.handshake_done = loop.create_future()
         # With a high-water mark of 0 every write the kernel did not take at once pauses us,
         # and resume_writing() comes exactly when the buffer is empty again: an exact
         # "these buffers are no longer referenced" signal for zero-copy sends.
         stream.set_write_buffer_limits(high=0, low=0)
+        if self._ended or self._close_requested:
+            # Replaced (or refused) before the connection was handed over: close it now.
+            stream.close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._handshake is not None:
@@ -185,18 +199,14 @@ class StreamProtocol(asyncio.BufferedProtocol):
         return None
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        """The connection ended; also called by :func:`~transport.stream_route` for a
+        stream whose upgrade failed before :meth:`connection_made`."""
         self._paused = False
         if self.shared is not None:
             self._reader.arena = None
             self.shared.close()
         self._wake_drain_waiters(exc)
-        if self.handshake_done is not None and not self.handshake_done.done():
-            self.handshake_done.set_exception(
-                TransportError(f"connection closed during the stream handshake: {exc}")
-            )
-        if self._closed is not None and not self._closed.done():
-            self._closed.set_result(exc)
-            self._on_lost(exc)
+        self._end(exc)
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -258,26 +268,61 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     @property
     def closing(self) -> bool:
-        """True once the connection is closing or closed."""
-        return self.transport is None or self.transport.is_closing()
+        """True once the connection is closing or closed (and before it is made)."""
+        return self._ended or self.transport is None or self.transport.is_closing()
 
     async def wait_closed(self) -> BaseException | None:
         """Wait until the connection is gone; return what ended it (None: a clean close)."""
-        assert self._closed is not None
+        if self._closed is None:
+            self._closed = asyncio.get_running_loop().create_future()
+            if self._ended:
+                self._closed.set_result(self._end_cause)
         return await asyncio.shield(self._closed)
 
     def close(self) -> None:
-        """Close after the queued writes are sent."""
-        if self.transport is not None and not self.transport.is_closing():
+        """Close after the queued writes are sent; before :meth:`connection_made`, at once
+        when it comes (a stream replaced before it was handed over)."""
+        if self.transport is None:
+            self._close_requested = True
+        elif not self.transport.is_closing():
             self.transport.close()
 
     def abort(self, exc: BaseException | None = None) -> None:
-        """Drop the connection at once (after a protocol error ``exc``)."""
+        """Drop the connection at once (after a protocol error ``exc``, which ``on_lost``
+        gets)."""
         if self.transport is not None:
             self.transport.abort()
-        if exc is not None and self._closed is not None and not self._closed.done():
+        else:
+            self._close_requested = True
+        if exc is not None:
+            self._end(exc)
+
+    def _end(self, exc: BaseException | None) -> None:
+        """The connection ended (``exc``: why): fail the handshake if it was under way,
+        wake wait_closed(), and report the end once (when reported at all)."""
+        if self._ended:
+            return
+        self._ended = True
+        self._end_cause = exc
+        handshake = self.handshake_done
+        if handshake is not None and not handshake.done():
+            error = exc if isinstance(exc, TransportError) else None
+            handshake.set_exception(
+                error or TransportError(f"connection closed during the stream handshake: {exc}")
+            )
+            handshake.exception()  # retrieved: open_stream may have given up on it already
+        if self._closed is not None and not self._closed.done():
             self._closed.set_result(exc)
+        if self._announce:
             self._on_lost(exc)
+
+    def _handed_out(self) -> bool:
+        """:func:`open_stream` returns this stream: its end is reported from now on.
+        False when it ended already (then nothing is, and open_stream fails)."""
+        if self._ended:
+            return False
+        self._announce = True
+        return True
 
     # -------------------------------------------------------------- client handshake
 
@@ -329,6 +374,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         assert self.handshake_done is not None
         if not self.handshake_done.done():
             self.handshake_done.set_exception(exc)
+            self.handshake_done.exception()  # retrieved: open_stream may have given up
         if self.transport is not None:
             self.transport.abort()
 
@@ -369,6 +415,10 @@ async def open_stream(
     application to read on the other side (``request.headers`` in ``stream_route``'s
     ``make_protocol``); nothing is sent beyond the authentication and the upgrade itself.
 
+    ``on_lost`` is called only for a stream this returned: a stream that ends before
+    (during the upgrade, or right after it) makes this raise instead, and a connection
+    this gives up on (a timeout, a refusal) is closed.
+
     Raises
     ------
     ValueError
@@ -385,10 +435,18 @@ async def open_stream(
     """
     loop = asyncio.get_running_loop()
 
+    made: list[StreamProtocol] = []
+
     def factory() -> StreamProtocol:
-        return StreamProtocol(
-            destinations, on_message, on_lost, max_payload_bytes=max_payload_bytes, handshake=True
+        protocol = StreamProtocol(
+            destinations,
+            on_message,
+            on_lost,
+            max_payload_bytes=max_payload_bytes,
+            handshake=True,
         )
+        made.append(protocol)
+        return protocol
 
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     where = authority if local_path is None else f"{authority} through {local_path}"
@@ -425,10 +483,19 @@ async def open_stream(
         return protocol
 
     try:
-        return await asyncio.wait_for(connect(), timeout_s)
-    except TransportError:
-        raise
-    except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+        protocol = await asyncio.wait_for(connect(), timeout_s)
+        if not protocol._handed_out():
+            raise TransportError(
+                f"the stream to {where} closed right after its upgrade: {protocol._end_cause!r}"
+            )
+        return protocol
+    except BaseException as exc:
+        for protocol in made:  # given up on: never left open, never reported lost
+            protocol.abort()
+        if isinstance(exc, TransportError) or not isinstance(
+            exc, (OSError, asyncio.TimeoutError, ssl.SSLError)
+        ):
+            raise
         raise TransportError(f"cannot open a stream to {where}: {exc!r}") from exc
 
 

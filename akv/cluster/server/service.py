@@ -14,6 +14,7 @@ overlap and keep their order.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -695,9 +696,14 @@ class _StreamLink:
     def __init__(self, server: ParameterServer, peer: Peer) -> None:
         self.server = server
         self.peer = peer
-        self._landings: dict[int, Landing] = {}
+        # Frames complete in the order their headers arrived: each landing is taken by the
+        # next message (a resent request may repeat a number another frame still uses).
+        self._landings: collections.deque[Landing] = collections.deque()
         self.protocol = StreamProtocol(
-            self._destinations, self._on_message, self._on_lost, max_payload_bytes=MAX_PAYLOAD_BYTES
+            self._destinations,
+            self._on_message,
+            self._on_lost,
+            max_payload_bytes=MAX_PAYLOAD_BYTES,
         )
 
     @property
@@ -718,7 +724,7 @@ class _StreamLink:
         DISCARD for the rest (a refused frame's payload is read and dropped, never given
         memory)."""
         landing = self.server.state.header_arrived(self.peer, header)
-        self._landings[header.seq] = landing
+        self._landings.append(landing)
         in_place = landing.read_in_place and self.protocol.shared is not None
         return [
             DISCARD if b is None else InPlace(b.data.cast("B")) if in_place else b.data.cast("B")
@@ -726,7 +732,7 @@ class _StreamLink:
         ]
 
     def _on_message(self, message: Message) -> None:
-        landing = self._landings.pop(message.header.seq)
+        landing = self._landings.popleft()
         if message.borrowed:
             borrowed = message.borrowed
             landing.lend(message.buffers, lambda: self.protocol.give_back(borrowed))

@@ -136,8 +136,6 @@ class ServerState:
         self._sessions: dict[int, str] = {}
         #: Workers whose stream was cut: when they count as lost, and how they were cut.
         self._absent: dict[int, tuple[float, str]] = {}
-        #: Streams that a newer stream of the same worker replaced (their end is no loss).
-        self._replaced: set[int] = set()
         #: Each worker's highest request number so far.
         self._received: dict[int, int] = {}
         self._goodbyes: set[int] = set()
@@ -201,8 +199,7 @@ class ServerState:
             if not same:
                 raise MembershipError(f"worker {worker} is already connected to {self.name}")
             for old in current:
-                self.peers.pop(old.id)
-                self._replaced.add(old.id)
+                self.peers.pop(old.id)  # its end, whenever it comes, is no loss
                 replaced.append(CloseStream(old))
         self.store_type = store_type
         self._next_peer += 1
@@ -217,14 +214,14 @@ class ServerState:
     def peer_lost(self, peer: Peer, exc: BaseException | None, now: float) -> list[Instruction]:
         """``peer``'s stream ended (``exc``: why, if known; ``now``: the clock). Without a
         goodbye first, the worker has :attr:`reconnect_s` to come back (:meth:`tick` fails
-        the job when it does not); a worker without a session cannot, and fails it now."""
-        self.peers.pop(peer.id, None)
+        the job when it does not); a worker without a session cannot, and fails it now.
+        Only the end of the worker's newest stream counts: the end of one that a newer
+        stream replaced (whenever it comes, made or not), or of one whose end was reported
+        before, is no loss."""
+        newest = self.peers.pop(peer.id, None) is not None
         said_goodbye = peer.id in self._goodbyes
         self._goodbyes.discard(peer.id)
-        if peer.id in self._replaced:
-            self._replaced.discard(peer.id)
-            return []
-        if said_goodbye or self.stopping or not peer.stream:
+        if not newest or said_goodbye or self.stopping:
             return []
         detail = (
             f"its stream to {self.name} ended ({exc!r})"
