@@ -15,7 +15,8 @@ back by a release frame); the regions of this side's arena that the peer's relea
 give back are noted in :attr:`FrameReader.given_back`. A destination wrapped in
 :class:`InPlace` is not written for such a frame: the message carries a read-only view of
 the payload where it lies, and the application gives the region back itself
-(:attr:`Message.borrowed`) once it has read it.
+(:attr:`Message.borrowed`) once it has read it. A release on a stream that shares no memory
+(:attr:`FrameReader.shared` False) is a :class:`~transport.errors.FrameError`.
 """
 
 from __future__ import annotations
@@ -222,6 +223,9 @@ class FrameReader:
         #: The peer's arena (its frames of version 2 have their payload there); None: the
         #: peer may send none.
         self.arena: memoryview | None = None
+        #: Whether the stream shares memory with the peer, so that it may send releases
+        #: (of this side's arena: even when the peer shares no arena of its own).
+        self.shared = False
         #: Offsets of the peer's arena whose payload was copied out: to give back.
         self.to_give_back: list[int] = []
         #: Offsets of this side's arena that the peer gave back (by release frames).
@@ -383,6 +387,11 @@ class FrameReader:
                 start += PREFIX_BYTES
                 self._header_len, self._payload_len = header_len, payload_len
                 if version == VERSION_RELEASE:
+                    if not self.shared:
+                        raise FrameError(
+                            "a release frame arrived on a stream that shares no memory "
+                            "(there is nothing to give back)"
+                        )
                     self._state = _RELEASE
                     continue
                 if version == VERSION_ARENA and self.arena is None:

@@ -12,6 +12,7 @@ received straight into the arrays they belong to, and whose writes are zero-copy
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import ssl
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,8 @@ __all__ = [
     "StreamProtocol",
     "open_stream",
 ]
+
+log = logging.getLogger("transport.stream")
 
 #: The protocol name in the ``Upgrade`` header.
 UPGRADE_PROTOCOL = "akv-stream/1"
@@ -92,6 +95,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         now on). Call before the first frame."""
         self.shared = shared
         self._reader.arena = shared.peer_view()
+        self._reader.shared = True
 
     def statistics(self) -> ReaderStatistics:
         """The counters of what this end received (see :class:`~transport.ReaderStatistics`)."""
@@ -174,7 +178,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         try:
             messages = self._reader.buffer_updated(nbytes)
         except FrameError as exc:
-            self.abort(exc)
+            self._refuse(exc)
             return
         shared = self.shared
         if shared is not None:
@@ -183,7 +187,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
                 if reader.given_back:
                     shared.given_back(reader.given_back)
             except FrameError as exc:
-                self.abort(exc)
+                self._refuse(exc)
                 return
             if reader.to_give_back:
                 self._queue_releases(reader.to_give_back)
@@ -296,6 +300,20 @@ class StreamProtocol(asyncio.BufferedProtocol):
             self._close_requested = True
         if exc is not None:
             self._end(exc)
+
+    def _refuse(self, exc: FrameError) -> None:
+        """The peer broke the protocol: say so in the log (nobody else may), and cut."""
+        log.warning("%s: %s; closing the stream", self._peer_name(), exc)
+        self.abort(exc)
+
+    def _peer_name(self) -> str:
+        transport = self.transport
+        peer = None if transport is None else transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            host, port = peer[0], peer[1]
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            return f"the stream with {where}"
+        return "a local stream" if self.shared is not None else "a stream"
 
     def _end(self, exc: BaseException | None) -> None:
         """The connection ended (``exc``: why): fail the handshake if it was under way,

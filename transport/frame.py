@@ -20,7 +20,8 @@ Two more kinds of message share the prefix, only between peers that share memory
   then, instead of the payload, one ``offset u64`` per array that has bytes (in descriptor
   order; at most :data:`MAX_ARENA_ARRAYS`): where that array's bytes start in the arena;
 * version 3, a release: ``header_len`` 0 and a payload of ``payload_len / 8`` offsets (u64)
-  of the receiver's arena that the sender of the release has read and gives back.
+  of the receiver's arena that the sender of the release has read and gives back. A
+  release on a stream that shares no memory is a protocol error.
 
 Every integer is little-endian, and so is every array. ``op``, ``flags``, ``seq``, ``aux`` and
 each array's ``tag`` are opaque here: the application gives them meaning. Encoding and decoding

@@ -9,6 +9,7 @@ import pytest
 from aiohttp import web
 
 from transport import (
+    FrameError,
     FrameHeader,
     Message,
     StreamProtocol,
@@ -19,6 +20,7 @@ from transport import (
     serve,
     stream_route,
 )
+from transport.frame import encode_release
 
 TOKEN = "secret"
 
@@ -235,3 +237,15 @@ async def test_a_stream_whose_upgrade_fails_is_reported_lost():
         assert await asyncio.wait_for(lost, 10) is not None  # admitted, then lost: reported
     finally:
         await runner.cleanup()
+
+
+async def test_a_release_frame_on_a_stream_that_shares_no_memory_closes_it(server, caplog):
+    lost = asyncio.get_running_loop().create_future()
+    stream = await open_stream(
+        "127.0.0.1", server.port, TOKEN, fresh, lambda m: None, lost.set_result, timeout_s=10
+    )
+    stream.write([encode_release([0, 64])])
+    assert await asyncio.wait_for(lost, 10) is None  # the server closed it
+    assert server.lost and isinstance(server.lost[0], FrameError)
+    assert "a release frame arrived on a stream that shares no memory" in str(server.lost[0])
+    assert "a release frame arrived on a stream that shares no memory" in caplog.text
