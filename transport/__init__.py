@@ -14,7 +14,8 @@
   :mod:`transport._json`).
 * :func:`stream_route` / :func:`open_stream` / :class:`StreamProtocol`: an authenticated
   HTTP Upgrade to a framed stream for bulk arrays (zero-copy sends, receives into
-  preallocated buffers).
+  preallocated buffers), kept alive and cut when silent (:class:`KeepAlive`,
+  :mod:`transport._liveness`).
 * :func:`serve_local` / ``open_stream(local_path=...)``: the same streams between processes
   on one host over a private Unix socket, with large payloads through shared memory
   (:mod:`transport._shm_stream`); :func:`remove_leftovers` removes what a killed process
@@ -40,6 +41,7 @@ from transport._http_server import (
     stream_route,
 )
 from transport._json import DEFAULT_JSON_MAX_DEPTH, parse_json
+from transport._liveness import DEFAULT_KEEPALIVE_INTERVAL_S, DEFAULT_SILENT_S, KeepAlive
 from transport._reader import (
     DISCARD,
     Destination,
@@ -65,6 +67,7 @@ from transport.errors import (
     JSONError,
     PayloadTooLargeError,
     RemoteError,
+    StreamSilentError,
     TransportError,
 )
 from transport.frame import (
@@ -96,10 +99,12 @@ __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_IDLE_TIMEOUT_S",
     "DEFAULT_JSON_MAX_DEPTH",
+    "DEFAULT_KEEPALIVE_INTERVAL_S",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CONNECTIONS_PER_PEER",
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DEFAULT_MIN_SHARED_BYTES",
+    "DEFAULT_SILENT_S",
     "DISCARD",
     "DTYPE_CODES",
     "UPGRADE_PROTOCOL",
@@ -115,6 +120,7 @@ __all__ = [
     "HttpClient",
     "InPlace",
     "JSONError",
+    "KeepAlive",
     "LocalSite",
     "Message",
     "PayloadTooLargeError",
@@ -126,6 +132,7 @@ __all__ = [
     "ShmListener",
     "ShmMessage",
     "StreamProtocol",
+    "StreamSilentError",
     "TransportError",
     "as_array",
     "client_ssl_context",

@@ -141,8 +141,9 @@ def stream_route(
     """Add ``GET path`` that upgrades an authenticated connection to a framed stream.
 
     ``make_protocol(request)`` builds the server side's protocol; the handler returns when
-    the stream is closed. A stream whose upgrade fails (the client went away) is reported
-    lost all the same. Requests without
+    the stream is closed. The upgrade answer names the protocol's liveness settings, which
+    the client adopts (:meth:`StreamProtocol.upgrade_headers`). A stream whose upgrade
+    fails (the client went away) is reported lost all the same. Requests without
     ``Upgrade: akv-stream/1`` get 426.
     """
 
@@ -159,7 +160,11 @@ def stream_route(
             guard.shared = None
         response = web.StreamResponse(
             status=101,
-            headers={"Upgrade": UPGRADE_PROTOCOL, "Connection": "Upgrade"},
+            headers={
+                "Upgrade": UPGRADE_PROTOCOL,
+                "Connection": "Upgrade",
+                **protocol.upgrade_headers(),
+            },
         )
         # A stream that never starts (the client went away) is reported lost all the same:
         # the application admitted it in make_protocol.

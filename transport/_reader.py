@@ -17,6 +17,8 @@ give back are noted in :attr:`FrameReader.given_back`. A destination wrapped in
 the payload where it lies, and the application gives the region back itself
 (:attr:`Message.borrowed`) once it has read it. A release on a stream that shares no memory
 (:attr:`FrameReader.shared` False) is a :class:`~transport.errors.FrameError`.
+
+Keepalives (:mod:`transport._liveness`) are consumed and counted, never delivered.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from transport.frame import (
     MAX_ARENA_ARRAYS,
     PREFIX_BYTES,
     VERSION_ARENA,
+    VERSION_KEEPALIVE,
     VERSION_RELEASE,
     FrameHeader,
     decode_any_prefix,
@@ -137,6 +140,8 @@ class ReaderStatistics:
     payload_bytes_shared: int = 0
     #: Of those, the bytes lent in place to :class:`InPlace` destinations (not copied).
     payload_bytes_lent: int = 0
+    #: Keepalive frames received (consumed here, never delivered as messages).
+    keepalives: int = 0
 
 
 class FrameReader:
@@ -218,6 +223,7 @@ class FrameReader:
         self._discarded_bytes = 0
         self._shared_bytes = 0
         self._lent_bytes = 0
+        self._keepalives = 0
         self._arena_frame = False
         self._arena_arrays = 0
         #: The peer's arena (its frames of version 2 have their payload there); None: the
@@ -355,6 +361,7 @@ class FrameReader:
             self._discarded_bytes,
             self._shared_bytes,
             self._lent_bytes,
+            self._keepalives,
         )
 
     # -------------------------------------------------------------- parsing
@@ -386,6 +393,9 @@ class FrameReader:
                 )
                 start += PREFIX_BYTES
                 self._header_len, self._payload_len = header_len, payload_len
+                if version == VERSION_KEEPALIVE:
+                    self._keepalives += 1
+                    continue
                 if version == VERSION_RELEASE:
                     if not self.shared:
                         raise FrameError(

@@ -135,6 +135,7 @@ class ParameterServer:
             self.engine.new_var,
             reconnect_s=config.timeouts.reconnect_s,
             checkpoints=checkpoints,
+            silent_reconnect_s=silent_reconnect_s(config),
         )
         #: Writes this server's checkpoints (None: it writes none).
         self.checkpoints: Checkpoints | None = None
@@ -690,6 +691,18 @@ def _failed_reply(peer: Peer, seq: int, what: str, exc: Exception) -> ReplyError
     return ReplyError(peer, seq, ServerError(f"{what}: {type(exc).__name__}: {exc}"), exc)
 
 
+def silent_reconnect_s(config: Config) -> float:
+    """How long a server waits for a worker whose stream it cut as silent, before it
+    reports the worker lost: the worker's own cut may come up to ``AKV_STREAM_SILENT_S``
+    later, it then tries to reconnect for ``AKV_REQUEST_TIMEOUT_S``, its last attempt may
+    take ``AKV_CONNECT_TIMEOUT_S``, and then the usual grace. A silent stream is no sign
+    that the worker died (a dead or hanging worker stops its heartbeats, and the scheduler
+    names it first); a live worker that cannot reach this server within its window names
+    this server itself, and this report is only the last resort."""
+    timeouts = config.timeouts
+    return timeouts.silent_s + timeouts.request_s + timeouts.connect_s + timeouts.reconnect_s
+
+
 class _StreamLink:
     """One worker's stream to this server: frames in to the state, replies out."""
 
@@ -704,6 +717,7 @@ class _StreamLink:
             self._on_message,
             self._on_lost,
             max_payload_bytes=MAX_PAYLOAD_BYTES,
+            keepalive=server.config.timeouts.keepalive,
         )
 
     @property

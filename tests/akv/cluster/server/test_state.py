@@ -31,6 +31,7 @@ from transport import (
     ArenaBook,
     ArrayInfo,
     FrameHeader,
+    StreamSilentError,
     decode_frame,
     frame_bytes,
 )
@@ -307,6 +308,30 @@ def test_an_old_streams_end_reported_again_does_not_undo_a_reconnect():
     players.reconnect(1)  # back within the grace
     players.run(players.state.peer_lost(old, None, players.now))  # its end, reported again
     players.tick(players.state.reconnect_s + 1)
+    assert players.failures == [] and players.state.workers_connected() == [0, 1]
+
+
+def test_a_stream_cut_as_silent_gives_the_worker_its_own_window_to_come_back():
+    # A silent stream is no sign that the worker died (its heartbeats say that): the live
+    # worker keeps reconnecting for its window, and names this server if it cannot.
+    players = started(2)
+    players.state.silent_reconnect_s = 50.0
+    players.lose(1, StreamSilentError("no answer for 20.1 s: the stream is silent"))
+    players.tick(players.state.reconnect_s + 1)
+    assert players.failures == [] and players.state.status()["workers_reconnecting"] == [1]
+    players.tick(50.5)
+    (failure,) = players.failures
+    assert "the stream is silent" in failure.reason
+    assert "did not reconnect within 50 s" in failure.reason
+
+
+def test_a_worker_whose_silent_stream_was_cut_may_come_back():
+    players = started(2)
+    players.state.silent_reconnect_s = 50.0
+    players.lose(1, StreamSilentError("no answer for 20.1 s: the stream is silent"))
+    players.tick(30.0)
+    players.reconnect(1)
+    players.tick(100.0)
     assert players.failures == [] and players.state.workers_connected() == [0, 1]
 
 
