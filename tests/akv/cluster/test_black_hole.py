@@ -123,11 +123,15 @@ async def test_a_server_that_cannot_be_reached_at_all_is_the_one_named():
     """Every connection to server 1 black-holed, and new ones held open unanswered: the
     workers cut their streams as silent, cannot open new ones, and the job fails naming
     server 1, not a worker that its streams went silent from."""
+    # Short settings, so that the workers give up on server 1 after about 18 s (a 3 s
+    # silence, a 10 s window to reconnect, a last attempt of 5 s at most), well before
+    # the pulls' own deadline (the round timeout) would end the job without a verdict.
     fast = {
         "AKV_STREAM_KEEPALIVE_S": "0.5",
         "AKV_STREAM_SILENT_S": "3",
         "AKV_CONNECT_TIMEOUT_S": "5",
         "AKV_REQUEST_TIMEOUT_S": "10",
+        "AKV_ROUND_TIMEOUT_S": "60",
         "AKV_BIGARRAY_BOUND": "1024",
     }
 
