@@ -57,6 +57,16 @@ BLAME_TIMEOUT_S = 2.0
 #: reports the worker lost (the worker itself keeps reconnecting, with backoff, until its
 #: requests' deadline). ``AKV_RECONNECT_GRACE_S``.
 RECONNECT_GRACE_S = 5.0
+#: A stream's end that has written nothing for this long sends a keepalive (a 16-byte
+#: frame), so that a live peer is never silent for longer. ``AKV_STREAM_KEEPALIVE_S``.
+STREAM_KEEPALIVE_S = 5.0
+#: A stream that received nothing at all (not a keepalive, not a byte of a payload) for
+#: this long is cut as silent, as a reset would cut it: the worker opens it again and
+#: resends. Four keepalive intervals: a live peer whose loop is blocked for up to 15 s is
+#: not cut, and a path that holds the connection but carries nothing is found within 20 s
+#: instead of at a 300 s request deadline. The servers' settings govern each stream (the
+#: workers adopt them). ``AKV_STREAM_SILENT_S``.
+STREAM_SILENT_S = 20.0
 #: A worker's first wait before reconnecting a cut stream, and the longest wait between
 #: attempts (the wait doubles after each failed attempt).
 RECONNECT_FIRST_S = 0.02

@@ -15,7 +15,8 @@
   :mod:`transport._json`).
 * :func:`stream_route` / :func:`open_stream` / :class:`StreamProtocol`: an authenticated
   HTTP Upgrade to a framed stream for bulk arrays (zero-copy sends, receives into
-  preallocated buffers).
+  preallocated buffers), kept alive and cut when silent (:class:`KeepAlive`,
+  :mod:`transport._liveness`).
 * :func:`serve_local` / ``open_stream(local_path=...)``: the same streams between processes
   on one host over a private Unix socket, with large payloads through shared memory
   (:mod:`transport._shm_stream`); :func:`remove_leftovers` removes what a killed process
@@ -45,6 +46,7 @@ from transport._http_server import (
     stream_route,
 )
 from transport._json import DEFAULT_JSON_MAX_DEPTH, parse_json
+from transport._liveness import DEFAULT_KEEPALIVE_INTERVAL_S, DEFAULT_SILENT_S, KeepAlive
 from transport._reader import (
     DISCARD,
     Destination,
@@ -70,6 +72,7 @@ from transport.errors import (
     JSONError,
     PayloadTooLargeError,
     RemoteError,
+    StreamSilentError,
     TransportError,
 )
 from transport.frame import (
@@ -101,6 +104,7 @@ __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_IDLE_TIMEOUT_S",
     "DEFAULT_JSON_MAX_DEPTH",
+    "DEFAULT_KEEPALIVE_INTERVAL_S",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CONNECTIONS_PER_PEER",
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -109,6 +113,7 @@ __all__ = [
     "DEFAULT_MAX_STRANGERS_PER_PEER",
     "DEFAULT_MIN_SHARED_BYTES",
     "DEFAULT_PROBATION_S",
+    "DEFAULT_SILENT_S",
     "DISCARD",
     "DTYPE_CODES",
     "UPGRADE_PROTOCOL",
@@ -124,6 +129,7 @@ __all__ = [
     "HttpClient",
     "InPlace",
     "JSONError",
+    "KeepAlive",
     "LocalSite",
     "Message",
     "PayloadTooLargeError",
@@ -135,6 +141,7 @@ __all__ = [
     "ShmListener",
     "ShmMessage",
     "StreamProtocol",
+    "StreamSilentError",
     "TransportError",
     "as_array",
     "client_ssl_context",

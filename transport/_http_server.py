@@ -169,7 +169,10 @@ def stream_route(
     """Add ``GET path`` that upgrades an authenticated connection to a framed stream.
 
     ``make_protocol(request)`` builds the server side's protocol; the handler returns when
-    the stream is closed. Requests without ``Upgrade: akv-stream/1`` get 426.
+    the stream is closed. The upgrade answer names the protocol's liveness settings, which
+    the client adopts (:meth:`StreamProtocol.upgrade_headers`). A stream whose upgrade
+    fails (the client went away) is reported lost all the same. Requests without
+    ``Upgrade: akv-stream/1`` get 426.
     """
 
     async def upgrade(request: web.Request) -> web.StreamResponse:
@@ -184,9 +187,24 @@ def stream_route(
             protocol.share(guard.shared)
             guard.shared = None
         response = web.StreamResponse(
-            status=101, headers={"Upgrade": UPGRADE_PROTOCOL, "Connection": "Upgrade"}
+            status=101,
+            headers={
+                "Upgrade": UPGRADE_PROTOCOL,
+                "Connection": "Upgrade",
+                **protocol.upgrade_headers(),
+            },
         )
-        await response.prepare(request)
+        # A stream that never starts (the client went away) is reported lost all the same:
+        # the application admitted it in make_protocol.
+        try:
+            await response.prepare(request)
+        except BaseException as exc:
+            transport.abort()
+            protocol.connection_lost(exc if isinstance(exc, Exception) else None)
+            raise
+        if transport.is_closing():
+            protocol.connection_lost(ConnectionResetError("the connection closed at the upgrade"))
+            return response
         # From here on the connection is no longer HTTP: the stream protocol takes the
         # transport over (as aiohttp's own WebSocket support does with its parser).
         transport.set_protocol(protocol)

@@ -15,7 +15,10 @@ back by a release frame); the regions of this side's arena that the peer's relea
 give back are noted in :attr:`FrameReader.given_back`. A destination wrapped in
 :class:`InPlace` is not written for such a frame: the message carries a read-only view of
 the payload where it lies, and the application gives the region back itself
-(:attr:`Message.borrowed`) once it has read it.
+(:attr:`Message.borrowed`) once it has read it. A release on a stream that shares no memory
+(:attr:`FrameReader.shared` False) is a :class:`~transport.errors.FrameError`.
+
+Keepalives (:mod:`transport._liveness`) are consumed and counted, never delivered.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from transport.frame import (
     MAX_ARENA_ARRAYS,
     PREFIX_BYTES,
     VERSION_ARENA,
+    VERSION_KEEPALIVE,
     VERSION_RELEASE,
     FrameHeader,
     decode_any_prefix,
@@ -136,6 +140,8 @@ class ReaderStatistics:
     payload_bytes_shared: int = 0
     #: Of those, the bytes lent in place to :class:`InPlace` destinations (not copied).
     payload_bytes_lent: int = 0
+    #: Keepalive frames received (consumed here, never delivered as messages).
+    keepalives: int = 0
 
 
 class FrameReader:
@@ -217,11 +223,15 @@ class FrameReader:
         self._discarded_bytes = 0
         self._shared_bytes = 0
         self._lent_bytes = 0
+        self._keepalives = 0
         self._arena_frame = False
         self._arena_arrays = 0
         #: The peer's arena (its frames of version 2 have their payload there); None: the
         #: peer may send none.
         self.arena: memoryview | None = None
+        #: Whether the stream shares memory with the peer, so that it may send releases
+        #: (of this side's arena: even when the peer shares no arena of its own).
+        self.shared = False
         #: Offsets of the peer's arena whose payload was copied out: to give back.
         self.to_give_back: list[int] = []
         #: Offsets of this side's arena that the peer gave back (by release frames).
@@ -351,6 +361,7 @@ class FrameReader:
             self._discarded_bytes,
             self._shared_bytes,
             self._lent_bytes,
+            self._keepalives,
         )
 
     # -------------------------------------------------------------- parsing
@@ -382,7 +393,15 @@ class FrameReader:
                 )
                 start += PREFIX_BYTES
                 self._header_len, self._payload_len = header_len, payload_len
+                if version == VERSION_KEEPALIVE:
+                    self._keepalives += 1
+                    continue
                 if version == VERSION_RELEASE:
+                    if not self.shared:
+                        raise FrameError(
+                            "a release frame arrived on a stream that shares no memory "
+                            "(there is nothing to give back)"
+                        )
                     self._state = _RELEASE
                     continue
                 if version == VERSION_ARENA and self.arena is None:

@@ -7,30 +7,51 @@ Protocols``; from then on both sides exchange frames (:mod:`transport.frame`).
 buffers come from a :class:`~transport._reader.FrameReader`, so that large payloads are
 received straight into the arrays they belong to, and whose writes are zero-copy
 (``writelines`` of memoryviews) with an exact "drained" signal.
+
+Both ends may run a liveness clock (:mod:`transport._liveness`): an end that has written
+nothing for a while sends a keepalive, and an end that has received nothing for
+``silent_s`` cuts the stream (``on_lost`` gets a :class:`~transport.errors.StreamSilentError`),
+as a reset would. The server's settings govern the pair: its upgrade answer names them
+(:data:`KEEPALIVE_HEADER`) and the client adopts them, so the two ends cannot disagree.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import ssl
 from collections.abc import Callable, Mapping, Sequence
-from typing import cast
+from typing import Literal, cast
 
+from transport._liveness import Due, KeepAlive, LivenessClock
 from transport._reader import Destinations, FrameReader, Message, ReaderStatistics
 from transport._shm_stream import SharedMemory, connect_local
-from transport.errors import AuthError, FrameError, RemoteError, TransportError
-from transport.frame import DEFAULT_MAX_PAYLOAD_BYTES
+from transport.errors import (
+    AuthError,
+    FrameError,
+    RemoteError,
+    StreamSilentError,
+    TransportError,
+)
+from transport.frame import DEFAULT_MAX_PAYLOAD_BYTES, KEEPALIVE_FRAME
 
 __all__ = [
     "HANDSHAKE_MAX_BYTES",
+    "KEEPALIVE_HEADER",
     "UPGRADE_PROTOCOL",
     "StreamProtocol",
     "open_stream",
 ]
 
+log = logging.getLogger("transport.stream")
+
 #: The protocol name in the ``Upgrade`` header.
 UPGRADE_PROTOCOL = "akv-stream/1"
+#: The header of the server's upgrade answer that names the stream's liveness settings,
+#: ``interval=<s>; silent=<s>`` (absent: the server runs none, and neither does a client
+#: that adopts the server's).
+KEEPALIVE_HEADER = "AKV-Keepalive"
 #: Largest HTTP answer the client reads while upgrading.
 HANDSHAKE_MAX_BYTES = 64 << 10
 #: Request headers that :func:`open_stream` writes itself, so a caller may not pass them.
@@ -45,8 +66,16 @@ class StreamProtocol(asyncio.BufferedProtocol):
     """One end of a framed stream.
 
     ``on_message(message)`` is called on the loop for each complete message, in order.
-    ``on_lost(exc)`` once when the connection ends (``exc`` None for a clean close).
+    ``on_lost(exc)`` once when the connection ends (``exc`` None for a clean close), also
+    when it ends before :meth:`connection_made` (a server's stream whose upgrade failed);
+    a client's stream (``handshake``) reports its end only once :func:`open_stream` has
+    returned it (a stream that ends before is its caller's error, not a loss).
     ``destinations(header)`` chooses where each array's payload is received.
+
+    ``keepalive``: the liveness this end runs (:mod:`transport._liveness`; None: none).
+    A client's is also the bound on the wait for the server's upgrade answer (nothing at
+    all for ``silent_s``: the attempt fails), and with ``adopt_keepalive`` it is replaced
+    by what the server's answer names.
     """
 
     def __init__(
@@ -57,10 +86,25 @@ class StreamProtocol(asyncio.BufferedProtocol):
         *,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         handshake: bool = False,
+        keepalive: KeepAlive | None = None,
+        adopt_keepalive: bool = False,
     ) -> None:
         self._reader = FrameReader(destinations, max_payload_bytes=max_payload_bytes)
         self._on_message = on_message
         self._on_lost = on_lost
+        #: The liveness settings this end runs (None: none).
+        self.keepalive = keepalive
+        self._adopt_keepalive = adopt_keepalive
+        self._clock: LivenessClock | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._time: Callable[[], float] | None = None
+        #: Whether the end is reported (a client's only once open_stream returned it).
+        self._announce = not handshake
+        #: The connection ended (and why): reported once, whatever ends it first.
+        self._ended = False
+        self._end_cause: BaseException | None = None
+        #: close() or abort() came before connection_made: done there.
+        self._close_requested = False
         self.transport: asyncio.Transport | None = None
         self._paused = False
         self._drain_waiters: list[Callable[[BaseException | None], None]] = []
@@ -82,6 +126,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         now on). Call before the first frame."""
         self.shared = shared
         self._reader.arena = shared.peer_view()
+        self._reader.shared = True
 
     def statistics(self) -> ReaderStatistics:
         """The counters of what this end received (see :class:`~transport.ReaderStatistics`)."""
@@ -131,6 +176,12 @@ class StreamProtocol(asyncio.BufferedProtocol):
         transport = self.transport
         if pending and transport is not None and not transport.is_closing():
             transport.writelines(pending)
+            self._note_sent()
+
+    def _note_sent(self) -> None:
+        clock = self._clock
+        if clock is not None and self._time is not None:
+            clock.sent(self._time())
 
     # -------------------------------------------------------------- asyncio callbacks
 
@@ -140,13 +191,25 @@ class StreamProtocol(asyncio.BufferedProtocol):
         stream = cast(asyncio.Transport, transport)
         self.transport = stream
         loop = asyncio.get_running_loop()
-        self._closed = loop.create_future()
+        if self._closed is None:
+            self._closed = loop.create_future()
         if self._handshake is not None:
             self.handshake_done = loop.create_future()
         # With a high-water mark of 0 every write the kernel did not take at once pauses us,
         # and resume_writing() comes exactly when the buffer is empty again: an exact
         # "these buffers are no longer referenced" signal for zero-copy sends.
         stream.set_write_buffer_limits(high=0, low=0)
+        if self._ended or self._close_requested:
+            # Replaced (or refused) before the connection was handed over: close it now.
+            stream.close()
+            return
+        if self.keepalive is not None:
+            # A client waiting for the upgrade answer sends nothing: it only times silence.
+            self._time = loop.time
+            self._clock = LivenessClock(
+                self.keepalive, loop.time(), sending=self._handshake is None
+            )
+            self._arm()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._handshake is not None:
@@ -154,13 +217,16 @@ class StreamProtocol(asyncio.BufferedProtocol):
         return self._reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        clock = self._clock
+        if clock is not None and self._time is not None:
+            clock.received(self._time())
         if self._handshake is not None:
             self._handshake_received(nbytes)
             return
         try:
             messages = self._reader.buffer_updated(nbytes)
         except FrameError as exc:
-            self.abort(exc)
+            self._refuse(exc)
             return
         shared = self.shared
         if shared is not None:
@@ -169,7 +235,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
                 if reader.given_back:
                     shared.given_back(reader.given_back)
             except FrameError as exc:
-                self.abort(exc)
+                self._refuse(exc)
                 return
             if reader.to_give_back:
                 self._queue_releases(reader.to_give_back)
@@ -185,18 +251,15 @@ class StreamProtocol(asyncio.BufferedProtocol):
         return None
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        """The connection ended; also called by :func:`~transport.stream_route` for a
+        stream whose upgrade failed before :meth:`connection_made`."""
         self._paused = False
+        self._stop_clock()
         if self.shared is not None:
             self._reader.arena = None
             self.shared.close()
         self._wake_drain_waiters(exc)
-        if self.handshake_done is not None and not self.handshake_done.done():
-            self.handshake_done.set_exception(
-                TransportError(f"connection closed during the stream handshake: {exc}")
-            )
-        if self._closed is not None and not self._closed.done():
-            self._closed.set_result(exc)
-            self._on_lost(exc)
+        self._end(exc)
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -222,6 +285,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
             transport.write(buffers[0])
         else:
             transport.writelines(buffers)
+        self._note_sent()
 
     def when_drained(self, callback: Callable[[BaseException | None], None]) -> None:
         """Call ``callback(None)`` once everything written so far has been handed to the
@@ -258,26 +322,115 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     @property
     def closing(self) -> bool:
-        """True once the connection is closing or closed."""
-        return self.transport is None or self.transport.is_closing()
+        """True once the connection is closing or closed (and before it is made)."""
+        return self._ended or self.transport is None or self.transport.is_closing()
 
     async def wait_closed(self) -> BaseException | None:
         """Wait until the connection is gone; return what ended it (None: a clean close)."""
-        assert self._closed is not None
+        if self._closed is None:
+            self._closed = asyncio.get_running_loop().create_future()
+            if self._ended:
+                self._closed.set_result(self._end_cause)
         return await asyncio.shield(self._closed)
 
     def close(self) -> None:
-        """Close after the queued writes are sent."""
-        if self.transport is not None and not self.transport.is_closing():
+        """Close after the queued writes are sent; before :meth:`connection_made`, at once
+        when it comes (a stream replaced before it was handed over)."""
+        if self.transport is None:
+            self._close_requested = True
+        elif not self.transport.is_closing():
             self.transport.close()
 
     def abort(self, exc: BaseException | None = None) -> None:
-        """Drop the connection at once (after a protocol error ``exc``)."""
+        """Drop the connection at once (after a protocol error ``exc``, which ``on_lost``
+        gets)."""
+        self._stop_clock()
         if self.transport is not None:
             self.transport.abort()
-        if exc is not None and self._closed is not None and not self._closed.done():
+        else:
+            self._close_requested = True
+        if exc is not None:
+            self._end(exc)
+
+    def _refuse(self, exc: FrameError) -> None:
+        """The peer broke the protocol: say so in the log (nobody else may), and cut."""
+        log.warning("%s: %s; closing the stream", self._peer_name(), exc)
+        self.abort(exc)
+
+    def _peer_name(self) -> str:
+        transport = self.transport
+        peer = None if transport is None else transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            host, port = peer[0], peer[1]
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            return f"the stream with {where}"
+        return "a local stream" if self.shared is not None else "a stream"
+
+    def _end(self, exc: BaseException | None) -> None:
+        """The connection ended (``exc``: why): fail the handshake if it was under way,
+        wake wait_closed(), and report the end once (when reported at all)."""
+        if self._ended:
+            return
+        self._ended = True
+        self._end_cause = exc
+        self._stop_clock()
+        handshake = self.handshake_done
+        if handshake is not None and not handshake.done():
+            error = exc if isinstance(exc, TransportError) else None
+            handshake.set_exception(
+                error or TransportError(f"connection closed during the stream handshake: {exc}")
+            )
+            handshake.exception()  # retrieved: open_stream may have given up on it already
+        if self._closed is not None and not self._closed.done():
             self._closed.set_result(exc)
+        if self._announce:
             self._on_lost(exc)
+
+    def _handed_out(self) -> bool:
+        """:func:`open_stream` returns this stream: its end is reported from now on.
+        False when it ended already (then nothing is, and open_stream fails)."""
+        if self._ended:
+            return False
+        self._announce = True
+        return True
+
+    # -------------------------------------------------------------- liveness
+
+    def _arm(self) -> None:
+        clock = self._clock
+        if clock is not None and not self._ended:
+            self._timer = asyncio.get_running_loop().call_at(clock.next_check, self._check)
+
+    def _stop_clock(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._clock = None
+
+    def _check(self) -> None:
+        self._timer = None
+        clock = self._clock
+        transport = self.transport
+        if clock is None or transport is None or self._time is None:
+            return
+        now = self._time()
+        due = clock.poll(now)
+        if due is Due.CUT:
+            keepalive = clock.keepalive
+            error = StreamSilentError(
+                f"no answer for {clock.silence(now):.1f} s: the stream is silent (a live "
+                f"peer sends something at least every {keepalive.interval_s:g} s; the "
+                f"limit is {keepalive.silent_s:g} s)"
+            )
+            log.warning("%s: %s; cutting it", self._peer_name(), error)
+            self.abort(error)
+            return
+        if due is Due.KEEPALIVE:
+            if not transport.is_closing():
+                self._soon.append(KEEPALIVE_FRAME)
+                self._flush_pending()
+            clock.sent(now)
+        self._arm()
 
     # -------------------------------------------------------------- client handshake
 
@@ -310,10 +463,35 @@ class StreamProtocol(asyncio.BufferedProtocol):
                 TransportError(f"the server upgraded to {headers.get('upgrade')!r}")
             )
             return
+        keepalive = self.keepalive
+        if self._adopt_keepalive:
+            try:
+                keepalive = parse_keepalive(headers.get(KEEPALIVE_HEADER.lower()))
+            except ValueError as exc:
+                self._fail_handshake(TransportError(f"the server's upgrade answer: {exc}"))
+                return
         self._handshake = None
+        self._start_liveness(keepalive)
         self.handshake_done.set_result(None)
         if rest:
             self._feed(rest)
+
+    def _start_liveness(self, keepalive: KeepAlive | None) -> None:
+        """The stream is up: run ``keepalive`` from now on (None: no liveness)."""
+        self._stop_clock()
+        self.keepalive = keepalive
+        if keepalive is not None and self.transport is not None:
+            loop = asyncio.get_running_loop()
+            self._time = loop.time
+            self._clock = LivenessClock(keepalive, loop.time())
+            self._arm()
+
+    def upgrade_headers(self) -> dict[str, str]:
+        """The headers a server's upgrade answer carries for this stream: its liveness
+        settings (:data:`KEEPALIVE_HEADER`), which the client adopts."""
+        if self.keepalive is None:
+            return {}
+        return {KEEPALIVE_HEADER: format_keepalive(self.keepalive)}
 
     def _feed(self, data: bytes) -> None:
         """Hand bytes that arrived together with the handshake to the frame reader."""
@@ -329,8 +507,36 @@ class StreamProtocol(asyncio.BufferedProtocol):
         assert self.handshake_done is not None
         if not self.handshake_done.done():
             self.handshake_done.set_exception(exc)
+            self.handshake_done.exception()  # retrieved: open_stream may have given up
+        self._stop_clock()
         if self.transport is not None:
             self.transport.abort()
+
+
+def format_keepalive(keepalive: KeepAlive) -> str:
+    """The value of :data:`KEEPALIVE_HEADER` for ``keepalive``."""
+    return f"interval={keepalive.interval_s!r}; silent={keepalive.silent_s!r}"
+
+
+def parse_keepalive(value: str | None) -> KeepAlive | None:
+    """The settings a :data:`KEEPALIVE_HEADER` value names (None for no header).
+
+    Raises :class:`ValueError` for a value that is not ``interval=<s>; silent=<s>`` with
+    settings :class:`KeepAlive` accepts.
+    """
+    if value is None:
+        return None
+    fields = {}
+    for part in value.split(";"):
+        name, sep, number = part.partition("=")
+        try:
+            fields[name.strip()] = float(number) if sep else None
+        except ValueError:
+            fields[name.strip()] = None
+    interval, silent = fields.get("interval"), fields.get("silent")
+    if interval is None or silent is None or len(fields) != 2:
+        raise ValueError(f"{KEEPALIVE_HEADER}: {value!r} is not 'interval=<s>; silent=<s>'")
+    return KeepAlive(interval, silent)
 
 
 def _refusal(status: int, reason: str, body: bytes) -> TransportError:
@@ -356,6 +562,7 @@ async def open_stream(
     headers: Mapping[str, str] | None = None,
     local_path: str | None = None,
     arena_bytes: int = 0,
+    keepalive: KeepAlive | Literal["server"] | None = "server",
 ) -> StreamProtocol:
     """Connect, authenticate and upgrade to a framed stream; return its protocol.
 
@@ -368,6 +575,15 @@ async def open_stream(
     ``headers`` are sent with the upgrade request, in order and as given, for the
     application to read on the other side (``request.headers`` in ``stream_route``'s
     ``make_protocol``); nothing is sent beyond the authentication and the upgrade itself.
+
+    ``keepalive``: the stream's liveness (:mod:`transport._liveness`). ``"server"`` (the
+    default): what the server's upgrade answer names (none if it names none), and until
+    then the default ``silent_s`` bounds the wait for that answer; a :class:`KeepAlive`:
+    those settings whatever the server runs; None: no liveness on this end.
+
+    ``on_lost`` is called only for a stream this returned: a stream that ends before
+    (during the upgrade, or right after it) makes this raise instead, and a connection
+    this gives up on (a timeout, a refusal) is closed.
 
     Raises
     ------
@@ -385,10 +601,27 @@ async def open_stream(
     """
     loop = asyncio.get_running_loop()
 
+    own: KeepAlive | None
+    if isinstance(keepalive, str):
+        if keepalive != "server":
+            raise ValueError(f"open_stream: keepalive {keepalive!r} is not 'server'")
+        own, adopt = KeepAlive(), True
+    else:
+        own, adopt = keepalive, False
+    made: list[StreamProtocol] = []
+
     def factory() -> StreamProtocol:
-        return StreamProtocol(
-            destinations, on_message, on_lost, max_payload_bytes=max_payload_bytes, handshake=True
+        protocol = StreamProtocol(
+            destinations,
+            on_message,
+            on_lost,
+            max_payload_bytes=max_payload_bytes,
+            handshake=True,
+            keepalive=own,
+            adopt_keepalive=adopt,
         )
+        made.append(protocol)
+        return protocol
 
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     where = authority if local_path is None else f"{authority} through {local_path}"
@@ -425,10 +658,19 @@ async def open_stream(
         return protocol
 
     try:
-        return await asyncio.wait_for(connect(), timeout_s)
-    except TransportError:
-        raise
-    except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+        protocol = await asyncio.wait_for(connect(), timeout_s)
+        if not protocol._handed_out():
+            raise TransportError(
+                f"the stream to {where} closed right after its upgrade: {protocol._end_cause!r}"
+            )
+        return protocol
+    except BaseException as exc:
+        for protocol in made:  # given up on: never left open, never reported lost
+            protocol.abort()
+        if isinstance(exc, TransportError) or not isinstance(
+            exc, (OSError, asyncio.TimeoutError, ssl.SSLError)
+        ):
+            raise
         raise TransportError(f"cannot open a stream to {where}: {exc!r}") from exc
 
 

@@ -12,6 +12,7 @@ __all__ = [
     "JSONError",
     "PayloadTooLargeError",
     "RemoteError",
+    "StreamSilentError",
     "TransportError",
 ]
 
@@ -27,6 +28,13 @@ class FrameError(TransportError, ValueError):
     ``"frame header: ndim 40 of array 2 exceeds MAX_NDIM 32"``. A connection that produced one
     cannot be trusted to be in step any more and should be closed.
     """
+
+
+class StreamSilentError(TransportError):
+    """A stream received nothing for its ``silent_s`` (:mod:`transport._liveness`) and
+    was cut: the path to the peer holds the connection but carries nothing (a proxy that
+    black-holes it, a host that vanished), or the peer's loop is blocked for that long.
+    Handle it as a reset: open the stream again."""
 
 
 class JSONError(TransportError, ValueError):

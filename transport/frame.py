@@ -20,7 +20,18 @@ Two more kinds of message share the prefix, only between peers that share memory
   then, instead of the payload, one ``offset u64`` per array that has bytes (in descriptor
   order; at most :data:`MAX_ARENA_ARRAYS`): where that array's bytes start in the arena;
 * version 3, a release: ``header_len`` 0 and a payload of ``payload_len / 8`` offsets (u64)
-  of the receiver's arena that the sender of the release has read and gives back.
+  of the receiver's arena that the sender of the release has read and gives back. A
+  release on a stream that shares no memory is a protocol error.
+
+And one more on every stream:
+
+* version 4, a keepalive: ``header_len`` 0 and ``payload_len`` 0, nothing but the prefix:
+  proof that the sender lives, sent by an end that has written nothing for a while
+  (:mod:`transport._liveness`).
+
+The version byte is the transport's; the ``op`` field is the application's. Control
+messages (releases, keepalives) are told apart by their version and carry no header, so
+they never reach the application and can never collide with its ops, whatever they are.
 
 Every integer is little-endian, and so is every array. ``op``, ``flags``, ``seq``, ``aux`` and
 each array's ``tag`` are opaque here: the application gives them meaning. Encoding and decoding
@@ -43,6 +54,7 @@ __all__ = [
     "CODE_DTYPES",
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DTYPE_CODES",
+    "KEEPALIVE_FRAME",
     "MAGIC",
     "MAX_ARENA_ARRAYS",
     "MAX_ARRAYS",
@@ -54,6 +66,7 @@ __all__ = [
     "PREFIX_BYTES",
     "VERSION",
     "VERSION_ARENA",
+    "VERSION_KEEPALIVE",
     "VERSION_RELEASE",
     "ArrayInfo",
     "FrameHeader",
@@ -78,6 +91,8 @@ VERSION = 1
 VERSION_ARENA = 2
 #: The prefix version of a release of arena regions.
 VERSION_RELEASE = 3
+#: The prefix version of a keepalive (a prefix alone).
+VERSION_KEEPALIVE = 4
 #: Bytes of each array's arena offset after the header of a :data:`VERSION_ARENA` frame.
 ARENA_REF_BYTES = 8
 #: Most arrays with bytes that a :data:`VERSION_ARENA` frame may have.
@@ -128,6 +143,8 @@ I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_ARRAY_BYTES = (1 << 63) - 1
 
 _PREFIX = struct.Struct("<3sBIQ")
+#: A whole keepalive message: its prefix, with no header and no payload.
+KEEPALIVE_FRAME = _PREFIX.pack(MAGIC, VERSION_KEEPALIVE, 0, 0)
 _ARENA_PREFIX_START = MAGIC + bytes([VERSION_ARENA])
 _FIXED = struct.Struct("<HHIQqI")
 _FIXED_BYTES = _FIXED.size
@@ -479,12 +496,13 @@ def decode_prefix(
 def decode_any_prefix(
     data: bytes | bytearray | memoryview, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
 ) -> tuple[int, int, int]:
-    """Decode a prefix of any of the three kinds; return ``(version, header_len,
+    """Decode a prefix of any of the four kinds; return ``(version, header_len,
     payload_len)``.
 
-    Raises :class:`FrameError` as :func:`decode_prefix` does, for an unknown version, and
-    for a release whose header is not empty or whose payload is not a whole number of at
-    most :data:`MAX_RELEASE_OFFSETS` offsets.
+    Raises :class:`FrameError` as :func:`decode_prefix` does, for an unknown version, for
+    a release whose header is not empty or whose payload is not a whole number of at
+    most :data:`MAX_RELEASE_OFFSETS` offsets, and for a keepalive with a header or a
+    payload.
     """
     if len(data) < PREFIX_BYTES:
         raise FrameError(f"frame prefix: {len(data)} bytes, need {PREFIX_BYTES}")
@@ -493,8 +511,12 @@ def decode_any_prefix(
         raise FrameError(
             f"frame prefix: magic {magic!r} is not {MAGIC!r} (not an akv frame stream?)"
         )
-    if version not in (VERSION, VERSION_ARENA, VERSION_RELEASE):
+    if version not in (VERSION, VERSION_ARENA, VERSION_RELEASE, VERSION_KEEPALIVE):
         raise FrameError(f"frame version {version}, this side speaks {VERSION}")
+    if version == VERSION_KEEPALIVE and (header_len or payload_len):
+        raise FrameError(
+            f"keepalive: header_len {header_len} and payload_len {payload_len} are not 0"
+        )
     if version == VERSION_RELEASE and (
         header_len or payload_len % ARENA_REF_BYTES or payload_len > 8 * MAX_RELEASE_OFFSETS
     ):

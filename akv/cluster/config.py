@@ -36,8 +36,10 @@ from akv.limits import (
     RETAIN_BYTES,
     ROUND_TIMEOUT_S,
     SHM_ARENA_BYTES,
+    STREAM_KEEPALIVE_S,
+    STREAM_SILENT_S,
 )
-from transport import host_identity
+from transport import KeepAlive, host_identity
 
 __all__ = [
     "ADDRESS_FORMS",
@@ -96,6 +98,8 @@ _TIMEOUTS = {
     "idle_s": ("AKV_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S),
     "reconnect_s": ("AKV_RECONNECT_GRACE_S", RECONNECT_GRACE_S),
     "restart_s": ("AKV_RESTART_WINDOW_S", RESTART_WINDOW_S),
+    "keepalive_s": ("AKV_STREAM_KEEPALIVE_S", STREAM_KEEPALIVE_S),
+    "silent_s": ("AKV_STREAM_SILENT_S", STREAM_SILENT_S),
 }
 #: The directory a server writes its checkpoints to (none: it writes none).
 CHECKPOINT_DIR_VARIABLE = "AKV_CHECKPOINT_DIR"
@@ -123,6 +127,15 @@ class Timeouts:
     reconnect_s: float = RECONNECT_GRACE_S
     #: How long the scheduler waits for a dead server with checkpoints to be restarted.
     restart_s: float = RESTART_WINDOW_S
+    #: A stream end that wrote nothing this long sends a keepalive; one that received
+    #: nothing for ``silent_s`` cuts the stream as silent.
+    keepalive_s: float = STREAM_KEEPALIVE_S
+    silent_s: float = STREAM_SILENT_S
+
+    @property
+    def keepalive(self) -> KeepAlive:
+        """The liveness of the workers' streams (the servers' settings govern them)."""
+        return KeepAlive(self.keepalive_s, self.silent_s)
 
 
 @dataclass(frozen=True)
@@ -462,6 +475,12 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
     timeouts = Timeouts(
         **{key: _seconds(env, name, default) for key, (name, default) in _TIMEOUTS.items()}
     )
+    if timeouts.silent_s < 2 * timeouts.keepalive_s:
+        raise ConfigError(
+            f"AKV_STREAM_SILENT_S={timeouts.silent_s:g} must be at least twice "
+            f"AKV_STREAM_KEEPALIVE_S={timeouts.keepalive_s:g}: a live but idle peer sends "
+            "a keepalive only that often, and would be cut"
+        )
     log_level = _log_level(env)
     checkpoint_dir = env.get(CHECKPOINT_DIR_VARIABLE, "").strip() or None
     if checkpoint_dir is not None and role == "server" and rank is None:

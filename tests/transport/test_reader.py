@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import struct
 import tracemalloc
 
 import numpy as np
@@ -14,6 +15,9 @@ from transport._reader import DISCARD, FrameReader, Message
 from transport.errors import FrameError
 from transport.frame import (
     DTYPE_CODES,
+    KEEPALIVE_FRAME,
+    MAGIC,
+    VERSION_KEEPALIVE,
     ArrayInfo,
     FrameHeader,
     as_array,
@@ -84,6 +88,30 @@ def test_messages_arrive_intact_and_in_order_whatever_the_chunking(seed):
         assert_delivered(message, args)
     assert reader.idle
     reader.eof()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_keepalives_between_messages_are_counted_and_never_delivered(seed):
+    messages = some_messages()
+    stream = KEEPALIVE_FRAME.join(
+        [b"", *(frame_bytes(op, seq, arrays, **fields) for op, seq, arrays, fields in messages)]
+    )
+    reader = FrameReader(fresh, scratch_bytes=4096, direct_threshold_bytes=1024)
+    received = feed(reader, stream + KEEPALIVE_FRAME, random.Random(seed))
+    for message, args in zip(received, messages, strict=True):
+        assert_delivered(message, args)
+    assert reader.statistics().keepalives == len(messages) + 1
+    assert reader.idle  # a keepalive ends cleanly where it ends
+    reader.eof()
+
+
+@pytest.mark.parametrize(("header_len", "payload_len"), [(1, 0), (0, 8), (16, 16)])
+def test_a_keepalive_with_a_header_or_a_payload_breaks_the_stream(header_len, payload_len):
+    reader = FrameReader(fresh)
+    bad = MAGIC + bytes([VERSION_KEEPALIVE]) + struct.pack("<IQ", header_len, payload_len)
+    reader.get_buffer(-1)[:16] = bad
+    with pytest.raises(FrameError, match="keepalive: header_len"):
+        reader.buffer_updated(16)
 
 
 def test_many_small_messages_come_out_of_one_buffer_updated():

@@ -96,6 +96,7 @@ def test_the_reader_copies_an_arena_frame_out_and_notes_the_region_to_give_back(
     assert placed is not None and sum(len(b) for b in placed) < 400  # only header and offset
     reader = FrameReader(fresh)
     reader.arena = own.view(0, own.nbytes)
+    reader.shared = True  # as StreamProtocol.share() sets it: releases may come
     wire = b"".join(bytes(b) for b in placed)
     view = reader.get_buffer(-1)
     view[: len(wire)] = wire
@@ -241,6 +242,15 @@ def test_an_arena_frame_from_a_peer_that_shared_no_arena_breaks_the_stream():
     reader.get_buffer(-1)[: len(wire)] = wire
     with pytest.raises(FrameError, match="shared none"):
         reader.buffer_updated(len(wire))
+
+
+def test_a_release_on_a_stream_that_shares_no_memory_breaks_it():
+    reader = FrameReader(fresh)  # a TCP stream's: it lent nothing, so nothing comes back
+    release = encode_release([0, 4032])
+    reader.get_buffer(-1)[: len(release)] = release
+    with pytest.raises(FrameError, match="a release frame arrived on a stream that shares no"):
+        reader.buffer_updated(len(release))
+    assert reader.given_back == []
 
 
 def test_an_offset_outside_the_peers_arena_breaks_the_stream():

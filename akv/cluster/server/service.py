@@ -14,6 +14,7 @@ overlap and keep their order.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -134,6 +135,7 @@ class ParameterServer:
             self.engine.new_var,
             reconnect_s=config.timeouts.reconnect_s,
             checkpoints=checkpoints,
+            silent_reconnect_s=silent_reconnect_s(config),
         )
         #: Writes this server's checkpoints (None: it writes none).
         self.checkpoints: Checkpoints | None = None
@@ -687,15 +689,33 @@ def _failed_reply(peer: Peer, seq: int, what: str, exc: Exception) -> ReplyError
     return ReplyError(peer, seq, ServerError(f"{what}: {type(exc).__name__}: {exc}"), exc)
 
 
+def silent_reconnect_s(config: Config) -> float:
+    """How long a server waits for a worker whose stream it cut as silent, before it
+    reports the worker lost: the worker's own cut may come up to ``AKV_STREAM_SILENT_S``
+    later, it then tries to reconnect for ``AKV_REQUEST_TIMEOUT_S``, its last attempt may
+    take ``AKV_CONNECT_TIMEOUT_S``, and then the usual grace. A silent stream is no sign
+    that the worker died (a dead or hanging worker stops its heartbeats, and the scheduler
+    names it first); a live worker that cannot reach this server within its window names
+    this server itself, and this report is only the last resort."""
+    timeouts = config.timeouts
+    return timeouts.silent_s + timeouts.request_s + timeouts.connect_s + timeouts.reconnect_s
+
+
 class _StreamLink:
     """One worker's stream to this server: frames in to the state, replies out."""
 
     def __init__(self, server: ParameterServer, peer: Peer) -> None:
         self.server = server
         self.peer = peer
-        self._landings: dict[int, Landing] = {}
+        # Frames complete in the order their headers arrived: each landing is taken by the
+        # next message (a resent request may repeat a number another frame still uses).
+        self._landings: collections.deque[Landing] = collections.deque()
         self.protocol = StreamProtocol(
-            self._destinations, self._on_message, self._on_lost, max_payload_bytes=MAX_PAYLOAD_BYTES
+            self._destinations,
+            self._on_message,
+            self._on_lost,
+            max_payload_bytes=MAX_PAYLOAD_BYTES,
+            keepalive=server.config.timeouts.keepalive,
         )
 
     @property
@@ -716,7 +736,7 @@ class _StreamLink:
         DISCARD for the rest (a refused frame's payload is read and dropped, never given
         memory)."""
         landing = self.server.state.header_arrived(self.peer, header)
-        self._landings[header.seq] = landing
+        self._landings.append(landing)
         in_place = landing.read_in_place and self.protocol.shared is not None
         return [
             DISCARD if b is None else InPlace(b.data.cast("B")) if in_place else b.data.cast("B")
@@ -724,7 +744,7 @@ class _StreamLink:
         ]
 
     def _on_message(self, message: Message) -> None:
-        landing = self._landings.pop(message.header.seq)
+        landing = self._landings.popleft()
         if message.borrowed:
             borrowed = message.borrowed
             landing.lend(message.buffers, lambda: self.protocol.give_back(borrowed))

@@ -72,7 +72,7 @@ from akv.errors import (
 )
 from akv.keys import VarFactory
 from akv.limits import INLINE_MAX_BYTES, RECONNECT_GRACE_S, SMALL_REPLY_BYTES
-from transport import FrameHeader, parse_json
+from transport import FrameHeader, StreamSilentError, parse_json
 
 __all__ = ["ServerState"]
 
@@ -99,6 +99,11 @@ class ServerState:
         as lost (``AKV_RECONNECT_GRACE_S``).
     checkpoints:
         Whether this server writes checkpoints (then a worker may ask for one).
+    silent_reconnect_s:
+        How long a worker whose stream this server cut as silent may take to come back
+        (None: ``reconnect_s``). A silent stream is no sign that the worker died: the
+        path to it may be broken, and the live worker names this server when it cannot
+        reach it again, so this is the worker's own window to reconnect and more.
     """
 
     def __init__(
@@ -109,11 +114,13 @@ class ServerState:
         new_var: VarFactory,
         reconnect_s: float = RECONNECT_GRACE_S,
         checkpoints: bool = False,
+        silent_reconnect_s: float | None = None,
     ) -> None:
         self.name = name
         self.num_workers = num_workers
         self.init_timeout_s = init_timeout_s
         self.reconnect_s = reconnect_s
+        self.silent_reconnect_s = reconnect_s if silent_reconnect_s is None else silent_reconnect_s
         self.checkpoints = checkpoints
         self._new_var = new_var
         self.entries: dict[Key, ServerEntry] = {}
@@ -133,10 +140,9 @@ class ServerState:
         self.duplicates = 0
         #: Each worker's session (its process), from its first stream on.
         self._sessions: dict[int, str] = {}
-        #: Workers whose stream was cut: when they count as lost, and how they were cut.
-        self._absent: dict[int, tuple[float, str]] = {}
-        #: Streams that a newer stream of the same worker replaced (their end is no loss).
-        self._replaced: set[int] = set()
+        #: Workers whose stream was cut: when they count as lost, how they were cut, and
+        #: the seconds they were given to come back.
+        self._absent: dict[int, tuple[float, str, float]] = {}
         #: Each worker's highest request number so far.
         self._received: dict[int, int] = {}
         self._goodbyes: set[int] = set()
@@ -200,8 +206,7 @@ class ServerState:
             if not same:
                 raise MembershipError(f"worker {worker} is already connected to {self.name}")
             for old in current:
-                self.peers.pop(old.id)
-                self._replaced.add(old.id)
+                self.peers.pop(old.id)  # its end, whenever it comes, is no loss
                 replaced.append(CloseStream(old))
         self.store_type = store_type
         self._next_peer += 1
@@ -216,14 +221,15 @@ class ServerState:
     def peer_lost(self, peer: Peer, exc: BaseException | None, now: float) -> list[Instruction]:
         """``peer``'s stream ended (``exc``: why, if known; ``now``: the clock). Without a
         goodbye first, the worker has :attr:`reconnect_s` to come back (:meth:`tick` fails
-        the job when it does not); a worker without a session cannot, and fails it now."""
-        self.peers.pop(peer.id, None)
+        the job when it does not), or :attr:`silent_reconnect_s` when the stream was cut
+        for silence (``exc`` a :class:`~transport.StreamSilentError`); a worker without a
+        session cannot, and fails it now. Only the end of the worker's newest stream counts:
+        the end of one that a newer stream replaced (whenever it comes, made or not), or of
+        one whose end was reported before, is no loss."""
+        newest = self.peers.pop(peer.id, None) is not None
         said_goodbye = peer.id in self._goodbyes
         self._goodbyes.discard(peer.id)
-        if peer.id in self._replaced:
-            self._replaced.discard(peer.id)
-            return []
-        if said_goodbye or self.stopping or not peer.stream:
+        if not newest or said_goodbye or self.stopping:
             return []
         detail = (
             f"its stream to {self.name} ended ({exc!r})"
@@ -233,7 +239,9 @@ class ServerState:
         if self.failure is not None:
             return self._fail_waiters()
         if peer.session:
-            self._absent[peer.worker] = (now + self.reconnect_s, detail)
+            silent = isinstance(exc, StreamSilentError)
+            grace = self.silent_reconnect_s if silent else self.reconnect_s
+            self._absent[peer.worker] = (now + grace, detail, grace)
             return []
         return self._worker_lost(peer.worker, detail)
 
@@ -698,10 +706,10 @@ class ServerState:
         last pushes, and the inits that waited too long for rank 0's values; fail the job
         when a cut worker did not come back within :attr:`reconnect_s`."""
         out: list[Instruction] = []
-        for worker, (deadline, detail) in sorted(self._absent.items()):
+        for worker, (deadline, detail, grace) in sorted(self._absent.items()):
             if now > deadline and self.failure is None:
                 self._absent.clear()
-                late = f"{detail}, and it did not reconnect within {self.reconnect_s:g} s"
+                late = f"{detail}, and it did not reconnect within {grace:g} s"
                 return self._worker_lost(worker, late)
         for entry in self.entries.values():
             rounds = entry.rounds

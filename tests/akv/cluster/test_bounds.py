@@ -285,6 +285,24 @@ def test_refused_frames_are_answered_clearly_and_the_next_round_is_right(job):
         stream.close()
 
 
+def test_two_frames_with_one_number_in_one_write_are_each_answered(job):
+    # A request resent on a stream may carry a number a frame before it still uses: each
+    # frame keeps the buffers chosen for it (before, the second frame's took the first's
+    # place, and the stream died of a KeyError).
+    port, token, _ = job
+    stream = RawStream(port, token)
+    try:
+        assert stream.request(Op.INIT, [("twice", f32(5, 6))]) == "ok"
+        seq = stream._next_seq()
+        pull = frame_bytes(Op.PULL, seq, [("twice", EMPTY, 0)])
+        stream.sock.sendall(pull + pull)
+        for _ in range(2):
+            np.testing.assert_array_equal(stream.reply(seq)["twice"], f32(5, 6))
+        assert stream.request(Op.CLOSE) == "ok"
+    finally:
+        stream.close()
+
+
 # ---------------------------------------------------------------------- startup deadlines
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from akv.cluster import config as _config
 from akv.errors import ConfigError
+from transport import KeepAlive
 
 TOKEN = "t" * 32
 
@@ -100,6 +101,16 @@ def test_bigarray_bound_reads_mxnets_variable_and_timeouts_are_configurable():
     config = _config.from_env(env(MXNET_KVSTORE_BIGARRAY_BOUND="1e3", AKV_BARRIER_TIMEOUT_S="2.5"))
     assert config.bigarray_bound == 1000
     assert config.timeouts.barrier_s == 2.5
+
+
+def test_the_streams_liveness_is_configurable_and_must_leave_an_idle_peer_time():
+    assert _config.from_env(env()).timeouts.keepalive == KeepAlive(5.0, 20.0)
+    config = _config.from_env(env(AKV_STREAM_KEEPALIVE_S="1", AKV_STREAM_SILENT_S="4"))
+    assert config.timeouts.keepalive == KeepAlive(1.0, 4.0)
+    with pytest.raises(ConfigError, match="AKV_STREAM_SILENT_S=3 must be at least twice"):
+        _config.from_env(env(AKV_STREAM_KEEPALIVE_S="2", AKV_STREAM_SILENT_S="3"))
+    with pytest.raises(ConfigError, match="AKV_STREAM_SILENT_S"):
+        _config.from_env(env(AKV_STREAM_SILENT_S="0"))
 
 
 def test_an_empty_node_host_means_the_default():

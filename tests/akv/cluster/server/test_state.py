@@ -27,7 +27,14 @@ from akv.errors import (
     WaitTimeoutError,
 )
 from tests.akv.cluster.server.players import OK, Players
-from transport import ArenaBook, ArrayInfo, FrameHeader, decode_frame, frame_bytes
+from transport import (
+    ArenaBook,
+    ArrayInfo,
+    FrameHeader,
+    StreamSilentError,
+    decode_frame,
+    frame_bytes,
+)
 from transport.shm import Arena
 
 
@@ -297,6 +304,57 @@ def test_a_reconnect_after_the_old_stream_ended_closes_nothing():
     players.lose(1, ConnectionResetError("cut"))
     _, todo = players.state.admit(1, "dist_sync", stream=True, session="session1")
     assert todo == [] and players.state.status()["workers_reconnecting"] == []
+
+
+def test_only_the_newest_streams_end_starts_the_grace_whatever_order_the_ends_come_in():
+    players = started(2)
+    first = players.peers[1]
+    players.reconnect(1)  # two reconnects, each replacing the one before
+    second = players.peers[1]
+    players.reconnect(1)
+    newest = players.peers[1]
+    assert players.closed == [first, second]  # the service closes them, made or not
+    players.lose(1, ConnectionResetError("newest cut"))  # the newest ends first...
+    assert players.state.status()["workers_reconnecting"] == [1]
+    for old in (second, first):  # ...and the replaced ones after it: no loss, no reprieve
+        assert players.state.peer_lost(old, None, players.now) == []
+    players.tick(players.state.reconnect_s + 1)
+    (failure,) = players.failures
+    assert "newest cut" in failure.reason and newest.worker == 1
+
+
+def test_an_old_streams_end_reported_again_does_not_undo_a_reconnect():
+    players = started(2)
+    old = players.peers[1]
+    players.lose(1, ConnectionResetError("cut"))
+    players.reconnect(1)  # back within the grace
+    players.run(players.state.peer_lost(old, None, players.now))  # its end, reported again
+    players.tick(players.state.reconnect_s + 1)
+    assert players.failures == [] and players.state.workers_connected() == [0, 1]
+
+
+def test_a_stream_cut_as_silent_gives_the_worker_its_own_window_to_come_back():
+    # A silent stream is no sign that the worker died (its heartbeats say that): the live
+    # worker keeps reconnecting for its window, and names this server if it cannot.
+    players = started(2)
+    players.state.silent_reconnect_s = 50.0
+    players.lose(1, StreamSilentError("no answer for 20.1 s: the stream is silent"))
+    players.tick(players.state.reconnect_s + 1)
+    assert players.failures == [] and players.state.status()["workers_reconnecting"] == [1]
+    players.tick(50.5)
+    (failure,) = players.failures
+    assert "the stream is silent" in failure.reason
+    assert "did not reconnect within 50 s" in failure.reason
+
+
+def test_a_worker_whose_silent_stream_was_cut_may_come_back():
+    players = started(2)
+    players.state.silent_reconnect_s = 50.0
+    players.lose(1, StreamSilentError("no answer for 20.1 s: the stream is silent"))
+    players.tick(30.0)
+    players.reconnect(1)
+    players.tick(100.0)
+    assert players.failures == [] and players.state.workers_connected() == [0, 1]
 
 
 def test_a_stream_of_another_session_for_a_connected_rank_is_refused():
