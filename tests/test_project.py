@@ -117,6 +117,8 @@ PURE_AKV_MODULES = [
     "akv.cluster.states",
     "akv.cluster.server.buffers",
     "akv.cluster.server.checks",
+    "akv.cluster.server.durability",
+    "akv.cluster.server.inits",
     "akv.cluster.server.instructions",
     "akv.cluster.server.rounds",
     "akv.cluster.server.state",

@@ -27,6 +27,10 @@ Ops (arrays carry the key):
   ``AKV_RETAIN_BYTES``.
 * ``DURABLE`` (server to worker, ``seq`` 0, never answered): every request of this worker
   numbered below ``aux`` is held by a checkpoint; the worker drops the pushes it kept.
+  ``text`` is the :class:`Note` (:func:`format_note`): which server process wrote which
+  checkpoint (the rounds it holds); the worker sends the last note it acted on back in the
+  :data:`DURABLE_HEADER` when it opens a stream, so that a server restarted from an older
+  checkpoint (or none) sees what it lost before it answers anything.
 
 Exactly once: every push array's ``tag`` is the worker's push number for that key (1, 2,
 ...; 0 for a sender that does not number its pushes). A server counts a worker's push to a
@@ -42,6 +46,7 @@ it (``docs/architecture.md``). Pure: no I/O.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
 
@@ -52,19 +57,24 @@ __all__ = [
     "CLIENT_HEADER",
     "COUNTED",
     "DIST_STORE_TYPES",
+    "DURABLE_HEADER",
     "JOB_FAILED_STATUS",
     "LAUNCHER_REPORTER",
+    "MAX_SERVER_ID_CHARS",
     "OK",
     "REFUSED_STATUS",
     "STATUS_CLASSES",
     "STOPPING_STATUS",
+    "Note",
     "Op",
     "client_header",
     "decode_meta",
     "encode_meta",
     "error_from_status",
+    "format_note",
     "op_label",
     "parse_client_header",
+    "parse_note",
     "status_of",
 ]
 
@@ -216,3 +226,51 @@ def decode_meta(text: str) -> list[tuple[int | str, tuple[int, ...], str]]:
                 f"malformed init_check request: key {key!r} is not an int or a str"
             )
     return decoded
+
+
+#: The header a worker sends its last ``DURABLE`` note back in when it opens a stream.
+DURABLE_HEADER = "X-AKV-Durable"
+#: The longest server process id a note may carry (a session id: letters and digits).
+MAX_SERVER_ID_CHARS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """One ``DURABLE`` note: checkpoint ``checkpoint`` (rounds up to ``rounds``) of server
+    process ``server`` holds every request of the worker numbered below ``seq``."""
+
+    server: str
+    checkpoint: int
+    rounds: int
+    seq: int
+
+
+def format_note(note: Note) -> str:
+    """A note as ``DURABLE`` frames and the ``X-AKV-Durable`` header carry it."""
+    return f"{note.server} {note.checkpoint} {note.rounds} {note.seq}"
+
+
+def parse_note(text: str) -> Note:
+    """The inverse of :func:`format_note`.
+
+    Raises
+    ------
+    InvalidArgumentError
+        Not ``"<server> <checkpoint> <rounds> <seq>"`` with a server id of letters, digits,
+        ``-`` or ``_`` and three whole numbers from 0.
+    """
+    fields = text.split()
+    try:
+        if len(fields) != 4:
+            raise ValueError
+        server = fields[0]
+        checkpoint, rounds, seq = (int(field) for field in fields[1:])
+        if min(checkpoint, rounds, seq) < 0 or len(server) > MAX_SERVER_ID_CHARS:
+            raise ValueError
+        if not server.replace("-", "").replace("_", "").isalnum():
+            raise ValueError
+    except ValueError:
+        raise errors.InvalidArgumentError(
+            f"{DURABLE_HEADER} must be '<server> <checkpoint> <rounds> <seq>', got {text[:80]!r}"
+        ) from None
+    return Note(server, checkpoint, rounds, seq)

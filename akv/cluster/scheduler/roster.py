@@ -101,11 +101,14 @@ class ServerAddress:
 class Registration:
     """What a registered node is told: its rank and, once every node registered, the
     address book (``servers``, by rank); until then ``servers`` is None and ``waiting``
-    says what is missing."""
+    says what is missing. ``finished``: the workers that closed their stores."""
 
     rank: int
     servers: tuple[ServerAddress, ...] | None
     waiting: str = ""
+    #: The workers that closed their stores already (a restarted server waits for none of
+    #: them to come back).
+    finished: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -297,9 +300,12 @@ class Roster:
         """
         self.refuse_if_failed()
         node = self.node(node_id)
+        finished = tuple(
+            sorted(n.rank for n in self.nodes.values() if n.role == "worker" and n.finished)
+        )
         if not self.complete():
-            return Registration(node.rank, None, self.missing())
-        return Registration(node.rank, tuple(self.server_addresses()))
+            return Registration(node.rank, None, self.missing(), finished)
+        return Registration(node.rank, tuple(self.server_addresses()), finished=finished)
 
     def registration_settled(self) -> bool:
         """True once a waiting registration can be answered: every node registered, or

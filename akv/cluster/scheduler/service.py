@@ -14,7 +14,8 @@ HTTP API (JSON; every request needs the job's token):
                       ``{rank, waiting}`` after a poll window, or at once with ``wait:
                       false``). ``host``/``port`` are the advertised address (``servers``
                       gives it to workers), ``bound_*`` what the node listens on (default:
-                      the advertised one)
+                      the advertised one); both carry ``finished``, the workers that
+                      closed their stores
 ``POST /v1/barrier``  ``{node_id, number}`` -> 200 ``{passed}`` once every worker joined
                       (else 202 ``{waiting}``, the missing ranks)
 ``POST /v1/heartbeat`` ``{node_id}`` -> ``{failure, stop}``
@@ -215,9 +216,12 @@ class Scheduler:
             await self._wait_for(self.roster.registration_settled)
         with _refusals():
             answer = self.roster.registration(node_id)
+        finished = list(answer.finished)
         if answer.servers is None:
-            return web.json_response({"rank": answer.rank, "waiting": answer.waiting}, status=202)
-        return web.json_response({"rank": answer.rank, "servers": _addresses(answer.servers)})
+            waiting = {"rank": answer.rank, "waiting": answer.waiting, "finished": finished}
+            return web.json_response(waiting, status=202)
+        servers = _addresses(answer.servers)
+        return web.json_response({"rank": answer.rank, "servers": servers, "finished": finished})
 
     async def _barrier(self, request: web.Request) -> web.Response:
         body = await _body(request)

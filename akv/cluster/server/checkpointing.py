@@ -37,10 +37,12 @@ from typing import Protocol
 from akv.cluster.server.checkpoint import (
     KeyRecord,
     Snapshot,
+    checkpoint_path,
     read_snapshot,
     remove_leftovers,
     write_snapshot,
 )
+from akv.cluster.server.durability import Restored
 from akv.cluster.server.instructions import (
     Checkpoint,
     CheckpointPlan,
@@ -152,7 +154,10 @@ class Checkpoints:
         self._lock_fd = fd
         remove_leftovers(self.directory, self.rank)  # of a writer that died: none runs now
         snapshot = read_snapshot(self.directory, self.rank)
+        path = str(checkpoint_path(self.directory, self.rank))
         if snapshot is None:
+            # Workers told of a checkpoint of this rank say so when they reconnect.
+            self.state.lineage.restore(Restored(path, 0, 0, {}))
             log.info(
                 "server %d: no checkpoint in %s yet: starting empty", self.rank, self.directory
             )
@@ -174,6 +179,9 @@ class Checkpoints:
         self.durable_seqs = dict(snapshot.durable_seqs)
         self._written_changes = self.state.changes
         rounds = max((r.closed_round for r in snapshot.keys), default=0)
+        self.state.lineage.restore(
+            Restored(path, snapshot.generation, rounds, dict(snapshot.durable_seqs))
+        )
         log.warning(
             "server %d restored checkpoint %d from %s: %d keys, rounds up to %d; the workers "
             "resend what it does not hold",
@@ -221,6 +229,8 @@ class Checkpoints:
             await asyncio.to_thread(write_snapshot, self.directory, snapshot)
             self.generation = snapshot.generation
             self.durable_seqs = plan.durable_seqs
+            rounds = max((closed for _, closed, _, _ in plan.entries), default=0)
+            state.lineage.written(snapshot.generation, rounds)
             self._written_changes = changes
             durable = [self._durable(peer) for peer in state.peers.values()]
             told: list[Instruction] = [d for d in durable if d is not None]
@@ -236,7 +246,7 @@ class Checkpoints:
 
     def _durable(self, peer: Peer) -> Durable | None:
         seq = self.durable_seqs.get(peer.worker)
-        return None if seq is None else Durable(peer, seq)
+        return None if seq is None else Durable(peer, self.state.lineage.note(seq))
 
     async def on_request(self, instruction: Checkpoint) -> None:
         """A worker asked for a checkpoint (or sent an init, answered once a checkpoint

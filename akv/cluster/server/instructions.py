@@ -37,9 +37,10 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
+from akv.cluster.protocol import Note
 from akv.cluster.server.buffers import Lent, RegionEntry
 from akv.cluster.server.rounds import KeyRounds
-from akv.errors import AKVError
+from akv.errors import AKVError, MembershipError
 from akv.keys import VarFactory
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "SaveStates",
     "SendValues",
     "ServerEntry",
+    "StaleCheckpointError",
 ]
 
 
@@ -219,11 +221,23 @@ class Checkpoint:
 @dataclass(frozen=True, slots=True)
 class FailJob:
     """The job failed for ``reason``: log it, and tell the scheduler that ``lost_worker``
-    vanished (``detail`` says how) when that is the cause."""
+    vanished (``detail`` says how) when that is the cause, or that this server itself
+    failed (``blames_itself``: ``detail`` is what it did, after its name)."""
 
     reason: str
     lost_worker: int | None = None
     detail: str = ""
+    blames_itself: bool = False
+
+
+class StaleCheckpointError(MembershipError):
+    """A worker's stream was refused because this server, restarted, lacks requests it had
+    declared durable to that worker (:mod:`akv.cluster.server.durability`): the job failed.
+    ``instructions`` carry that out (fail the job, answer what waited)."""
+
+    def __init__(self, message: str, instructions: list[Instruction]) -> None:
+        super().__init__(message)
+        self.instructions = instructions
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,10 +251,11 @@ class CloseStream:
 @dataclass(frozen=True, slots=True)
 class Durable:
     """Tell ``peer``'s worker that the last checkpoint holds each of its requests numbered
-    below ``seq`` (a ``DURABLE`` frame): it drops the pushes it kept for a restart."""
+    below ``note.seq`` (a ``DURABLE`` frame carrying ``note``): it drops the pushes it kept
+    for a restart, and sends the note back when it opens a stream again."""
 
     peer: Peer
-    seq: int
+    note: Note
 
 
 Instruction: TypeAlias = (

@@ -33,10 +33,13 @@ from akv.cluster.membership import Membership
 from akv.cluster.protocol import (
     CLIENT_HEADER,
     COUNTED,
+    DURABLE_HEADER,
     OK,
     STOPPING_STATUS,
     Op,
+    format_note,
     parse_client_header,
+    parse_note,
     status_of,
 )
 from akv.cluster.roles import listener_bounds, run_role, server_ssl, stopped_by_signal
@@ -59,6 +62,7 @@ from akv.cluster.server.instructions import (
     SaveStates,
     SendValues,
     ServerEntry,
+    StaleCheckpointError,
 )
 from akv.cluster.server.state import ServerState
 from akv.cluster.server.updates import land
@@ -136,6 +140,7 @@ class ParameterServer:
             reconnect_s=config.timeouts.reconnect_s,
             checkpoints=checkpoints,
             silent_reconnect_s=silent_reconnect_s(config),
+            server_id=self.membership.node_id,
         )
         #: Writes this server's checkpoints (None: it writes none).
         self.checkpoints: Checkpoints | None = None
@@ -211,8 +216,12 @@ class ParameterServer:
         if self.checkpoints is not None:
             self.checkpoints.restore()  # before registering: workers resend what it lacks
         deadline = time.monotonic() + config.timeouts.connect_s
-        await self.membership.register(self.port, deadline)
+        joined = await self.membership.register(self.port, deadline)
         self.state.name = f"server {self.rank}"
+        # A restarted server waits for no worker that closed its store to come back.
+        finished = joined.get("finished")
+        if isinstance(finished, list) and all(type(rank) is int for rank in finished):
+            self.execute(self.state.workers_finished(finished))
         bound = format_address(config.host, self.port)
         advertised = format_address(*self.advertised)
         if advertised == bound:
@@ -346,9 +355,14 @@ class ParameterServer:
             worker, store_type, session = parse_client_header(
                 request.headers.get(CLIENT_HEADER, "")
             )
-            peer, instructions = self.state.admit(worker, store_type, stream, session)
+            durable = request.headers.get(DURABLE_HEADER)
+            note = parse_note(durable) if durable is not None else None
+            peer, instructions = self.state.admit(worker, store_type, stream, session, note)
         except InvalidArgumentError as exc:
             raise RequestError(400, str(exc)) from None
+        except StaleCheckpointError as exc:
+            self.execute(exc.instructions)  # the job fails, named by this server
+            raise RequestError(409, str(exc)) from None
         except MembershipError as exc:
             raise RequestError(409, str(exc)) from None
         except PeerLostError as exc:  # stopping: a restarted server may take the stream
@@ -463,7 +477,9 @@ class ParameterServer:
                 if isinstance(link, _StreamLink):
                     link.protocol.close()
             elif isinstance(instruction, Durable):
-                self.send_to(instruction.peer, encode_frame(Op.DURABLE, 0, aux=instruction.seq))
+                note = instruction.note
+                frame = encode_frame(Op.DURABLE, 0, aux=note.seq, text=format_note(note))
+                self.send_to(instruction.peer, frame)
 
     def copy_values(self, plan: CheckpointPlan) -> Awaitable[Copied]:
         """A checkpoint's copy of ``plan``'s keys: an engine task that reads every one of
@@ -495,6 +511,13 @@ class ParameterServer:
         self.send_to(instruction.peer, frame)
 
     def _fail_job(self, instruction: FailJob) -> None:
+        if instruction.blames_itself:
+            log.error("%s", instruction.reason)
+            rank = self.rank if self.rank is not None else -1
+            node = self.membership.node_id
+            report = self.membership.report_lost(node, "server", rank, instruction.detail)
+            self._spawn(report, "telling the scheduler why this server fails the job")
+            return
         if instruction.lost_worker is None:
             log.error("%s: %s", self.name, instruction.reason)
             return

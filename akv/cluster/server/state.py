@@ -38,15 +38,16 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
-from akv.cluster.protocol import COUNTED, DIST_STORE_TYPES, Op, decode_meta, op_label
+from akv.cluster.protocol import COUNTED, DIST_STORE_TYPES, Note, Op, decode_meta, op_label
 from akv.cluster.server.buffers import Landing, ValueRegions, give_back
 from akv.cluster.server.checks import check_frame, entry_of, require_updater
+from akv.cluster.server.durability import Lineage
+from akv.cluster.server.inits import InitWaits
 from akv.cluster.server.instructions import (
     Checkpoint,
     CheckpointPlan,
     CloseStream,
     FailJob,
-    InitWait,
     InstallOptimizer,
     Instruction,
     Land,
@@ -58,6 +59,7 @@ from akv.cluster.server.instructions import (
     SaveStates,
     SendValues,
     ServerEntry,
+    StaleCheckpointError,
 )
 from akv.errors import (
     AKVError,
@@ -67,8 +69,6 @@ from akv.errors import (
     PeerLostError,
     RoundTimeoutError,
     ServerError,
-    ShapeMismatchError,
-    WaitTimeoutError,
 )
 from akv.keys import VarFactory
 from akv.limits import INLINE_MAX_BYTES, RECONNECT_GRACE_S, SMALL_REPLY_BYTES
@@ -104,6 +104,9 @@ class ServerState:
         (None: ``reconnect_s``). A silent stream is no sign that the worker died: the
         path to it may be broken, and the live worker names this server when it cannot
         reach it again, so this is the worker's own window to reconnect and more.
+    server_id:
+        This process's id: the ``DURABLE`` notes it sends carry it
+        (:class:`~akv.cluster.server.durability.Lineage`).
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class ServerState:
         reconnect_s: float = RECONNECT_GRACE_S,
         checkpoints: bool = False,
         silent_reconnect_s: float | None = None,
+        server_id: str = "",
     ) -> None:
         self.name = name
         self.num_workers = num_workers
@@ -146,8 +150,13 @@ class ServerState:
         #: Each worker's highest request number so far.
         self._received: dict[int, int] = {}
         self._goodbyes: set[int] = set()
-        self._init_waits: list[InitWait] = []
+        self._init_waits = InitWaits(init_timeout_s)
         self._next_peer = 0
+        #: What this process holds of the checkpoints its rank declared durable.
+        self.lineage = Lineage(server_id, num_workers)
+        #: Pulls ready to be answered while the lineage holds answers (a restored server
+        #: has not checked every worker yet).
+        self._held_answers: list[PullTicket] = []
 
     @property
     def sync(self) -> bool:
@@ -161,11 +170,21 @@ class ServerState:
     # ------------------------------------------------------------ events: connections
 
     def admit(
-        self, worker: int, store_type: str, stream: bool, session: str = ""
+        self,
+        worker: int,
+        store_type: str,
+        stream: bool,
+        session: str = "",
+        note: Note | None = None,
     ) -> tuple[Peer, list[Instruction]]:
         """A worker opens its stream (``stream``) or sends a single frame; ``session``
-        names its process. Returns the new peer, and what to do first: a
-        :class:`CloseStream` for each stream it replaces.
+        names its process, ``note`` is the last ``DURABLE`` note it acted on. Returns the
+        new peer, and what to do first: a :class:`CloseStream` for each stream it replaces,
+        and the pulls it lets be answered (the last worker a restored server waited for).
+
+        A server restarted from a checkpoint older than what it declared durable to this
+        worker (or without the checkpoint) fails the job (:class:`StaleCheckpointError`):
+        the worker dropped the pushes it lacks (:class:`~akv.cluster.server.durability.Lineage`).
 
         The first worker fixes the job's store type; every later one must match. A new
         stream of a worker that has one already (or had one cut) replaces it when it comes
@@ -182,6 +201,9 @@ class ServerState:
             failed. Nothing changes.
         PeerLostError
             A stream while the server stops (its restart, if any, takes it).
+        StaleCheckpointError
+            This server lost requests it had declared durable to the worker: the job
+            failed (the error carries what to do about it).
         """
         if store_type not in DIST_STORE_TYPES:
             raise InvalidArgumentError(f"unknown store type {store_type!r}")
@@ -200,6 +222,12 @@ class ServerState:
             raise PeerLostError(f"{self.name} takes no stream: it is stopping")
         current = [p for p in self.peers.values() if p.worker == worker]
         known = self._sessions.get(worker)
+        if stream:
+            lost = self.lineage.check(worker, note)
+            if lost is not None:
+                self.failure = f"{self.name} {lost}"
+                failing = [FailJob(self.failure, detail=lost, blames_itself=True)]
+                raise StaleCheckpointError(self.failure, [*failing, *self._fail_waiters()])
         replaced: list[Instruction] = []
         if stream and (current or known is not None):
             same = bool(session) and session == known
@@ -216,7 +244,21 @@ class ServerState:
             self._absent.pop(worker, None)
             if session:
                 self._sessions[worker] = session
-        return peer, replaced
+        return peer, [*replaced, *self._answers_let_go()]
+
+    def workers_finished(self, workers: list[int]) -> list[Instruction]:
+        """These workers closed their stores (the scheduler says, when a restarted server
+        joins): a restored server waits for none of them; returns the pulls it lets be
+        answered."""
+        self.lineage.finished(workers)
+        return self._answers_let_go()
+
+    def _answers_let_go(self) -> list[Instruction]:
+        """The held pulls, once the lineage holds answers no more."""
+        if self.lineage.answers_held or not self._held_answers:
+            return []
+        held, self._held_answers = self._held_answers, []
+        return [self._answer(ticket) for ticket in held]
 
     def peer_lost(self, peer: Peer, exc: BaseException | None, now: float) -> list[Instruction]:
         """``peer``'s stream ended (``exc``: why, if known; ``now``: the clock). Without a
@@ -267,8 +309,9 @@ class ServerState:
         out: list[Instruction] = []
         for entry in self.entries.values():
             out.extend(self._fail_tickets(entry.rounds.take_waiting(), error))
-        out.extend(ReplyError(w.peer, w.seq, error) for w in self._init_waits)
-        self._init_waits.clear()
+        held, self._held_answers = self._held_answers, []
+        out.extend(self._fail_tickets(held, error))
+        out.extend(self._init_waits.fail_all(error))
         return out
 
     # ------------------------------------------------------------ events: frames
@@ -470,9 +513,19 @@ class ServerState:
                 ticket.remaining += 1
         if ticket.remaining:
             return []
-        return [self._send(ticket)]
+        return self._ready(ticket)
 
-    def _send(self, ticket: PullTicket) -> SendValues:
+    def _ready(self, ticket: PullTicket) -> list[Instruction]:
+        """``ticket``'s values may be sent; unless this restored ``dist_async`` server has
+        not checked every worker yet (then it waits: in ``dist_async`` no round needs the
+        others' pushes, so a value could lack pushes a restore lost; in ``dist_sync`` a
+        round closes only with a push of every worker, each made after its check)."""
+        if not self.sync and self.lineage.answers_held:
+            self._held_answers.append(ticket)
+            return []
+        return [self._answer(ticket)]
+
+    def _answer(self, ticket: PullTicket) -> SendValues:
         ticket.answered = True
         return SendValues(ticket, sum(e.nbytes for e in ticket.entries) <= SMALL_REPLY_BYTES)
 
@@ -510,47 +563,13 @@ class ServerState:
         if self.checkpoints:
             return [Checkpoint(peer, header.seq)]
         out: list[Instruction] = [Reply(peer, header.seq)]
-        out.extend(self._release_init_waits())
+        out.extend(self._init_waits.release(self.entries))
         return out
 
     def _init_check(
         self, peer: Peer, seq: int, items: list[tuple[Key, tuple[int, ...], str]], now: float
     ) -> list[Instruction]:
-        for key, shape, dtype in items:
-            entry = self.entries.get(key)
-            if entry is not None:
-                self._check_init_agrees(peer, key, shape, dtype, entry)
-        self._init_waits.append(InitWait(peer, seq, items, now + self.init_timeout_s))
-        return self._release_init_waits()
-
-    def _check_init_agrees(
-        self, peer: Peer, key: Key, shape: tuple[int, ...], dtype: str, entry: ServerEntry
-    ) -> None:
-        if entry.shape != shape or str(entry.dtype) != dtype:
-            raise ShapeMismatchError(
-                f"init key {key!r} on worker {peer.worker}: shape {shape} and dtype {dtype} "
-                f"differ from worker 0's {entry.shape} {entry.dtype}",
-                key=key,
-            )
-
-    def _release_init_waits(self) -> list[Instruction]:
-        out: list[Instruction] = []
-        still = []
-        for wait in self._init_waits:
-            if not all(
-                key in self.entries and self.entries[key].durable for key, _, _ in wait.items
-            ):
-                still.append(wait)
-                continue
-            try:
-                for key, shape, dtype in wait.items:
-                    self._check_init_agrees(wait.peer, key, shape, dtype, self.entries[key])
-            except AKVError as exc:
-                out.append(ReplyError(wait.peer, wait.seq, exc))
-            else:
-                out.append(Reply(wait.peer, wait.seq))
-        self._init_waits = still
-        return out
+        return self._init_waits.add(peer, seq, items, now, self.entries)
 
     # ------------------------------------------------------------ the optimizer
 
@@ -622,7 +641,7 @@ class ServerState:
         checks that waited for them."""
         for entry, _, _, _ in plan.entries:
             entry.durable = True
-        return self._release_init_waits()
+        return self._init_waits.release(self.entries)
 
     def restore(
         self,
@@ -663,7 +682,7 @@ class ServerState:
             for ticket in entry.rounds.applied(round_no):
                 ticket.remaining -= 1
                 if ticket.remaining == 0 and not ticket.answered:
-                    out.append(self._send(ticket))
+                    out.extend(self._ready(ticket))
         return out
 
     def push_applied(
@@ -719,23 +738,7 @@ class ServerState:
                     f"{round_timeout_s:g} s for pushes from workers {rounds.missing()}"
                 )  # the worker adds which server answered (error_from_status)
                 out.extend(self._fail_tickets(rounds.take_waiting(), error))
-        still = []
-        for wait in self._init_waits:
-            if now <= wait.deadline:
-                still.append(wait)
-                continue
-            missing = [k for k, _, _ in wait.items if k not in self.entries]
-            out.append(
-                ReplyError(
-                    wait.peer,
-                    wait.seq,
-                    WaitTimeoutError(
-                        f"keys {missing} were not initialized by worker 0 within "
-                        f"{self.init_timeout_s:g} s"
-                    ),
-                )
-            )
-        self._init_waits = still
+        out.extend(self._init_waits.overdue(now, self.entries))
         return out
 
     # ------------------------------------------------------------ checks
@@ -763,12 +766,13 @@ class ServerState:
                 assert not rounds.waiting_tickets(), f"async key {key!r} parks pulls"
         for ticket_id, count in parked.items():
             assert tickets[ticket_id].remaining == count, "ticket count differs from parking"
-        for wait in self._init_waits:
-            assert not all(
-                k in self.entries and self.entries[k].durable for k, _, _ in wait.items
-            ), "init wait not released"
+        self._init_waits.validate(self.entries)
+        if self._held_answers:
+            assert not self.sync and self.lineage.answers_held, "answers held for nothing"
+            assert not any(t.answered for t in self._held_answers), "a held pull was answered"
         if self.failure is not None:
             assert not parked and not self._init_waits, "waits left after the job failed"
+            assert not self._held_answers, "held answers left after the job failed"
 
     def status(self) -> dict[str, Any]:
         """What the status page shows (JSON-ready)."""

@@ -77,6 +77,7 @@ async def test_a_node_that_does_not_wait_gets_its_rank_and_what_is_missing(one_e
         {
             "rank": 0,
             "servers": [{"rank": 0, "host": "127.0.0.1", "port": 4000, "restartable": False}],
+            "finished": [],
         },
     )
 

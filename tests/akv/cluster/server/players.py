@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from akv.cluster.protocol import Op
+from akv.cluster.protocol import Note, Op
 from akv.cluster.server.instructions import (
     Checkpoint,
     CloseStream,
@@ -146,13 +146,14 @@ class Players:
     def lose(self, worker: int, exc: BaseException | None = None) -> None:
         self.run(self.state.peer_lost(self.peers[worker], exc, self.now))
 
-    def reconnect(self, worker: int) -> None:
-        """Worker ``worker`` opens a new stream of its session (after a cut)."""
-        self.peers[worker] = self._open(worker)
+    def reconnect(self, worker: int, note: Note | None = None) -> None:
+        """Worker ``worker`` opens a new stream of its session (after a cut), having last
+        been told ``note`` (a ``DURABLE`` note)."""
+        self.peers[worker] = self._open(worker, note)
 
-    def _open(self, worker: int) -> Peer:
+    def _open(self, worker: int, note: Note | None = None) -> Peer:
         peer, instructions = self.state.admit(
-            worker, self.store_type, stream=True, session=f"session{worker}"
+            worker, self.store_type, stream=True, session=f"session{worker}", note=note
         )
         self.run(instructions)
         return peer

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from akv import optimizer
-from akv.cluster.protocol import Op, encode_meta
+from akv.cluster.protocol import Note, Op, encode_meta
 from akv.cluster.server import checkpointing
 from akv.cluster.server.checkpoint import KeyRecord, Snapshot, read_snapshot, write_snapshot
 from akv.cluster.server.checkpointing import Checkpoints, Copied, copy_plan
@@ -242,14 +242,19 @@ async def test_durable_tells_each_connected_worker_which_of_its_requests_the_fil
     still_open = players.push(0, {"w": f32(3, 3)}, tag=2)  # round 2 waits for worker 1
     await checkpoints.final()
     first, second = players.peers
+    lineage = players.state.lineage
+
+    def note(seq: int) -> Note:  # each names this process, the checkpoint and its rounds
+        return Note(lineage.server, 1, 1, seq)
+
     # Worker 0's open push is not in the values: it is to keep it (resend it on a restart).
-    expected = [Durable(first, still_open), Durable(second, closing + 1)]
+    expected = [Durable(first, note(still_open)), Durable(second, note(closing + 1))]
     assert server.told(Durable) == expected
     assert on_disk(tmp_path).durable_seqs == {0: still_open, 1: closing + 1}
 
     players.reconnect(1)  # a new stream hears it at once
     checkpoints.tell(players.peers[1])
-    assert server.executed[-1] == Durable(players.peers[1], closing + 1)
+    assert server.executed[-1] == Durable(players.peers[1], note(closing + 1))
 
 
 # ---------------------------------------------------------------------- restoring

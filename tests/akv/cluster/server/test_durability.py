@@ -1,0 +1,155 @@
+"""A restarted server never answers from a state older than what it declared durable.
+
+The pure parts: the ``DURABLE`` note and its header form, the :class:`Lineage` check of a
+worker's last note against what the server restored, and what :class:`ServerState` does
+with it (refuses the stream and fails the job naming the server, the file, the rounds it
+restored and the rounds it should have had; in ``dist_async`` answers no pull until every
+worker was checked). The whole-job checks are in ``tests/akv/cluster/test_restart.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from akv.cluster.protocol import Note, format_note, parse_note
+from akv.cluster.server.durability import Lineage, Restored
+from akv.cluster.server.instructions import FailJob, StaleCheckpointError
+from akv.errors import InvalidArgumentError, PeerLostError
+from tests.akv.cluster.server.players import OK, Players
+
+PATH = "/ck/server-0.akvckpt"
+#: A note of the process before the restart: checkpoint 27 (rounds up to 300) holds
+#: every request of the worker numbered below 520.
+BEFORE = Note("before", 27, 300, 520)
+
+
+def f32(*values: float) -> np.ndarray:
+    return np.array(values, np.float32)
+
+
+# ---------------------------------------------------------------- the note
+
+
+def test_a_note_goes_through_its_text_form_unchanged():
+    assert parse_note(format_note(BEFORE)) == BEFORE
+    assert format_note(BEFORE) == "before 27 300 520"
+
+
+@pytest.mark.parametrize(
+    "text", ["", "a 1 2", "a 1 2 3 4", "a -1 2 3", "a x 2 3", "a/b 1 2 3", "x" * 65 + " 1 2 3"]
+)
+def test_a_malformed_note_is_an_invalid_argument(text):
+    with pytest.raises(InvalidArgumentError, match="X-AKV-Durable must be"):
+        parse_note(text)
+
+
+# ---------------------------------------------------------------- the lineage
+
+
+def restored(checkpoint: int = 9, rounds: int = 92, seqs: dict[int, int] | None = None) -> Lineage:
+    lineage = Lineage("now", num_workers=2)
+    lineage.restore(Restored(PATH, checkpoint, rounds, {0: 180, 1: 175} if seqs is None else seqs))
+    return lineage
+
+
+def test_without_a_restore_every_worker_passes():
+    lineage = Lineage("now", num_workers=2)
+    assert lineage.check(0, BEFORE) is None
+    assert not lineage.answers_held
+
+
+def test_a_note_of_this_process_or_no_note_passes():
+    lineage = restored()
+    assert lineage.check(0, Note("now", 12, 140, 700)) is None  # written since the restore
+    assert lineage.check(1, None) is None  # never told of a checkpoint
+    assert not lineage.answers_held  # both checked
+
+
+def test_a_restored_checkpoint_that_holds_all_the_worker_dropped_recovers_exactly():
+    lineage = restored(seqs={0: 520, 1: 175})
+    assert lineage.check(0, BEFORE) is None  # its resent requests are all it lacks
+    assert lineage.answers_held  # worker 1 not checked yet
+
+
+def test_an_older_checkpoint_names_the_file_its_rounds_and_the_rounds_declared():
+    lost = restored().check(0, BEFORE)
+    assert lost == (
+        f"restored checkpoint 9 from {PATH} (rounds up to 92; worker 0's requests below 180), "
+        "but before its restart it had declared checkpoint 27 (rounds up to 300) durable to "
+        "worker 0, which dropped its copies of its requests numbered below 520: the "
+        "acknowledged pushes between are lost. Put the newest checkpoint back, or start the "
+        "job again"
+    )
+
+
+def test_a_missing_checkpoint_names_the_missing_file():
+    lineage = Lineage("now", num_workers=2)
+    lineage.restore(Restored(PATH, 0, 0, {}))
+    lost = lineage.check(1, BEFORE)
+    assert lost is not None
+    assert lost.startswith(f"started without a checkpoint ({PATH} is missing), but before")
+    assert "declared checkpoint 27 (rounds up to 300) durable to worker 1" in lost
+
+
+def test_finished_workers_are_not_waited_for():
+    lineage = restored()
+    lineage.check(0, None)
+    assert lineage.answers_held
+    lineage.finished([1])
+    assert not lineage.answers_held
+
+
+# ---------------------------------------------------------------- the state
+
+
+def players_restored(store_type: str, seqs: dict[int, int] | None = None) -> Players:
+    """Two workers with key ``w`` on a server that then restored checkpoint 9."""
+    players = Players(2, store_type)
+    assert players.reply(0, players.init(0, {"w": f32(0, 0)})) == OK
+    players.state.name = "server 0"
+    players.state.lineage.restore(Restored(PATH, 9, 92, {0: 180, 1: 175} if seqs is None else seqs))
+    return players
+
+
+def test_a_stale_restore_refuses_the_stream_and_fails_the_job_naming_itself():
+    players = players_restored("dist_sync")
+    players.push(1, {"w": f32(1, 1)}, tag=1)
+    waiting = players.pull(1, ["w"])  # for worker 0's push: answered with the failure
+    with pytest.raises(StaleCheckpointError, match=r"^server 0 restored checkpoint 9 from") as info:
+        players.state.admit(0, "dist_sync", True, "session0", BEFORE)
+    failing = info.value.instructions
+    assert isinstance(failing[0], FailJob) and failing[0].blames_itself
+    assert failing[0].detail.startswith("restored checkpoint 9")
+    players.run(failing[1:])
+    assert isinstance(players.reply(1, waiting), PeerLostError)
+    assert players.state.failure == failing[0].reason
+    with pytest.raises(Exception, match="the job failed"):
+        players.reconnect(1)  # nothing more is taken
+
+
+def test_a_restored_dist_async_server_answers_no_pull_until_every_worker_was_checked():
+    players = players_restored("dist_async")
+    players.reconnect(0, None)
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    pull = players.pull(0, ["w"])
+    assert players.waiting(0, pull)  # worker 1 may yet say that the restore lost its pushes
+    players.reconnect(1, Note("before", 27, 300, 175))  # the restore holds all it dropped
+    np.testing.assert_array_equal(players.reply(0, pull)["w"], f32(1, 1))
+
+
+def test_a_restored_dist_async_server_lets_pulls_go_once_the_rest_finished():
+    players = players_restored("dist_async")
+    players.reconnect(0, None)
+    pull = players.pull(0, ["w"])
+    assert players.waiting(0, pull)
+    players.run(players.state.workers_finished([1]))
+    assert players.reply(0, pull) == {"w": pytest.approx(f32(0, 0))}
+
+
+def test_a_restored_dist_sync_server_holds_nothing_back():
+    players = players_restored("dist_sync")
+    players.reconnect(0, None)
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    players.push(1, {"w": f32(2, 2)}, tag=1)  # worker 1 not checked: its round still closes
+    np.testing.assert_array_equal(players.reply(0, players.pull(0, ["w"]))["w"], f32(3, 3))
