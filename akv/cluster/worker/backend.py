@@ -28,13 +28,13 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
-from akv.arrays import Array, copy_into, is_gpu, to_host
+from akv.arrays import Array, is_gpu, to_host
 from akv.backend import caller_events
 from akv.cluster.config import Config
 from akv.cluster.membership import Membership
@@ -43,6 +43,7 @@ from akv.cluster.protocol import Op, encode_meta
 from akv.cluster.roles import default_worker_logging
 from akv.cluster.states import merge_server_states, split_server_states
 from akv.cluster.worker import job
+from akv.cluster.worker.calls import Answer, Call, Done, PullCall, PushCall
 from akv.cluster.worker.events import (
     AcksWanted,
     Closing,
@@ -66,7 +67,7 @@ from akv.cluster.worker.instructions import (
     SendHeldSoon,
     Unstage,
 )
-from akv.cluster.worker.link import Answer, ServerLink, local_address, server_name
+from akv.cluster.worker.link import ServerLink, local_address, server_name
 from akv.cluster.worker.requests import WireArray, by_server
 from akv.cluster.worker.staging import Staging, land_in_pinned
 from akv.cluster.worker.state import WorkerState
@@ -91,9 +92,6 @@ __all__ = ["DistBackend"]
 log = logging.getLogger("akv.cluster")
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-#: What an engine task of the ``callback`` executor is given to report its end.
-Done = Callable[[Any, BaseException | None], None]
 
 
 class DistBackend:
@@ -271,12 +269,12 @@ class DistBackend:
                 links[send.server].send(send)
             elif kind is Finish:
                 finish = cast(Finish, instruction)
-                cast(_Call, finish.call).finish(finish.error, finish.reply)
+                cast(Call, finish.call).finish(finish.error, finish.reply)
             elif kind is Unstage:
-                cast(_Call, cast(Unstage, instruction).call).unstage()
+                cast(Call, cast(Unstage, instruction).call).unstage()
             elif kind is CopyOut:
                 copy = cast(CopyOut, instruction)
-                cast(_Call, copy.call).copy_out(copy.copies)
+                cast(Call, copy.call).copy_out(copy.copies)
             elif kind is GiveBuffer:
                 give = cast(GiveBuffer, instruction)
                 give.entry.give_buffer(give.buffer)
@@ -440,7 +438,7 @@ class DistBackend:
         self, staged: list[tuple[Entry, np.ndarray]], give_back: Callable[[], None], done: Done
     ) -> None:
         assert self._loop is not None
-        self.handle(PushIssued(_Push(done, give_back), staged, self._loop.time()))
+        self.handle(PushIssued(PushCall(done, give_back), staged, self._loop.time()))
 
     async def acknowledged(self) -> None:
         """Wait until every pipelined push so far was acknowledged (or failed: requests
@@ -562,7 +560,7 @@ class DistBackend:
         done: Done,
     ) -> None:
         assert self._loop is not None
-        call = _Pull(done, result, give_back, after)
+        call = PullCall(done, result, give_back, after)
         self.handle(PullIssued(call, targets, staged, self._loop.time()))
 
     def barrier(self) -> Task:
@@ -710,67 +708,6 @@ class DistBackend:
             await self.membership.close()
         if late is not None:
             raise late
-
-
-class _Call(Protocol):
-    """What the instructions name as a call (a push's, a pull's, or an awaited request's)."""
-
-    def finish(self, error: AKVError | None, reply: Any) -> None: ...
-
-    def unstage(self) -> None: ...
-
-    def copy_out(self, copies: list[tuple[Any, Any]]) -> None: ...
-
-
-class _Push:
-    """A push's call: its engine task's ``done``, and how to give its staging back."""
-
-    __slots__ = ("done", "give_back")
-
-    def __init__(self, done: Done, give_back: Callable[[], None]) -> None:
-        self.done = done
-        self.give_back = give_back
-
-    def finish(self, error: AKVError | None, reply: Any) -> None:
-        self.done(None, error)
-
-    def unstage(self) -> None:
-        self.give_back()
-
-    def copy_out(self, copies: list[tuple[Any, Any]]) -> None:
-        """Nothing to copy (a push)."""
-
-
-class _Pull:
-    """A pull's (or a pushpull's) call: its engine task's ``done`` and ``result``, how to
-    give a pushpull's staging back, and the GPU events that GPU outputs are written after."""
-
-    __slots__ = ("after", "done", "error", "give_back", "result")
-
-    def __init__(self, done: Done, result: Any, give_back: Callable[[], None], after: list[Any]):
-        self.done = done
-        self.result = result
-        self.give_back = give_back
-        self.after = after
-        self.error: BaseException | None = None
-
-    def copy_out(self, copies: list[tuple[Any, Any]]) -> None:
-        after = self.after
-        try:
-            for out, source in copies:
-                copy_into(out, source, after)
-        except Exception as exc:  # reported by the call, never swallowed
-            self.error = exc
-
-    def unstage(self) -> None:
-        self.give_back()
-
-    def finish(self, error: AKVError | None, reply: Any) -> None:
-        failed = error or self.error
-        if failed is not None:
-            self.done(None, failed)
-        else:
-            self.done(self.result, None)
 
 
 #: What :meth:`DistBackend._copy_arrived` returns when the value was not there after all.

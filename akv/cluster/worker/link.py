@@ -20,6 +20,7 @@ from typing import Any
 from akv.cluster.config import Config, format_address
 from akv.cluster.protocol import CLIENT_HEADER, client_header
 from akv.cluster.roles import client_ssl
+from akv.cluster.worker.calls import Answer
 from akv.cluster.worker.events import (
     ConnectFailed,
     Event,
@@ -42,7 +43,7 @@ from transport import (
     open_stream,
 )
 
-__all__ = ["Answer", "ServerLink", "local_address"]
+__all__ = ["ServerLink", "local_address", "server_name"]
 
 log = logging.getLogger("akv.cluster")
 
@@ -287,28 +288,3 @@ class _Stream:
     def on_lost(self, exc: BaseException | None) -> None:
         if self.protocol is not None:
             self.link._lost(self.protocol, exc)
-
-
-class Answer:
-    """The call of a request whose caller awaits ``future``: it gets the reply, or the
-    error."""
-
-    __slots__ = ("future",)
-
-    def __init__(self, future: asyncio.Future[Any]) -> None:
-        self.future = future
-
-    def finish(self, error: AKVError | None, reply: Any) -> None:
-        future = self.future
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(reply)
-
-    def unstage(self) -> None:
-        """Nothing to give back (a control request sends arrays of its own)."""
-
-    def copy_out(self, copies: list[tuple[Any, Any]]) -> None:
-        """Nothing to copy (only pulls copy)."""

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from akv.cluster.protocol import STOPPING_STATUS, Op
 from akv.cluster.worker.instructions import Instruction, Send
-from akv.cluster.worker.pipeline import SETTLE, Gather
+from akv.cluster.worker.pipeline import CHECKPOINT, SETTLE, Gather
 from akv.cluster.worker.requests import (
     Outcome,
     Request,
@@ -376,6 +376,37 @@ class Link:
     def outstanding(self) -> int:
         """Requests a replay would send now: the unanswered and the kept ones."""
         return len(self.table) + len(self.retained.requests)
+
+    def validate(self, failed: bool) -> list[Request]:
+        """Raise ``AssertionError`` naming the first broken invariant of this link (for
+        tests; ``failed``: the job failed); return its requests waiting for an answer (in
+        its table, held for the verdict, or held until the end of the turn)."""
+        name, table = self.name, self.table
+        pending = table.unanswered()
+        for request in pending:
+            assert table.get(request.seq) is request, f"{name}: seq {request.seq} moved"
+            assert self.open or not request.written, f"{name}: {request} written on no stream"
+        requests = [*pending, *(outcome.request for outcome in self.verdict_held)]
+        held = self.held_push
+        if held is not None:
+            assert held.seq == 0 and held.op == Op.PUSH and held.push is not None, held
+            requests.append(held)
+        asked = [r for r in requests if r.call is not None and r.call.kind == CHECKPOINT]
+        assert self.asked_checkpoint == bool(asked), f"{name}: a checkpoint asked for, or not"
+        retained = self.retained
+        kept = [
+            array.nbytes for _, arrays, _ in retained.requests.values() for _, array, _ in arrays
+        ]
+        assert retained.nbytes == sum(kept), f"{name}: {retained.nbytes} bytes kept, {sum(kept)}"
+        assert all(seq >= retained.durable_below for seq in retained.requests), name
+        assert not (self.open and self.reconnecting), f"{name}: open and reconnecting"
+        if self.replay is not None:
+            assert self.open and self.lost is None, f"{name}: replaying on no stream"
+            for seq in self.replay.deferred:
+                deferred = table.get(seq)
+                assert deferred is None or not deferred.written, f"deferred and sent: {seq}"
+        assert not (failed and requests), f"{name}: requests left after the job failed"
+        return requests
 
     def __repr__(self) -> str:
         return f"<Link {self.name} open={self.open} lost={self.lost!r} pending={len(self.table)}>"

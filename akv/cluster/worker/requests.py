@@ -32,6 +32,7 @@ __all__ = [
     "WireArray",
     "by_server",
     "pull_rides_on_push",
+    "push_batches",
     "settle_before_resend",
 ]
 
@@ -57,6 +58,20 @@ def by_server(
     for entry, value in items:
         for part in entry.parts:
             batches.setdefault(part.server, []).append(piece(entry, part, value))
+    return batches
+
+
+def push_batches(staged: Sequence[tuple[Entry, np.ndarray]]) -> dict[int, list[WireArray]]:
+    """A push's arrays (each key's part, numbered with the key's pushes so far), grouped
+    by the server that holds the part (one request per server), in call order."""
+    batches: dict[int, list[WireArray]] = {}
+    for entry, array in staged:
+        pushes = entry.pushes
+        for part in entry.parts:
+            batch = batches.get(part.server)
+            if batch is None:
+                batch = batches[part.server] = []
+            batch.append((entry.key, entry.wire_view(array, part), pushes))
     return batches
 
 

@@ -78,6 +78,7 @@ from akv.cluster.worker.requests import (
     Request,
     WireArray,
     pull_rides_on_push,
+    push_batches,
 )
 from akv.errors import AKVError, PeerLostError
 from akv.keys import Entry
@@ -201,7 +202,7 @@ class WorkerState:
         if self.strict_push:
             call = Gather(event.call, PUSH)
             call.staged = True
-            batches = _push_batches(staged)
+            batches = push_batches(staged)
             call.remaining = len(batches)
             deadline = now + self.request_s
             for server, arrays in batches.items():
@@ -215,7 +216,7 @@ class WorkerState:
         if self.pull_ahead and all(self._worth_asking_ahead(entry) for entry, _ in staged):
             push = self._push_ahead(event.call, staged, keys, waits, now, out)
         else:
-            batches = _push_batches(staged)
+            batches = push_batches(staged)
             push = Pipelined(event.call, keys, len(batches), waits)
             deadline = now + self.request_s
             for server, arrays in batches.items():
@@ -451,7 +452,7 @@ class WorkerState:
         if push is not None:
             if call is None and error is not None and push.answer_error is None:
                 push.answer_error = error
-            if borrowed and request.lend is not None:
+            if borrowed and request.lend is not None and message is not None:
                 self.ahead.lend(request.lend, message.buffers, borrowed, self.links[server].stream)
             push.unanswered -= 1
             if not push.unanswered:
@@ -723,18 +724,7 @@ class WorkerState:
         waiting: dict[int, int] = {}
         calls: dict[int, Gather] = {}
         for link in self.links:
-            table = link.table
-            pending = table.unanswered()
-            for request in pending:
-                assert table.get(request.seq) is request, f"{link.name}: seq {request.seq} moved"
-                if not link.open:
-                    assert not request.written, f"{link.name}: {request} written on no stream"
-            held = link.held_push
-            if held is not None:
-                assert held.seq == 0 and held.op == _PUSH and held.push is not None, held
-            requests = [*pending, *(o.request for o in link.verdict_held)]
-            if held is not None:
-                requests.append(held)
+            requests = link.validate(self.failure is not None)
             for request in requests:
                 push = request.push
                 if push is not None:
@@ -745,25 +735,6 @@ class WorkerState:
                 if request.call is not None:
                     calls[id(request.call)] = request.call
                     waiting[id(request.call)] = waiting.get(id(request.call), 0) + 1
-            checkpoints = [r for r in requests if r.call is not None and r.call.kind == CHECKPOINT]
-            assert link.asked_checkpoint == bool(checkpoints), f"{link.name}: checkpoint asked"
-            retained = link.retained
-            kept = sum(
-                array.nbytes
-                for _, arrays, _ in retained.requests.values()
-                for _, array, _ in arrays
-            )
-            assert retained.nbytes == kept, f"{link.name}: {retained.nbytes} bytes kept, {kept}"
-            assert all(seq >= retained.durable_below for seq in retained.requests), link.name
-            assert not (link.open and link.reconnecting), f"{link.name}: open and reconnecting"
-            assert link.open or link.replay is None, f"{link.name}: replaying on no stream"
-            if link.replay is not None:
-                assert link.lost is None, f"{link.name}: replaying while lost"
-                for seq in link.replay.deferred:
-                    deferred = table.get(seq)
-                    assert deferred is None or not deferred.written, f"deferred and sent: {seq}"
-            if self.failure is not None:
-                assert not requests, f"{link.name}: requests left after the job failed"
         for push_id, push in pushes.items():
             assert push.unanswered == unanswered[push_id], f"{push}: answers counted wrong"
             assert push.unacked == unacked.get(push_id, 0), f"{push}: acks counted wrong"
@@ -783,17 +754,3 @@ class WorkerState:
                 waiting[id(call)] = waiting.get(id(call), 0) + 1
         for call_id, call in calls.items():
             assert call.remaining == waiting[call_id], f"{call}: waits for {waiting[call_id]}"
-
-
-def _push_batches(staged: Sequence[tuple[Entry, np.ndarray]]) -> dict[int, list[WireArray]]:
-    """A push's arrays (each key's part, numbered with the key's pushes so far), grouped
-    by the server that holds the part, in call order."""
-    batches: dict[int, list[WireArray]] = {}
-    for entry, array in staged:
-        pushes = entry.pushes
-        for part in entry.parts:
-            batch = batches.get(part.server)
-            if batch is None:
-                batch = batches[part.server] = []
-            batch.append((entry.key, entry.wire_view(array, part), pushes))
-    return batches

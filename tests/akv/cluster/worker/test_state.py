@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from akv.cluster.protocol import Op
+from akv.cluster.worker.events import PullIssued
 from akv.cluster.worker.instructions import GiveBack, GiveBuffer, Reconnect, Send
 from akv.cluster.worker.reconnect import Refusal, classify
+from akv.cluster.worker.state import WorkerState
 from akv.errors import (
     DoublePushError,
     InvalidArgumentError,
@@ -625,3 +627,160 @@ def test_every_instruction_names_a_call_the_state_knew():
     sends = [i for i in servers.log if isinstance(i, Send)]
     assert [s.server for s in sends] == [0, 1]
     assert not any(isinstance(i, (Reconnect, GiveBuffer)) for i in servers.log)
+
+
+# ---------------------------------------------------------------- more of the same rules
+
+
+def test_a_reconnect_resends_the_kept_and_the_unanswered_requests_by_number():
+    servers = Servers(restartable=True)
+    w = key_entry("w")
+    servers.push({w: f32(1, 1, 1, 1)})
+    servers.end_turn()
+    servers.answer(servers.take())  # seq 1: answered, kept
+    servers.pull({w: zeros()})  # seq 2: unanswered
+    servers.push({w: f32(2, 2, 2, 2)})
+    servers.end_turn()  # seq 3: unanswered
+    servers.cut(0)
+    servers.open(0)
+    # The resent pull is not waited for: push 3 waits for a pull of its own (seq 4).
+    assert [(r.op, r.seq) for r in servers.sent()] == [(Op.PUSH, 1), (Op.PULL, 2), (Op.PULL, 4)]
+    servers.answer(servers.take())  # the kept push's answer again: nobody waits for it
+    servers.answer(servers.take(), [f32(1, 1, 1, 1)])
+    servers.answer(servers.take(), [f32(1, 1, 1, 1)])
+    (push,) = servers.sent()
+    assert (push.op, push.seq, push.tags) == (Op.PUSH, 3, [2])
+
+
+def test_a_held_push_of_a_split_key_rides_with_the_pull_to_each_server():
+    servers = Servers(2)
+    w = key_entry("w", (4,), servers=(0, 1))
+    servers.push({w: f32(1, 2, 3, 4)})
+    out = zeros()
+    pull = servers.pull({w: out})
+    first, second = servers.take(0), servers.take(1)
+    assert (first.op, second.op) == (Op.PUSHPULL, Op.PUSHPULL) and first.counted
+    servers.counted(first)
+    assert servers.state.unacked == 1  # server 1 has not counted it yet
+    servers.answer(second, [f32(7, 8)])
+    assert servers.state.unacked == 0 and not pull.done
+    servers.answer(first, [f32(5, 6)])
+    np.testing.assert_array_equal(out, f32(5, 6, 7, 8))
+
+
+def test_an_answer_to_a_request_resent_after_a_cut_is_taken_once():
+    servers = Servers()
+    w = key_entry("w")
+    pull = servers.pull({w: zeros()})
+    request = servers.take()
+    servers.cut(0)
+    servers.open(0)
+    servers.answer(servers.take(), [f32(1, 1, 1, 1)])
+    servers.answer(request, [f32(2, 2, 2, 2)])  # a late answer to the first copy: ignored
+    assert pull.done and pull.error is None
+
+
+def test_a_cut_during_a_replay_starts_it_again_on_the_next_stream():
+    servers = Servers(restartable=True)
+    w = key_entry("w")
+    for value in (1.0, 2.0):
+        servers.push({w: np.full(4, value, np.float32)})
+        servers.end_turn()
+        servers.answer(servers.take())
+    servers.cut(0)
+    servers.open(0)  # sends push 1, then waits for the settle pull
+    servers.cut(0)
+    assert not servers.state.links[0].replaying
+    servers.open(0)
+    # Kept and unanswered, by number: push 1, push 2 (after a new pull), the first pull.
+    assert [(r.op, r.seq) for r in servers.sent()] == [(Op.PUSH, 1), (Op.PULL, 4)]
+    servers.answer(servers.take())
+    servers.answer(servers.take(), [f32(1, 1, 1, 1)])
+    assert [(r.op, r.seq) for r in servers.sent()] == [(Op.PUSH, 2), (Op.PULL, 3)]
+    assert not servers.state.links[0].replaying
+
+
+def test_a_request_deferred_by_a_replay_and_swept_meanwhile_is_not_sent():
+    servers = Servers(restartable=True, request_s=10.0)
+    w, v = key_entry("w"), key_entry("v")
+    for value in (1.0, 2.0):
+        servers.push({w: np.full(4, value, np.float32)})
+        servers.end_turn()
+        servers.answer(servers.take())
+    servers.cut(0)
+    servers.open(0)
+    servers.take()  # push 1
+    settle = servers.take()
+    servers.now = 5.0
+    pull = servers.pull({v: zeros()})  # deferred: the replay waits for the settle pull
+    servers.tick(15.5)  # the settle pull (deadline 10) and the deferred pull both time out
+    assert isinstance(pull.error, ServerError)
+    assert [(r.op, r.seq) for r in servers.sent()] == [(Op.PUSH, 2)]
+    servers.answer(settle, [f32(1, 1, 1, 1)])  # late: the replay went on without it
+    assert [(r.op, r.seq) for r in servers.sent()] == [(Op.PUSH, 2)]
+    assert not servers.state.links[0].replaying
+
+
+def test_a_request_to_a_stream_never_opened_fails_at_once():
+    state = WorkerState([("server 9", False)], request_s=1.0)
+    assert state.handle() == []  # no events: nothing to do
+    call = object()
+    (finish,) = state.handle(PullIssued(call, [(key_entry("w"), [zeros()])], None, 0.0))
+    assert finish.call is call and "server 9: the stream was never opened" in str(finish.error)
+    state.validate()
+
+
+def test_waiting_for_acknowledgements_with_none_left_ends_at_once():
+    servers = Servers()
+    assert servers.acks().done
+
+
+def test_the_verdict_fails_the_requests_held_for_it_on_every_server():
+    servers = Servers(2)
+    w, v = key_entry("w"), key_entry("v", servers=(1,))
+    first = servers.pull({w: zeros()})
+    second = servers.pull({v: zeros()})
+    for server in (0, 1):
+        servers.answer(servers.take(server), error=PeerLostError("the job failed"))
+    assert len(servers.blamed) == 2 and not first.done and not second.done
+    verdict = PeerLostError("the job failed: worker 1 (pid 9) vanished")
+    servers.fail(verdict)
+    assert first.error is verdict and second.error is verdict
+
+
+def test_closing_while_a_stream_is_cut_fails_its_requests_and_stops_reconnecting():
+    servers = Servers()
+    w = key_entry("w")
+    pull = servers.pull({w: zeros()})
+    servers.cut(0)
+    servers.close()
+    assert isinstance(pull.error, PeerLostError) and "closed the connection" in str(pull.error)
+    servers.connect_fails(0, TransportError("no"))
+    assert servers.reconnects == [(0, 0.0)]  # the attempt in flight is the last
+
+
+def test_a_value_asked_ahead_for_a_split_key_is_never_lent():
+    servers = Servers(2, pull_ahead=True, shares_memory=True)
+    w = key_entry("w", (4,), servers=(0, 1))
+    servers.push({w: f32(1, 2, 3, 4)})
+    servers.answer(servers.take(0), [f32(5, 6)])
+    servers.answer(servers.take(1), [f32(7, 8)])
+    assert all(not stream.lent for stream in servers.streams)
+    out = zeros()
+    assert servers.pull({w: out}).done
+    np.testing.assert_array_equal(out, f32(5, 6, 7, 8))
+
+
+def test_a_stopping_server_that_writes_checkpoints_is_waited_for_until_the_window_ends():
+    servers = Servers(restartable=True, request_s=3.0)
+    servers.cut(0)
+    now = 0.0
+    stopping = RemoteError(503, "server 0 takes no stream: it is stopping")
+    while not servers.blamed:
+        now += servers.reconnects[-1][1]
+        servers.connect_fails(0, stopping, now)
+    assert len(servers.reconnects) > 4 and now <= 3.0
+    assert "could not be reached again" in str(servers.blamed[0].error)
+    servers.fail(servers.blamed[0].error)
+    servers.open(0)  # an attempt in flight that opened after the job failed
+    assert servers.sent() == []
