@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +43,7 @@ from akv.cluster.protocol import Op, encode_meta
 from akv.cluster.roles import default_worker_logging
 from akv.cluster.states import merge_server_states, split_server_states
 from akv.cluster.worker import job
-from akv.cluster.worker.calls import Answer, Call, Done, PullCall, PushCall
+from akv.cluster.worker.calls import Answer, Done, PullCall, PushCall
 from akv.cluster.worker.events import (
     AcksWanted,
     Closing,
@@ -85,7 +85,7 @@ from akv.errors import (
 from akv.keys import Entry, Part
 from akv.limits import CONNECT_RETRY_S, GOODBYE_TIMEOUT_S, INIT_CHECK_MARGIN_S, SWEEP_INTERVAL_S
 from engine import Completed, Engine, GPUExecutor, Task, Waitable
-from transport import DTYPE_CODES, AuthError, Message, RemoteError, TransportError
+from transport import DTYPE_CODES, AuthError, Message, RemoteError, StreamProtocol, TransportError
 
 __all__ = ["DistBackend"]
 
@@ -129,9 +129,17 @@ class DistBackend:
         self._sweeper: asyncio.Task[None] | None = None
         self._blames: set[asyncio.Task[None]] = set()
         self._closed = False
-        # Instructions met while carrying out others wait for them (see ``_execute``).
+        # Instructions met while carrying out others wait for them (see ``handle``).
         self._executing = False
         self._queued: list[Instruction] = []
+        #: How the other instructions are carried out (see ``_carry_out``).
+        self._carriers: dict[type[Instruction], Callable[[Any], None]] = {
+            GiveBuffer: self._give_buffer,
+            GiveBack: self._give_back,
+            SendHeldSoon: self._send_held_soon,
+            Reconnect: self._reconnect,
+            Blame: self._blame,
+        }
 
     @property
     def rank(self) -> int:
@@ -240,57 +248,51 @@ class DistBackend:
 
     # ------------------------------------------------------------ carrying out
 
-    def handle(self, *events: Event) -> None:
-        """Feed ``events`` to the worker's state and carry out what it says (on the loop)."""
-        self._execute(self.state.handle(*events))
-
-    def _execute(self, instructions: list[Instruction]) -> None:
-        """Carry ``instructions`` out, in order. Work they start may feed events at once (a
-        call completed lets the next one on its key start); what those say waits until
-        these are done, so that what is written keeps the order it was decided in."""
+    def handle(self, event: Event) -> None:
+        """Feed ``event`` to the worker's state and carry out what it says, in order (on
+        the loop). Work an instruction starts may feed events at once (a call completed
+        lets the next one on its key start): what those say waits until these are done,
+        so that what is written keeps the order it was decided in."""
+        instructions = self.state.handle(event)
         if self._executing:
             self._queued.extend(instructions)
             return
         self._executing = True
         try:
-            self._carry_out(instructions)
+            for instruction in instructions:
+                self._carry_out(instruction)
             while self._queued:
                 queued, self._queued = self._queued, []
-                self._carry_out(queued)
+                for instruction in queued:
+                    self._carry_out(instruction)
         finally:
             self._executing = False
 
-    def _carry_out(self, instructions: list[Instruction]) -> None:
-        links = self.links
-        for instruction in instructions:
-            kind = type(instruction)
-            if kind is Send:
-                send = cast(Send, instruction)
-                links[send.server].send(send)
-            elif kind is Finish:
-                finish = cast(Finish, instruction)
-                cast(Call, finish.call).finish(finish.error, finish.reply)
-            elif kind is Unstage:
-                cast(Call, cast(Unstage, instruction).call).unstage()
-            elif kind is CopyOut:
-                copy = cast(CopyOut, instruction)
-                cast(Call, copy.call).copy_out(copy.copies)
-            elif kind is GiveBuffer:
-                give = cast(GiveBuffer, instruction)
-                give.entry.give_buffer(give.buffer)
-            elif kind is GiveBack:
-                back = cast(GiveBack, instruction)
-                cast(Any, back.stream).give_back(back.offsets)
-            elif kind is SendHeldSoon:
-                assert self._loop is not None
-                self._loop.call_soon(self._turn_ended, cast(SendHeldSoon, instruction).server)
-            elif kind is Reconnect:
-                reconnect = cast(Reconnect, instruction)
-                links[reconnect.server].reconnect(reconnect.delay_s)
-            elif kind is Blame:
-                self._blame(cast(Blame, instruction))
-            else:  # pragma: no cover - an instruction nobody taught the backend
-                raise AssertionError(f"unknown instruction {instruction!r}")
+    def _carry_out(self, instruction: Instruction) -> None:
+        # The instructions of every call first, without a lookup.
+        if type(instruction) is Send:
+            self.links[instruction.server].send(instruction)
+        elif type(instruction) is Finish:
+            instruction.call.finish(instruction.error, instruction.reply)
+        elif type(instruction) is Unstage:
+            instruction.call.unstage()
+        elif type(instruction) is CopyOut:
+            instruction.call.copy_out(instruction.copies)
+        else:
+            self._carriers[type(instruction)](instruction)
+
+    def _give_buffer(self, instruction: GiveBuffer) -> None:
+        instruction.entry.give_buffer(instruction.buffer)
+
+    def _give_back(self, instruction: GiveBack) -> None:
+        instruction.stream.give_back(instruction.offsets)
+
+    def _send_held_soon(self, instruction: SendHeldSoon) -> None:
+        assert self._loop is not None
+        self._loop.call_soon(self._turn_ended, instruction.server)
+
+    def _reconnect(self, instruction: Reconnect) -> None:
+        self.links[instruction.server].reconnect(instruction.delay_s)
 
     def _turn_ended(self, server: int) -> None:
         assert self._loop is not None
@@ -311,7 +313,7 @@ class DistBackend:
     async def _fail_with(self, verdict: Coroutine[Any, Any, AKVError]) -> None:
         self.fail(await verdict)
 
-    def _stream_for_staging(self, server: int) -> Any:
+    def _stream_for_staging(self, server: int) -> StreamProtocol | None:
         """The stream to ``server`` when a push's staging buffer may be a region of its
         arena: it shares memory, and its server keeps no copies for a restart (those are
         kept past the answer)."""
@@ -357,7 +359,7 @@ class DistBackend:
     def _raise_late(self, calls: list[tuple[Entry, Any]]) -> None:
         """Raise the error of an earlier pipelined push of one of the keys of ``calls``
         (a call's ``(entry, arrays)``), once."""
-        if self.state.late:
+        if self.state.late.by_key:
             late = self.state.take_late([entry.key for entry, _ in calls])
             if late is not None:
                 raise late
@@ -456,7 +458,7 @@ class DistBackend:
         """Fetch each key's value (in dist_sync: after the round of this worker's last push)."""
         self._check()
         self._raise_late(targets)
-        if len(targets) == 1 and self.state.ahead:
+        if len(targets) == 1 and self.state.ahead.values:
             done = self._pull_arrived(targets[0], result)
             if done is not None:
                 return done
@@ -468,7 +470,8 @@ class DistBackend:
         loop thread. None when it cannot be (not arrived yet, the key busy, an output that
         is not a NumPy array)."""
         entry, outs = target
-        if not self.state.ahead.readable(entry):
+        value = self.state.ahead.values.get(entry.key)
+        if value is None or not value.readable(entry):
             return None
         if any(type(out) is not np.ndarray for out in outs):
             return None

@@ -20,7 +20,9 @@ instruction             what the I/O side does
 :class:`Blame`          asks the scheduler who failed first, then feeds ``JobFailed``
 ======================  ===============================================================
 
-Plain records with ``__slots__`` (created per request and per call).
+Plain records with ``__slots__`` (created per request and per call). A ``call`` is the I/O
+side's token for a store call (and ``stream`` its handle of a stream), which the state
+never looks inside: the I/O side knows what it is.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class CopyOut(Instruction):
 
     __slots__ = ("call", "copies")
 
-    def __init__(self, call: object, copies: list[tuple[Any, Any]]):
+    def __init__(self, call: Any, copies: list[tuple[Any, Any]]):
         self.call = call
         self.copies = copies
 
@@ -91,7 +93,7 @@ class Finish(Instruction):
 
     __slots__ = ("call", "error", "reply")
 
-    def __init__(self, call: object, error: AKVError | None, reply: Any = None):
+    def __init__(self, call: Any, error: AKVError | None, reply: Any = None):
         self.call = call
         self.error = error
         self.reply = reply
@@ -103,7 +105,7 @@ class Unstage(Instruction):
 
     __slots__ = ("call",)
 
-    def __init__(self, call: object):
+    def __init__(self, call: Any):
         self.call = call
 
 
@@ -123,7 +125,7 @@ class GiveBack(Instruction):
 
     __slots__ = ("offsets", "stream")
 
-    def __init__(self, stream: object, offsets: list[int]):
+    def __init__(self, stream: Any, offsets: list[int]):
         self.stream = stream
         self.offsets = offsets
 

@@ -224,9 +224,6 @@ class AheadCache:
     def __init__(self) -> None:
         self.values: dict[Key, Ahead] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self.values)
-
     def __contains__(self, key: Key) -> bool:
         return key in self.values
 
@@ -309,23 +306,21 @@ class LateErrors:
     """
 
     def __init__(self) -> None:
-        self._by_key: dict[Key, AKVError] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._by_key)
+        #: The errors kept, by key (empty: nothing to raise; a caller may look first).
+        self.by_key: dict[Key, AKVError] = {}
 
     def keep(self, keys: Sequence[Key], error: AKVError) -> None:
         """Keep ``error`` for each of ``keys`` that has none kept yet."""
         for key in keys:
-            self._by_key.setdefault(key, error)
+            self.by_key.setdefault(key, error)
 
     def take(self, keys: Sequence[Key]) -> AKVError | None:
         """The error kept for one of ``keys`` (the first found), forgotten for every key it
         was kept for: it is raised once."""
-        if not self._by_key:
+        if not self.by_key:
             return None
         for key in keys:
-            error = self._by_key.get(key)
+            error = self.by_key.get(key)
             if error is not None:
                 self.forget(error)
                 return error
@@ -333,7 +328,7 @@ class LateErrors:
 
     def take_any(self) -> AKVError | None:
         """The first error kept for any key (then forgotten), or None."""
-        errors = list(self._by_key.values())
+        errors = list(self.by_key.values())
         if not errors:
             return None
         self.forget(errors[0])
@@ -341,13 +336,9 @@ class LateErrors:
 
     def forget(self, error: AKVError) -> None:
         """Forget ``error`` for every key it was kept for."""
-        for key, kept in list(self._by_key.items()):
+        for key, kept in list(self.by_key.items()):
             if kept is error:
-                self._by_key.pop(key, None)
-
-    def errors(self) -> dict[Key, AKVError]:
-        """The errors kept now, by key (a copy)."""
-        return dict(self._by_key)
+                self.by_key.pop(key, None)
 
 
 def late_error(error: AKVError, keys: Sequence[Key]) -> AKVError:

@@ -173,6 +173,11 @@ class Request:
         return f"<Request {op_label(self.op)} seq={self.seq} arrays={len(self.arrays)}>"
 
 
+# A NamedTuple made from all its fields without the Python-level ``__new__`` that
+# NamedTuple adds (a reply makes one).
+_new_tuple = tuple.__new__
+
+
 class Outcome(NamedTuple):
     """What request ``request`` got: ``message``, or ``error``."""
 
@@ -254,7 +259,7 @@ class RequestTable:
                     server=self.server,
                 )
                 return Outcome(request, None, error)
-        return Outcome(request, message, None)
+        return _new_tuple(Outcome, (request, message, None))
 
     def sweep(self, now: float) -> list[Outcome]:
         """Fail the requests whose deadline is before ``now`` (one timer for all)."""

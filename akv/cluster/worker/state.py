@@ -194,10 +194,10 @@ class WorkerState:
         self._now = now = event.now
         staged = event.staged
         out: list[Instruction] = []
-        ahead = self.ahead
+        asked = self.ahead.values
         for entry, _ in staged:
             entry.pushes += 1  # in call order: pushes of a key run one after another
-            if ahead and entry.key in ahead:
+            if asked and entry.key in asked:
                 self.ahead.drop(entry.key, None, out)
         if self.strict_push:
             call = Gather(event.call, PUSH)
@@ -213,7 +213,10 @@ class WorkerState:
         waits = self.unacked >= MAX_UNACKED_PUSHES  # then it waits: memory stays bounded
         self.unacked += 1
         keys = [entry.key for entry, _ in staged]
-        if self.pull_ahead and all(self._worth_asking_ahead(entry) for entry, _ in staged):
+        worth = self.pull_ahead
+        for entry, _ in staged:
+            worth = worth and self._worth_asking_ahead(entry)
+        if worth:
             push = self._push_ahead(event.call, staged, keys, waits, now, out)
         else:
             batches = push_batches(staged)
@@ -292,20 +295,20 @@ class WorkerState:
         out: list[Instruction] = []
         call = Gather(event.call, PULL)
         pushed = event.pushed
-        ahead = self.ahead
+        asked = self.ahead.values
         values: dict[int, np.ndarray] = {}
         if pushed is not None:
             call.staged = True
             for entry, array in pushed:
                 entry.pushes += 1
                 values[id(entry)] = array
-                if ahead and entry.key in ahead:
+                if asked and entry.key in asked:
                     self.ahead.drop(entry.key, None, out)
         batches: dict[int, tuple[list[WireArray], list[Landing]]] = {}
         waiting = 0
         for entry, outs in event.targets:
-            if ahead and pushed is None:
-                value = ahead.get(entry.key)
+            if asked and pushed is None:
+                value = asked.get(entry.key)
                 if value is not None:  # asked with the key's latest push: no request
                     value.readers += 1
                     call.aheads.append((outs, value))
@@ -540,31 +543,18 @@ class WorkerState:
     def _finish(self, call: Gather, out: list[Instruction]) -> None:
         """Every answer ``call`` waited for is in: end it."""
         kind = call.kind
-        if kind == CHECKPOINT:
-            link = self.links[call.server]
-            link.asked_checkpoint = False
-            if call.error is not None and not link.closing and self.failure is None:
-                self._trouble(call.server, call.error, False, out)
-            return
-        if kind == SETTLE:
-            link = self.links[call.server]
-            if link.replay is call.replay:
-                link.advance_replay(call.server, self._now + self.request_s, out)
+        if kind != PULL:
+            self._finish_other(call, out)
             return
         if call.staged:
             out.append(Unstage(call.token))
-        if kind == CONTROL:
-            out.append(Finish(call.token, call.error, call.reply))
-            return
-        if kind == PUSH:
-            out.append(Finish(call.token, call.error))
-            return
         copies = call.copies
         aheads = call.aheads
         if call.error is None:
             for outs, value in aheads:
-                source = value.value()
-                copies.extend((output, source) for output in outs)
+                source = value.buffer if value.lent is None else value.lent
+                for output in outs:
+                    copies.append((output, source))
             if copies:
                 out.append(CopyOut(call.token, copies))
         for entry, buffer in call.buffers:
@@ -573,8 +563,27 @@ class WorkerState:
             if value.error is None and value.lent is not None:  # read once: its memory goes back
                 self.ahead.drop(value.entry.key, value, out)
             value.readers -= 1
-            self.ahead.release_when_unread(value, out)
+            if value.stale:
+                self.ahead.release_when_unread(value, out)
         out.append(Finish(call.token, call.error))
+
+    def _finish_other(self, call: Gather, out: list[Instruction]) -> None:
+        """End a call that is not a pull: a strict push, a control request, or the worker's
+        own checkpoint request or replay's pull."""
+        kind = call.kind
+        if kind == CHECKPOINT:
+            link = self.links[call.server]
+            link.asked_checkpoint = False
+            if call.error is not None and not link.closing and self.failure is None:
+                self._trouble(call.server, call.error, False, out)
+        elif kind == SETTLE:
+            link = self.links[call.server]
+            if link.replay is call.replay:
+                link.advance_replay(call.server, self._now + self.request_s, out)
+        else:
+            if call.staged:
+                out.append(Unstage(call.token))
+            out.append(Finish(call.token, call.error, call.reply if kind == CONTROL else None))
 
     def _value_read(self, event: ValueRead) -> list[Instruction]:
         out: list[Instruction] = []
