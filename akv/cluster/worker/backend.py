@@ -42,7 +42,6 @@ from akv.cluster.placement import place
 from akv.cluster.protocol import Op, encode_meta
 from akv.cluster.roles import default_worker_logging
 from akv.cluster.states import merge_server_states, split_server_states
-from akv.cluster.worker import job
 from akv.cluster.worker.calls import Answer, Done, PullCall, PushCall
 from akv.cluster.worker.events import (
     AcksWanted,
@@ -67,6 +66,7 @@ from akv.cluster.worker.instructions import (
     SendHeldSoon,
     Unstage,
 )
+from akv.cluster.worker.job import Heartbeat, pass_barrier, report_failure, who_failed
 from akv.cluster.worker.link import ServerLink, local_address, server_name
 from akv.cluster.worker.requests import WireArray, by_server
 from akv.cluster.worker.staging import Staging, land_in_pinned
@@ -122,7 +122,7 @@ class DistBackend:
         self._gpu_executor = gpu_executor
         self._gpu_registered = False
         self._staging = Staging(engine, self._stream_for_staging, self._gpu_ready, device)
-        self._heartbeat: job.Heartbeat | None = None
+        self._heartbeat: Heartbeat | None = None
         self._barriers = 0
         self._joined = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -200,7 +200,7 @@ class DistBackend:
         for link in self.links:
             await self._open(link, rank, deadline)
         self._joined = True
-        self._heartbeat = job.Heartbeat(self.membership, self._failed_from_thread)
+        self._heartbeat = Heartbeat(self.membership, self._failed_from_thread)
         self._heartbeat.start()
         self._sweeper = self._loop.create_task(self._sweep())
         self._sweeper.add_done_callback(self._sweeper_ended)
@@ -305,7 +305,7 @@ class DistBackend:
             self.fail(blame.error)
             return
         link = self.links[blame.server]
-        verdict = job.blame(self.membership, link.name, link.rank, blame.error, blame.cut)
+        verdict = who_failed(self.membership, link.name, link.rank, blame.error, blame.cut)
         task = self._loop.create_task(self._fail_with(verdict))
         self._blames.add(task)
         task.add_done_callback(self._blames.discard)
@@ -585,7 +585,7 @@ class DistBackend:
         if late is not None:
             raise late  # before it is numbered: the next barrier takes its number
         self._barriers += 1
-        await job.barrier(self.membership, self._barriers, self._check)
+        await pass_barrier(self.membership, self._barriers, self._check)
 
     def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Task:
         """Send the optimizer's name and hyper-parameters (JSON) to every server."""
@@ -668,7 +668,7 @@ class DistBackend:
             return
         rank = self.rank
         if self.state.failure is None:
-            await job.report_failure(self.membership, rank, reason)
+            await report_failure(self.membership, rank, reason)
         self.fail(PeerLostError(f"worker {rank} left the job: {reason}"), quiet=True)
 
     async def close(self, barrier_before_exit: bool) -> None:
@@ -689,7 +689,7 @@ class DistBackend:
             late = self.state.take_any_late()
             if barrier_before_exit and self.broken is None:
                 self._barriers += 1
-                await job.barrier(self.membership, self._barriers, self._check)
+                await pass_barrier(self.membership, self._barriers, self._check)
             if self.broken is None:
                 await asyncio.gather(
                     *(

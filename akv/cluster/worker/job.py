@@ -19,7 +19,7 @@ from akv.limits import BLAME_TIMEOUT_S, HEARTBEAT_STOP_S, REPORT_FAILURE_S
 from engine import LoopThread
 from transport import RemoteError, TransportError
 
-__all__ = ["Heartbeat", "barrier", "blame", "report_failure"]
+__all__ = ["Heartbeat", "pass_barrier", "report_failure", "who_failed"]
 
 log = logging.getLogger("akv.cluster")
 
@@ -55,7 +55,7 @@ class Heartbeat:
             self._thread.join(interval + HEARTBEAT_STOP_S)
 
 
-async def barrier(membership: Membership, number: int, check: Callable[[], None]) -> None:
+async def pass_barrier(membership: Membership, number: int, check: Callable[[], None]) -> None:
     """Pass barrier ``number`` once every worker called it (``check()`` raises when the
     store broke meanwhile).
 
@@ -88,7 +88,7 @@ async def barrier(membership: Membership, number: int, check: Callable[[], None]
             )
 
 
-async def blame(
+async def who_failed(
     membership: Membership, server: str, rank: int, error: AKVError, cut: bool
 ) -> AKVError:
     """What to fail the job with when server ``rank`` (named ``server``) cut its stream
