@@ -301,7 +301,7 @@ class DistBackend:
     def _blame(self, blame: Blame) -> None:
         """Ask the scheduler who failed first (within ``BLAME_TIMEOUT_S``), then fail the
         job naming that process."""
-        if self._loop is None or not self._joined:
+        if self._loop is None:
             self.fail(blame.error)
             return
         link = self.links[blame.server]

@@ -195,14 +195,18 @@ class ServerLink:
     async def _reopen(self, delay_s: float) -> None:
         assert self._opener is not None and self._loop is not None
         loop = self._loop
+        wanted = self._state  # whether the state still wants the stream (not given up)
         try:
             if delay_s:
                 await asyncio.sleep(delay_s)
-            if self._locate is not None:
+            if self._locate is not None and wanted.reconnecting:
                 entry = await self._locate(self.rank)
                 if entry is not None:
                     self.host, self.port = str(entry["host"]), int(entry["port"])
                     self.local = local_address(entry)
+            if not wanted.reconnecting:  # the job failed meanwhile, or the store left
+                self._reopening = None
+                return
             protocol = await self._connect(*self._opener)
         except asyncio.CancelledError:
             raise
@@ -211,6 +215,9 @@ class ServerLink:
             self._handle(ConnectFailed(self.index, exc, loop.time()))
             return
         self._reopening = None
+        if not wanted.reconnecting:
+            protocol.close()
+            return
         log.warning(
             "worker %d: the stream to %s was cut (%r); reconnected, resending %d requests",
             self._opener[1],
