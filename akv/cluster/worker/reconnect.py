@@ -221,7 +221,6 @@ class Link:
         "closing",
         "cut_cause",
         "held_push",
-        "last_error",
         "lost",
         "name",
         "open",
@@ -250,7 +249,6 @@ class Link:
         self.reconnecting = False
         self.backoff = Backoff()
         self.cut_cause: BaseException | None = None
-        self.last_error: BaseException | None = None
         self.held_push: Request | None = None
         self.verdict_held: list[Outcome] = []
         self.retained = Retained()
@@ -294,7 +292,6 @@ class Link:
             retry = False
         elif kind is Refusal.GONE and not self.restartable:
             retry = False  # nothing listens there, and nothing will: the server is gone
-        self.last_error = error
         delay = self.backoff.next_delay(now) if retry else None
         if delay is not None:
             return delay

@@ -784,3 +784,15 @@ def test_a_stopping_server_that_writes_checkpoints_is_waited_for_until_the_windo
     servers.fail(servers.blamed[0].error)
     servers.open(0)  # an attempt in flight that opened after the job failed
     assert servers.sent() == []
+
+
+def test_a_pull_waiting_for_a_value_asked_ahead_fails_with_the_job_and_nothing_is_kept():
+    servers = Servers(pull_ahead=True, shares_memory=True)
+    w = key_entry("w")
+    servers.push({w: f32(1, 1, 1, 1)})
+    pull = servers.pull({w: zeros()})
+    failure = PeerLostError("the job failed: worker 1 (pid 3) vanished")
+    servers.fail(failure)
+    assert pull.error is failure  # as it is: every call raises the job's failure
+    assert servers.state.take_late(["w"]) is None and "w" not in servers.state.ahead
+    assert servers.state.unacked == 0 and not any(s.lent for s in servers.streams)
