@@ -83,7 +83,7 @@ from akv.cluster.worker.requests import (
 from akv.errors import AKVError, PeerLostError
 from akv.keys import Entry
 from akv.limits import AHEAD_COPY_MAX_BYTES, MAX_UNACKED_PUSHES, RETAIN_BYTES
-from transport import DTYPE_CODES, Destination, FrameHeader, InPlace
+from transport import DTYPE_CODES, Destination, FrameHeader, InPlace, Message
 
 __all__ = ["WorkerState"]
 
@@ -442,7 +442,7 @@ class WorkerState:
         self,
         server: int,
         request: Request,
-        message: Any,
+        message: Message | None,
         borrowed: Sequence[int] | None,
         error: AKVError | None,
         out: list[Instruction],

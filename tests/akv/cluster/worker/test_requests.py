@@ -10,6 +10,7 @@ from akv.cluster.worker.requests import (
     RequestTable,
     by_server,
     pull_rides_on_push,
+    push_batches,
     settle_before_resend,
 )
 from akv.errors import DoublePushError, ServerError
@@ -132,3 +133,16 @@ def test_a_pull_rides_on_the_push_before_it_only_when_it_names_the_same_keys_in_
     assert not pull_rides_on_push(push, [("b", none, 0), ("a", none, 0)])  # order
     assert not pull_rides_on_push(push, [("a", none, 0)])  # fewer keys
     assert not pull_rides_on_push(push, [("a", none, 0), ("c", none, 0)])
+
+
+def test_a_push_batch_numbers_each_part_with_its_keys_pushes():
+    split = Entry(
+        "big", (6,), np.dtype(np.float32), Var(None, 0, "big"), (Part(0, 0, 3), Part(1, 3, 6))
+    )
+    whole = Entry("small", (2,), np.dtype(np.float32), Var(None, 1, "small"), (Part(1, 0, 2),))
+    split.pushes, whole.pushes = 4, 1
+    batches = push_batches([(split, np.arange(6, dtype=np.float32)), (whole, np.ones(2))])
+    assert {s: [(k, a.tolist(), t) for k, a, t in b] for s, b in batches.items()} == {
+        0: [("big", [0, 1, 2], 4)],
+        1: [("big", [3, 4, 5], 4), ("small", [1, 1], 1)],
+    }
