@@ -259,8 +259,14 @@ class DistBackend:
             return
         self._executing = True
         try:
-            for instruction in instructions:
-                self._carry_out(instruction)
+            links = self.links
+            for instruction in instructions:  # (``_carry_out``, inline: once per message)
+                if type(instruction) is Send:
+                    links[instruction.server].send(instruction)
+                elif type(instruction) is Finish:
+                    instruction.call.finish(instruction.error, instruction.reply)
+                else:
+                    self._carry_out(instruction)
             while self._queued:
                 queued, self._queued = self._queued, []
                 for instruction in queued:
