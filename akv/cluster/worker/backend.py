@@ -116,6 +116,7 @@ class DistBackend:
         self.links: list[ServerLink] = []
         #: The worker's decisions (made once it knows the servers, at :meth:`connect`).
         self.state = WorkerState([], request_s=config.timeouts.request_s)
+        self._read_state()
         self.keeps_gpu_arrays = device
         # GPU values are reduced on their GPUs by work that follows the call: wait for it.
         self.returns_pushes_early = not config.strict_push and not device
@@ -183,6 +184,7 @@ class DistBackend:
             round_s=config.timeouts.round_s,
             retain_bytes=config.retain_bytes,
         )
+        self._read_state()
         self.links = [
             ServerLink(
                 index,
@@ -358,6 +360,12 @@ class DistBackend:
             register_gpu_executor(self._engine, self._gpu_executor)
             self._gpu_registered = True
 
+    def _read_state(self) -> None:
+        # What every call looks at first on the caller's thread, one lookup away: the
+        # errors kept for later calls, and the values asked ahead (see WorkerState).
+        self._late = self.state.late.by_key
+        self._asked = self.state.ahead.values
+
     def _check(self) -> None:
         if self.state.failure is not None:
             raise self.state.failure
@@ -365,7 +373,7 @@ class DistBackend:
     def _raise_late(self, calls: list[tuple[Entry, Any]]) -> None:
         """Raise the error of an earlier pipelined push of one of the keys of ``calls``
         (a call's ``(entry, arrays)``), once."""
-        if self.state.late.by_key:
+        if self._late:
             late = self.state.take_late([entry.key for entry, _ in calls])
             if late is not None:
                 raise late
@@ -464,7 +472,7 @@ class DistBackend:
         """Fetch each key's value (in dist_sync: after the round of this worker's last push)."""
         self._check()
         self._raise_late(targets)
-        if len(targets) == 1 and self.state.ahead.values:
+        if len(targets) == 1 and self._asked:
             done = self._pull_arrived(targets[0], result)
             if done is not None:
                 return done
@@ -476,7 +484,7 @@ class DistBackend:
         loop thread. None when it cannot be (not arrived yet, the key busy, an output that
         is not a NumPy array)."""
         entry, outs = target
-        value = self.state.ahead.values.get(entry.key)
+        value = self._asked.get(entry.key)
         if value is None or not value.readable(entry):
             return None
         if any(type(out) is not np.ndarray for out in outs):
