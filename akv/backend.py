@@ -47,8 +47,10 @@ class Backend(Protocol):
     @property
     def num_workers(self) -> int: ...
 
-    #: The error that broke the store (every later call raises it), or None.
-    broken: AKVError | None
+    @property
+    def broken(self) -> AKVError | None:
+        """The error that broke the store (every later call raises it), or None."""
+        ...
 
     #: Whether values given on a GPU are handed over as they are (the backend moves them
     #: itself); when False the store copies them to the host first.

@@ -458,7 +458,7 @@ async def test_dist_sync_device_with_gpu_values(cupy, completion, servers):
             # Two GPUs' values for "w": summed on device 0 at the call.
             values = [cupy.full((4, 8), r, F32), on(1, lambda: cupy.full((4, 8), r, F32))]
             await kv.push(["w", "w", "b"], [*values, cupy.full(3, r, F32)])
-            await kv._backend._acks()  # acknowledged: the staging buffer is the key's again
+            await kv._backend.acknowledged()  # acknowledged: the staging buffer is the key's again
             assert all(pinned(buffer) for buffer in w._spares) and w._spares
             spares = list(w._spares)
             outs = [cupy.empty((4, 8), F32), on(1, lambda: cupy.empty((4, 8), F32))]
@@ -472,7 +472,7 @@ async def test_dist_sync_device_with_gpu_values(cupy, completion, servers):
             host = np.empty((4, 8), F32)
             await kv.pull("w", out=[strided, host])
             seen["second"] = (peek(strided)[3, 7], host[3, 7])
-            await kv._backend._acks()
+            await kv._backend.acknowledged()
             # Reused, not remade: at most one more, for the pull that landed while the
             # pipelined push still held the first buffer.
             assert all(pinned(b) for b in w._spares)

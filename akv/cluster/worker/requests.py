@@ -1,40 +1,41 @@
-"""A worker's bookkeeping of its requests to one server, and batching by server.
+"""A worker's requests to one server: what each sent and who hears its answers, numbered
+and matched to replies; batching by server; the rules for riding and resending.
 
 Pure: no sockets and no clock of its own. :class:`RequestTable` numbers requests, decides
 where a reply's arrays land, matches replies to requests, and fails the requests whose
-deadline passed when :meth:`RequestTable.sweep` is given the time. Each of its methods
-returns the :class:`Outcome` list to deliver; the link (:mod:`akv.cluster.worker.link`)
-delivers them. :func:`by_server` groups a call's keys (or key parts) into one request per
-server; every store call uses it.
+deadline passed when :meth:`RequestTable.sweep` is given the time; each of its methods
+returns the :class:`Outcome` list for the worker's state
+(:class:`~akv.cluster.worker.state.WorkerState`) to deliver. :func:`by_server` groups a
+call's keys (or key parts) into one request per server.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from akv.cluster.protocol import OK, Op, error_from_status, op_label
+from akv.cluster.protocol import COUNTED, OK, Op, error_from_status, op_label
 from akv.errors import AKVError, ServerError
 from akv.keys import Entry, Part
 from transport import DISCARD, Destination, FrameHeader, InPlace, Message
 
+if TYPE_CHECKING:
+    from akv.cluster.worker.pipeline import Ahead, Gather, Pipelined
+
 __all__ = [
     "Landing",
-    "OnReply",
     "Outcome",
     "Request",
     "RequestTable",
     "WireArray",
     "by_server",
     "pull_rides_on_push",
-    "push_then_pull",
+    "push_batches",
     "settle_before_resend",
 ]
 
-#: What a request's sender is told: ``on_reply(message, None)`` or ``on_reply(None, error)``.
-OnReply = Callable[["Message | None", "AKVError | None"], None]
 #: One array of a request: (key, the array or its part, tag).
 WireArray = tuple[Any, np.ndarray, int]
 #: Where one array of a request's reply lands: a buffer of its size, or one wrapped in
@@ -42,7 +43,7 @@ WireArray = tuple[Any, np.ndarray, int]
 Landing = memoryview | InPlace
 
 # Looked up once: an enum member lookup is not free, and every reply asks.
-_SAVE_STATES = Op.SAVE_STATES
+_SAVE_STATES, _PUSH, _PUSHPULL = Op.SAVE_STATES, Op.PUSH, Op.PUSHPULL
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -60,6 +61,20 @@ def by_server(
     return batches
 
 
+def push_batches(staged: Sequence[tuple[Entry, np.ndarray]]) -> dict[int, list[WireArray]]:
+    """A push's arrays (each key's part, numbered with the key's pushes so far), grouped
+    by the server that holds the part (one request per server), in call order."""
+    batches: dict[int, list[WireArray]] = {}
+    for entry, array in staged:
+        pushes = entry.pushes
+        for part in entry.parts:
+            batch = batches.get(part.server)
+            if batch is None:
+                batch = batches[part.server] = []
+            batch.append((entry.key, entry.wire_view(array, part), pushes))
+    return batches
+
+
 def pull_rides_on_push(push: Sequence[WireArray], pull: Sequence[WireArray]) -> bool:
     """Whether a pull sent right after a push (nothing between them on the stream) can go
     with it as one pushpull request: it names the same keys in the same order. The server
@@ -67,21 +82,6 @@ def pull_rides_on_push(push: Sequence[WireArray], pull: Sequence[WireArray]) -> 
     return len(push) == len(pull) and all(
         pushed[0] == pulled[0] for pushed, pulled in zip(push, pull, strict=True)
     )
-
-
-def push_then_pull(push: OnReply, pull: OnReply) -> OnReply:
-    """The ``on_reply`` of a push and the pull that rides on it (:func:`pull_rides_on_push`).
-
-    The pull is told the answer or the error. The push is told it was taken: an error goes
-    to the pull alone, the next call on the keys, so that it is raised once, not again by
-    the call after it.
-    """
-
-    def on_reply(message: Message | None, error: AKVError | None) -> None:
-        push(message, None)
-        pull(message, error)
-
-    return on_reply
 
 
 def settle_before_resend(op: int, arrays: Sequence[WireArray], pushed: set[Any]) -> list[WireArray]:
@@ -94,7 +94,7 @@ def settle_before_resend(op: int, arrays: Sequence[WireArray], pushed: set[Any])
     pull in between is answered once the earlier push's round is applied, as in the run
     that was cut, where a pull (or the round's end) came between them.
     """
-    if op not in (Op.PUSH, Op.PUSHPULL):
+    if op != _PUSH and op != _PUSHPULL:
         return []
     keys = [key for key, _, _ in arrays]
     again = [key for key in keys if key in pushed]
@@ -105,51 +105,85 @@ def settle_before_resend(op: int, arrays: Sequence[WireArray], pushed: set[Any])
 
 
 class Request:
-    """One request waiting for its reply, with what it sent (``arrays``, ``text``: to send
-    it again after a reconnect; the arrays stay unchanged until the reply)."""
+    """One request to a server: what it sends (``op``, ``arrays``, ``text``, ``flags``;
+    kept to send it again after a reconnect, so the arrays stay unchanged until the answer)
+    and who hears its answers.
+
+    ``call`` hears the answer (the message, or the error). ``push`` is the pipelined push
+    the request carries: acknowledged (``acked``) by the server's interim ``COUNTED`` answer
+    or else by the answer, and told when the answer came. ``lend``: per array, the value
+    asked ahead that may stay where it lies in the server's shared memory (see
+    :class:`~akv.cluster.worker.pipeline.Ahead`). ``seq`` is 0 until the request is
+    numbered; ``written``: it went out on the current stream.
+    """
 
     __slots__ = (
+        "acked",
         "arrays",
+        "call",
         "deadline",
         "destinations",
-        "on_counted",
-        "on_reply",
+        "flags",
+        "lend",
         "op",
+        "push",
+        "seq",
         "sizes",
         "text",
+        "written",
     )
 
     def __init__(
         self,
-        on_reply: OnReply,
-        destinations: Sequence[Landing],
         op: int,
+        arrays: Sequence[WireArray],
         deadline: float,
-        arrays: Sequence[WireArray] = (),
+        call: Gather | None = None,
+        destinations: Sequence[Landing] = (),
         text: str = "",
-        on_counted: Callable[[], None] | None = None,
+        push: Pipelined | None = None,
+        lend: Sequence[Ahead | None] | None = None,
     ) -> None:
-        self.on_reply = on_reply
-        #: Told of the interim answer that the request's push was counted (``COUNTED``).
-        self.on_counted = on_counted
+        self.op = op
+        self.arrays = arrays
+        self.deadline = deadline
+        self.call = call
         self.destinations = destinations
         self.sizes = [(d.buffer if isinstance(d, InPlace) else d).nbytes for d in destinations]
-        self.op = op
-        self.deadline = deadline
-        self.arrays = arrays
         self.text = text
+        self.push = push
+        # A pushpull that carries a pipelined push asks to hear when its push is counted.
+        self.flags = COUNTED if push is not None and op == _PUSHPULL else 0
+        self.lend = lend
+        self.acked = False
+        self.seq = 0
+        self.written = False
+
+    def ride(self, op: int, destinations: Sequence[Landing], call: Gather | None) -> None:
+        """A pull rides on this held push: it goes as one ``op`` (a pushpull) whose answer
+        lands in ``destinations`` and goes to ``call``; its push is acknowledged once
+        counted."""
+        self.op = op
+        self.destinations = destinations
+        self.sizes = [(d.buffer if isinstance(d, InPlace) else d).nbytes for d in destinations]
+        self.call = call
+        self.flags = COUNTED
+
+    def __repr__(self) -> str:
+        return f"<Request {op_label(self.op)} seq={self.seq} arrays={len(self.arrays)}>"
+
+
+# A NamedTuple made from all its fields without the Python-level ``__new__`` that
+# NamedTuple adds (a reply makes one).
+_new_tuple = tuple.__new__
 
 
 class Outcome(NamedTuple):
-    """Deliver ``message`` or ``error`` to ``request.on_reply``."""
+    """What request ``request`` got: ``message``, or ``error``."""
 
     request: Request
     message: Message | None
     error: AKVError | None
-
-    def deliver(self) -> None:
-        """Tell the request's sender (exactly once per request)."""
-        self.request.on_reply(self.message, self.error)
 
 
 class RequestTable:
@@ -168,47 +202,25 @@ class RequestTable:
         """How many requests were numbered so far."""
         return self._seq
 
-    def add(
-        self,
-        op: int,
-        on_reply: OnReply,
-        destinations: Sequence[Landing] | None,
-        deadline: float,
-        arrays: Sequence[WireArray] = (),
-        text: str = "",
-        on_counted: Callable[[], None] | None = None,
-    ) -> int:
-        """Remember a request about to be sent; return its sequence number.
+    def add(self, request: Request) -> int:
+        """Number ``request`` (about to be sent, or kept to be) and remember it until its
+        answer; return its sequence number."""
+        self._seq = seq = self._seq + 1
+        request.seq = seq
+        self._pending[seq] = request
+        return seq
 
-        With ``destinations``, the reply's arrays must have exactly their sizes and are
-        received straight into them. ``arrays`` and ``text`` are what it sends.
-        ``on_counted``: the request asks to hear once its push is counted (see
-        :meth:`counted`).
-        """
-        self._seq += 1
-        self._pending[self._seq] = Request(
-            on_reply, destinations or [], op, deadline, arrays, text, on_counted
-        )
-        return self._seq
-
-    def counted(self, seq: int) -> None:
-        """The interim answer that request ``seq``'s push was counted (it stays pending
-        for its own answer); told to its ``on_counted``, if it waits for one."""
-        request = self._pending.get(seq)
-        if request is not None and request.on_counted is not None:
-            request.on_counted()
-
-    def unanswered(self) -> list[tuple[int, Request]]:
+    def unanswered(self) -> list[Request]:
         """Every request still waiting for its reply, by sequence number (to send again
         on a new stream)."""
-        return sorted(self._pending.items(), key=lambda item: item[0])
+        return list(self._pending.values())  # numbered in order, and never added twice
 
     def get(self, seq: int) -> Request | None:
         """Request ``seq`` while it waits for its reply (None otherwise)."""
         return self._pending.get(seq)
 
-    def forget(self, seq: int) -> Request | None:
-        """Drop request ``seq`` (it could not be sent)."""
+    def pop(self, seq: int) -> Request | None:
+        """Take request ``seq`` out of the table (its answer is held elsewhere)."""
         return self._pending.pop(seq, None)
 
     def destinations(self, header: FrameHeader) -> Sequence[Destination]:
@@ -247,7 +259,7 @@ class RequestTable:
                     server=self.server,
                 )
                 return Outcome(request, None, error)
-        return Outcome(request, message, None)
+        return _new_tuple(Outcome, (request, message, None))
 
     def sweep(self, now: float) -> list[Outcome]:
         """Fail the requests whose deadline is before ``now`` (one timer for all)."""

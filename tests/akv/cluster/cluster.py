@@ -25,6 +25,7 @@ import akv
 from akv.cluster import config as _config
 from akv.cluster.scheduler.service import Scheduler
 from akv.cluster.server.service import ParameterServer
+from akv.cluster.worker.events import Closing
 from engine import LoopThread
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -193,6 +194,16 @@ async def on_every_worker(
         return await each(stores, body)
     finally:
         await close_all(stores)
+
+
+def vanish(kv: akv.AsyncKVStore) -> None:
+    """As if ``kv``'s process died: its heartbeats stop and its streams end without a
+    goodbye, and it reports nothing and reconnects to nothing itself."""
+    backend = kv._backend
+    backend._heartbeat.stop()
+    backend.handle(Closing())  # from now on its streams' ends are no loss to it
+    for link in backend.links:
+        link.protocol.abort()
 
 
 async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:

@@ -216,7 +216,7 @@ async def test_past_retain_bytes_the_workers_ask_for_checkpoints_and_keep_little
                 await kv.pull("g")
                 # A checkpoint asked for is written while the steps go on; how many steps
                 # that takes depends on the machine's load, so the next step waits for it.
-                await wait_until(lambda: not link._asked_checkpoint, "the checkpoint asked for")
+                await wait_until(lambda: not link.asked_checkpoint, "the checkpoint asked for")
                 await asyncio.sleep(PACE_S)
             kept.append(seen)
             return await kv.pull("g")

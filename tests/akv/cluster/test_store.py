@@ -27,7 +27,8 @@ from akv import (
     ShapeMismatchError,
     UnsupportedDTypeError,
 )
-from akv.cluster.protocol import Op
+from akv.cluster.protocol import Op, status_of
+from akv.cluster.worker.events import FrameArrived
 from akv.cluster.worker.link import ServerLink
 from akv.limits import AHEAD_COPY_MAX_BYTES
 from engine import Completed
@@ -38,8 +39,10 @@ from tests.akv.cluster.cluster import (
     free_port,
     job_env,
     server_regions_in_use,
+    vanish,
     wait_until,
 )
+from transport import Message, decode_frame, frame_bytes
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0
@@ -152,7 +155,7 @@ async def test_pushing_twice_in_one_round_is_an_error_not_a_corrupted_round():
         # Pipelined: the second push returns once sent; the server's refusal is raised by
         # the next call on the key, naming the push it came from.
         await fast.push(0, full(1.0))
-        await fast._backend._acks()  # answered (refused) before worker 1 closes the round
+        await fast._backend.acknowledged()  # answered (refused) before worker 1 closes the round
         await slow.push(0, full(2.0))
         with pytest.raises(
             DoublePushError,
@@ -191,11 +194,11 @@ async def test_a_pipelined_push_error_is_raised_by_barrier_and_by_close():
         await asyncio.gather(fast.init(0, full(0.0)), slow.init(0, full(0.0)))
         await fast.push(0, full(1.0))
         await fast.push(0, full(1.0))  # refused by the server, later
-        await fast._backend._acks()
+        await fast._backend.acknowledged()
         with pytest.raises(DoublePushError, match="an earlier push of key 0"):
             await fast.barrier()
         await fast.push(0, full(1.0))  # refused again; nobody calls on key 0 after it
-        await fast._backend._acks()  # answered before worker 1 closes the round
+        await fast._backend.acknowledged()  # answered before worker 1 closes the round
         await slow.push(0, full(2.0))
         await slow.pull(0)
         slow.set_barrier_before_exit(False)
@@ -324,7 +327,7 @@ async def test_a_pull_of_a_value_that_arrived_ahead_is_copied_out_during_the_cal
         for key, shape in (("w", big), ("b", (16,))):
             kv.push(key, np.full(shape, 2.0, np.float32))
             await wait_until(
-                lambda key=key: key in backend._ahead and backend._ahead[key].arrived,
+                lambda key=key: key in backend.state.ahead and backend.state.ahead.get(key).arrived,
                 f"the value of {key!r} asked for with the push",
             )
             out = np.zeros(shape, np.float32)
@@ -334,7 +337,7 @@ async def test_a_pull_of_a_value_that_arrived_ahead_is_copied_out_during_the_cal
             assert await pulled is out
         # "w" was read from the server's shared memory: once, then handed back; "b" waits
         # in a buffer of the key for another pull.
-        assert "w" not in backend._ahead and "b" in backend._ahead
+        assert "w" not in backend.state.ahead and "b" in backend.state.ahead
         await wait_until(lambda: server_regions_in_use(cluster) == 0, "regions handed back")
         np.testing.assert_array_equal(await kv.pull("w"), np.full(big, 2.0))
         await close_all([kv])
@@ -623,10 +626,7 @@ async def test_a_worker_that_vanishes_fails_the_others_waiting_for_it():
         await alive.push(0, full(1.0))
         waiting = asyncio.ensure_future(_pulled(alive))  # needs worker 1's push
         await asyncio.sleep(0.1)
-        doomed._backend._heartbeat.stop()
-        for link in doomed._backend.links:
-            link.closing = True  # a dead process reports nothing
-            link.protocol.abort()  # no goodbye: as if the process died
+        vanish(doomed)  # no goodbye: as if the process died
         with pytest.raises(akv.PeerLostError, match="worker 1"):
             await asyncio.wait_for(waiting, 20)
         await alive.close()
@@ -674,18 +674,34 @@ async def test_joining_waits_for_the_rest_of_the_job_and_says_what_is_missing():
 
 @pytest.fixture
 def sent(monkeypatch) -> list[np.ndarray]:
-    """The arrays every push request hands to a server link, in order (a dist_sync push
+    """The arrays of every push request a server link writes, in order (a dist_sync push
     asks for the value after its round too: a pushpull)."""
     arrays: list[np.ndarray] = []
     real_send = ServerLink.send
 
-    def spy(self, op, wire, on_reply, **kwargs):
-        if op in (Op.PUSH, Op.PUSHPULL):
-            arrays.extend(array for _, array, _ in wire)
-        return real_send(self, op, wire, on_reply, **kwargs)
+    def spy(self, send):
+        if send.op in (Op.PUSH, Op.PUSHPULL):
+            arrays.extend(array for _, array, _ in send.arrays)
+        return real_send(self, send)
 
     monkeypatch.setattr(ServerLink, "send", spy)
     return arrays
+
+
+def refusing(real_send, delay_s: float):
+    """A ``ServerLink.send`` that does not write push requests: ``delay_s`` later the
+    server's refusal of each arrives instead (an error reply frame); others are written."""
+
+    def send(self, instruction):
+        if instruction.op not in (Op.PUSH, Op.PUSHPULL):
+            return real_send(self, instruction)
+        error = akv.ServerError("refused by the server")
+        data = frame_bytes(Op.REPLY, instruction.seq, aux=status_of(error), text=str(error))
+        event = FrameArrived(self.index, Message(*decode_frame(data)), 0.0)
+        self._loop.call_later(delay_s, self._handle, event)
+        return None
+
+    return send
 
 
 def test_a_pipelined_push_sends_a_copy_the_caller_may_change_at_once(sent):
@@ -710,10 +726,10 @@ def test_a_blocking_push_returns_before_its_task_and_barrier_settles_it(monkeypa
         gate = threading.Event()
         real_send = ServerLink.send
 
-        def held(self, op, wire, on_reply, **kwargs):
-            if op in (Op.PUSH, Op.PUSHPULL):
+        def held(self, send):
+            if send.op in (Op.PUSH, Op.PUSHPULL):
                 assert gate.wait(WAIT_S)  # the loop thread waits here; the caller does not
-            return real_send(self, op, wire, on_reply, **kwargs)
+            return real_send(self, send)
 
         monkeypatch.setattr(ServerLink, "send", held)
         kv.push("w", np.ones(4, np.float32))  # returns although the send is held
@@ -723,15 +739,10 @@ def test_a_blocking_push_returns_before_its_task_and_barrier_settles_it(monkeypa
         assert len(kv._unsettled) == 0
         np.testing.assert_array_equal(kv.pull("w"), np.ones(4))
 
-        def refused(self, op, wire, on_reply, **kwargs):
-            if op in (Op.PUSH, Op.PUSHPULL):  # as if the server answered with an error, later
-                self._loop.call_soon(on_reply, None, akv.ServerError("refused by the server"))
-                return None
-            return real_send(self, op, wire, on_reply, **kwargs)
-
-        monkeypatch.setattr(ServerLink, "send", refused)
+        # As if the server answered the push with an error, later.
+        monkeypatch.setattr(ServerLink, "send", refusing(real_send, 0.0))
         kv.push("w", np.full(4, 2.0, np.float32))  # returns before the refusal comes
-        with pytest.raises(akv.ServerError, match="earlier push of key 'w' failed: refused"):
+        with pytest.raises(akv.ServerError, match=r"earlier push of key 'w' failed: .*refused"):
             kv.barrier()  # waits for the push's answers: the refusal is raised here
         np.testing.assert_array_equal(kv.pull("v"), np.zeros(4))  # other keys unaffected
         kv.close()
@@ -744,10 +755,10 @@ def test_the_blocking_wait_all_settles_pushes_it_returned_from_early(monkeypatch
         gate = threading.Event()
         real_send = ServerLink.send
 
-        def held(self, op, wire, on_reply, **kwargs):
-            if op in (Op.PUSH, Op.PUSHPULL):
+        def held(self, send):
+            if send.op in (Op.PUSH, Op.PUSHPULL):
                 assert gate.wait(WAIT_S)  # the loop thread waits here; the caller does not
-            return real_send(self, op, wire, on_reply, **kwargs)
+            return real_send(self, send)
 
         monkeypatch.setattr(ServerLink, "send", held)
         kv.push("w", np.ones(4, np.float32))  # returns although the send is held
@@ -765,16 +776,10 @@ def test_a_barrier_that_raises_a_late_error_leaves_the_next_barrier_in_step(monk
         kv.init("w", np.zeros(4, np.float32))
         real_send = ServerLink.send
 
-        def refused_later(self, op, wire, on_reply, **kwargs):
-            if op in (Op.PUSH, Op.PUSHPULL):  # answered with an error once barrier waits
-                error = akv.ServerError("refused by the server")
-                self._loop.call_later(0.2, on_reply, None, error)
-                return None
-            return real_send(self, op, wire, on_reply, **kwargs)
-
-        monkeypatch.setattr(ServerLink, "send", refused_later)
+        # Answered with an error once barrier waits.
+        monkeypatch.setattr(ServerLink, "send", refusing(real_send, 0.2))
         kv.push("w", np.ones(4, np.float32))
-        with pytest.raises(akv.ServerError, match="earlier push of key 'w' failed: refused"):
+        with pytest.raises(akv.ServerError, match=r"earlier push of key 'w' failed: .*refused"):
             kv.barrier()  # the refusal comes while it waits for the push's answer
         monkeypatch.setattr(ServerLink, "send", real_send)
         kv.barrier()  # numbered as the first barrier that reached the scheduler
@@ -896,10 +901,7 @@ async def test_a_vanished_worker_is_blamed_even_when_a_server_cuts_the_stream():
     with Cluster(2, 2) as cluster:
         alive, doomed = sorted(await cluster.workers(), key=lambda kv: kv.rank)
         await asyncio.gather(alive.init(0, full(0.0)), doomed.init(0, full(0.0)))
-        doomed._backend._heartbeat.stop()
-        for link in doomed._backend.links:
-            link.closing = True  # a dead process reports nothing
-            link.protocol.abort()  # no goodbye: as if the process died
+        vanish(doomed)  # no goodbye: as if the process died
         deadline = time.monotonic() + 20
         while cluster.scheduler.roster.failure is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -6,10 +6,11 @@ import numpy as np
 
 from akv.cluster.protocol import OK, Op, status_of
 from akv.cluster.worker.requests import (
+    Request,
     RequestTable,
     by_server,
     pull_rides_on_push,
-    push_then_pull,
+    push_batches,
     settle_before_resend,
 )
 from akv.errors import DoublePushError, ServerError
@@ -23,30 +24,26 @@ def reply(seq: int, arrays=(), aux: int = OK, text: str = "") -> Message:
     return Message(header, buffers)
 
 
-class Calls:
-    def __init__(self) -> None:
-        self.got: list[tuple[object, object]] = []
-
-    def __call__(self, message, error) -> None:
-        self.got.append((message, error))
+def add(table, op, destinations=(), deadline=10.0, arrays=(), text=""):
+    return table.add(Request(op, arrays, deadline, None, destinations, text))
 
 
 def test_a_reply_lands_in_the_requests_destinations_and_completes_it_once():
     table = RequestTable("server 0")
     out = np.zeros(3, np.float32)
-    calls = Calls()
-    seq = table.add(Op.PULL, calls, [memoryview(out).cast("B")], deadline=10.0)
+    seq = add(table, Op.PULL, [memoryview(out).cast("B")])
     message = reply(seq, [("w", np.ones(3, np.float32), 0)])
     assert table.destinations(message.header)[0].nbytes == 12
-    table.reply(message).deliver()
-    assert calls.got == [(message, None)] and len(table) == 0
+    outcome = table.reply(message)
+    assert outcome.message is message and outcome.error is None and outcome.request.seq == seq
+    assert len(table) == 0
     assert table.reply(message) is None  # a second reply for the same seq is ignored
 
 
 def test_a_reply_of_other_sizes_lands_nowhere_and_is_an_error():
     table = RequestTable("server 0")
     out = np.zeros(3, np.float32)
-    seq = table.add(Op.PULL, Calls(), [memoryview(out).cast("B")], deadline=10.0)
+    seq = add(table, Op.PULL, [memoryview(out).cast("B")])
     message = reply(seq, [("w", np.ones(4, np.float32), 0)])
     assert table.destinations(message.header) == [DISCARD]  # read through, never allocated
     outcome = table.reply(message)
@@ -61,19 +58,19 @@ def test_a_reply_never_makes_the_worker_allocate_what_it_declares():
     table = RequestTable("server 0")
     huge = reply(999, [("w", np.ones(2, np.float32), 0)])
     assert table.destinations(huge.header) == [DISCARD]
-    push = table.add(Op.PUSH, Calls(), None, deadline=10.0)
+    push = add(table, Op.PUSH)
     assert table.destinations(reply(push, [("w", np.ones(2, np.float32), 0)]).header) == [DISCARD]
     error = DoublePushError("no")
     failed = reply(push, [("w", np.ones(2, np.float32), 0)], aux=status_of(error), text="no")
     assert table.destinations(failed.header) == [DISCARD]
-    save = table.add(Op.SAVE_STATES, Calls(), None, deadline=10.0)
+    save = add(table, Op.SAVE_STATES)
     states = reply(save, [(None, np.ones(5, np.uint8), 0)])
     assert table.destinations(states.header) == [None]
 
 
 def test_an_error_reply_becomes_the_servers_error_class():
     table = RequestTable("server 2 at h:1")
-    seq = table.add(Op.PUSH, Calls(), None, deadline=10.0)
+    seq = add(table, Op.PUSH)
     error = DoublePushError("pushed twice")
     message = reply(seq, aux=status_of(error), text=str(error))
     assert table.destinations(message.header) == []
@@ -83,8 +80,8 @@ def test_an_error_reply_becomes_the_servers_error_class():
 
 def test_sweep_fails_only_the_requests_past_their_deadline_naming_op_and_server():
     table = RequestTable("server 1")
-    early = table.add(Op.PUSH, Calls(), None, deadline=1.0)
-    late = table.add(Op.PULL, Calls(), None, deadline=5.0)
+    early = add(table, Op.PUSH, deadline=1.0)
+    late = add(table, Op.PULL, deadline=5.0)
     (outcome,) = table.sweep(2.0)
     assert "did not answer a push request" in str(outcome.error)
     assert table.sweep(2.0) == [] and len(table) == 1
@@ -107,11 +104,11 @@ def test_by_server_makes_one_batch_per_server_in_call_order():
 def test_unanswered_requests_keep_what_they_sent_in_their_order():
     table = RequestTable("server 0")
     sent = np.ones(3, np.float32)
-    first = table.add(Op.PUSH, lambda m, e: None, None, 10.0, [("w", sent, 1)], "")
-    second = table.add(Op.SET_OPTIMIZER, lambda m, e: None, None, 10.0, (), '{"name": "sgd"}')
+    first = add(table, Op.PUSH, arrays=[("w", sent, 1)])
+    second = add(table, Op.SET_OPTIMIZER, text='{"name": "sgd"}')
     table.reply(Message(decode_frame(frame_bytes(Op.REPLY, first, [], aux=OK))[0], ()))
-    ((seq, request),) = table.unanswered()
-    assert seq == second and request.op == Op.SET_OPTIMIZER
+    (request,) = table.unanswered()
+    assert request.seq == second and request.op == Op.SET_OPTIMIZER
     assert request.text == '{"name": "sgd"}' and table.get(first) is None
 
 
@@ -138,17 +135,14 @@ def test_a_pull_rides_on_the_push_before_it_only_when_it_names_the_same_keys_in_
     assert not pull_rides_on_push(push, [("a", none, 0), ("c", none, 0)])
 
 
-def test_a_merged_answer_tells_both_and_an_error_only_the_pull():
-    told: list[tuple[str, object, object]] = []
-    on_reply = push_then_pull(
-        lambda message, error: told.append(("push", message, error)),
-        lambda message, error: told.append(("pull", message, error)),
+def test_a_push_batch_numbers_each_part_with_its_keys_pushes():
+    split = Entry(
+        "big", (6,), np.dtype(np.float32), Var(None, 0, "big"), (Part(0, 0, 3), Part(1, 3, 6))
     )
-    message = Message(*decode_frame(frame_bytes(Op.REPLY, 1)))
-    on_reply(message, None)
-    assert told == [("push", message, None), ("pull", message, None)]
-    told.clear()
-    error = DoublePushError("worker 0 pushed key 'a' twice")
-    on_reply(None, error)
-    # The pull (the next call on the keys) raises it; the push is not failed a second time.
-    assert told == [("push", None, None), ("pull", None, error)]
+    whole = Entry("small", (2,), np.dtype(np.float32), Var(None, 1, "small"), (Part(1, 0, 2),))
+    split.pushes, whole.pushes = 4, 1
+    batches = push_batches([(split, np.arange(6, dtype=np.float32)), (whole, np.ones(2))])
+    assert {s: [(k, a.tolist(), t) for k, a, t in b] for s, b in batches.items()} == {
+        0: [("big", [0, 1, 2], 4)],
+        1: [("big", [3, 4, 5], 4), ("small", [1, 1], 1)],
+    }

@@ -1,0 +1,115 @@
+"""A worker's dealings with the scheduler while it is in the job: heartbeats on a thread of
+their own, barriers, who failed first, and the report of its own failure.
+
+I/O only (HTTP to the scheduler, a thread); what follows from the answers is the backend's
+and the worker's state's (:mod:`akv.cluster.worker.backend`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from akv.cluster.membership import Membership, scheduler_refusal
+from akv.errors import AKVError, BarrierTimeoutError, PeerLostError
+from akv.limits import BLAME_TIMEOUT_S, HEARTBEAT_STOP_S, REPORT_FAILURE_S
+from engine import LoopThread
+from transport import RemoteError, TransportError
+
+__all__ = ["Heartbeat", "pass_barrier", "report_failure", "who_failed"]
+
+log = logging.getLogger("akv.cluster")
+
+
+class Heartbeat:
+    """Runs :meth:`Membership.heartbeats` on a thread and loop of its own, so that a busy
+    event loop is never mistaken for a dead worker; ``on_failure(reason)`` hears a failed
+    job or a silent scheduler (on that thread)."""
+
+    def __init__(self, membership: Membership, on_failure: Callable[[str], None]) -> None:
+        self._membership = membership
+        self._on_failure = on_failure
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="akv-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        loop_thread = LoopThread(name="akv-heartbeat-loop")
+        try:
+            loop_thread.run(self._membership.heartbeats(self._on_failure, self._stop.is_set))
+        except Exception as exc:  # reported, never swallowed: the store fails with it
+            self._on_failure(f"the heartbeat to the scheduler failed: {exc!r}")
+        finally:
+            loop_thread.close()
+
+    def stop(self) -> None:
+        """Stop beating and wait for the thread (at most one interval and a margin)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            interval = self._membership.config.timeouts.heartbeat_interval_s
+            self._thread.join(interval + HEARTBEAT_STOP_S)
+
+
+async def pass_barrier(membership: Membership, number: int, check: Callable[[], None]) -> None:
+    """Pass barrier ``number`` once every worker called it (``check()`` raises when the
+    store broke meanwhile).
+
+    Raises
+    ------
+    BarrierTimeoutError
+        Naming the workers that never arrived within ``AKV_BARRIER_TIMEOUT_S``.
+    PeerLostError, MembershipError, ServerError
+        The scheduler refused (the job failed) or did not answer.
+    """
+    timeout_s = membership.config.timeouts.barrier_s
+    deadline = time.monotonic() + timeout_s
+    body = {"node_id": membership.node_id, "number": number}
+    while True:
+        check()
+        try:
+            answer = await membership.client.json("POST", "/v1/barrier", body)
+        except RemoteError as exc:
+            raise scheduler_refusal(exc) from exc
+        except TransportError as exc:
+            raise PeerLostError(f"the scheduler did not answer a barrier: {exc}") from exc
+        if "passed" in answer:
+            return
+        if time.monotonic() > deadline:
+            missing = tuple(answer.get("waiting", ()))
+            raise BarrierTimeoutError(
+                f"barrier {number} timed out after {timeout_s:g} s: "
+                f"workers {list(missing)} never arrived",
+                missing=missing,
+            )
+
+
+async def who_failed(
+    membership: Membership, server: str, rank: int, error: AKVError, cut: bool
+) -> AKVError:
+    """What to fail the job with when server ``rank`` (named ``server``) cut its stream
+    (``cut``) or refused a request with ``error``: the scheduler's verdict, which names the
+    process that failed first (asked within :data:`~akv.limits.BLAME_TIMEOUT_S`; a server
+    often only passes the news on), else ``error``."""
+    failure = await membership.verdict("server", rank, str(error), cut, BLAME_TIMEOUT_S)
+    if failure is None:
+        return error
+    seen = "cutting its connection" if cut else "refusing a request"
+    return PeerLostError(f"the job failed: {failure} (seen as {server} {seen})")
+
+
+async def report_failure(membership: Membership, rank: int, reason: str) -> None:
+    """Tell the scheduler that this worker (``rank``) failed for ``reason``, within
+    :data:`~akv.limits.REPORT_FAILURE_S` (a scheduler that does not answer is only
+    logged: the servers still see this worker's streams end without a goodbye)."""
+    detail = f"left the job: {reason}"
+    try:
+        await asyncio.wait_for(
+            membership.report_lost(membership.node_id, "worker", rank, detail), REPORT_FAILURE_S
+        )
+    except (asyncio.TimeoutError, TransportError, AKVError, ValueError) as exc:
+        log.warning("worker %d: the scheduler did not take its failure report: %r", rank, exc)

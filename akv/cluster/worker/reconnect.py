@@ -1,0 +1,409 @@
+"""A worker's link to one server over its life: open, cut, opened again with backoff, its
+requests resent in order, and what it keeps until the server's checkpoint holds it.
+
+Plain records and rules, no I/O (the worker's state,
+:class:`~akv.cluster.worker.state.WorkerState`, drives them):
+
+- :func:`classify`: what a failed attempt to open the stream again means (the token
+  refused, the stream refused, the server stopping, the job failed, nothing listening, or
+  a transport failure worth another try).
+- :class:`Backoff`: when to try again: at once, then after :data:`~akv.limits.RECONNECT_FIRST_S`,
+  doubling up to :data:`~akv.limits.RECONNECT_MAX_S`, within the request deadline window.
+- :class:`Retained`: each acknowledged request that changed a server that writes
+  checkpoints, copied and kept until the server's ``DURABLE`` note says a checkpoint holds
+  it; a restored server gets them again.
+- :class:`Replay`: the requests to send again on a new stream, by number: the kept ones and
+  the unanswered ones; those made meanwhile wait (``deferred``) and follow.
+- :class:`Link`: all of that for one server, with its request table.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from akv.cluster.protocol import STOPPING_STATUS, Op
+from akv.cluster.worker.instructions import Instruction, Send
+from akv.cluster.worker.pipeline import CHECKPOINT, SETTLE, Gather
+from akv.cluster.worker.requests import (
+    Outcome,
+    Request,
+    RequestTable,
+    WireArray,
+    settle_before_resend,
+)
+from akv.errors import AKVError, MembershipError, PeerLostError
+from akv.limits import RECONNECT_FIRST_S, RECONNECT_MAX_S
+from transport import AuthError, RemoteError, TransportError
+
+__all__ = ["Backoff", "Link", "Refusal", "Replay", "Resend", "Retained", "classify"]
+
+
+class Refusal(enum.Enum):
+    """What a failed attempt to open a stream again means (see :func:`classify`)."""
+
+    #: The server refused the job's token.
+    AUTH = "auth"
+    #: The server (or the scheduler, asked where the server is) refused the stream.
+    REFUSED = "refused"
+    #: The server stops; a restart (of a server that writes checkpoints) takes the stream.
+    STOPPING = "stopping"
+    #: The scheduler says the job failed.
+    JOB_FAILED = "job failed"
+    #: Nothing listens at the address, and nothing will unless the server is restarted.
+    GONE = "gone"
+    #: Anything else on the way (a timeout, a reset): worth another try.
+    TRANSPORT = "transport"
+
+
+def classify(error: BaseException) -> Refusal:
+    """What ``error``, raised by an attempt to open a stream again (asking the scheduler
+    where the server is, then connecting), means."""
+    if isinstance(error, AuthError):
+        return Refusal.AUTH
+    if isinstance(error, RemoteError):
+        return Refusal.STOPPING if error.status == STOPPING_STATUS else Refusal.REFUSED
+    if isinstance(error, PeerLostError):
+        return Refusal.JOB_FAILED
+    if isinstance(error, MembershipError):
+        return Refusal.REFUSED
+    cause = error.__cause__ if isinstance(error, TransportError) else error
+    if isinstance(cause, ConnectionRefusedError):
+        return Refusal.GONE
+    return Refusal.TRANSPORT
+
+
+class Backoff:
+    """The waits between attempts to open a cut stream: the first attempt at once, then
+    ``first_s``, doubling up to ``max_s``; no attempt past the window given to
+    :meth:`start`."""
+
+    __slots__ = ("deadline", "delay", "first_s", "max_s", "window_s")
+
+    def __init__(self, first_s: float = RECONNECT_FIRST_S, max_s: float = RECONNECT_MAX_S) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self.window_s = 0.0
+        self.deadline = 0.0
+        self.delay = first_s
+
+    def start(self, now: float, window_s: float) -> None:
+        """The stream was cut at ``now``: attempts may go on for ``window_s``."""
+        self.window_s = window_s
+        self.deadline = now + window_s
+        self.delay = self.first_s
+
+    def next_delay(self, now: float) -> float | None:
+        """An attempt failed at ``now``: how long to wait before the next one, or None when
+        it would start past the window (give up)."""
+        delay = self.delay
+        if now + delay > self.deadline:
+            return None
+        self.delay = min(2 * delay, self.max_s)
+        return delay
+
+
+#: The requests kept for a restart (those that change a server), and the op each is
+#: resent as (a pushpull's pull was answered: its push is what the server must get again).
+RETAINED_OPS: dict[int, Op] = {
+    Op.PUSH: Op.PUSH,
+    Op.PUSHPULL: Op.PUSH,
+    Op.INIT: Op.INIT,
+    Op.SET_OPTIMIZER: Op.SET_OPTIMIZER,
+    Op.LOAD_STATES: Op.LOAD_STATES,
+}
+
+
+class Retained:
+    """Acknowledged requests that changed a server, kept until a checkpoint holds them:
+    ``seq -> (op to resend as, arrays, text)``, ``nbytes`` in all. Requests numbered below
+    ``durable_below`` are in a checkpoint already."""
+
+    __slots__ = ("durable_below", "nbytes", "requests")
+
+    def __init__(self) -> None:
+        self.requests: dict[int, tuple[int, list[WireArray], str]] = {}
+        self.nbytes = 0
+        self.durable_below = 0
+
+    def keep(self, request: Request) -> bool:
+        """Keep a copy of ``request`` (answered, or counted) if it changed the server and
+        is neither kept nor durable already (a pushpull asked ahead is kept once counted,
+        not again when answered). True when kept."""
+        op = RETAINED_OPS.get(request.op)
+        seq = request.seq
+        if op is None or seq < self.durable_below or seq in self.requests:
+            return False
+        arrays = [(key, array.copy(), tag) for key, array, tag in request.arrays]
+        self.requests[seq] = (op, arrays, request.text)
+        self.nbytes += sum(array.nbytes for _, array, _ in arrays)
+        return True
+
+    def durable(self, below: int) -> None:
+        """A checkpoint holds every request numbered below ``below``: drop their copies."""
+        self.durable_below = max(self.durable_below, below)
+        for seq in [seq for seq in self.requests if seq < below]:
+            _, arrays, _ = self.requests.pop(seq)
+            self.nbytes -= sum(array.nbytes for _, array, _ in arrays)
+
+
+class Resend(NamedTuple):
+    """One request a replay sends again: kept (``request`` None: answered, retained) or
+    unanswered. ``settled``: the pull it waited for was answered (see
+    :func:`~akv.cluster.worker.requests.settle_before_resend`)."""
+
+    seq: int
+    op: int
+    arrays: Sequence[WireArray]
+    text: str
+    flags: int
+    request: Request | None
+    settled: bool = False
+
+
+class Replay:
+    """Sending a link's requests again on a new stream: ``queue`` in their order (the kept
+    ones and the unanswered ones, by number), then the requests made meanwhile
+    (``deferred``, numbers of requests in the table), in theirs. ``pushed``: the keys
+    pushed so far (a second push of a key waits for a pull of it first)."""
+
+    __slots__ = ("deferred", "pushed", "queue")
+
+    def __init__(self, retained: Retained, unanswered: list[Request]) -> None:
+        by_seq: dict[int, Resend] = {
+            seq: Resend(seq, op, arrays, text, 0, None)
+            for seq, (op, arrays, text) in retained.requests.items()
+        }
+        # A pushpull asked ahead is kept once counted and may still wait for its answer:
+        # then it is resent once, as the request it is.
+        for request in unanswered:
+            by_seq[request.seq] = Resend(
+                request.seq, request.op, request.arrays, request.text, request.flags, request
+            )
+        self.queue: deque[Resend] = deque(by_seq[seq] for seq in sorted(by_seq))
+        self.deferred: deque[int] = deque()
+        self.pushed: set[Any] = set()
+
+    def next(self, table: RequestTable) -> Resend | None:
+        """The next request to send again (None: the replay is done)."""
+        if self.queue:
+            return self.queue.popleft()
+        while self.deferred:
+            request = table.get(self.deferred.popleft())
+            if request is not None:  # (one failed meanwhile is not sent)
+                return Resend(
+                    request.seq, request.op, request.arrays, request.text, request.flags, request
+                )
+        return None
+
+    def put_back(self, resend: Resend) -> None:
+        """Send ``resend`` next, once the pull it waits for was answered."""
+        self.queue.appendleft(resend._replace(settled=True))
+
+
+class Link:
+    """What this worker's state knows of its stream to one server (``name``; ``restartable``:
+    the server writes checkpoints, and a restart of it may take the stream over).
+
+    ``table``: the requests waiting for their answers. ``open``: a stream is up (``stream``,
+    the I/O side's handle of it; ``shares_memory``: through shared memory). ``lost``: why
+    the stream is down (cut, being opened again, or given up). ``held_push``: a pipelined
+    push held until the end of the loop turn (a pull of its keys may ride on it).
+    ``verdict_held``: requests the server refused because the job failed, held for the
+    scheduler's verdict.
+    """
+
+    __slots__ = (
+        "asked_checkpoint",
+        "backoff",
+        "closing",
+        "cut_cause",
+        "held_push",
+        "lost",
+        "name",
+        "open",
+        "reconnecting",
+        "reconnects",
+        "replay",
+        "restartable",
+        "retained",
+        "shares_memory",
+        "stream",
+        "table",
+        "verdict_held",
+    )
+
+    def __init__(self, name: str, restartable: bool) -> None:
+        self.name = name
+        self.restartable = restartable
+        self.table = RequestTable(name)
+        self.open = False
+        self.stream: object = None
+        self.shares_memory = False
+        self.lost: AKVError | None = None
+        self.closing = False
+        #: How many times the stream was cut and opened again.
+        self.reconnects = 0
+        self.reconnecting = False
+        self.backoff = Backoff()
+        self.cut_cause: BaseException | None = None
+        self.held_push: Request | None = None
+        self.verdict_held: list[Outcome] = []
+        self.retained = Retained()
+        self.asked_checkpoint = False
+        self.replay: Replay | None = None
+
+    def cut(self, error: BaseException | None) -> PeerLostError:
+        """The stream ended (``error``: why, when known): down until a new one opens; its
+        requests wait for that (none of them is on a stream any more)."""
+        self.open = False
+        self.stream = None
+        self.shares_memory = False
+        self.replay = None
+        for request in self.table.unanswered():
+            request.written = False
+        detail = f": {error!r}" if error else ""
+        self.lost = PeerLostError(f"{self.name} closed the connection{detail} (did it die?)")
+        return self.lost
+
+    def start_reconnecting(self, error: BaseException | None, now: float, window_s: float) -> None:
+        """Open the stream cut by ``error`` again, for up to ``window_s`` from ``now``."""
+        self.reconnecting = True
+        self.cut_cause = error
+        self.backoff.start(now, window_s)
+
+    def attempt_failed(self, error: BaseException, now: float) -> float | AKVError:
+        """An attempt to open the stream again failed with ``error``: the wait before the
+        next one, or the error to report when it gives up (the server refused the stream or
+        the token, the job failed, nothing listens and no restart will come, or the window
+        passed; the stream stays ``lost`` with that error)."""
+        kind = classify(error)
+        trouble: AKVError | None = None
+        retry = True
+        if kind is Refusal.STOPPING and self.restartable:
+            pass  # it stops, and its restart will take the stream
+        elif kind in (Refusal.AUTH, Refusal.REFUSED, Refusal.STOPPING):
+            trouble = PeerLostError(f"{self.name} refused to take the stream back: {error}")
+            retry = False
+        elif kind is Refusal.JOB_FAILED:
+            trouble = error if isinstance(error, AKVError) else PeerLostError(str(error))
+            retry = False
+        elif kind is Refusal.GONE and not self.restartable:
+            retry = False  # nothing listens there, and nothing will: the server is gone
+        delay = self.backoff.next_delay(now) if retry else None
+        if delay is not None:
+            return delay
+        self.reconnecting = False
+        if trouble is None:
+            trouble = PeerLostError(
+                f"{self.name} closed the connection ({self.cut_cause!r}) and could not be "
+                f"reached again (AKV_REQUEST_TIMEOUT_S {self.backoff.window_s:g} s): "
+                f"{error!r} (did it die?)"
+            )
+        self.lost = trouble
+        return trouble
+
+    def opened(self, stream: object, shares_memory: bool) -> bool:
+        """A stream is open (``stream``: the I/O side's handle of it); True when it replaces
+        a cut one, whose requests are to be sent again."""
+        self.open = True
+        self.stream = stream
+        self.shares_memory = shares_memory
+        if not self.reconnecting:
+            return False
+        self.reconnecting = False
+        self.lost = None
+        self.reconnects += 1
+        return True
+
+    def retain(self, request: Request, retain_bytes: int) -> bool:
+        """Keep a copy of an acknowledged request that changed the server (see
+        :meth:`Retained.keep`); True when that makes it ask the server for a checkpoint
+        (more than ``retain_bytes`` kept, and none asked for yet)."""
+        if not self.retained.keep(request):
+            return False
+        if self.retained.nbytes > retain_bytes and not self.asked_checkpoint:
+            self.asked_checkpoint = True
+            return True
+        return False
+
+    def advance_replay(self, server: int, deadline: float, out: list[Instruction]) -> None:
+        """Send the replay's requests again (to ``server``, this link's index) until one
+        must wait for a pull of its keys; that pull is sent now, also during the replay
+        (deadline ``deadline``), and its answer goes on with the replay (a
+        :data:`~akv.cluster.worker.pipeline.SETTLE` call)."""
+        replay = self.replay
+        assert replay is not None
+        table = self.table
+        while True:
+            resend = replay.next(table)
+            if resend is None:
+                self.replay = None
+                return
+            if not resend.settled:
+                settle = settle_before_resend(resend.op, resend.arrays, replay.pushed)
+                if settle:
+                    replay.put_back(resend)
+                    call = Gather(None, SETTLE, server)
+                    call.replay = replay
+                    call.remaining = 1
+                    request = Request(Op.PULL, settle, deadline, call)
+                    seq = table.add(request)
+                    request.written = True
+                    out.append(Send(server, Op.PULL, seq, settle, "", 0))
+                    return
+            if resend.request is not None:
+                resend.request.written = True
+            out.append(
+                Send(server, resend.op, resend.seq, resend.arrays, resend.text, resend.flags)
+            )
+
+    @property
+    def replaying(self) -> bool:
+        """Whether requests are being sent again on a new stream."""
+        return self.replay is not None
+
+    @property
+    def retained_bytes(self) -> int:
+        """Bytes kept until a checkpoint holds them."""
+        return self.retained.nbytes
+
+    def outstanding(self) -> int:
+        """Requests a replay would send now: the unanswered and the kept ones."""
+        return len(self.table) + len(self.retained.requests)
+
+    def validate(self, failed: bool) -> list[Request]:
+        """Raise ``AssertionError`` naming the first broken invariant of this link (for
+        tests; ``failed``: the job failed); return its requests waiting for an answer (in
+        its table, held for the verdict, or held until the end of the turn)."""
+        name, table = self.name, self.table
+        pending = table.unanswered()
+        for request in pending:
+            assert table.get(request.seq) is request, f"{name}: seq {request.seq} moved"
+            assert self.open or not request.written, f"{name}: {request} written on no stream"
+        requests = [*pending, *(outcome.request for outcome in self.verdict_held)]
+        held = self.held_push
+        if held is not None:
+            assert held.seq == 0 and held.op == Op.PUSH and held.push is not None, held
+            requests.append(held)
+        asked = [r for r in requests if r.call is not None and r.call.kind == CHECKPOINT]
+        assert self.asked_checkpoint == bool(asked), f"{name}: a checkpoint asked for, or not"
+        retained = self.retained
+        kept = [
+            array.nbytes for _, arrays, _ in retained.requests.values() for _, array, _ in arrays
+        ]
+        assert retained.nbytes == sum(kept), f"{name}: {retained.nbytes} bytes kept, {sum(kept)}"
+        assert all(seq >= retained.durable_below for seq in retained.requests), name
+        assert not (self.open and self.reconnecting), f"{name}: open and reconnecting"
+        if self.replay is not None:
+            assert self.open and self.lost is None, f"{name}: replaying on no stream"
+            for seq in self.replay.deferred:
+                deferred = table.get(seq)
+                assert deferred is None or not deferred.written, f"deferred and sent: {seq}"
+        assert not (failed and requests), f"{name}: requests left after the job failed"
+        return requests
+
+    def __repr__(self) -> str:
+        return f"<Link {self.name} open={self.open} lost={self.lost!r} pending={len(self.table)}>"

@@ -1,0 +1,185 @@
+"""Where a worker's pushed values wait until sent, and where GPU pull outputs land first.
+
+At a push's call, :class:`Staging` takes the values: each key's values summed into a
+staging buffer (a region of the shared arena of the stream to the key's one server, sent
+from there without another copy; else a buffer of the key's own), or a single
+C-contiguous array borrowed as it is when the caller waits for the servers. In a
+``*_device`` store GPU values are summed on their GPU at the call and copied into a pinned
+buffer by a GPU task that the send follows; a pull's GPU outputs land in a pinned buffer
+per key, copied to their GPUs by GPU tasks that follow the pull.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from akv.arrays import Array, cupy_module, device_of, is_gpu, record_on_callers
+from akv.device import GPU, from_pinned, reduce_at_call, to_pinned
+from akv.keys import Entry, merge_into
+from engine import Engine, GPUWork, Var, Waitable, gather, then
+from transport import SharedMemory, StreamProtocol
+
+__all__ = ["Staging", "land_in_pinned"]
+
+#: A staged push: what to send per key, and how to give the staging buffers back.
+Staged = tuple[list[tuple[Entry, np.ndarray]], Callable[[], None]]
+
+
+class Staging:
+    """The staging of one worker's pushes (see the module docstring).
+
+    ``stream_of(server)`` is the stream to ``server`` when it may hold a push's staging
+    buffer (it shares memory, and its server keeps no copies for a restart: those are kept
+    past the answer); ``gpu_ready(entry)`` readies a key for GPU values.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        stream_of: Callable[[int], StreamProtocol | None],
+        gpu_ready: Callable[[Entry], None],
+        gpus: bool,
+    ) -> None:
+        self._engine = engine
+        self._stream_of = stream_of
+        self._gpu_ready = gpu_ready
+        self._gpus = gpus
+
+    def stage(self, values: list[tuple[Entry, list[Array]]], borrow: bool, priority: int) -> Staged:
+        """What to send per key, and how to give the staging buffers back afterwards.
+
+        ``borrow`` (the caller waits until the servers acknowledged): a key's single
+        C-contiguous array is sent as it is, without a copy; otherwise the values are
+        summed into a staging buffer now.
+        """
+        staged = []
+        owned = []
+        reserved: list[tuple[SharedMemory, np.ndarray]] = []
+        pinned = self._reduce_on_gpus(values, priority) if self._gpus else {}
+        for entry, arrays in values:
+            buffer = pinned.get(id(entry))
+            if buffer is not None:
+                staged.append((entry, buffer))
+                owned.append((entry, buffer))
+            elif borrow and len(arrays) == 1 and arrays[0].flags.c_contiguous:
+                staged.append((entry, arrays[0]))
+            else:
+                region = self._arena_buffer(entry)
+                if region is not None:
+                    merge_into(region[1], arrays)
+                    staged.append((entry, region[1]))
+                    reserved.append(region)
+                    continue
+                buffer = merge_into(entry.take_buffer(), arrays)
+                staged.append((entry, buffer))
+                owned.append((entry, buffer))
+
+        def give_back() -> None:
+            for entry, buffer in owned:
+                entry.give_buffer(buffer)
+            for shared, region in reserved:
+                shared.give_back(region)
+
+        return staged, give_back
+
+    def _arena_buffer(self, entry: Entry) -> tuple[SharedMemory, np.ndarray] | None:
+        """A staging buffer for ``entry`` in the arena of the stream to the one server that
+        holds it, when there is one; None otherwise."""
+        if len(entry.parts) != 1:
+            return None
+        protocol = self._stream_of(entry.parts[0].server)
+        if protocol is None or protocol.shared is None:
+            return None
+        view = protocol.shared.take(entry.nbytes)
+        if view is None:
+            return None
+        return protocol.shared, np.frombuffer(view, entry.dtype).reshape(entry.shape)
+
+    def _reduce_on_gpus(
+        self, values: list[tuple[Entry, list[Array]]], priority: int
+    ) -> dict[int, np.ndarray]:
+        """Sum each key's GPU values on the GPU (at the call, on the caller's stream), and
+        schedule their copies into pinned buffers (a GPU task per device, on a copy stream,
+        writing the keys' vars so that the sends follow). Returns ``id(entry) -> pinned``."""
+        by_device: dict[int, list[tuple[Array, np.ndarray, Any]]] = {}
+        vars_of: dict[int, list[Var]] = {}
+        pinned: dict[int, np.ndarray] = {}
+        for entry, arrays in values:
+            device = next((d for a in arrays if (d := device_of(a)) is not None), None)
+            if device is None:
+                continue
+            self._gpu_ready(entry)
+            cupy = cupy_module()
+            with cupy.cuda.Device(device):
+                summed, event = reduce_at_call(device, arrays, cupy.empty(entry.shape, entry.dtype))
+            pinned[id(entry)] = buffer = entry.take_buffer()
+            by_device.setdefault(device, []).append((summed, buffer, event))
+            vars_of.setdefault(device, []).append(entry.var)
+        for device, staged in by_device.items():
+            self._engine.push(
+                GPUWork(to_pinned, device=device, kind="copy"),
+                staged,
+                writes=vars_of[device],
+                priority=priority,
+                executor=GPU,
+                name="stage",
+            )
+        return pinned
+
+    def land_on_gpus(
+        self,
+        task: Waitable,
+        landing: Var,
+        landed: list[tuple[Entry, np.ndarray, list[Array]]],
+        result: Any,
+        priority: int,
+    ) -> Waitable:
+        """After the pull ``task`` (which wrote ``landing``), copy each pinned buffer of
+        ``landed`` to its GPU outputs (GPU tasks on copy streams, which read the keys too:
+        work issued later on a key waits for them, as it waits for the pull); the buffers
+        go back to their keys once copied. The waitable's result is ``result``."""
+        by_device: dict[int, list[tuple[Array, list[Array]]]] = {}
+        for _, buffer, outs in landed:
+            for out in outs:
+                by_device.setdefault(int(out.device.id), []).append((buffer, [out]))
+        landed_vars = [entry.var for entry, _, _ in landed]
+        copies = [
+            self._engine.push(
+                GPUWork(from_pinned, device=device, kind="copy"),
+                items,
+                record_on_callers(out for _, outs in items for out in outs),
+                reads=[landing, *landed_vars],
+                priority=priority,
+                executor=GPU,
+                name="land",
+            )
+            for device, items in by_device.items()
+        ]
+
+        def give_back_landed(_: object) -> Any:
+            for entry, buffer, _outs in landed:
+                entry.give_buffer(buffer)
+            return result
+
+        return then(gather([task, *copies]), give_back_landed)
+
+
+def land_in_pinned(
+    targets: Sequence[tuple[Entry, list[Array]]],
+) -> tuple[list[tuple[Entry, list[Array]]], list[tuple[Entry, np.ndarray, list[Array]]]]:
+    """Pull targets with each key's GPU outputs replaced by one pinned host buffer, and the
+    ``(entry, pinned buffer, GPU outputs)`` to copy once the answers landed."""
+    host_targets = []
+    landed = []
+    for entry, outs in targets:
+        gpu_outs = [out for out in outs if is_gpu(out)]
+        if not gpu_outs:
+            host_targets.append((entry, outs))
+            continue
+        buffer = entry.take_buffer()
+        host_targets.append((entry, [buffer, *(out for out in outs if not is_gpu(out))]))
+        landed.append((entry, buffer, gpu_outs))
+    return host_targets, landed
