@@ -14,7 +14,6 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from akv import optimizer as _optimizer
 from akv.args import Key, group, normalize_key, pairs
 from akv.arrays import Array, Origin, finisher, is_gpu, read, to_host, write_view
 from akv.backend import Backend, KeyArrays, Updater
-from akv.cluster.config import Config, from_env, int_setting
+from akv.cluster.config import Config, from_env
 from akv.device import DeviceBackend
 from akv.errors import (
     AKVError,
@@ -33,7 +32,6 @@ from akv.errors import (
     InvalidArgumentError,
     ReentrantCallError,
     RoleError,
-    UnknownStoreTypeError,
     WaitTimeoutError,
 )
 from akv.exits import (
@@ -45,6 +43,7 @@ from akv.exits import (
     sigterm_released,
 )
 from akv.keys import Entry, KeyTable
+from akv.kinds import STORE_TYPES, StoreType, check_options, env_int, store_type
 from akv.local import GUARD, LocalBackend
 from engine import Engine, LoopThread, Waitable, then
 
@@ -57,110 +56,6 @@ __all__ = [
     "create_async",
     "store_type",
 ]
-
-# Every name MXNet 1.9.1 documents or its tests use, with what it means here: where values
-# are aggregated ("local", or a distributed mode) and whether aggregation is asked of the
-# devices. MXNet decides by substring ("dist", "_async", "device"); akv lists the names, so
-# that a typo is an error instead of a silent local store.
-_MEANINGS: dict[str, tuple[str, bool]] = {
-    "local": ("local", False),
-    "local_allreduce_cpu": ("local", False),
-    "local_update_cpu": ("local", False),
-    "local_allreduce_device": ("local", True),
-    "device": ("local", True),
-    "nccl": ("local", True),
-    "dist_sync": ("dist_sync", False),
-    "dist_async": ("dist_async", False),
-    "dist_sync_device": ("dist_sync", True),
-    "dist_async_device": ("dist_async", True),
-    "dist_device_sync": ("dist_sync", True),
-    "dist_device_async": ("dist_async", True),
-}
-#: Store types ``create`` accepts (case-insensitive).
-STORE_TYPES = tuple(_MEANINGS)
-
-
-@dataclass(frozen=True)
-class StoreType:
-    """What a store type name means.
-
-    ``name``: as the user gave it (``kv.type`` reports it). ``mode``: ``"local"``,
-    ``"dist_sync"`` or ``"dist_async"``. ``device``: aggregation on the devices was asked
-    for (``device``, ``nccl``, ``*_device``); with host values it changes nothing, as in
-    MXNet with CPU contexts.
-    """
-
-    name: str
-    mode: str
-    device: bool
-
-    @property
-    def distributed(self) -> bool:
-        """Whether workers talk to parameter servers."""
-        return self.mode != "local"
-
-
-def store_type(name: object) -> StoreType:
-    """The meaning of a store type name (see ``STORE_TYPES``).
-
-    Raises
-    ------
-    InvalidArgumentError
-        ``name`` is not a str.
-    UnknownStoreTypeError
-        Any other name (MXNet silently makes a local store).
-    """
-    if not isinstance(name, str):
-        raise InvalidArgumentError(f"store type must be a str, got {type(name).__name__}")
-    meaning = _MEANINGS.get(name.lower())
-    if meaning is None:
-        raise UnknownStoreTypeError(
-            f"unknown store type {name!r}; akv knows: {', '.join(STORE_TYPES)}"
-        )
-    return StoreType(name, *meaning)
-
-
-def _env_int(name: str, default: int, minimum: int) -> int:
-    """``name`` from the environment (read at each store's creation), or ``default``."""
-    text = os.environ.get(name)
-    return default if text is None else int_setting(text, name, minimum, "a whole number")
-
-
-_OPTIONS = ("slots", "environ", "inline_max_bytes", "devices")
-
-
-def _check_options(kind: StoreType, options: dict[str, Any]) -> int:
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise InvalidArgumentError(
-            f"unknown store option(s) {unknown}; known: {', '.join(_OPTIONS)}"
-        )
-    if not kind.distributed:
-        default = _env_int("AKV_ENGINE_SLOTS", limits.ENGINE_SLOTS, 1)
-    else:
-        default = _env_int("AKV_DIST_SLOTS", limits.DIST_ENGINE_SLOTS, 1)
-    slots = options.get("slots", default)
-    if not isinstance(slots, int) or slots < 1:
-        raise InvalidArgumentError(f"slots must be an int >= 1, got {slots!r}")
-    inline = options.get("inline_max_bytes")
-    if inline is not None and (not isinstance(inline, int) or inline < 0):
-        raise InvalidArgumentError(f"inline_max_bytes must be an int >= 0, got {inline!r}")
-    devices = options.get("devices")
-    if devices is not None:
-        if not kind.device or kind.distributed:
-            raise InvalidArgumentError(
-                f"devices= is an option of the local device stores (device, "
-                f"local_allreduce_device, nccl), not of {kind.name!r}"
-            )
-        if (
-            not isinstance(devices, (list, tuple))
-            or not devices
-            or not all(type(d) is int and d >= 0 for d in devices)
-        ):
-            raise InvalidArgumentError(
-                f"devices must be a non-empty list of GPU numbers (ints >= 0), got {devices!r}"
-            )
-    return slots
 
 
 def _dist_config(kind: StoreType, environ: object, blocking: bool) -> Config | None:
@@ -226,10 +121,10 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
         store runs all array work on the calling thread unless this is given.
     """
     kind = store_type(name)
-    slots = _check_options(kind, options)
+    slots = check_options(kind, options)
     inline = options.get("inline_max_bytes")
     if inline is None:
-        inline = _env_int("AKV_INLINE_MAX_BYTES", limits.INLINE_MAX_BYTES, 0)
+        inline = env_int("AKV_INLINE_MAX_BYTES", limits.INLINE_MAX_BYTES, 0)
     config = _dist_config(kind, options.get("environ"), blocking=False)
     store = await AsyncKVStore._open(kind, slots, inline, config, options.get("devices"))
     # SIGTERM leaves the job as an exception does, telling the scheduler why.
@@ -244,7 +139,7 @@ def create(name: str = "local", **options: Any) -> KVStore:
     that runs an event loop of its own (Jupyter).
     """
     kind = store_type(name)
-    slots = _check_options(kind, options)
+    slots = check_options(kind, options)
     config = _dist_config(kind, options.get("environ"), blocking=True)
     loop_thread = LoopThread(name="akv-store-loop")
     try:

@@ -56,6 +56,8 @@ class Membership:
         self.node_id = node_id
         self.restartable = restartable
         self.rank: int | None = config.rank
+        #: Whether the scheduler answered a registration (a goodbye before that is moot).
+        self.registered = False
         #: A server's way in for workers on its host: ``{"host": host identity, "path":
         #: its Unix socket}`` (None: TCP only).
         self.local: dict[str, str] | None = None
@@ -132,6 +134,7 @@ class Membership:
                 note = str(answer.get("waiting", ""))
                 if "rank" in answer:
                     self.rank = body["rank"] = int(answer["rank"])
+                    self.registered = True
                     if not whole_job or "servers" in answer:
                         return answer
             if time.monotonic() > deadline:

@@ -58,6 +58,7 @@ __all__ = [
     "COUNTED",
     "DIST_STORE_TYPES",
     "DURABLE_HEADER",
+    "JOB_FAILED_EXIT",
     "JOB_FAILED_STATUS",
     "LAUNCHER_REPORTER",
     "MAX_SERVER_ID_CHARS",
@@ -134,6 +135,11 @@ _CODES: Final[dict[type[BaseException], int]] = {cls: code for code, cls in STAT
 LAUNCHER_REPORTER: Final = "akv-launch"
 #: The scheduler's HTTP status when it refuses a request because the job failed.
 JOB_FAILED_STATUS: Final = 409
+#: The exit status of an akv-server that ends because the job failed (the scheduler's
+#: verdict, its own refusal of a stale restore, a job that never assembled): a launcher
+#: restarts no server that exits so, since a restart cannot mend the job. A crash exits
+#: otherwise (1, a signal), and is restarted while restarts are left.
+JOB_FAILED_EXIT: Final = 3
 #: A server's HTTP status when it refuses a stream because it stops (a restart may come).
 STOPPING_STATUS: Final = 503
 #: Its status when a registration, heartbeat or barrier does not fit the job (a rank

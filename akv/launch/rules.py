@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from akv.cluster.protocol import JOB_FAILED_EXIT
 from akv.launch.limits import REPORT_GRACE_S
 from akv.launch.spec import ProcessSpec
 
@@ -83,7 +84,8 @@ class ExitRules:
       job failed, is started again (``restart``) while it has restarts left: up to
       ``max_restarts`` times per server. Only a server that is a process of its own (not an
       ``mpirun``/``srun`` group) is restarted; never a worker or the scheduler, never a
-      server that exited 0, never once every worker finished.
+      server that exited 0 or with :data:`~akv.cluster.protocol.JOB_FAILED_EXIT` (it ended
+      because the job failed: a restart cannot mend that), never once every worker finished.
     * A scheduler or server that fails while workers still run (a server with no restarts
       left) fails the job with its code; the decision is ``report``: the workers get
       ``report_grace_s`` to notice, name the failed process and exit on their own
@@ -184,6 +186,9 @@ class ExitRules:
             return self._all_workers_done(f"{who} exited with {status}")
         if failed:
             if workers_left:
+                if returncode == JOB_FAILED_EXIT and spec.role == "server":
+                    exited = f"{who} exited with {status} (the job had failed: no restart mends it)"
+                    return self._job_failed(index, code, exited, workers_left)
                 if self._restartable(spec) and self._restarts.get(index, 0) < self._max_restarts:
                     self._restarts[index] = count = self._restarts.get(index, 0) + 1
                     return Decision(

@@ -159,7 +159,10 @@ class Checkpoints:
             # Workers told of a checkpoint of this rank say so when they reconnect.
             self.state.lineage.restore(Restored(path, 0, 0, {}))
             log.info(
-                "server %d: no checkpoint in %s yet: starting empty", self.rank, self.directory
+                "server %d: no checkpoint at %s: starting empty (a worker told of an earlier "
+                "one fails the job when it connects)",
+                self.rank,
+                path,
             )
             return None
         num_workers = self.num_workers

@@ -14,7 +14,6 @@ overlap and keep their order.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -23,7 +22,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from aiohttp import web
@@ -34,6 +33,7 @@ from akv.cluster.protocol import (
     CLIENT_HEADER,
     COUNTED,
     DURABLE_HEADER,
+    JOB_FAILED_EXIT,
     OK,
     STOPPING_STATUS,
     Op,
@@ -64,6 +64,7 @@ from akv.cluster.server.instructions import (
     ServerEntry,
     StaleCheckpointError,
 )
+from akv.cluster.server.links import Link, OneShotLink, StreamLink
 from akv.cluster.server.state import ServerState
 from akv.cluster.server.updates import land
 from akv.errors import (
@@ -75,7 +76,6 @@ from akv.errors import (
 )
 from akv.limits import (
     DRAIN_S,
-    MAX_PAYLOAD_BYTES,
     ROUND_CHECK_INTERVAL_S,
     SERVER_ENGINE_SLOTS,
     SPLIT_ADD_MIN_BYTES,
@@ -84,11 +84,7 @@ from akv.limits import (
 )
 from engine import Engine
 from transport import (
-    DISCARD,
-    Destination,
     FrameError,
-    FrameHeader,
-    InPlace,
     LocalSite,
     Message,
     RequestError,
@@ -108,19 +104,6 @@ from transport import (
 __all__ = ["ParameterServer", "main", "run_server"]
 
 log = logging.getLogger("akv.cluster.server")
-
-
-class Link(Protocol):
-    """Where a peer's replies go: its stream, or the response to its single request."""
-
-    @property
-    def closing(self) -> bool: ...
-
-    def send(self, buffers: list[Any]) -> None: ...
-
-    def send_soon(self, frame: bytes) -> None: ...
-
-    def when_drained(self, callback: Callable[[BaseException | None], None]) -> None: ...
 
 
 class ParameterServer:
@@ -231,8 +214,8 @@ class ParameterServer:
         return self.port
 
     async def run(self) -> int:
-        """Serve until the scheduler says stop; return 0, or 1 when the job failed (or
-        never assembled: see :meth:`_await_job`)."""
+        """Serve until the scheduler says stop; return 0, or :data:`JOB_FAILED_EXIT` when
+        the job failed (or never assembled: see :meth:`_await_job`)."""
         if self._runner is None:
             await self.start()
         ticker = self._spawn(self._tick(), "the round deadline check")
@@ -246,7 +229,7 @@ class ParameterServer:
             ok = stopped and self.state.failure is None and not gave_up.is_set()
             if ok and self.checkpoints is not None:
                 await self.checkpoints.final()
-            return 0 if ok else 1
+            return 0 if ok else JOB_FAILED_EXIT
         except asyncio.CancelledError as exc:
             if stopped_by_signal(exc):
                 await self._stopped_by_signal()
@@ -296,9 +279,9 @@ class ParameterServer:
             return
         self.state.stopping = True
         for link in list(self.links.values()):
-            if isinstance(link, _StreamLink):
+            if isinstance(link, StreamLink):
                 link.protocol.close()
-        if not self._awaits_restart:
+        if not self._awaits_restart and self.membership.registered:
             with contextlib.suppress(TransportError, AKVError):  # it may be gone already
                 await self.membership.finish()
         await self.membership.close()
@@ -372,7 +355,7 @@ class ParameterServer:
 
     def _open_stream(self, request: web.Request) -> StreamProtocol:
         peer = self._admit(request, stream=True)
-        link = _StreamLink(self, peer)
+        link = StreamLink(self, peer)
         self.links[peer.id] = link
         if self.checkpoints is not None:
             self.checkpoints.tell(peer)
@@ -389,7 +372,7 @@ class ParameterServer:
             header, buffers = decode_frame(body, max_payload_bytes=self.config.max_body_bytes)
         except FrameError as exc:
             raise RequestError(400, f"not a valid frame: {exc}") from None
-        link = _OneShotLink()
+        link = OneShotLink()
         self.links[peer.id] = link
         try:
             landing = self.state.header_arrived(peer, header)
@@ -474,7 +457,7 @@ class ParameterServer:
                 self._fail_job(instruction)
             elif isinstance(instruction, CloseStream):
                 link = self.links.pop(instruction.peer.id, None)
-                if isinstance(link, _StreamLink):
+                if isinstance(link, StreamLink):
                     link.protocol.close()
             elif isinstance(instruction, Durable):
                 note = instruction.note
@@ -608,7 +591,7 @@ class ParameterServer:
         """The shared memory of the stream to answer ``ticket`` on, when the answer is large
         enough to be staged there by a thread (:meth:`_send_staged`); else None."""
         link = self.links.get(ticket.peer.id)
-        shared = link.protocol.shared if isinstance(link, _StreamLink) else None
+        shared = link.protocol.shared if isinstance(link, StreamLink) else None
         if shared is None or shared.book is None:
             return None
         if sum(entry.nbytes for entry in ticket.entries) < STAGED_REPLY_MIN_BYTES:
@@ -724,78 +707,6 @@ def silent_reconnect_s(config: Config) -> float:
     return timeouts.silent_s + timeouts.request_s + timeouts.connect_s + timeouts.reconnect_s
 
 
-class _StreamLink:
-    """One worker's stream to this server: frames in to the state, replies out."""
-
-    def __init__(self, server: ParameterServer, peer: Peer) -> None:
-        self.server = server
-        self.peer = peer
-        # Frames complete in the order their headers arrived: each landing is taken by the
-        # next message (a resent request may repeat a number another frame still uses).
-        self._landings: collections.deque[Landing] = collections.deque()
-        self.protocol = StreamProtocol(
-            self._destinations,
-            self._on_message,
-            self._on_lost,
-            max_payload_bytes=MAX_PAYLOAD_BYTES,
-            keepalive=server.config.timeouts.keepalive,
-        )
-
-    @property
-    def closing(self) -> bool:
-        return self.protocol.closing
-
-    def send(self, buffers: list[Any]) -> None:
-        self.protocol.write(buffers)
-
-    def send_soon(self, frame: bytes) -> None:
-        self.protocol.write_soon(frame)
-
-    def when_drained(self, callback: Callable[[BaseException | None], None]) -> None:
-        self.protocol.when_drained(callback)
-
-    def _destinations(self, header: FrameHeader) -> list[Destination]:
-        """Where the frame's payloads go, as the state decided: buffers it chose, and
-        DISCARD for the rest (a refused frame's payload is read and dropped, never given
-        memory)."""
-        landing = self.server.state.header_arrived(self.peer, header)
-        self._landings.append(landing)
-        in_place = landing.read_in_place and self.protocol.shared is not None
-        return [
-            DISCARD if b is None else InPlace(b.data.cast("B")) if in_place else b.data.cast("B")
-            for b in landing.buffers
-        ]
-
-    def _on_message(self, message: Message) -> None:
-        landing = self._landings.popleft()
-        if message.borrowed:
-            borrowed = message.borrowed
-            landing.lend(message.buffers, lambda: self.protocol.give_back(borrowed))
-        self.server.message(self.peer, message, landing)
-
-    def _on_lost(self, exc: BaseException | None) -> None:
-        self.server.lost(self.peer, exc)
-
-
-class _OneShotLink:
-    """A single frame that came in an HTTP body; its reply is the response body."""
-
-    closing = False
-
-    def __init__(self) -> None:
-        self.reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-
-    def send(self, buffers: list[Any]) -> None:
-        if not self.reply.done():
-            self.reply.set_result(b"".join(bytes(b) for b in buffers))
-
-    def send_soon(self, frame: bytes) -> None:
-        self.send([frame])
-
-    def when_drained(self, callback: Callable[[BaseException | None], None]) -> None:
-        callback(None)
-
-
 # ---------------------------------------------------------------------- command line
 
 
@@ -808,9 +719,13 @@ async def run_server(config: Config) -> int:
         log.error("%s", exc)
         await server.stop()
         return 1
+    except asyncio.CancelledError:  # SIGTERM while starting: close what was opened
+        await server.stop()
+        raise
     return await server.run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``akv-server``: run one parameter server; exit 0 when the job ended well."""
+    """``akv-server``: run one parameter server; exit 0 when the job ended well, 3
+    (:data:`JOB_FAILED_EXIT`) when it failed, 2 when its configuration is wrong."""
     return run_role("server", argv, "Run one parameter server of an akv job.", run_server)

@@ -98,8 +98,8 @@ async def who_failed(
     failure = await membership.verdict("server", rank, str(error), cut, BLAME_TIMEOUT_S)
     if failure is None:
         return error
-    seen = "cutting its connection" if cut else "refusing a request"
-    return PeerLostError(f"the job failed: {failure} (seen as {server} {seen})")
+    seen = "ending its stream" if cut else "refusing a request"
+    return PeerLostError(f"the job failed: {failure} (this worker saw {server} {seen})")
 
 
 async def report_failure(membership: Membership, rank: int, reason: str) -> None:

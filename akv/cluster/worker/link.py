@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from akv.cluster.config import Config, format_address
-from akv.cluster.protocol import CLIENT_HEADER, client_header
+from akv.cluster.protocol import CLIENT_HEADER, DURABLE_HEADER, client_header
 from akv.cluster.roles import client_ssl
 from akv.cluster.worker.calls import Answer
 from akv.cluster.worker.events import (
@@ -149,10 +149,13 @@ class ServerLink:
     async def _connect(
         self, config: Config, worker: int, store_type: str, session: str
     ) -> StreamProtocol:
+        headers = {CLIENT_HEADER: client_header(worker, store_type, session)}
+        if self._state.durable_note:
+            headers[DURABLE_HEADER] = self._state.durable_note
         options: dict[str, Any] = {
             "timeout_s": config.timeouts.connect_s,
             "max_payload_bytes": MAX_PAYLOAD_BYTES,
-            "headers": {CLIENT_HEADER: client_header(worker, store_type, session)},
+            "headers": headers,
         }
         stream = _Stream(self)
         callbacks = (self._state.table.destinations, stream.on_message, stream.on_lost)

@@ -220,6 +220,7 @@ class Link:
         "backoff",
         "closing",
         "cut_cause",
+        "durable_note",
         "held_push",
         "lost",
         "name",
@@ -252,6 +253,10 @@ class Link:
         self.held_push: Request | None = None
         self.verdict_held: list[Outcome] = []
         self.retained = Retained()
+        #: The server's last ``DURABLE`` note (:func:`~akv.cluster.protocol.format_note`),
+        #: sent back when the stream is opened again: a server restored from an older
+        #: checkpoint than the one it declared durable refuses it ("" before any note).
+        self.durable_note = ""
         self.asked_checkpoint = False
         self.replay: Replay | None = None
 

@@ -416,6 +416,7 @@ class WorkerState:
         out: list[Instruction] = []
         if header.op == _DURABLE:
             link.retained.durable(header.aux)
+            link.durable_note = header.text
             return out
         if header.flags & COUNTED:  # its push is counted: kept as an answered push is
             request = link.table.get(header.seq)

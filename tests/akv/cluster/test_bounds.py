@@ -9,7 +9,9 @@ Every process started here is ended by its pid.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +26,14 @@ import pytest
 
 from akv.cluster import config as _config
 from akv.cluster.membership import Membership
-from akv.cluster.protocol import CLIENT_HEADER, OK, Op, client_header, error_from_status
+from akv.cluster.protocol import (
+    CLIENT_HEADER,
+    JOB_FAILED_EXIT,
+    OK,
+    Op,
+    client_header,
+    error_from_status,
+)
 from akv.cluster.scheduler.roster import Roster
 from akv.errors import (
     DuplicateInitError,
@@ -351,7 +360,7 @@ def test_a_scheduler_and_server_whose_workers_never_arrive_exit_naming_them(tmp_
             end(server)
         end(scheduler)
     print(f"both exited {elapsed:.1f} s after the scheduler listened (bound {bound:g} s)")
-    assert scheduler.returncode == 1 and server.returncode == 1
+    assert scheduler.returncode == 1 and server.returncode == JOB_FAILED_EXIT
     for role in ("scheduler", "server"):
         log = (tmp_path / f"{role}.log").read_text()
         errors = [line for line in log.splitlines() if " ERROR " in line]
@@ -371,3 +380,32 @@ def test_a_server_gives_up_by_itself_when_the_scheduler_never_says_so(monkeypatc
         failure = cluster.servers[0].state.failure
         assert failure is not None and "gave up waiting for the job to assemble" in failure
         assert "1 of 1 workers" in failure
+
+
+def test_a_server_stopped_while_it_registers_closes_what_it_opened(tmp_path):
+    # A "scheduler" that takes the connection and never answers: the server waits in its
+    # registration, where SIGTERM must still close its client session and its listeners.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        silent.settimeout(0.2)
+        env = job_env(1, 1, silent.getsockname()[1], AKV_CONNECT_TIMEOUT_S="30", AKV_RANK="0")
+        env["AKV_CHECKPOINT_DIR"] = str(tmp_path / "checkpoints")
+        server = start_role("server", env, tmp_path / "server.log")
+        try:
+            deadline = time.monotonic() + 30
+            connection = None
+            while connection is None and time.monotonic() < deadline:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()
+                with contextlib.suppress(TimeoutError):
+                    connection, _ = silent.accept()  # the server is registering now
+            assert connection is not None, "the server never called the scheduler"
+            with connection:
+                server.send_signal(signal.SIGTERM)
+                assert server.wait(timeout=20) == 128 + signal.SIGTERM
+        finally:
+            end(server)
+    log = (tmp_path / "server.log").read_text()
+    assert "got SIGTERM: stopping" in log, log
+    for leak in ("Unclosed", "Task was destroyed", "Traceback"):
+        assert leak not in log, log

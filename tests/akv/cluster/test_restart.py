@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 
 import pytest
@@ -19,8 +20,10 @@ from tests.akv.cluster.test_jobs import JOBS
 pytestmark = pytest.mark.timeout(240)
 
 
-def run(mode: str, checkpoints: str, shm: str = "1") -> tuple[int, str, list[dict]]:
-    done = launch(
+def job(mode: str, checkpoints: str, shm: str = "1") -> subprocess.CompletedProcess[str]:
+    """``jobs/restart.py MODE CHECKPOINTS`` under ``akv-launch`` with server checkpoints
+    every 0.2 s and one restart per server."""
+    return launch(
         [
             "-n",
             "2",
@@ -38,10 +41,15 @@ def run(mode: str, checkpoints: str, shm: str = "1") -> tuple[int, str, list[dic
             sys.executable,
             str(JOBS / "restart.py"),
             mode,
+            checkpoints,
         ],
         timeout=150,
         env={"AKV_SHM": shm},
     )
+
+
+def run(mode: str, checkpoints: str, shm: str = "1") -> tuple[int, str, list[dict]]:
+    done = job(mode, checkpoints, shm)
     output = done.stdout + done.stderr
     finals = [
         json.loads(line.split("] ", 1)[1])
@@ -87,3 +95,31 @@ def test_a_server_killed_or_stopped_is_restarted_from_its_checkpoint_with_exact_
         for key in ("w", "split", "bias"):
             assert got[key] == expected[key], f"worker {got['rank']}: {key} differs"
     assert (tmp_path / "server-1.akvckpt").stat().st_mode & 0o777 == 0o600
+
+
+# A restart that cannot be exact: the job fails at once, naming the server, its file and
+# the rounds, and no worker prints weights (nothing was answered from the older state).
+@pytest.mark.parametrize(
+    ("mode", "restored"),
+    [
+        ("rollback", r"restored checkpoint \d+ from \S+server-1\.akvckpt \(rounds up to \d+;"),
+        ("delete", r"started without a checkpoint \(\S+server-1\.akvckpt is missing\)"),
+    ],
+)
+def test_a_server_restarted_from_an_older_or_missing_checkpoint_fails_the_job(
+    tmp_path, mode, restored
+):
+    done = job(mode, str(tmp_path))
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert re.search(r"akv-launch: server 1 \(pid \d+\) exited with signal SIGKILL", output)
+    verdict = (
+        rf"server 1 \(pid \d+ on \S+\) {restored}.* but before its restart it had declared "
+        r"checkpoint \d+ \(rounds up to \d+\) durable to worker \d, which dropped its copies"
+    )
+    assert re.search(r"akv-launch: .*" + verdict, output), output  # the launcher's summary
+    for rank in (0, 1):  # and every worker's error
+        assert re.search(rf"\[worker {rank}\] .*" + verdict, output), output
+    assert not re.search(r"^\[worker \d\] \{", done.stdout, re.M), output
+    # Only the killed server is restarted: not server 0, which ends because the job failed.
+    assert output.count("restarting it from its checkpoint") == 1, output

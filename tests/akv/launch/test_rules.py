@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 
+from akv.cluster.protocol import JOB_FAILED_EXIT
 from akv.launch.rules import ExitRules, exit_code_of, scheduler_verdict, status_text
 from akv.launch.spec import ProcessSpec
 
@@ -167,12 +168,24 @@ def test_a_server_that_fails_while_workers_run_is_restarted_while_it_has_restart
     assert 2 not in rules.running
     rules.started(2, 4242)
     assert 2 in rules.running
-    second = rules.exited(2, 3)
+    second = rules.exited(2, 1)
     assert (second.action, second.index) == ("restart", 2)
     assert second.message == (
-        "server 1 (pid 4242) exited with code 3; restarting it from its checkpoint (restart 2 of 2)"
+        "server 1 (pid 4242) exited with code 1; restarting it from its checkpoint (restart 2 of 2)"
     )
     assert rules.restarts == {2: 2}
+
+
+def test_a_server_that_ended_because_the_job_failed_is_not_restarted():
+    rules = _restarting_rules(2)
+    decision = rules.exited(1, JOB_FAILED_EXIT)
+    assert (decision.action, decision.exit_code) == ("report", JOB_FAILED_EXIT)
+    assert decision.message == (
+        "server 0 (pid 101) exited with code 3 (the job had failed: no restart mends it) "
+        "while 2 workers still ran; the job failed: waiting up to 5 s for the workers to "
+        "report it and exit"
+    )
+    assert rules.restarts == {}
 
 
 def test_restarts_are_counted_per_server():

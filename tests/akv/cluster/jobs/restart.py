@@ -1,4 +1,4 @@
-"""A dist_sync training run for the restart test: ``restart.py clean|kill|term``.
+"""A dist_sync training run for the restart test: ``restart.py clean|kill|term DIR``.
 
 Every worker pushes gradients that depend on its rank and the round to three keys (one
 split over both servers) under SGD with momentum, and pulls the weights, for ``ROUNDS``
@@ -7,6 +7,13 @@ rounds; it prints a digest of the final weights (their bytes' SHA-256) as JSON. 
 ``akv-launch --checkpoint-dir DIR --max-restarts 1`` the server is restarted from its
 checkpoint and the weights must come out the same. With ``term`` it sends SIGTERM instead:
 the server drains and writes a final checkpoint before it exits.
+
+``restart.py rollback|delete DIR`` (``DIR``: the launcher's ``--checkpoint-dir``) break the
+restart on purpose: with ``rollback`` worker 0 keeps a copy of server 1's checkpoint at
+round ``STASH_AT``, waits for a newer one, then stops server 1, puts the old copy back and
+kills it; with ``delete`` it stops server 1, deletes its checkpoint and kills it. Either
+way the restarted server lacks pushes it had declared durable: the job must fail naming
+it, the file and the rounds, and no worker may print weights.
 """
 
 import hashlib
@@ -15,6 +22,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from scheduler_view import server_pids
@@ -24,7 +32,30 @@ import akv
 MODE = sys.argv[1]
 ROUNDS = 40
 KILL_AT = 17
+STASH_AT = 5
 SPLIT = 4096  # above AKV_BIGARRAY_BOUND=1024: split over both servers
+BROKEN = ("rollback", "delete")
+
+
+def checkpoint_file() -> Path:
+    return Path(sys.argv[2]) / "server-1.akvckpt"
+
+
+def break_the_restart(stash: bytes) -> None:
+    """Stop server 1 (it writes no more checkpoints), roll its checkpoint back to ``stash``
+    or delete it, and kill it: the launcher restarts it from what is left."""
+    pid = server_pids()[1]
+    os.kill(pid, signal.SIGSTOP)
+    path = checkpoint_file()
+    if MODE == "rollback":
+        Path(f"{path}.old").write_bytes(stash)
+        os.replace(f"{path}.old", path)
+    else:
+        path.unlink()
+    os.kill(pid, signal.SIGKILL)
+
+
+stash = b""
 
 with akv.create("dist_sync") as kv:
     kv.init("w", np.zeros(256, np.float32))
@@ -34,6 +65,19 @@ with akv.create("dist_sync") as kv:
     for step in range(ROUNDS):
         if MODE in ("kill", "term") and kv.rank == 0 and step == KILL_AT:
             os.kill(server_pids()[1], signal.SIGKILL if MODE == "kill" else signal.SIGTERM)
+        if MODE in BROKEN and kv.rank == 0:
+            if step == STASH_AT:
+                deadline = time.monotonic() + 30
+                while not checkpoint_file().exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                stash = checkpoint_file().read_bytes()
+            # Rounds go slower from there, so that checkpoints newer than the copy are
+            # written (and declared durable) before the break.
+            if step > STASH_AT:
+                time.sleep(0.1)
+            if step >= KILL_AT and checkpoint_file().read_bytes() != stash:
+                break_the_restart(stash)
+                MODE = "broken"
         scale = np.float32((kv.rank + 1) * (step % 5 + 1))
         kv.push("w", np.linspace(-1, 1, 256, dtype=np.float32) * scale)
         kv.push("split", np.arange(SPLIT, dtype=np.float32) * scale / 1000)

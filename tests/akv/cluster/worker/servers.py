@@ -289,9 +289,10 @@ class Servers:
         """``request``'s server says that it counted its push (the interim answer)."""
         self._arrive(request.server, frame_bytes(Op.REPLY, request.seq, flags=COUNTED), False)
 
-    def durable(self, server: int, below: int) -> None:
-        """``server``'s checkpoint holds every request numbered below ``below``."""
-        self._arrive(server, frame_bytes(Op.DURABLE, 0, aux=below), False)
+    def durable(self, server: int, below: int, note: str = "") -> None:
+        """``server``'s checkpoint holds every request numbered below ``below`` (``note``:
+        the :class:`~akv.cluster.protocol.Note` it names that checkpoint by)."""
+        self._arrive(server, frame_bytes(Op.DURABLE, 0, aux=below, text=note), False)
 
     def _arrive(self, server: int, data: bytes, lend: bool) -> None:
         header, payloads = decode_frame(data)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from akv.cluster.protocol import Op
+from akv.cluster.protocol import Note, Op, format_note, parse_note
 from akv.cluster.worker.events import PullIssued
 from akv.cluster.worker.instructions import GiveBack, GiveBuffer, Reconnect, Send
 from akv.cluster.worker.reconnect import Refusal, classify
@@ -514,6 +514,21 @@ def test_durable_drops_the_copies_a_checkpoint_holds():
     servers.cut(0)
     servers.open(0)
     assert [(r.op, r.seq) for r in servers.sent()] == [(Op.PUSH, 3)]
+
+
+def test_the_last_durable_note_is_kept_to_be_sent_back():
+    servers = Servers(restartable=True)
+    link = servers.state.links[0]
+    assert link.durable_note == ""  # nothing declared durable: a new stream sends no note
+    first = format_note(Note("s1", 4, 10, 3))
+    servers.durable(0, 3, first)
+    assert link.durable_note == first
+    servers.cut(0)
+    assert link.durable_note == first  # a cut keeps it: the reopened stream sends it
+    servers.open(0)
+    later = format_note(Note("s1", 5, 12, 7))
+    servers.durable(0, 7, later)
+    assert link.durable_note == later and parse_note(link.durable_note).checkpoint == 5
 
 
 def test_a_kept_push_is_a_copy_of_what_was_sent():
