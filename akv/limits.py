@@ -71,6 +71,12 @@ STREAM_SILENT_S = 20.0
 #: attempts (the wait doubles after each failed attempt).
 RECONNECT_FIRST_S = 0.02
 RECONNECT_MAX_S = 1.0
+#: How many attempts in a row to open a cut stream again a worker makes when each one
+#: connects and then hears nothing (no answer to its upgrade before its deadline), before
+#: it names the server unreachable instead of trying for the whole request window: a
+#: server that answers nobody for that long is gone (its heartbeats stop too). Not for a
+#: server that writes checkpoints: its restart is awaited for the window.
+RECONNECT_SILENT_ATTEMPTS = 3
 #: How long the scheduler waits for a dead server that writes checkpoints to come back
 #: (restarted with the same rank and checkpoint directory) before the job fails.
 #: ``AKV_RESTART_WINDOW_S``.

@@ -35,8 +35,8 @@ from akv.cluster.worker.requests import (
     settle_before_resend,
 )
 from akv.errors import AKVError, MembershipError, PeerLostError
-from akv.limits import RECONNECT_FIRST_S, RECONNECT_MAX_S
-from transport import AuthError, RemoteError, TransportError
+from akv.limits import RECONNECT_FIRST_S, RECONNECT_MAX_S, RECONNECT_SILENT_ATTEMPTS
+from transport import AuthError, RemoteError, StreamSilentError, TransportError
 
 __all__ = ["Backoff", "Link", "Refusal", "Replay", "Resend", "Retained", "classify"]
 
@@ -54,6 +54,9 @@ class Refusal(enum.Enum):
     JOB_FAILED = "job failed"
     #: Nothing listens at the address, and nothing will unless the server is restarted.
     GONE = "gone"
+    #: The connection was made and nothing answered it before the deadline (a server that
+    #: hangs, or a path that black-holes what it carries).
+    SILENT = "silent"
     #: Anything else on the way (a timeout, a reset): worth another try.
     TRANSPORT = "transport"
 
@@ -69,9 +72,13 @@ def classify(error: BaseException) -> Refusal:
         return Refusal.JOB_FAILED
     if isinstance(error, MembershipError):
         return Refusal.REFUSED
+    if isinstance(error, StreamSilentError):
+        return Refusal.SILENT
     cause = error.__cause__ if isinstance(error, TransportError) else error
     if isinstance(cause, ConnectionRefusedError):
         return Refusal.GONE
+    if isinstance(cause, TimeoutError):
+        return Refusal.SILENT
     return Refusal.TRANSPORT
 
 
@@ -231,6 +238,7 @@ class Link:
         "restartable",
         "retained",
         "shares_memory",
+        "silent_attempts",
         "stream",
         "table",
         "verdict_held",
@@ -250,6 +258,8 @@ class Link:
         self.reconnecting = False
         self.backoff = Backoff()
         self.cut_cause: BaseException | None = None
+        #: Attempts in a row to open the stream again that connected and heard nothing.
+        self.silent_attempts = 0
         self.held_push: Request | None = None
         self.verdict_held: list[Outcome] = []
         self.retained = Retained()
@@ -277,6 +287,7 @@ class Link:
         """Open the stream cut by ``error`` again, for up to ``window_s`` from ``now``."""
         self.reconnecting = True
         self.cut_cause = error
+        self.silent_attempts = 0
         self.backoff.start(now, window_s)
 
     def attempt_failed(self, error: BaseException, now: float) -> float | AKVError:
@@ -287,6 +298,9 @@ class Link:
         kind = classify(error)
         trouble: AKVError | None = None
         retry = True
+        reach = (
+            f"could not be reached again within AKV_REQUEST_TIMEOUT_S ({self.backoff.window_s:g} s)"
+        )
         if kind is Refusal.STOPPING and self.restartable:
             pass  # it stops, and its restart will take the stream
         elif kind in (Refusal.AUTH, Refusal.REFUSED, Refusal.STOPPING):
@@ -297,16 +311,25 @@ class Link:
             retry = False
         elif kind is Refusal.GONE and not self.restartable:
             retry = False  # nothing listens there, and nothing will: the server is gone
+            reach = "nothing listens at its address any more"
+        elif kind is Refusal.SILENT and not self.restartable:
+            self.silent_attempts += 1
+            if self.silent_attempts >= RECONNECT_SILENT_ATTEMPTS:
+                retry = False  # it takes connections and answers none: it is gone too
+                reach = f"answered none of {self.silent_attempts} attempts to open it again"
+        if kind is not Refusal.SILENT:
+            self.silent_attempts = 0
         delay = self.backoff.next_delay(now) if retry else None
         if delay is not None:
             return delay
         self.reconnecting = False
         if trouble is None:
-            trouble = PeerLostError(
-                f"{self.name} closed the connection ({self.cut_cause!r}) and could not be "
-                f"reached again (AKV_REQUEST_TIMEOUT_S {self.backoff.window_s:g} s): "
-                f"{error!r} (did it die?)"
-            )
+            cause = self.cut_cause
+            if isinstance(cause, StreamSilentError):
+                cut = f"went silent ({cause})"
+            else:
+                cut = "closed the connection" + (f" ({cause!r})" if cause is not None else "")
+            trouble = PeerLostError(f"{self.name} {cut} and {reach}: {error!r} (did it die?)")
         self.lost = trouble
         return trouble
 

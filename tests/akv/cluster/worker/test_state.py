@@ -17,9 +17,15 @@ from akv.errors import (
     ServerError,
     ShapeMismatchError,
 )
-from akv.limits import AHEAD_COPY_MAX_BYTES, MAX_UNACKED_PUSHES, RECONNECT_FIRST_S, RECONNECT_MAX_S
+from akv.limits import (
+    AHEAD_COPY_MAX_BYTES,
+    MAX_UNACKED_PUSHES,
+    RECONNECT_FIRST_S,
+    RECONNECT_MAX_S,
+    RECONNECT_SILENT_ATTEMPTS,
+)
 from tests.akv.cluster.worker.servers import Servers, key_entry
-from transport import AuthError, RemoteError, TransportError
+from transport import AuthError, RemoteError, StreamSilentError, TransportError
 
 
 def f32(*values: float) -> np.ndarray:
@@ -392,7 +398,7 @@ def test_a_cut_stream_is_opened_again_at_once_then_after_doubling_waits():
     assert max(delays) == RECONNECT_MAX_S and delays[-2:] == [RECONNECT_MAX_S] * 2
     assert now <= 10.0 and now + RECONNECT_MAX_S > 10.0 - RECONNECT_MAX_S
     (blame,) = servers.blamed
-    assert blame.cut and "could not be reached again (AKV_REQUEST_TIMEOUT_S 10 s)" in str(
+    assert blame.cut and "could not be reached again within AKV_REQUEST_TIMEOUT_S (10 s)" in str(
         blame.error
     )
     assert servers.state.links[0].lost is blame.error
@@ -407,16 +413,19 @@ def test_a_cut_stream_is_opened_again_at_once_then_after_doubling_waits():
         (RemoteError(503, "stopping"), True, Refusal.STOPPING, None),
         (PeerLostError("the scheduler refused: job failed"), False, Refusal.JOB_FAILED, "job"),
         (TransportError("no route"), False, Refusal.TRANSPORT, None),
-        ("refused", False, Refusal.GONE, "could not be reached again"),
+        ("refused", False, Refusal.GONE, "nothing listens at its address any more"),
         ("refused", True, Refusal.GONE, None),
+        ("timeout", False, Refusal.SILENT, None),  # once: tried again
+        (StreamSilentError("no answer"), True, Refusal.SILENT, None),
     ],
 )
 def test_a_failed_reconnect_is_classified_and_retried_or_given_up(
     error, restartable, kind, gives_up
 ):
-    if error == "refused":
+    if error in ("refused", "timeout"):
+        cause = ConnectionRefusedError() if error == "refused" else TimeoutError()
         error = TransportError("cannot open a stream")
-        error.__cause__ = ConnectionRefusedError()
+        error.__cause__ = cause
     assert classify(error) is kind
     servers = Servers(restartable=restartable)
     servers.cut(0)
@@ -784,6 +793,37 @@ def test_a_value_asked_ahead_for_a_split_key_is_never_lent():
     out = zeros()
     assert servers.pull({w: out}).done
     np.testing.assert_array_equal(out, f32(5, 6, 7, 8))
+
+
+@pytest.mark.parametrize("restartable", [False, True])
+def test_a_server_that_answers_no_attempt_is_given_up_on_after_a_few(restartable):
+    servers = Servers(restartable=restartable, request_s=300.0)
+    servers.cut(0, StreamSilentError("no answer for 20 s: the stream is silent"))
+    silent = TransportError("cannot open a stream")
+    silent.__cause__ = TimeoutError()
+    now = 0.0
+    while not servers.blamed and now < 300.0:
+        now += servers.reconnects[-1][1] + 20.0  # each attempt waits out its deadline
+        servers.connect_fails(0, silent, now)
+    if restartable:  # its restart is awaited for the whole window
+        assert len(servers.reconnects) > RECONNECT_SILENT_ATTEMPTS and now > 250.0
+        return
+    assert len(servers.reconnects) == RECONNECT_SILENT_ATTEMPTS  # the first, then 2 more
+    (blame,) = servers.blamed
+    assert str(blame.error).startswith(
+        "server 0 went silent (no answer for 20 s: the stream is silent) "
+        "and answered none of 3 attempts to open it again"
+    ), blame.error
+
+
+def test_an_attempt_that_is_answered_starts_the_count_of_silent_ones_again():
+    servers = Servers(request_s=300.0)
+    servers.cut(0)
+    silent = TransportError("cannot open a stream")
+    silent.__cause__ = TimeoutError()
+    for error in (silent, silent, TransportError("reset"), silent, silent):
+        servers.connect_fails(0, error, 1.0)
+    assert not servers.blamed and servers.state.links[0].silent_attempts == 2
 
 
 def test_a_stopping_server_that_writes_checkpoints_is_waited_for_until_the_window_ends():
