@@ -8,6 +8,7 @@ or of a job under akv-launch, which the job tests run in full).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import re
 from pathlib import Path
@@ -80,3 +81,60 @@ def test_the_optimizer_example_updates_the_weight_as_its_comment_says():
     namespace, _ = run(block, "optimizer.md")
     np.testing.assert_allclose(namespace["weight"], np.full(4, 0.89999, np.float32), rtol=1e-6)
     assert isinstance(namespace["data"], bytes) and namespace["data"]
+
+
+def section(path: Path, title: str) -> str:
+    """The text of the ``## title`` section of a Markdown file, up to the next ``## ``."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", path.read_text(), re.M | re.S)
+    assert match is not None, f"{path.name} has no section '## {title}'"
+    return match.group(1)
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The body rows of the first Markdown table in ``text``, as lists of stripped cells."""
+    match = re.search(r"^\|.*\n(?:\|.*\n?)*", text, re.M)
+    assert match is not None, "no table"
+    lines = match.group(0).splitlines()
+    assert len(lines) > 2 and set(lines[1]) <= set("|-: "), "no table"
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def resolve(path: str) -> object:
+    """The object a dotted path names: the longest importable module prefix, then the rest
+    by ``getattr`` (a class, then its method)."""
+    parts = path.split(".")
+    for end in range(len(parts), 0, -1):
+        name = ".".join(parts[:end])
+        try:
+            found: object = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not (name == exc.name or name.startswith(exc.name + ".")):
+                raise  # a module that exists failed to import something else
+            continue
+        for attribute in parts[end:]:
+            found = getattr(found, attribute)
+        return found
+    raise ModuleNotFoundError(f"no module in {path!r}")
+
+
+def test_every_answer_of_where_is_it_decided_names_a_function_that_exists():
+    rows = table_rows(section(DOCS / "architecture.md", "Where is it decided"))
+    assert len(rows) >= 25
+    questions = [row[0] for row in rows]
+    assert len(set(questions)) == len(questions), "a question is asked twice"
+    for row in rows:
+        assert len(row) == 3 and all(row), f"not a row of question, where, how: {row}"
+        question, where, _ = row
+        paths = re.findall(r"`([^`]+)`", where)
+        assert paths, f"{question!r}: no path in `where`"
+        for path in paths:
+            assert re.fullmatch(r"(akv|engine|transport)(\.\w+)+", path), (
+                f"{question!r}: {path!r} is not a fully qualified dotted path"
+            )
+            try:
+                found = resolve(path)
+            except (ImportError, AttributeError) as exc:
+                pytest.fail(f"{question!r}: {path} does not resolve: {exc!r}")
+            assert callable(found) or isinstance(found, property), (
+                f"{question!r}: {path} is not a function, method or class"
+            )
