@@ -222,17 +222,16 @@ class ServerState:
             raise PeerLostError(f"{self.name} takes no stream: it is stopping")
         current = [p for p in self.peers.values() if p.worker == worker]
         known = self._sessions.get(worker)
-        if stream:
+        if stream and (current or known is not None) and not (session and session == known):
+            raise MembershipError(f"worker {worker} is already connected to {self.name}")
+        if stream:  # checked once the stream is known to be the worker's own
             lost = self.lineage.check(worker, note)
             if lost is not None:
                 self.failure = f"{self.name} {lost}"
                 failing = [FailJob(self.failure, detail=lost, blames_itself=True)]
                 raise StaleCheckpointError(self.failure, [*failing, *self._fail_waiters()])
         replaced: list[Instruction] = []
-        if stream and (current or known is not None):
-            same = bool(session) and session == known
-            if not same:
-                raise MembershipError(f"worker {worker} is already connected to {self.name}")
+        if stream:
             for old in current:
                 self.peers.pop(old.id)  # its end, whenever it comes, is no loss
                 replaced.append(CloseStream(old))

@@ -279,8 +279,11 @@ class Link:
         self.replay = None
         for request in self.table.unanswered():
             request.written = False
-        detail = f": {error!r}" if error else ""
-        self.lost = PeerLostError(f"{self.name} closed the connection{detail} (did it die?)")
+        if isinstance(error, StreamSilentError):  # cut by this worker: nothing came
+            self.lost = PeerLostError(f"{self.name} went silent: {error}")
+        else:
+            detail = f": {error!r}" if error else ""
+            self.lost = PeerLostError(f"{self.name} closed the connection{detail} (did it die?)")
         return self.lost
 
     def start_reconnecting(self, error: BaseException | None, now: float, window_s: float) -> None:

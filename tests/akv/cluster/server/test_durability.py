@@ -15,7 +15,7 @@ import pytest
 from akv.cluster.protocol import Note, format_note, parse_note
 from akv.cluster.server.durability import Lineage, Restored
 from akv.cluster.server.instructions import FailJob, StaleCheckpointError
-from akv.errors import InvalidArgumentError, PeerLostError
+from akv.errors import InvalidArgumentError, MembershipError, PeerLostError
 from tests.akv.cluster.server.players import OK, Players
 
 PATH = "/ck/server-0.akvckpt"
@@ -126,6 +126,16 @@ def test_a_stale_restore_refuses_the_stream_and_fails_the_job_naming_itself():
     assert players.state.failure == failing[0].reason
     with pytest.raises(Exception, match="the job failed"):
         players.reconnect(1)  # nothing more is taken
+
+
+def test_a_stream_of_another_session_is_refused_before_its_note_is_judged():
+    players = players_restored("dist_async")
+    players.state.admit(0, "dist_async", True, "session0", None)  # worker 0's own stream
+    with pytest.raises(MembershipError, match="already connected"):
+        players.state.admit(0, "dist_async", True, "stranger", BEFORE)
+    assert players.state.failure is None  # a stale note of a stranger fails nothing
+    players.reconnect(1, Note("before", 27, 300, 175))
+    assert not players.state.lineage.answers_held
 
 
 def test_a_restored_dist_async_server_answers_no_pull_until_every_worker_was_checked():
