@@ -376,7 +376,7 @@ def test_a_server_gives_up_by_itself_when_the_scheduler_never_says_so(monkeypatc
         while not run.done() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert run.done(), "the server still waits for its worker"
-        assert run.result() == 1
+        assert run.result() == JOB_FAILED_EXIT
         failure = cluster.servers[0].state.failure
         assert failure is not None and "gave up waiting for the job to assemble" in failure
         assert "1 of 1 workers" in failure

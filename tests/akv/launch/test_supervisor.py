@@ -219,13 +219,13 @@ def test_a_server_that_cannot_be_restarted_stops_the_job_like_a_start_failure(tm
         "import json, os, sys\n"
         "print(json.dumps({'pid': os.getpid()}), flush=True)\n"
         "os.remove(sys.argv[0])\n"
-        "sys.exit(3)\n"
+        "sys.exit(1)\n"
     )
     program.chmod(0o755)
     options = _restart_options(tmp_path, {"0": ["sleep"]}, deaths=0, max_restarts=1)
     result = run_job(replace(options, server_command=(str(program),)), reaper)
     assert result.code == 127, result.err
-    assert "exited with code 3; restarting it from its checkpoint (restart 1 of 1)" in result.err
+    assert "exited with code 1; restarting it from its checkpoint (restart 1 of 1)" in result.err
     assert "could not start server 0: " in result.err
     assert not wait_gone(result.pids, timeout_s=0.5)
 
