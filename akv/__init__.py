@@ -8,8 +8,9 @@
 4.0
 
 Public names: :func:`create` / :class:`KVStore` (blocking), :func:`create_async` /
-:class:`AsyncKVStore` (awaitable), :mod:`akv.optimizer`, and the errors, all
-subclasses of :class:`AKVError`.
+:class:`AsyncKVStore` (awaitable), :mod:`akv.optimizer`, :class:`RowSparseArray` (the
+rows of a large array that are present, such as an embedding's gradient), and the errors,
+all subclasses of :class:`AKVError`.
 """
 
 from akv import optimizer
@@ -38,14 +39,17 @@ from akv.errors import (
     ReentrantCallError,
     RoleError,
     RoundTimeoutError,
+    RowIdError,
     ServerError,
     ShapeMismatchError,
     StateFileError,
     StateFormatError,
+    StorageTypeError,
     UnknownStoreTypeError,
     UnsupportedDTypeError,
     WaitTimeoutError,
 )
+from akv.sparse import RowSparseArray
 from akv.store import (
     STORE_TYPES,
     AsyncKVStore,
@@ -86,10 +90,13 @@ __all__ = [
     "ReentrantCallError",
     "RoleError",
     "RoundTimeoutError",
+    "RowIdError",
+    "RowSparseArray",
     "ServerError",
     "ShapeMismatchError",
     "StateFileError",
     "StateFormatError",
+    "StorageTypeError",
     "StoreType",
     "UnknownStoreTypeError",
     "UnsupportedDTypeError",

@@ -36,10 +36,12 @@ __all__ = [
     "ReentrantCallError",
     "RoleError",
     "RoundTimeoutError",
+    "RowIdError",
     "ServerError",
     "ShapeMismatchError",
     "StateFileError",
     "StateFormatError",
+    "StorageTypeError",
     "UnknownStoreTypeError",
     "UnsupportedDTypeError",
     "WaitTimeoutError",
@@ -202,3 +204,13 @@ class LaunchError(AKVError, ValueError):
 
     The message names the flag, file line or variable and says what to do.
     """
+
+
+class RowIdError(InvalidArgumentError, IndexError):
+    """A row id of a row-sparse value is negative or not below the number of rows; the
+    message names the first such id, its position and the shape."""
+
+
+class StorageTypeError(InvalidArgumentError):
+    """A dense value was given where a row-sparse one is required, or the reverse; the
+    message names the argument and what it was."""

@@ -1,0 +1,370 @@
+"""akv.rows: the row index (open addressing in NumPy) and the row table of a row-sparse key."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import akv
+from akv.rows import MAX_LOAD_FACTOR, MIN_INDEX_CAPACITY, RowIndex, RowTable
+
+F32 = np.float32
+INT64_MAX = 2**63 - 1
+#: The multiplier's inverse mod 2**64: ``k * INVERSE`` hashes to ``k``'s top bits, so small
+#: ``k`` all hash to position 0 at every capacity.
+INVERSE = pow(0x9E3779B97F4A7C15, -1, 2**64)
+
+
+def colliding_ids(count: int) -> np.ndarray:
+    """``count`` distinct ids that all hash to position 0 at any capacity below 2**40."""
+    ids = [(k * INVERSE) % 2**64 for k in range(1, 40 * count)]
+    return np.array([i for i in ids if i <= INT64_MAX][:count], np.int64)
+
+
+class DictIndex:
+    """The reference: a dict that gives new ids the next slots, in order."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, int] = {}
+
+    def insert(self, ids: np.ndarray) -> None:
+        for i in ids.tolist():
+            self.slots.setdefault(i, len(self.slots))
+
+    def lookup(self, ids: np.ndarray) -> list[int]:
+        return [self.slots.get(i, -1) for i in ids.tolist()]
+
+
+def check_against(index: RowIndex, reference: DictIndex, ids: np.ndarray) -> None:
+    """Insert ``ids`` into both: the slots must be the dict's, and the load factor kept."""
+    slots = index.insert(ids)
+    reference.insert(ids)
+    assert slots.tolist() == reference.lookup(ids)
+    assert len(index) == len(reference.slots)
+    assert index.capacity * MAX_LOAD_FACTOR >= len(index)
+
+
+# ---------------------------------------------------------------- RowIndex
+
+
+def test_index_agrees_with_a_dict_on_random_ids():
+    rng = np.random.default_rng(25)
+    index, reference = RowIndex(), DictIndex()
+    for step in range(60):
+        high = 2**63 - 1 if step % 3 == 0 else 5000
+        ids = rng.integers(0, high, size=int(rng.integers(0, 400)), dtype=np.int64)
+        check_against(index, reference, ids)
+        probe = np.concatenate([ids, rng.integers(0, 6000, size=300)])
+        assert index.lookup(probe).tolist() == reference.lookup(probe)
+    ids, slots = index.items()
+    assert ids.tolist() == sorted(reference.slots)
+    assert slots.tolist() == [reference.slots[i] for i in ids.tolist()]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    batches=st.lists(
+        st.lists(st.one_of(st.integers(0, 64), st.integers(0, INT64_MAX)), max_size=50),
+        max_size=8,
+    )
+)
+def test_index_agrees_with_a_dict(batches):
+    index, reference = RowIndex(), DictIndex()
+    for batch in batches:
+        check_against(index, reference, np.array(batch, np.int64))
+    probe = np.arange(70, dtype=np.int64)
+    assert index.lookup(probe).tolist() == reference.lookup(probe)
+
+
+def test_colliding_ids_all_share_a_home():
+    ids = colliding_ids(50)
+    for capacity in (8, 1024, 2**20):
+        assert set(RowIndex(capacity)._home(ids).tolist()) == {0}
+
+
+def test_ids_that_hash_alike_are_all_found():
+    ids = colliding_ids(700)[:600]
+    index, reference = RowIndex(), DictIndex()
+    check_against(index, reference, ids[:300])  # all at once: they collide with each other
+    for chunk in np.array_split(ids[300:], 7):  # then with those already placed
+        check_against(index, reference, chunk)
+    assert index.lookup(ids).tolist() == reference.lookup(ids)
+    absent = colliding_ids(700)[600:]  # they probe the whole cluster, then a free position
+    assert index.lookup(absent).tolist() == [-1] * 100
+
+
+def test_colliding_and_equal_ids_in_one_insert():
+    ids = np.repeat(colliding_ids(20), 3)
+    np.random.default_rng(1).shuffle(ids)
+    index = RowIndex()
+    slots = index.insert(ids)
+    assert len(index) == 20
+    assert slots.tolist() == [list(dict.fromkeys(ids.tolist())).index(i) for i in ids.tolist()]
+    assert index.lookup(ids).tolist() == slots.tolist()
+
+
+def test_growth_across_many_doublings_keeps_every_slot():
+    index = RowIndex()
+    assert index.capacity == MIN_INDEX_CAPACITY
+    given = []
+    for start in range(0, 3000, 7):  # small batches: about 10 doublings
+        given.append(index.insert(np.arange(start, start + 7) * 1_000_003))
+    every = np.arange(0, 3003) * 1_000_003
+    assert index.lookup(every).tolist() == np.concatenate(given).tolist()
+    assert index.lookup(every).tolist() == list(range(3003))
+    assert index.capacity == 8192
+    assert index.nbytes == 16 * index.capacity
+
+
+def test_one_large_insert_grows_at_once():
+    index = RowIndex()
+    slots = index.insert(np.arange(10_000, dtype=np.int64)[::-1])
+    assert sorted(slots.tolist()) == list(range(10_000))
+    assert index.capacity == 32768
+
+
+def test_present_ids_do_not_grow_the_index():
+    index = RowIndex()
+    index.insert(np.arange(4))
+    capacity = index.capacity
+    for _ in range(5):
+        assert index.insert(np.arange(4)).tolist() == [0, 1, 2, 3]
+    assert (len(index), index.capacity) == (4, capacity)
+
+
+def test_the_largest_id_and_zero():
+    index = RowIndex()
+    assert index.insert([INT64_MAX, 0]).tolist() == [0, 1]
+    assert index.lookup(np.array([0, INT64_MAX, 1], np.uint64)).tolist() == [1, 0, -1]
+
+
+def test_an_empty_index_and_no_ids():
+    index = RowIndex()
+    assert index.lookup([5, 6]).tolist() == [-1, -1]
+    assert index.lookup([]).tolist() == []
+    assert index.insert([]).tolist() == []
+    assert len(index) == 0
+    assert index.items()[0].tolist() == []
+
+
+def test_negative_ids_are_refused():
+    index = RowIndex()
+    with pytest.raises(akv.RowIdError, match=r"RowIndex.insert: row id -1 at position 1"):
+        index.insert([3, -1])
+    with pytest.raises(akv.RowIdError, match=r"RowIndex.lookup: row id -7 at position 0"):
+        index.lookup([-7])
+    with pytest.raises(akv.InvalidArgumentError, match="integers"):
+        index.lookup([1.5])
+    assert len(index) == 0
+
+
+def test_capacity_is_a_power_of_two():
+    assert RowIndex(1000).capacity == 1024
+    assert RowIndex(0).capacity == MIN_INDEX_CAPACITY
+
+
+# ---------------------------------------------------------------- RowTable
+
+
+def test_absent_rows_read_as_zeros():
+    table = RowTable((100, 3), F32)
+    assert table.gather([4, 99]).tolist() == [[0] * 3] * 2
+    table.scatter([4], np.ones((1, 3), F32))
+    assert table.gather([99, 4, 5]).tolist() == [[0] * 3, [1] * 3, [0] * 3]
+    assert len(table) == 1  # gather stores nothing
+
+
+def test_scatter_sets_and_add_accumulates():
+    table = RowTable((10, 2), np.float64)
+    table.scatter([3, 1], np.array([[1.0, 2.0], [3.0, 4.0]]))
+    table.add([1, 7], np.array([[10.0, 10.0], [5.0, 6.0]]))
+    table.scatter([3], np.array([[0.5, 0.5]]))
+    assert table.gather([1, 3, 7]).tolist() == [[13, 14], [0.5, 0.5], [5, 6]]
+    assert table.ids().tolist() == [1, 3, 7]
+
+
+def test_add_sums_a_repeated_id():
+    table = RowTable((10, 1), F32)
+    table.add([2, 5, 2, 2], np.array([[1], [2], [3], [4]], F32))
+    assert table.gather([2, 5]).tolist() == [[8], [2]]
+
+
+def test_scatter_refuses_a_repeated_id():
+    table = RowTable((10, 1), F32)
+    with pytest.raises(akv.InvalidArgumentError, match="row id 5 is given more than once"):
+        table.scatter([5, 1, 5], np.zeros((3, 1), F32))
+
+
+def test_rows_for_stores_zero_rows_and_gives_their_slots():
+    table = RowTable((10**6, 2), np.int32)
+    slots = table.rows_for([500, 7, 500])
+    assert slots[0] == slots[2]
+    assert table.rows.shape == (2, 2)
+    assert table.rows.tolist() == [[0, 0], [0, 0]]
+    table.rows[slots[1]] = [3, 4]
+    assert table.gather([7]).tolist() == [[3, 4]]
+    assert table.rows_for([7]).tolist() == [slots[1]]
+
+
+def test_to_sparse_lists_every_stored_row_sorted():
+    table = RowTable((50, 2), F32)
+    table.add([40, 3], np.ones((2, 2), F32))
+    table.rows_for([20])
+    value = table.to_sparse()
+    assert isinstance(value, akv.RowSparseArray)
+    assert value.shape == (50, 2)
+    assert value.indices.tolist() == [3, 20, 40]
+    assert value.data.tolist() == [[1, 1], [0, 0], [1, 1]]
+    value.data[:] = 9
+    assert table.gather([3]).tolist() == [[1, 1]]
+
+
+def test_the_arena_grows_across_doublings_and_keeps_rows():
+    rng = np.random.default_rng(7)
+    table = RowTable((10**7, 4), F32)
+    dense: dict[int, np.ndarray] = {}
+    for _ in range(40):
+        ids = np.unique(rng.integers(0, 10**7, size=int(rng.integers(1, 200))))
+        values = rng.standard_normal((ids.size, 4)).astype(F32)
+        table.add(ids, values)
+        for i, row in zip(ids.tolist(), values, strict=True):
+            dense[i] = dense.get(i, np.zeros(4, F32)) + row
+    assert len(table) == len(dense)
+    assert table.rows.shape[0] == len(dense)
+    ids = np.array(sorted(dense))
+    assert np.array_equal(table.gather(ids), np.array([dense[i] for i in ids.tolist()]))
+    assert table.to_sparse().indices.tolist() == ids.tolist()
+
+
+def test_a_table_of_one_row():
+    table = RowTable((1, 3), F32)
+    table.add([0], np.ones((1, 3), F32))
+    table.add([0], np.ones((1, 3), F32))
+    assert table.gather([0, 0]).tolist() == [[2] * 3] * 2
+    assert table.to_sparse().to_dense().tolist() == [[2] * 3]
+    with pytest.raises(akv.RowIdError, match=r"row id 1 at position 0 is outside \[0, 1\)"):
+        table.gather([1])
+
+
+def test_the_first_and_last_of_a_billion_rows():
+    table = RowTable((10**9, 2), F32)
+    table.scatter([10**9 - 1, 0], np.array([[1, 2], [3, 4]], F32))
+    assert table.gather([0, 10**9 - 1]).tolist() == [[3, 4], [1, 2]]
+    with pytest.raises(akv.RowIdError, match=r"row id 1000000000 at position 1"):
+        table.add([5, 10**9], np.zeros((2, 2), F32))
+    assert len(table) == 2  # the refused add stored nothing
+
+
+def test_a_billion_declared_rows_cost_what_is_touched():
+    tracemalloc.start()
+    try:
+        table = RowTable((10**9, 16), F32)
+        empty = table.nbytes
+        ids = np.random.default_rng(9).choice(10**9, size=10**5, replace=False)
+        table.add(ids, np.ones((ids.size, 16), F32))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert empty < 1024
+    assert len(table) == 10**5
+    assert table.nbytes < 100 * 2**20
+    assert peak < 100 * 2**20
+    assert table.gather(ids[:5]).sum() == 5 * 16
+
+
+def test_gather_into_out():
+    table = RowTable((10, 2), F32)
+    table.scatter([1], np.ones((1, 2), F32))
+    out = np.full((3, 2), 7, F32)
+    assert table.gather([1, 2, 1], out=out) is out
+    assert out.tolist() == [[1, 1], [0, 0], [1, 1]]
+    empty = RowTable((10, 2), F32)
+    assert empty.gather([3], out=out[:1]).tolist() == [[0, 0]]
+
+
+@pytest.mark.parametrize(
+    ("out", "error", "message"),
+    [
+        (np.zeros((2, 3), F32), akv.ShapeMismatchError, r"shape \(2, 3\) does not match \(2, 2\)"),
+        (np.zeros((2, 2), np.float64), akv.DTypeMismatchError, "float64 does not match .*float32"),
+    ],
+)
+def test_gather_checks_out(out, error, message):
+    with pytest.raises(error, match=message):
+        RowTable((10, 2), F32).gather([1, 2], out=out)
+
+
+def test_gather_refuses_a_read_only_out():
+    out = np.zeros((1, 2), F32)
+    out.flags.writeable = False
+    with pytest.raises(akv.InvalidArgumentError, match="read-only"):
+        RowTable((10, 2), F32).gather([1], out=out)
+
+
+@pytest.mark.parametrize("method", ["scatter", "add"])
+def test_values_must_match_rows_and_dtype(method):
+    table = RowTable((10, 2), F32)
+    with pytest.raises(akv.ShapeMismatchError, match=r"values: shape \(2, 3\) does not match"):
+        getattr(table, method)([1, 2], np.zeros((2, 3), F32))
+    with pytest.raises(akv.DTypeMismatchError, match="never casts"):
+        getattr(table, method)([1, 2], np.zeros((2, 2), np.float64))
+    with pytest.raises(akv.InvalidArgumentError, match="expected a NumPy array"):
+        getattr(table, method)([1], [[1.0, 2.0]])
+    assert len(table) == 0
+
+
+def test_a_table_refuses_bad_shapes_and_dtypes():
+    with pytest.raises(akv.InvalidArgumentError, match="negative dimension"):
+        RowTable((-1, 2), F32)
+    with pytest.raises(akv.UnsupportedDTypeError, match="is not one akv stores"):
+        RowTable((10, 2), object)
+    with pytest.raises(akv.InvalidArgumentError, match="is not a dtype"):
+        RowTable((10, 2), "no such dtype")
+
+
+def test_a_table_against_a_dense_array():
+    rng = np.random.default_rng(11)
+    table = RowTable((300, 3), np.int64)
+    dense = np.zeros((300, 3), np.int64)
+    for _ in range(200):
+        ids = rng.integers(0, 300, size=int(rng.integers(0, 20)))
+        values = rng.integers(-5, 5, size=(ids.size, 3))
+        if rng.random() < 0.5:
+            table.add(ids, values)
+            np.add.at(dense, ids, values)
+        else:
+            ids, first = np.unique(ids, return_index=True)
+            table.scatter(ids, values[first])
+            dense[ids] = values[first]
+    assert np.array_equal(table.gather(np.arange(300)), dense)
+    assert np.array_equal(table.to_sparse().to_dense(), dense)
+
+
+@pytest.mark.parametrize("shape", [(20,), (20, 2, 3), (20, 0), (20, 1)])
+def test_rows_of_any_shape(shape):
+    rng = np.random.default_rng(5)
+    table = RowTable(shape, np.float64)
+    dense = np.zeros(shape)
+    for _ in range(30):
+        ids = np.unique(rng.integers(0, 20, size=5))
+        values = rng.standard_normal((ids.size, *shape[1:]))
+        table.add(ids, values)
+        dense[ids] += values
+        ids = ids[::-1].copy()
+        values = rng.standard_normal((ids.size, *shape[1:]))[:, ...]
+        if rng.random() < 0.3:
+            table.scatter(ids, values)
+            dense[ids] = values
+    assert np.array_equal(table.gather(np.arange(20)), dense)
+
+
+def test_values_may_be_strided():
+    table = RowTable((10, 2), F32)
+    values = np.arange(12, dtype=F32).reshape(3, 4)[:, ::2]
+    table.scatter([3, 1, 2], values)
+    table.add([9, 3], values[1:][::-1])
+    assert table.gather([1, 2, 3, 9]).tolist() == [[4, 6], [8, 10], [4, 8], [8, 10]]
