@@ -15,6 +15,7 @@ pyarrow lookups: no dependency, and memory by ids held for ids up to 2**63.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,8 +45,11 @@ _EMPTY = -1
 #: Positions one probing step reads for each pending id (128 bytes of the table).
 _PROBE_WINDOW = 8
 _WINDOW_STEPS = np.arange(_PROBE_WINDOW, dtype=np.int64)
-#: 2**64 / the golden ratio, odd: Knuth's multiplicative (Fibonacci) hash.
-_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+#: 2**64 / the golden ratio, odd: Knuth's multiplicative (Fibonacci) hash; an index takes
+#: it when asked to (tests), else a random odd multiplier of its own, so that no list of
+#: ids chosen in advance collides in every index (a fixed multiplier has such lists).
+FIBONACCI_MULTIPLIER = 0x9E3779B97F4A7C15
+_RANDOM = random.SystemRandom()
 
 
 class RowIndex:
@@ -62,9 +66,12 @@ class RowIndex:
     time.
     """
 
-    __slots__ = ("_mask", "_shift", "_size", "_table")
+    __slots__ = ("_mask", "_multiplier", "_shift", "_size", "_table")
 
-    def __init__(self, capacity: int = MIN_INDEX_CAPACITY) -> None:
+    def __init__(self, capacity: int = MIN_INDEX_CAPACITY, multiplier: int | None = None) -> None:
+        if multiplier is None:
+            multiplier = _RANDOM.getrandbits(64)
+        self._multiplier = np.uint64(multiplier | 1)
         self._size = 0
         self._allocate(_power_of_two(max(int(capacity), MIN_INDEX_CAPACITY)))
 
@@ -123,7 +130,7 @@ class RowIndex:
 
     def _home(self, ids: RowIds) -> RowIds:
         """Each id's first position: the top bits of ``id * multiplier mod 2**64``."""
-        hashed: npt.NDArray[np.uint64] = ids.view(np.uint64) * _MULTIPLIER
+        hashed: npt.NDArray[np.uint64] = ids.view(np.uint64) * self._multiplier
         hashed >>= self._shift
         return hashed.view(np.int64)
 

@@ -104,6 +104,8 @@ PURE_AKV_MODULES = [
     "akv.errors",
     "akv.keys",
     "akv.limits",
+    "akv.rows",
+    "akv.sparse",
     "akv.optimizer",
     "akv.optimizer._adaptive",
     "akv.optimizer._base",

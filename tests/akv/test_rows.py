@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import akv
-from akv.rows import MAX_LOAD_FACTOR, MIN_INDEX_CAPACITY, RowIndex, RowTable
+from akv.rows import FIBONACCI_MULTIPLIER, MAX_LOAD_FACTOR, MIN_INDEX_CAPACITY, RowIndex, RowTable
 
 F32 = np.float32
 INT64_MAX = 2**63 - 1
 #: The multiplier's inverse mod 2**64: ``k * INVERSE`` hashes to ``k``'s top bits, so small
 #: ``k`` all hash to position 0 at every capacity.
-INVERSE = pow(0x9E3779B97F4A7C15, -1, 2**64)
+INVERSE = pow(FIBONACCI_MULTIPLIER, -1, 2**64)
 
 
 def colliding_ids(count: int) -> np.ndarray:
@@ -80,15 +80,27 @@ def test_index_agrees_with_a_dict(batches):
     assert index.lookup(probe).tolist() == reference.lookup(probe)
 
 
+def fibonacci() -> RowIndex:
+    """An index with the fixed multiplier, whose colliding ids are known."""
+    return RowIndex(multiplier=FIBONACCI_MULTIPLIER)
+
+
 def test_colliding_ids_all_share_a_home():
     ids = colliding_ids(50)
     for capacity in (8, 1024, 2**20):
-        assert set(RowIndex(capacity)._home(ids).tolist()) == {0}
+        assert set(RowIndex(capacity, FIBONACCI_MULTIPLIER)._home(ids).tolist()) == {0}
+
+
+def test_each_index_hashes_with_its_own_multiplier_so_no_ids_collide_everywhere():
+    ids = colliding_ids(50)
+    homes = [set(RowIndex(2**20)._home(ids).tolist()) for _ in range(3)]
+    assert all(len(home) > 40 for home in homes)  # spread, not piled on one position
+    assert len({RowIndex()._multiplier for _ in range(8)}) == 8
 
 
 def test_ids_that_hash_alike_are_all_found():
     ids = colliding_ids(700)[:600]
-    index, reference = RowIndex(), DictIndex()
+    index, reference = fibonacci(), DictIndex()
     check_against(index, reference, ids[:300])  # all at once: they collide with each other
     for chunk in np.array_split(ids[300:], 7):  # then with those already placed
         check_against(index, reference, chunk)
@@ -100,7 +112,7 @@ def test_ids_that_hash_alike_are_all_found():
 def test_colliding_and_equal_ids_in_one_insert():
     ids = np.repeat(colliding_ids(20), 3)
     np.random.default_rng(1).shuffle(ids)
-    index = RowIndex()
+    index = fibonacci()
     slots = index.insert(ids)
     assert len(index) == 20
     assert slots.tolist() == [list(dict.fromkeys(ids.tolist())).index(i) for i in ids.tolist()]
