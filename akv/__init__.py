@@ -49,16 +49,10 @@ from akv.errors import (
     UnsupportedDTypeError,
     WaitTimeoutError,
 )
+from akv.factory import create, create_async
+from akv.kinds import STORE_TYPES, StoreType, store_type
 from akv.sparse import RowSparseArray
-from akv.store import (
-    STORE_TYPES,
-    AsyncKVStore,
-    KVStore,
-    StoreType,
-    create,
-    create_async,
-    store_type,
-)
+from akv.store import AsyncKVStore, KVStore
 
 __version__ = "0.1.0"
 

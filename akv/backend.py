@@ -20,6 +20,7 @@ from akv.args import Key
 from akv.arrays import is_gpu, record_on_callers
 from akv.errors import AKVError
 from akv.keys import Entry
+from akv.sparse import RowIds, RowSparseArray
 from engine import Waitable
 
 __all__ = ["Backend", "KeyArrays", "Updater", "caller_events"]
@@ -60,6 +61,9 @@ class Backend(Protocol):
     #: blocking face then returns without waiting for it, and errors surface at the next
     #: call on the key, ``barrier()`` or ``close()``.
     returns_pushes_early: bool
+    #: Whether the backend holds row-sparse keys (the store refuses them before anything
+    #: is registered when it does not).
+    holds_rows: bool
 
     def new_entry(self, key: Key, array: np.ndarray) -> Entry:
         """A new key's entry (its var, and where its parts live), for a value like ``array``."""
@@ -94,6 +98,26 @@ class Backend(Protocol):
         borrow: bool,
     ) -> Waitable:
         """A push, then a pull that sees it."""
+        ...
+
+    def init_rows(self, entries: list[Entry], values: list[RowSparseArray]) -> Waitable:
+        """Store the first rows of each new row-sparse key (``entry.rows`` is set).
+
+        Raises
+        ------
+        StorageTypeError
+            The backend holds no row-sparse keys.
+        """
+        ...
+
+    def push_rows(self, values: list[tuple[Entry, RowSparseArray]], priority: int) -> Waitable:
+        """Apply each row-sparse key's summed push (see :mod:`akv.local_rows`)."""
+        ...
+
+    def pull_rows(
+        self, pulls: list[tuple[Entry, RowIds, RowSparseArray]], result: object, priority: int
+    ) -> Waitable:
+        """Fill each array with its key's requested rows; the task's result is ``result``."""
         ...
 
     def barrier(self) -> Waitable:

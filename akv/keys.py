@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from akv.errors import (
     KeyNotInitializedError,
     ShapeMismatchError,
 )
+from akv.rows import RowTable
 from engine import Var
 
 __all__ = [
@@ -28,6 +29,9 @@ __all__ = [
     "VarFactory",
     "merge_into",
 ]
+
+#: What a new key is made from: its first value (an array, or a row-sparse value).
+V = TypeVar("V")
 
 #: Makes the engine var of a new key, named for it (``Engine.new_var``). Deciders that create
 #: keys are given one, so that they need not know the engine.
@@ -84,6 +88,7 @@ class Entry:
         "parts",
         "pinned",
         "pushes",
+        "rows",
         "shape",
         "size",
         "value",
@@ -114,6 +119,8 @@ class Entry:
         #: server never counts a resent one twice).
         self.pushes = 0
         self.value: Array | None = None
+        #: The stored rows of a row-sparse key (None: a dense key, whose value is ``value``).
+        self.rows: RowTable | None = None
         self._spares: list[Array] = []
 
     def wire_view(self, array: np.ndarray, part: Part) -> np.ndarray:
@@ -209,9 +216,7 @@ class KeyTable:
             f"{what} key {key!r}: the key was never initialized (call init first)", key=key
         )
 
-    def add(
-        self, items: list[tuple[Key, np.ndarray]], make_entry: Callable[[Key, np.ndarray], Entry]
-    ) -> list[Entry]:
+    def add(self, items: list[tuple[Key, V]], make_entry: Callable[[Key, V], Entry]) -> list[Entry]:
         """Register new keys atomically: all of them, or (on any error) none.
 
         ``make_entry(key, value)`` makes each key's entry (the backend's kind of entry).

@@ -28,6 +28,8 @@ from akv.arrays import Array, copy_into
 from akv.backend import KeyArrays, Updater, caller_events
 from akv.errors import AKVError, OptimizerNotSetError, StateFileError
 from akv.keys import Entry, merge_into
+from akv.local_rows import RowPull, RowPush, apply_row_push, check_updater, pull_rows, store_rows
+from akv.sparse import RowSparseArray
 from engine import Engine, Task, Waitable
 
 __all__ = ["LocalBackend", "UpdaterGuard"]
@@ -147,6 +149,7 @@ class LocalBackend:
     broken: AKVError | None = None
     keeps_gpu_arrays = False
     returns_pushes_early = False
+    holds_rows = True
 
     def __init__(self, engine: Engine, store: object, inline_max_bytes: int | None) -> None:
         """``store``: the store whose updater calls are guarded against re-entry.
@@ -282,6 +285,51 @@ class LocalBackend:
         """A push, then a pull ordered after it."""
         self.push(values, priority, borrow)
         return self.pull(targets, result, priority)
+
+    def init_rows(self, entries: list[Entry], values: list[RowSparseArray]) -> Waitable:
+        """Store each new row-sparse key's listed rows."""
+        return self._engine.push(
+            store_rows,
+            entries,
+            values,
+            writes=[entry.var for entry in entries],
+            executor=self._rows_executor(sum(value.nbytes for value in values)),
+            name="init",
+        )
+
+    def push_rows(self, values: list[RowPush], priority: int) -> Waitable:
+        """Replace each key's rows with the sum pushed, or update the rows it lists with the
+        store's optimizer (:mod:`akv.local_rows`)."""
+        updater = None
+        for entry, _ in values:
+            updater = check_updater(self.updater, entry)
+        return self._engine.push(
+            apply_row_push,
+            updater,
+            values,
+            writes=[entry.var for entry, _ in values],
+            priority=priority,
+            executor=self._rows_executor(sum(value.nbytes for _, value in values)),
+            name="push",
+        )
+
+    def pull_rows(self, pulls: list[RowPull], result: object, priority: int) -> Waitable:
+        """Fill each array with its key's requested rows (absent ones read as zeros)."""
+        nbytes = sum(len(ids) * entry.nbytes // max(entry.shape[0], 1) for entry, ids, _ in pulls)
+        return self._engine.push(
+            pull_rows,
+            pulls,
+            result,
+            reads=[entry.var for entry, _, _ in pulls],
+            priority=priority,
+            executor=self._rows_executor(nbytes),
+            name="row_sparse_pull",
+        )
+
+    def _rows_executor(self, nbytes: int) -> str:
+        """Inline for row work on few bytes, else the worker threads."""
+        limit = self._inline_max_bytes
+        return "inline" if limit is None or nbytes <= limit else "thread"
 
     def barrier(self) -> Task:
         """Nothing to wait for: a local store has one worker."""

@@ -314,6 +314,15 @@ class RowTable:
         """
         return self._rows_for(self._ids(ids, "RowTable.rows_for"))
 
+    def stored(self, ids: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+        """Whether each id's row is stored; stores nothing.
+
+        Raises
+        ------
+        InvalidArgumentError, RowIdError
+        """
+        return self._index._lookup(self._ids(ids, "RowTable.stored")) >= 0
+
     def gather(self, ids: npt.ArrayLike, out: np.ndarray | None = None) -> np.ndarray:
         """The rows of ``ids``, in order, zeros for rows not stored; stores nothing.
 

@@ -40,6 +40,7 @@ __all__ = [
     "check_row_ids",
     "check_shape",
     "host_rows",
+    "is_row_sparse",
 ]
 
 #: Row ids: 1-D, int64, each in ``[0, rows)``.
@@ -237,6 +238,15 @@ class RowSparseArray:
             f"RowSparseArray(shape={self._shape}, dtype={self.dtype}, nnz={self.nnz}, "
             f"indices={ids})"
         )
+
+
+def is_row_sparse(value: object) -> bool:
+    """Whether ``value`` is row-sparse: a RowSparseArray, or a torch tensor of a sparse
+    layout (without importing torch)."""
+    if isinstance(value, RowSparseArray):
+        return True
+    layout = _torch_layout(value)
+    return layout is not None and layout != "strided"
 
 
 def as_row_sparse(value: object, name: str) -> RowSparseArray:

@@ -1,4 +1,5 @@
-"""The two faces of a store: :class:`AsyncKVStore` (awaitable) and :class:`KVStore` (blocking).
+"""The two faces of a store: :class:`AsyncKVStore` (awaitable) and :class:`KVStore` (blocking);
+:mod:`akv.factory` opens them.
 
 One implementation: ``AsyncKVStore`` checks every argument, merges pushed values into
 staging buffers and hands the work to its backend as engine tasks; ``KVStore`` owns a
@@ -11,9 +12,8 @@ import asyncio
 import collections
 import contextlib
 import os
-import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,142 +24,38 @@ from akv import optimizer as _optimizer
 from akv.args import Key, group, normalize_key, pairs
 from akv.arrays import Array, Origin, finisher, is_gpu, read, to_host, write_view
 from akv.backend import Backend, KeyArrays, Updater
-from akv.cluster.config import Config, from_env
+from akv.cluster.config import Config
 from akv.device import DeviceBackend
 from akv.errors import (
     AKVError,
     ClosedError,
     InvalidArgumentError,
     ReentrantCallError,
-    RoleError,
+    StorageTypeError,
     WaitTimeoutError,
 )
 from akv.exits import (
-    close_at_exit,
     closed,
     describe,
     second_signal_exits,
-    sigterm_raises,
     sigterm_released,
 )
 from akv.keys import Entry, KeyTable
-from akv.kinds import STORE_TYPES, StoreType, check_options, env_int, store_type
+from akv.kinds import StoreType
 from akv.local import GUARD, LocalBackend
+from akv.row_args import (
+    dense_only,
+    init_rows,
+    no_row_pushpull,
+    row_pulls,
+    row_pushes,
+    sparse_call,
+)
+from akv.rows import RowTable
+from akv.sparse import RowSparseArray, check_dense
 from engine import Engine, LoopThread, Waitable, then
 
-__all__ = [
-    "STORE_TYPES",
-    "AsyncKVStore",
-    "KVStore",
-    "StoreType",
-    "create",
-    "create_async",
-    "store_type",
-]
-
-
-def _dist_config(kind: StoreType, environ: object, blocking: bool) -> Config | None:
-    """The job's configuration for a distributed type.
-
-    As with MXNet's launch scripts, the same command may start every role: in a process
-    whose role is server or scheduler, the blocking :func:`create` serves that role and
-    exits the process; :func:`create_async` raises :class:`~akv.errors.RoleError` (it
-    runs inside the caller's event loop, which it must not end).
-    """
-    if not kind.distributed:
-        return None
-    if environ is not None and not isinstance(environ, Mapping):
-        raise InvalidArgumentError(f"environ must be a mapping, got {type(environ).__name__}")
-    config = from_env(environ)
-    if config.role == "worker":
-        return config
-    command = "akv-server" if config.role == "server" else "akv-scheduler"
-    if not blocking:
-        raise RoleError(
-            f"create_async({kind.name!r}) was called in a process whose role is "
-            f"{config.role} (DMLC_ROLE/AKV_ROLE): run `{command}` for that role, or use "
-            "the blocking akv.create, which serves the role and exits"
-        )
-    from akv.cluster.roles import serve_role
-    from akv.cluster.scheduler.service import run_scheduler
-    from akv.cluster.server.service import run_server
-
-    sys.exit(
-        serve_role(config.role, config, run_server if config.role == "server" else run_scheduler)
-    )
-
-
-async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
-    """Create an :class:`AsyncKVStore` bound to the running event loop.
-
-    Parameters
-    ----------
-    name:
-        The store type (see ``STORE_TYPES`` and :func:`store_type`); case-insensitive, and
-        reported by ``type`` as given. Unknown names raise
-        :class:`~akv.errors.UnknownStoreTypeError` (MXNet silently makes a local store).
-        ``local`` and its MXNet variants (``local_allreduce_cpu``, ``local_update_cpu``) keep
-        values in host memory (GPU values given to them are copied to the host). ``device``
-        (also ``local_allreduce_device``, ``nccl``) keeps keys initialized from GPU arrays
-        on GPUs and reduces there, and keys initialized from host arrays as ``local`` does
-        (see ``docs/gpu.md``). The ``dist_*`` names join the job the environment describes
-        (see ``docs/distributed.md``) and return once every worker and server is
-        reachable; their ``_device`` variants reduce GPU values on the GPU first and stage
-        them through pinned host memory.
-    slots:
-        How many engine tasks may run at once (default ``AKV_ENGINE_SLOTS`` for a local
-        store, ``AKV_DIST_SLOTS`` requests in flight for a distributed one).
-    environ:
-        For distributed types, the variables to read instead of ``os.environ`` (to join a
-        job from a program that configures itself, or several jobs from one process).
-    devices:
-        For the local device stores, the GPUs keys may be placed on (default: every GPU an
-        init value came from so far).
-    inline_max_bytes:
-        Work on at most this many bytes runs on the calling thread, bigger work on the
-        engine's worker threads (default ``AKV_INLINE_MAX_BYTES``, 16 MiB). The blocking
-        store runs all array work on the calling thread unless this is given.
-    """
-    kind = store_type(name)
-    slots = check_options(kind, options)
-    inline = options.get("inline_max_bytes")
-    if inline is None:
-        inline = env_int("AKV_INLINE_MAX_BYTES", limits.INLINE_MAX_BYTES, 0)
-    config = _dist_config(kind, options.get("environ"), blocking=False)
-    store = await AsyncKVStore._open(kind, slots, inline, config, options.get("devices"))
-    # SIGTERM leaves the job as an exception does, telling the scheduler why.
-    store._holds_sigterm = config is not None and sigterm_raises()
-    return store
-
-
-def create(name: str = "local", **options: Any) -> KVStore:
-    """Create a blocking :class:`KVStore` (its own event loop runs on a private thread).
-
-    Takes the same arguments as :func:`create_async`; usable from any thread, also one
-    that runs an event loop of its own (Jupyter).
-    """
-    kind = store_type(name)
-    slots = check_options(kind, options)
-    config = _dist_config(kind, options.get("environ"), blocking=True)
-    loop_thread = LoopThread(name="akv-store-loop")
-    try:
-        # The blocking face runs array work inline on the calling thread: it waits anyway.
-        inline = options.get("inline_max_bytes")
-        inner = loop_thread.run(
-            AsyncKVStore._open(
-                kind, slots, inline, config, options.get("devices"), caller_waits=True
-            )
-        )
-    except BaseException:
-        loop_thread.close()
-        raise
-    store = KVStore(inner, loop_thread)
-    if config is not None:
-        # SIGTERM leaves the job as an exception does, telling the scheduler why; a store
-        # the program never closes is closed at exit (as MXNet's destructor does).
-        store._holds_sigterm = sigterm_raises()
-        close_at_exit(store)
-    return store
+__all__ = ["AsyncKVStore", "KVStore"]
 
 
 class AsyncKVStore:
@@ -260,6 +156,8 @@ class AsyncKVStore:
         DuplicateInitError, MixedKeyKindsError, InvalidArgumentError
         """
         self._check_usable()
+        if sparse_call(value if isinstance(key, (list, tuple)) else [value]):
+            return self._init_rows(key, value)
         items = []
         origins: dict[Key, Origin] = {}
         for k, values in pairs(key, value, "init"):
@@ -267,6 +165,7 @@ class AsyncKVStore:
                 raise InvalidArgumentError(
                     f"init key {k!r}: takes one value per key, got {len(values)}"
                 )
+            check_dense(values[0], f"init key {k!r}")
             array, origins[k] = read(values[0], k, "init value")
             items.append((k, self._placed(array)))
         backend = self._backend
@@ -279,6 +178,24 @@ class AsyncKVStore:
         entries = self._keys.add(items, new_entry)
         arrays = [array for _, array in items]
         return self._backend.init(entries, arrays)
+
+    def _init_rows(self, key: Key | list[Key], value: Any) -> Waitable:
+        """``init`` of row-sparse keys: each stores the rows its value lists."""
+        backend = self._backend
+        items = [(k, init_rows(k, values)) for k, values in pairs(key, value, "init")]
+        if not backend.holds_rows:
+            raise StorageTypeError(
+                f"init key {items[0][0]!r}: the {self._type!r} store does not hold "
+                "row-sparse keys yet (issue #25); use a local or device store"
+            )
+
+        def new_entry(k: Key, rows: RowSparseArray) -> Entry:
+            entry = Entry(k, rows.shape, rows.dtype, self._engine.new_var(f"key {k!r}"))
+            entry.rows = RowTable(rows.shape, rows.dtype)
+            return entry
+
+        entries = self._keys.add(items, new_entry)
+        return backend.init_rows(entries, [rows for _, rows in items])
 
     def push(self, key: Key | list[Key], value: Any, priority: int = 0) -> Waitable:
         """Push values; the values given for one key (a list, or a repeated key) are summed.
@@ -295,9 +212,16 @@ class AsyncKVStore:
         self._check_usable()
         if type(value) is np.ndarray and (type(key) is int or type(key) is str):
             entry = self._keys.get(key, "push to")  # the common call, kept cheap
-            if value.shape != entry.shape or value.dtype is not entry.dtype:
+            if (
+                value.shape != entry.shape
+                or value.dtype is not entry.dtype
+                or entry.rows is not None
+            ):
+                dense_only(entry, "push to")
                 entry.check(value, "push to")
             return self._backend.push([(entry, [value])], priority, self._caller_waits)
+        if sparse_call(value if isinstance(key, (list, tuple)) else [value]):
+            return self._backend.push_rows(row_pushes(self._keys, key, value), priority)
         values = self._values(group(key, value, "push"))
         return self._backend.push(values, priority, self._caller_waits)
 
@@ -323,7 +247,12 @@ class AsyncKVStore:
                 and out.flags.writeable
             ):
                 entry = self._keys.get(key, "pull from")  # the common call, kept cheap
-                if out.shape != entry.shape or out.dtype is not entry.dtype:
+                if (
+                    out.shape != entry.shape
+                    or out.dtype is not entry.dtype
+                    or entry.rows is not None
+                ):
+                    dense_only(entry, "pull from")
                     entry.check(out, "pull into")
                 return self._backend.pull([(entry, [out])], out, priority)
             targets = self._targets(key, out)
@@ -342,16 +271,45 @@ class AsyncKVStore:
     ) -> Waitable:
         """Push ``value``, then pull the result into ``out`` (into ``value`` when omitted)."""
         self._check_usable()
+        no_row_pushpull(self._keys, key)
         values = self._values(group(key, value, "pushpull"))
         result = value if out is None else out
         targets = self._targets(key, result)
         return self._backend.pushpull(values, targets, result, priority, self._caller_waits)
 
+    def row_sparse_pull(
+        self,
+        key: Key | list[Key],
+        out: Any = None,
+        priority: int = 0,
+        row_ids: Any = None,
+    ) -> Waitable:
+        """Copy the rows ``row_ids`` of row-sparse keys (sorted, unique; rows never stored
+        read as zeros) into ``out`` (an :class:`~akv.RowSparseArray` per key, filled in
+        place), or into new ones that are the awaitable's result. ``key`` and ``row_ids``
+        pair as in MXNet: one key and one array of ids, lists of both, or one key with a
+        list of id arrays (and as many outputs). A pull sees every push issued before it.
+
+        Raises
+        ------
+        KeyNotInitializedError, StorageTypeError (a dense key, or a dense ``out``),
+        RowIdError, ShapeMismatchError, DTypeMismatchError, InvalidArgumentError
+        """
+        self._check_usable()
+        pulls, result = row_pulls(self._keys, key, out, row_ids)
+        return self._backend.pull_rows(pulls, result, priority)
+
     def broadcast(self, key: Key | list[Key], value: Any, out: Any = None) -> Waitable:
         """Initialize ``key`` with ``value`` and pull it into ``out`` (MXNet: init + pull).
 
-        Like ``init``, it can be called once per key.
+        Like ``init``, it can be called once per key. Dense values only: a row-sparse key
+        is initialized with ``init`` and read with ``row_sparse_pull``.
         """
+        if sparse_call(value if isinstance(key, (list, tuple)) else [value]):
+            raise StorageTypeError(
+                f"broadcast key {key!r}: the value is row-sparse; init the key, then read its "
+                "rows with row_sparse_pull(key, row_ids=...)"
+            )
         self.init(key, value)
         return self.pull(key, out)
 
@@ -526,12 +484,14 @@ class AsyncKVStore:
         checked = []
         for key, values in grouped.items():
             entry = table.get(key, "push to")
+            dense_only(entry, "push to")
             arrays = []
             for value in values:
                 if type(value) is np.ndarray:  # the common case, kept cheap
                     entry.check(value, "push to")
                     arrays.append(value)
                     continue
+                check_dense(value, f"push to key {key!r}")
                 array = read(value, key, "push value")[0]
                 entry.check(array, "push to")
                 arrays.append(self._placed(array))
@@ -550,6 +510,7 @@ class AsyncKVStore:
         targets = []
         for k, outs in group(key, out, "pull").items():
             entry = table.get(k, "pull from")
+            dense_only(entry, "pull from")
             arrays = []
             for o in outs:
                 array = o if type(o) is np.ndarray and o.flags.writeable else write_view(o, k)
@@ -562,6 +523,7 @@ class AsyncKVStore:
         """A new output for ``key``, of the kind of its first value: the object, a writable
         view of it, and the key's origin."""
         entry = self._keys.get(normalize_key(key), "pull from")
+        dense_only(entry, "pull from")
         obj, view = entry.origin.new(entry.shape, entry.dtype)
         return obj, view, entry.origin
 
@@ -660,6 +622,13 @@ class KVStore:
     def pushpull(self, key: Key | list[Key], value: Any, out: Any = None, priority: int = 0) -> Any:
         """See :meth:`AsyncKVStore.pushpull`; returns ``out`` (``value`` when omitted)."""
         return self._wait(self._inner.pushpull(key, value, out, priority))
+
+    def row_sparse_pull(
+        self, key: Key | list[Key], out: Any = None, priority: int = 0, row_ids: Any = None
+    ) -> Any:
+        """See :meth:`AsyncKVStore.row_sparse_pull`; returns ``out`` (or new
+        :class:`~akv.RowSparseArray` objects)."""
+        return self._wait(self._inner.row_sparse_pull(key, out, priority, row_ids))
 
     def broadcast(self, key: Key | list[Key], value: Any, out: Any = None) -> Any:
         """See :meth:`AsyncKVStore.broadcast`; returns ``out`` (or new arrays)."""

@@ -9,7 +9,7 @@ and for float16 weights with ``multi_precision``).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -92,7 +92,9 @@ class Adam(Optimizer):
     epsilon : float, default 1e-8
         ``> 0``.
     lazy_update : bool, default True
-        Accepted for MXNet compatibility; no effect (updates are dense).
+        For row-sparse gradients: update only the gradient's rows and their moments
+        (MXNet's lazy update), else every stored row, an absent row's gradient being
+        ``wd * weight``. Dense gradients update every element either way.
     **kwargs
         The other parameters of :class:`Optimizer`.
 
@@ -107,6 +109,7 @@ class Adam(Optimizer):
         ("epsilon", "epsilon"),
         ("lazy_update", "lazy_update"),
     )
+    _LAZY_ROWS = True
 
     def __init__(
         self,
@@ -183,6 +186,24 @@ class AdaGrad(Optimizer):
     """
 
     _CONFIG_PARAMS = (("eps", "float_stable_eps"),)
+    _LAZY_ROWS = True
+
+    def row_sparse_update(self, index: Index) -> Literal["lazy", "standard"]:
+        """Lazy (MXNet's row-sparse AdaGrad updates only the gradient's rows), which, as
+        in MXNet, needs no weight decay.
+
+        Raises
+        ------
+        OptimizerError
+            ``index`` has a weight decay.
+        """
+        wd = self._get_wd(index)
+        if wd:
+            raise OptimizerError(
+                f"AdaGrad: index {index!r}: a row-sparse update needs wd=0 (as MXNet's "
+                f"row-sparse AdaGrad), got wd={wd}; set wd=0 or its wd_mult to 0"
+            )
+        return "lazy"
 
     def __init__(self, eps: float = 1e-7, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -446,6 +467,7 @@ class FTRL(Optimizer):
     """
 
     _CONFIG_PARAMS = (("lamda1", "lamda1"), ("beta", "beta"))
+    _LAZY_ROWS = True
 
     def __init__(
         self, lamda1: float = 0.01, learning_rate: float = 0.1, beta: float = 1, **kwargs: Any

@@ -192,8 +192,13 @@ class Optimizer:
     -----
     MXNet's ``sym`` and ``param_dict`` (a Symbol and Gluon Parameters, which supplied
     multipliers) are not supported: akv has neither; use :meth:`set_lr_mult` and
-    :meth:`set_wd_mult`. Sparse (``row_sparse``) updates are not implemented either;
-    ``lazy_update`` is accepted and has no effect.
+    :meth:`set_wd_mult`.
+
+    Row-sparse gradients (of a row-sparse key, :class:`akv.RowSparseArray`) are applied
+    by :meth:`update_rows` to the gathered rows; :meth:`row_sparse_update` says how: MXNet's
+    lazy update (only the gradient's rows change, their states too) for the optimizers
+    that have one in MXNet (SGD and Adam with ``lazy_update=True``, AdaGrad, FTRL), else
+    the standard update of every stored row, absent gradient rows counting as zeros.
 
     A subclass either overrides :meth:`update` as in MXNet (using ``_update_count``,
     ``_get_lr`` and ``_get_wd``), or implements ``_step(index, weight, grad, state, lr, wd)``
@@ -213,6 +218,10 @@ class Optimizer:
         ("begin_num_update", "begin_num_update"),
         ("multi_precision", "multi_precision"),
     )
+
+    _LAZY_ROWS: ClassVar[bool] = False
+    """Whether MXNet has a lazy row-sparse update of this optimizer (then used when the
+    optimizer's ``lazy_update`` is true, or it has no such parameter)."""
 
     _MASTER_COPY_FIRST: ClassVar[bool] = True
     """Multi-precision state layout: ``(master, state)``, or ``(state, master)`` if False
@@ -542,6 +551,29 @@ class Optimizer:
         grad = check_update_arrays(index, weight, grad)
         self._update_count(index)
         self._step(index, weight, grad, state, self._get_lr(index), self._get_wd(index))
+
+    def row_sparse_update(self, index: Index) -> Literal["lazy", "standard"]:
+        """How a row-sparse gradient of ``index`` is applied.
+
+        ``"lazy"`` (MXNet's ``lazy_update``): only the gradient's rows are updated, weight
+        and states; rows it does not list keep their weight and state (no weight decay, no
+        momentum decay). ``"standard"``: every stored row is updated, a row the gradient
+        does not list as with a zero gradient (MXNet's dense update of the whole weight).
+        Either way :meth:`update_rows` applies it.
+
+        Raises
+        ------
+        OptimizerError
+            The optimizer cannot apply a row-sparse gradient of ``index``.
+        """
+        return "lazy" if self._LAZY_ROWS and getattr(self, "lazy_update", True) else "standard"
+
+    def update_rows(self, index: Index, weight: np.ndarray, grad: np.ndarray, state: State) -> None:
+        """Apply a row-sparse gradient to gathered rows: ``weight``, ``grad`` and the state
+        arrays hold the same rows, in the same order (the rows :meth:`row_sparse_update`
+        says to update). Counts one update of ``index``; otherwise as
+        :meth:`update_multi_precision`."""
+        self.update_multi_precision(index, weight, grad, state)
 
     def _step(
         self,

@@ -10,6 +10,7 @@ from akv.optimizer._base import (
     Index,
     Optimizer,
     State,
+    check_update_arrays,
     complement,
     product,
     register,
@@ -75,7 +76,8 @@ class SGD(Optimizer):
     momentum : float, default 0.0
         Momentum, in ``[0, 1)``; 0 keeps no state.
     lazy_update : bool, default True
-        Accepted for MXNet compatibility; akv's updates are dense, so it has no effect.
+        For row-sparse gradients: update only the gradient's rows (MXNet's lazy update),
+        else every stored row. Dense gradients update every element either way.
     **kwargs
         The parameters of :class:`Optimizer` (``learning_rate`` default 0.01).
 
@@ -86,6 +88,7 @@ class SGD(Optimizer):
 
     _CONFIG_PARAMS = (("momentum", "momentum"), ("lazy_update", "lazy_update"))
     _MASTER_COPY_FIRST = False
+    _LAZY_ROWS = True
 
     def __init__(self, momentum: float = 0.0, lazy_update: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -94,6 +97,17 @@ class SGD(Optimizer):
 
     def create_state(self, index: Index, weight: np.ndarray) -> State:
         return zeros_like(weight) if self.momentum != 0.0 else None
+
+    def update_rows(self, index: Index, weight: np.ndarray, grad: np.ndarray, state: State) -> None:
+        """As :meth:`Optimizer.update_rows`; without momentum, in the evaluation order of
+        MXNet's row-sparse kernel, ``(1 - lr*wd) * weight - lr * g``."""
+        if state is not None or (self.multi_precision and weight.dtype == np.float16):
+            self.update_multi_precision(index, weight, grad, state)
+            return
+        grad = check_update_arrays(index, weight, grad)
+        self._update_count(index)
+        lr, wd = self._get_lr(index), self._get_wd(index)
+        _sgd_step(self, weight, grad, lr, wd, decay_factor=True)
 
     def _step(
         self,

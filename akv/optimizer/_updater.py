@@ -16,6 +16,8 @@ from akv.optimizer._base import (
     zeros_like,
 )
 from akv.optimizer._states import decode_states, encode_states
+from akv.rows import RowTable
+from akv.sparse import RowSparseArray
 
 __all__ = ["Updater", "get_updater"]
 
@@ -42,6 +44,8 @@ class Updater:
             )
         self.optimizer = optimizer
         self.states: dict[Index, State] = {}
+        #: Row-sparse keys' states: one row table per array of the state's structure.
+        self.row_states: dict[Index, list[RowTable]] = {}
         # Loaded states not yet compared with their weight (the weight is only known at
         # the index's next update).
         self._unchecked: set[Index] = set()
@@ -75,6 +79,48 @@ class Updater:
             self._unchecked.discard(index)
         self.optimizer.update_multi_precision(index, weight, grad, self.states[index])
 
+    def update_rows(self, index: Index, table: RowTable, grad: RowSparseArray) -> None:
+        """Apply the row-sparse gradient ``grad`` to the rows of ``table`` (a row-sparse
+        key's stored rows) with their states, in place.
+
+        With a lazy optimizer (MXNet's ``lazy_update``, the default of SGD and Adam) only
+        the gradient's rows change, weight and states; with a standard one every stored
+        row does, absent gradient rows counting as zeros (rows never stored stay zero: the
+        optimizers akv has keep a zero weight with a zero state at zero). A row's state
+        starts as ``create_state`` makes it for the row. One update of ``index`` is
+        counted.
+
+        Raises
+        ------
+        OptimizerError
+            The optimizer has no row-sparse update (nothing changes).
+        """
+        optimizer = self.optimizer
+        how = optimizer.row_sparse_update(index)  # refuses before anything changes
+        if how == "lazy":
+            ids, grad_rows = grad.indices, grad.data
+        else:
+            ids = np.union1d(table.ids(), grad.indices)
+            grad_rows = np.zeros((len(ids), *table.row_shape), table.dtype)
+            grad_rows[np.searchsorted(ids, grad.indices)] = grad.data
+        weight_rows = table.gather(ids)
+        # A row's state starts as create_state makes it from the row's weight (a float32
+        # master copy is the weight, not zeros); a row updated before resumes its state.
+        state_rows = optimizer.create_state_multi_precision(index, weight_rows)
+        leaves = _leaves(state_rows)
+        tables = self.row_states.get(index)
+        if tables is None:
+            tables = [RowTable((table.shape[0], *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
+        else:
+            resumed = tables[0].stored(ids) if tables else np.zeros(0, bool)
+            for leaf, leaf_table in zip(leaves, tables, strict=True):
+                leaf[resumed] = leaf_table.gather(ids[resumed])
+        optimizer.update_rows(index, weight_rows, grad_rows, state_rows)
+        table.scatter(ids, weight_rows)
+        for leaf, leaf_table in zip(leaves, tables, strict=True):
+            leaf_table.scatter(ids, leaf)
+        self.row_states[index] = tables
+
     def dump_states(self, dump_optimizer: bool = False) -> bytes:
         """Encode the states, the update counts and, if ``dump_optimizer``, the optimizer's
         config, in akv's portable format (see ``encode_states``; no pickle).
@@ -83,7 +129,15 @@ class Updater:
         ------
         MixedKeyKindsError
             The updater has seen both int and str indexes.
+        OptimizerError
+            Row-sparse keys have states: akv's format holds dense states only (issue #25).
         """
+        if self.row_states:
+            raise OptimizerError(
+                f"save_optimizer_states: the optimizer states of row-sparse keys "
+                f"{sorted(map(str, self.row_states))} cannot be saved yet (akv's state format "
+                "holds dense states only)"
+            )
         return encode_states(
             self.states,
             index_update_counts=self.optimizer.index_update_counts,
@@ -162,6 +216,15 @@ def _placed_like(state: State, expected: State) -> State:
         copy_into(target, state)
         return target
     return state
+
+
+def _leaves(state: State) -> list[np.ndarray]:
+    """The arrays of a state's structure, in order."""
+    if state is None:
+        return []
+    if isinstance(state, (tuple, list)):
+        return [leaf for member in state for leaf in _leaves(member)]
+    return [state]
 
 
 def _describe(state: State) -> str:

@@ -80,10 +80,12 @@ from akv.errors import (
     PeerLostError,
     ServerError,
     StateFileError,
+    StorageTypeError,
     UnsupportedDTypeError,
 )
 from akv.keys import Entry, Part
 from akv.limits import CONNECT_RETRY_S, GOODBYE_TIMEOUT_S, INIT_CHECK_MARGIN_S, SWEEP_INTERVAL_S
+from akv.sparse import RowIds, RowSparseArray
 from engine import Completed, Engine, GPUExecutor, Task, Waitable
 from transport import DTYPE_CODES, AuthError, Message, RemoteError, StreamProtocol, TransportError
 
@@ -120,6 +122,7 @@ class DistBackend:
         self.keeps_gpu_arrays = device
         # GPU values are reduced on their GPUs by work that follows the call: wait for it.
         self.returns_pushes_early = not config.strict_push and not device
+        self.holds_rows = False  # the servers hold no row-sparse keys yet (issue #25)
         self._gpu_executor = gpu_executor
         self._gpu_registered = False
         self._staging = Staging(engine, self._stream_for_staging, self._gpu_ready, device)
@@ -580,6 +583,20 @@ class DistBackend:
         call = PullCall(done, result, give_back, after)
         self.handle(PullIssued(call, targets, staged, self._loop.time()))
 
+    def init_rows(self, entries: list[Entry], values: list[RowSparseArray]) -> Task:
+        """Refused: the servers hold no row-sparse keys yet."""
+        raise _no_rows(entries[0])
+
+    def push_rows(self, values: list[tuple[Entry, RowSparseArray]], priority: int) -> Task:
+        """Refused: the servers hold no row-sparse keys yet."""
+        raise _no_rows(values[0][0])
+
+    def pull_rows(
+        self, pulls: list[tuple[Entry, RowIds, RowSparseArray]], result: object, priority: int
+    ) -> Task:
+        """Refused: the servers hold no row-sparse keys yet."""
+        raise _no_rows(pulls[0][0])
+
     def barrier(self) -> Task:
         """Wait until every worker called barrier as often as this one (with a deadline).
 
@@ -743,3 +760,10 @@ def _meta_of(entry: Entry, part: Part, _: None) -> tuple[Key, tuple[int, ...], s
 
 def _nothing() -> None:
     return None
+
+
+def _no_rows(entry: Entry) -> StorageTypeError:
+    return StorageTypeError(
+        f"key {entry.key!r}: the distributed stores do not hold row-sparse keys yet (issue "
+        "#25); use the local or device store for row-sparse values, or push dense ones"
+    )

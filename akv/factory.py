@@ -1,0 +1,122 @@
+"""Opening a store: :func:`create` (blocking) and :func:`create_async`, from a store type
+name, its options and, for the distributed types, the job the environment describes."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from akv import limits
+from akv.cluster.config import Config, from_env
+from akv.errors import InvalidArgumentError, RoleError
+from akv.exits import close_at_exit, sigterm_raises
+from akv.kinds import StoreType, check_options, env_int, store_type
+from akv.store import AsyncKVStore, KVStore
+from engine import LoopThread
+
+__all__ = ["create", "create_async"]
+
+
+def _dist_config(kind: StoreType, environ: object, blocking: bool) -> Config | None:
+    """The job's configuration for a distributed type.
+
+    As with MXNet's launch scripts, the same command may start every role: in a process
+    whose role is server or scheduler, the blocking :func:`create` serves that role and
+    exits the process; :func:`create_async` raises :class:`~akv.errors.RoleError` (it
+    runs inside the caller's event loop, which it must not end).
+    """
+    if not kind.distributed:
+        return None
+    if environ is not None and not isinstance(environ, Mapping):
+        raise InvalidArgumentError(f"environ must be a mapping, got {type(environ).__name__}")
+    config = from_env(environ)
+    if config.role == "worker":
+        return config
+    command = "akv-server" if config.role == "server" else "akv-scheduler"
+    if not blocking:
+        raise RoleError(
+            f"create_async({kind.name!r}) was called in a process whose role is "
+            f"{config.role} (DMLC_ROLE/AKV_ROLE): run `{command}` for that role, or use "
+            "the blocking akv.create, which serves the role and exits"
+        )
+    from akv.cluster.roles import serve_role
+    from akv.cluster.scheduler.service import run_scheduler
+    from akv.cluster.server.service import run_server
+
+    sys.exit(
+        serve_role(config.role, config, run_server if config.role == "server" else run_scheduler)
+    )
+
+
+async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
+    """Create an :class:`AsyncKVStore` bound to the running event loop.
+
+    Parameters
+    ----------
+    name:
+        The store type (see ``STORE_TYPES`` and :func:`store_type`); case-insensitive, and
+        reported by ``type`` as given. Unknown names raise
+        :class:`~akv.errors.UnknownStoreTypeError` (MXNet silently makes a local store).
+        ``local`` and its MXNet variants (``local_allreduce_cpu``, ``local_update_cpu``) keep
+        values in host memory (GPU values given to them are copied to the host). ``device``
+        (also ``local_allreduce_device``, ``nccl``) keeps keys initialized from GPU arrays
+        on GPUs and reduces there, and keys initialized from host arrays as ``local`` does
+        (see ``docs/gpu.md``). The ``dist_*`` names join the job the environment describes
+        (see ``docs/distributed.md``) and return once every worker and server is
+        reachable; their ``_device`` variants reduce GPU values on the GPU first and stage
+        them through pinned host memory.
+    slots:
+        How many engine tasks may run at once (default ``AKV_ENGINE_SLOTS`` for a local
+        store, ``AKV_DIST_SLOTS`` requests in flight for a distributed one).
+    environ:
+        For distributed types, the variables to read instead of ``os.environ`` (to join a
+        job from a program that configures itself, or several jobs from one process).
+    devices:
+        For the local device stores, the GPUs keys may be placed on (default: every GPU an
+        init value came from so far).
+    inline_max_bytes:
+        Work on at most this many bytes runs on the calling thread, bigger work on the
+        engine's worker threads (default ``AKV_INLINE_MAX_BYTES``, 16 MiB). The blocking
+        store runs all array work on the calling thread unless this is given.
+    """
+    kind = store_type(name)
+    slots = check_options(kind, options)
+    inline = options.get("inline_max_bytes")
+    if inline is None:
+        inline = env_int("AKV_INLINE_MAX_BYTES", limits.INLINE_MAX_BYTES, 0)
+    config = _dist_config(kind, options.get("environ"), blocking=False)
+    store = await AsyncKVStore._open(kind, slots, inline, config, options.get("devices"))
+    # SIGTERM leaves the job as an exception does, telling the scheduler why.
+    store._holds_sigterm = config is not None and sigterm_raises()
+    return store
+
+
+def create(name: str = "local", **options: Any) -> KVStore:
+    """Create a blocking :class:`KVStore` (its own event loop runs on a private thread).
+
+    Takes the same arguments as :func:`create_async`; usable from any thread, also one
+    that runs an event loop of its own (Jupyter).
+    """
+    kind = store_type(name)
+    slots = check_options(kind, options)
+    config = _dist_config(kind, options.get("environ"), blocking=True)
+    loop_thread = LoopThread(name="akv-store-loop")
+    try:
+        # The blocking face runs array work inline on the calling thread: it waits anyway.
+        inline = options.get("inline_max_bytes")
+        inner = loop_thread.run(
+            AsyncKVStore._open(
+                kind, slots, inline, config, options.get("devices"), caller_waits=True
+            )
+        )
+    except BaseException:
+        loop_thread.close()
+        raise
+    store = KVStore(inner, loop_thread)
+    if config is not None:
+        # SIGTERM leaves the job as an exception does, telling the scheduler why; a store
+        # the program never closes is closed at exit (as MXNet's destructor does).
+        store._holds_sigterm = sigterm_raises()
+        close_at_exit(store)
+    return store

@@ -1,0 +1,97 @@
+"""Row-sparse keys in this process: the work of ``init``, ``push`` and ``row_sparse_pull``
+on a key whose value is a :class:`~akv.rows.RowTable` (the local and device stores).
+
+A row-sparse key stores only the rows that exist; a row it does not list reads as zero. Its
+entry's var orders these tasks exactly as it orders a dense key's. Semantics (as MXNet's
+``local`` store, except that only existing rows are stored):
+
+* ``init``: the rows listed are the rows stored.
+* ``push`` without an optimizer: the stored rows become the sum of the values pushed (the
+  union of their rows; every other row reads as zero again).
+* ``push`` with the store's optimizer: only the rows of the summed gradient are updated,
+  with their optimizer states (MXNet's ``lazy_update``), through
+  :meth:`akv.optimizer.Updater.update_rows`. A custom updater (``set_updater``) is given
+  dense arrays by contract and cannot take a row-sparse gradient: refused, typed.
+* ``row_sparse_pull``: the requested rows (sorted, unique; absent ones as zeros).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from akv import optimizer as _optimizer
+from akv.backend import Updater
+from akv.errors import OptimizerError
+from akv.keys import Entry
+from akv.rows import RowTable
+from akv.sparse import RowIds, RowSparseArray
+
+__all__ = ["RowPull", "RowPush", "apply_row_push", "pull_rows", "store_rows", "sum_rows"]
+
+#: One key's summed row-sparse push.
+RowPush = tuple[Entry, RowSparseArray]
+#: One key's requested rows (sorted, unique, checked) and the array each pull fills.
+RowPull = tuple[Entry, RowIds, RowSparseArray]
+
+
+def sum_rows(values: Sequence[RowSparseArray]) -> RowSparseArray:
+    """The sum of row-sparse values of one key (their rows' union; rows listed by several
+    are added, once, as the constructor sums repeated rows)."""
+    if len(values) == 1:
+        return values[0]
+    first = values[0]
+    data = np.concatenate([value.data for value in values])
+    indices = np.concatenate([value.indices for value in values])
+    return RowSparseArray(data, indices, first.shape)
+
+
+def table_of(entry: Entry) -> RowTable:
+    """The rows of a row-sparse key (set when the key is made)."""
+    assert entry.rows is not None, f"key {entry.key!r} is not row-sparse"
+    return entry.rows
+
+
+def store_rows(entries: list[Entry], values: list[RowSparseArray]) -> None:
+    """``init``: each key's rows are the rows its first value lists."""
+    for entry, value in zip(entries, values, strict=True):
+        table_of(entry).scatter(value.indices, value.data)
+
+
+def check_updater(updater: Updater | None, entry: Entry) -> _optimizer.Updater | None:
+    """The optimizer's updater a push to row-sparse ``entry`` goes through (None: the rows
+    are replaced).
+
+    Raises
+    ------
+    OptimizerError
+        A custom updater (``set_updater``): it takes dense arrays and cannot update rows.
+    """
+    if updater is None or isinstance(updater, _optimizer.Updater):
+        return updater
+    raise OptimizerError(
+        f"push to row-sparse key {entry.key!r}: a custom updater (set_updater) takes dense "
+        "arrays and cannot update rows; use set_optimizer (its lazy update touches only the "
+        "pushed rows), or push to a dense key"
+    )
+
+
+def apply_row_push(updater: _optimizer.Updater | None, pushed: list[RowPush]) -> None:
+    """Apply one push call, key by key (see the module's docstring)."""
+    for entry, grad in pushed:
+        table = table_of(entry)
+        if updater is None:
+            fresh = RowTable(table.shape, table.dtype)
+            fresh.scatter(grad.indices, grad.data)
+            entry.rows = fresh
+        else:
+            updater.update_rows(entry.key, table, grad)
+
+
+def pull_rows(pulls: list[RowPull], result: object) -> object:
+    """Fill each pull's array with the rows it asked for; the task returns ``result``."""
+    for entry, ids, out in pulls:
+        table = table_of(entry)
+        out._set(table.gather(ids), ids, table.shape)
+    return result

@@ -1,0 +1,162 @@
+"""Row-sparse updates (``Updater.update_rows``): every registered optimizer, lazy or standard,
+against the same optimizer's dense update of the same numbers.
+
+Lazy: the dense update applied to the gradient's rows only (weight and state rows), the
+other rows untouched. Standard: the dense update of the whole (declared) weight with a
+zero gradient in the rows the gradient does not list.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import akv
+from akv import optimizer as opt
+from akv.errors import OptimizerError
+from akv.optimizer._base import _REGISTRY
+from akv.rows import RowTable
+
+ROWS, WIDTH = 12, 3
+STEPS = [np.array([1, 4, 7]), np.array([4, 11]), np.array([0, 1, 4])]
+INITIAL_ROWS = np.array([1, 2, 4, 9])  # row 2 and 9 are stored, and no gradient names them
+
+SETTINGS = {
+    "sgd": {"momentum": 0.9, "wd": 0.1, "learning_rate": 0.1},
+    "adagrad": {"learning_rate": 0.1, "wd": 0.0},
+    "ftrl": {"wd": 0.1},
+    "lamb": {"wd": 0.1},
+}
+
+
+def _optimizer(name: str, **extra: object) -> opt.Optimizer:
+    params = {"wd": 0.05, "rescale_grad": 0.5, "clip_gradient": 2.0, **SETTINGS.get(name, {})}
+    params.update(extra)
+    return opt.create(name, **params)
+
+
+def _weights(rng: np.random.Generator) -> tuple[RowTable, np.ndarray]:
+    table = RowTable((ROWS, WIDTH), np.float32)
+    dense = np.zeros((ROWS, WIDTH), np.float32)
+    values = rng.standard_normal((len(INITIAL_ROWS), WIDTH)).astype(np.float32)
+    table.scatter(INITIAL_ROWS, values)
+    dense[INITIAL_ROWS] = values
+    return table, dense
+
+
+def _gradients(rng: np.random.Generator) -> list[akv.RowSparseArray]:
+    return [
+        akv.RowSparseArray(
+            (3 * rng.standard_normal((len(ids), WIDTH))).astype(np.float32), ids, (ROWS, WIDTH)
+        )
+        for ids in STEPS
+    ]
+
+
+def _dense_reference(
+    optimizer: opt.Optimizer, dense: np.ndarray, grads: list[akv.RowSparseArray], lazy: bool
+) -> np.ndarray:
+    """The optimizer's dense update, on the gradient's rows (lazy) or on every row."""
+    state = optimizer.create_state_multi_precision(0, dense)
+    for grad in grads:
+        if not lazy:
+            optimizer.update_multi_precision(0, dense, grad.to_dense(), state)
+            continue
+        ids = grad.indices
+        rows = dense[ids]
+        state_rows = _rows_of(state, ids)
+        optimizer.update_multi_precision(0, rows, grad.data.copy(), state_rows)
+        dense[ids] = rows
+        _put_rows(state, state_rows, ids)
+    return dense
+
+
+def _rows_of(state, ids):
+    if state is None:
+        return None
+    if isinstance(state, (tuple, list)):
+        return type(state)(_rows_of(member, ids) for member in state)
+    return state[ids]
+
+
+def _put_rows(state, parts, ids):
+    if isinstance(state, (tuple, list)):
+        for member, part in zip(state, parts, strict=True):
+            _put_rows(member, part, ids)
+    elif state is not None:
+        state[ids] = parts
+
+
+def _has_lazy_update(name: str) -> bool:
+    return "lazy_update" in {param for param, _ in _REGISTRY[name]._CONFIG_PARAMS}
+
+
+@pytest.mark.parametrize(
+    ("name", "lazy_update"),
+    [(name, True) for name in sorted(_REGISTRY)]
+    + [(name, False) for name in sorted(_REGISTRY) if _has_lazy_update(name)],
+)
+def test_a_row_update_is_the_dense_update_of_its_rows(name, lazy_update):
+    extra = {"lazy_update": lazy_update} if _has_lazy_update(name) else {}
+    rng = np.random.default_rng(5)
+    table, dense = _weights(rng)
+    grads = _gradients(rng)
+    updater = opt.get_updater(_optimizer(name, **extra))
+    how = updater.optimizer.row_sparse_update(0)
+    for grad in grads:
+        updater.update_rows(0, table, grad)
+    expected = _dense_reference(_optimizer(name, **extra), dense, grads, lazy=how == "lazy")
+    np.testing.assert_allclose(akv.RowSparseArray.to_dense(table.to_sparse()), expected, 1e-6, 1e-7)
+    assert updater.optimizer.index_update_counts[0] == len(grads)
+    lazy_in_mxnet = name in {"sgd", "adam", "adagrad", "ftrl"}
+    assert how == ("lazy" if lazy_in_mxnet and lazy_update else "standard")
+    if how == "lazy":
+        # Rows stored but never named by a gradient keep their weight exactly, and get no
+        # state; rows never stored and never named are not stored.
+        np.testing.assert_array_equal(table.gather([2, 9]), dense[[2, 9]])
+        assert set(table.ids()) == set(INITIAL_ROWS) | {0, 7, 11}
+
+
+def test_lazy_sgd_momentum_keeps_an_untouched_rows_momentum():
+    """A row's momentum decays only when a gradient names it (MXNet's lazy update)."""
+    table = RowTable((4, 1), np.float32)
+    updater = opt.get_updater(opt.SGD(learning_rate=1.0, momentum=0.5))
+    one = akv.RowSparseArray(np.ones((1, 1), np.float32), [1], (4, 1))
+    other = akv.RowSparseArray(np.ones((1, 1), np.float32), [3], (4, 1))
+    updater.update_rows(0, table, one)  # mom[1] = -1, w[1] = -1
+    updater.update_rows(0, table, other)  # row 1 untouched: its momentum stays -1
+    updater.update_rows(0, table, one)  # mom[1] = -0.5 - 1, w[1] = -2.5
+    assert table.gather([1, 3]).ravel().tolist() == [-2.5, -1.0]
+
+
+def test_a_new_rows_master_copy_is_its_weight():
+    """float16 rows with multi_precision: the float32 master copy of a row starts as the
+    row's weight (not zeros), so the first update of a stored row keeps its value."""
+    table = RowTable((4, 2), np.float16)
+    table.scatter([2], np.array([[1.0, -2.0]], np.float16))
+    updater = opt.get_updater(opt.SGD(learning_rate=0.5, multi_precision=True))
+    updater.update_rows(0, table, akv.RowSparseArray(np.ones((1, 2), np.float16), [2], (4, 2)))
+    np.testing.assert_array_equal(table.gather([2]), [[0.5, -2.5]])
+    master = updater.row_states[0][0]
+    assert master.dtype == np.float32
+    np.testing.assert_array_equal(master.gather([2]), [[0.5, -2.5]])
+
+
+def test_adagrad_with_weight_decay_refuses_a_row_update_and_changes_nothing():
+    table = RowTable((4, 2), np.float32)
+    table.scatter([1], np.ones((1, 2), np.float32))
+    updater = opt.get_updater(opt.AdaGrad(wd=0.1))
+    grad = akv.RowSparseArray(np.ones((1, 2), np.float32), [1], (4, 2))
+    with pytest.raises(OptimizerError, match=r"AdaGrad: index 0: a row-sparse update needs wd=0"):
+        updater.update_rows(0, table, grad)
+    np.testing.assert_array_equal(table.gather([1]), np.ones((1, 2)))
+    assert updater.optimizer.index_update_counts == {}
+    assert updater.row_states == {}
+
+
+def test_row_states_are_refused_by_dump_states():
+    updater = opt.get_updater(opt.Adam())
+    table = RowTable((4, 2), np.float32)
+    updater.update_rows("emb", table, akv.RowSparseArray.zeros((4, 2)))
+    with pytest.raises(OptimizerError, match=r"row-sparse keys \['emb'\] cannot be saved"):
+        updater.dump_states()
