@@ -61,12 +61,19 @@ class Backend(Protocol):
     #: blocking face then returns without waiting for it, and errors surface at the next
     #: call on the key, ``barrier()`` or ``close()``.
     returns_pushes_early: bool
-    #: Whether the backend holds row-sparse keys (the store refuses them before anything
-    #: is registered when it does not).
-    holds_rows: bool
 
     def new_entry(self, key: Key, array: np.ndarray) -> Entry:
         """A new key's entry (its var, and where its parts live), for a value like ``array``."""
+        ...
+
+    def new_row_entry(self, key: Key, shape: tuple[int, ...], dtype: np.dtype) -> Entry:
+        """A new row-sparse key's entry (``entry.rows`` set: where a local store keeps its
+        rows; a distributed store's stays empty, its parts are row ranges).
+
+        Raises
+        ------
+        InvalidArgumentError, UnsupportedDTypeError
+        """
         ...
 
     def set_updater(self, updater: Updater | None) -> None:

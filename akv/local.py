@@ -29,6 +29,7 @@ from akv.backend import KeyArrays, Updater, caller_events
 from akv.errors import AKVError, OptimizerNotSetError, StateFileError
 from akv.keys import Entry, merge_into
 from akv.local_rows import RowPull, RowPush, apply_row_push, check_updater, pull_rows, store_rows
+from akv.rows import RowTable
 from akv.sparse import RowSparseArray
 from engine import Engine, Task, Waitable
 
@@ -149,7 +150,6 @@ class LocalBackend:
     broken: AKVError | None = None
     keeps_gpu_arrays = False
     returns_pushes_early = False
-    holds_rows = True
 
     def __init__(self, engine: Engine, store: object, inline_max_bytes: int | None) -> None:
         """``store``: the store whose updater calls are guarded against re-entry.
@@ -177,6 +177,12 @@ class LocalBackend:
     def new_entry(self, key: Key, array: np.ndarray) -> Entry:
         """A key's entry, with an engine var of its own."""
         return Entry(key, tuple(array.shape), array.dtype, self._engine.new_var(f"key {key!r}"))
+
+    def new_row_entry(self, key: Key, shape: tuple[int, ...], dtype: np.dtype) -> Entry:
+        """A row-sparse key's entry: its rows are kept in ``entry.rows``."""
+        entry = Entry(key, shape, dtype, self._engine.new_var(f"key {key!r}"))
+        entry.rows = RowTable(shape, dtype)
+        return entry
 
     def set_updater(self, updater: Updater | None) -> None:
         """Use ``updater`` for pushes issued from now on."""

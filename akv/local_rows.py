@@ -38,9 +38,11 @@ RowPull = tuple[Entry, RowIds, RowSparseArray]
 
 def sum_rows(values: Sequence[RowSparseArray]) -> RowSparseArray:
     """The sum of row-sparse values of one key (their rows' union; rows listed by several
-    are added, once, as the constructor sums repeated rows)."""
+    are added, once, as the constructor sums repeated rows), in arrays of its own: the
+    caller may change the values given once this returns."""
     if len(values) == 1:
-        return values[0]
+        value = values[0]
+        return RowSparseArray._trusted(value.data.copy(), value.indices.copy(), value.shape)
     first = values[0]
     data = np.concatenate([value.data for value in values])
     indices = np.concatenate([value.indices for value in values])

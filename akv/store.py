@@ -51,7 +51,6 @@ from akv.row_args import (
     row_pushes,
     sparse_call,
 )
-from akv.rows import RowTable
 from akv.sparse import RowSparseArray, check_dense
 from engine import Engine, LoopThread, Waitable, then
 
@@ -183,16 +182,9 @@ class AsyncKVStore:
         """``init`` of row-sparse keys: each stores the rows its value lists."""
         backend = self._backend
         items = [(k, init_rows(k, values)) for k, values in pairs(key, value, "init")]
-        if not backend.holds_rows:
-            raise StorageTypeError(
-                f"init key {items[0][0]!r}: the {self._type!r} store does not hold "
-                "row-sparse keys yet (issue #25); use a local or device store"
-            )
 
         def new_entry(k: Key, rows: RowSparseArray) -> Entry:
-            entry = Entry(k, rows.shape, rows.dtype, self._engine.new_var(f"key {k!r}"))
-            entry.rows = RowTable(rows.shape, rows.dtype)
-            return entry
+            return backend.new_row_entry(k, rows.shape, rows.dtype)
 
         entries = self._keys.add(items, new_entry)
         return backend.init_rows(entries, [rows for _, rows in items])

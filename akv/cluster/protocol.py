@@ -25,6 +25,14 @@ Ops (arrays carry the key):
 * ``CHECKPOINT``: write a checkpoint now (a server with a checkpoint directory); answered
   once it is durable. A worker asks when the pushes it keeps for the server grow past
   ``AKV_RETAIN_BYTES``.
+* ``ROW_INIT``: rank 0's initial rows of row-sparse keys, for this server's row range of
+  each; ``text`` is :func:`encode_row_meta` (each key's declared shape, dtype and range),
+  and each key has two arrays: its row ids (int64, sorted, unique, in the range) and their
+  rows. Every server holds every row-sparse key (its range may be empty).
+* ``ROW_PUSH``: row-sparse values, each key's ids and rows (the ids array carries the
+  push number as its ``tag``); summed into the key's round like ``PUSH``'s values.
+* ``ROW_PULL``: each key's requested row ids (sorted, unique, in the range); answered with
+  one array of rows per key, in order, once the puller's last push to it is applied.
 * ``DURABLE`` (server to worker, ``seq`` 0, never answered): every request of this worker
   numbered below ``aux`` is held by a checkpoint; the worker drops the pushes it kept.
   ``text`` is the :class:`Note` (:func:`format_note`): which server process wrote which
@@ -70,7 +78,9 @@ __all__ = [
     "Op",
     "client_header",
     "decode_meta",
+    "decode_row_meta",
     "encode_meta",
+    "encode_row_meta",
     "error_from_status",
     "format_note",
     "op_label",
@@ -93,6 +103,9 @@ class Op(IntEnum):
     SAVE_STATES = 8
     LOAD_STATES = 9
     CHECKPOINT = 10
+    ROW_INIT = 11
+    ROW_PUSH = 12
+    ROW_PULL = 13
     REPLY = 100
     DURABLE = 101
 
@@ -126,6 +139,8 @@ STATUS_CLASSES: Final[dict[int, type[errors.AKVError]]] = {
     11: errors.ServerError,
     12: errors.WaitTimeoutError,
     13: errors.OptimizerNotSetError,
+    14: errors.RowIdError,
+    15: errors.StorageTypeError,
 }
 INTERNAL: Final = 11
 _CODES: Final[dict[type[BaseException], int]] = {cls: code for code, cls in STATUS_CLASSES.items()}
@@ -230,6 +245,48 @@ def decode_meta(text: str) -> list[tuple[int | str, tuple[int, ...], str]]:
         if isinstance(key, bool) or not isinstance(key, (int, str)):
             raise errors.InvalidArgumentError(
                 f"malformed init_check request: key {key!r} is not an int or a str"
+            )
+    return decoded
+
+
+#: A row-sparse key as ``ROW_INIT`` declares it: key, declared shape, dtype name, and the
+#: server's row range ``[first, end)``.
+RowMeta = tuple[int | str, tuple[int, ...], str, int, int]
+
+
+def encode_row_meta(items: list[RowMeta]) -> str:
+    """``ROW_INIT``'s text: each key's declared shape, dtype and this server's row range."""
+    return json.dumps(
+        [[key, list(shape), dtype, first, end] for key, shape, dtype, first, end in items]
+    )
+
+
+def decode_row_meta(text: str) -> list[RowMeta]:
+    """The inverse of :func:`encode_row_meta`.
+
+    Raises
+    ------
+    InvalidArgumentError
+        Not a list of ``[key, shape, dtype, first, end]`` with an int or str key, a shape of
+        at least one dimension from 0, and ``0 <= first <= end <= shape[0]``; or not
+        strict JSON.
+    """
+    try:
+        decoded = [
+            (key, tuple(int(n) for n in shape), str(dtype), int(first), int(end))
+            for key, shape, dtype, first, end in parse_json(text)
+        ]
+    except (ValueError, TypeError) as exc:
+        raise errors.InvalidArgumentError(f"malformed row_init request: {exc}") from None
+    for key, shape, _, first, end in decoded:
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise errors.InvalidArgumentError(
+                f"malformed row_init request: key {key!r} is not an int or a str"
+            )
+        if not shape or min(shape) < 0 or not 0 <= first <= end <= shape[0]:
+            raise errors.InvalidArgumentError(
+                f"malformed row_init request: key {key!r}: shape {shape} and row range "
+                f"[{first}, {end})"
             )
     return decoded
 

@@ -4,8 +4,6 @@ everything stored as it was."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 
@@ -199,22 +197,6 @@ def test_a_custom_updater_is_refused_for_a_row_sparse_push():
         with pytest.raises(OptimizerError, match="custom updater"):
             kv.push("emb", rows([3], [[1, 1, 1]]))
         np.testing.assert_array_equal(all_rows(kv)[3], [3, 3, 3])
-
-
-def test_a_dist_store_refuses_a_row_sparse_key_before_registering_it():
-    from tests.akv.cluster.cluster import Cluster
-
-    async def main(cluster: Cluster) -> None:
-        (kv,) = await cluster.workers()
-        try:
-            with pytest.raises(StorageTypeError, match="does not hold row-sparse keys"):
-                kv.init("emb", rows([3], [[3, 3, 3]]))
-            assert "emb" not in list(kv.keys())
-        finally:
-            await kv.close()
-
-    with Cluster(1, 1) as cluster:
-        asyncio.run(main(cluster))
 
 
 async def test_the_async_face():

@@ -11,6 +11,7 @@ and the state looks its keys and its optimizer up with :func:`entry_of` and
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -24,9 +25,17 @@ from akv.errors import (
     KeyNotInitializedError,
     OptimizerNotSetError,
 )
-from transport import ArrayInfo, FrameHeader
+from transport import ArrayInfo, FrameHeader, parse_json
 
-__all__ = ["NO_ARRAY_OPS", "REQUEST_OPS", "check_frame", "entry_of", "require_updater"]
+__all__ = [
+    "NO_ARRAY_OPS",
+    "REQUEST_OPS",
+    "check_frame",
+    "entry_of",
+    "optimizer_request",
+    "require_updater",
+    "save_states_request",
+]
 
 #: The ops a worker may send a server.
 REQUEST_OPS = frozenset(op for op in Op if op not in (Op.REPLY, Op.DURABLE))
@@ -125,6 +134,38 @@ def require_updater(
             f"{what}: no optimizer is set on {server} (call set_optimizer first)"
         )
     return updater
+
+
+def optimizer_request(text: str) -> tuple[_optimizer.Optimizer, dict[str, Any]]:
+    """The optimizer a ``SET_OPTIMIZER`` request's text configures, and that configuration.
+
+    Raises
+    ------
+    InvalidArgumentError, OptimizerError
+        Not a JSON object, or not an optimizer akv has.
+    """
+    try:
+        config = parse_json(text)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"optimizer configuration is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise InvalidArgumentError("optimizer configuration must be a JSON object")
+    return _optimizer.from_config(config), config
+
+
+def save_states_request(text: str) -> bool:
+    """Whether a ``SAVE_STATES`` request asks for the optimizer's configuration too.
+
+    Raises
+    ------
+    InvalidArgumentError
+        Not a JSON object.
+    """
+    try:
+        request = parse_json(text or "{}")
+        return bool(request.get("dump_optimizer", False))
+    except (ValueError, AttributeError) as exc:
+        raise InvalidArgumentError(f"malformed save_states request: {exc}") from None
 
 
 def _resent_init(peer: Peer, seq: int, entry: ServerEntry, info: ArrayInfo) -> bool:

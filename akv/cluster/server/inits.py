@@ -18,25 +18,29 @@ from akv.cluster.server.instructions import (
     Peer,
     Reply,
     ReplyError,
+    RowEntry,
     ServerEntry,
 )
 from akv.errors import AKVError, PeerLostError, ShapeMismatchError, WaitTimeoutError
 
 __all__ = ["InitWaits", "check_init_agrees"]
 
-#: An init check's keys: (key, shape, dtype name).
+#: An init check's keys: (key, shape, dtype name; ``"<dtype> row_sparse"`` for a
+#: row-sparse key).
 Items = list[tuple[Key, tuple[int, ...], str]]
+#: A key held: dense or row-sparse.
+Held = ServerEntry | RowEntry
 
 
 def check_init_agrees(
-    peer: Peer, key: Key, shape: tuple[int, ...], dtype: str, entry: ServerEntry
+    peer: Peer, key: Key, shape: tuple[int, ...], dtype: str, entry: Held
 ) -> None:
     """Raise :class:`~akv.errors.ShapeMismatchError` when worker ``peer``'s init of ``key``
     differs from rank 0's (held in ``entry``)."""
-    if entry.shape != shape or str(entry.dtype) != dtype:
+    if entry.shape != shape or entry.init_dtype != dtype:
         raise ShapeMismatchError(
             f"init key {key!r} on worker {peer.worker}: shape {shape} and dtype {dtype} "
-            f"differ from worker 0's {entry.shape} {entry.dtype}",
+            f"differ from worker 0's {entry.shape} {entry.init_dtype}",
             key=key,
         )
 
@@ -52,7 +56,7 @@ class InitWaits:
         return len(self.waits)
 
     def add(
-        self, peer: Peer, seq: int, items: Items, now: float, entries: Mapping[Key, ServerEntry]
+        self, peer: Peer, seq: int, items: Items, now: float, entries: Mapping[Key, Held]
     ) -> list[Instruction]:
         """Worker ``peer``'s init check ``seq`` of ``items`` arrived: refused at once when a
         key it names is held with another shape or dtype, else kept until rank 0's values
@@ -64,7 +68,7 @@ class InitWaits:
         self.waits.append(InitWait(peer, seq, items, now + self.timeout_s))
         return self.release(entries)
 
-    def release(self, entries: Mapping[Key, ServerEntry]) -> list[Instruction]:
+    def release(self, entries: Mapping[Key, Held]) -> list[Instruction]:
         """Answer the checks whose keys are all held durably (an error where they differ)."""
         out: list[Instruction] = []
         still = []
@@ -82,7 +86,7 @@ class InitWaits:
         self.waits = still
         return out
 
-    def overdue(self, now: float, entries: Mapping[Key, ServerEntry]) -> list[Instruction]:
+    def overdue(self, now: float, entries: Mapping[Key, Held]) -> list[Instruction]:
         """Fail the checks that waited past their deadline, naming the keys rank 0 never
         initialized."""
         out: list[Instruction] = []
@@ -105,7 +109,7 @@ class InitWaits:
         self.waits = []
         return out
 
-    def validate(self, entries: Mapping[Key, ServerEntry]) -> None:
+    def validate(self, entries: Mapping[Key, Held]) -> None:
         """No wait is left whose keys are all held (it would have been released)."""
         for wait in self.waits:
             assert not all(k in entries and entries[k].durable for k, _, _ in wait.items), (

@@ -13,6 +13,8 @@ instruction                 what the service does
 :class:`Land`               merge pushes into their rounds and apply the rounds they
                             close (array work, in one engine task)
 :class:`SendValues`         answer a pull with values
+:class:`LandRows`           sum the row-sparse pushes of closed rounds and apply them
+:class:`SendRows`           answer a row pull with the rows asked for
 :class:`InstallOptimizer`,  optimizer work on the keys, after their earlier writes
 :class:`SaveStates`,
 :class:`LoadStates`
@@ -25,7 +27,8 @@ instruction                 what the service does
 
 Plain data, no I/O. A :class:`ServerEntry` is the key as the server holds it: its rounds
 (:class:`~akv.cluster.server.rounds.KeyRounds`) and what made it, on top of its buffers
-(:class:`~akv.cluster.server.buffers.RegionEntry`).
+(:class:`~akv.cluster.server.buffers.RegionEntry`). A :class:`RowEntry` is a row-sparse key:
+this server's range of its rows, in a :class:`~akv.rows.RowTable`.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from akv.cluster.protocol import Note
 from akv.cluster.server.buffers import Lent, RegionEntry
 from akv.cluster.server.rounds import KeyRounds
 from akv.errors import AKVError, MembershipError
-from akv.keys import VarFactory
+from akv.keys import Entry, VarFactory
+from akv.rows import RowTable
 
 __all__ = [
     "Checkpoint",
@@ -53,12 +57,16 @@ __all__ = [
     "InstallOptimizer",
     "Instruction",
     "Land",
+    "LandRows",
     "LoadStates",
     "Peer",
     "PullTicket",
     "Reply",
     "ReplyError",
+    "RowEntry",
+    "RowPullTicket",
     "SaveStates",
+    "SendRows",
     "SendValues",
     "ServerEntry",
     "StaleCheckpointError",
@@ -99,6 +107,75 @@ class ServerEntry(RegionEntry):
         self.made_by = made_by
         #: A checkpoint holds the key (always True without checkpoints).
         self.durable = True
+
+    @property
+    def init_dtype(self) -> str:
+        """The dtype as init checks compare it."""
+        return str(self.dtype)
+
+
+class RowEntry(Entry):
+    """A row-sparse key as a server holds it: the declared ``shape`` (rows first), the
+    rows ``[first, end)`` that are this server's (:func:`~akv.cluster.placement.row_parts`),
+    those of them stored (:attr:`rows`, a table of the declared shape that only ever holds
+    ids of the range), its rounds, the pushes of the open round (``pending``: ids and rows
+    as they arrived), and the init that made it."""
+
+    __slots__ = ("durable", "end", "first", "made_by", "pending", "rounds")
+
+    def __init__(
+        self,
+        key: Key,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        rows: tuple[int, int],
+        new_var: VarFactory,
+        sync: bool,
+        num_workers: int,
+        made_by: tuple[str, int] | None = None,
+    ) -> None:
+        super().__init__(key, shape, dtype, new_var(f"key {key!r}"))
+        self.first, self.end = rows
+        self.rows: RowTable = RowTable(shape, dtype)
+        self.rounds: KeyRounds[RowPullTicket] = KeyRounds(key, num_workers, sync)
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.made_by = made_by
+        self.durable = True
+
+    @property
+    def init_dtype(self) -> str:
+        """The dtype as init checks compare it (a dense init of the key differs)."""
+        return f"{self.dtype} row_sparse"
+
+
+@dataclass(eq=False)
+class RowPullTicket:
+    """A row pull waiting for rounds to be applied: per key, the ids asked for."""
+
+    peer: Peer
+    seq: int
+    pulls: list[tuple[RowEntry, np.ndarray]]
+    remaining: int = 0
+    answered: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LandRows:
+    """Sum each closed round's row-sparse pushes (``closing``: entry, round, the pushes'
+    ids and rows) and apply the sum (the rows replaced, or updated by the optimizer), in
+    one task that writes every key in ``entries``; then report as :class:`Land` does and
+    send ``reply`` (dist_async)."""
+
+    entries: tuple[RowEntry, ...]
+    closing: tuple[tuple[RowEntry, int, tuple[tuple[np.ndarray, np.ndarray], ...]], ...]
+    reply: Reply | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SendRows:
+    """Answer ``ticket`` with the rows it asks for, read after earlier writes."""
+
+    ticket: RowPullTicket
 
 
 @dataclass(eq=False)
@@ -183,7 +260,7 @@ class InstallOptimizer:
     seq: int
     optimizer: _optimizer.Optimizer
     config: dict[str, Any]
-    entries: tuple[ServerEntry, ...]
+    entries: tuple[Entry, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +272,7 @@ class SaveStates:
     seq: int
     updater: _optimizer.Updater
     dump: bool
-    entries: tuple[ServerEntry, ...]
+    entries: tuple[Entry, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,8 +336,8 @@ class Durable:
 
 
 Instruction: TypeAlias = (
-    "Reply | ReplyError | Land | SendValues | InstallOptimizer | SaveStates | LoadStates "
-    "| Checkpoint | FailJob | CloseStream | Durable"
+    "Reply | ReplyError | Land | SendValues | LandRows | SendRows | InstallOptimizer "
+    "| SaveStates | LoadStates | Checkpoint | FailJob | CloseStream | Durable"
 )
 
 

@@ -54,17 +54,22 @@ from akv.cluster.server.instructions import (
     InstallOptimizer,
     Instruction,
     Land,
+    LandRows,
     LoadStates,
     Peer,
     PullTicket,
     Reply,
     ReplyError,
+    RowEntry,
+    RowPullTicket,
     SaveStates,
+    SendRows,
     SendValues,
     ServerEntry,
     StaleCheckpointError,
 )
 from akv.cluster.server.links import Link, OneShotLink, StreamLink
+from akv.cluster.server.row_keys import gather_rows, land_rows
 from akv.cluster.server.state import ServerState
 from akv.cluster.server.updates import land
 from akv.errors import (
@@ -426,6 +431,24 @@ class ParameterServer:
                 )
             elif isinstance(instruction, SendValues):
                 self._send_values(instruction)
+            elif isinstance(instruction, LandRows):
+                self.engine.push(
+                    self._land_rows,
+                    instruction,
+                    writes=[entry.var for entry in instruction.entries],
+                    executor="thread",
+                    name="push",
+                )
+            elif isinstance(instruction, SendRows):
+                pulls = instruction.ticket.pulls
+                self.engine.push(
+                    self._send_rows,
+                    instruction.ticket,
+                    reads=[entry.var for entry, _ in pulls],
+                    executor="thread" if sum(ids.size for _, ids in pulls) > 256 else "inline",
+                    no_skip=True,
+                    name="send",
+                )
             elif isinstance(instruction, InstallOptimizer):
                 self.engine.push(
                     self._install,
@@ -529,10 +552,19 @@ class ParameterServer:
             self._on_loop(lent.give_back)
         self._on_loop(self._landed, done, failed, work.reply)
 
+    def _land_rows(self, work: LandRows) -> None:
+        done, failed = land_rows(work, self.state.updater)
+        self._on_loop(self._landed, done, failed, work.reply)
+
+    def _send_rows(self, ticket: RowPullTicket) -> None:
+        """Answer a row pull with a copy of the rows it asks for."""
+        frame = [frame_bytes(Op.REPLY, ticket.seq, gather_rows(ticket), aux=OK)]
+        self._on_loop(self.send_to, ticket.peer, frame)
+
     def _landed(
         self,
-        done: list[tuple[ServerEntry, int]],
-        failed: list[tuple[ServerEntry, int, Exception]],
+        done: list[tuple[ServerEntry, int]] | list[tuple[RowEntry, int]],
+        failed: list[tuple[ServerEntry, int, Exception]] | list[tuple[RowEntry, int, Exception]],
         reply: Reply | None = None,
     ) -> None:
         self.execute(self.state.rounds_applied(done))

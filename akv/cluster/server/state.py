@@ -40,7 +40,13 @@ from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import COUNTED, DIST_STORE_TYPES, Note, Op, decode_meta, op_label
 from akv.cluster.server.buffers import Landing, ValueRegions, give_back
-from akv.cluster.server.checks import check_frame, entry_of, require_updater
+from akv.cluster.server.checks import (
+    check_frame,
+    entry_of,
+    optimizer_request,
+    require_updater,
+    save_states_request,
+)
 from akv.cluster.server.durability import Lineage
 from akv.cluster.server.inits import InitWaits
 from akv.cluster.server.instructions import (
@@ -56,11 +62,16 @@ from akv.cluster.server.instructions import (
     PullTicket,
     Reply,
     ReplyError,
+    RowEntry,
+    RowPullTicket,
     SaveStates,
+    SendRows,
     SendValues,
     ServerEntry,
     StaleCheckpointError,
 )
+from akv.cluster.server.row_keys import ROW_OPS, RowKeys, shaped
+from akv.cluster.server.views import check_invariants, status
 from akv.errors import (
     AKVError,
     DuplicateInitError,
@@ -72,12 +83,14 @@ from akv.errors import (
 )
 from akv.keys import VarFactory
 from akv.limits import INLINE_MAX_BYTES, RECONNECT_GRACE_S, SMALL_REPLY_BYTES
-from transport import FrameHeader, StreamSilentError, parse_json
+from transport import FrameHeader, StreamSilentError
 
 __all__ = ["ServerState"]
 
 #: The requests that may change keys, rounds or the optimizer (for the checkpoint timer).
-_CHANGING_OPS = frozenset({Op.INIT, Op.PUSH, Op.PUSHPULL, Op.SET_OPTIMIZER, Op.LOAD_STATES})
+_CHANGING_OPS = frozenset(
+    {Op.INIT, Op.PUSH, Op.PUSHPULL, Op.SET_OPTIMIZER, Op.LOAD_STATES, Op.ROW_INIT, Op.ROW_PUSH}
+)
 
 
 class ServerState:
@@ -120,8 +133,10 @@ class ServerState:
         silent_reconnect_s: float | None = None,
         server_id: str = "",
     ) -> None:
-        self.name = name
         self.num_workers = num_workers
+        #: The row-sparse keys (:mod:`akv.cluster.server.row_keys`).
+        self.rows = RowKeys(name, num_workers, new_var)
+        self.name = name
         self.init_timeout_s = init_timeout_s
         self.reconnect_s = reconnect_s
         self.silent_reconnect_s = reconnect_s if silent_reconnect_s is None else silent_reconnect_s
@@ -156,7 +171,23 @@ class ServerState:
         self.lineage = Lineage(server_id, num_workers)
         #: Pulls ready to be answered while the lineage holds answers (a restored server
         #: has not checked every worker yet).
-        self._held_answers: list[PullTicket] = []
+        self._held_answers: list[PullTicket | RowPullTicket] = []
+
+    @property
+    def name(self) -> str:
+        """How the server is named in messages."""
+        return self.rows.name
+
+    @name.setter
+    def name(self, name: str) -> None:
+        self.rows.name = name
+
+    def _all_keys(self) -> tuple[ServerEntry | RowEntry, ...]:
+        return (*self.entries.values(), *self.rows.entries.values())
+
+    def _held(self) -> dict[Key, ServerEntry | RowEntry]:
+        """Every key held, dense and row-sparse (for the init checks)."""
+        return {**self.entries, **self.rows.entries}
 
     @property
     def sync(self) -> bool:
@@ -308,6 +339,8 @@ class ServerState:
         out: list[Instruction] = []
         for entry in self.entries.values():
             out.extend(self._fail_tickets(entry.rounds.take_waiting(), error))
+        for row_entry in self.rows.entries.values():
+            out.extend(self._fail_tickets(row_entry.rounds.take_waiting(), error))
         held, self._held_answers = self._held_answers, []
         out.extend(self._fail_tickets(held, error))
         out.extend(self._init_waits.fail_all(error))
@@ -334,6 +367,11 @@ class ServerState:
         arrays = header.arrays
         landing = Landing([None] * len(arrays), [None] * len(arrays))
         try:
+            if header.op in ROW_OPS:
+                landing.buffers = list(
+                    self.rows.landing(peer, header, self.entries, self.checkpoints)
+                )
+                return landing
             check_frame(peer, header, self.entries, self.updater, self.name)
         except AKVError as exc:
             landing.error = exc
@@ -400,6 +438,10 @@ class ServerState:
         op, seq = header.op, header.seq
         if op in (Op.PUSH, Op.PUSHPULL):
             return self._push(peer, header, landing, now)
+        if op in ROW_OPS:
+            return self._rows(
+                peer, header, shaped(header, cast("list[np.ndarray]", landing.buffers)), now
+            )
         if op == Op.PULL:
             return self._pull(peer, seq, [self._entry(i.key, "pull from") for i in header.arrays])
         if op == Op.INIT:
@@ -424,6 +466,20 @@ class ServerState:
                 )
             return [Checkpoint(peer, seq)]
         raise InvalidArgumentError(f"unknown op {op}")
+
+    def _rows(
+        self, peer: Peer, header: FrameHeader, buffers: list[np.ndarray], now: float
+    ) -> list[Instruction]:
+        """A request on row-sparse keys (:class:`~akv.cluster.server.row_keys.RowKeys`)."""
+        if header.op == Op.ROW_INIT:
+            self.rows.init(peer, header, buffers, self.sync)
+            return [Reply(peer, header.seq), *self._init_waits.release(self._held())]
+        if header.op == Op.ROW_PUSH:
+            out, duplicates = self.rows.push(peer, header, buffers, now)
+            self.duplicates += duplicates
+            return out
+        ticket = self.rows.pull(peer, header, buffers)
+        return [] if ticket.remaining else self._ready(ticket)
 
     def _entry(self, key: Key | None, what: str) -> ServerEntry:
         return entry_of(self.entries, key, what)
@@ -514,7 +570,7 @@ class ServerState:
             return []
         return self._ready(ticket)
 
-    def _ready(self, ticket: PullTicket) -> list[Instruction]:
+    def _ready(self, ticket: PullTicket | RowPullTicket) -> list[Instruction]:
         """``ticket``'s values may be sent; unless this restored ``dist_async`` server has
         not checked every worker yet (then it waits: in ``dist_async`` no round needs the
         others' pushes, so a value could lack pushes a restore lost; in ``dist_sync`` a
@@ -524,8 +580,10 @@ class ServerState:
             return []
         return [self._answer(ticket)]
 
-    def _answer(self, ticket: PullTicket) -> SendValues:
+    def _answer(self, ticket: PullTicket | RowPullTicket) -> SendValues | SendRows:
         ticket.answered = True
+        if isinstance(ticket, RowPullTicket):
+            return SendRows(ticket)
         return SendValues(ticket, sum(e.nbytes for e in ticket.entries) <= SMALL_REPLY_BYTES)
 
     def _init(self, peer: Peer, header: FrameHeader, landing: Landing) -> list[Instruction]:
@@ -562,27 +620,21 @@ class ServerState:
         if self.checkpoints:
             return [Checkpoint(peer, header.seq)]
         out: list[Instruction] = [Reply(peer, header.seq)]
-        out.extend(self._init_waits.release(self.entries))
+        out.extend(self._init_waits.release(self._held()))
         return out
 
     def _init_check(
         self, peer: Peer, seq: int, items: list[tuple[Key, tuple[int, ...], str]], now: float
     ) -> list[Instruction]:
-        return self._init_waits.add(peer, seq, items, now, self.entries)
+        return self._init_waits.add(peer, seq, items, now, self._held())
 
     # ------------------------------------------------------------ the optimizer
 
     def _set_optimizer(self, peer: Peer, seq: int, text: str) -> list[Instruction]:
-        try:
-            config = parse_json(text)
-        except ValueError as exc:
-            raise InvalidArgumentError(f"optimizer configuration is not JSON: {exc}") from None
-        if not isinstance(config, dict):
-            raise InvalidArgumentError("optimizer configuration must be a JSON object")
-        optimizer = _optimizer.from_config(config)
+        optimizer, config = optimizer_request(text)
         if self.optimizer_config == config:
             return [Reply(peer, seq)]  # every worker sends it; the same again changes nothing
-        return [InstallOptimizer(peer, seq, optimizer, config, tuple(self.entries.values()))]
+        return [InstallOptimizer(peer, seq, optimizer, config, self._all_keys())]
 
     def install_optimizer(self, optimizer: _optimizer.Optimizer, config: dict[str, Any]) -> None:
         """Use ``optimizer`` from now on (the service calls this once every earlier write
@@ -600,13 +652,9 @@ class ServerState:
         return require_updater(self.updater, what, self.name)
 
     def _save_states(self, peer: Peer, seq: int, text: str) -> list[Instruction]:
-        try:
-            request = parse_json(text or "{}")
-            dump = bool(request.get("dump_optimizer", False))
-        except (ValueError, AttributeError) as exc:
-            raise InvalidArgumentError(f"malformed save_states request: {exc}") from None
+        dump = save_states_request(text)
         updater = self._require_updater("save_optimizer_states")
-        return [SaveStates(peer, seq, updater, dump, tuple(self.entries.values()))]
+        return [SaveStates(peer, seq, updater, dump, self._all_keys())]
 
     def _load_states(self, peer: Peer, seq: int, data: bytes) -> list[Instruction]:
         updater = self._require_updater("load_optimizer_states")
@@ -640,7 +688,7 @@ class ServerState:
         checks that waited for them."""
         for entry, _, _, _ in plan.entries:
             entry.durable = True
-        return self._init_waits.release(self.entries)
+        return self._init_waits.release(self._held())
 
     def restore(
         self,
@@ -674,7 +722,9 @@ class ServerState:
 
     # ------------------------------------------------------------ events: array work done
 
-    def rounds_applied(self, done: Sequence[tuple[ServerEntry, int]]) -> list[Instruction]:
+    def rounds_applied(
+        self, done: Sequence[tuple[ServerEntry, int]] | Sequence[tuple[RowEntry, int]]
+    ) -> list[Instruction]:
         """Each (key, round) in ``done`` was applied: answer the pulls that waited for it."""
         out: list[Instruction] = []
         for entry, round_no in done:
@@ -685,7 +735,10 @@ class ServerState:
         return out
 
     def push_applied(
-        self, reply: Reply, failed: Sequence[tuple[ServerEntry, int, BaseException]]
+        self,
+        reply: Reply,
+        failed: Sequence[tuple[ServerEntry, int, BaseException]]
+        | Sequence[tuple[RowEntry, int, BaseException]],
     ) -> Reply | ReplyError:
         """A push's task ran: its answer. In dist_async, where the push is applied when
         answered, the error of its first key whose update raised (naming the key and the
@@ -695,21 +748,25 @@ class ServerState:
         return ReplyError(reply.peer, reply.seq, self._update_error(*failed[0]))
 
     def update_failed(
-        self, entry: ServerEntry, round_no: int, exc: BaseException
+        self, entry: ServerEntry | RowEntry, round_no: int, exc: BaseException
     ) -> list[Instruction]:
         """Applying round ``round_no`` of ``entry`` raised ``exc``: the pulls waiting for it
         get a :class:`~akv.errors.ServerError` naming the key, the round and the server."""
         error = self._update_error(entry, round_no, exc)
         return self._fail_tickets(entry.rounds.applied(round_no), error)
 
-    def _update_error(self, entry: ServerEntry, round_no: int, exc: BaseException) -> ServerError:
+    def _update_error(
+        self, entry: ServerEntry | RowEntry, round_no: int, exc: BaseException
+    ) -> ServerError:
         return ServerError(
             f"the update of key {entry.key!r} in round {round_no} failed on "
             f"{self.name}: {type(exc).__name__}: {exc}",
             server=self.name,
         )
 
-    def _fail_tickets(self, tickets: list[PullTicket], error: AKVError) -> list[Instruction]:
+    def _fail_tickets(
+        self, tickets: Sequence[PullTicket | RowPullTicket], error: AKVError
+    ) -> list[Instruction]:
         out: list[Instruction] = []
         for ticket in tickets:
             if not ticket.answered:
@@ -729,7 +786,7 @@ class ServerState:
                 self._absent.clear()
                 late = f"{detail}, and it did not reconnect within {grace:g} s"
                 return self._worker_lost(worker, late)
-        for entry in self.entries.values():
+        for entry in self._all_keys():
             rounds = entry.rounds
             if rounds.waiting_tickets() and rounds.overdue(now, round_timeout_s):
                 error = RoundTimeoutError(
@@ -737,51 +794,16 @@ class ServerState:
                     f"{round_timeout_s:g} s for pushes from workers {rounds.missing()}"
                 )  # the worker adds which server answered (error_from_status)
                 out.extend(self._fail_tickets(rounds.take_waiting(), error))
-        out.extend(self._init_waits.overdue(now, self.entries))
+        out.extend(self._init_waits.overdue(now, self._held()))
         return out
 
     # ------------------------------------------------------------ checks
 
     def validate(self) -> None:
-        """Raise ``AssertionError`` naming the first broken invariant (for tests)."""
-        assert self.store_type in (None, *DIST_STORE_TYPES), self.store_type
-        assert not self.entries or self.store_type is not None, "keys before any worker"
-        workers = [peer.worker for peer in self.peers.values()]
-        assert len(workers) == len(set(workers)), f"two streams of one worker: {workers}"
-        parked: dict[int, int] = {}
-        tickets: dict[int, PullTicket] = {}
-        for key, entry in self.entries.items():
-            rounds = entry.rounds
-            assert entry.key == key and rounds.key == key, key
-            assert rounds.sync == self.sync, f"key {key!r} has the wrong round kind"
-            assert 0 <= rounds.applied_round <= rounds.closed_round, (key, rounds.applied_round)
-            assert entry.value.shape == entry.shape and entry.value.dtype == entry.dtype, key
-            for round_no, ticket in rounds.waiting_rounds():
-                assert rounds.applied_round < round_no <= rounds.open_round, (key, round_no)
-                assert not ticket.answered, f"answered ticket still parked on {key!r}"
-                parked[id(ticket)] = parked.get(id(ticket), 0) + 1
-                tickets[id(ticket)] = ticket
-            if not rounds.sync:
-                assert not rounds.waiting_tickets(), f"async key {key!r} parks pulls"
-        for ticket_id, count in parked.items():
-            assert tickets[ticket_id].remaining == count, "ticket count differs from parking"
-        self._init_waits.validate(self.entries)
-        if self._held_answers:
-            assert not self.sync and self.lineage.answers_held, "answers held for nothing"
-            assert not any(t.answered for t in self._held_answers), "a held pull was answered"
-        if self.failure is not None:
-            assert not parked and not self._init_waits, "waits left after the job failed"
-            assert not self._held_answers, "held answers left after the job failed"
+        """Raise ``AssertionError`` naming the first broken invariant (for tests; see
+        :func:`~akv.cluster.server.views.check_invariants`)."""
+        check_invariants(self)
 
     def status(self) -> dict[str, Any]:
-        """What the status page shows (JSON-ready)."""
-        return {
-            "keys": len(self.entries),
-            "store_type": self.store_type,
-            "workers_connected": self.workers_connected(),
-            "failure": self.failure,
-            "optimizer": None if self.optimizer_config is None else self.optimizer_config["name"],
-            "checkpoints": self.checkpoints,
-            "workers_reconnecting": sorted(self._absent),
-            "duplicate_pushes": self.duplicates,
-        }
+        """What the status page shows (JSON-ready; :func:`~akv.cluster.server.views.status`)."""
+        return status(self)

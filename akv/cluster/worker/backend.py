@@ -69,6 +69,7 @@ from akv.cluster.worker.instructions import (
 from akv.cluster.worker.job import Heartbeat, pass_barrier, report_failure, who_failed
 from akv.cluster.worker.link import ServerLink, local_address, server_name
 from akv.cluster.worker.requests import WireArray, by_server
+from akv.cluster.worker.row_calls import RowCalls
 from akv.cluster.worker.staging import Staging, land_in_pinned
 from akv.cluster.worker.state import WorkerState
 from akv.device import register_gpu_executor
@@ -80,7 +81,6 @@ from akv.errors import (
     PeerLostError,
     ServerError,
     StateFileError,
-    StorageTypeError,
     UnsupportedDTypeError,
 )
 from akv.keys import Entry, Part
@@ -122,7 +122,6 @@ class DistBackend:
         self.keeps_gpu_arrays = device
         # GPU values are reduced on their GPUs by work that follows the call: wait for it.
         self.returns_pushes_early = not config.strict_push and not device
-        self.holds_rows = False  # the servers hold no row-sparse keys yet (issue #25)
         self._gpu_executor = gpu_executor
         self._gpu_registered = False
         self._staging = Staging(engine, self._stream_for_staging, self._gpu_ready, device)
@@ -136,6 +135,9 @@ class DistBackend:
         # Instructions met while carrying out others wait for them (see ``handle``).
         self._executing = False
         self._queued: list[Instruction] = []
+        self._rows = RowCalls(
+            engine, lambda: self.links, config.timeouts, store_type == "dist_sync"
+        )
         #: How the other instructions are carried out (see ``_carry_out``).
         self._carriers: dict[type[Instruction], Callable[[Any], None]] = {
             GiveBuffer: self._give_buffer,
@@ -337,16 +339,7 @@ class DistBackend:
 
     def new_entry(self, key: Key, array: np.ndarray) -> Entry:
         """A key's entry: its engine var and where its parts live."""
-        if isinstance(key, int) and not INT64_MIN <= key <= INT64_MAX:
-            raise InvalidArgumentError(
-                f"init key {key}: int keys of a distributed store must fit in 64 bits"
-            )
-        if array.dtype not in DTYPE_CODES:
-            known = ", ".join(str(dtype) for dtype in DTYPE_CODES)
-            raise UnsupportedDTypeError(
-                f"init key {key!r}: dtype {array.dtype} cannot travel to the servers (the "
-                f"wire carries {known}); convert the value first (bfloat16: to float32)"
-            )
+        _check_wire_key(key, array.dtype)
         parts = place(key, int(array.size), len(self.links), self.config.bigarray_bound)
         var = self._engine.new_var(f"key {key!r}")
         entry = Entry(key, tuple(array.shape), array.dtype, var, parts)
@@ -583,19 +576,31 @@ class DistBackend:
         call = PullCall(done, result, give_back, after)
         self.handle(PullIssued(call, targets, staged, self._loop.time()))
 
+    # ------------------------------------------------------------ row-sparse keys
+
+    def new_row_entry(self, key: Key, shape: tuple[int, ...], dtype: np.dtype) -> Entry:
+        """A row-sparse key's entry (:meth:`RowCalls.new_entry`)."""
+        _check_wire_key(key, dtype)
+        return self._rows.new_entry(key, shape, dtype)
+
     def init_rows(self, entries: list[Entry], values: list[RowSparseArray]) -> Task:
-        """Refused: the servers hold no row-sparse keys yet."""
-        raise _no_rows(entries[0])
+        """Rank 0 sends each server its rows of every key; the others check theirs agree."""
+        self._check()
+        return self._rows.init(entries, values, self.rank)
 
     def push_rows(self, values: list[tuple[Entry, RowSparseArray]], priority: int) -> Task:
-        """Refused: the servers hold no row-sparse keys yet."""
-        raise _no_rows(values[0][0])
+        """Send each server the rows of its range (:meth:`RowCalls.push`)."""
+        self._check()
+        self._raise_late(values)
+        return self._rows.push(values, priority)
 
     def pull_rows(
         self, pulls: list[tuple[Entry, RowIds, RowSparseArray]], result: object, priority: int
     ) -> Task:
-        """Refused: the servers hold no row-sparse keys yet."""
-        raise _no_rows(pulls[0][0])
+        """Ask the servers that hold requested rows for them (:meth:`RowCalls.pull`)."""
+        self._check()
+        self._raise_late([(entry, out) for entry, _, out in pulls])
+        return self._rows.pull(pulls, result, priority)
 
     def barrier(self) -> Task:
         """Wait until every worker called barrier as often as this one (with a deadline).
@@ -758,12 +763,19 @@ def _meta_of(entry: Entry, part: Part, _: None) -> tuple[Key, tuple[int, ...], s
     return (entry.key, shape, str(entry.dtype))
 
 
+def _check_wire_key(key: Key, dtype: np.dtype) -> None:
+    """Raise unless ``key`` and ``dtype`` can travel in a frame."""
+    if isinstance(key, int) and not INT64_MIN <= key <= INT64_MAX:
+        raise InvalidArgumentError(
+            f"init key {key}: int keys of a distributed store must fit in 64 bits"
+        )
+    if dtype not in DTYPE_CODES:
+        known = ", ".join(str(code) for code in DTYPE_CODES)
+        raise UnsupportedDTypeError(
+            f"init key {key!r}: dtype {dtype} cannot travel to the servers (the "
+            f"wire carries {known}); convert the value first (bfloat16: to float32)"
+        )
+
+
 def _nothing() -> None:
     return None
-
-
-def _no_rows(entry: Entry) -> StorageTypeError:
-    return StorageTypeError(
-        f"key {entry.key!r}: the distributed stores do not hold row-sparse keys yet (issue "
-        "#25); use the local or device store for row-sparse values, or push dense ones"
-    )

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from akv.cluster.worker.requests import WireArray
+from akv.cluster.worker.requests import Landing, WireArray
 from akv.errors import AKVError
 from akv.keys import Entry
 from transport import Message
@@ -113,9 +113,10 @@ class PullIssued(Event):
 
 class RequestIssued(Event):
     """Send server ``server`` one request (``op``, ``arrays``, ``text``) for ``call``,
-    answered within ``timeout_s``."""
+    answered within ``timeout_s``; the reply's arrays land in ``destinations`` (buffers of
+    the sizes expected; none: a reply without arrays, or fresh buffers for ``save_states``)."""
 
-    __slots__ = ("arrays", "call", "now", "op", "server", "text", "timeout_s")
+    __slots__ = ("arrays", "call", "destinations", "now", "op", "server", "text", "timeout_s")
 
     def __init__(
         self,
@@ -126,6 +127,7 @@ class RequestIssued(Event):
         text: str,
         timeout_s: float,
         now: float,
+        destinations: Sequence[Landing] = (),
     ):
         self.call = call
         self.server = server
@@ -134,6 +136,7 @@ class RequestIssued(Event):
         self.text = text
         self.timeout_s = timeout_s
         self.now = now
+        self.destinations = destinations
 
 
 class AcksWanted(Event):

@@ -255,17 +255,27 @@ class ServerLink:
         self._handle(StreamCut(self.index, exc, self._loop.time()))
 
     async def request(
-        self, op: int, arrays: Sequence[WireArray] = (), *, text: str = "", timeout_s: float
+        self,
+        op: int,
+        arrays: Sequence[WireArray] = (),
+        *,
+        text: str = "",
+        timeout_s: float,
+        destinations: Sequence[memoryview] = (),
     ) -> Message:
         """Send one request to this server and wait for its reply (the control requests:
-        init, optimizer, states, goodbye, checkpoint).
+        init, optimizer, states, goodbye, checkpoint; the row-sparse ones). A reply's
+        arrays land in ``destinations`` when they have exactly their sizes (else the reply
+        is an error).
 
         Raises the server's error, or the job's failure.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Message] = loop.create_future()
         self._handle(
-            RequestIssued(Answer(future), self.index, op, arrays, text, timeout_s, loop.time())
+            RequestIssued(
+                Answer(future), self.index, op, arrays, text, timeout_s, loop.time(), destinations
+            )
         )
         return await future
 

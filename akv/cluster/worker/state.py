@@ -352,7 +352,9 @@ class WorkerState:
         call.remaining = 1
         deadline = event.now + event.timeout_s
         out: list[Instruction] = []
-        request = Request(event.op, event.arrays, deadline, call, text=event.text)
+        request = Request(
+            event.op, event.arrays, deadline, call, event.destinations, text=event.text
+        )
         self._send(event.server, request, out)
         return out
 

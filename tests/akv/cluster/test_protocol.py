@@ -36,7 +36,7 @@ def test_an_unknown_status_from_a_newer_server_is_still_an_error():
 
 def test_status_codes_and_op_codes_are_unique_and_stable():
     assert len(set(protocol.STATUS_CLASSES)) == len(protocol.STATUS_CLASSES)
-    assert [op.value for op in Op] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 100, 101]  # the wire format
+    assert [op.value for op in Op] == [*range(1, 14), 100, 101]  # the wire format
     assert protocol.op_label(Op.INIT_CHECK) == "init_check"
     assert protocol.op_label(4) == "pull" and protocol.op_label(77) == "op 77"
 
@@ -60,3 +60,11 @@ def test_init_metadata_round_trips_and_refuses_garbage():
     for bad in ("{", "[[1, 2]]", '[[null, [1], "f4"]]', '[[[1], [1], "f4"]]', '[[1, ["x"], 1]]'):
         with pytest.raises(errors.InvalidArgumentError, match="malformed init_check"):
             protocol.decode_meta(bad)
+
+
+def test_row_meta_round_trips_and_refuses_garbage():
+    items = [("emb", (10**9, 64), "float32", 0, 5 * 10**8), (7, (1, 2), "float16", 0, 1)]
+    assert protocol.decode_row_meta(protocol.encode_row_meta(items)) == items
+    for text in ['[["k", [10, 2], "float32", 4, 11]]', '[["k", [], "float32", 0, 0]]', "[[1]]"]:
+        with pytest.raises(errors.InvalidArgumentError, match="malformed row_init"):
+            protocol.decode_row_meta(text)

@@ -1,0 +1,159 @@
+"""A worker's calls on row-sparse keys, as engine tasks: ``init``, ``push`` and
+``row_sparse_pull`` of keys split by rows over every server (:mod:`akv.cluster.worker.rows`
+decides what goes where).
+
+Each call is one task on its keys' vars, so that per key the calls keep their order, and
+each sends one request per server through the server links (resent after a reconnect,
+with a deadline) and completes when every server answered: a push once each server counted
+it (a pull that follows waits, on the server, for the push's round), a pull once the rows
+landed in its outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from akv.cluster.config import Timeouts
+from akv.cluster.placement import row_parts
+from akv.cluster.protocol import Op
+from akv.cluster.worker.link import ServerLink
+from akv.cluster.worker.requests import WireArray
+from akv.cluster.worker.rows import init_check_text, init_requests, pull_requests, push_requests
+from akv.keys import Entry
+from akv.limits import INIT_CHECK_MARGIN_S
+from akv.rows import RowTable
+from akv.sparse import RowIds, RowSparseArray
+from engine import Engine, Task
+
+__all__ = ["RowCalls"]
+
+#: Each server's request: its arrays and its text.
+Requests = dict[int, tuple[list[WireArray], str]]
+
+
+class RowCalls:
+    """The row-sparse calls of one worker's distributed store.
+
+    ``links`` gives the server links (known once the store joined the job); ``sync``: a
+    ``dist_sync`` store (a push then goes to every server, see
+    :func:`~akv.cluster.worker.rows.push_requests`).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        links: Callable[[], Sequence[ServerLink]],
+        timeouts: Timeouts,
+        sync: bool,
+    ) -> None:
+        self._engine = engine
+        self._links = links
+        self._timeouts = timeouts
+        self._sync = sync
+
+    def new_entry(self, key: Any, shape: tuple[int, ...], dtype: np.dtype) -> Entry:
+        """A row-sparse key's entry: its parts are row ranges, one per server
+        (:func:`~akv.cluster.placement.row_parts`); its table stays empty (the servers
+        hold the rows; it marks the key row-sparse)."""
+        var = self._engine.new_var(f"key {key!r}")
+        entry = Entry(key, shape, dtype, var, row_parts(shape[0], len(self._links())))
+        entry.rows = RowTable(shape, dtype)
+        return entry
+
+    def init(self, entries: list[Entry], values: list[RowSparseArray], rank: int) -> Task:
+        """Rank 0 sends each server its rows of every key; every other worker checks with
+        every server that its init agrees (shape, dtype, row-sparse) and waits for rank 0's."""
+        writes = [entry.var for entry in entries]
+        if rank == 0:
+            return self._requests(Op.ROW_INIT, init_requests(entries, values), writes, "init")
+        text = init_check_text(entries)
+        timeout = self._timeouts.connect_s + INIT_CHECK_MARGIN_S
+        requests: Requests = {server: ([], text) for server in range(len(self._links()))}
+        return self._requests(Op.INIT_CHECK, requests, writes, "init", timeout_s=timeout)
+
+    def push(self, values: list[tuple[Entry, RowSparseArray]], priority: int) -> Task:
+        """Send each server the rows of its range, each key's push numbered (exactly once);
+        done once every server counted it."""
+        numbered = []
+        for entry, value in values:
+            entry.pushes += 1  # in call order, as the pushes of a key run
+            numbered.append((entry, value, entry.pushes))
+        requests: Requests = {
+            server: (arrays, "") for server, arrays in push_requests(numbered, self._sync).items()
+        }
+        writes = [entry.var for entry, _ in values]
+        return self._requests(Op.ROW_PUSH, requests, writes, "push", priority)
+
+    def pull(
+        self, pulls: list[tuple[Entry, RowIds, RowSparseArray]], result: object, priority: int
+    ) -> Task:
+        """Ask the servers that hold requested rows for them; each output is set to its ids
+        and the rows that landed, and the task returns ``result``."""
+        datas = [np.empty((len(ids), *entry.shape[1:]), entry.dtype) for entry, ids, _ in pulls]
+        wanted = pull_requests(
+            [(entry, ids, data) for (entry, ids, _), data in zip(pulls, datas, strict=True)]
+        )
+        return self._engine.push(
+            self._pull,
+            wanted,
+            pulls,
+            datas,
+            result,
+            reads=[entry.var for entry, _, _ in pulls],
+            priority=priority,
+            executor="loop",
+            name="row_sparse_pull",
+        )
+
+    async def _pull(
+        self,
+        wanted: dict[int, tuple[list[WireArray], list[memoryview]]],
+        pulls: list[tuple[Entry, RowIds, RowSparseArray]],
+        datas: list[np.ndarray],
+        result: object,
+    ) -> object:
+        links = self._links()
+        timeout = self._timeouts.request_s
+        await asyncio.gather(
+            *(
+                links[server].request(Op.ROW_PULL, arrays, timeout_s=timeout, destinations=landings)
+                for server, (arrays, landings) in wanted.items()
+            )
+        )
+        for (entry, ids, out), data in zip(pulls, datas, strict=True):
+            out._set(data, ids, entry.shape)
+        return result
+
+    def _requests(
+        self,
+        op: Op,
+        requests: Requests,
+        writes: list[Any],
+        name: str,
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> Task:
+        """One request per server, as an engine task writing ``writes``."""
+        return self._engine.push(
+            self._send,
+            op,
+            requests,
+            self._timeouts.request_s if timeout_s is None else timeout_s,
+            writes=writes,
+            priority=priority,
+            executor="loop",
+            name=name,
+        )
+
+    async def _send(self, op: Op, requests: Requests, timeout_s: float) -> None:
+        links = self._links()
+        await asyncio.gather(
+            *(
+                links[server].request(op, arrays, text=text, timeout_s=timeout_s)
+                for server, (arrays, text) in requests.items()
+            )
+        )

@@ -1,0 +1,88 @@
+"""A worker's requests on row-sparse keys: which rows go to which server, and where the
+rows of a pull's answer land. Pure: no I/O.
+
+A row-sparse key is split by rows over every server (:func:`~akv.cluster.placement.row_parts`:
+``entry.parts`` count rows). Values are sorted by row id, so each server's rows are one
+contiguous slice of them (two binary searches), sent without a copy. A push goes to every
+server in ``dist_sync`` (an empty one where the value has no row in the server's range: the
+round counts one push per worker) and only to the servers with rows in ``dist_async``; a
+pull asks only the servers that hold rows it asks for, and their answers land straight in
+the slices of the output that are theirs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import numpy as np
+
+from akv.cluster.protocol import RowMeta, encode_meta, encode_row_meta
+from akv.cluster.worker.requests import WireArray
+from akv.keys import Entry
+from akv.sparse import RowIds, RowSparseArray
+
+__all__ = ["init_check_text", "init_requests", "pull_requests", "push_requests", "slices"]
+
+
+def slices(entry: Entry, ids: RowIds) -> list[tuple[int, int, int]]:
+    """``(server, first, end)`` for each server of ``entry``: the positions of sorted
+    ``ids`` that fall in the server's row range."""
+    starts = [part.start for part in entry.parts]
+    edges = np.searchsorted(ids, [*starts, entry.shape[0]]).tolist()
+    return [(part.server, edges[i], edges[i + 1]) for i, part in enumerate(entry.parts)]
+
+
+def init_requests(
+    entries: list[Entry], values: list[RowSparseArray]
+) -> dict[int, tuple[list[WireArray], str]]:
+    """Rank 0's ``ROW_INIT`` to each server: every key, with its rows in the server's
+    range (the arrays) and its declared shape, dtype and range (the text)."""
+    requests: dict[int, tuple[list[WireArray], list[RowMeta]]] = {}
+    for entry, value in zip(entries, values, strict=True):
+        ranges = slices(entry, value.indices)
+        for (server, first, end), part in zip(ranges, entry.parts, strict=True):
+            arrays, metas = requests.setdefault(server, ([], []))
+            meta = (entry.key, entry.shape, str(entry.dtype), part.start, part.stop)
+            metas.append(meta)
+            arrays.append((entry.key, value.indices[first:end], 0))
+            arrays.append((entry.key, value.data[first:end], 0))
+    return {
+        server: (arrays, encode_row_meta(metas)) for server, (arrays, metas) in requests.items()
+    }
+
+
+def init_check_text(entries: list[Entry]) -> str:
+    """Another worker's ``INIT_CHECK`` of row-sparse keys (sent to every server): their
+    shapes and ``"<dtype> row_sparse"``, so that a dense init of the same key differs."""
+    return encode_meta([(entry.key, entry.shape, f"{entry.dtype} row_sparse") for entry in entries])
+
+
+def push_requests(
+    pushes: list[tuple[Entry, RowSparseArray, int]], sync: bool
+) -> dict[int, list[WireArray]]:
+    """Each server's ``ROW_PUSH`` arrays: per key, its ids and rows in the server's range,
+    the ids tagged with the push number (every server in ``dist_sync``, see the module)."""
+    requests: dict[int, list[WireArray]] = {}
+    for entry, value, tag in pushes:
+        for server, first, end in slices(entry, value.indices):
+            if end > first or sync:
+                arrays = requests.setdefault(server, [])
+                arrays.append((entry.key, value.indices[first:end], tag))
+                arrays.append((entry.key, value.data[first:end], tag))
+    return requests
+
+
+def pull_requests(
+    pulls: list[tuple[Entry, RowIds, np.ndarray]],
+) -> dict[int, tuple[list[WireArray], list[memoryview]]]:
+    """Each server's ``ROW_PULL``: per key with requested rows in its range, those ids, and
+    where the rows it answers land (the slice of that key's output ``data``, C-contiguous,
+    one row per id)."""
+    requests: dict[int, tuple[list[WireArray], list[memoryview]]] = {}
+    for entry, ids, data in pulls:
+        for server, first, end in slices(entry, ids):
+            if end > first:
+                arrays, landings = requests.setdefault(server, ([], []))
+                arrays.append((entry.key, ids[first:end], 0))
+                landings.append(memoryview(cast(Any, data[first:end])).cast("B"))
+    return requests

@@ -1,0 +1,175 @@
+"""Row-sparse keys in dist_sync and dist_async stores: split by row ranges over the servers,
+pushes summed per round, the optimizer's lazy update on the servers, row_sparse_pull, and
+the refusals. A whole job on 127.0.0.1 (tests/akv/cluster/cluster.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import akv
+from akv.cluster.placement import row_parts
+from akv.cluster.worker.rows import pull_requests, push_requests
+from akv.errors import RowIdError, ShapeMismatchError, StorageTypeError
+from akv.keys import Entry
+from tests.akv.cluster.cluster import Cluster, each, on_every_worker
+
+WIDTH = 3
+ROWS = 10  # over two servers: rows [0, 5) on server 0, [5, 10) on server 1
+
+
+def rsp(ids, rows, num_rows=ROWS, dtype=np.float32):
+    data = np.asarray(rows, dtype).reshape(len(ids), WIDTH)
+    return akv.RowSparseArray(data, np.asarray(ids, np.int64), (num_rows, WIDTH))
+
+
+def row(value):
+    return [value] * WIDTH
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+async def test_pushes_are_summed_per_round_and_replace_the_rows_at_the_range_ends(shm):
+    """Rows at both ends of each server's range; without an optimizer the stored rows
+    become the round's sum (rows it does not list read as zero again). Over shared memory
+    and over TCP."""
+    with Cluster(2, 2, AKV_SHM=shm) as cluster:
+
+        async def body(kv):
+            assert all(link.shares_memory == (shm == "1") for link in kv._backend.links)
+            await kv.init("emb", rsp([0, 4, 5, 9], [row(1), row(2), row(3), row(4)]))
+            first = await kv.row_sparse_pull("emb", row_ids=[9, 0, 4, 5, 7])
+            mine = [4, 5] if kv.rank == 0 else [0, 4, 9]
+            await kv.push("emb", rsp(mine, [row(10 * (kv.rank + 1))] * len(mine)))
+            after = await kv.row_sparse_pull("emb", row_ids=np.arange(ROWS))
+            return first, after
+
+        for first, after in await on_every_worker(cluster, "dist_sync", body):
+            assert first.indices.tolist() == [0, 4, 5, 7, 9]
+            np.testing.assert_array_equal(first.data[:, 0], [1, 2, 3, 0, 4])
+            expected = np.zeros(ROWS, np.float32)
+            expected[[4, 5]] += 10
+            expected[[0, 4, 9]] += 20
+            np.testing.assert_array_equal(after.to_dense()[:, 0], expected)
+        for server, (first, end) in zip(cluster.servers, [(0, 5), (5, 10)], strict=True):
+            entry = server.state.rows.entries["emb"]
+            assert (entry.first, entry.end) == (first, end)
+            assert set(entry.rows.ids().tolist()) <= set(range(first, end))
+
+
+@pytest.mark.parametrize("store_type", ["dist_sync", "dist_async"])
+async def test_sgd_updates_only_the_pushed_rows_on_the_servers(store_type):
+    with Cluster(2, 2) as cluster:
+
+        async def body(kv):
+            await kv.init("emb", rsp([1, 6, 8], [row(1), row(1), row(1)]))
+            await kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.5, wd=0.1))
+            await kv.push("emb", rsp([6, 7], [row(1), row(2)]))
+            await kv.barrier()  # dist_async: both workers' pushes applied
+            return await kv.row_sparse_pull("emb", row_ids=[1, 6, 7, 8])
+
+        for pulled in await on_every_worker(cluster, store_type, body):
+            got = pulled.data[:, 0]
+            if store_type == "dist_sync":  # one round of the sum: g = 2 and 4
+                w6 = (1 - 0.5 * 0.1) * 1 - 0.5 * 2
+                w7 = -0.5 * 4
+            else:  # two updates, one per worker's push
+                w6 = (1 - 0.05) * ((1 - 0.05) * 1 - 0.5) - 0.5
+                w7 = (1 - 0.05) * (-0.5 * 2) - 0.5 * 2
+            np.testing.assert_allclose(got, [1.0, w6, w7, 1.0], rtol=1e-6)
+
+
+async def test_a_table_of_one_row_and_a_declared_billion_rows():
+    with Cluster(1, 2) as cluster:
+        stores = await cluster.workers()
+        (kv,) = stores
+        try:
+            await kv.init("one", rsp([0], [row(5)], num_rows=1))
+            await kv.push("one", rsp([0], [row(2)], num_rows=1))
+            one = await kv.row_sparse_pull("one", row_ids=[0])
+            np.testing.assert_array_equal(one.data, [row(2)])
+            huge = 10**9
+            ids = [0, huge // 2 - 1, huge // 2, huge - 1]
+            await kv.init("huge", akv.RowSparseArray.zeros((huge, WIDTH), np.float32))
+            await kv.push("huge", rsp(ids, [row(i) for i in range(4)], num_rows=huge))
+            pulled = await kv.row_sparse_pull("huge", row_ids=[huge - 1, 7, 0])
+            np.testing.assert_array_equal(pulled.data[:, 0], [0, 0, 3])
+            for server in cluster.servers:
+                entry = server.state.rows.entries["huge"]
+                assert len(entry.rows) == 2 and entry.rows.nbytes < 1 << 20
+        finally:
+            await kv.close()
+
+
+async def test_refusals_name_the_key_and_change_nothing():
+    with Cluster(2, 2) as cluster:
+        stores = await cluster.workers()
+        try:
+
+            async def body(kv):
+                await kv.init("emb", rsp([2], [row(1)]))
+                with pytest.raises(ShapeMismatchError, match="key 'emb'"):
+                    await kv.push("emb", rsp([1], [row(1)], num_rows=11))
+                with pytest.raises(StorageTypeError, match="row-sparse"):
+                    await kv.pull("emb")
+                with pytest.raises(RowIdError):
+                    await kv.row_sparse_pull("emb", row_ids=[ROWS])
+                return await kv.row_sparse_pull("emb", row_ids=[2])
+
+            for pulled in await each(stores, body):
+                np.testing.assert_array_equal(pulled.data, [row(1)])
+        finally:
+            await asyncio.gather(*(kv.close() for kv in stores))
+
+
+async def test_a_dense_init_of_a_row_sparse_key_is_refused():
+    with Cluster(2, 1) as cluster:
+        stores = await cluster.workers()
+        try:
+            by_rank = {kv.rank: kv for kv in stores}
+            await asyncio.gather(
+                by_rank[0].init("emb", rsp([2], [row(1)])),
+                asyncio.wait_for(
+                    _expect(
+                        ShapeMismatchError,
+                        by_rank[1].init("emb", np.zeros((ROWS, WIDTH), np.float32)),
+                    ),
+                    20,
+                ),
+            )
+        finally:
+            await asyncio.gather(*(kv.close() for kv in stores))
+
+
+async def _expect(error, call):
+    with pytest.raises(error, match="row_sparse"):
+        await call
+
+
+async def test_servers_with_checkpoints_refuse_row_sparse_keys(tmp_path):
+    with Cluster(1, 1, AKV_CHECKPOINT_DIR=str(tmp_path)) as cluster:
+        (kv,) = await cluster.workers()
+        try:
+            with pytest.raises(StorageTypeError, match="checkpoints"):
+                await kv.init("emb", rsp([2], [row(1)]))
+        finally:
+            await kv.close()
+
+
+def test_a_pull_asks_only_the_servers_that_hold_its_rows():
+    entry = Entry("emb", (ROWS, WIDTH), np.dtype(np.float32), None, row_parts(ROWS, 2))
+    ids = np.array([0, 3, 4], np.int64)
+    data = np.zeros((3, WIDTH), np.float32)
+    assert list(pull_requests([(entry, ids, data)])) == [0]
+    ids = np.array([4, 5], np.int64)
+    requests = pull_requests([(entry, ids, np.zeros((2, WIDTH), np.float32))])
+    assert {
+        server: [a[1].tolist() for a in arrays] for server, (arrays, _) in requests.items()
+    } == {
+        0: [[4]],
+        1: [[5]],
+    }
+    value = rsp([9], [row(1)])
+    assert list(push_requests([(entry, value, 1)], sync=False)) == [1]
+    assert sorted(push_requests([(entry, value, 1)], sync=True)) == [0, 1]
