@@ -42,7 +42,7 @@ What MXNet needs, and how it was given it:
   as it sums the values of a list push. A list push of two gradients becomes a list of
   their parts.
 * MXNet's local store sizes a key's merge buffers at its first push of a list and reads past
-  them when a later push lists more values (``src/kvstore/comm.h:172-177`` at 1.9.1: the
+  them when a later push lists more values (``src/kvstore/comm.h:175-186`` at 1.9.1: the
   copy buffers are made once, ``src.size()`` of them; the push then fails with a garbage
   shape, or worse). A list push stands for the same devices every time. So every push
   here lists as many values (the most parts any round needs), padded with empty
