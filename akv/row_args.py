@@ -28,6 +28,7 @@ __all__ = [
     "dense_only",
     "init_rows",
     "no_row_pushpull",
+    "no_row_sparse_out",
     "row_pulls",
     "row_pushes",
     "sparse_call",
@@ -77,6 +78,22 @@ def dense_only(entry: Entry, what: str) -> None:
         )
         raise StorageTypeError(
             f"{what} key {entry.key!r}: the key is row-sparse (shape {entry.shape}); {hint}"
+        )
+
+
+def no_row_sparse_out(entry: Entry, out: object) -> None:
+    """Refuse a row-sparse ``out`` for ``pull`` of dense ``entry`` (MXNet's ``pull`` skips
+    such an output and leaves it as it was).
+
+    Raises
+    ------
+    StorageTypeError
+    """
+    if type(out) is not np.ndarray and is_row_sparse(out):
+        raise StorageTypeError(
+            f"pull into key {entry.key!r}: out is row-sparse ({type(out).__name__}) and the "
+            f"key is dense (shape {entry.shape}); pull it into a dense array (MXNet's pull "
+            "skips a row-sparse out, leaving it as it was)"
         )
 
 
@@ -132,9 +149,11 @@ def row_pulls(
     """The pulls of ``row_sparse_pull(keys, out, row_ids=...)`` and the call's result.
 
     ``keys`` and ``row_ids`` pair up as MXNet pairs them: one key and one array of ids; a
-    list of keys and a list of id arrays, one each; one key with several id arrays (and as
-    many outputs). ``out`` (optional) is a RowSparseArray per pair, filled in place;
-    without it new ones are made and returned (one, or a list, shaped as the pairs).
+    list of keys and a list of id arrays, one each (or a list of them per key); one key
+    with several id arrays (and as many outputs). ``out`` (optional) is a RowSparseArray
+    per pair, nested as the ids are (a list per key where a key has several), filled in
+    place; one key's single array of ids fills each of several outputs, as in MXNet.
+    Without ``out`` new ones are made and returned (one, or a list, shaped as the pairs).
 
     Raises
     ------
@@ -150,11 +169,15 @@ def row_pulls(
     flat: list[tuple[Key, object]] = [(k, ids) for k, given in id_pairs for ids in given]
     if out is None:
         outs: list[object] = [None] * len(flat)
-    else:
-        outs = list(out) if _is_list(out) else [out]
-        if len(outs) != len(flat):
+    else:  # paired with the keys as the ids are: a list (of lists) of outputs, flattened
+        out_pairs = pairs(keys, out, "row_sparse_pull out")
+        outs = [o for _, given in out_pairs for o in given]
+        if len(flat) == 1 < len(outs):  # MXNet: one array of ids fills every output
+            flat *= len(outs)
+        if [k for k, _ in flat] != [k for k, given in out_pairs for _ in given]:
             raise InvalidArgumentError(
-                f"row_sparse_pull: {len(flat)} row id arrays but {len(outs)} outputs"
+                f"row_sparse_pull: {len(flat)} row id arrays and {len(outs)} outputs do not "
+                "pair up, key by key"
             )
     pulls: list[RowPull] = []
     made: list[RowSparseArray] = []

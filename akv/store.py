@@ -47,6 +47,7 @@ from akv.row_args import (
     dense_only,
     init_rows,
     no_row_pushpull,
+    no_row_sparse_out,
     row_pulls,
     row_pushes,
     sparse_call,
@@ -229,7 +230,8 @@ class AsyncKVStore:
         Raises
         ------
         KeyNotInitializedError, ShapeMismatchError, DTypeMismatchError,
-        MixedKeyKindsError, InvalidArgumentError
+        MixedKeyKindsError, InvalidArgumentError, StorageTypeError (a row-sparse key: use
+        :meth:`row_sparse_pull`; or a row-sparse ``out``)
         """
         self._check_usable()
         if out is not None:
@@ -505,6 +507,7 @@ class AsyncKVStore:
             dense_only(entry, "pull from")
             arrays = []
             for o in outs:
+                no_row_sparse_out(entry, o)
                 array = o if type(o) is np.ndarray and o.flags.writeable else write_view(o, k)
                 entry.check(array, "pull into")
                 arrays.append(array)
