@@ -51,6 +51,14 @@ def test_the_first_example_of_getting_started_sums_then_applies_sgd():
     assert values[6:] == pytest.approx([3.9] * 6)
 
 
+def test_the_row_sparse_example_updates_only_the_pushed_rows_as_its_comment_says():
+    block = blocks("sparse.md")[0]
+    comment = re.search(r"print\(rows.indices, rows.data\[:, 0\]\)  # (.*)", block)
+    assert comment is not None
+    _, printed = run(block, "sparse.md")
+    assert printed == [comment.group(1)]
+
+
 def test_the_errors_shown_in_getting_started_are_the_ones_raised():
     (block,) = [b for b in blocks("getting-started.md") if ">>>" in b]
     lines = block.strip().splitlines()
