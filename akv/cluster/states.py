@@ -4,7 +4,9 @@ Each server holds the states of the keys (or key parts) it stores. Saving gather
 server's states into akv's ordinary state format (the same file a local store writes: a
 split key's state arrays are put back together and take the key's shape); loading cuts
 such a file into each server's share. So a file saved by a local store can be loaded into a
-distributed one, and the other way round.
+distributed one, and the other way round. A row-sparse key's states
+(:class:`~akv.optimizer.RowStates`) are joined and cut by rows: each server holds the rows of
+its range (``Layout``'s pieces then count rows).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from akv.errors import StateFormatError
-from akv.optimizer import decode_states, encode_states
+from akv.optimizer import RowStates, decode_states, encode_states
 
 __all__ = ["Layout", "merge_server_states", "split_server_states"]
 
@@ -61,7 +63,10 @@ def merge_server_states(parts: Sequence[bytes], layout: Layout) -> bytes:
             key in saved[server].states for server, _, _ in pieces
         ):
             continue  # never updated: no state yet
-        if len(pieces) == 1:
+        rows = [tree for tree in trees if isinstance(tree, RowStates)]
+        if rows:
+            states[key] = RowStates.join(rows)
+        elif len(pieces) == 1:
             states[key] = trees[0]
         else:
             states[key] = _join(trees, shape, size)
@@ -95,7 +100,12 @@ def split_server_states(data: bytes, num_servers: int, layout: Layout) -> list[b
         shape, pieces = layout[key]
         size = int(np.prod(shape, dtype=np.int64))
         for server, start, stop in pieces:
-            shares[server][key] = tree if len(pieces) == 1 else _cut(tree, shape, size, start, stop)
+            if isinstance(tree, RowStates):
+                shares[server][key] = tree.rows(start, stop)
+            else:
+                shares[server][key] = (
+                    tree if len(pieces) == 1 else _cut(tree, shape, size, start, stop)
+                )
             counts[server][key] = saved.index_update_counts.get(key, 0)
     return [
         encode_states(

@@ -32,6 +32,7 @@ from akv.optimizer._sgd import NAG, SGD, Signum
 from akv.optimizer._states import (
     STATE_FORMAT_NAME,
     STATE_FORMAT_VERSION,
+    RowStates,
     SavedStates,
     decode_states,
     encode_states,
@@ -64,6 +65,7 @@ __all__ = [
     "Optimizer",
     "PolyScheduler",
     "RMSProp",
+    "RowStates",
     "SavedStates",
     "Signum",
     "State",

@@ -13,8 +13,10 @@ holds one ``.npy`` member per state array, named ``a0.npy``, ``a1.npy``..., and 
      "optimizer": optimizer config | null}
 
 where a state ``tree`` is ``null``, ``{"array": "a0", "shape": [...], "dtype": "<f4"}``,
-``{"tuple": [tree, ...]}`` or ``{"list": [tree, ...]}``. ``docs/optimizer.md`` describes
-the format for other readers.
+``{"tuple": [tree, ...]}`` or ``{"list": [tree, ...]}``; the state of a row-sparse key
+(:class:`RowStates`) is ``{"rows": {"shape": [...], "ids": array, "leaves": [array, ...]}}``:
+the rows that have a state, and for each array of the state's structure, in order, one row
+per id. ``docs/optimizer.md`` describes the format for other readers.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "STATE_FORMAT_NAME",
     "STATE_FORMAT_VERSION",
     "STRUCTURE_MEMBER",
+    "RowStates",
     "SavedStates",
     "decode_states",
     "encode_states",
@@ -61,14 +64,46 @@ _ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError)
 
 
 @dataclass(frozen=True)
+class RowStates:
+    """The optimizer state of a row-sparse key, as saved: the rows ``ids`` (int64, sorted,
+    unique) of a weight of ``shape`` have a state, and ``leaves[i]`` holds, one row per
+    id, the rows of the ``i``-th array of the state's structure (in the order
+    :meth:`~akv.optimizer.Updater.update_rows` flattens it)."""
+
+    shape: tuple[int, ...]
+    ids: np.ndarray
+    leaves: tuple[np.ndarray, ...]
+
+    def rows(self, first: int, end: int) -> RowStates:
+        """The states of rows ``[first, end)`` only."""
+        low, high = np.searchsorted(self.ids, [first, end])
+        return RowStates(
+            self.shape, self.ids[low:high], tuple(leaf[low:high] for leaf in self.leaves)
+        )
+
+    @staticmethod
+    def join(parts: list[RowStates]) -> RowStates:
+        """The states of parts holding disjoint rows, given in row order, as one."""
+        first = parts[0]
+        return RowStates(
+            first.shape,
+            np.concatenate([part.ids for part in parts]),
+            tuple(
+                np.concatenate([part.leaves[i] for part in parts]) for i in range(len(first.leaves))
+            ),
+        )
+
+
+@dataclass(frozen=True)
 class SavedStates:
     """What :func:`decode_states` read.
 
     Attributes
     ----------
     states : dict
-        Key to state (``None``, array, or tuples and lists of those). Every array is a new
-        writeable C-contiguous array that shares memory with no other.
+        Key to state (``None``, array, or tuples and lists of those; :class:`RowStates` for
+        a row-sparse key). Every array is a new writeable C-contiguous array that shares
+        memory with no other.
     index_update_counts : dict
         Key to the number of updates applied to it.
     num_update : int
@@ -77,14 +112,14 @@ class SavedStates:
         The optimizer's :meth:`~akv.optimizer.Optimizer.get_config`, if it was saved.
     """
 
-    states: dict[Index, State]
+    states: dict[Index, State | RowStates]
     index_update_counts: dict[Index, int]
     num_update: int
     optimizer_config: dict[str, Any] | None = field(default=None)
 
 
 def encode_states(
-    states: Mapping[Index, State],
+    states: Mapping[Index, State | RowStates],
     *,
     index_update_counts: Mapping[Index, int] | None = None,
     num_update: int = 0,
@@ -96,7 +131,7 @@ def encode_states(
     ----------
     states : mapping
         Key (all ``int`` or all ``str``) to state: ``None``, a NumPy array, or a tuple or
-        list of states.
+        list of states; or a :class:`RowStates`.
     index_update_counts : mapping, optional
         Key to the number of updates applied (``Optimizer.index_update_counts``).
     num_update : int, default 0
@@ -216,6 +251,17 @@ def _normalise_key(key: object) -> Index:
 def _encode_tree(key: Index, state: object, members: dict[str, np.ndarray], path: str) -> Any:
     if state is None:
         return None
+    if isinstance(state, RowStates):
+        return {
+            "rows": {
+                "shape": list(state.shape),
+                "ids": _encode_tree(key, state.ids, members, f"{path}.ids"),
+                "leaves": [
+                    _encode_tree(key, leaf, members, f"{path}.leaves[{i}]")
+                    for i, leaf in enumerate(state.leaves)
+                ],
+            }
+        }
     if is_cupy(state):
         state = to_host(state)  # saved from the GPU, loaded onto the weight's device
     if isinstance(state, np.ndarray):
@@ -317,20 +363,59 @@ def _decode_counts(pairs: object, key_kind: str) -> dict[Index, int]:
 
 def _decode_tree(
     archive: zipfile.ZipFile, key: Index, tree: object, used: set[str], path: str
-) -> State:
+) -> State | RowStates:
     if tree is None:
         return None
+    if isinstance(tree, dict) and set(tree) == {"rows"} and path == "state":
+        return _decode_rows(archive, key, tree["rows"], used)
     if isinstance(tree, dict) and len(tree) == 1:
         ((kind, members),) = tree.items()
         if kind in ("tuple", "list") and isinstance(members, list):
             decoded = [
-                _decode_tree(archive, key, member, used, f"{path}[{i}]")
+                _decode_state(archive, key, member, used, f"{path}[{i}]")
                 for i, member in enumerate(members)
             ]
             return tuple(decoded) if kind == "tuple" else decoded
     if isinstance(tree, dict) and set(tree) == {"array", "shape", "dtype"}:
         return _read_array(archive, key, tree, used, path)
     raise StateFormatError(f"optimizer states: {path} of key {key!r} is malformed: {tree!r}")
+
+
+def _decode_state(
+    archive: zipfile.ZipFile, key: Index, tree: object, used: set[str], path: str
+) -> State:
+    """A tree inside a state (never a :class:`RowStates`)."""
+    state = _decode_tree(archive, key, tree, used, path)
+    assert not isinstance(state, RowStates)  # only a whole state may be one
+    return state
+
+
+def _decode_rows(archive: zipfile.ZipFile, key: Index, rows: object, used: set[str]) -> RowStates:
+    where = f"optimizer states: the row-sparse state of key {key!r}"
+    if not isinstance(rows, dict) or set(rows) != {"shape", "ids", "leaves"}:
+        raise StateFormatError(f"{where} is malformed: {rows!r}")
+    shape = rows["shape"]
+    if (
+        not isinstance(shape, list)
+        or not shape
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+    ):
+        raise StateFormatError(f"{where}: bad shape {shape!r}")
+    ids = _decode_state(archive, key, rows["ids"], used, "state.ids")
+    leaves = rows["leaves"]
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 1:
+        raise StateFormatError(f"{where}: ids are not a 1-D int64 array")
+    if ids.size and (ids[0] < 0 or ids[-1] >= shape[0] or np.any(ids[1:] <= ids[:-1])):
+        raise StateFormatError(f"{where}: ids are not sorted, unique and in [0, {shape[0]})")
+    if not isinstance(leaves, list):
+        raise StateFormatError(f"{where}: leaves are not a list")
+    arrays = []
+    for i, leaf in enumerate(leaves):
+        array = _decode_state(archive, key, leaf, used, f"state.leaves[{i}]")
+        if not isinstance(array, np.ndarray) or array.shape[:1] != ids.shape:
+            raise StateFormatError(f"{where}: leaf {i} does not hold one row per id")
+        arrays.append(array)
+    return RowStates(tuple(shape), ids, tuple(arrays))
 
 
 def _read_array(

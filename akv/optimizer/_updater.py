@@ -15,7 +15,7 @@ from akv.optimizer._base import (
     is_array,
     zeros_like,
 )
-from akv.optimizer._states import decode_states, encode_states
+from akv.optimizer._states import RowStates, decode_states, encode_states
 from akv.rows import RowTable
 from akv.sparse import RowSparseArray
 
@@ -112,6 +112,7 @@ class Updater:
         if tables is None:
             tables = [RowTable((table.shape[0], *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
         else:
+            _check_row_states_fit(index, tables, leaves, table.shape)
             resumed = tables[0].stored(ids) if tables else np.zeros(0, bool)
             for leaf, leaf_table in zip(leaves, tables, strict=True):
                 leaf[resumed] = leaf_table.gather(ids[resumed])
@@ -129,17 +130,12 @@ class Updater:
         ------
         MixedKeyKindsError
             The updater has seen both int and str indexes.
-        OptimizerError
-            Row-sparse keys have states: akv's format holds dense states only (issue #25).
         """
-        if self.row_states:
-            raise OptimizerError(
-                f"save_optimizer_states: the optimizer states of row-sparse keys "
-                f"{sorted(map(str, self.row_states))} cannot be saved yet (akv's state format "
-                "holds dense states only)"
-            )
+        states: dict[Index, State | RowStates] = dict(self.states)
+        for index, tables in self.row_states.items():
+            states[index] = _row_states(tables)
         return encode_states(
-            self.states,
+            states,
             index_update_counts=self.optimizer.index_update_counts,
             num_update=self.optimizer.num_update,
             optimizer_config=self.optimizer.get_config() if dump_optimizer else None,
@@ -167,10 +163,18 @@ class Updater:
                 raise StateFormatError(
                     f"optimizer states: the saved optimizer config cannot be rebuilt: {exc}"
                 ) from exc
+        dense: dict[Index, State] = {}
+        rows: dict[Index, list[RowTable]] = {}
+        for index, state in saved.states.items():
+            if isinstance(state, RowStates):
+                rows[index] = _row_tables(state)
+            else:
+                dense[index] = state
         optimizer.restore_update_counts(saved.index_update_counts, saved.num_update)
         self.optimizer = optimizer
-        self.states = saved.states
-        self._unchecked = set(saved.states)
+        self.states = dense
+        self.row_states = rows
+        self._unchecked = set(dense)
 
 
 def get_updater(optimizer: Optimizer) -> Updater:
@@ -216,6 +220,38 @@ def _placed_like(state: State, expected: State) -> State:
         copy_into(target, state)
         return target
     return state
+
+
+def _row_states(tables: list[RowTable]) -> RowStates:
+    """Row tables of one key's state leaves (one set of ids) as saved."""
+    if not tables:
+        return RowStates((0,), np.zeros(0, np.int64), ())
+    ids = tables[0].ids()
+    return RowStates(tables[0].shape, ids, tuple(table.gather(ids) for table in tables))
+
+
+def _row_tables(state: RowStates) -> list[RowTable]:
+    """The inverse of :func:`_row_states`."""
+    tables = []
+    for leaf in state.leaves:
+        table = RowTable((state.shape[0], *leaf.shape[1:]), leaf.dtype)
+        table.scatter(state.ids, leaf)
+        tables.append(table)
+    return tables
+
+
+def _check_row_states_fit(
+    index: Index, tables: list[RowTable], leaves: list[np.ndarray], shape: tuple[int, ...]
+) -> None:
+    """Raise unless loaded row states have the structure the optimizer makes for rows of
+    a weight of ``shape``."""
+    made = [(leaf.shape[1:], leaf.dtype) for leaf in leaves]
+    held = [(table.row_shape, table.dtype) for table in tables]
+    if made != held or any(table.shape[0] != shape[0] for table in tables):
+        raise StateFormatError(
+            f"loaded row-sparse state of index {index!r} does not fit its weight of shape "
+            f"{shape}: the optimizer makes rows {made}, the state holds {held}"
+        )
 
 
 def _leaves(state: State) -> list[np.ndarray]:

@@ -208,3 +208,20 @@ async def test_the_async_face():
         np.testing.assert_array_equal(pulled.data, [[1, 1, 1], [2, 2, 2]])
     finally:
         await kv.close()
+
+
+def test_optimizer_states_of_row_sparse_keys_are_saved_and_loaded(kv, tmp_path):
+    """Adam's row states survive a save and a load into another store, which then
+    continues as the first one does (without the load, its moments would start at zero)."""
+    path = tmp_path / "states.akv"
+    kv.init("emb", rows([1, 4], [[1, 1, 1], [4, 4, 4]]))
+    kv.set_optimizer(akv.optimizer.Adam(learning_rate=0.1))
+    kv.push("emb", rows([1, 2], [[1, 2, 3], [4, 5, 6]]))
+    kv.save_optimizer_states(str(path))
+    with akv.create("local") as other:
+        other.init("emb", kv.row_sparse_pull("emb", row_ids=[1, 2, 4]))
+        other.set_optimizer(akv.optimizer.Adam(learning_rate=0.1))
+        other.load_optimizer_states(str(path))
+        for store in (kv, other):
+            store.push("emb", rows([2, 4], [[1, 1, 1], [2, 2, 2]]))
+        np.testing.assert_array_equal(all_rows(kv), all_rows(other))

@@ -283,7 +283,7 @@ class LoadStates:
     seq: int
     updater: _optimizer.Updater
     data: bytes
-    entries: tuple[ServerEntry, ...]
+    entries: tuple[Entry, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -658,7 +658,7 @@ class ServerState:
 
     def _load_states(self, peer: Peer, seq: int, data: bytes) -> list[Instruction]:
         updater = self._require_updater("load_optimizer_states")
-        return [LoadStates(peer, seq, updater, data, tuple(self.entries.values()))]
+        return [LoadStates(peer, seq, updater, data, self._all_keys())]
 
     # ------------------------------------------------------------ checkpoints
 

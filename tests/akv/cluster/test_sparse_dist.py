@@ -173,3 +173,43 @@ def test_a_pull_asks_only_the_servers_that_hold_its_rows():
     value = rsp([9], [row(1)])
     assert list(push_requests([(entry, value, 1)], sync=False)) == [1]
     assert sorted(push_requests([(entry, value, 1)], sync=True)) == [0, 1]
+
+
+async def test_row_sparse_optimizer_states_saved_over_two_servers_load_into_a_local_store(
+    tmp_path,
+):
+    """Each server saves the row states of its range; the file is one, as a local store's,
+    and a local store that loads it continues as the servers do."""
+    path = tmp_path / "states.akv"
+    with Cluster(1, 2) as cluster:
+        (kv,) = await cluster.workers()
+        try:
+            await kv.init("emb", rsp([1, 8], [row(1), row(8)]))
+            await kv.set_optimizer(akv.optimizer.Adam(learning_rate=0.1))
+            await kv.push("emb", rsp([1, 4, 5, 9], [row(1), row(2), row(3), row(4)]))
+            await kv.save_optimizer_states(str(path))
+            weights = await kv.row_sparse_pull("emb", row_ids=np.arange(ROWS))
+            await kv.push("emb", rsp([4, 8], [row(1), row(1)]))
+            after = await kv.row_sparse_pull("emb", row_ids=np.arange(ROWS))
+        finally:
+            await kv.close()
+    saved = akv.optimizer.decode_states(path.read_bytes()).states["emb"]
+    assert saved.ids.tolist() == [1, 4, 5, 9]  # rows of both servers, in order
+    with akv.create("local") as local:
+        local.init("emb", weights)
+        local.set_optimizer(akv.optimizer.Adam(learning_rate=0.1))
+        local.load_optimizer_states(str(path))
+        local.push("emb", rsp([4, 8], [row(1), row(1)]))
+        local_after = local.row_sparse_pull("emb", row_ids=np.arange(ROWS))
+    np.testing.assert_array_equal(local_after.data, after.data)
+    with Cluster(1, 2) as cluster:  # and back: the file cut by rows for two servers
+        (kv,) = await cluster.workers()
+        try:
+            await kv.init("emb", weights)
+            await kv.set_optimizer(akv.optimizer.Adam(learning_rate=0.1))
+            await kv.load_optimizer_states(str(path))
+            await kv.push("emb", rsp([4, 8], [row(1), row(1)]))
+            again = await kv.row_sparse_pull("emb", row_ids=np.arange(ROWS))
+        finally:
+            await kv.close()
+    np.testing.assert_array_equal(again.data, after.data)

@@ -13,7 +13,7 @@ import pytest
 
 import akv
 from akv import optimizer as opt
-from akv.errors import OptimizerError
+from akv.errors import OptimizerError, StateFormatError
 from akv.optimizer._base import _REGISTRY
 from akv.rows import RowTable
 
@@ -154,9 +154,54 @@ def test_adagrad_with_weight_decay_refuses_a_row_update_and_changes_nothing():
     assert updater.row_states == {}
 
 
-def test_row_states_are_refused_by_dump_states():
-    updater = opt.get_updater(opt.Adam())
+def _adam_steps(updater: opt.Updater, table: RowTable, steps: list[list[int]]) -> None:
+    for ids in steps:
+        grad = akv.RowSparseArray(np.ones((len(ids), 2), np.float32), ids, (10**9, 2))
+        updater.update_rows("emb", table, grad)
+
+
+def test_row_states_round_trip_through_dump_and_load():
+    """Saved and loaded, the row states (and counts) continue as if never interrupted."""
+    steps = [[1, 5], [5, 10**9 - 1], [1, 7]]
+    table = RowTable((10**9, 2), np.float32)
+    updater = opt.get_updater(opt.Adam(learning_rate=0.1))
+    _adam_steps(updater, table, steps[:2])
+    data = updater.dump_states(dump_optimizer=True)
+    saved = opt.decode_states(data).states["emb"]
+    assert isinstance(saved, opt.RowStates) and saved.ids.tolist() == [1, 5, 10**9 - 1]
+    assert [leaf.shape for leaf in saved.leaves] == [(3, 2), (3, 2)]  # Adam's mean and var
+    restored_table = RowTable((10**9, 2), np.float32)
+    restored_table.scatter(table.ids(), table.gather(table.ids()))
+    restored = opt.get_updater(opt.SGD())
+    restored.load_states(data)
+    _adam_steps(updater, table, steps[2:])
+    _adam_steps(restored, restored_table, steps[2:])
+    np.testing.assert_array_equal(
+        table.gather([1, 5, 7, 10**9 - 1]), restored_table.gather([1, 5, 7, 10**9 - 1])
+    )
+    assert restored.optimizer.index_update_counts == {"emb": 3}
+
+
+def test_loaded_row_states_that_do_not_fit_the_optimizer_are_refused():
     table = RowTable((4, 2), np.float32)
-    updater.update_rows("emb", table, akv.RowSparseArray.zeros((4, 2)))
-    with pytest.raises(OptimizerError, match=r"row-sparse keys \['emb'\] cannot be saved"):
-        updater.dump_states()
+    momentum = opt.get_updater(opt.SGD(momentum=0.9))
+    momentum.update_rows(0, table, akv.RowSparseArray(np.ones((1, 2), np.float32), [1], (4, 2)))
+    adam = opt.get_updater(opt.Adam())
+    adam.load_states(momentum.dump_states())
+    grad = akv.RowSparseArray(np.ones((1, 2), np.float32), [1], (4, 2))
+    with pytest.raises(StateFormatError, match="row-sparse state of index 0 does not fit"):
+        adam.update_rows(0, table, grad)
+    np.testing.assert_array_equal(
+        table.gather([1]), np.full((1, 2), -0.01, np.float32)
+    )  # unchanged
+
+
+def test_a_malformed_row_state_is_refused():
+    good = opt.encode_states({0: opt.RowStates((4, 2), np.array([1, 3]), (np.ones((2, 2)),))})
+    assert opt.decode_states(good).states[0].ids.tolist() == [1, 3]
+    bad = opt.encode_states({0: opt.RowStates((4, 2), np.array([3, 1]), (np.ones((2, 2)),))})
+    with pytest.raises(StateFormatError, match="sorted, unique"):
+        opt.decode_states(bad)
+    short = opt.encode_states({0: opt.RowStates((4, 2), np.array([1, 3]), (np.ones((1, 2)),))})
+    with pytest.raises(StateFormatError, match="one row per id"):
+        opt.decode_states(short)
