@@ -18,10 +18,15 @@ The header holds ``rank``, ``num_workers``, ``store_type``, ``generation``,
 or ``{"offset", "nbytes"}``) and ``keys``: per key ``key``, ``kind`` (``"int"`` or
 ``"str"``), ``dtype`` (``np.dtype.str`` of a dtype in :data:`transport.DTYPE_CODES`, such as
 ``"<f4"``), ``shape``, ``closed_round``, ``tags``, ``last_round``, ``offset`` and ``nbytes``
-(offsets count from the payload's first byte). Worker ranks, the keys of ``tags``,
-``last_round`` and ``durable_seqs``, are decimal strings in JSON and ints in Python. The
-arrays and the optimizer states lie back to back in header order, without gaps, so that a
-reader streams the file once, checksumming as it goes.
+(offsets count from the payload's first byte). A server that holds row-sparse keys adds
+``row_keys`` (absent otherwise, so that such a file is what an older akv wrote): per key
+``key``, ``kind``, ``dtype``, ``shape`` (the declared shape), ``first`` and ``end`` (the
+server's rows), ``rows`` (how many it stores), ``closed_round``, ``tags``, ``last_round``,
+``offset`` and ``nbytes``; its payload is the stored rows' ids (int64, sorted, unique, in
+the range) then the rows. Worker ranks, the keys of ``tags``, ``last_round`` and
+``durable_seqs``, are decimal strings in JSON and ints in Python. The arrays (the dense
+keys', then the row-sparse keys') and the optimizer states lie back to back in header
+order, without gaps, so that a reader streams the file once, checksumming as it goes.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import secrets
 import struct
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
@@ -56,6 +61,7 @@ __all__ = [
     "FILE_MODE",
     "MAGIC",
     "KeyRecord",
+    "RowRecord",
     "Snapshot",
     "checkpoint_path",
     "read_snapshot",
@@ -100,6 +106,23 @@ _KEY_FIELDS = frozenset(
     {"key", "kind", "dtype", "shape", "closed_round", "tags", "last_round", "offset", "nbytes"}
 )
 _STATES_FIELDS = frozenset({"offset", "nbytes"})
+_ROW_KEY_FIELDS = frozenset(
+    {
+        "key",
+        "kind",
+        "dtype",
+        "shape",
+        "first",
+        "end",
+        "rows",
+        "closed_round",
+        "tags",
+        "last_round",
+        "offset",
+        "nbytes",
+    }
+)
+_IDS = np.dtype("<i8")
 
 
 @dataclass
@@ -115,6 +138,24 @@ class KeyRecord:
 
     key: int | str
     value: np.ndarray
+    closed_round: int
+    tags: dict[int, int]
+    last_round: dict[int, int]
+
+
+@dataclass
+class RowRecord:
+    """One row-sparse key as a server holds it: the declared ``shape``, the server's rows
+    ``[first, end)``, the rows it stores (``ids``: int64, sorted, unique, in the range;
+    ``rows``: one row of ``shape[1:]`` per id, C-contiguous) and its rounds as
+    :class:`KeyRecord`'s."""
+
+    key: int | str
+    shape: tuple[int, ...]
+    first: int
+    end: int
+    ids: np.ndarray
+    rows: np.ndarray
     closed_round: int
     tags: dict[int, int]
     last_round: dict[int, int]
@@ -139,6 +180,7 @@ class Snapshot:
     optimizer_config: dict[str, Any] | None
     optimizer_states: bytes | None
     durable_seqs: dict[int, int]
+    row_keys: list[RowRecord] = field(default_factory=list)
 
 
 def checkpoint_path(directory: Path, rank: int) -> Path:
@@ -265,16 +307,21 @@ def _encode_header(snapshot: Snapshot) -> bytes:
     if not isinstance(snapshot.store_type, str):
         raise ValueError(f"store_type must be a str, not {type(snapshot.store_type).__name__}")
     durable_seqs = _rank_map_to_json(snapshot.durable_seqs, "durable_seqs")
-    keys: list[dict[str, Any]] = []
     seen: set[tuple[str, int | str]] = set()
+    encoded: list[dict[str, Any]] = []
     offset = 0
-    for record in snapshot.keys:
-        entry = _encode_record(record, offset)
+    records: list[KeyRecord | RowRecord] = [*snapshot.keys, *snapshot.row_keys]
+    for record in records:
+        if isinstance(record, RowRecord):
+            entry = _encode_row_record(record, offset)
+        else:
+            entry = _encode_record(record, offset)
         if (entry["kind"], record.key) in seen:
             raise ValueError(f"key {record.key!r} appears twice")
         seen.add((entry["kind"], record.key))
-        keys.append(entry)
+        encoded.append(entry)
         offset += entry["nbytes"]
+    keys, row_keys = encoded[: len(snapshot.keys)], encoded[len(snapshot.keys) :]
     states: dict[str, int] | None = None
     if snapshot.optimizer_states is not None:
         if not isinstance(snapshot.optimizer_states, bytes):
@@ -293,21 +340,26 @@ def _encode_header(snapshot: Snapshot) -> bytes:
         "optimizer_states": states,
         "keys": keys,
     }
+    if row_keys:
+        header["row_keys"] = row_keys
     # ASCII (every other character escaped) round-trips any str, lone surrogates included.
     text = json.dumps(header, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
     return text.encode("ascii")
 
 
-def _encode_record(record: KeyRecord, offset: int) -> dict[str, Any]:
-    key = record.key
+def _key_kind(key: object) -> str:
     if isinstance(key, str):
-        kind = "str"
-    elif isinstance(key, int) and not isinstance(key, bool):
+        return "str"
+    if isinstance(key, int) and not isinstance(key, bool):
         if not _I64_MIN <= key <= _I64_MAX:
             raise ValueError(f"key {key}: an int key must fit in int64")
-        kind = "int"
-    else:
-        raise ValueError(f"key {key!r}: a key must be an int or a str, not {type(key).__name__}")
+        return "int"
+    raise ValueError(f"key {key!r}: a key must be an int or a str, not {type(key).__name__}")
+
+
+def _encode_record(record: KeyRecord, offset: int) -> dict[str, Any]:
+    key = record.key
+    kind = _key_kind(key)
     value = record.value
     if not isinstance(value, np.ndarray):
         kind_name = type(value).__name__
@@ -332,6 +384,50 @@ def _encode_record(record: KeyRecord, offset: int) -> dict[str, Any]:
         "offset": offset,
         "nbytes": value.nbytes,
     }
+
+
+def _encode_row_record(record: RowRecord, offset: int) -> dict[str, Any]:
+    key = record.key
+    kind = _key_kind(key)
+    where = f"row-sparse key {key!r}"
+    ids, rows = record.ids, record.rows
+    if not isinstance(ids, np.ndarray) or ids.dtype != _IDS or ids.ndim != 1:
+        raise ValueError(f"{where}: ids must be a 1-D int64 NumPy array")
+    if not isinstance(rows, np.ndarray) or rows.dtype not in DTYPE_CODES:
+        raise ValueError(f"{where}: rows must be a NumPy array of a dtype in DTYPE_CODES")
+    shape = tuple(record.shape)
+    if not shape or len(shape) > MAX_NDIM or rows.shape != (ids.size, *shape[1:]):
+        raise ValueError(f"{where}: rows of shape {rows.shape} for {ids.size} ids of {shape}")
+    if not (ids.flags.c_contiguous and rows.flags.c_contiguous):
+        raise ValueError(f"{where}: ids and rows must be C-contiguous")
+    _check_row_ids(ids, record.first, record.end, shape, where)
+    _count(record.closed_round, f"{where}: closed_round")
+    return {
+        "key": key,
+        "kind": kind,
+        "dtype": rows.dtype.str,
+        "shape": [_count(size, f"{where}: shape") for size in shape],
+        "first": record.first,
+        "end": record.end,
+        "rows": int(ids.size),
+        "closed_round": record.closed_round,
+        "tags": _rank_map_to_json(record.tags, f"{where}: tags"),
+        "last_round": _rank_map_to_json(record.last_round, f"{where}: last_round"),
+        "offset": offset,
+        "nbytes": ids.nbytes + rows.nbytes,
+    }
+
+
+def _check_row_ids(
+    ids: np.ndarray, first: int, end: int, shape: tuple[int, ...], where: str
+) -> None:
+    """``ids`` sorted, unique and in ``[first, end)``, a range of ``shape[0]``'s rows."""
+    _count(first, f"{where}: first")
+    _count(end, f"{where}: end")
+    if not first <= end <= shape[0]:
+        raise ValueError(f"{where}: rows [{first}, {end}) are not rows of shape {list(shape)}")
+    if ids.size and (ids[0] < first or ids[-1] >= end or bool(np.any(ids[1:] <= ids[:-1]))):
+        raise ValueError(f"{where}: its ids are not sorted, unique and in [{first}, {end})")
 
 
 def _checked_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -377,6 +473,9 @@ def _write_file(file: BinaryIO, header: bytes, snapshot: Snapshot) -> None:
     write(header)
     for record in snapshot.keys:
         write(_bytes_of(record.value))
+    for row_record in snapshot.row_keys:
+        write(_bytes_of(row_record.ids))
+        write(_bytes_of(row_record.rows))
     if snapshot.optimizer_states is not None:
         write(snapshot.optimizer_states)
     file.write(_TRAILER.pack(checksum))
@@ -497,6 +596,9 @@ def _read_file(file: io.BufferedReader, rank: int) -> Snapshot:
     snapshot, slots, states_nbytes = _decode_header(header, payload_nbytes, rank)
     for record in slots:
         read_into(_bytes_of(record.value), f"array of key {record.key!r}")
+    for row_record in snapshot.row_keys:
+        read_into(_bytes_of(row_record.ids), f"row ids of key {row_record.key!r}")
+        read_into(_bytes_of(row_record.rows), f"rows of key {row_record.key!r}")
     states = None if states_nbytes is None else read(states_nbytes, "optimizer states")
     data = file.read(_TRAILER.size)
     if len(data) != _TRAILER.size:
@@ -507,7 +609,11 @@ def _read_file(file: io.BufferedReader, rank: int) -> Snapshot:
             f"checksum mismatch: the file says {stored:#010x}, its bytes give {checksum:#010x}"
         )
     for record in slots:
-        _check_bools(record)
+        _check_bools(record.key, record.value)
+    for row_record in snapshot.row_keys:
+        where = f"row-sparse key {row_record.key!r}"
+        _check_row_ids(row_record.ids, row_record.first, row_record.end, row_record.shape, where)
+        _check_bools(row_record.key, row_record.rows)
     snapshot.keys = slots
     snapshot.optimizer_states = states
     return snapshot
@@ -521,6 +627,10 @@ def _decode_header(
     Every offset and size is checked against the payload before an array is allocated, so
     what is allocated never exceeds the file's size.
     """
+    row_entries: object = []
+    if isinstance(header, dict) and "row_keys" in header:
+        header = dict(header)
+        row_entries = header.pop("row_keys")
     fields = _fields(header, _HEADER_FIELDS, "the header")
     if _count(fields["rank"], "rank") != rank:
         raise ValueError(f"it holds server {fields['rank']}'s keys, not server {rank}'s")
@@ -539,16 +649,25 @@ def _decode_header(
     keys = fields["keys"]
     if not isinstance(keys, list):
         raise ValueError(f"keys is a {type(keys).__name__}, not a list")
+    if not isinstance(row_entries, list):
+        raise ValueError(f"row_keys is a {type(row_entries).__name__}, not a list")
     records: list[KeyRecord] = []
+    row_records: list[RowRecord] = []
     seen: set[tuple[type, int | str]] = set()
     offset = 0
-    for index, entry in enumerate(keys):
-        record = _decode_record(entry, index, offset, payload_nbytes)
+    for index, entry in enumerate([*keys, *row_entries]):
+        record: KeyRecord | RowRecord
+        if index < len(keys):
+            record = _decode_record(entry, index, offset, payload_nbytes)
+            records.append(record)
+            offset += record.value.nbytes
+        else:
+            record = _decode_row_record(entry, index - len(keys), offset, payload_nbytes)
+            row_records.append(record)
+            offset += record.ids.nbytes + record.rows.nbytes
         if (type(record.key), record.key) in seen:
             raise ValueError(f"key {record.key!r} appears twice")
         seen.add((type(record.key), record.key))
-        records.append(record)
-        offset += record.value.nbytes
     states_nbytes: int | None = None
     if fields["optimizer_states"] is not None:
         states = _fields(fields["optimizer_states"], _STATES_FIELDS, "optimizer_states")
@@ -568,17 +687,18 @@ def _decode_header(
         optimizer_config=config,
         optimizer_states=None,
         durable_seqs=_rank_map_from_json(fields["durable_seqs"], "durable_seqs"),
+        row_keys=row_records,
     )
     return snapshot, records, states_nbytes
 
 
-def _decode_record(entry: object, index: int, offset: int, payload_nbytes: int) -> KeyRecord:
-    fields = _fields(entry, _KEY_FIELDS, f"keys[{index}]")
+def _decode_key(fields: dict[str, Any], what: str) -> tuple[int | str, np.dtype, tuple[int, ...]]:
+    """A key record's key, dtype and shape, checked."""
     key, kind = fields["key"], fields["kind"]
     if kind == "int":
-        key = _integer(key, _I64_MIN, _I64_MAX, f"keys[{index}].key")
+        key = _integer(key, _I64_MIN, _I64_MAX, f"{what}.key")
     elif kind != "str" or not isinstance(key, str):
-        raise ValueError(f"keys[{index}]: key {key!r} of kind {kind!r} (kinds: 'int', 'str')")
+        raise ValueError(f"{what}: key {key!r} of kind {kind!r} (kinds: 'int', 'str')")
     where = f"key {key!r}"
     dtype = _DTYPES_BY_STR.get(fields["dtype"]) if isinstance(fields["dtype"], str) else None
     if dtype is None:
@@ -589,6 +709,37 @@ def _decode_record(entry: object, index: int, offset: int, payload_nbytes: int) 
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise ValueError(f"{where}: shape {shape!r} is not a list of at most {MAX_NDIM} sizes")
     dims = tuple(_count(size, f"{where}: shape") for size in shape)
+    return key, dtype, dims
+
+
+def _decode_row_record(entry: object, index: int, offset: int, payload_nbytes: int) -> RowRecord:
+    fields = _fields(entry, _ROW_KEY_FIELDS, f"row_keys[{index}]")
+    key, dtype, shape = _decode_key(fields, f"row_keys[{index}]")
+    where = f"row-sparse key {key!r}"
+    if not shape:
+        raise ValueError(f"{where}: a row-sparse key has at least one dimension")
+    rows = _count(fields["rows"], f"{where}: rows")
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    _check_place(fields, offset, payload_nbytes, where)
+    if fields["nbytes"] != rows * (_IDS.itemsize + row_bytes):
+        raise ValueError(f"{where}: nbytes {fields['nbytes']} does not fit {rows} rows of {shape}")
+    return RowRecord(
+        key=key,
+        shape=shape,
+        first=_count(fields["first"], f"{where}: first"),
+        end=_count(fields["end"], f"{where}: end"),
+        ids=np.empty(rows, _IDS),
+        rows=np.empty((rows, *shape[1:]), dtype),
+        closed_round=_count(fields["closed_round"], f"{where}: closed_round"),
+        tags=_rank_map_from_json(fields["tags"], f"{where}: tags"),
+        last_round=_rank_map_from_json(fields["last_round"], f"{where}: last_round"),
+    )
+
+
+def _decode_record(entry: object, index: int, offset: int, payload_nbytes: int) -> KeyRecord:
+    fields = _fields(entry, _KEY_FIELDS, f"keys[{index}]")
+    key, dtype, dims = _decode_key(fields, f"keys[{index}]")
+    where = f"key {key!r}"
     if math.prod(size for size in dims if size) * dtype.itemsize > _MAX_ARRAY_BYTES:
         raise ValueError(f"{where}: shape {list(dims)} is too large for an array")
     _check_place(fields, offset, payload_nbytes, where)
@@ -617,11 +768,10 @@ def _check_place(fields: Mapping[str, object], offset: int, payload_nbytes: int,
         )
 
 
-def _check_bools(record: KeyRecord) -> None:
+def _check_bools(key: int | str, value: np.ndarray) -> None:
     """NumPy expects a bool to be the byte 0 or 1; a file could hold any byte."""
-    value = record.value
     if value.dtype == np.bool_ and bool((value.view(np.uint8) > 1).any()):
-        raise ValueError(f"key {record.key!r}: a bool array holds a byte other than 0 and 1")
+        raise ValueError(f"key {key!r}: a bool array holds a byte other than 0 and 1")
 
 
 def _fields(value: object, names: frozenset[str], what: str) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from typing import Protocol
 
 from akv.cluster.server.checkpoint import (
     KeyRecord,
+    RowRecord,
     Snapshot,
     checkpoint_path,
     read_snapshot,
@@ -60,8 +61,9 @@ __all__ = ["CheckpointedServer", "Checkpoints", "Copied", "copy_plan"]
 
 log = logging.getLogger("akv.cluster.server")
 
-#: What a checkpoint copies of the keys: their records, and the optimizer's states.
-Copied = tuple[list[KeyRecord], bytes | None]
+#: What a checkpoint copies of the keys: their records (dense, row-sparse), and the
+#: optimizer's states.
+Copied = tuple[list[KeyRecord], list[RowRecord], bytes | None]
 
 
 class CheckpointedServer(Protocol):
@@ -177,11 +179,15 @@ class Checkpoints:
             snapshot.optimizer_config,
             snapshot.optimizer_states,
             snapshot.durable_seqs,
+            snapshot.row_keys,
         )
         self.generation = snapshot.generation
         self.durable_seqs = dict(snapshot.durable_seqs)
         self._written_changes = self.state.changes
-        rounds = max((r.closed_round for r in snapshot.keys), default=0)
+        closed = [r.closed_round for r in snapshot.keys] + [
+            r.closed_round for r in snapshot.row_keys
+        ]
+        rounds = max(closed, default=0)
         self.state.lineage.restore(
             Restored(path, snapshot.generation, rounds, dict(snapshot.durable_seqs))
         )
@@ -191,7 +197,7 @@ class Checkpoints:
             self.rank,
             snapshot.generation,
             self.directory,
-            len(snapshot.keys),
+            len(snapshot.keys) + len(snapshot.row_keys),
             rounds,
         )
         return snapshot
@@ -218,7 +224,7 @@ class Checkpoints:
             state = self.state
             changes = state.changes
             plan = state.checkpoint_plan()
-            records, states = await self.server.copy_values(plan)
+            records, row_records, states = await self.server.copy_values(plan)
             snapshot = Snapshot(
                 rank=self.rank,
                 num_workers=self.num_workers,
@@ -228,11 +234,14 @@ class Checkpoints:
                 optimizer_config=plan.optimizer_config,
                 optimizer_states=states,
                 durable_seqs=plan.durable_seqs,
+                row_keys=row_records,
             )
             await asyncio.to_thread(write_snapshot, self.directory, snapshot)
             self.generation = snapshot.generation
             self.durable_seqs = plan.durable_seqs
-            rounds = max((closed for _, closed, _, _ in plan.entries), default=0)
+            rounds = max(
+                (closed for _, closed, _, _ in (*plan.entries, *plan.row_entries)), default=0
+            )
             state.lineage.written(snapshot.generation, rounds)
             self._written_changes = changes
             durable = [self._durable(peer) for peer in state.peers.values()]
@@ -307,5 +316,11 @@ def copy_plan(plan: CheckpointPlan) -> Copied:
         KeyRecord(entry.key, entry.value.copy(), closed_round, tags, last)
         for entry, closed_round, tags, last in plan.entries
     ]
+    row_records = []
+    for entry, closed_round, tags, last in plan.row_entries:
+        ids = entry.rows.ids()
+        rows = entry.rows.gather(ids)
+        shape, span = entry.shape, (entry.first, entry.end)
+        row_records.append(RowRecord(entry.key, shape, *span, ids, rows, closed_round, tags, last))
     states = plan.updater.dump_states(False) if plan.updater is not None else None
-    return records, states
+    return records, row_records, states

@@ -352,3 +352,5 @@ class CheckpointPlan:
     store_type: str | None
     optimizer_config: dict[str, Any] | None
     updater: _optimizer.Updater | None
+    #: The row-sparse keys, as ``entries``.
+    row_entries: tuple[tuple[RowEntry, int, dict[int, int], dict[int, int]], ...] = ()

@@ -28,6 +28,7 @@ import numpy as np
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import Op, RowMeta, decode_row_meta, op_label
+from akv.cluster.server.checkpoint import RowRecord
 from akv.cluster.server.instructions import (
     Instruction,
     LandRows,
@@ -87,11 +88,6 @@ class RowKeys:
         op, arrays = header.op, header.arrays
         label = op_label(op)
         if op == Op.ROW_INIT:
-            if checkpoints:
-                raise StorageTypeError(
-                    f"{self.name} writes checkpoints, which cannot hold row-sparse keys yet: "
-                    "start the servers without --checkpoint-dir to use row-sparse keys"
-                )
             metas = decode_row_meta(header.text)
             _check_pairs(peer, label, arrays, [meta[0] for meta in metas])
             for meta, index in zip(metas, range(0, len(arrays), 2), strict=True):
@@ -145,7 +141,10 @@ class RowKeys:
         held = self.entries.get(key)
         if held is None:
             return
-        resent = held.made_by == (peer.session, seq) and bool(peer.session)
+        # made_by None: restored from a checkpoint, so any init of it is a resent one.
+        resent = held.made_by is None or (
+            held.made_by == (peer.session, seq) and bool(peer.session)
+        )
         same = (
             held.shape == shape
             and str(held.dtype) == dtype
@@ -257,6 +256,23 @@ class RowKeys:
             if not entry.rounds.pull(entry.rounds.last_push_round(peer.worker), ticket):
                 ticket.remaining += 1
         return ticket
+
+    def restore(self, records: Sequence[RowRecord], sync: bool) -> None:
+        """Start from a checkpoint's row-sparse keys (made by no init of this process)."""
+        for record in records:
+            entry = RowEntry(
+                record.key,
+                record.shape,
+                record.rows.dtype,
+                (record.first, record.end),
+                self._new_var,
+                sync,
+                self.num_workers,
+                None,
+            )
+            entry.rows.scatter(record.ids, record.rows)
+            entry.rounds.restore(record.closed_round, record.tags, record.last_round)
+            self.entries[record.key] = entry
 
     def validate(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant."""

@@ -490,7 +490,7 @@ class ParameterServer:
     def copy_values(self, plan: CheckpointPlan) -> Awaitable[Copied]:
         """A checkpoint's copy of ``plan``'s keys: an engine task that reads every one of
         them (after every earlier write; holding them only while it copies)."""
-        reads = [entry.var for entry, _, _, _ in plan.entries]
+        reads = [entry.var for entry, _, _, _ in (*plan.entries, *plan.row_entries)]
         task: Awaitable[Copied] = self.engine.push(
             copy_plan, plan, reads=reads, executor="thread", name="checkpoint"
         )

@@ -40,6 +40,7 @@ from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import COUNTED, DIST_STORE_TYPES, Note, Op, decode_meta, op_label
 from akv.cluster.server.buffers import Landing, ValueRegions, give_back
+from akv.cluster.server.checkpoint import RowRecord
 from akv.cluster.server.checks import (
     check_frame,
     entry_of,
@@ -472,7 +473,11 @@ class ServerState:
     ) -> list[Instruction]:
         """A request on row-sparse keys (:class:`~akv.cluster.server.row_keys.RowKeys`)."""
         if header.op == Op.ROW_INIT:
-            self.rows.init(peer, header, buffers, self.sync)
+            made = self.rows.init(peer, header, buffers, self.sync)
+            if self.checkpoints:  # answered once a checkpoint holds the keys (as INIT)
+                for entry in made:
+                    entry.durable = False
+                return [Checkpoint(peer, header.seq)]
             return [Reply(peer, header.seq), *self._init_waits.release(self._held())]
         if header.op == Op.ROW_PUSH:
             out, duplicates = self.rows.push(peer, header, buffers, now)
@@ -668,10 +673,14 @@ class ServerState:
         far), and per worker the number below which its requests are all in it: the first
         of its pushes still in an open round, else the one after its latest request."""
         entries = []
+        row_entries = []
         open_seqs: dict[int, int] = {}
-        for entry in self.entries.values():
+        for entry in self._all_keys():
             closed_round, tags, last = entry.rounds.durable()
-            entries.append((entry, closed_round, tags, last))
+            if isinstance(entry, RowEntry):
+                row_entries.append((entry, closed_round, tags, last))
+            else:
+                entries.append((entry, closed_round, tags, last))
             for worker, seq in entry.rounds.open_seqs().items():
                 if seq:
                     open_seqs[worker] = min(open_seqs.get(worker, seq), seq)
@@ -680,7 +689,12 @@ class ServerState:
             for worker, received in self._received.items()
         }
         return CheckpointPlan(
-            tuple(entries), durable, self.store_type, self.optimizer_config, self.updater
+            tuple(entries),
+            durable,
+            self.store_type,
+            self.optimizer_config,
+            self.updater,
+            tuple(row_entries),
         )
 
     def checkpointed(self, plan: CheckpointPlan) -> list[Instruction]:
@@ -688,6 +702,8 @@ class ServerState:
         checks that waited for them."""
         for entry, _, _, _ in plan.entries:
             entry.durable = True
+        for row_entry, _, _, _ in plan.row_entries:
+            row_entry.durable = True
         return self._init_waits.release(self._held())
 
     def restore(
@@ -697,6 +713,7 @@ class ServerState:
         optimizer_config: dict[str, Any] | None,
         optimizer_states: bytes | None,
         durable_seqs: dict[int, int],
+        row_keys: Sequence[RowRecord] = (),
     ) -> None:
         """Start from a checkpoint: the keys (key, value, closed round, each worker's last
         push number and last push round), the optimizer and its states, and the request
@@ -713,6 +730,7 @@ class ServerState:
             entry.rounds.restore(closed_round, tags, last)
             entry.regions = self.value_regions
             self.entries[key] = entry
+        self.rows.restore(row_keys, self.sync)
         if optimizer_config is not None:
             self.updater = _optimizer.get_updater(_optimizer.from_config(optimizer_config))
             self.optimizer_config = optimizer_config

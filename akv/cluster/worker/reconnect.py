@@ -33,6 +33,7 @@ from akv.cluster.worker.requests import (
     RequestTable,
     WireArray,
     settle_before_resend,
+    settle_op,
 )
 from akv.errors import AKVError, MembershipError, PeerLostError
 from akv.limits import RECONNECT_FIRST_S, RECONNECT_MAX_S, RECONNECT_SILENT_ATTEMPTS
@@ -120,6 +121,8 @@ RETAINED_OPS: dict[int, Op] = {
     Op.INIT: Op.INIT,
     Op.SET_OPTIMIZER: Op.SET_OPTIMIZER,
     Op.LOAD_STATES: Op.LOAD_STATES,
+    Op.ROW_INIT: Op.ROW_INIT,
+    Op.ROW_PUSH: Op.ROW_PUSH,
 }
 
 
@@ -380,10 +383,11 @@ class Link:
                     call = Gather(None, SETTLE, server)
                     call.replay = replay
                     call.remaining = 1
-                    request = Request(Op.PULL, settle, deadline, call)
+                    op = settle_op(resend.op)
+                    request = Request(op, settle, deadline, call)
                     seq = table.add(request)
                     request.written = True
-                    out.append(Send(server, Op.PULL, seq, settle, "", 0))
+                    out.append(Send(server, op, seq, settle, "", 0))
                     return
             if resend.request is not None:
                 resend.request.written = True

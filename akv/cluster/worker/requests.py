@@ -34,6 +34,7 @@ __all__ = [
     "pull_rides_on_push",
     "push_batches",
     "settle_before_resend",
+    "settle_op",
 ]
 
 #: One array of a request: (key, the array or its part, tag).
@@ -43,7 +44,7 @@ WireArray = tuple[Any, np.ndarray, int]
 Landing = memoryview | InPlace
 
 # Looked up once: an enum member lookup is not free, and every reply asks.
-_SAVE_STATES, _PUSH, _PUSHPULL = Op.SAVE_STATES, Op.PUSH, Op.PUSHPULL
+_SAVE_STATES, _PUSH, _PUSHPULL, _ROW_PUSH = Op.SAVE_STATES, Op.PUSH, Op.PUSHPULL, Op.ROW_PUSH
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -94,14 +95,23 @@ def settle_before_resend(op: int, arrays: Sequence[WireArray], pushed: set[Any])
     pull in between is answered once the earlier push's round is applied, as in the run
     that was cut, where a pull (or the round's end) came between them.
     """
-    if op != _PUSH and op != _PUSHPULL:
+    if op == _ROW_PUSH:  # each key's ids and rows: the pull asks for no row
+        keys = [key for key, _, _ in arrays[::2]]
+        dtypes = {key: np.dtype(np.int64) for key in keys}
+    elif op in (_PUSH, _PUSHPULL):
+        keys = [key for key, _, _ in arrays]
+        dtypes = {key: array.dtype for key, array, _ in arrays}
+    else:
         return []
-    keys = [key for key, _, _ in arrays]
     again = [key for key in keys if key in pushed]
     pushed.difference_update(again)
     pushed.update(keys)
-    dtypes = {key: array.dtype for key, array, _ in arrays}
     return [(key, np.empty(0, dtypes[key]), 0) for key in again]
+
+
+def settle_op(op: int) -> Op:
+    """The op of the pull :func:`settle_before_resend` asks for before a resent ``op``."""
+    return Op.ROW_PULL if op == _ROW_PUSH else Op.PULL
 
 
 class Request:

@@ -11,10 +11,11 @@ import pytest
 
 import akv
 from akv.cluster.placement import row_parts
+from akv.cluster.protocol import Op
 from akv.cluster.worker.rows import pull_requests, push_requests
 from akv.errors import RowIdError, ShapeMismatchError, StorageTypeError
 from akv.keys import Entry
-from tests.akv.cluster.cluster import Cluster, each, on_every_worker
+from tests.akv.cluster.cluster import Cluster, each, on_every_worker, wait_until
 
 WIDTH = 3
 ROWS = 10  # over two servers: rows [0, 5) on server 0, [5, 10) on server 1
@@ -147,16 +148,6 @@ async def _expect(error, call):
         await call
 
 
-async def test_servers_with_checkpoints_refuse_row_sparse_keys(tmp_path):
-    with Cluster(1, 1, AKV_CHECKPOINT_DIR=str(tmp_path)) as cluster:
-        (kv,) = await cluster.workers()
-        try:
-            with pytest.raises(StorageTypeError, match="checkpoints"):
-                await kv.init("emb", rsp([2], [row(1)]))
-        finally:
-            await kv.close()
-
-
 def test_a_pull_asks_only_the_servers_that_hold_its_rows():
     entry = Entry("emb", (ROWS, WIDTH), np.dtype(np.float32), None, row_parts(ROWS, 2))
     ids = np.array([0, 3, 4], np.int64)
@@ -213,3 +204,57 @@ async def test_row_sparse_optimizer_states_saved_over_two_servers_load_into_a_lo
         finally:
             await kv.close()
     np.testing.assert_array_equal(again.data, after.data)
+
+
+def step_grad(rank: int, step: int) -> akv.RowSparseArray:
+    """Worker ``rank``'s row gradient at ``step``: rows at both servers' range ends and one
+    that moves (small integers: sums are exact)."""
+    ids = [0, 4, 5, 9, (3 * step + rank) % ROWS]
+    values = [row(rank + 1 + (i + step) % 3) for i in range(len(ids))]
+    return rsp(ids, values)
+
+
+async def test_a_restarted_server_restores_its_rows_and_states_and_the_job_goes_on(tmp_path):
+    """Checkpoints hold row-sparse keys (rows, rounds, optimizer row states): server 1 dies
+    after two rounds its checkpoint lacks; restarted, it restores, the workers resend those
+    rounds exactly once, and the job ends with the weights of an uninterrupted run."""
+    from tests.akv.cluster.test_checkpoints import NEVER_S, WAIT_S, _die, _restart, retained
+
+    steps, cut = 8, 3
+    optimizer = lambda: akv.optimizer.SGD(learning_rate=0.5, momentum=0.9, wd=0.1)  # noqa: E731
+    initial = rsp([1, 8], [row(1), row(8)])
+    with akv.create("local") as local:  # the uninterrupted run: both workers' sums
+        local.init("emb", initial)
+        local.set_optimizer(optimizer())
+        for step in range(steps):
+            local.push("emb", [step_grad(0, step), step_grad(1, step)])
+        expected = local.row_sparse_pull("emb", row_ids=np.arange(ROWS))
+
+    async def train(kv, steps_range):
+        for step in steps_range:
+            await kv.push("emb", step_grad(kv.rank, step))
+            pulled = await kv.row_sparse_pull("emb", row_ids=np.arange(ROWS))
+        return pulled
+
+    env = {"AKV_CHECKPOINT_DIR": str(tmp_path), "AKV_CHECKPOINT_INTERVAL_S": NEVER_S}
+    with Cluster(2, 2, **env) as cluster:
+        stores = await cluster.workers()
+        try:
+            await each(stores, lambda kv: kv.init("emb", initial))
+            await each(stores, lambda kv: kv.set_optimizer(optimizer()))
+            await each(stores, lambda kv: train(kv, range(cut)))
+            for link in stores[0]._backend.links:
+                await link.request(Op.CHECKPOINT, timeout_s=WAIT_S)
+            await wait_until(lambda: retained(stores) == [0] * 4, "DURABLE after the cut")
+            await each(stores, lambda kv: train(kv, range(cut, cut + 2)))  # not checkpointed
+            cluster.thread.run(_die(cluster, 1), timeout=30)
+            new, _ = cluster.thread.run(_restart(cluster, 1), timeout=30)
+            restored = new.state.rows.entries["emb"]
+            assert restored.rounds.closed_round == cut and (restored.first, restored.end) == (5, 10)
+            results = await each(stores, lambda kv: train(kv, range(cut + 2, steps)))
+            assert new.state.failure is None and new.state.duplicates == 0
+            assert new.state.rows.entries["emb"].rounds.closed_round == steps
+        finally:
+            await asyncio.gather(*(kv.close() for kv in stores))
+    for pulled in results:
+        np.testing.assert_array_equal(pulled.data, expected.data)

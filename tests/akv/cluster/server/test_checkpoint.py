@@ -23,6 +23,7 @@ from akv.cluster.server import checkpoint
 from akv.cluster.server.checkpoint import (
     MAGIC,
     KeyRecord,
+    RowRecord,
     Snapshot,
     checkpoint_path,
     read_snapshot,
@@ -726,3 +727,69 @@ def test_large_arrays_are_neither_copied_to_write_nor_to_read(tmp_path):
 def test_checkpoint_error_is_an_akv_error_and_an_os_error():
     assert issubclass(CheckpointError, AKVError)
     assert issubclass(CheckpointError, OSError)
+
+
+# --- row-sparse keys ----------------------------------------------------------------------
+
+
+def row_record(key: Any = "emb", ids: Any = (2, 7), first: int = 0, end: int = 10) -> RowRecord:
+    ids = np.asarray(ids, np.int64)
+    rows = np.arange(len(ids) * 3, dtype=np.float32).reshape(len(ids), 3)
+    return RowRecord(key, (10**9, 3), first, end, ids, rows, 5, {0: 5}, {0: 5})
+
+
+def test_row_sparse_keys_come_back_as_written_after_the_dense_ones(tmp_path):
+    written = snapshot(row_keys=[row_record(), row_record(11, ids=[], first=5, end=9)])
+    write_snapshot(tmp_path, written)
+    got = read_snapshot(tmp_path, 1)
+    assert_same(got, written)
+    assert got is not None
+    for record, want in zip(got.row_keys, written.row_keys, strict=True):
+        assert (record.key, record.shape, record.first, record.end) == (
+            want.key,
+            want.shape,
+            want.first,
+            want.end,
+        )
+        assert (record.closed_round, record.tags, record.last_round) == (5, {0: 5}, {0: 5})
+        np.testing.assert_array_equal(record.ids, want.ids)
+        np.testing.assert_array_equal(record.rows, want.rows)
+        assert record.rows.dtype == want.rows.dtype and record.rows.shape == want.rows.shape
+    header, _ = split(checkpoint_path(tmp_path, 1).read_bytes())
+    assert [entry["rows"] for entry in header["row_keys"]] == [2, 0]
+
+
+def test_a_snapshot_without_row_sparse_keys_has_no_row_keys_field(tmp_path):
+    write_snapshot(tmp_path, snapshot())
+    header, _ = split(checkpoint_path(tmp_path, 1).read_bytes())
+    assert "row_keys" not in header
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        (row_record(ids=[7, 2]), "not sorted, unique and in"),
+        (row_record(ids=[2, 12]), r"not sorted, unique and in \[0, 10\)"),
+        (row_record(end=10**9 + 1), "are not rows of shape"),
+        (row_record(key=True), "an int or a str"),
+    ],
+)
+def test_the_writer_refuses_row_records_it_could_not_give_back(tmp_path, record, message):
+    with pytest.raises(CheckpointError, match=message):
+        write_snapshot(tmp_path, snapshot(row_keys=[record]))
+    assert not checkpoint_path(tmp_path, 1).exists()
+
+
+def test_a_forged_row_key_is_refused_before_its_rows_are_allocated(tmp_path):
+    write_snapshot(tmp_path, snapshot(keys=[], optimizer_states=None, row_keys=[row_record()]))
+    path = checkpoint_path(tmp_path, 1)
+    header, payload = split(path.read_bytes())
+    header["row_keys"][0]["rows"] = 10**12  # declares 16 TB of rows
+    forge(path, header, payload)
+    with pytest.raises(CheckpointError, match=r"nbytes \d+ does not fit"):
+        read_snapshot(tmp_path, 1)
+    header["row_keys"][0]["rows"] = 2
+    unsorted = np.array([7, 2], np.int64).tobytes() + payload[16:]
+    forge(path, header, unsorted)
+    with pytest.raises(CheckpointError, match="not sorted, unique"):
+        read_snapshot(tmp_path, 1)

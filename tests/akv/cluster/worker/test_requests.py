@@ -12,6 +12,7 @@ from akv.cluster.worker.requests import (
     pull_rides_on_push,
     push_batches,
     settle_before_resend,
+    settle_op,
 )
 from akv.errors import DoublePushError, ServerError
 from akv.keys import Entry, Part
@@ -146,3 +147,12 @@ def test_a_push_batch_numbers_each_part_with_its_keys_pushes():
         0: [("big", [0, 1, 2], 4)],
         1: [("big", [3, 4, 5], 4), ("small", [1, 1], 1)],
     }
+
+
+def test_a_resent_row_push_of_a_key_pushed_in_the_replay_waits_for_a_row_pull():
+    ids, rows = np.array([1, 2], np.int64), np.ones((2, 3), np.float32)
+    pushed: set = set()
+    assert settle_before_resend(Op.ROW_PUSH, [("e", ids, 1), ("e", rows, 1)], pushed) == []
+    (pull,) = settle_before_resend(Op.ROW_PUSH, [("e", ids, 2), ("e", rows, 2)], pushed)
+    assert pull[0] == "e" and pull[1].dtype == np.int64 and pull[1].size == 0
+    assert settle_op(Op.ROW_PUSH) == Op.ROW_PULL and settle_op(Op.PUSH) == Op.PULL
