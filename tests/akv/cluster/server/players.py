@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from akv.cluster.protocol import Note, Op
+from akv.cluster.protocol import Note, Op, encode_row_meta
 from akv.cluster.server.instructions import (
     Checkpoint,
     CloseStream,
@@ -25,13 +25,16 @@ from akv.cluster.server.instructions import (
     InstallOptimizer,
     Instruction,
     Land,
+    LandRows,
     LoadStates,
     Peer,
     Reply,
     ReplyError,
     SaveStates,
+    SendRows,
     SendValues,
 )
+from akv.cluster.server.row_keys import gather_rows, land_rows
 from akv.cluster.server.state import ServerState
 from akv.cluster.server.updates import land
 from engine import Var
@@ -69,7 +72,7 @@ class Players:
         self.unexpected: list[BaseException] = []
         self.failures: list[FailJob] = []
         self.checkpoints: list[Checkpoint] = []
-        self.held: list[Land] = []
+        self.held: list[Land | LandRows] = []
         self.hold_updates = False
         self.lend = False
         #: (worker, seq) of each interim answer that a request's push was counted.
@@ -129,6 +132,29 @@ class Players:
     ) -> int:
         """A push whose arrays all carry push number ``tag``."""
         return self.send(worker, Op.PUSH, list(values.items()), seq=seq, tags=[tag] * len(values))
+
+    def row_init(self, worker: int, key: Any, shape: tuple[int, ...], rows: tuple[int, int]) -> int:
+        """Rank ``worker``'s ``ROW_INIT`` of ``key`` (float32, this server's ``rows``), with
+        no row stored."""
+        text = encode_row_meta([(key, shape, "float32", *rows)])
+        ids, data = np.zeros(0, np.int64), np.zeros((0, *shape[1:]), np.float32)
+        return self.send(worker, Op.ROW_INIT, [(key, ids), (key, data)], text)
+
+    def row_push(
+        self,
+        worker: int,
+        key: Any,
+        ids: list[int],
+        data: np.ndarray,
+        tag: int,
+        seq: int | None = None,
+    ) -> int:
+        """A ``ROW_PUSH`` of ``key``'s rows ``ids``, push number ``tag``."""
+        wire = [(key, np.asarray(ids, np.int64)), (key, np.asarray(data, np.float32))]
+        return self.send(worker, Op.ROW_PUSH, wire, seq=seq, tags=[tag, tag])
+
+    def row_pull(self, worker: int, key: Any, ids: list[int]) -> int:
+        return self.send(worker, Op.ROW_PULL, [(key, np.asarray(ids, np.int64))])
 
     def pull(self, worker: int, keys: list[Any], dtype: Any = np.float32) -> int:
         return self.send(worker, Op.PULL, [(key, np.empty(0, dtype)) for key in keys])
@@ -195,11 +221,15 @@ class Players:
             self._answer(instruction.peer, instruction.seq, instruction.error)
             if instruction.cause is not None:  # the service logs it with its traceback
                 self.unexpected.append(instruction.cause)
-        elif isinstance(instruction, Land):
+        elif isinstance(instruction, (Land, LandRows)):
             if self.hold_updates:
                 self.held.append(instruction)
             else:
                 self._land(instruction)
+        elif isinstance(instruction, SendRows):
+            ticket = instruction.ticket
+            rows = {key: rows.copy() for key, rows, _ in gather_rows(ticket)}
+            self._answer(ticket.peer, ticket.seq, rows)
         elif isinstance(instruction, SendValues):
             ticket = instruction.ticket
             values = {e.key: e.value.copy() for e in ticket.entries}
@@ -222,12 +252,19 @@ class Players:
         else:  # pragma: no cover - a new instruction nobody taught this helper
             raise AssertionError(f"unknown instruction {instruction!r}")
 
-    def _land(self, work: Land) -> None:
+    def _land(self, work: Land | LandRows) -> None:
+        if isinstance(work, LandRows):
+            done, failed = land_rows(work, self.state.updater)
+            self._landed(work, done, failed)
+            return
         done, failed, to_give_back = land(work, self.state.updater)
         if work.lent is not None:
             work.lent.give_back()
         for lent in to_give_back:
             lent.give_back()
+        self._landed(work, done, failed)
+
+    def _landed(self, work: Land | LandRows, done: Any, failed: Any) -> None:
         self.run(self.state.rounds_applied(done))
         for entry, round_no, exc in failed:
             self.run(self.state.update_failed(entry, round_no, exc))

@@ -1,0 +1,119 @@
+"""A server's row-sparse keys, decided without sockets (:class:`RowKeys` inside
+:class:`ServerState`, played by tests/akv/cluster/server/players.py): rounds, exactly-once
+pushes, parked pulls, refusals, and the status counters."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from akv.cluster.protocol import Op
+from akv.errors import (
+    DoublePushError,
+    InvalidArgumentError,
+    PeerLostError,
+    RoundTimeoutError,
+    RowIdError,
+    StorageTypeError,
+)
+from tests.akv.cluster.server.players import OK, Players
+
+SHAPE = (10**9, 2)
+RANGE = (500, 1000)  # this server's rows
+
+
+def started(store_type: str = "dist_sync") -> Players:
+    players = Players(2, store_type)
+    assert players.reply(0, players.row_init(0, "emb", SHAPE, RANGE)) == OK
+    return players
+
+
+def ones(count: int, value: float = 1.0) -> np.ndarray:
+    return np.full((count, SHAPE[1]), value, np.float32)
+
+
+def test_a_round_sums_every_workers_rows_and_a_pull_waits_for_it():
+    players = started()
+    players.row_push(0, "emb", [500, 700], ones(2), tag=1)
+    pull = players.row_pull(0, "emb", [500, 600, 700, 999])
+    assert players.waiting(0, pull)  # the round still waits for worker 1
+    players.row_push(1, "emb", [700, 999], ones(2, 2.0), tag=1)
+    rows = players.reply(0, pull)["emb"]
+    np.testing.assert_array_equal(rows[:, 0], [1, 0, 3, 2])
+    assert players.state.status()["row_sparse_keys"] == 1
+
+
+def test_a_resent_push_is_answered_and_not_counted_again():
+    players = started()
+    seq = players.row_push(0, "emb", [500], ones(1), tag=1)
+    players.row_push(0, "emb", [500], ones(1), tag=1, seq=seq)  # resent after a cut
+    assert players.reply(0, seq) == OK
+    assert players.state.duplicates == 1
+    assert players.state.status()["duplicate_pushes"] == 1
+    players.row_push(1, "emb", [500], ones(1), tag=1)
+    entry = players.state.rows.entries["emb"]
+    assert entry.rounds.closed_round == 1
+    np.testing.assert_array_equal(entry.rows.gather([500]), ones(1, 2.0))
+
+
+def test_a_second_push_in_one_round_is_refused_and_changes_nothing():
+    players = started()
+    players.row_push(0, "emb", [500], ones(1), tag=1)
+    seq = players.row_push(0, "emb", [501], ones(1), tag=2)
+    assert isinstance(players.reply(0, seq), DoublePushError)
+    assert players.state.rows.entries["emb"].pending[0][0].tolist() == [500]
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "message"),
+    [
+        ([499], RowIdError, r"row id 499 is outside the rows \[500, 1000\) that server 0"),
+        ([1000], RowIdError, "row id 1000"),
+    ],
+)
+def test_rows_outside_the_servers_range_are_refused(ids, error, message):
+    players = started()
+    seq = players.row_push(0, "emb", ids, ones(1), tag=1)
+    assert isinstance(players.reply(0, seq), error)
+    assert re.search(message, str(players.reply(0, seq)))
+    pull = players.row_pull(0, "emb", ids)
+    assert isinstance(players.reply(0, pull), RowIdError)
+    assert players.state.rows.entries["emb"].rounds.open_seqs() == {}
+
+
+def test_a_row_request_for_a_dense_key_and_malformed_frames_are_refused():
+    players = started()
+    players.init(0, {"w": np.zeros(3, np.float32)})
+    seq = players.row_pull(0, "w", [1])
+    assert isinstance(players.reply(0, seq), StorageTypeError)
+    ids = np.array([500], np.int64)
+    lone = players.send(0, Op.ROW_PUSH, [("emb", ids)], tags=[1])
+    assert isinstance(players.reply(0, lone), InvalidArgumentError)
+    wide = players.send(
+        0, Op.ROW_PUSH, [("emb", ids), ("emb", np.ones((1, 3), np.float32))], tags=[1, 1]
+    )
+    assert "expected (1, 2)" in str(players.reply(0, wide))
+
+
+def test_dist_async_applies_each_push_before_answering_it():
+    players = started("dist_async")
+    players.hold_updates = True
+    seq = players.row_push(0, "emb", [600], ones(1), tag=1)
+    assert players.waiting(0, seq)
+    players.finish_updates()
+    assert players.reply(0, seq) == OK
+    rows = players.reply(1, players.row_pull(1, "emb", [600]))["emb"]
+    np.testing.assert_array_equal(rows, ones(1))
+
+
+def test_parked_pulls_fail_when_their_round_times_out_or_the_job_fails():
+    players = started()
+    players.row_push(0, "emb", [500], ones(1), tag=1)
+    late = players.row_pull(0, "emb", [500])
+    players.tick(100.0, round_timeout_s=10.0)
+    assert isinstance(players.reply(0, late), RoundTimeoutError)
+    again = players.row_pull(0, "emb", [500])
+    players.run(players.state.job_failed("worker 1 died"))
+    assert isinstance(players.reply(0, again), PeerLostError)
