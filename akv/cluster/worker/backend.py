@@ -135,9 +135,7 @@ class DistBackend:
         # Instructions met while carrying out others wait for them (see ``handle``).
         self._executing = False
         self._queued: list[Instruction] = []
-        self._rows = RowCalls(
-            engine, lambda: self.links, config.timeouts, store_type == "dist_sync"
-        )
+        self._rows = RowCalls(engine, lambda: self.links, config.timeouts)
         #: How the other instructions are carried out (see ``_carry_out``).
         self._carriers: dict[type[Instruction], Callable[[Any], None]] = {
             GiveBuffer: self._give_buffer,

@@ -38,9 +38,7 @@ Requests = dict[int, tuple[list[WireArray], str]]
 class RowCalls:
     """The row-sparse calls of one worker's distributed store.
 
-    ``links`` gives the server links (known once the store joined the job); ``sync``: a
-    ``dist_sync`` store (a push then goes to every server, see
-    :func:`~akv.cluster.worker.rows.push_requests`).
+    ``links`` gives the server links (known once the store joined the job).
     """
 
     def __init__(
@@ -48,12 +46,10 @@ class RowCalls:
         engine: Engine,
         links: Callable[[], Sequence[ServerLink]],
         timeouts: Timeouts,
-        sync: bool,
     ) -> None:
         self._engine = engine
         self._links = links
         self._timeouts = timeouts
-        self._sync = sync
 
     def new_entry(self, key: Any, shape: tuple[int, ...], dtype: np.dtype) -> Entry:
         """A row-sparse key's entry: its parts are row ranges, one per server
@@ -83,7 +79,7 @@ class RowCalls:
             entry.pushes += 1  # in call order, as the pushes of a key run
             numbered.append((entry, value, entry.pushes))
         requests: Requests = {
-            server: (arrays, "") for server, arrays in push_requests(numbered, self._sync).items()
+            server: (arrays, "") for server, arrays in push_requests(numbered).items()
         }
         writes = [entry.var for entry, _ in values]
         return self._requests(Op.ROW_PUSH, requests, writes, "push", priority)

@@ -4,10 +4,11 @@ rows of a pull's answer land. Pure: no I/O.
 A row-sparse key is split by rows over every server (:func:`~akv.cluster.placement.row_parts`:
 ``entry.parts`` count rows). Values are sorted by row id, so each server's rows are one
 contiguous slice of them (two binary searches), sent without a copy. A push goes to every
-server in ``dist_sync`` (an empty one where the value has no row in the server's range: the
-round counts one push per worker) and only to the servers with rows in ``dist_async``; a
-pull asks only the servers that hold rows it asks for, and their answers land straight in
-the slices of the output that are theirs.
+server, an empty one where the value has no row in the server's range: a push is the whole
+key's new value (without an optimizer every other row reads as zero again; a standard
+optimizer update changes every stored row; Adam counts the key's updates), and a
+``dist_sync`` round counts one push per worker. A pull asks only the servers that hold rows
+it asks for, and their answers land straight in the slices of the output that are theirs.
 """
 
 from __future__ import annotations
@@ -57,18 +58,16 @@ def init_check_text(entries: list[Entry]) -> str:
     return encode_meta([(entry.key, entry.shape, f"{entry.dtype} row_sparse") for entry in entries])
 
 
-def push_requests(
-    pushes: list[tuple[Entry, RowSparseArray, int]], sync: bool
-) -> dict[int, list[WireArray]]:
-    """Each server's ``ROW_PUSH`` arrays: per key, its ids and rows in the server's range,
-    the ids tagged with the push number (every server in ``dist_sync``, see the module)."""
+def push_requests(pushes: list[tuple[Entry, RowSparseArray, int]]) -> dict[int, list[WireArray]]:
+    """Each server's ``ROW_PUSH`` arrays: per key, its ids and rows in the server's range
+    (none, for some: every server gets every key, see the module), tagged with the push
+    number."""
     requests: dict[int, list[WireArray]] = {}
     for entry, value, tag in pushes:
         for server, first, end in slices(entry, value.indices):
-            if end > first or sync:
-                arrays = requests.setdefault(server, [])
-                arrays.append((entry.key, value.indices[first:end], tag))
-                arrays.append((entry.key, value.data[first:end], tag))
+            arrays = requests.setdefault(server, [])
+            arrays.append((entry.key, value.indices[first:end], tag))
+            arrays.append((entry.key, value.data[first:end], tag))
     return requests
 
 

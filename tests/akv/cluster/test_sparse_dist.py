@@ -162,8 +162,8 @@ def test_a_pull_asks_only_the_servers_that_hold_its_rows():
         1: [[5]],
     }
     value = rsp([9], [row(1)])
-    assert list(push_requests([(entry, value, 1)], sync=False)) == [1]
-    assert sorted(push_requests([(entry, value, 1)], sync=True)) == [0, 1]
+    pushed = push_requests([(entry, value, 1)])  # every server: an empty push to server 0
+    assert {server: arrays[0][1].tolist() for server, arrays in pushed.items()} == {0: [], 1: [9]}
 
 
 async def test_row_sparse_optimizer_states_saved_over_two_servers_load_into_a_local_store(
@@ -258,3 +258,20 @@ async def test_a_restarted_server_restores_its_rows_and_states_and_the_job_goes_
             await asyncio.gather(*(kv.close() for kv in stores))
     for pulled in results:
         np.testing.assert_array_equal(pulled.data, expected.data)
+
+
+@pytest.mark.parametrize("store_type", ["dist_async", "dist_sync_device", "dist_async_device"])
+async def test_a_push_is_the_keys_whole_new_value_on_every_server(store_type):
+    """Row 3 lies on server 0, row 7 on server 1: a push of row 7 alone clears row 3 too
+    (without an optimizer the stored rows become the push, on every server)."""
+    with Cluster(2, 2) as cluster:
+
+        async def body(kv):
+            await kv.init("emb", rsp([3], [row(1)]))
+            await kv.push("emb", rsp([7], [row(1)]))
+            await kv.barrier()
+            return await kv.row_sparse_pull("emb", row_ids=[3, 7])
+
+        sync = store_type.startswith("dist_sync")
+        for pulled in await on_every_worker(cluster, store_type, body):
+            np.testing.assert_array_equal(pulled.data[:, 0], [0, 2 if sync else 1])
