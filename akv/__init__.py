@@ -10,15 +10,17 @@
 Public names: :func:`create` / :class:`KVStore` (blocking), :func:`create_async` /
 :class:`AsyncKVStore` (awaitable), :mod:`akv.optimizer`, :class:`RowSparseArray` (the
 rows of a large array that are present, such as an embedding's gradient), and the errors,
-all subclasses of :class:`AKVError`.
+all subclasses of :class:`AKVError`; :class:`KVStoreBase` for custom stores.
 """
 
 from akv import optimizer
+from akv.custom import KVStoreBase
 from akv.errors import (
     AKVError,
     AuthenticationError,
     BarrierTimeoutError,
     BenchmarkError,
+    CapabilityError,
     CheckpointError,
     ClosedError,
     ConfigError,
@@ -63,6 +65,7 @@ __all__ = [
     "AuthenticationError",
     "BarrierTimeoutError",
     "BenchmarkError",
+    "CapabilityError",
     "CheckpointError",
     "ClosedError",
     "ConfigError",
@@ -74,6 +77,7 @@ __all__ = [
     "ImmutableOutputError",
     "InvalidArgumentError",
     "KVStore",
+    "KVStoreBase",
     "KeyNotInitializedError",
     "LaunchError",
     "MembershipError",

@@ -16,6 +16,7 @@ __all__ = [
     "AuthenticationError",
     "BarrierTimeoutError",
     "BenchmarkError",
+    "CapabilityError",
     "CheckpointError",
     "ClosedError",
     "ConfigError",
@@ -204,6 +205,11 @@ class LaunchError(AKVError, ValueError):
 
     The message names the flag, file line or variable and says what to do.
     """
+
+
+class CapabilityError(AKVError, ValueError):
+    """A store was asked about a capability akv does not know, or for one it lacks (an
+    optimizer method of a custom store without an optimizer); the message names the store."""
 
 
 class RowIdError(InvalidArgumentError, IndexError):

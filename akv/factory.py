@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 from akv import limits
 from akv.cluster.config import Config, from_env
+from akv.custom import KVStoreBase
 from akv.errors import InvalidArgumentError, RoleError
 from akv.exits import close_at_exit, sigterm_raises
 from akv.kinds import StoreType, check_options, env_int, store_type
@@ -16,6 +17,11 @@ from akv.store import AsyncKVStore, KVStore
 from engine import LoopThread
 
 __all__ = ["create", "create_async"]
+
+
+def _custom(name: object) -> type[KVStoreBase] | None:
+    """The custom store registered under ``name`` (any case), if any."""
+    return KVStoreBase.kv_registry.get(name.lower()) if isinstance(name, str) else None
 
 
 def _dist_config(kind: StoreType, environ: object, blocking: bool) -> Config | None:
@@ -80,6 +86,11 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
         engine's worker threads (default ``AKV_INLINE_MAX_BYTES``, 16 MiB). The blocking
         store runs all array work on the calling thread unless this is given.
     """
+    if _custom(name) is not None:
+        raise InvalidArgumentError(
+            f"create_async({name!r}): {name!r} is a custom store, which has the blocking "
+            "interface only (akv.KVStoreBase): make it with akv.create"
+        )
     kind = store_type(name)
     slots = check_options(kind, options)
     inline = options.get("inline_max_bytes")
@@ -92,12 +103,52 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
     return store
 
 
-def create(name: str = "local", **options: Any) -> KVStore:
-    """Create a blocking :class:`KVStore` (its own event loop runs on a private thread).
+#: akv's own store type names (``STORE_TYPES``), for :func:`create`'s return type.
+BuiltinName = Literal[
+    "local",
+    "local_allreduce_cpu",
+    "local_update_cpu",
+    "local_allreduce_device",
+    "device",
+    "nccl",
+    "dist_sync",
+    "dist_async",
+    "dist_sync_device",
+    "dist_async_device",
+    "dist_device_sync",
+    "dist_device_async",
+]
+
+
+@overload
+def create(name: BuiltinName = "local", **options: Any) -> KVStore: ...
+
+
+@overload
+def create(name: str, **options: Any) -> KVStoreBase: ...
+
+
+def create(name: str = "local", **options: Any) -> KVStoreBase:
+    """Create a blocking :class:`KVStore` (its own event loop runs on a private thread), or
+    the custom store registered under ``name`` (:meth:`KVStoreBase.register`, looked up
+    first, as MXNet does; made without arguments).
 
     Takes the same arguments as :func:`create_async`; usable from any thread, also one
     that runs an event loop of its own (Jupyter).
+
+    Raises
+    ------
+    InvalidArgumentError
+        Options given for a custom store.
     """
+    custom = _custom(name)
+    if custom is not None:
+        if options:
+            raise InvalidArgumentError(
+                f"create({name!r}): a custom store is made without options, got "
+                f"{', '.join(sorted(options))}"
+            )
+        return custom()
     kind = store_type(name)
     slots = check_options(kind, options)
     config = _dist_config(kind, options.get("environ"), blocking=True)

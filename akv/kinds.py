@@ -74,6 +74,11 @@ def store_type(name: object) -> StoreType:
     return StoreType(name, *meaning)
 
 
+def is_store_type(name: str) -> bool:
+    """Whether ``name`` (any case) is one of akv's own store types."""
+    return name.lower() in _MEANINGS
+
+
 def env_int(name: str, default: int, minimum: int) -> int:
     """``name`` from the environment (read at each store's creation), or ``default``."""
     text = os.environ.get(name)

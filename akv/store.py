@@ -25,6 +25,7 @@ from akv.args import Key, group, normalize_key, pairs
 from akv.arrays import Array, Origin, finisher, is_gpu, read, to_host, write_view
 from akv.backend import Backend, KeyArrays, Updater
 from akv.cluster.config import Config
+from akv.custom import KVStoreBase, check_capability
 from akv.device import DeviceBackend
 from akv.errors import (
     AKVError,
@@ -293,7 +294,9 @@ class AsyncKVStore:
         pulls, result = row_pulls(self._keys, key, out, row_ids)
         return self._backend.pull_rows(pulls, result, priority)
 
-    def broadcast(self, key: Key | list[Key], value: Any, out: Any = None) -> Waitable:
+    def broadcast(
+        self, key: Key | list[Key], value: Any, out: Any = None, priority: int = 0
+    ) -> Waitable:
         """Initialize ``key`` with ``value`` and pull it into ``out`` (MXNet: init + pull).
 
         Like ``init``, it can be called once per key. Dense values only: a row-sparse key
@@ -305,7 +308,19 @@ class AsyncKVStore:
                 "rows with row_sparse_pull(key, row_ids=...)"
             )
         self.init(key, value)
-        return self.pull(key, out)
+        return self.pull(key, out, priority)
+
+    def is_capable(self, capability: str) -> bool:
+        """Whether the store has ``capability``: ``"optimizer"`` (``KVStoreBase.OPTIMIZER``)
+        is True for every akv store.
+
+        Raises
+        ------
+        CapabilityError
+            A capability akv does not know.
+        """
+        check_capability(capability, self.type)
+        return True
 
     def set_updater(self, updater: Updater | None) -> None:
         """Use ``updater(key, recv, stored)`` for later pushes; it must change ``stored`` in place.
@@ -523,8 +538,9 @@ class AsyncKVStore:
         return obj, view, entry.origin
 
 
-class KVStore:
-    """A blocking key-value store (create it with :func:`akv.create`).
+class KVStore(KVStoreBase):
+    """A blocking key-value store (create it with :func:`akv.create`); an
+    :class:`akv.KVStoreBase`, with the optimizer capability.
 
     The same methods and meaning as :class:`AsyncKVStore`; each call returns once its
     work is done. Safe to use from several threads at once and from threads that run
@@ -625,9 +641,15 @@ class KVStore:
         :class:`~akv.RowSparseArray` objects)."""
         return self._wait(self._inner.row_sparse_pull(key, out, priority, row_ids))
 
-    def broadcast(self, key: Key | list[Key], value: Any, out: Any = None) -> Any:
+    def broadcast(
+        self, key: Key | list[Key], value: Any, out: Any = None, priority: int = 0
+    ) -> Any:
         """See :meth:`AsyncKVStore.broadcast`; returns ``out`` (or new arrays)."""
-        return self._wait(self._inner.broadcast(key, value, out))
+        return self._wait(self._inner.broadcast(key, value, out, priority))
+
+    def is_capable(self, capability: str) -> bool:
+        """See :meth:`AsyncKVStore.is_capable`."""
+        return self._inner.is_capable(capability)
 
     def set_updater(self, updater: Updater | None) -> None:
         """See :meth:`AsyncKVStore.set_updater`."""

@@ -59,6 +59,18 @@ def test_the_row_sparse_example_updates_only_the_pushed_rows_as_its_comment_says
     assert printed == [comment.group(1)]
 
 
+def test_the_custom_store_example_sums_as_its_comment_says():
+    (block,) = [b for b in blocks("api.md") if "KVStoreBase.register" in b]
+    comment = re.search(r"print\(out\)  # (.*)", block)
+    assert comment is not None
+    try:
+        namespace, printed = run(block, "api.md")
+        assert isinstance(namespace["kv"], akv.KVStoreBase)
+        assert printed == [comment.group(1)]
+    finally:
+        akv.KVStoreBase.kv_registry.pop("sumstore", None)
+
+
 def test_the_errors_shown_in_getting_started_are_the_ones_raised():
     (block,) = [b for b in blocks("getting-started.md") if ">>>" in b]
     lines = block.strip().splitlines()
