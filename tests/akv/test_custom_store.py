@@ -215,3 +215,11 @@ def test_akvs_own_stores_are_store_bases_with_an_optimizer(made):
 async def test_a_custom_store_is_not_made_by_create_async():
     with pytest.raises(InvalidArgumentError, match="blocking interface only"):
         await akv.create_async("teststore")
+
+
+def test_creates_return_type_names_every_built_in_store_type():
+    import typing
+
+    from akv.factory import BuiltinName
+
+    assert set(typing.get_args(BuiltinName)) == set(akv.STORE_TYPES)
