@@ -18,6 +18,7 @@ import numpy as np
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.arrays import is_gpu, record_on_callers
+from akv.compression import Compression
 from akv.errors import AKVError
 from akv.keys import Entry
 from akv.sparse import RowIds, RowSparseArray
@@ -64,6 +65,12 @@ class Backend(Protocol):
 
     def new_entry(self, key: Key, array: np.ndarray) -> Entry:
         """A new key's entry (its var, and where its parts live), for a value like ``array``."""
+        ...
+
+    def set_compression(self, compression: Compression) -> bool:
+        """Compress the pushes this backend sends from now on (:mod:`akv.compression`);
+        False when it sends none (a local store: the store then encodes and decodes each
+        pushed value itself, at the call)."""
         ...
 
     def new_row_entry(self, key: Key, shape: tuple[int, ...], dtype: np.dtype) -> Entry:

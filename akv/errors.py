@@ -19,6 +19,7 @@ __all__ = [
     "CapabilityError",
     "CheckpointError",
     "ClosedError",
+    "CompressionError",
     "ConfigError",
     "ConnectTimeoutError",
     "DTypeMismatchError",
@@ -210,6 +211,11 @@ class LaunchError(AKVError, ValueError):
 class CapabilityError(AKVError, ValueError):
     """A store was asked about a capability akv does not know, or for one it lacks (an
     optimizer method of a custom store without an optimizer); the message names the store."""
+
+
+class CompressionError(InvalidArgumentError):
+    """Gradient compression that cannot be: bad parameters, set after the first push, or a
+    value it cannot compress (not float32, row-sparse); the message names the key."""
 
 
 class RowIdError(InvalidArgumentError, IndexError):

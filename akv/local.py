@@ -26,6 +26,7 @@ from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.arrays import Array, copy_into
 from akv.backend import KeyArrays, Updater, caller_events
+from akv.compression import Compression
 from akv.errors import AKVError, OptimizerNotSetError, StateFileError
 from akv.keys import Entry, merge_into
 from akv.local_rows import RowPull, RowPush, apply_row_push, check_updater, pull_rows, store_rows
@@ -177,6 +178,10 @@ class LocalBackend:
     def new_entry(self, key: Key, array: np.ndarray) -> Entry:
         """A key's entry, with an engine var of its own."""
         return Entry(key, tuple(array.shape), array.dtype, self._engine.new_var(f"key {key!r}"))
+
+    def set_compression(self, compression: Compression) -> bool:
+        """Nothing is sent: the store encodes and decodes pushed values itself."""
+        return False
 
     def new_row_entry(self, key: Key, shape: tuple[int, ...], dtype: np.dtype) -> Entry:
         """A row-sparse key's entry: its rows are kept in ``entry.rows``."""

@@ -13,7 +13,7 @@ import collections
 import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +25,13 @@ from akv.args import Key, group, normalize_key, pairs
 from akv.arrays import Array, Origin, finisher, is_gpu, read, to_host, write_view
 from akv.backend import Backend, KeyArrays, Updater
 from akv.cluster.config import Config
+from akv.compression import Compression, Residuals, parse_compression
 from akv.custom import KVStoreBase, check_capability
 from akv.device import DeviceBackend
 from akv.errors import (
     AKVError,
     ClosedError,
+    CompressionError,
     InvalidArgumentError,
     ReentrantCallError,
     StorageTypeError,
@@ -79,6 +81,9 @@ class AsyncKVStore:
     _closing: asyncio.Future[None] | None
     _abandoning: asyncio.Future[None] | None
     _holds_sigterm: bool
+    _compression: Compression | None
+    _residuals: Residuals | None
+    _pushed: bool
 
     def __init__(self) -> None:
         raise TypeError("use `await akv.create_async(type)` to make an AsyncKVStore")
@@ -105,6 +110,9 @@ class AsyncKVStore:
         self._closing = None
         self._abandoning = None
         self._holds_sigterm = False
+        self._compression = None
+        self._residuals = None
+        self._pushed = False
         if config is None and kind.device:
             self._backend = DeviceBackend(self._engine, self, inline_max_bytes, devices)
         elif config is None:
@@ -204,7 +212,12 @@ class AsyncKVStore:
         MixedKeyKindsError, InvalidArgumentError
         """
         self._check_usable()
-        if type(value) is np.ndarray and (type(key) is int or type(key) is str):
+        self._pushed = True
+        if (
+            type(value) is np.ndarray
+            and (type(key) is int or type(key) is str)
+            and self._compression is None
+        ):
             entry = self._keys.get(key, "push to")  # the common call, kept cheap
             if (
                 value.shape != entry.shape
@@ -215,9 +228,55 @@ class AsyncKVStore:
                 entry.check(value, "push to")
             return self._backend.push([(entry, [value])], priority, self._caller_waits)
         if sparse_call(value if isinstance(key, (list, tuple)) else [value]):
-            return self._backend.push_rows(row_pushes(self._keys, key, value), priority)
-        values = self._values(group(key, value, "push"))
+            pushes = row_pushes(self._keys, key, value)
+            if self._compression is not None:
+                raise CompressionError(
+                    f"push to key {pushes[0][0].key!r}: gradient compression takes dense "
+                    "values only (as MXNet); push row-sparse keys from a store without it"
+                )
+            return self._backend.push_rows(pushes, priority)
+        values = self._compressed(self._values(group(key, value, "push")))
         return self._backend.push(values, priority, self._caller_waits)
+
+    def set_gradient_compression(self, compression_params: Mapping[str, Any]) -> None:
+        """Compress every later push: ``{"type": "2bit" | "1bit", "threshold": t}``
+        (:mod:`akv.compression`: MXNet 1.9's 2bit and MXNet 2.0's 1bit, with a residual per
+        key and sender). A distributed store's workers send compressed values and the
+        servers decode them (pulls stay dense); a local store compresses and decodes each
+        value of a pushed list (one residual per list position, as MXNet keeps one per
+        device). float32 values only; ``pushpull`` is compressed too.
+
+        Raises
+        ------
+        CompressionError
+            Bad parameters, or a push happened already (as MXNet, it must be set first).
+        """
+        self._check_usable()
+        compression = parse_compression(compression_params)
+        if self._pushed:
+            raise CompressionError(
+                "set_gradient_compression must come before the first push (a residual "
+                "starts with the first push of each key)"
+            )
+        self._compression = compression
+        if not self._backend.set_compression(compression):
+            self._residuals = Residuals(compression)
+
+    def _compressed(self, values: KeyArrays) -> KeyArrays:
+        """``values`` as a compressed push delivers them (checked: float32 keys); in a local
+        store each value encoded and decoded here, at the call, in call order."""
+        compression = self._compression
+        if compression is None:
+            return values
+        for entry, _ in values:
+            compression.check_key(entry.key, entry.dtype)
+        residuals = self._residuals
+        if residuals is None:
+            return values  # the backend sends them compressed
+        return [
+            (entry, [residuals.round_trip(entry.key, slot, a) for slot, a in enumerate(arrays)])
+            for entry, arrays in values
+        ]
 
     def pull(self, key: Key | list[Key], out: Any = None, priority: int = 0) -> Waitable:
         """Copy each key's value into ``out`` (an array, or a list of arrays that all get it).
@@ -266,8 +325,9 @@ class AsyncKVStore:
     ) -> Waitable:
         """Push ``value``, then pull the result into ``out`` (into ``value`` when omitted)."""
         self._check_usable()
+        self._pushed = True
         no_row_pushpull(self._keys, key)
-        values = self._values(group(key, value, "pushpull"))
+        values = self._compressed(self._values(group(key, value, "pushpull")))
         result = value if out is None else out
         targets = self._targets(key, result)
         return self._backend.pushpull(values, targets, result, priority, self._caller_waits)
@@ -654,6 +714,10 @@ class KVStore(KVStoreBase):
     def set_updater(self, updater: Updater | None) -> None:
         """See :meth:`AsyncKVStore.set_updater`."""
         self._inner.set_updater(updater)
+
+    def set_gradient_compression(self, compression_params: Mapping[str, Any]) -> None:
+        """See :meth:`AsyncKVStore.set_gradient_compression`."""
+        self._inner.set_gradient_compression(compression_params)
 
     def set_optimizer(self, optimizer: _optimizer.Optimizer) -> None:
         """See :meth:`AsyncKVStore.set_optimizer`."""

@@ -71,6 +71,13 @@ def test_the_custom_store_example_sums_as_its_comment_says():
         akv.KVStoreBase.kv_registry.pop("sumstore", None)
 
 
+def test_the_compression_example_sends_as_its_comments_say():
+    block = blocks("compression.md")[0]
+    comments = re.findall(r"print\(kv.pull\(\"w\"\)\)  # (.*)", block)
+    _, printed = run(block, "compression.md")
+    assert printed == comments and len(comments) == 2
+
+
 def test_the_errors_shown_in_getting_started_are_the_ones_raised():
     (block,) = [b for b in blocks("getting-started.md") if ">>>" in b]
     lines = block.strip().splitlines()

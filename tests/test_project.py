@@ -105,6 +105,7 @@ PURE_AKV_MODULES = [
     "akv.keys",
     "akv.limits",
     "akv.local_rows",
+    "akv.compression",
     "akv.row_args",
     "akv.rows",
     "akv.sparse",

@@ -19,7 +19,9 @@ from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import Op, op_label
 from akv.cluster.server.instructions import Peer, ServerEntry
+from akv.compression import Compression, compressed_nbytes, parse_wire
 from akv.errors import (
+    CompressionError,
     DuplicateInitError,
     InvalidArgumentError,
     KeyNotInitializedError,
@@ -30,6 +32,7 @@ from transport import ArrayInfo, FrameHeader, parse_json
 __all__ = [
     "NO_ARRAY_OPS",
     "REQUEST_OPS",
+    "check_compressed",
     "check_frame",
     "entry_of",
     "optimizer_request",
@@ -111,8 +114,27 @@ def check_frame(
                     f"pull of key {key!r} from worker {peer.worker} declares "
                     f"{info.nbytes} payload bytes: a pull carries none"
                 )
+        elif header.text:  # a compressed push: the key's bytes compressed
+            check_compressed(entry_of(entries, key, "push to"), info, parse_wire(header.text))
         else:
             entry_of(entries, key, "push to").check(info, "push to")
+
+
+def check_compressed(entry: ServerEntry, info: ArrayInfo, compression: Compression) -> None:
+    """A compressed push of ``entry`` is float32 values compressed: uint8 bytes, as many as
+    :func:`~akv.compression.compressed_nbytes` says.
+
+    Raises
+    ------
+    CompressionError
+    """
+    compression.check_key(entry.key, entry.dtype)
+    nbytes = compressed_nbytes(compression, entry.size)
+    if info.dtype != np.uint8 or tuple(info.shape) != (nbytes,):
+        raise CompressionError(
+            f"push to key {entry.key!r}: a {compression.type} push of {entry.size} values is "
+            f"{nbytes} uint8 bytes, got {info.dtype} of shape {tuple(info.shape)}"
+        )
 
 
 def entry_of(entries: Mapping[Key, ServerEntry], key: Key | None, what: str) -> ServerEntry:

@@ -43,6 +43,7 @@ from akv.args import Key
 from akv.cluster.protocol import Note
 from akv.cluster.server.buffers import Lent, RegionEntry
 from akv.cluster.server.rounds import KeyRounds
+from akv.compression import Compression
 from akv.errors import AKVError, MembershipError
 from akv.keys import Entry, VarFactory
 from akv.rows import RowTable
@@ -239,6 +240,10 @@ class Land:
     inline: bool
     reply: Reply | None = None
     lent: Lent | None = None
+    #: A compressed push's bytes, each with the key buffer it is first decoded into (the
+    #: buffer ``merges`` and ``closing`` name), and the compression.
+    decodes: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+    compression: Compression | None = None
 
 
 @dataclass(frozen=True, slots=True)

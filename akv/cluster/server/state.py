@@ -73,6 +73,7 @@ from akv.cluster.server.instructions import (
 )
 from akv.cluster.server.row_keys import ROW_OPS, RowKeys, shaped
 from akv.cluster.server.views import check_invariants, status
+from akv.compression import parse_wire
 from akv.errors import (
     AKVError,
     DuplicateInitError,
@@ -383,6 +384,9 @@ class ServerState:
                 None if info.key in self.entries else np.empty(info.shape, info.dtype)
                 for info in arrays
             ]
+        elif op in (Op.PUSH, Op.PUSHPULL) and header.text:
+            # Compressed: fresh bytes, decoded into buffers of the keys by the push's task.
+            landing.buffers = [np.empty(info.nbytes, np.uint8) for info in arrays]
         elif op in (Op.PUSH, Op.PUSHPULL):
             landing.read_in_place = True
             for index, info in enumerate(arrays):
@@ -497,9 +501,14 @@ class ServerState:
         A push whose number was counted already (a resent request) is answered without
         being counted or merged again.
         """
-        # A landing without an error has an entry and a buffer for every array.
-        entries = cast("list[ServerEntry]", landing.entries)
+        # A landing without an error has a buffer for every array, and an entry for every
+        # array unless the push is compressed (its bytes are no buffers of the keys).
         buffers = cast("list[np.ndarray]", landing.buffers)
+        compression = parse_wire(header.text) if header.text else None
+        if compression is None:
+            entries = cast("list[ServerEntry]", landing.entries)
+        else:
+            entries = [self.entries[cast("Key", info.key)] for info in header.arrays]
         tags = [info.tag for info in header.arrays]
         worker = peer.worker
         seq = header.seq if peer.stream else 0
@@ -518,12 +527,17 @@ class ServerState:
         merges = []
         closing: list[tuple[ServerEntry, np.ndarray | None, int]] = []
         counted = []
+        decodes = []
         nbytes = 0
         sync = self.sync
         for entry, buffer, tag, new in zip(entries, buffers, tags, fresh, strict=True):
             if not new:
-                give_back(entry, buffer)
+                if compression is None:
+                    give_back(entry, buffer)
                 continue
+            if compression is not None:  # decoded by the push's task into a key buffer
+                raw, buffer = buffer, entry.take_buffer()
+                decodes.append((raw, buffer))
             decision = entry.rounds.accept_push(worker, now, tag, seq)
             counted.append(entry)
             nbytes += entry.nbytes
@@ -552,7 +566,16 @@ class ServerState:
             landing.lent = None  # the task lets go of them
             inline = nbytes <= INLINE_MAX_BYTES
             out.append(
-                Land(tuple(counted), tuple(merges), tuple(closing), inline, after_land, lent)
+                Land(
+                    tuple(counted),
+                    tuple(merges),
+                    tuple(closing),
+                    inline,
+                    after_land,
+                    lent,
+                    tuple(decodes),
+                    compression,
+                )
             )
         if header.op == Op.PUSHPULL:
             if header.flags & COUNTED and peer.stream:  # resent too: a second is ignored

@@ -14,6 +14,7 @@ import numpy as np
 from akv import optimizer as _optimizer
 from akv.cluster.server.buffers import Lent, give_back, own
 from akv.cluster.server.instructions import Land, ServerEntry
+from akv.compression import decode
 
 __all__ = ["Add", "land"]
 
@@ -39,6 +40,9 @@ def land(
     that a round's sum no longer holds (the caller gives them back: :meth:`Lent.give_back`).
     """
     to_give_back: list[Lent] = []
+    for raw, target in work.decodes:
+        assert work.compression is not None  # set with decodes
+        decode(work.compression, raw, target.size, out=target)
     _merge(work.merges, to_give_back, updater is None, add)
     done: list[tuple[ServerEntry, int]] = []
     failed: list[tuple[ServerEntry, int, Exception]] = []

@@ -72,6 +72,7 @@ from akv.cluster.worker.requests import WireArray, by_server
 from akv.cluster.worker.row_calls import RowCalls
 from akv.cluster.worker.staging import Staging, land_in_pinned
 from akv.cluster.worker.state import WorkerState
+from akv.compression import Compression, Residuals
 from akv.device import register_gpu_executor
 from akv.errors import (
     AKVError,
@@ -573,6 +574,13 @@ class DistBackend:
         assert self._loop is not None
         call = PullCall(done, result, give_back, after)
         self.handle(PullIssued(call, targets, staged, self._loop.time()))
+
+    def set_compression(self, compression: Compression) -> bool:
+        """Compress every later push (each part with this worker's residual, at the call);
+        the servers decode them. True: this backend sends compressed values."""
+        self._staging.residuals = Residuals(compression)
+        self.state.compress(compression)
+        return True
 
     # ------------------------------------------------------------ row-sparse keys
 

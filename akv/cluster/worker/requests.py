@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import numpy as np
 
 from akv.cluster.protocol import COUNTED, OK, Op, error_from_status, op_label
+from akv.compression import Compression, Residuals, compressed_nbytes
 from akv.errors import AKVError, ServerError
 from akv.keys import Entry, Part
 from transport import DISCARD, Destination, FrameHeader, InPlace, Message
@@ -31,8 +32,10 @@ __all__ = [
     "RequestTable",
     "WireArray",
     "by_server",
+    "compress_parts",
     "pull_rides_on_push",
     "push_batches",
+    "push_view",
     "settle_before_resend",
     "settle_op",
 ]
@@ -62,7 +65,9 @@ def by_server(
     return batches
 
 
-def push_batches(staged: Sequence[tuple[Entry, np.ndarray]]) -> dict[int, list[WireArray]]:
+def push_batches(
+    staged: Sequence[tuple[Entry, np.ndarray]], compression: Compression | None = None
+) -> dict[int, list[WireArray]]:
     """A push's arrays (each key's part, numbered with the key's pushes so far), grouped
     by the server that holds the part (one request per server), in call order."""
     batches: dict[int, list[WireArray]] = {}
@@ -72,8 +77,36 @@ def push_batches(staged: Sequence[tuple[Entry, np.ndarray]]) -> dict[int, list[W
             batch = batches.get(part.server)
             if batch is None:
                 batch = batches[part.server] = []
-            batch.append((entry.key, entry.wire_view(array, part), pushes))
+            batch.append((entry.key, push_view(entry, array, part, compression), pushes))
     return batches
+
+
+def push_view(
+    entry: Entry, array: np.ndarray, part: Part, compression: Compression | None
+) -> np.ndarray:
+    """What a push sends of ``entry``'s part ``part``: that piece of the staged value, or
+    of its compressed bytes (:func:`compress_parts`: each part's bytes, in part order)."""
+    if compression is None:
+        return entry.wire_view(array, part)
+    if len(entry.parts) == 1:
+        return array
+    start = 0
+    for other in entry.parts:
+        nbytes = compressed_nbytes(compression, other.size)
+        if other == part:
+            return array[start : start + nbytes]
+        start += nbytes
+    raise ValueError(f"part {part} is not a part of key {entry.key!r}")
+
+
+def compress_parts(residuals: Residuals, entry: Entry, dense: np.ndarray) -> np.ndarray:
+    """``dense`` (the key's summed push) compressed part by part, each part with its own
+    residual, the parts' bytes back to back (what :func:`push_view` cuts)."""
+    packed = [
+        residuals.encode(entry.key, index, entry.wire_view(dense, part))
+        for index, part in enumerate(entry.parts)
+    ]
+    return packed[0] if len(packed) == 1 else np.concatenate(packed)
 
 
 def pull_rides_on_push(push: Sequence[WireArray], pull: Sequence[WireArray]) -> bool:

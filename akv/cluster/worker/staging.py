@@ -17,7 +17,10 @@ from typing import Any
 import numpy as np
 
 from akv.arrays import Array, cupy_module, device_of, is_gpu, record_on_callers
+from akv.cluster.worker.requests import compress_parts
+from akv.compression import Residuals
 from akv.device import GPU, from_pinned, reduce_at_call, to_pinned
+from akv.errors import CompressionError
 from akv.keys import Entry, merge_into
 from engine import Engine, GPUWork, Var, Waitable, gather, then
 from transport import SharedMemory, StreamProtocol
@@ -47,6 +50,8 @@ class Staging:
         self._stream_of = stream_of
         self._gpu_ready = gpu_ready
         self._gpus = gpus
+        #: With gradient compression: the residuals (staged values are then compressed).
+        self.residuals: Residuals | None = None
 
     def stage(self, values: list[tuple[Entry, list[Array]]], borrow: bool, priority: int) -> Staged:
         """What to send per key, and how to give the staging buffers back afterwards.
@@ -55,6 +60,8 @@ class Staging:
         C-contiguous array is sent as it is, without a copy; otherwise the values are
         summed into a staging buffer now.
         """
+        if self.residuals is not None:
+            return self._compressed(self.residuals, values)
         staged = []
         owned = []
         reserved: list[tuple[SharedMemory, np.ndarray]] = []
@@ -84,6 +91,29 @@ class Staging:
                 shared.give_back(region)
 
         return staged, give_back
+
+    def _compressed(self, residuals: Residuals, values: list[tuple[Entry, list[Array]]]) -> Staged:
+        """Each key's values summed, then compressed part by part with this worker's
+        residuals, now (in call order: a residual follows the pushes of its key).
+
+        Raises
+        ------
+        CompressionError
+            A GPU value (compressed pushes of GPU values are not supported yet), before
+            anything changed.
+        """
+        for entry, arrays in values:
+            if any(is_gpu(array) for array in arrays):
+                raise CompressionError(
+                    f"push to key {entry.key!r}: a compressed push of GPU values is not "
+                    "supported yet in a distributed store; push host (NumPy) values"
+                )
+        staged = []
+        for entry, arrays in values:
+            dense = merge_into(entry.take_buffer(), arrays)
+            staged.append((entry, compress_parts(residuals, entry, dense)))
+            entry.give_buffer(dense)
+        return staged, _nothing
 
     def _arena_buffer(self, entry: Entry) -> tuple[SharedMemory, np.ndarray] | None:
         """A staging buffer for ``entry`` in the arena of the stream to the one server that
@@ -183,3 +213,7 @@ def land_in_pinned(
         host_targets.append((entry, [buffer, *(out for out in outs if not is_gpu(out))]))
         landed.append((entry, buffer, gpu_outs))
     return host_targets, landed
+
+
+def _nothing() -> None:
+    """Nothing to give back: compressed values are arrays of their own."""

@@ -79,7 +79,9 @@ from akv.cluster.worker.requests import (
     WireArray,
     pull_rides_on_push,
     push_batches,
+    push_view,
 )
+from akv.compression import Compression
 from akv.errors import AKVError, PeerLostError
 from akv.keys import Entry
 from akv.limits import AHEAD_COPY_MAX_BYTES, MAX_UNACKED_PUSHES, RETAIN_BYTES
@@ -141,6 +143,10 @@ class WorkerState:
         self.late = LateErrors()
         #: Each key's value asked ahead with its latest push (when that push asked).
         self.ahead = AheadCache()
+        #: Gradient compression of pushes (staged values are then compressed bytes, see
+        #: :func:`~akv.cluster.worker.requests.compress_parts`), and a push frame's text.
+        self.compression: Compression | None = None
+        self._push_text = ""
         #: The clock at the latest event that told it (deadlines of the state's own
         #: requests).
         self._now = 0.0
@@ -159,6 +165,11 @@ class WorkerState:
             JobFailed: self._job_failed,
             Closing: self._closing,
         }
+
+    def compress(self, compression: Compression) -> None:
+        """Send every later push compressed (its staged values are compressed bytes)."""
+        self.compression = compression
+        self._push_text = compression.wire
 
     def handle(self, *events: Event) -> list[Instruction]:
         """Take ``events`` in order; return what to do, in order."""
@@ -202,11 +213,12 @@ class WorkerState:
         if self.strict_push:
             call = Gather(event.call, PUSH)
             call.staged = True
-            batches = push_batches(staged)
+            batches = push_batches(staged, self.compression)
             call.remaining = len(batches)
             deadline = now + self.request_s
             for server, arrays in batches.items():
-                self._send(server, Request(_PUSH, arrays, deadline, call), out)
+                request = Request(_PUSH, arrays, deadline, call, text=self._push_text)
+                self._send(server, request, out)
             if not batches:
                 self._finish(call, out)
             return out
@@ -219,11 +231,13 @@ class WorkerState:
         if worth:
             push = self._push_ahead(event.call, staged, keys, waits, now, out)
         else:
-            batches = push_batches(staged)
+            batches = push_batches(staged, self.compression)
             push = Pipelined(event.call, keys, len(batches), waits)
             deadline = now + self.request_s
+            text = self._push_text
             for server, arrays in batches.items():
-                self._send(server, Request(_PUSH, arrays, deadline, push=push), out, hold=True)
+                request = Request(_PUSH, arrays, deadline, text=text, push=push)
+                self._send(server, request, out, hold=True)
         if not push.unanswered and not push.unacked:  # a push of no key
             self._push_answered(push, out)
             self._acknowledged(push, out)
@@ -260,7 +274,8 @@ class WorkerState:
                 batch = batches.get(part.server)
                 if batch is None:
                     batch = batches[part.server] = ([], [], [])
-                batch[0].append((entry.key, entry.wire_view(array, part), entry.pushes))
+                sent = push_view(entry, array, part, self.compression)
+                batch[0].append((entry.key, sent, entry.pushes))
                 batch[1].append(entry.wire_view(value.buffer, part).data.cast("B"))
                 batch[2].append(value if single else None)
         push = Pipelined(token, keys, len(batches), waits)
@@ -275,7 +290,9 @@ class WorkerState:
                     for view, value in zip(views, lendable, strict=True)
                 ]
                 lend = lendable
-            request = Request(_PUSHPULL, arrays, deadline, None, destinations, push=push, lend=lend)
+            request = Request(
+                _PUSHPULL, arrays, deadline, None, destinations, self._push_text, push, lend
+            )
             self._send(server, request, out)
         return push
 
@@ -332,7 +349,7 @@ class WorkerState:
                 if pushed is None:
                     batch[0].append((entry.key, _NO_VALUES[entry.dtype], 0))
                 else:
-                    sent = entry.wire_view(values[id(entry)], part)
+                    sent = push_view(entry, values[id(entry)], part, self.compression)
                     batch[0].append((entry.key, sent, entry.pushes))
                 batch[1].append(entry.wire_view(receive, part).data.cast("B"))
         call.remaining = waiting + len(batches)
@@ -340,9 +357,10 @@ class WorkerState:
             self._finish(call, out)
             return out
         op = _PULL if pushed is None else _PUSHPULL
+        text = "" if pushed is None else self._push_text
         deadline = now + self.request_s
         for server, (arrays, views) in batches.items():
-            self._send(server, Request(op, arrays, deadline, call, views), out)
+            self._send(server, Request(op, arrays, deadline, call, views, text), out)
         return out
 
     def _request(self, event: RequestIssued) -> list[Instruction]:
