@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Literal, overload
 
 from akv import limits
@@ -24,7 +25,9 @@ def _custom(name: object) -> type[KVStoreBase] | None:
     return KVStoreBase.kv_registry.get(name.lower()) if isinstance(name, str) else None
 
 
-def _dist_config(kind: StoreType, environ: object, blocking: bool) -> Config | None:
+def _dist_config(
+    kind: StoreType, environ: object, blocking: bool, staleness: int | None = None
+) -> Config | None:
     """The job's configuration for a distributed type.
 
     As with MXNet's launch scripts, the same command may start every role: in a process
@@ -38,7 +41,12 @@ def _dist_config(kind: StoreType, environ: object, blocking: bool) -> Config | N
         raise InvalidArgumentError(f"environ must be a mapping, got {type(environ).__name__}")
     config = from_env(environ)
     if config.role == "worker":
-        return config
+        if kind.mode != "dist_async" and config.staleness is not None:
+            raise InvalidArgumentError(
+                f"AKV_STALENESS bounds dist_async's pushes; {kind.name!r} is not a dist_async "
+                "store (unset it)"
+            )
+        return config if staleness is None else replace(config, staleness=staleness)
     command = "akv-server" if config.role == "server" else "akv-scheduler"
     if not blocking:
         raise RoleError(
@@ -81,6 +89,10 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
     devices:
         For the local device stores, the GPUs keys may be placed on (default: every GPU an
         init value came from so far).
+    staleness:
+        For ``dist_async``: a worker may be at most this many pushes of a key ahead of the
+        slowest worker; a push that would go further waits (default ``AKV_STALENESS``, else
+        no bound; see ``docs/distributed.md``). Every worker must give the same bound.
     inline_max_bytes:
         Work on at most this many bytes runs on the calling thread, bigger work on the
         engine's worker threads (default ``AKV_INLINE_MAX_BYTES``, 16 MiB). The blocking
@@ -96,7 +108,7 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
     inline = options.get("inline_max_bytes")
     if inline is None:
         inline = env_int("AKV_INLINE_MAX_BYTES", limits.INLINE_MAX_BYTES, 0)
-    config = _dist_config(kind, options.get("environ"), blocking=False)
+    config = _dist_config(kind, options.get("environ"), False, options.get("staleness"))
     store = await AsyncKVStore._open(kind, slots, inline, config, options.get("devices"))
     # SIGTERM leaves the job as an exception does, telling the scheduler why.
     store._holds_sigterm = config is not None and sigterm_raises()
@@ -151,7 +163,7 @@ def create(name: str = "local", **options: Any) -> KVStoreBase:
         return custom()
     kind = store_type(name)
     slots = check_options(kind, options)
-    config = _dist_config(kind, options.get("environ"), blocking=True)
+    config = _dist_config(kind, options.get("environ"), True, options.get("staleness"))
     loop_thread = LoopThread(name="akv-store-loop")
     try:
         # The blocking face runs array work inline on the calling thread: it waits anyway.

@@ -85,7 +85,7 @@ def env_int(name: str, default: int, minimum: int) -> int:
     return default if text is None else int_setting(text, name, minimum, "a whole number")
 
 
-_OPTIONS = ("slots", "environ", "inline_max_bytes", "devices")
+_OPTIONS = ("slots", "environ", "inline_max_bytes", "devices", "staleness")
 
 
 def check_options(kind: StoreType, options: dict[str, Any]) -> int:
@@ -105,6 +105,14 @@ def check_options(kind: StoreType, options: dict[str, Any]) -> int:
     inline = options.get("inline_max_bytes")
     if inline is not None and (not isinstance(inline, int) or inline < 0):
         raise InvalidArgumentError(f"inline_max_bytes must be an int >= 0, got {inline!r}")
+    staleness = options.get("staleness")
+    if staleness is not None:
+        if kind.mode != "dist_async":
+            raise InvalidArgumentError(
+                f"staleness= bounds dist_async's pushes; {kind.name!r} is not a dist_async store"
+            )
+        if type(staleness) is not int or staleness < 0:
+            raise InvalidArgumentError(f"staleness must be an int >= 0, got {staleness!r}")
     devices = options.get("devices")
     if devices is not None:
         if not kind.device or kind.distributed:

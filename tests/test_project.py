@@ -127,6 +127,7 @@ PURE_AKV_MODULES = [
     "akv.cluster.server.instructions",
     "akv.cluster.server.rounds",
     "akv.cluster.server.row_keys",
+    "akv.cluster.server.staleness",
     "akv.cluster.server.state",
     "akv.cluster.server.updates",
     "akv.cluster.server.views",

@@ -179,6 +179,9 @@ class Config:
     #: A push waits for the servers' acknowledgement before it is done (``AKV_STRICT_PUSH``
     #: = 1; for debugging: by default pushes are pipelined).
     strict_push: bool = False
+    #: dist_async's bound on how many pushes of a key a worker may be ahead of the slowest
+    #: worker (``AKV_STALENESS``, or ``create(..., staleness=k)``; None: no bound).
+    staleness: int | None = None
     #: In dist_sync, a pipelined push asks for the key's value after its round too, and the
     #: pulls of the key until the next push are answered from that value without a request
     #: (``AKV_PULL_AHEAD``, 1 by default; 0: a pull asks the servers).
@@ -520,6 +523,11 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         checkpoint_interval_s=checkpoint_interval_s,
         retain_bytes=retain_bytes,
         strict_push=_flag(env, "AKV_STRICT_PUSH"),
+        staleness=(
+            int_setting(env["AKV_STALENESS"], "AKV_STALENESS", 0, "a number of pushes")
+            if env.get("AKV_STALENESS", "").strip()
+            else None
+        ),
         pull_ahead=_flag(env, "AKV_PULL_AHEAD", default=True),
         shm=_flag(env, "AKV_SHM", default=True),
         shm_arena_bytes=int_setting(

@@ -72,6 +72,7 @@ __all__ = [
     "MAX_SERVER_ID_CHARS",
     "OK",
     "REFUSED_STATUS",
+    "STALENESS_HEADER",
     "STATUS_CLASSES",
     "STOPPING_STATUS",
     "Note",
@@ -86,6 +87,7 @@ __all__ = [
     "op_label",
     "parse_client_header",
     "parse_note",
+    "parse_staleness",
     "status_of",
 ]
 
@@ -165,6 +167,9 @@ REFUSED_STATUS: Final = 422
 #: The session (the worker's node id) tells a server that a new stream comes from the same
 #: worker process as a cut one.
 CLIENT_HEADER: Final = "X-AKV-Client"
+#: Header a ``dist_async`` worker sends when it opens a stream with a staleness bound: the
+#: most pushes of a key it may be ahead of the slowest worker (a whole number from 0).
+STALENESS_HEADER: Final = "X-AKV-Staleness"
 #: The store types whose workers talk to servers.
 DIST_STORE_TYPES: Final = ("dist_sync", "dist_async")
 
@@ -219,6 +224,23 @@ def parse_client_header(text: str) -> tuple[int, str, str]:
     if session and (len(session) > 64 or not session.replace("-", "").replace("_", "").isalnum()):
         raise errors.InvalidArgumentError(f"malformed session id {session[:64]!r}")
     return rank, store_type, session
+
+
+def parse_staleness(text: str | None) -> int | None:
+    """The bound a :data:`STALENESS_HEADER` value gives (None: no header).
+
+    Raises
+    ------
+    InvalidArgumentError
+        Not a whole number from 0 (at most 18 digits).
+    """
+    if text is None:
+        return None
+    if not text.isdigit() or len(text) > 18:
+        raise errors.InvalidArgumentError(
+            f"{STALENESS_HEADER} must be a whole number from 0, got {text[:32]!r}"
+        )
+    return int(text)
 
 
 def encode_meta(items: list[tuple[int | str, tuple[int, ...], str]]) -> str:

@@ -101,6 +101,13 @@ class KeyRounds(Generic[T]):
         never a duplicate)."""
         return 0 < tag <= self._tags.get(worker, 0)
 
+    def lead(self, worker: int) -> tuple[int, list[int]]:
+        """How many pushes of the key ``worker`` is ahead of the slowest worker (by the
+        push numbers counted), and the slowest workers (bounded staleness)."""
+        counts = [self._tags.get(w, 0) for w in range(self.num_workers)]
+        low = min(counts)
+        return counts[worker] - low, [w for w, count in enumerate(counts) if count == low]
+
     def check_push(self, worker: int) -> None:
         """Raise if ``worker`` may not push now (without changing anything).
 

@@ -35,11 +35,13 @@ from akv.cluster.protocol import (
     DURABLE_HEADER,
     JOB_FAILED_EXIT,
     OK,
+    STALENESS_HEADER,
     STOPPING_STATUS,
     Op,
     format_note,
     parse_client_header,
     parse_note,
+    parse_staleness,
     status_of,
 )
 from akv.cluster.roles import listener_bounds, run_role, server_ssl, stopped_by_signal
@@ -345,7 +347,10 @@ class ParameterServer:
             )
             durable = request.headers.get(DURABLE_HEADER)
             note = parse_note(durable) if durable is not None else None
-            peer, instructions = self.state.admit(worker, store_type, stream, session, note)
+            staleness = parse_staleness(request.headers.get(STALENESS_HEADER))
+            peer, instructions = self.state.admit(
+                worker, store_type, stream, session, note, staleness
+            )
         except InvalidArgumentError as exc:
             raise RequestError(400, str(exc)) from None
         except StaleCheckpointError as exc:

@@ -72,6 +72,7 @@ from akv.cluster.server.instructions import (
     StaleCheckpointError,
 )
 from akv.cluster.server.row_keys import ROW_OPS, RowKeys, shaped
+from akv.cluster.server.staleness import Parked, Waiting
 from akv.cluster.server.views import check_invariants, status
 from akv.compression import parse_wire
 from akv.errors import (
@@ -171,6 +172,10 @@ class ServerState:
         self._next_peer = 0
         #: What this process holds of the checkpoints its rank declared durable.
         self.lineage = Lineage(server_id, num_workers)
+        #: dist_async's bounded staleness (the first worker's bound; None: no bound), and
+        #: the frames that wait for slower workers (:mod:`akv.cluster.server.staleness`).
+        self.staleness: int | None = None
+        self.waiting: Waiting | None = None
         #: Pulls ready to be answered while the lineage holds answers (a restored server
         #: has not checked every worker yet).
         self._held_answers: list[PullTicket | RowPullTicket] = []
@@ -209,6 +214,7 @@ class ServerState:
         stream: bool,
         session: str = "",
         note: Note | None = None,
+        staleness: int | None = None,
     ) -> tuple[Peer, list[Instruction]]:
         """A worker opens its stream (``stream``) or sends a single frame; ``session``
         names its process, ``note`` is the last ``DURABLE`` note it acted on. Returns the
@@ -219,7 +225,8 @@ class ServerState:
         worker (or without the checkpoint) fails the job (:class:`StaleCheckpointError`):
         the worker dropped the pushes it lacks (:class:`~akv.cluster.server.durability.Lineage`).
 
-        The first worker fixes the job's store type; every later one must match. A new
+        The first worker fixes the job's store type and staleness bound (dist_async);
+        every later one must match. A new
         stream of a worker that has one already (or had one cut) replaces it when it comes
         from the same session: the worker reconnected. The old stream is closed, and its
         end (:meth:`peer_lost`) is no loss.
@@ -249,6 +256,14 @@ class ServerState:
                 f"worker {worker} opened a {store_type} store, but this job's workers use "
                 f"{self.store_type}: every worker must create the same store type"
             )
+        if staleness is not None and store_type != "dist_async":
+            raise MembershipError(f"worker {worker}: staleness bounds dist_async only")
+        if stream and staleness != self.staleness and (self.store_type or staleness is None):
+            job = "none" if self.staleness is None else self.staleness
+            raise MembershipError(
+                f"worker {worker} opened its store with staleness {staleness}, but this "
+                f"job's workers use {job}: every worker must give the same bound"
+            )
         if stream and self.failure is not None:
             raise MembershipError(f"{self.name} takes no stream: the job failed: {self.failure}")
         if stream and self.stopping:
@@ -269,6 +284,8 @@ class ServerState:
                 self.peers.pop(old.id)  # its end, whenever it comes, is no loss
                 replaced.append(CloseStream(old))
         self.store_type = store_type
+        if stream and staleness is not None and self.waiting is None:
+            self.staleness, self.waiting = staleness, Waiting(staleness)
         self._next_peer += 1
         peer = Peer(worker, self._next_peer, stream, session)
         if stream:
@@ -300,6 +317,9 @@ class ServerState:
         session cannot, and fails it now. Only the end of the worker's newest stream counts:
         the end of one that a newer stream replaced (whenever it comes, made or not), or of
         one whose end was reported before, is no loss."""
+        if self.waiting is not None:  # the worker resends them on its next stream
+            for parked in self.waiting.take(keep=lambda p: p.peer.id != peer.id):
+                self._drop_parked(parked, PeerLostError("the stream ended"))
         newest = self.peers.pop(peer.id, None) is not None
         said_goodbye = peer.id in self._goodbyes
         self._goodbyes.discard(peer.id)
@@ -345,6 +365,9 @@ class ServerState:
             out.extend(self._fail_tickets(row_entry.rounds.take_waiting(), error))
         held, self._held_answers = self._held_answers, []
         out.extend(self._fail_tickets(held, error))
+        if self.waiting is not None:
+            for parked in self.waiting.take():
+                out.extend(self._drop_parked(parked, error))
         out.extend(self._init_waits.fail_all(error))
         return out
 
@@ -388,7 +411,9 @@ class ServerState:
             # Compressed: fresh bytes, decoded into buffers of the keys by the push's task.
             landing.buffers = [np.empty(info.nbytes, np.uint8) for info in arrays]
         elif op in (Op.PUSH, Op.PUSHPULL):
-            landing.read_in_place = True
+            # A push that may wait for slower workers keeps its payloads: no reading in
+            # place of memory the sender waits to get back.
+            landing.read_in_place = self.waiting is None
             for index, info in enumerate(arrays):
                 entry = self.entries[cast("Key", info.key)]  # checked: initialized
                 landing.entries[index] = entry
@@ -441,6 +466,8 @@ class ServerState:
         now: float,
     ) -> list[Instruction]:
         op, seq = header.op, header.seq
+        if self.waiting is not None and op in (Op.PUSH, Op.PUSHPULL, Op.PULL):
+            return self._bounded(peer, header, landing, now)
         if op in (Op.PUSH, Op.PUSHPULL):
             return self._push(peer, header, landing, now)
         if op in ROW_OPS:
@@ -471,6 +498,48 @@ class ServerState:
                 )
             return [Checkpoint(peer, seq)]
         raise InvalidArgumentError(f"unknown op {op}")
+
+    def _bounded(
+        self, peer: Peer, header: FrameHeader, landing: Landing, now: float
+    ) -> list[Instruction]:
+        """A push, pushpull or pull with bounded staleness: it waits, or is taken and lets
+        the frames go that it no longer holds back (:mod:`~akv.cluster.server.staleness`)."""
+        waiting = cast("Waiting", self.waiting)
+        if waiting.must_wait(peer, header, self._ahead):
+            waiting.park(Parked(peer, header, landing, now))
+            return []
+        out = self._data(peer, header, landing, now)
+
+        def blocked(parked: Parked) -> bool:
+            return waiting.blocked(parked.peer, parked.header, self._ahead)
+
+        while (parked := waiting.pop_ready(blocked)) is not None:
+            try:
+                out.extend(self._data(parked.peer, parked.header, parked.landing, now))
+            except AKVError as exc:
+                out.extend(self._drop_parked(parked, exc))
+        return out
+
+    def _data(
+        self, peer: Peer, header: FrameHeader, landing: Landing, now: float
+    ) -> list[Instruction]:
+        if header.op == Op.PULL:
+            return self._pull(
+                peer, header.seq, [self._entry(i.key, "pull from") for i in header.arrays]
+            )
+        return self._push(peer, header, landing, now)
+
+    def _ahead(self, worker: int, key: object, tag: int) -> int:
+        rounds = self.entries[cast("Key", key)].rounds
+        return -1 if rounds.is_duplicate(worker, tag) else rounds.lead(worker)[0]
+
+    def _drop_parked(self, parked: Parked, error: AKVError) -> list[Instruction]:
+        """Answer a frame that waited with ``error``, its payloads given back."""
+        landing = parked.landing
+        for entry, buffer in zip(landing.entries, landing.buffers, strict=True):
+            if entry is not None and buffer is not None:
+                give_back(entry, buffer)
+        return [ReplyError(parked.peer, parked.header.seq, error)]
 
     def _rows(
         self, peer: Peer, header: FrameHeader, buffers: list[np.ndarray], now: float
@@ -836,6 +905,24 @@ class ServerState:
                 )  # the worker adds which server answered (error_from_status)
                 out.extend(self._fail_tickets(rounds.take_waiting(), error))
         out.extend(self._init_waits.overdue(now, self._held()))
+        while self.waiting is not None:
+            overdue = self.waiting.pop_overdue(now, round_timeout_s)
+            if overdue is None:
+                break
+            keys = [info.key for info in overdue.header.arrays]
+            slow = sorted(
+                {
+                    w
+                    for k in keys
+                    for w in self.entries[cast("Key", k)].rounds.lead(overdue.peer.worker)[1]
+                }
+            )
+            error = RoundTimeoutError(
+                f"a push of keys {keys} by worker {overdue.peer.worker} waited {round_timeout_s:g} "
+                f"s for workers {slow}: it is more than {self.staleness} pushes ahead "
+                "(AKV_STALENESS)"
+            )
+            out.extend(self._drop_parked(overdue, error))
         return out
 
     # ------------------------------------------------------------ checks

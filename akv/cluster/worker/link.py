@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from akv.cluster.config import Config, format_address
-from akv.cluster.protocol import CLIENT_HEADER, DURABLE_HEADER, client_header
+from akv.cluster.protocol import CLIENT_HEADER, DURABLE_HEADER, STALENESS_HEADER, client_header
 from akv.cluster.roles import client_ssl
 from akv.cluster.worker.calls import Answer
 from akv.cluster.worker.events import (
@@ -150,6 +150,8 @@ class ServerLink:
         self, config: Config, worker: int, store_type: str, session: str
     ) -> StreamProtocol:
         headers = {CLIENT_HEADER: client_header(worker, store_type, session)}
+        if config.staleness is not None:
+            headers[STALENESS_HEADER] = str(config.staleness)
         if self._state.durable_note:
             headers[DURABLE_HEADER] = self._state.durable_note
         options: dict[str, Any] = {

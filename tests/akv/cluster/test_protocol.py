@@ -68,3 +68,11 @@ def test_row_meta_round_trips_and_refuses_garbage():
     for text in ['[["k", [10, 2], "float32", 4, 11]]', '[["k", [], "float32", 0, 0]]', "[[1]]"]:
         with pytest.raises(errors.InvalidArgumentError, match="malformed row_init"):
             protocol.decode_row_meta(text)
+
+
+def test_the_staleness_header_is_a_whole_number():
+    assert protocol.parse_staleness(None) is None
+    assert protocol.parse_staleness("0") == 0 and protocol.parse_staleness("12") == 12
+    for text in ["-1", "1.5", "", "x", "9" * 19]:
+        with pytest.raises(errors.InvalidArgumentError, match="X-AKV-Staleness"):
+            protocol.parse_staleness(text)

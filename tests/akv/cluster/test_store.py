@@ -928,3 +928,39 @@ async def test_a_server_that_cuts_its_streams_is_blamed_when_it_is_the_one_that_
             await kv.pull(0)
         assert re.match(r"the job failed: server \d \(pid \d+ on 127\.0\.0\.1", str(info.value))
         await kv.close()
+
+
+async def test_bounded_staleness_keeps_a_fast_worker_within_k_pushes_of_a_slow_one():
+    """dist_async with AKV_STALENESS=2: the fast worker's n-th push is applied only once the
+    slow one pushed n - 3 times, so each pull after it sees that many slow pushes."""
+    bound, steps = 2, 10
+    with Cluster(2, 1, AKV_STALENESS=str(bound)) as cluster:
+        stores = await cluster.workers("dist_async")
+        try:
+
+            async def body(kv):
+                await kv.init("w", np.zeros(1, np.float64))
+                await kv.set_optimizer(akv.optimizer.SGD(learning_rate=1.0))
+                await kv.barrier()
+                seen = []
+                for _ in range(steps):
+                    if kv.rank == 1:
+                        await asyncio.sleep(0.03)  # the slow worker
+                    await kv.push("w", np.array([-1.0 if kv.rank == 0 else -100.0]))
+                    seen.append(float((await kv.pull("w"))[0]))
+                await kv.barrier()
+                return seen
+
+            fast, _ = await asyncio.wait_for(each(stores, body), 60)
+            for n, value in enumerate(fast, start=1):
+                slow_pushes = int(value) // 100
+                assert n - slow_pushes <= bound + 1, (n, value)
+        finally:
+            await close_all(stores)
+
+
+def test_staleness_is_an_option_of_dist_async_only():
+    with pytest.raises(InvalidArgumentError, match="not a dist_async store"):
+        akv.create("dist_sync", staleness=1)
+    with pytest.raises(InvalidArgumentError, match="staleness must be an int >= 0"):
+        akv.create("dist_async", staleness=-1)

@@ -53,8 +53,10 @@ class Players:
         store_type: str = "dist_sync",
         init_timeout_s: float = 5.0,
         checkpoints: bool = False,
+        staleness: int | None = None,
     ) -> None:
         ids = itertools.count()
+        self.staleness = staleness
         self.state = ServerState(
             "server 0",
             num_workers,
@@ -179,7 +181,12 @@ class Players:
 
     def _open(self, worker: int, note: Note | None = None) -> Peer:
         peer, instructions = self.state.admit(
-            worker, self.store_type, stream=True, session=f"session{worker}", note=note
+            worker,
+            self.store_type,
+            stream=True,
+            session=f"session{worker}",
+            note=note,
+            staleness=self.staleness,
         )
         self.run(instructions)
         return peer
