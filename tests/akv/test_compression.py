@@ -237,3 +237,23 @@ async def test_dist_sync_decodes_every_workers_push_and_sends_a_sixteenth(
         assert sorted(seen) == sorted(per_push * workers * grads.shape[0])
         ratio = 16 if compression.type == "2bit" else 32
         assert sum(per_push) <= size * 4 // ratio + 4 * len(parts)
+
+
+@pytest.mark.parametrize("compression", [TWO_BIT, ONE_BIT])
+def test_the_codes_work_in_pieces_as_they_would_in_one(compression):
+    """Host arrays are coded in pieces of CHUNK values (cache-sized); a size that is no
+    multiple of it gives the bytes and the residual of one pass over the whole array."""
+    from akv.compression import CHUNK, _encode_chunk
+
+    size = 3 * CHUNK + 1001
+    grad = (np.random.default_rng(3).standard_normal(size) * 0.4).astype(np.float32)
+    pieces, whole = np.zeros(size, np.float32), np.zeros(size, np.float32)
+    for _ in range(2):
+        got = encode(compression, grad, pieces)
+        want = _encode_chunk(compression, np, grad, whole, compressed_nbytes(compression, size))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(pieces, whole)
+    decoded = decode(compression, got, size)
+    expected = decode(compression, got[: compressed_nbytes(compression, size)], size)
+    np.testing.assert_array_equal(decoded, expected)
+    assert set(np.unique(decoded)) <= {-1.0, 1.0, -0.5, 0.0, 0.5}
