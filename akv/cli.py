@@ -1,4 +1,5 @@
-"""The ``akv`` command: ``akv --version``, ``akv bench {local,engine,dist,device,soak}``."""
+"""The ``akv`` command: ``akv --version``, ``akv bench {local,engine,dist,device,soak,
+compression}``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ BENCHMARKS = {
     "dist": "akv.bench.dist",
     "soak": "akv.bench.soak",
     "device": "akv.bench.device",
+    "compression": "akv.bench.compression",
 }
 
 

@@ -412,11 +412,14 @@ def worker_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--cases", help="a JSON file with the cases to run")
+    parser.add_argument("--compression", choices=("2bit", "1bit"), help="compress the pushes")
     args = parser.parse_args(argv)
     cases = default_cases()
     if args.cases:
         cases = [Case.from_json(data) for data in json.loads(Path(args.cases).read_text())]
     with akv.create("dist_sync") as kv:
+        if args.compression:
+            kv.set_gradient_compression({"type": args.compression, "threshold": 0.5})
         results = _measure(kv, cases, args.rounds, args.scale)
         if kv.rank == 0:
             Path(args.out).write_text(json.dumps(results))
@@ -424,8 +427,15 @@ def worker_main(argv: list[str] | None = None) -> int:
 
 
 def _job(
-    num_servers: int, cases: Sequence[Case], rounds: int, scale: float, shm: str = "1"
+    num_servers: int,
+    cases: Sequence[Case],
+    rounds: int,
+    scale: float,
+    shm: str = "1",
+    compression: str | None = None,
 ) -> dict[str, list[float]]:
+    """Run ``cases`` in a job of 2 workers and ``num_servers`` servers (``shm``: AKV_SHM;
+    ``compression``: the workers' gradient compression type); worker 0's times."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         cases_path = os.path.join(tmp, "cases.json")
@@ -450,6 +460,7 @@ def _job(
             str(scale),
             "--cases",
             cases_path,
+            *(["--compression", compression] if compression else []),
         ]
         completed = subprocess.run(
             command,
