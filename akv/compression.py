@@ -250,6 +250,7 @@ def decode(compression: Compression, data: Any, size: int, out: Any | None = Non
             xp.multiply(up, t + t, out=values)  # 11: +t; 10: -t; 00 (and 01): 0
             xp.subtract(values, t, out=values)
             xp.multiply(values, sent, out=values)
+            xp.add(values, np.float32(0), out=values)  # -0.0 (not sent, -t times 0) to 0.0
         else:
             values = target[start:stop]
             xp.multiply(bits[: stop - start], np.float32(2), out=values)

@@ -78,6 +78,15 @@ def test_the_compression_example_sends_as_its_comments_say():
     assert printed == comments and len(comments) == 2
 
 
+def test_the_embedding_example_of_torch_md_prints_what_its_comment_says():
+    pytest.importorskip("torch")
+    (block,) = [b for b in blocks("torch.md") if "akv.torch.Embedding(kv" in b and "print" in b]
+    comment = re.search(r"\.tolist\(\)\)  # (.*)", block)
+    assert comment is not None
+    _, printed = run(block, "torch.md")
+    assert printed == [comment.group(1)]
+
+
 def test_the_errors_shown_in_getting_started_are_the_ones_raised():
     (block,) = [b for b in blocks("getting-started.md") if ">>>" in b]
     lines = block.strip().splitlines()

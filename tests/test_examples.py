@@ -7,12 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(script: str) -> str:
+def run(script: str, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, f"examples/{script}"],
+        [sys.executable, f"examples/{script}", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -34,3 +36,13 @@ def test_async_pipeline_learns_the_classifier():
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
     assert losses[-1] < losses[0]
     assert float(re.search(r"held-out accuracy ([0-9.]+)", out).group(1)) > 0.8
+
+
+def test_recommend_trains_its_tables_in_a_local_store():
+    """Run alone, the example makes a local store; a short run's loss falls."""
+    pytest.importorskip("torch", reason="the example needs torch")
+    out = run("recommend.py", "--steps", "60", "--every", "20")
+    assert "store local, keys ['users', 'items', 'head.weight', 'head.bias']" in out
+    losses = [float(x) for x in re.findall(r"step +\d+/60 loss ([0-9.]+)", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert re.search(r"loss [0-9.]+ -> [0-9.]+, held-out loss [0-9.]+ .* steps/s", out)

@@ -257,3 +257,8 @@ def test_the_codes_work_in_pieces_as_they_would_in_one(compression):
     expected = decode(compression, got[: compressed_nbytes(compression, size)], size)
     np.testing.assert_array_equal(decoded, expected)
     assert set(np.unique(decoded)) <= {-1.0, 1.0, -0.5, 0.0, 0.5}
+
+
+def test_values_not_sent_decode_as_positive_zero():
+    data = encode(TWO_BIT, f32([0.1, -0.1]), np.zeros(2, np.float32))
+    assert not np.signbit(decode(TWO_BIT, data, 2)).any()
