@@ -188,7 +188,7 @@ def row_pulls(
                 f"row_sparse_pull from key {key!r}: the key is dense (shape {entry.shape}); "
                 "pull it with pull()"
             )
-        checked = np.unique(
+        checked = _sorted_unique(
             check_row_ids(
                 cast("npt.ArrayLike", ids), entry.shape[0], f"row_sparse_pull key {key!r}"
             )
@@ -208,6 +208,14 @@ def row_pulls(
     if out is not None:
         return pulls, out
     return pulls, made if listed or len(made) > 1 else made[0]
+
+
+def _sorted_unique(ids: np.ndarray) -> np.ndarray:
+    """``ids`` sorted without repeats: as they are when they already are (a batch's
+    ``unique`` ids), in a copy of their own, else ``np.unique``."""
+    if ids.size < 2 or bool(np.all(ids[1:] > ids[:-1])):
+        return ids.copy()
+    return np.unique(ids)
 
 
 def _is_array_of_ids(value: object) -> bool:
