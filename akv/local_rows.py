@@ -17,6 +17,7 @@ entry's var orders these tasks exactly as it orders a dense key's. Semantics (as
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,16 +38,18 @@ RowPull = tuple[Entry, RowIds, RowSparseArray]
 
 
 def sum_rows(values: Sequence[RowSparseArray]) -> RowSparseArray:
-    """The sum of row-sparse values of one key (their rows' union; rows listed by several
-    are added, once, as the constructor sums repeated rows), in arrays of its own: the
-    caller may change the values given once this returns."""
-    if len(values) == 1:
-        value = values[0]
-        return RowSparseArray._trusted(value.data.copy(), value.indices.copy(), value.shape)
+    """The sum of row-sparse values of one key (their rows' union; a row listed by several
+    is their sum), in arrays of its own: the caller may change the values given once this
+    returns. Each value's ids are sorted and unique (as a RowSparseArray holds them), so the
+    sum is a merge: each value's rows added where its ids fall in the union."""
     first = values[0]
-    data = np.concatenate([value.data for value in values])
-    indices = np.concatenate([value.indices for value in values])
-    return RowSparseArray(data, indices, first.shape)
+    if len(values) == 1:
+        return RowSparseArray._trusted(first.data.copy(), first.indices.copy(), first.shape)
+    ids = functools.reduce(np.union1d, [value.indices for value in values])
+    data = np.zeros((ids.size, *first.shape[1:]), first.dtype)
+    for value in values:
+        data[np.searchsorted(ids, value.indices)] += value.data
+    return RowSparseArray._trusted(data, ids, first.shape)
 
 
 def table_of(entry: Entry) -> RowTable:

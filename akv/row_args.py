@@ -21,7 +21,7 @@ from akv.errors import (
 )
 from akv.keys import Entry, KeyTable
 from akv.local_rows import RowPull, RowPush, sum_rows
-from akv.sparse import RowSparseArray, as_row_sparse, check_row_ids, is_row_sparse
+from akv.sparse import RowIds, RowSparseArray, as_row_sparse, check_row_ids, is_row_sparse
 
 __all__ = [
     "check_rows_fit",
@@ -210,12 +210,15 @@ def row_pulls(
     return pulls, made if listed or len(made) > 1 else made[0]
 
 
-def _sorted_unique(ids: np.ndarray) -> np.ndarray:
+def _sorted_unique(ids: RowIds) -> RowIds:
     """``ids`` sorted without repeats: as they are when they already are (a batch's
     ``unique`` ids), in a copy of their own, else ``np.unique``."""
+    unique: RowIds
     if ids.size < 2 or bool(np.all(ids[1:] > ids[:-1])):
-        return ids.copy()
-    return np.unique(ids)
+        unique = ids.copy()
+    else:
+        unique = np.unique(ids)
+    return unique
 
 
 def _is_array_of_ids(value: object) -> bool:

@@ -623,7 +623,7 @@ class DistBackend:
 
     async def _acked_barrier(self) -> None:
         await self.acknowledged()
-        late = self.state.take_any_late()
+        late = self.state.take_any_late() or await self._rows.settle()
         if late is not None:
             raise late  # before it is numbered: the next barrier takes its number
         self._barriers += 1
@@ -728,7 +728,7 @@ class DistBackend:
                 return
             if self.broken is None:  # a failed job answers nothing more: nothing to wait for
                 await self.acknowledged()  # nothing pushed is dropped: every push is answered
-            late = self.state.take_any_late()
+            late = self.state.take_any_late() or await self._rows.settle()
             if barrier_before_exit and self.broken is None:
                 self._barriers += 1
                 await pass_barrier(self.membership, self._barriers, self._check)

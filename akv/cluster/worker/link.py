@@ -272,6 +272,21 @@ class ServerLink:
 
         Raises the server's error, or the job's failure.
         """
+        return await self.issue(
+            op, arrays, text=text, timeout_s=timeout_s, destinations=destinations
+        )
+
+    def issue(
+        self,
+        op: int,
+        arrays: Sequence[WireArray] = (),
+        *,
+        text: str = "",
+        timeout_s: float,
+        destinations: Sequence[memoryview] = (),
+    ) -> asyncio.Future[Message]:
+        """:meth:`request`, sent now (before this returns: a request issued after it goes
+        out after it on the stream); the future gets the reply or the error."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Message] = loop.create_future()
         self._handle(
@@ -279,7 +294,7 @@ class ServerLink:
                 Answer(future), self.index, op, arrays, text, timeout_s, loop.time(), destinations
             )
         )
-        return await future
+        return future
 
     def close(self) -> None:
         """Stop opening the stream again, and close it (the state was told the store

@@ -4,9 +4,10 @@ decides what goes where).
 
 Each call is one task on its keys' vars, so that per key the calls keep their order, and
 each sends one request per server through the server links (resent after a reconnect,
-with a deadline) and completes when every server answered: a push once each server counted
-it (a pull that follows waits, on the server, for the push's round), a pull once the rows
-landed in its outputs.
+with a deadline). A push is pipelined, as dense pushes are: its task ends once its requests
+are sent (a pull sent after it follows it on each stream, and waits on the server for the
+push's round); its answers are awaited by the next pull of its keys, by ``barrier`` and by
+``close``, which raise a server's error. A pull ends once the rows landed in its outputs.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from akv.cluster.protocol import Op
 from akv.cluster.worker.link import ServerLink
 from akv.cluster.worker.requests import WireArray
 from akv.cluster.worker.rows import init_check_text, init_requests, pull_requests, push_requests
+from akv.errors import AKVError
 from akv.keys import Entry
 from akv.limits import INIT_CHECK_MARGIN_S
 from akv.rows import RowTable
 from akv.sparse import RowIds, RowSparseArray
 from engine import Engine, Task
+from transport import Message
 
 __all__ = ["RowCalls"]
 
@@ -50,6 +53,8 @@ class RowCalls:
         self._engine = engine
         self._links = links
         self._timeouts = timeouts
+        #: The answers of the pushes sent and not yet awaited, by key.
+        self._unanswered: dict[Any, list[asyncio.Future[Message]]] = {}
 
     def new_entry(self, key: Any, shape: tuple[int, ...], dtype: np.dtype) -> Entry:
         """A row-sparse key's entry: its parts are row ranges, one per server
@@ -78,11 +83,45 @@ class RowCalls:
         for entry, value in values:
             entry.pushes += 1  # in call order, as the pushes of a key run
             numbered.append((entry, value, entry.pushes))
-        requests: Requests = {
-            server: (arrays, "") for server, arrays in push_requests(numbered).items()
-        }
-        writes = [entry.var for entry, _ in values]
-        return self._requests(Op.ROW_PUSH, requests, writes, "push", priority)
+        requests = push_requests(numbered)
+        keys = [entry.key for entry, _ in values]
+        return self._engine.push(
+            self._send_push,
+            requests,
+            keys,
+            writes=[entry.var for entry, _ in values],
+            priority=priority,
+            executor="loop",
+            name="push",
+        )
+
+    async def _send_push(self, requests: dict[int, list[WireArray]], keys: list[Any]) -> None:
+        """Send a push's requests now; their answers are awaited later (see the module)."""
+        links = self._links()
+        timeout = self._timeouts.request_s
+        answers = [
+            links[server].issue(Op.ROW_PUSH, arrays, timeout_s=timeout)
+            for server, arrays in requests.items()
+        ]
+        for answer in answers:
+            answer.add_done_callback(_retrieved)
+        for key in keys:
+            self._unanswered.setdefault(key, []).extend(answers)
+
+    async def settle(self, keys: list[Any] | None = None) -> AKVError | None:
+        """Wait for the answers of the pushes sent so far (of ``keys``, or all); the first
+        error a server answered with, if any (each error is told once)."""
+        taken = set(self._unanswered) if keys is None else set(keys) & set(self._unanswered)
+        answers = {id(a): a for key in taken for a in self._unanswered.pop(key)}
+        if not answers:
+            return None
+        outcomes = await asyncio.gather(*answers.values(), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, AKVError):
+                return outcome
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return None
 
     def pull(
         self, pulls: list[tuple[Entry, RowIds, RowSparseArray]], result: object, priority: int
@@ -120,6 +159,9 @@ class RowCalls:
                 for server, (arrays, landings) in wanted.items()
             )
         )
+        late = await self.settle([entry.key for entry, _, _ in pulls])
+        if late is not None:
+            raise late  # a push the pull follows failed: its rows may lack it
         for (entry, ids, out), data in zip(pulls, datas, strict=True):
             out._set(data, ids, entry.shape)
         return result
@@ -153,3 +195,9 @@ class RowCalls:
                 for server, (arrays, text) in requests.items()
             )
         )
+
+
+def _retrieved(answer: asyncio.Future[Message]) -> None:
+    """Mark a push's answer seen (its error is raised by whoever settles it)."""
+    if not answer.cancelled():
+        answer.exception()
