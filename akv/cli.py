@@ -1,5 +1,5 @@
 """The ``akv`` command: ``akv --version``, ``akv bench {local,engine,dist,device,soak,
-compression}``."""
+compression,sparse}``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ BENCHMARKS = {
     "soak": "akv.bench.soak",
     "device": "akv.bench.device",
     "compression": "akv.bench.compression",
+    "sparse": "akv.bench.sparse",
 }
 
 

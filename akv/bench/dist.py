@@ -51,6 +51,7 @@ __all__ = [
     "Case",
     "copy_sum_copy",
     "default_cases",
+    "launch_job",
     "measure",
     "memcpy_round",
     "round_case",
@@ -437,9 +438,27 @@ def _job(
     """Run ``cases`` in a job of 2 workers and ``num_servers`` servers (``shm``: AKV_SHM;
     ``compression``: the workers' gradient compression type); worker 0's times."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.json")
         cases_path = os.path.join(tmp, "cases.json")
         Path(cases_path).write_text(json.dumps([case.to_json() for case in cases]))
+        arguments = ["--rounds", str(rounds), "--scale", str(scale), "--cases", cases_path]
+        if compression:
+            arguments += ["--compression", compression]
+        return launch_job("akv.bench.dist", arguments, num_servers, {"AKV_SHM": shm})
+
+
+def launch_job(
+    module: str, arguments: list[str], num_servers: int, env: dict[str, str]
+) -> dict[str, list[float]]:
+    """Run ``python -m module --out FILE *arguments`` as 2 workers under akv-launch with
+    ``num_servers`` servers and ``env`` added to the environment; the JSON worker 0 wrote.
+
+    Raises
+    ------
+    BenchmarkError
+        The job failed, or wrote nothing.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
         command = [
             sys.executable,
             "-m",
@@ -451,27 +470,21 @@ def _job(
             "--",
             sys.executable,
             "-m",
-            "akv.bench.dist",
+            module,
             "--out",
             out,
-            "--rounds",
-            str(rounds),
-            "--scale",
-            str(scale),
-            "--cases",
-            cases_path,
-            *(["--compression", compression] if compression else []),
+            *arguments,
         ]
         completed = subprocess.run(
             command,
             capture_output=True,
             text=True,
             timeout=JOB_TIMEOUT_S,
-            env={**os.environ, "AKV_SHM": shm},
+            env={**os.environ, **env},
         )
         if completed.returncode != 0 or not os.path.exists(out):
             raise akv.BenchmarkError(
-                f"the benchmark job with {num_servers} server(s) and AKV_SHM={shm} failed "
+                f"the benchmark job ({module}) with {num_servers} server(s) and {env} failed "
                 f"({completed.returncode}):\n{completed.stdout[-3000:]}\n"
                 f"{completed.stderr[-3000:]}"
             )
