@@ -126,6 +126,9 @@ def memory_growth(count: int) -> tuple[int, int, float]:
     shape = (10**9, WIDTH)
     with akv.create("local") as kv:
         kv.init("emb", akv.RowSparseArray.zeros(shape, np.float32))
+        # SGD's lazy update adds each push's rows to the table (without an optimizer a
+        # push would replace the rows stored with its own).
+        kv.set_optimizer(akv.optimizer.SGD(learning_rate=1.0))
         chunk = 1 << 18
         rng = np.random.default_rng(count)
         ids = np.unique(rng.integers(0, shape[0], int(count * 1.01)))[:count]
