@@ -103,21 +103,24 @@ class Updater:
             ids = np.union1d(table.ids(), grad.indices)
             grad_rows = np.zeros((len(ids), *table.row_shape), table.dtype)
             grad_rows[np.searchsorted(ids, grad.indices)] = grad.data
-        weight_rows = table.gather(ids)
+        tables = self.row_states.get(index)
+        if tables is not None:  # loaded states are checked before anything changes
+            probe = optimizer.create_state_multi_precision(index, table.gather(ids[:1]))
+            _check_row_states_fit(index, tables, _leaves(probe), table.shape)
         # A row's state starts as create_state makes it from the row's weight (a float32
         # master copy is the weight, not zeros); a row updated before resumes its state.
+        slots = table.rows_for(ids)  # new rows are stored as zeros first
+        weight_rows = table.rows[slots]
         state_rows = optimizer.create_state_multi_precision(index, weight_rows)
         leaves = _leaves(state_rows)
-        tables = self.row_states.get(index)
         if tables is None:
             tables = [RowTable((table.shape[0], *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
         else:
-            _check_row_states_fit(index, tables, leaves, table.shape)
             resumed = tables[0].stored(ids) if tables else np.zeros(0, bool)
             for leaf, leaf_table in zip(leaves, tables, strict=True):
                 leaf[resumed] = leaf_table.gather(ids[resumed])
         optimizer.update_rows(index, weight_rows, grad_rows, state_rows)
-        table.scatter(ids, weight_rows)
+        table.rows[slots] = weight_rows
         for leaf, leaf_table in zip(leaves, tables, strict=True):
             leaf_table.scatter(ids, leaf)
         self.row_states[index] = tables
