@@ -175,7 +175,13 @@ class DistributedOptimizer:
         be initialized yet. The store stays the caller's: close it yourself.
     optimizer:
         An :class:`akv.optimizer.Optimizer`, given to ``kv.set_optimizer``: it runs where
-        the weights live (in a local store, on the servers in a distributed one).
+        the weights live (in a local store, on the servers in a distributed one). Or any
+        ``torch.optim.Optimizer`` over these parameters (MXNet's ``update_on_kvstore=False``,
+        Horovod's wrapper): the store only sums the gradients (every worker's pushes of a
+        round), :meth:`synchronize` pulls the sums into the parameters' ``.grad``, and the
+        torch optimizer steps on every worker alike (its parameter groups, state dict and
+        LR schedulers as with the bare optimizer; clip between :meth:`synchronize` and
+        :meth:`step`). Not with ``dist_async``, which has no rounds to sum.
     backward_passes_per_step:
         How many backward passes accumulate a gradient before it is pushed (default 1).
 
@@ -191,7 +197,8 @@ class DistributedOptimizer:
     * :meth:`step` waits for every push of the step, then pulls the updated weights into
       the parameters of the gradients it pushed, in place: a parameter's storage
       (``data_ptr()``) never changes. Once it returns, every worker of a ``dist_sync``
-      store holds the same weights.
+      store holds the same weights. With a torch optimizer it pulls the summed gradients
+      into ``.grad`` instead (unless :meth:`synchronize` did already) and steps it.
     * Gradients of all workers are summed before the optimizer sees them; use
       ``rescale_grad=1/kv.num_workers`` to average them.
     * Argument errors raise :class:`~akv.errors.InvalidArgumentError` naming the argument
@@ -202,21 +209,22 @@ class DistributedOptimizer:
         self,
         params: Params,
         kv: KVStore,
-        optimizer: _optimizer.Optimizer,
+        optimizer: _optimizer.Optimizer | torch.optim.Optimizer,
         *,
         backward_passes_per_step: int = 1,
     ) -> None:
         _blocking_store(kv, "DistributedOptimizer", "the optimizer waits for the store in step()")
-        if not isinstance(optimizer, _optimizer.Optimizer):
-            hint = (
-                " (a torch optimizer cannot run where the weights live: use akv's, e.g. "
-                "akv.optimizer.SGD(learning_rate=..., momentum=..., wd=...))"
-                if isinstance(optimizer, torch.optim.Optimizer)
-                else ""
-            )
+        local = isinstance(optimizer, torch.optim.Optimizer)
+        if not local and not isinstance(optimizer, _optimizer.Optimizer):
             raise InvalidArgumentError(
-                "DistributedOptimizer: optimizer must be an akv.optimizer.Optimizer, got "
-                f"{_describe(optimizer)}{hint}"
+                "DistributedOptimizer: optimizer must be an akv.optimizer.Optimizer or a "
+                f"torch.optim.Optimizer, got {_describe(optimizer)}"
+            )
+        if local and kv.type.lower().startswith("dist") and "async" in kv.type.lower():
+            raise InvalidArgumentError(
+                f"DistributedOptimizer: a torch optimizer steps on the workers on the sum of "
+                f"a round's gradients, and a {kv.type} store has no rounds: use an akv "
+                "optimizer (it runs on the servers), or a dist_sync store"
             )
         if (
             not isinstance(backward_passes_per_step, int)
@@ -235,8 +243,13 @@ class DistributedOptimizer:
             raise InvalidArgumentError(
                 f"DistributedOptimizer: none of the {len(given)} parameters in params requires grad"
             )
+        if local:
+            _check_torch_params(cast(torch.optim.Optimizer, optimizer), trainable)
         self._kv = kv
         self._optimizer = optimizer
+        #: A torch optimizer steps here on the summed gradients (None: akv's, in the store).
+        self._local = cast(torch.optim.Optimizer, optimizer) if local else None
+        self._synchronized: list[int] | None = None  # the slots synchronize() pulled
         self._passes = backward_passes_per_step
         self._keys: list[Key] = [key for key, _ in trainable]
         self._params: list[torch.Tensor] = [tensor for _, tensor in trainable]
@@ -247,7 +260,8 @@ class DistributedOptimizer:
         self._pushes: dict[int, Waitable] = {}  # slot -> push in flight this step
 
         kv.init(self._keys, [p.detach() for p in self._params])  # rank 0's values are kept
-        kv.set_optimizer(optimizer)
+        if self._local is None:
+            kv.set_optimizer(cast(_optimizer.Optimizer, optimizer))
         kv.pull(self._keys, out=[p.detach() for p in self._params])
         _bump_versions(self._params)
         self._handles: list[Any] = []
@@ -264,9 +278,37 @@ class DistributedOptimizer:
         return self._kv
 
     @property
-    def optimizer(self) -> _optimizer.Optimizer:
-        """The akv optimizer given to the store."""
+    def optimizer(self) -> _optimizer.Optimizer | torch.optim.Optimizer:
+        """The optimizer given: akv's (in the store), or torch's (stepped here)."""
         return self._optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The torch optimizer's parameter groups (for LR schedulers and the like).
+
+        Raises
+        ------
+        InvalidArgumentError
+            The optimizer is akv's: its hyper-parameters are the optimizer's attributes.
+        """
+        return self._torch_optimizer("param_groups").param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        """The torch optimizer's ``state_dict()`` (an akv optimizer's states are saved with
+        ``kv.save_optimizer_states``)."""
+        return self._torch_optimizer("state_dict").state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The torch optimizer's ``load_state_dict``."""
+        self._torch_optimizer("load_state_dict").load_state_dict(state)
+
+    def _torch_optimizer(self, what: str) -> torch.optim.Optimizer:
+        if self._local is None:
+            raise InvalidArgumentError(
+                f"DistributedOptimizer.{what}: the optimizer is akv's, which runs in the store "
+                "(a torch optimizer has this; an akv one keeps its settings as attributes)"
+            )
+        return self._local
 
     @property
     def keys(self) -> list[Key]:
@@ -294,6 +336,12 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._local is not None:
+            if self._synchronized is None:
+                self.synchronize()
+            self._synchronized = None
+            self._local.step()
+            return loss
         pushed = self._finish_pushes()
         pulls = [
             (
@@ -309,6 +357,34 @@ class DistributedOptimizer:
         self._wait_all(pulls)
         _bump_versions([self._params[slot] for slot in pushed])
         return loss
+
+    def synchronize(self) -> None:
+        """With a torch optimizer: wait for the gradients' pushes and pull each round's sum
+        into the parameters' ``.grad``, in place, so that it may be clipped or read before
+        :meth:`step` (which then steps without pulling again). Raises the first error of a
+        push or pull, after waiting for all of them.
+
+        Raises
+        ------
+        InvalidArgumentError
+            The optimizer is akv's: the store pulls weights, not gradients, in :meth:`step`.
+        """
+        self._torch_optimizer("synchronize")
+        pushed = self._finish_pushes()
+        pulls = []
+        for slot in pushed:
+            grad = self._params[slot].grad
+            assert grad is not None  # pushed: it had one
+            pulls.append(
+                (
+                    slot,
+                    self._kv._inner.pull(
+                        self._keys[slot], out=grad.detach(), priority=self._priorities[slot]
+                    ),
+                )
+            )
+        self._wait_all(pulls)
+        self._synchronized = pushed
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients as ``torch.optim.Optimizer.zero_grad`` does.
@@ -345,9 +421,10 @@ class DistributedOptimizer:
         self._wait_all(self._take_pushes())
 
     def __repr__(self) -> str:
+        where = "on the workers" if self._local is not None else "in the store"
         return (
             f"<DistributedOptimizer {len(self._keys)} parameters, "
-            f"{type(self._optimizer).__name__} on {self._kv!r}>"
+            f"{type(self._optimizer).__name__} {where}, {self._kv!r}>"
         )
 
     # ------------------------------------------------------------------ internals
@@ -653,6 +730,27 @@ def _initial_table(
             got=given_dtype,
         )
     return table if dense is None else RowSparseArray(dense, np.arange(shape[0]), shape)
+
+
+def _check_torch_params(
+    optimizer: torch.optim.Optimizer, trainable: list[tuple[Key, torch.Tensor]]
+) -> None:
+    """A torch optimizer must step exactly the trained parameters (the gradients it reads
+    are the ones the store sums).
+
+    Raises
+    ------
+    InvalidArgumentError
+    """
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trained = {id(tensor) for _, tensor in trainable}
+    missing = [key for key, tensor in trainable if id(tensor) not in stepped]
+    if missing or stepped - trained:
+        raise InvalidArgumentError(
+            "DistributedOptimizer: the torch optimizer must hold exactly the parameters given "
+            f"that require grad; parameters it lacks: {missing[:5]}, and it holds "
+            f"{len(stepped - trained)} others"
+        )
 
 
 def _bump_versions(params: list[torch.Tensor]) -> None:
