@@ -1,5 +1,5 @@
 """The ``akv`` command: ``akv --version``, ``akv bench {local,engine,dist,device,soak,
-compression,sparse}``."""
+compression,sparse,fusion}``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ BENCHMARKS = {
     "device": "akv.bench.device",
     "compression": "akv.bench.compression",
     "sparse": "akv.bench.sparse",
+    "fusion": "akv.bench.fusion",
 }
 
 

@@ -184,6 +184,14 @@ class DistributedOptimizer:
         :meth:`step`). Not with ``dist_async``, which has no rounds to sum.
     backward_passes_per_step:
         How many backward passes accumulate a gradient before it is pushed (default 1).
+    bucket_bytes:
+        Fuse consecutive parameters (same dtype and device) into store keys of up to this
+        many bytes, as DDP's buckets and Horovod's tensor fusion do: a model of many small
+        tensors then sends few messages. A bucket is pushed once all its gradients are
+        ready, with the priority of its first parameter; its store key is ``"bucket<i>"``
+        (str keys) or ``<number of parameters given> + i`` (int keys); a parameter larger
+        than the bound has a key of its own (its name). Default None: one key per
+        parameter. Not with optimizers that use each tensor's norm (LAMB).
 
     Guarantees
     ----------
@@ -212,6 +220,7 @@ class DistributedOptimizer:
         optimizer: _optimizer.Optimizer | torch.optim.Optimizer,
         *,
         backward_passes_per_step: int = 1,
+        bucket_bytes: int | None = None,
     ) -> None:
         _blocking_store(kv, "DistributedOptimizer", "the optimizer waits for the store in step()")
         local = isinstance(optimizer, torch.optim.Optimizer)
@@ -257,12 +266,20 @@ class DistributedOptimizer:
         self._priorities = [-index for index in range(len(trainable))]
         self._lock = threading.Lock()
         self._ready = [0] * len(trainable)  # backward passes seen since the last step
-        self._pushes: dict[int, Waitable] = {}  # slot -> push in flight this step
+        self._buckets = _buckets(trainable, len(given), bucket_bytes, optimizer)
+        self._bucket_of = {
+            slot: b for b, bucket in enumerate(self._buckets) for slot in bucket.slots
+        }
+        self._filled = [0] * len(self._buckets)  # gradients copied into each bucket
+        self._pushes: dict[int, Waitable] = {}  # bucket -> push in flight this step
 
-        kv.init(self._keys, [p.detach() for p in self._params])  # rank 0's values are kept
+        store_keys = [bucket.key for bucket in self._buckets]
+        kv.init(store_keys, [self._weights(bucket) for bucket in self._buckets])
         if self._local is None:
             kv.set_optimizer(cast(_optimizer.Optimizer, optimizer))
-        kv.pull(self._keys, out=[p.detach() for p in self._params])
+        for bucket in self._buckets:  # rank 0's values are kept: every worker takes them
+            kv.pull(bucket.key, out=self._weights(bucket) if bucket.flat is None else bucket.flat)
+            bucket.scatter([self._params[slot].detach() for slot in bucket.slots])
         _bump_versions(self._params)
         self._handles: list[Any] = []
         for slot, param in enumerate(self._params):
@@ -312,8 +329,14 @@ class DistributedOptimizer:
 
     @property
     def keys(self) -> list[Key]:
-        """The store keys of the trained parameters, in order (index = priority order)."""
+        """The keys of the trained parameters, in order (index = priority order); with
+        buckets, the store keys are :attr:`store_keys`."""
         return list(self._keys)
+
+    @property
+    def store_keys(self) -> list[Key]:
+        """The store keys pushed and pulled: one per parameter, or per bucket."""
+        return [bucket.key for bucket in self._buckets]
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -343,20 +366,21 @@ class DistributedOptimizer:
             self._local.step()
             return loss
         pushed = self._finish_pushes()
-        pulls = [
-            (
-                slot,
-                self._kv._inner.pull(
-                    self._keys[slot],
-                    out=self._params[slot].detach(),
-                    priority=self._priorities[slot],
-                ),
-            )
-            for slot in pushed
-        ]
-        self._wait_all(pulls)
-        _bump_versions([self._params[slot] for slot in pushed])
+        targets = [[self._params[slot].detach() for slot in self._buckets[b].slots] for b in pushed]
+        self._pull_buckets(pushed, targets)
+        _bump_versions([self._params[slot] for b in pushed for slot in self._buckets[b].slots])
         return loss
+
+    def _pull_buckets(self, pushed: list[int], targets: list[list[torch.Tensor]]) -> None:
+        """Pull each bucket in ``pushed`` into its tensors ``targets`` (in place), waiting."""
+        pulls = []
+        for b, outs in zip(pushed, targets, strict=True):
+            bucket = self._buckets[b]
+            out = outs[0] if bucket.flat is None else bucket.flat
+            pulls.append((b, self._kv._inner.pull(bucket.key, out=out, priority=bucket.priority)))
+        self._wait_all(pulls)
+        for b, outs in zip(pushed, targets, strict=True):
+            self._buckets[b].scatter(outs)
 
     def synchronize(self) -> None:
         """With a torch optimizer: wait for the gradients' pushes and pull each round's sum
@@ -371,19 +395,16 @@ class DistributedOptimizer:
         """
         self._torch_optimizer("synchronize")
         pushed = self._finish_pushes()
-        pulls = []
-        for slot in pushed:
-            grad = self._params[slot].grad
-            assert grad is not None  # pushed: it had one
-            pulls.append(
-                (
-                    slot,
-                    self._kv._inner.pull(
-                        self._keys[slot], out=grad.detach(), priority=self._priorities[slot]
-                    ),
-                )
-            )
-        self._wait_all(pulls)
+        targets = []
+        for b in pushed:
+            grads = []
+            for slot in self._buckets[b].slots:
+                param = self._params[slot]
+                if param.grad is None:  # pushed as zeros in its bucket: gets the sum
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad.detach())
+            targets.append(grads)
+        self._pull_buckets(pushed, targets)
         self._synchronized = pushed
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -448,28 +469,60 @@ class DistributedOptimizer:
         return pushed_when_ready
 
     def _push(self, slot: int) -> None:
-        """Push the gradient of ``slot`` without waiting (holding the lock)."""
+        """``slot``'s gradient is ready (holding the lock): push it, or its bucket once
+        every gradient of the bucket is ready, without waiting."""
+        b = self._bucket_of[slot]
+        bucket = self._buckets[b]
         grad = self._params[slot].grad
         assert grad is not None
-        self._pushes[slot] = self._kv._inner.push(
-            self._keys[slot], grad.detach(), priority=self._priorities[slot]
-        )
+        if bucket.flat is None:
+            self._pushes[b] = self._kv._inner.push(
+                bucket.key, grad.detach(), priority=bucket.priority
+            )
+            return
+        bucket.fill(slot, grad.detach())
+        self._filled[b] += 1
+        if self._filled[b] == len(bucket.slots):
+            self._pushes[b] = self._kv._inner.push(
+                bucket.key, bucket.flat, priority=bucket.priority
+            )
 
     def _finish_pushes(self) -> list[int]:
-        """Push what the hooks did not, wait for every push; the slots pushed, in order."""
+        """Push what the hooks did not (a bucket's missing gradients as zeros), wait for every
+        push; the buckets pushed, in order."""
         with self._lock:
-            for slot, param in enumerate(self._params):
-                if slot not in self._pushes and param.grad is not None:
-                    self._push(slot)
+            for b, bucket in enumerate(self._buckets):
+                if b in self._pushes:
+                    continue
+                grads = [self._params[slot].grad for slot in bucket.slots]
+                if all(grad is None for grad in grads):
+                    continue
+                if bucket.flat is not None:
+                    bucket.flat.zero_()
+                    for slot, grad in zip(bucket.slots, grads, strict=True):
+                        if grad is not None:
+                            bucket.fill(slot, grad.detach())
+                    self._pushes[b] = self._kv._inner.push(
+                        bucket.key, bucket.flat, priority=bucket.priority
+                    )
+                else:
+                    self._push(bucket.slots[0])
         pending = self._take_pushes()
         self._wait_all(pending)
-        return sorted(slot for slot, _ in pending)
+        return sorted(b for b, _ in pending)
+
+    def _weights(self, bucket: _Bucket) -> torch.Tensor:
+        """A bucket's parameters' values: the one parameter itself, or their concatenation."""
+        if bucket.flat is None:
+            return self._params[bucket.slots[0]].detach()
+        return torch.cat([self._params[slot].detach().reshape(-1) for slot in bucket.slots])
 
     def _take_pushes(self) -> list[tuple[int, Waitable]]:
         with self._lock:
             pending = list(self._pushes.items())
             self._pushes = {}
             self._ready = [0] * len(self._params)
+            self._filled = [0] * len(self._buckets)
         return pending
 
     def _wait_all(self, work: list[tuple[int, Waitable]]) -> None:
@@ -730,6 +783,87 @@ def _initial_table(
             got=given_dtype,
         )
     return table if dense is None else RowSparseArray(dense, np.arange(shape[0]), shape)
+
+
+class _Bucket:
+    """Parameters pushed and pulled as one store key: their slots (consecutive), the key,
+    the priority of the first, and a flat buffer of their elements (None for a bucket of
+    one parameter, which is sent as it is)."""
+
+    def __init__(self, key: Key, slots: list[int], tensors: list[torch.Tensor]) -> None:
+        self.key = key
+        self.slots = slots
+        self.priority = -slots[0]
+        self.sizes = [tensor.numel() for tensor in tensors]
+        self.starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        first = tensors[0]
+        self.flat: torch.Tensor | None = None
+        if len(tensors) > 1:
+            self.flat = torch.zeros(sum(self.sizes), dtype=first.dtype, device=first.device)
+
+    def fill(self, slot: int, grad: torch.Tensor) -> None:
+        """Copy ``slot``'s gradient into its place in the flat buffer."""
+        assert self.flat is not None
+        index = self.slots.index(slot)
+        start = self.starts[index]
+        self.flat[start : start + self.sizes[index]].copy_(grad.reshape(-1))
+
+    def scatter(self, outs: list[torch.Tensor]) -> None:
+        """Copy the flat buffer's pieces into ``outs`` (the bucket's tensors, in place)."""
+        if self.flat is None:
+            return
+        for out, start, size in zip(outs, self.starts, self.sizes, strict=True):
+            out.copy_(self.flat[start : start + size].reshape(out.shape))
+
+
+def _buckets(
+    trainable: list[tuple[Key, torch.Tensor]],
+    given: int,
+    bucket_bytes: int | None,
+    optimizer: object,
+) -> list[_Bucket]:
+    """The store keys of the parameters: one per parameter, or consecutive ones of one dtype
+    and device fused up to ``bucket_bytes``.
+
+    Raises
+    ------
+    InvalidArgumentError
+        A bad ``bucket_bytes``, or buckets with an optimizer that uses each tensor's norm.
+    """
+    if bucket_bytes is None:
+        return [_Bucket(key, [slot], [t]) for slot, (key, t) in enumerate(trainable)]
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise InvalidArgumentError(
+            f"DistributedOptimizer: bucket_bytes must be an int >= 1 or None, got {bucket_bytes!r}"
+        )
+    if type(optimizer).__name__ in ("LAMB", "LARS"):
+        raise InvalidArgumentError(
+            f"DistributedOptimizer: {type(optimizer).__name__} scales each tensor by its own "
+            "norm, which a bucket of fused tensors would change: give no bucket_bytes"
+        )
+    groups: list[list[int]] = []
+    size = 0
+    for slot, (_, tensor) in enumerate(trainable):
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups:
+            last = trainable[groups[-1][-1]][1]
+            same = last.dtype == tensor.dtype and last.device == tensor.device
+            if same and size + nbytes <= bucket_bytes:
+                groups[-1].append(slot)
+                size += nbytes
+                continue
+        groups.append([slot])
+        size = nbytes
+    str_keys = isinstance(trainable[0][0], str)
+    buckets = []
+    for index, slots in enumerate(groups):
+        tensors = [trainable[slot][1] for slot in slots]
+        if len(slots) == 1:
+            key = trainable[slots[0]][0]
+        else:
+            key = f"bucket{index}" if str_keys else given + index
+        buckets.append(_Bucket(key, slots, tensors))
+    return buckets
 
 
 def _check_torch_params(

@@ -492,3 +492,74 @@ def test_two_dist_sync_workers_step_a_torch_optimizer_on_the_summed_gradients():
         sum(halves).backward()
         bare.step()
     assert_same_weights(model0, reference)
+
+
+# ---------------------------------------------------------------------- fused buckets
+
+
+def deep(seed: int = 0):
+    """Many small tensors: 6 layers of 12 x 12 (weights and biases)."""
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(FEATURES, 12), torch.nn.Tanh()]
+    for _ in range(4):
+        layers += [torch.nn.Linear(12, 12), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(12, CLASSES))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda params: akv.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01),
+        lambda params: torch.optim.Adam(params, lr=0.01),
+    ],
+    ids=["akv SGD in the store", "torch Adam here"],
+)
+def test_fused_buckets_train_as_one_key_per_parameter(make):
+    """Fused into buckets of at most 1 KiB, the parameters train to the same weights, bit
+    for bit, as with one key each; the store holds a few keys instead of 12."""
+    results = []
+    for bucket_bytes in (None, 1024):
+        model = deep()
+        with akv.create("local") as store:
+            opt = DistributedOptimizer(
+                model.named_parameters(), store, make(model.parameters()), bucket_bytes=bucket_bytes
+            )
+            for x, y in batches(4):
+                train_step(model, opt, x, y)
+            keys = opt.store_keys
+            opt.close()
+        results.append((model, keys))
+    (plain, plain_keys), (fused, fused_keys) = results
+    for a, b in zip(plain.parameters(), fused.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert len(plain_keys) == 12
+    assert 1 < len(fused_keys) < 12 and any(str(k).startswith("bucket") for k in fused_keys)
+
+
+def test_a_bucket_member_without_a_gradient_gets_the_sum_of_the_others(kv):
+    model = deep()
+    first = next(model.parameters())
+    opt = DistributedOptimizer(
+        model.parameters(), kv, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=1 << 20
+    )
+    assert len(opt.store_keys) == 1 and opt.store_keys == [12]  # 12 parameters: key 12 + 0
+    _, y = batches(1)[0]
+    hidden = torch.randn(BATCH, 12)
+    F.cross_entropy(model[2:](hidden), y).backward()  # the first layer takes no part
+    assert first.grad is None
+    before = first.detach().clone()
+    others = [p.detach().clone() for p in list(model.parameters())[2:]]
+    opt.step()  # the bucket is pushed at the step, the first layer's gradient as zeros
+    assert first.grad is not None and torch.equal(first.grad, torch.zeros_like(first))
+    assert torch.equal(first, before)  # a zero gradient, plain SGD: unchanged
+    after = list(model.parameters())[2:]
+    assert not any(torch.equal(a, b) for a, b in zip(others, after, strict=True))
+    opt.close()
+
+
+def test_buckets_refuse_per_tensor_norms_and_bad_sizes(kv):
+    model = deep()
+    with pytest.raises(InvalidArgumentError, match="LAMB scales each tensor by its own norm"):
+        DistributedOptimizer(model.parameters(), kv, akv.optimizer.LAMB(), bucket_bytes=1024)
+    with pytest.raises(InvalidArgumentError, match="bucket_bytes must be an int >= 1"):
+        DistributedOptimizer(model.parameters(), kv, sgd(), bucket_bytes=0)
