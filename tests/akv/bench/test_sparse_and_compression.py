@@ -15,6 +15,7 @@ from akv.cli import BENCHMARKS
 def test_the_commands_are_listed():
     assert BENCHMARKS["sparse"] == "akv.bench.sparse"
     assert BENCHMARKS["compression"] == "akv.bench.compression"
+    assert BENCHMARKS["fusion"] == "akv.bench.fusion"
 
 
 def test_a_batch_is_zipf_like_ids_of_the_table():
@@ -63,3 +64,20 @@ def test_the_codes_and_a_tiny_compressed_round_are_measured():
     assert [row.name.split(" ")[3] for row in rounds] == ["dense,", "2bit,", "1bit,"]
     dense = rounds[0].akv_s
     assert all(row.floor_s == dense for row in rounds)
+
+
+def test_a_tiny_fusion_job_reports_fused_steps_against_the_unfused_one(monkeypatch):
+    import pytest
+
+    pytest.importorskip("torch")
+    import akv.bench.fusion as fusion
+
+    monkeypatch.setattr(fusion, "BUCKETS", (None, 16 * MIB))
+    configure(quick=True)
+    try:
+        table = fusion.run()
+    finally:
+        configure(quick=False)
+    unfused, fused = table.rows
+    assert "62 keys" in unfused.name and unfused.ratio == 1.0
+    assert "buckets of 16 MiB" in fused.name and fused.floor_s == unfused.akv_s
