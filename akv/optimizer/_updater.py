@@ -49,6 +49,8 @@ class Updater:
         # Loaded states not yet compared with their weight (the weight is only known at
         # the index's next update).
         self._unchecked: set[Index] = set()
+        # Loaded row states not yet compared with the optimizer's (made ones fit it).
+        self._unchecked_rows: set[Index] = set()
 
     def __call__(self, index: Index, grad: np.ndarray, weight: np.ndarray) -> None:
         """Apply ``grad`` to ``weight`` in place.
@@ -104,9 +106,11 @@ class Updater:
             grad_rows = np.zeros((len(ids), *table.row_shape), table.dtype)
             grad_rows[np.searchsorted(ids, grad.indices)] = grad.data
         tables = self.row_states.get(index)
-        if tables is not None:  # loaded states are checked before anything changes
+        if tables is not None and index in self._unchecked_rows:
+            # Loaded states are checked before anything changes, once.
             probe = optimizer.create_state_multi_precision(index, table.gather(ids[:1]))
             _check_row_states_fit(index, tables, _leaves(probe), table.shape)
+            self._unchecked_rows.discard(index)
         # A row's state starts as create_state makes it from the row's weight (a float32
         # master copy is the weight, not zeros); a row updated before resumes its state.
         slots = table.rows_for(ids)  # new rows are stored as zeros first
@@ -178,6 +182,7 @@ class Updater:
         self.states = dense
         self.row_states = rows
         self._unchecked = set(dense)
+        self._unchecked_rows = set(rows)
 
 
 def get_updater(optimizer: Optimizer) -> Updater:

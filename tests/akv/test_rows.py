@@ -14,14 +14,20 @@ from akv.rows import FIBONACCI_MULTIPLIER, MAX_LOAD_FACTOR, MIN_INDEX_CAPACITY, 
 
 F32 = np.float32
 INT64_MAX = 2**63 - 1
-#: The multiplier's inverse mod 2**64: ``k * INVERSE`` hashes to ``k``'s top bits, so small
-#: ``k`` all hash to position 0 at every capacity.
+#: The multiplier's inverse mod 2**64. An index with the Fibonacci multiplier hashes ``id``
+#: to the top bits of ``FIB * mix(FIB * id)``, ``mix(h) = h ^ (h >> 32)`` (its own inverse),
+#: so ``id = mix(k * INVERSE) * INVERSE`` hashes to ``k``'s top bits: small ``k`` all hash
+#: to position 0 at every capacity.
 INVERSE = pow(FIBONACCI_MULTIPLIER, -1, 2**64)
+
+
+def _mix(h: int) -> int:
+    return h ^ (h >> 32)
 
 
 def colliding_ids(count: int) -> np.ndarray:
     """``count`` distinct ids that all hash to position 0 at any capacity below 2**40."""
-    ids = [(k * INVERSE) % 2**64 for k in range(1, 40 * count)]
+    ids = [(_mix((k * INVERSE) % 2**64) * INVERSE) % 2**64 for k in range(1, 40 * count)]
     return np.array([i for i in ids if i <= INT64_MAX][:count], np.int64)
 
 
@@ -96,6 +102,19 @@ def test_each_index_hashes_with_its_own_multiplier_so_no_ids_collide_everywhere(
     homes = [set(RowIndex(2**20)._home(ids).tolist()) for _ in range(3)]
     assert all(len(home) > 40 for home in homes)  # spread, not piled on one position
     assert len({RowIndex()._multiplier for _ in range(8)}) == 8
+
+
+def test_consecutive_ids_spread_for_every_multiplier():
+    """A run of consecutive ids (an embedding table's) lands at its home positions as
+    random ids would, whatever the multiplier: with the multiplier alone, this one put 77%
+    of 100,000 consecutive ids away from home (long probe runs: lookups 15x slower)."""
+    ids = np.arange(100_000, dtype=np.int64)
+    for multiplier in (0x912E6CFE7CBCBACD, FIBONACCI_MULTIPLIER, None):
+        index = RowIndex(multiplier=multiplier)
+        index.insert(ids)
+        away = np.mean(index._table[index._home(ids), 0] != ids)
+        assert away < 0.3, (multiplier, away)  # about 0.17 at this load (0.38)
+    assert index.lookup(ids).tolist() == list(range(100_000))
 
 
 def test_ids_that_hash_alike_are_all_found():
