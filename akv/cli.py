@@ -1,5 +1,9 @@
 """The ``akv`` command: ``akv --version``, ``akv bench {local,engine,dist,device,soak,
-compression,sparse,fusion}``."""
+compression,sparse,fusion} [--quick] [--json PATH] [suite options]``.
+
+A suite with options of its own (``sparse``) has an ``options_parser()``; the arguments the
+``bench`` command does not know go to its ``run``. Any other suite refuses them.
+"""
 
 from __future__ import annotations
 
@@ -38,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", choices=sorted(BENCHMARKS), help="what to measure")
     bench.add_argument("--quick", action="store_true", help="short rounds (a smoke run)")
     bench.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
+    bench.epilog = (
+        "akv bench sparse takes options of its own: --servers N [N ...], --shm {on,off} "
+        "[...], --steps N, --rows N, --memory N [N ...], --memory-stores {local,dist} [...] "
+        "(akv bench sparse --help-sparse)"
+    )
     return parser
 
 
@@ -49,14 +58,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     returns 1.
     """
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     if args.command is None:
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         parser.print_help()
         return 2
+    module = importlib.import_module(BENCHMARKS[args.suite])
+    options = getattr(module, "options_parser", None)
+    if options is None and extra:
+        parser.error(
+            f"unrecognized arguments: {' '.join(extra)} (akv bench {args.suite} takes no "
+            "options of its own)"
+        )
+    if options is not None and "--help-sparse" in extra:
+        options().print_help()
+        return 0
     configure(quick=args.quick)
     try:
-        module = importlib.import_module(BENCHMARKS[args.suite])
-        table = module.run()
+        table = module.run(extra) if options is not None else module.run()
     except AKVError as exc:
         print(f"akv bench: {exc}", file=sys.stderr)
         return 1

@@ -448,7 +448,7 @@ def _job(
 
 def launch_job(
     module: str, arguments: list[str], num_servers: int, env: dict[str, str]
-) -> dict[str, list[float]]:
+) -> dict[str, Any]:
     """Run ``python -m module --out FILE *arguments`` as 2 workers under akv-launch with
     ``num_servers`` servers and ``env`` added to the environment; the JSON worker 0 wrote.
 
@@ -488,7 +488,7 @@ def launch_job(
                 f"({completed.returncode}):\n{completed.stdout[-3000:]}\n"
                 f"{completed.stderr[-3000:]}"
             )
-        results: dict[str, list[float]] = json.loads(Path(out).read_text())
+        results: dict[str, Any] = json.loads(Path(out).read_text())
         return results
 
 

@@ -3,13 +3,16 @@ and ratios are computed against floors of the same run (no timed assertion)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+import pytest
 
 from akv.bench import configure
 from akv.bench.compression import codec_rows, round_rows
 from akv.bench.dist import MIB
-from akv.bench.sparse import ROWS, draw_ids, memory_growth, step_rows
-from akv.cli import BENCHMARKS
+from akv.bench.sparse import ROWS, draw_ids, memory_growth, options_parser, run
+from akv.cli import BENCHMARKS, main
 
 
 def test_the_commands_are_listed():
@@ -25,20 +28,53 @@ def test_a_batch_is_zipf_like_ids_of_the_table():
     assert 500 < unique < 6000  # a few hot rows, a long tail
 
 
-def test_a_tiny_sparse_job_reports_the_step_against_the_dense_floor():
+def test_a_tiny_sparse_run_reports_the_step_against_both_dense_floors():
+    """The command at a tiny size (3 steps, a 1000-row table, 1 server, both transports; a
+    memory row of 20,000 rows in the local store and over 2 servers): the rows, both
+    floors' ratios, the spreads and the memory ratios are there."""
     configure(quick=True)
     try:
-        rows = step_rows(steps=3, rows=1000, servers=(1,))
+        table = run(
+            [
+                "--servers", "1", "--shm", "on", "off", "--steps", "3", "--rows", "1000",
+                "--memory", "20000",
+            ]
+        )  # fmt: skip
     finally:
         configure(quick=False)
-    assert [row.name for row in rows] == [
+    assert [row.name for row in table.rows] == [
         "sparse step, 1 server, shared memory",
         "sparse step, 1 server, TCP",
     ]
-    for row in rows:
+    for row in table.rows:
         assert row.akv_s > 0 and row.floor_s > 0 and row.ratio == row.akv_s / row.floor_s
+        assert row.second_floor_s is not None and row.second_floor_s > 0
+        assert row.second_ratio == row.akv_s / row.second_floor_s
+        assert row.akv_p90_s is not None and row.akv_p90_s >= row.akv_s
+        assert row.floor == "dense push+pull of 8192 x 64 float32"
+        assert re.fullmatch(r"dense push\+pull of the step's \d+ x 64 float32", row.second_floor)
         assert row.reference_s is None  # MXNet's number is for the 10^6-row table only
-        assert "dense push+pull of" in row.floor
+    notes = "\n".join(table.notes)
+    for row in table.rows:
+        assert f"{row.name}: p10-p90: step " in notes
+    local = re.search(r"Memory, local store: .*ratio (\d+\.\d+)", notes)
+    dist = re.search(
+        r"Memory, dist_sync over 2 servers, 20,000 rows .*together ratio (\d+\.\d+)", notes
+    )
+    assert local is not None and dist is not None
+    assert "server 0 " in notes and "server 1 " in notes
+    assert float(dist.group(1)) > 0  # the servers grew as the rows came
+
+
+def test_the_sparse_options_are_parsed_and_refused_where_a_suite_has_none(capsys):
+    options = options_parser().parse_args(["--servers", "2", "--shm", "off", "--memory", "0"])
+    assert options.servers == [2] and options.shm == ["off"] and options.memory == [0]
+    assert options.steps is None and options.rows == ROWS
+    with pytest.raises(SystemExit):
+        main(["bench", "local", "--servers", "1"])
+    assert "takes no options of its own" in capsys.readouterr().err
+    assert main(["bench", "sparse", "--help-sparse"]) == 0
+    assert "--memory-stores" in capsys.readouterr().out
 
 
 def test_the_memory_of_touched_rows_is_measured_against_their_bytes():
