@@ -227,6 +227,9 @@ class Optimizer:
     """Multi-precision state layout: ``(master, state)``, or ``(state, master)`` if False
     (MXNet's SGD and NAG)."""
 
+    _DECAYED_NAME_SUFFIXES: ClassVar[tuple[str, ...]] = DECAYED_NAME_SUFFIXES
+    """With ``param_idx2name``, the name endings that keep weight decay by default."""
+
     def __init__(
         self,
         rescale_grad: float = 1.0,
@@ -446,10 +449,13 @@ class Optimizer:
 
         Keys are indexes or names as in :meth:`set_lr_mult`. Before ``args_wd_mult`` is
         applied, every name in ``param_idx2name`` that ends neither in ``_weight`` nor in
-        ``_gamma`` gets 0 (MXNet's default: no decay of biases, ``_beta``...).
+        ``_gamma`` gets 0 (MXNet's default: no decay of biases, ``_beta``...; LARS decays
+        only ``_weight``, as MXNet's).
         """
         defaults: dict[Index, float] = {
-            name: 0.0 for name in self.idx2name.values() if not name.endswith(DECAYED_NAME_SUFFIXES)
+            name: 0.0
+            for name in self.idx2name.values()
+            if not name.endswith(self._DECAYED_NAME_SUFFIXES)
         }
         defaults.update(self._multipliers("wd_mult", args_wd_mult))
         self.wd_mult = defaults
@@ -627,8 +633,21 @@ class Optimizer:
         """:meth:`update`, through the float32 master copy for float16 weights when
         ``multi_precision`` is set: the gradient is cast to float32, the master copy and
         the state are updated, and the master copy is rounded into ``weight``."""
+        self._through_master_copy(self.update, index, weight, grad, state)
+
+    def _through_master_copy(
+        self,
+        update: Callable[[Index, np.ndarray, np.ndarray, State], None],
+        index: Index,
+        weight: np.ndarray,
+        grad: np.ndarray,
+        state: State,
+    ) -> None:
+        """``update(index, weight, grad, state)``, through the float32 master copy for
+        float16 weights when ``multi_precision`` is set (see
+        :meth:`update_multi_precision`)."""
         if not (self.multi_precision and weight.dtype == np.float16):
-            self.update(index, weight, grad, state)
+            update(index, weight, grad, state)
             return
         grad = check_update_arrays(index, weight, grad)
         if not isinstance(state, (tuple, list)) or len(state) != 2:
@@ -642,7 +661,7 @@ class Optimizer:
                 f"{self._name}: index {index!r}: the master copy of a multi-precision state "
                 f"must be a numpy.ndarray, got {type(master).__name__}"
             )
-        self.update(index, master, grad.astype(np.float32), inner)
+        update(index, master, grad.astype(np.float32), inner)
         np.copyto(weight, master, casting="same_kind")
 
 

@@ -58,6 +58,37 @@ def _sgd_step(
     run_chunked(kernel, weight, grad, (), num_scratch=2)
 
 
+def _sgd_momentum_step(
+    optimizer: Optimizer,
+    weight: np.ndarray,
+    grad: np.ndarray,
+    mom: np.ndarray,
+    lr: float,
+    wd: float,
+    momentum: float,
+) -> None:
+    """SGD with momentum in the order of MXNet's ``multi_sgd_mom_update``:
+    ``mom = (momentum * mom - (lr*wd) * weight) - (lr*rescale_grad) * grad; weight += mom``,
+    ``lr * clip(rescale_grad * grad)`` for the last term when clipping."""
+    rescale, clip = optimizer.rescale_grad, optimizer.clip_gradient
+    step = product(weight.dtype, lr, 1.0 if clip else rescale)
+    decay = product(weight.dtype, lr, wd)
+
+    def kernel(w: np.ndarray, g: np.ndarray, m: np.ndarray, buffers: list[np.ndarray]) -> None:
+        buffer, decayed = buffers
+        if clip:
+            g = rescaled_clipped(g, buffer, rescale, clip)
+        np.multiply(m, momentum, out=m)
+        if wd:
+            np.multiply(w, decay, out=decayed)
+            np.subtract(m, decayed, out=m)
+        np.multiply(g, step, out=buffer)
+        np.subtract(m, buffer, out=m)
+        np.add(w, m, out=w)
+
+    run_chunked(kernel, weight, grad, (mom,), num_scratch=2)
+
+
 @register
 class SGD(Optimizer):
     """Stochastic gradient descent with momentum and weight decay.
@@ -120,26 +151,9 @@ class SGD(Optimizer):
     ) -> None:
         if state is None:
             _sgd_step(self, weight, grad, lr, wd, decay_factor=False)
-            return
-        rescale, clip, momentum = self.rescale_grad, self.clip_gradient, self.momentum
-        step = product(weight.dtype, lr, 1.0 if clip else rescale)
-        decay = product(weight.dtype, lr, wd)
-
-        def kernel(
-            w: np.ndarray, g: np.ndarray, mom: np.ndarray, buffers: list[np.ndarray]
-        ) -> None:
-            buffer, decayed = buffers
-            if clip:
-                g = rescaled_clipped(g, buffer, rescale, clip)
-            np.multiply(mom, momentum, out=mom)
-            if wd:
-                np.multiply(w, decay, out=decayed)
-                np.subtract(mom, decayed, out=mom)
-            np.multiply(g, step, out=buffer)
-            np.subtract(mom, buffer, out=mom)
-            np.add(w, mom, out=w)
-
-        run_chunked(kernel, weight, grad, (self._state_array(index, state),), num_scratch=2)
+        else:
+            mom = self._state_array(index, state)
+            _sgd_momentum_step(self, weight, grad, mom, lr, wd, self.momentum)
 
 
 @register
