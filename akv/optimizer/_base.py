@@ -230,6 +230,9 @@ class Optimizer:
     _DECAYED_NAME_SUFFIXES: ClassVar[tuple[str, ...]] = DECAYED_NAME_SUFFIXES
     """With ``param_idx2name``, the name endings that keep weight decay by default."""
 
+    _SHARED_STATE: ClassVar[tuple[str, ...]] = ()
+    """Attributes that hold what :meth:`shared_state` returns."""
+
     def __init__(
         self,
         rescale_grad: float = 1.0,
@@ -283,6 +286,8 @@ class Optimizer:
         }
         self.num_update = self.begin_num_update
         self._index_update_count: dict[Index, int] = {}
+        # Guards the shared state (see shared_state): a store may update keys on threads.
+        self._shared_lock = threading.Lock()
         self.lr_mult: dict[Index, float] = {}
         self.wd_mult: dict[Index, float] = {}
         self.set_lr_mult({})
@@ -491,6 +496,39 @@ class Optimizer:
         }
         self.num_update = self._integer("num_update", num_update)
         self._index_update_count = restored
+
+    def shared_state(self) -> dict[str, float | None]:
+        """What the optimizer keeps for all its indexes together, besides the update
+        counts: nothing for most; Nadam's momentum schedule and LARS's last learning rate.
+
+        Saved with the states (``"shared_state"`` of akv's state format), so that a
+        reloaded optimizer continues exactly; :meth:`restore_shared_state` sets it back.
+        """
+        return {name: getattr(self, name) for name in self._SHARED_STATE}
+
+    def restore_shared_state(self, values: Mapping[str, float | None]) -> None:
+        """Set what :meth:`shared_state` returned (after a reload); names not given keep
+        their value.
+
+        Raises
+        ------
+        OptimizerError
+            A name this optimizer does not keep, or a value that is neither a finite number
+            nor ``None``; nothing changes then.
+        """
+        unknown = sorted(set(values) - set(self._SHARED_STATE))
+        if unknown:
+            kept = ", ".join(self._SHARED_STATE) or "nothing"
+            raise OptimizerError(
+                f"{self._name}: shared state {unknown} is not kept by this optimizer "
+                f"(it keeps {kept})"
+            )
+        checked = {
+            name: self._real(f"shared state {name!r}", value, none=True)
+            for name, value in values.items()
+        }
+        for name, value in checked.items():
+            setattr(self, name, value)
 
     def _update_count(self, index: Index | Sequence[Index]) -> None:
         """Count one update of ``index`` (or of each index in a list)."""

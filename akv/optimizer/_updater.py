@@ -142,10 +142,12 @@ class Updater:
             index_update_counts=self.optimizer.index_update_counts,
             num_update=self.optimizer.num_update,
             optimizer_config=self.optimizer.get_config() if dump_optimizer else None,
+            shared_state=self.optimizer.shared_state(),
         )
 
     def load_states(self, data: bytes) -> None:
-        """Replace the states and update counts with those encoded in ``data``.
+        """Replace the states, update counts and the optimizer's shared state
+        (:meth:`Optimizer.shared_state`) with those encoded in ``data``.
 
         If ``data`` holds an optimizer config, the optimizer is replaced by one rebuilt from
         it. Nothing changes when an error is raised. After a load, the next update of every
@@ -155,7 +157,8 @@ class Updater:
         Raises
         ------
         StateFormatError
-            ``data`` is not in akv's format, or its optimizer config cannot be rebuilt.
+            ``data`` is not in akv's format, its optimizer config cannot be rebuilt, or its
+            shared state is not one the optimizer keeps.
         """
         saved = decode_states(data)
         optimizer = self.optimizer
@@ -173,6 +176,10 @@ class Updater:
                 rows[index] = _row_tables(state)
             else:
                 dense[index] = state
+        try:
+            optimizer.restore_shared_state(saved.shared_state)
+        except OptimizerError as exc:
+            raise StateFormatError(f"optimizer states do not fit the optimizer: {exc}") from exc
         optimizer.restore_update_counts(saved.index_update_counts, saved.num_update)
         self.optimizer = optimizer
         self.states = dense
