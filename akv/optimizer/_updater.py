@@ -86,7 +86,8 @@ class Updater:
         With a lazy optimizer (MXNet's ``lazy_update``, the default of SGD and Adam) only
         the gradient's rows change, weight and states; with a standard one every stored
         row does, absent gradient rows counting as zeros (rows never stored stay zero: the
-        optimizers akv has keep a zero weight with a zero state at zero). A row's state
+        optimizers akv has keep a zero weight with a zero state at zero, but for Adamax,
+        whose dense update divides 0 by 0 there, as MXNet's). A row's state
         starts as ``create_state`` makes it for the row. One update of ``index`` is
         counted.
 

@@ -20,8 +20,11 @@ from akv.errors import (
     StateFormatError,
 )
 from akv.optimizer import (
+    DCASGD,
+    FTML,
     FTRL,
     LAMB,
+    LARS,
     NAG,
     SGD,
     STATE_FORMAT_NAME,
@@ -29,7 +32,12 @@ from akv.optimizer import (
     AdaDelta,
     AdaGrad,
     Adam,
+    Adamax,
+    AdamW,
     CosineScheduler,
+    GroupAdaGrad,
+    MultiFactorScheduler,
+    Nadam,
     RMSProp,
     Signum,
     Updater,
@@ -54,6 +62,19 @@ OPTIMIZERS = {
     "adam-scheduled": lambda: Adam(
         learning_rate=None, lr_scheduler=CosineScheduler(max_update=6, warmup_steps=2)
     ),
+    "ftml": lambda: FTML(wd=0.01),
+    "adamax": lambda: Adamax(wd=0.01),
+    "nadam": lambda: Nadam(wd=0.01),  # its shared momentum schedule, too
+    "adamw": lambda: AdamW(wd=0.01),
+    "dcasgd": lambda: DCASGD(),
+    "dcasgd-momentum": lambda: DCASGD(momentum=0.9, wd=0.01),
+    "lars": lambda: LARS(eta=0.1),
+    "lars-momentum-scheduled": lambda: LARS(  # its shared last learning rate, too
+        momentum=0.9,
+        eta=0.1,
+        lr_scheduler=MultiFactorScheduler(step=[2, 4, 5], factor=0.5, base_lr=0.1),
+    ),
+    "groupadagrad": lambda: GroupAdaGrad(),
     "sgd-float16": lambda: SGD(learning_rate=0.1, momentum=0.9, multi_precision=True),
     "adam-float16": lambda: Adam(multi_precision=True),
 }
