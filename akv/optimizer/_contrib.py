@@ -51,7 +51,9 @@ class GroupAdaGrad(Optimizer):
     Notes
     -----
     The state is the history, of shape ``(rows, 1)`` and the weight's dtype (MXNet's is
-    float32).
+    float32). In a distributed store, a dense key of ``AKV_BIGARRAY_BOUND`` elements or more
+    is split by elements, each server holding a 1-D part, which GroupAdaGrad refuses;
+    row-sparse keys are split by rows and work.
     """
 
     _CONFIG_PARAMS = (("eps", "float_stable_eps"),)

@@ -489,7 +489,9 @@ class LARS(Optimizer):
     (MXNet's LARS; other optimizers keep ``_gamma`` too). The multi-precision state is
     ``(momentum or None, float32 master copy)``; akv takes the norms of the float32 master
     copy and gradient (MXNet: of the float16 weight and gradient). The learning rate of the
-    latest update is the optimizer's shared state (``cur_lr``, saved with the states).
+    latest update is the optimizer's shared state (``cur_lr``, saved with the states). In a
+    distributed store, a dense key split over the servers (``AKV_BIGARRAY_BOUND``) is scaled
+    by the norms of each server's part, as MXNet's servers do with their parts.
     """
 
     _CONFIG_PARAMS = (

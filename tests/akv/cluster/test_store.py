@@ -563,6 +563,21 @@ async def test_the_optimizers_added_after_the_first_ones_run_on_the_servers():
             np.testing.assert_array_equal(pulled[name], expected, err_msg=name)
 
 
+async def test_group_adagrad_refuses_the_one_dimensional_parts_of_a_split_dense_key():
+    """A dense key of at least AKV_BIGARRAY_BOUND elements is split by elements, so each
+    server holds a 1-D part, which GroupAdaGrad (rows of a 2-D table) cannot update."""
+    with Cluster(1, 2, AKV_BIGARRAY_BOUND="8") as cluster:
+        (kv,) = await cluster.workers()
+        await kv.init("table", np.ones((4, 3), np.float32))
+        await kv.set_optimizer(akv.optimizer.GroupAdaGrad())
+        await kv.push("table", np.ones((4, 3), np.float32))
+        with pytest.raises(
+            akv.ServerError, match=r"GroupAdaGrad: index 'table': the weight must be 2-D"
+        ):
+            await kv.pull("table")
+        await close_all([kv])
+
+
 async def test_errors_name_the_key_and_change_nothing():
     with Cluster(2, 1) as cluster:
         stores = await cluster.workers()
