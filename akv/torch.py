@@ -191,7 +191,7 @@ class DistributedOptimizer:
         ready, with the priority of its first parameter; its store key is ``"bucket<i>"``
         (str keys) or ``<number of parameters given> + i`` (int keys); a parameter larger
         than the bound has a key of its own (its name). Default None: one key per
-        parameter. Not with optimizers that use each tensor's norm (LAMB).
+        parameter. Not with optimizers that use each tensor's norm (LAMB, LARS).
 
     Guarantees
     ----------
