@@ -91,11 +91,20 @@ def worker_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def step_rows(steps: int, rows: int = ROWS, servers: tuple[int, ...] = (1, 2)) -> list[Row]:
+#: The ways a job's streams can go: the label in the rows, and ``AKV_SHM``.
+TRANSPORTS = (("shared memory", "1"), ("TCP", "0"))
+
+
+def step_rows(
+    steps: int,
+    rows: int = ROWS,
+    servers: tuple[int, ...] = (1, 2),
+    transports: tuple[tuple[str, str], ...] = TRANSPORTS,
+) -> list[Row]:
     """A row per server count and transport: the step against the dense floor."""
     out = []
     for count in servers:
-        for transport, shm in (("shared memory", "1"), ("TCP", "0")):
+        for transport, shm in transports:
             arguments = ["--steps", str(steps), "--rows", str(rows)]
             results = launch_job("akv.bench.sparse", arguments, count, {"AKV_SHM": shm})
             step = statistics.median(results["step"])
