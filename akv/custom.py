@@ -11,8 +11,8 @@ in lower case), before it looks at akv's own store types::
     kv = akv.create("mystore")
 
 akv's own blocking store (:class:`akv.KVStore`) is a ``KVStoreBase`` too, so code written
-against the interface takes either. Unlike MXNet's base class, whose every method raises
-``NotImplementedError``, the methods a store must have are abstract (a class that lacks one
+against the interface takes either. Unlike MXNet's base class, whose every method fails
+only when called, the methods a store must have are abstract (a class that lacks one
 cannot be made), and the optimizer methods, which a store without an optimizer need not
 have, raise :class:`~akv.errors.CapabilityError` naming the store.
 """

@@ -1208,7 +1208,8 @@ def copyto(dst: Any, src: Any, casting: str = "same_kind", where: Any = None) ->
     if not isinstance(dst, ndarray):
         raise TypeError(f"copyto: dst must be a cupy.ndarray, got {type(dst).__name__}")
     if where is not None:
-        raise NotImplementedError("fake cupy.copyto: where=")
+        _copyto_where(dst, src, casting, where)
+        return
     if isinstance(src, (bool, int, float, complex)) or (
         isinstance(src, (np.ndarray, np.generic)) and not isinstance(src, ndarray)
     ):
@@ -1249,6 +1250,19 @@ def copyto(dst: Any, src: Any, casting: str = "same_kind", where: Any = None) ->
             src = src.copy()
         target, source = dst._a, src._a
         _kernel([dst, src], lambda: np.copyto(target, source, casting=casting))
+
+
+def _copyto_where(dst: ndarray, src: Any, casting: str, where: Any) -> None:
+    """``copyto`` with a mask: a kernel on ``dst``'s device; the mask and an array ``src``
+    are fake arrays there (CuPy: ``where`` must be a cupy.ndarray)."""
+    if not isinstance(where, ndarray):
+        raise TypeError(f"copyto: where must be a cupy.ndarray, got {type(where).__name__}")
+    arrays = [dst, where, *([src] if isinstance(src, ndarray) else [])]
+    if isinstance(src, np.ndarray):
+        raise TypeError(f"Unsupported type {np.ndarray}")
+    target, mask = dst._a, where._a
+    source = src._a if isinstance(src, ndarray) else src
+    _kernel(arrays, lambda: np.copyto(target, source, casting=casting, where=mask))
 
 
 def result_type(*arrays_and_dtypes: Any) -> np.dtype:
@@ -1314,6 +1328,7 @@ _UFUNCS = [
     "isinf",
 ]
 _NUMPY_FUNCTIONS = [
+    "cumsum",
     "dot",
     "clip",
     "sum",

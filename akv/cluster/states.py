@@ -73,11 +73,15 @@ def merge_server_states(parts: Sequence[bytes], layout: Layout) -> bytes:
         key_counts = [saved[server].index_update_counts.get(key, 0) for server, _, _ in pieces]
         counts[key] = max(key_counts)
     config = next((s.optimizer_config for s in saved if s.optimizer_config is not None), None)
+    # What an optimizer keeps for all its keys together is each server's own (as each
+    # MXNet server's optimizer keeps its own); the file holds the first server's.
+    shared = next((s.shared_state for s in saved if s.shared_state), {})
     return encode_states(
         states,
         index_update_counts=counts,
         num_update=max((s.num_update for s in saved), default=0),
         optimizer_config=config,
+        shared_state=shared,
     )
 
 
@@ -113,6 +117,7 @@ def split_server_states(data: bytes, num_servers: int, layout: Layout) -> list[b
             index_update_counts=counts[i],
             num_update=saved.num_update,
             optimizer_config=saved.optimizer_config,
+            shared_state=saved.shared_state,
         )
         for i in range(num_servers)
     ]

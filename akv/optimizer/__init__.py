@@ -1,4 +1,5 @@
-"""Optimizers for akv's key-value store: MXNet 1.9.1's, in pure NumPy.
+"""Optimizers for akv's key-value store: MXNet 1.9.1's (and MXNet 2.0's AdamW), in pure
+NumPy.
 
 A store applies an optimizer through an :class:`Updater`, called as
 ``updater(key, grad, weight)``, which changes ``weight`` in place. Optimizers are described
@@ -18,6 +19,7 @@ array([0.9, 0.9, 0.9], dtype=float32)
 """
 
 from akv.optimizer import lr_scheduler
+from akv.optimizer._adam_variants import FTML, Adamax, AdamW, Nadam
 from akv.optimizer._adaptive import FTRL, LAMB, AdaDelta, AdaGrad, Adam, RMSProp
 from akv.optimizer._base import (
     CHUNK_ELEMENTS,
@@ -28,7 +30,8 @@ from akv.optimizer._base import (
     from_config,
     register,
 )
-from akv.optimizer._sgd import NAG, SGD, Signum
+from akv.optimizer._contrib import GroupAdaGrad
+from akv.optimizer._sgd import DCASGD, LARS, NAG, SGD, Signum
 from akv.optimizer._states import (
     STATE_FORMAT_NAME,
     STATE_FORMAT_VERSION,
@@ -48,8 +51,11 @@ from akv.optimizer.lr_scheduler import (
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "DCASGD",
+    "FTML",
     "FTRL",
     "LAMB",
+    "LARS",
     "NAG",
     "SGD",
     "STATE_FORMAT_NAME",
@@ -57,11 +63,15 @@ __all__ = [
     "AdaDelta",
     "AdaGrad",
     "Adam",
+    "AdamW",
+    "Adamax",
     "CosineScheduler",
     "FactorScheduler",
+    "GroupAdaGrad",
     "Index",
     "LRScheduler",
     "MultiFactorScheduler",
+    "Nadam",
     "Optimizer",
     "PolyScheduler",
     "RMSProp",

@@ -9,7 +9,7 @@ and for float16 weights with ``multi_precision``).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -25,10 +25,10 @@ from akv.optimizer._base import (
     zeros_like,
 )
 
-__all__ = ["FTRL", "LAMB", "AdaDelta", "AdaGrad", "Adam", "RMSProp"]
+__all__ = ["FTRL", "LAMB", "AdaDelta", "AdaGrad", "Adam", "MomentEstimates", "RMSProp"]
 
 
-def _decayed_gradient(
+def decayed_gradient(
     grad: np.ndarray,
     weight: np.ndarray,
     out: np.ndarray,
@@ -55,25 +55,67 @@ def _decayed_gradient(
     return grad
 
 
-def _moving_average(average: np.ndarray, value: np.ndarray, decay: float, work: np.ndarray) -> None:
-    """``average = decay * average + (1 - decay) * value``, in place."""
+def moving_average(
+    average: np.ndarray,
+    value: np.ndarray,
+    decay: float,
+    work: np.ndarray,
+    keep: float | None = None,
+) -> None:
+    """``average = decay * average + keep * value``, in place; ``keep`` is ``1 - decay``
+    computed in the array's dtype unless given (MXNet's Python optimizers compute it in
+    double: ``(1. - beta1) * grad``)."""
     np.multiply(average, decay, out=average)
-    np.multiply(value, complement(decay, average.dtype), out=work)
+    np.multiply(value, complement(decay, average.dtype) if keep is None else keep, out=work)
     np.add(average, work, out=average)
 
 
-def _moving_square_average(
-    average: np.ndarray, value: np.ndarray, decay: float, work: np.ndarray
+def moving_square_average(
+    average: np.ndarray,
+    value: np.ndarray,
+    decay: float,
+    work: np.ndarray,
+    keep: float | None = None,
 ) -> None:
-    """``average = decay * average + (1 - decay) * value**2``, in place."""
+    """``average = decay * average + keep * value**2``, in place, ``keep`` as in
+    :func:`moving_average`."""
     np.multiply(average, decay, out=average)
     np.multiply(value, value, out=work)
-    np.multiply(work, complement(decay, average.dtype), out=work)
+    np.multiply(work, complement(decay, average.dtype) if keep is None else keep, out=work)
     np.add(average, work, out=average)
+
+
+class MomentEstimates(Optimizer):
+    """What Adam's family shares: the decay rates ``beta1`` and ``beta2`` of the moment
+    estimates (in ``[0, 1)``), ``epsilon`` (``> 0``) and the state ``(mean, var)``, zero
+    arrays of the weight's shape. A base for Adam, LAMB, Nadam and AdamW, not an optimizer
+    of its own (not registered)."""
+
+    _CONFIG_PARAMS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("beta1", "beta1"),
+        ("beta2", "beta2"),
+        ("epsilon", "epsilon"),
+    )
+
+    def __init__(
+        self,
+        learning_rate: float | None,
+        beta1: float,
+        beta2: float,
+        epsilon: float,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.beta1 = self._fraction("beta1", beta1)
+        self.beta2 = self._fraction("beta2", beta2)
+        self.epsilon = self._real("epsilon", epsilon, positive=True)
+
+    def create_state(self, index: Index, weight: np.ndarray) -> State:
+        return (zeros_like(weight), zeros_like(weight))
 
 
 @register
-class Adam(Optimizer):
+class Adam(MomentEstimates):
     """Adam (Kingma and Ba), MXNet's ``adam_update`` with the bias correction folded into the
     learning rate.
 
@@ -103,12 +145,7 @@ class Adam(Optimizer):
     The state is ``(mean, var)``.
     """
 
-    _CONFIG_PARAMS = (
-        ("beta1", "beta1"),
-        ("beta2", "beta2"),
-        ("epsilon", "epsilon"),
-        ("lazy_update", "lazy_update"),
-    )
+    _CONFIG_PARAMS = (*MomentEstimates._CONFIG_PARAMS, ("lazy_update", "lazy_update"))
     _LAZY_ROWS = True
 
     def __init__(
@@ -120,14 +157,8 @@ class Adam(Optimizer):
         lazy_update: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(learning_rate=learning_rate, **kwargs)
-        self.beta1 = self._fraction("beta1", beta1)
-        self.beta2 = self._fraction("beta2", beta2)
-        self.epsilon = self._real("epsilon", epsilon, positive=True)
+        super().__init__(learning_rate, beta1, beta2, epsilon, **kwargs)
         self.lazy_update = self._boolean("lazy_update", lazy_update)
-
-    def create_state(self, index: Index, weight: np.ndarray) -> State:
-        return (zeros_like(weight), zeros_like(weight))
 
     def _step(
         self,
@@ -151,9 +182,9 @@ class Adam(Optimizer):
             buffers: list[np.ndarray],
         ) -> None:
             decayed, work = buffers
-            g = _decayed_gradient(g, w, decayed, work, rescale, wd, clip)
-            _moving_average(mean, g, beta1, work)
-            _moving_square_average(var, g, beta2, work)
+            g = decayed_gradient(g, w, decayed, work, rescale, wd, clip)
+            moving_average(mean, g, beta1, work)
+            moving_square_average(var, g, beta2, work)
             np.sqrt(var, out=work)
             np.add(work, epsilon, out=work)
             np.divide(mean, work, out=work)
@@ -326,8 +357,8 @@ class RMSProp(Optimizer):
 
         def plain(w: np.ndarray, g: np.ndarray, n: np.ndarray, buffers: list[np.ndarray]) -> None:
             decayed, work = buffers
-            g = _decayed_gradient(g, w, decayed, work, rescale, wd, clip)
-            _moving_square_average(n, g, gamma1, work)
+            g = decayed_gradient(g, w, decayed, work, rescale, wd, clip)
+            moving_square_average(n, g, gamma1, work)
             np.add(n, epsilon, out=work)
             np.sqrt(work, out=work)
             np.divide(g, work, out=work)
@@ -345,9 +376,9 @@ class RMSProp(Optimizer):
             buffers: list[np.ndarray],
         ) -> None:
             decayed, work = buffers
-            g = _decayed_gradient(g, w, decayed, work, rescale, wd, clip)
-            _moving_square_average(n, g, gamma1, work)
-            _moving_average(mean, g, gamma1, work)
+            g = decayed_gradient(g, w, decayed, work, rescale, wd, clip)
+            moving_square_average(n, g, gamma1, work)
+            moving_average(mean, g, gamma1, work)
             np.multiply(mean, mean, out=work)
             np.subtract(n, work, out=work)
             np.add(work, epsilon, out=work)
@@ -422,14 +453,14 @@ class AdaDelta(Optimizer):
         ) -> None:
             clipped, delta, work = buffers
             g = rescaled_clipped(g, clipped, rescale, clip)
-            _moving_square_average(acc_g, g, rho, work)
+            moving_square_average(acc_g, g, rho, work)
             np.add(acc_delta, epsilon, out=delta)
             np.sqrt(delta, out=delta)
             np.add(acc_g, epsilon, out=work)
             np.sqrt(work, out=work)
             np.divide(delta, work, out=delta)
             np.multiply(delta, g, out=delta)
-            _moving_square_average(acc_delta, delta, rho, work)
+            moving_square_average(acc_delta, delta, rho, work)
             if wd:
                 np.multiply(w, wd, out=work)
                 np.add(delta, work, out=delta)
@@ -523,7 +554,7 @@ class FTRL(Optimizer):
 
 
 @register
-class LAMB(Optimizer):
+class LAMB(MomentEstimates):
     """LAMB (You et al.), MXNet's ``lamb_update_phase1`` and ``lamb_update_phase2``.
 
     At the ``t``-th update of a weight::
@@ -561,9 +592,7 @@ class LAMB(Optimizer):
     """
 
     _CONFIG_PARAMS = (
-        ("beta1", "beta1"),
-        ("beta2", "beta2"),
-        ("epsilon", "epsilon"),
+        *MomentEstimates._CONFIG_PARAMS,
         ("lower_bound", "lower_bound"),
         ("upper_bound", "upper_bound"),
         ("bias_correction", "bias_correction"),
@@ -580,10 +609,7 @@ class LAMB(Optimizer):
         bias_correction: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(learning_rate=learning_rate, **kwargs)
-        self.beta1 = self._fraction("beta1", beta1)
-        self.beta2 = self._fraction("beta2", beta2)
-        self.epsilon = self._real("epsilon", epsilon, positive=True)
+        super().__init__(learning_rate, beta1, beta2, epsilon, **kwargs)
         self.lower_bound = self._real("lower_bound", lower_bound, minimum=0.0, none=True)
         self.upper_bound = self._real("upper_bound", upper_bound, minimum=0.0, none=True)
         if self.lower_bound and self.upper_bound and self.lower_bound > self.upper_bound:
@@ -591,9 +617,6 @@ class LAMB(Optimizer):
                 f"LAMB: lower_bound {self.lower_bound} exceeds upper_bound {self.upper_bound}"
             )
         self.bias_correction = self._boolean("bias_correction", bias_correction)
-
-    def create_state(self, index: Index, weight: np.ndarray) -> State:
-        return (zeros_like(weight), zeros_like(weight))
 
     def _step(
         self,
@@ -628,8 +651,8 @@ class LAMB(Optimizer):
         ) -> None:
             clipped, work = buffers
             g = rescaled_clipped(g, clipped, rescale, clip)
-            _moving_average(mean, g, beta1, work)
-            _moving_square_average(var, g, beta2, work)
+            moving_average(mean, g, beta1, work)
+            moving_square_average(var, g, beta2, work)
             np.divide(var, var_correction, out=work)
             np.sqrt(work, out=work)
             np.add(work, epsilon, out=work)

@@ -197,7 +197,8 @@ class Optimizer:
     Row-sparse gradients (of a row-sparse key, :class:`akv.RowSparseArray`) are applied
     by :meth:`update_rows` to the gathered rows; :meth:`row_sparse_update` says how: MXNet's
     lazy update (only the gradient's rows change, their states too) for the optimizers
-    that have one in MXNet (SGD and Adam with ``lazy_update=True``, AdaGrad, FTRL), else
+    that have one in MXNet (SGD and Adam with ``lazy_update=True``, AdaGrad, FTRL,
+    GroupAdaGrad), else
     the standard update of every stored row, absent gradient rows counting as zeros.
 
     A subclass either overrides :meth:`update` as in MXNet (using ``_update_count``,
@@ -226,6 +227,12 @@ class Optimizer:
     _MASTER_COPY_FIRST: ClassVar[bool] = True
     """Multi-precision state layout: ``(master, state)``, or ``(state, master)`` if False
     (MXNet's SGD and NAG)."""
+
+    _DECAYED_NAME_SUFFIXES: ClassVar[tuple[str, ...]] = DECAYED_NAME_SUFFIXES
+    """With ``param_idx2name``, the name endings that keep weight decay by default."""
+
+    _SHARED_STATE: ClassVar[tuple[str, ...]] = ()
+    """Attributes that hold what :meth:`shared_state` returns."""
 
     def __init__(
         self,
@@ -280,6 +287,8 @@ class Optimizer:
         }
         self.num_update = self.begin_num_update
         self._index_update_count: dict[Index, int] = {}
+        # Guards the shared state (see shared_state): a store may update keys on threads.
+        self._shared_lock = threading.Lock()
         self.lr_mult: dict[Index, float] = {}
         self.wd_mult: dict[Index, float] = {}
         self.set_lr_mult({})
@@ -446,10 +455,13 @@ class Optimizer:
 
         Keys are indexes or names as in :meth:`set_lr_mult`. Before ``args_wd_mult`` is
         applied, every name in ``param_idx2name`` that ends neither in ``_weight`` nor in
-        ``_gamma`` gets 0 (MXNet's default: no decay of biases, ``_beta``...).
+        ``_gamma`` gets 0 (MXNet's default: no decay of biases, ``_beta``...; LARS decays
+        only ``_weight``, as MXNet's).
         """
         defaults: dict[Index, float] = {
-            name: 0.0 for name in self.idx2name.values() if not name.endswith(DECAYED_NAME_SUFFIXES)
+            name: 0.0
+            for name in self.idx2name.values()
+            if not name.endswith(self._DECAYED_NAME_SUFFIXES)
         }
         defaults.update(self._multipliers("wd_mult", args_wd_mult))
         self.wd_mult = defaults
@@ -485,6 +497,39 @@ class Optimizer:
         }
         self.num_update = self._integer("num_update", num_update)
         self._index_update_count = restored
+
+    def shared_state(self) -> dict[str, float | None]:
+        """What the optimizer keeps for all its indexes together, besides the update
+        counts: nothing for most; Nadam's momentum schedule and LARS's last learning rate.
+
+        Saved with the states (``"shared_state"`` of akv's state format), so that a
+        reloaded optimizer continues exactly; :meth:`restore_shared_state` sets it back.
+        """
+        return {name: getattr(self, name) for name in self._SHARED_STATE}
+
+    def restore_shared_state(self, values: Mapping[str, float | None]) -> None:
+        """Set what :meth:`shared_state` returned (after a reload); names not given keep
+        their value.
+
+        Raises
+        ------
+        OptimizerError
+            A name this optimizer does not keep, or a value that is neither a finite number
+            nor ``None``; nothing changes then.
+        """
+        unknown = sorted(set(values) - set(self._SHARED_STATE))
+        if unknown:
+            kept = ", ".join(self._SHARED_STATE) or "nothing"
+            raise OptimizerError(
+                f"{self._name}: shared state {unknown} is not kept by this optimizer "
+                f"(it keeps {kept})"
+            )
+        checked = {
+            name: self._real(f"shared state {name!r}", value, none=True)
+            for name, value in values.items()
+        }
+        for name, value in checked.items():
+            setattr(self, name, value)
 
     def _update_count(self, index: Index | Sequence[Index]) -> None:
         """Count one update of ``index`` (or of each index in a list)."""
@@ -627,8 +672,21 @@ class Optimizer:
         """:meth:`update`, through the float32 master copy for float16 weights when
         ``multi_precision`` is set: the gradient is cast to float32, the master copy and
         the state are updated, and the master copy is rounded into ``weight``."""
+        self._through_master_copy(self.update, index, weight, grad, state)
+
+    def _through_master_copy(
+        self,
+        update: Callable[[Index, np.ndarray, np.ndarray, State], None],
+        index: Index,
+        weight: np.ndarray,
+        grad: np.ndarray,
+        state: State,
+    ) -> None:
+        """``update(index, weight, grad, state)``, through the float32 master copy for
+        float16 weights when ``multi_precision`` is set (see
+        :meth:`update_multi_precision`)."""
         if not (self.multi_precision and weight.dtype == np.float16):
-            self.update(index, weight, grad, state)
+            update(index, weight, grad, state)
             return
         grad = check_update_arrays(index, weight, grad)
         if not isinstance(state, (tuple, list)) or len(state) != 2:
@@ -642,7 +700,7 @@ class Optimizer:
                 f"{self._name}: index {index!r}: the master copy of a multi-precision state "
                 f"must be a numpy.ndarray, got {type(master).__name__}"
             )
-        self.update(index, master, grad.astype(np.float32), inner)
+        update(index, master, grad.astype(np.float32), inner)
         np.copyto(weight, master, casting="same_kind")
 
 

@@ -1,4 +1,4 @@
-"""Gradient-descent optimizers: SGD, NAG and Signum (MXNet 1.9.1 formulas)."""
+"""Gradient-descent optimizers: SGD, NAG, Signum, DCASGD and LARS (MXNet 1.9.1 formulas)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ from akv.optimizer._base import (
     Optimizer,
     State,
     check_update_arrays,
+    chunk_slices,
     complement,
     product,
     register,
     rescaled_clipped,
     run_chunked,
+    scratch,
     zeros_like,
 )
 
-__all__ = ["NAG", "SGD", "Signum"]
+__all__ = ["DCASGD", "LARS", "NAG", "SGD", "Signum"]
 
 
 def _sgd_step(
@@ -56,6 +58,37 @@ def _sgd_step(
         np.subtract(w, buffer, out=w)
 
     run_chunked(kernel, weight, grad, (), num_scratch=2)
+
+
+def _sgd_momentum_step(
+    optimizer: Optimizer,
+    weight: np.ndarray,
+    grad: np.ndarray,
+    mom: np.ndarray,
+    lr: float,
+    wd: float,
+    momentum: float,
+) -> None:
+    """SGD with momentum in the order of MXNet's ``multi_sgd_mom_update``:
+    ``mom = (momentum * mom - (lr*wd) * weight) - (lr*rescale_grad) * grad; weight += mom``,
+    ``lr * clip(rescale_grad * grad)`` for the last term when clipping."""
+    rescale, clip = optimizer.rescale_grad, optimizer.clip_gradient
+    step = product(weight.dtype, lr, 1.0 if clip else rescale)
+    decay = product(weight.dtype, lr, wd)
+
+    def kernel(w: np.ndarray, g: np.ndarray, m: np.ndarray, buffers: list[np.ndarray]) -> None:
+        buffer, decayed = buffers
+        if clip:
+            g = rescaled_clipped(g, buffer, rescale, clip)
+        np.multiply(m, momentum, out=m)
+        if wd:
+            np.multiply(w, decay, out=decayed)
+            np.subtract(m, decayed, out=m)
+        np.multiply(g, step, out=buffer)
+        np.subtract(m, buffer, out=m)
+        np.add(w, m, out=w)
+
+    run_chunked(kernel, weight, grad, (mom,), num_scratch=2)
 
 
 @register
@@ -120,26 +153,9 @@ class SGD(Optimizer):
     ) -> None:
         if state is None:
             _sgd_step(self, weight, grad, lr, wd, decay_factor=False)
-            return
-        rescale, clip, momentum = self.rescale_grad, self.clip_gradient, self.momentum
-        step = product(weight.dtype, lr, 1.0 if clip else rescale)
-        decay = product(weight.dtype, lr, wd)
-
-        def kernel(
-            w: np.ndarray, g: np.ndarray, mom: np.ndarray, buffers: list[np.ndarray]
-        ) -> None:
-            buffer, decayed = buffers
-            if clip:
-                g = rescaled_clipped(g, buffer, rescale, clip)
-            np.multiply(mom, momentum, out=mom)
-            if wd:
-                np.multiply(w, decay, out=decayed)
-                np.subtract(mom, decayed, out=mom)
-            np.multiply(g, step, out=buffer)
-            np.subtract(mom, buffer, out=mom)
-            np.add(w, mom, out=w)
-
-        run_chunked(kernel, weight, grad, (self._state_array(index, state),), num_scratch=2)
+        else:
+            mom = self._state_array(index, state)
+            _sgd_momentum_step(self, weight, grad, mom, lr, wd, self.momentum)
 
 
 @register
@@ -315,3 +331,254 @@ class Signum(Optimizer):
             np.add(w, work, out=w)
 
         run_chunked(kernel, weight, grad, (self._state_array(index, state),), num_scratch=2)
+
+
+@register
+class DCASGD(Optimizer):
+    """Delay-compensated asynchronous SGD (Zheng et al.), MXNet's ``DCASGD``.
+
+    With ``g = clip(rescale_grad * grad, clip_gradient)`` and ``previous`` the weight before
+    the index's previous update (its initial value at the first)::
+
+        step = -lr * (g + wd * weight + lamda * g * g * (weight - previous))
+        mom = momentum * mom + step         # with momentum; without, mom = step
+        previous = weight
+        weight += mom
+
+    MXNet 1.9.1's DCASGD fails with momentum: its ``update`` tests ``if mom:`` on the momentum
+    array, which raises ``ValueError`` ("The truth value of an NDArray with multiple elements
+    is ambiguous"). akv makes it work, as the code meant (``if mom is not None``): the
+    momentum update above, checked against MXNet's own operations with that one line fixed.
+
+    Parameters
+    ----------
+    momentum : float, default 0.0
+        In ``[0, 1)``; 0 keeps no momentum.
+    lamda : float, default 0.04
+        Scale of the delay compensation, ``>= 0`` (MXNet's spelling).
+    **kwargs
+        The parameters of :class:`Optimizer` (``learning_rate`` default 0.01).
+
+    Notes
+    -----
+    The state is ``(mom or None, previous)``; ``previous`` starts as a copy of the weight.
+    """
+
+    _CONFIG_PARAMS = (("momentum", "momentum"), ("lamda", "lamda"))
+
+    def __init__(self, momentum: float = 0.0, lamda: float = 0.04, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.momentum = self._fraction("momentum", momentum)
+        self.lamda = self._real("lamda", lamda, minimum=0.0)
+
+    def create_state(self, index: Index, weight: np.ndarray) -> State:
+        previous = zeros_like(weight)
+        previous[...] = weight
+        return (zeros_like(weight) if self.momentum != 0.0 else None, previous)
+
+    def _step(
+        self,
+        index: Index,
+        weight: np.ndarray,
+        grad: np.ndarray,
+        state: State,
+        lr: float,
+        wd: float,
+    ) -> None:
+        rescale, clip, momentum, lamda = (
+            self.rescale_grad,
+            self.clip_gradient,
+            self.momentum,
+            self.lamda,
+        )
+
+        # MXNet's order: -lr * ((g + wd*w) + ((lamda*g)*g) * (w - previous)).
+        def step(
+            w: np.ndarray, g: np.ndarray, previous: np.ndarray, buffers: list[np.ndarray]
+        ) -> np.ndarray:
+            clipped, total, work, difference = buffers
+            g = rescaled_clipped(g, clipped, rescale, clip)
+            np.multiply(g, lamda, out=work)
+            np.multiply(work, g, out=work)
+            np.subtract(w, previous, out=difference)
+            np.multiply(work, difference, out=work)
+            if wd:
+                np.multiply(w, wd, out=total)
+                np.add(g, total, out=total)
+                np.add(total, work, out=total)
+            else:
+                np.add(g, work, out=total)
+            np.multiply(total, -lr, out=total)
+            np.copyto(previous, w)
+            return total
+
+        def plain(
+            w: np.ndarray, g: np.ndarray, previous: np.ndarray, buffers: list[np.ndarray]
+        ) -> None:
+            np.add(w, step(w, g, previous, buffers), out=w)
+
+        def with_momentum(
+            w: np.ndarray,
+            g: np.ndarray,
+            mom: np.ndarray,
+            previous: np.ndarray,
+            buffers: list[np.ndarray],
+        ) -> None:
+            total = step(w, g, previous, buffers)
+            np.multiply(mom, momentum, out=mom)
+            np.add(mom, total, out=mom)
+            np.add(w, mom, out=w)
+
+        mom, previous = self._state_pair(index, state)
+        if mom is None:
+            run_chunked(plain, weight, grad, (previous,), num_scratch=4)
+        else:
+            run_chunked(with_momentum, weight, grad, (mom, previous), num_scratch=4)
+
+    def _state_pair(self, index: Index, state: State) -> tuple[np.ndarray | None, np.ndarray]:
+        if isinstance(state, (tuple, list)) and len(state) == 2 and state[0] is None:
+            return None, self._state_array(index, state[1])
+        mom, previous = self._state_arrays(index, state, 2)
+        return mom, previous
+
+
+LARS_EXCLUDED_SUFFIXES = ("gamma", "beta", "bias")
+"""Names (from ``param_idx2name``, else ``str(index)``) with these endings keep the plain
+learning rate under LARS (MXNet 1.9.1: batch-norm parameters and biases)."""
+
+
+@register
+class LARS(Optimizer):
+    """LARS (You et al., layer-wise adaptive rate scaling), MXNet 1.9.1's ``LARS``.
+
+    SGD (with momentum and weight decay, as :class:`SGD`), with each index's learning rate
+    scaled by the ratio of the weight's norm to the gradient's::
+
+        w_norm = norm(weight); g_norm = norm(grad) * rescale_grad     # before the update
+        if w_norm > 0 and g_norm > 0:
+            lr = lr * eta * w_norm / (g_norm + wd * w_norm + eps)
+
+    except for indexes whose name ends in ``gamma``, ``beta`` or ``bias``. With
+    ``momentum_correction`` and a learning rate that changed since the previous update (of
+    any index), the momentum is scaled by ``lr / previous lr`` (Goyal et al.), MXNet's
+    ``cur_lr / last_lr``.
+
+    As MXNet's (its ``multi_sum_sq`` and ``multi_lars`` kernels), the squared norms are
+    summed one float32 element at a time, in order, and the rate is computed in float32, so
+    the weights are MXNet's bit for bit.
+
+    Parameters
+    ----------
+    momentum : float, default 0.0
+        In ``[0, 1)``; 0 keeps no state.
+    lazy_update : bool, default True
+        Kept for MXNet's interface. A row-sparse gradient gets the standard update (every
+        stored row), whatever it says: MXNet's lazy LARS scales by the norm of the whole
+        weight but updates only the gradient's rows, which akv does not reproduce.
+    eta : float, default 0.001
+        The LARS coefficient, ``>= 0``.
+    eps : float, default 0
+        Added to the denominator, ``>= 0``.
+    momentum_correction : bool, default True
+    **kwargs
+        The parameters of :class:`Optimizer` (``learning_rate`` default 0.01).
+
+    Notes
+    -----
+    With ``param_idx2name``, only names ending in ``_weight`` keep weight decay by default
+    (MXNet's LARS; other optimizers keep ``_gamma`` too). The multi-precision state is
+    ``(momentum or None, float32 master copy)``; akv takes the norms of the float32 master
+    copy and gradient (MXNet: of the float16 weight and gradient). The learning rate of the
+    latest update is the optimizer's shared state (``cur_lr``, saved with the states). In a
+    distributed store, a dense key split over the servers (``AKV_BIGARRAY_BOUND``) is scaled
+    by the norms of each server's part, as MXNet's servers do with their parts.
+    """
+
+    _CONFIG_PARAMS = (
+        ("momentum", "momentum"),
+        ("lazy_update", "lazy_update"),
+        ("eta", "eta"),
+        ("eps", "eps"),
+        ("momentum_correction", "momentum_correction"),
+    )
+    _MASTER_COPY_FIRST = False
+    _DECAYED_NAME_SUFFIXES = ("_weight",)
+    _SHARED_STATE = ("cur_lr",)
+
+    def __init__(
+        self,
+        momentum: float = 0.0,
+        lazy_update: bool = True,
+        eta: float = 0.001,
+        eps: float = 0,
+        momentum_correction: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.momentum = self._fraction("momentum", momentum)
+        self.lazy_update = self._boolean("lazy_update", lazy_update)
+        self.eta = self._real("eta", eta, minimum=0.0)
+        self.eps = self._real("eps", eps, minimum=0.0)
+        self.momentum_correction = self._boolean("momentum_correction", momentum_correction)
+        self.last_lr: float | None = None
+        self.cur_lr: float | None = None
+
+    def create_state(self, index: Index, weight: np.ndarray) -> State:
+        return zeros_like(weight) if self.momentum != 0.0 else None
+
+    def _step(
+        self,
+        index: Index,
+        weight: np.ndarray,
+        grad: np.ndarray,
+        state: State,
+        lr: float,
+        wd: float,
+    ) -> None:
+        current = self._base_lr()
+        with self._shared_lock:
+            last = current if self.cur_lr is None else self.cur_lr
+            self.last_lr, self.cur_lr = last, current
+        name = self.idx2name.get(index, str(index))
+        if not name.endswith(LARS_EXCLUDED_SUFFIXES):
+            lr = self._lars_rate(weight, grad, lr, wd)
+        if state is None:
+            _sgd_step(self, weight, grad, lr, wd, decay_factor=False)
+            return
+        momentum = self.momentum
+        if self.momentum_correction and last != 0:
+            momentum *= current / last
+        _sgd_momentum_step(self, weight, grad, self._state_array(index, state), lr, wd, momentum)
+
+    def _lars_rate(self, weight: np.ndarray, grad: np.ndarray, lr: float, wd: float) -> float:
+        """MXNet's ``multi_lars``, in float32."""
+        f32 = np.float32
+        weight_norm = np.sqrt(sequential_sum_of_squares(weight))
+        grad_sum = sequential_sum_of_squares(grad)
+        if not (weight_norm > 0.0 and grad_sum > 0.0):
+            return float(f32(lr))
+        numerator = f32(lr) * f32(self.eta) * weight_norm
+        denominator = np.sqrt(grad_sum) * f32(self.rescale_grad) + f32(wd) * weight_norm
+        return float(numerator / (denominator + f32(self.eps)))
+
+
+def sequential_sum_of_squares(values: np.ndarray) -> np.float32:
+    """``x[0]**2 + x[1]**2 + ...`` accumulated one float32 addition at a time, in order, the
+    squares in the array's dtype (MXNet's ``multi_sum_sq`` on a CPU). On a GPU, CuPy's scan
+    adds in another order (as does MXNet's GPU kernel)."""
+    flat = values.reshape(-1)
+    if not isinstance(flat, np.ndarray):
+        squares = np.multiply(flat, flat).astype(np.float32)
+        return np.float32(float(np.cumsum(squares)[-1])) if squares.size else np.float32(0.0)
+    total: np.float32 = np.float32(0.0)
+    (buffer,) = scratch(np.dtype(np.float32), 1)
+    for chunk in chunk_slices(flat.size):
+        part = buffer[: chunk.stop - chunk.start]
+        if flat.dtype == np.float32:
+            np.multiply(flat[chunk], flat[chunk], out=part)
+        else:
+            np.copyto(part, np.multiply(flat[chunk], flat[chunk]), casting="unsafe")
+        part[0] += total
+        np.cumsum(part, out=part)
+        total = np.float32(part[-1])
+    return total

@@ -10,13 +10,17 @@ holds one ``.npy`` member per state array, named ``a0.npy``, ``a1.npy``..., and 
      "states": [tree, ...],                  # one per key, same order
      "index_update_counts": [[key, count], ...],
      "num_update": int,
-     "optimizer": optimizer config | null}
+     "optimizer": optimizer config | null,
+     "shared_state": {name: number | null, ...}}   # optional; absent means {}
 
 where a state ``tree`` is ``null``, ``{"array": "a0", "shape": [...], "dtype": "<f4"}``,
 ``{"tuple": [tree, ...]}`` or ``{"list": [tree, ...]}``; the state of a row-sparse key
 (:class:`RowStates`) is ``{"rows": {"shape": [...], "ids": array, "leaves": [array, ...]}}``:
 the rows that have a state, and for each array of the state's structure, in order, one row
-per id. ``docs/optimizer.md`` describes the format for other readers.
+per id. ``shared_state`` is :meth:`~akv.optimizer.Optimizer.shared_state` (what the optimizer
+keeps for all indexes together: Nadam's momentum schedule, LARS's last learning rate); files
+written before it existed lack it, and readers that predate it ignore it.
+``docs/optimizer.md`` describes the format for other readers.
 """
 
 from __future__ import annotations
@@ -110,12 +114,15 @@ class SavedStates:
         The optimizer's ``num_update``.
     optimizer_config : dict or None
         The optimizer's :meth:`~akv.optimizer.Optimizer.get_config`, if it was saved.
+    shared_state : dict
+        The optimizer's :meth:`~akv.optimizer.Optimizer.shared_state` (``{}`` for most).
     """
 
     states: dict[Index, State | RowStates]
     index_update_counts: dict[Index, int]
     num_update: int
     optimizer_config: dict[str, Any] | None = field(default=None)
+    shared_state: dict[str, float | None] = field(default_factory=dict)
 
 
 def encode_states(
@@ -124,6 +131,7 @@ def encode_states(
     index_update_counts: Mapping[Index, int] | None = None,
     num_update: int = 0,
     optimizer_config: Mapping[str, Any] | None = None,
+    shared_state: Mapping[str, float | None] | None = None,
 ) -> bytes:
     """Encode optimizer states (and optionally the optimizer's config) as bytes.
 
@@ -138,6 +146,8 @@ def encode_states(
         ``Optimizer.num_update``.
     optimizer_config : dict, optional
         ``Optimizer.get_config()``, to be restored with the states.
+    shared_state : dict, optional
+        ``Optimizer.shared_state()``: names to finite numbers or ``None``.
 
     Returns
     -------
@@ -150,9 +160,10 @@ def encode_states(
         Keys of both kinds.
     InvalidArgumentError
         A key or count of the wrong type, or a state this format cannot hold (an object
-        array, a dict...).
+        array, a dict...), or a shared state that is not names to numbers or ``None``.
     """
     counts = dict(index_update_counts or {})
+    shared = _encode_shared_state(shared_state or {})
     keys = [_normalise_key(key) for key in states]
     count_keys = [_normalise_key(key) for key in counts]
     kinds = {type(key) for key in keys + count_keys}
@@ -180,6 +191,7 @@ def encode_states(
         ],
         "num_update": int(num_update),
         "optimizer": dict(optimizer_config) if optimizer_config is not None else None,
+        "shared_state": shared,
     }
     try:
         text = json.dumps(structure, allow_nan=False)
@@ -236,7 +248,8 @@ def decode_states(data: bytes | bytearray | memoryview) -> SavedStates:
         config = structure["optimizer"]
         if config is not None and not isinstance(config, dict):
             raise StateFormatError("optimizer states: 'optimizer' is neither a config nor null")
-    return SavedStates(states, counts, num_update, config)
+        shared = _decode_shared_state(structure.get("shared_state", {}))
+    return SavedStates(states, counts, num_update, config, shared)
 
 
 # -- encoding helpers ----------------------------------------------------------------------
@@ -285,7 +298,40 @@ def _encode_tree(key: Index, state: object, members: dict[str, np.ndarray], path
     )
 
 
+def _encode_shared_state(values: Mapping[str, float | None]) -> dict[str, float | None]:
+    if not isinstance(values, Mapping):
+        raise InvalidArgumentError(f"shared_state must be a dict, got {type(values).__name__}")
+    encoded: dict[str, float | None] = {}
+    for name, value in values.items():
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"shared_state name {name!r} is not a str")
+        if value is not None and not _is_finite_number(value):
+            raise InvalidArgumentError(
+                f"shared_state {name!r} must be a finite number or None, got {value!r}"
+            )
+        encoded[name] = None if value is None else float(value)
+    return encoded
+
+
+def _is_finite_number(value: object) -> bool:
+    return (
+        not isinstance(value, (bool, np.bool_))
+        and isinstance(value, numbers.Real)
+        and bool(np.isfinite(float(value)))
+    )
+
+
 # -- decoding helpers ----------------------------------------------------------------------
+
+
+def _decode_shared_state(values: object) -> dict[str, float | None]:
+    if not isinstance(values, dict) or not all(
+        value is None or _is_finite_number(value) for value in values.values()
+    ):
+        raise StateFormatError(
+            "optimizer states: 'shared_state' is not an object of numbers or nulls"
+        )
+    return {name: None if value is None else float(value) for name, value in values.items()}
 
 
 def _read_structure(archive: zipfile.ZipFile) -> dict[str, Any]:

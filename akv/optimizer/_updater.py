@@ -88,7 +88,8 @@ class Updater:
         With a lazy optimizer (MXNet's ``lazy_update``, the default of SGD and Adam) only
         the gradient's rows change, weight and states; with a standard one every stored
         row does, absent gradient rows counting as zeros (rows never stored stay zero: the
-        optimizers akv has keep a zero weight with a zero state at zero). A row's state
+        optimizers akv has keep a zero weight with a zero state at zero, but for Adamax,
+        whose dense update divides 0 by 0 there, as MXNet's). A row's state
         starts as ``create_state`` makes it for the row. One update of ``index`` is
         counted.
 
@@ -146,10 +147,12 @@ class Updater:
             index_update_counts=self.optimizer.index_update_counts,
             num_update=self.optimizer.num_update,
             optimizer_config=self.optimizer.get_config() if dump_optimizer else None,
+            shared_state=self.optimizer.shared_state(),
         )
 
     def load_states(self, data: bytes) -> None:
-        """Replace the states and update counts with those encoded in ``data``.
+        """Replace the states, update counts and the optimizer's shared state
+        (:meth:`Optimizer.shared_state`) with those encoded in ``data``.
 
         If ``data`` holds an optimizer config, the optimizer is replaced by one rebuilt from
         it. Nothing changes when an error is raised. After a load, the next update of every
@@ -159,7 +162,8 @@ class Updater:
         Raises
         ------
         StateFormatError
-            ``data`` is not in akv's format, or its optimizer config cannot be rebuilt.
+            ``data`` is not in akv's format, its optimizer config cannot be rebuilt, or its
+            shared state is not one the optimizer keeps.
         """
         saved = decode_states(data)
         optimizer = self.optimizer
@@ -177,6 +181,10 @@ class Updater:
                 rows[index] = _row_tables(state)
             else:
                 dense[index] = state
+        try:
+            optimizer.restore_shared_state(saved.shared_state)
+        except OptimizerError as exc:
+            raise StateFormatError(f"optimizer states do not fit the optimizer: {exc}") from exc
         optimizer.restore_update_counts(saved.index_update_counts, saved.num_update)
         self.optimizer = optimizer
         self.states = dense

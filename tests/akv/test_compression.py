@@ -262,3 +262,18 @@ def test_the_codes_work_in_pieces_as_they_would_in_one(compression):
 def test_values_not_sent_decode_as_positive_zero():
     data = encode(TWO_BIT, f32([0.1, -0.1]), np.zeros(2, np.float32))
     assert not np.signbit(decode(TWO_BIT, data, 2)).any()
+
+
+@pytest.mark.parametrize("name", ["local", "device"])
+@pytest.mark.parametrize("compression", [ONE_BIT, Compression("2bit", 0.3)])
+def test_a_local_store_equals_the_simulation_of_its_senders(name, compression):
+    """Each position of a pushed list is a sender with a residual of its own (MXNet's
+    devices): the pulls equal a NumPy simulation of three senders, 1bit included."""
+    grads, _ = mxnet_senders()
+    expected = simulate(compression, grads)
+    with akv.create(name) as kv:
+        kv.set_gradient_compression(compression.config())
+        kv.init(3, np.zeros(grads.shape[2:], np.float32))
+        for step in range(grads.shape[0]):
+            kv.push(3, list(grads[step]))
+            np.testing.assert_array_equal(kv.pull(3), expected[step])

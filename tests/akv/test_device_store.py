@@ -130,13 +130,20 @@ def test_the_async_face_reads_gpu_values_at_the_call(cupy):
 @needs_gpu
 def test_optimizers_on_the_gpu_match_numpy(cupy):
     rng = np.random.default_rng(0)
-    weight = rng.standard_normal(4096).astype(np.float32)
-    grads = [rng.standard_normal(4096).astype(np.float32) for _ in range(5)]
+    weight = rng.standard_normal((64, 64)).astype(np.float32)  # 2-D for GroupAdaGrad
+    grads = [rng.standard_normal((64, 64)).astype(np.float32) for _ in range(5)]
     for make in (
         lambda: akv.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=1e-4),
         lambda: akv.optimizer.Adam(learning_rate=0.01),
         lambda: akv.optimizer.LAMB(learning_rate=0.01),
         lambda: akv.optimizer.FTRL(learning_rate=0.1),
+        lambda: akv.optimizer.FTML(wd=1e-4),
+        lambda: akv.optimizer.Adamax(),
+        lambda: akv.optimizer.Nadam(),
+        lambda: akv.optimizer.AdamW(wd=1e-2),
+        lambda: akv.optimizer.DCASGD(learning_rate=0.1, momentum=0.9),
+        lambda: akv.optimizer.LARS(learning_rate=0.1, momentum=0.9, eta=0.1),
+        lambda: akv.optimizer.GroupAdaGrad(learning_rate=0.1),
     ):
         with akv.create("device") as gpu_kv, akv.create("local") as cpu_kv:
             gpu_kv.set_optimizer(make())

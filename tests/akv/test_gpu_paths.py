@@ -254,6 +254,13 @@ OPTIMIZERS = {
     "nag": lambda: akv.optimizer.NAG(learning_rate=0.1, momentum=0.9, rescale_grad=0.5),
     "signum": lambda: akv.optimizer.Signum(learning_rate=0.01, wd_lh=0.01),
     "ftrl": lambda: akv.optimizer.FTRL(learning_rate=0.1),
+    "ftml": lambda: akv.optimizer.FTML(wd=1e-3, clip_gradient=1.0),
+    "adamax": lambda: akv.optimizer.Adamax(wd=1e-3),
+    "nadam": lambda: akv.optimizer.Nadam(rescale_grad=0.5),
+    "adamw": lambda: akv.optimizer.AdamW(wd=1e-2),
+    "dcasgd": lambda: akv.optimizer.DCASGD(learning_rate=0.1, momentum=0.9, wd=1e-3),
+    "lars": lambda: akv.optimizer.LARS(learning_rate=0.1, momentum=0.9, eta=0.1, wd=1e-3),
+    "groupadagrad": lambda: akv.optimizer.GroupAdaGrad(learning_rate=0.1, clip_gradient=1.0),
 }
 
 

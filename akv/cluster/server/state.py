@@ -735,11 +735,13 @@ class ServerState:
 
     def install_optimizer(self, optimizer: _optimizer.Optimizer, config: dict[str, Any]) -> None:
         """Use ``optimizer`` from now on (the service calls this once every earlier write
-        finished). The same optimizer with new hyper-parameters keeps states and counts."""
+        finished). The same optimizer with new hyper-parameters keeps states, counts and
+        shared state."""
         previous = self.updater
         if previous is not None and previous.optimizer.get_config()["name"] == config.get("name"):
             current = previous.optimizer
             optimizer.restore_update_counts(current.index_update_counts, current.num_update)
+            optimizer.restore_shared_state(current.shared_state())
             previous.optimizer = optimizer
         else:
             self.updater = _optimizer.get_updater(optimizer)

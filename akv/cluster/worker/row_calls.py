@@ -106,7 +106,10 @@ class RowCalls:
         for answer in answers:
             answer.add_done_callback(_retrieved)
         for key in keys:
-            self._unanswered.setdefault(key, []).extend(answers)
+            # Answers that came without an error need no settling: kept are those in
+            # flight and the failed (so that pushes with no pull between stay bounded).
+            kept = [a for a in self._unanswered.get(key, ()) if not _settled(a)]
+            self._unanswered[key] = kept + answers
 
     async def settle(self, keys: list[Any] | None = None) -> AKVError | None:
         """Wait for the answers of the pushes sent so far (of ``keys``, or all); the first
@@ -201,3 +204,8 @@ def _retrieved(answer: asyncio.Future[Message]) -> None:
     """Mark a push's answer seen (its error is raised by whoever settles it)."""
     if not answer.cancelled():
         answer.exception()
+
+
+def _settled(answer: asyncio.Future[Message]) -> bool:
+    """Whether a push's answer came, without an error."""
+    return answer.done() and not answer.cancelled() and answer.exception() is None

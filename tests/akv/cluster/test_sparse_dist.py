@@ -275,3 +275,22 @@ async def test_a_push_is_the_keys_whole_new_value_on_every_server(store_type):
         sync = store_type.startswith("dist_sync")
         for pulled in await on_every_worker(cluster, store_type, body):
             np.testing.assert_array_equal(pulled.data[:, 0], [0, 2 if sync else 1])
+
+
+async def test_pushes_without_pulls_keep_no_growing_list_of_answers():
+    with Cluster(1, 1) as cluster:
+        (kv,) = await cluster.workers()
+        try:
+            await kv.init("emb", rsp([1], [row(1)]))
+            for _ in range(30):
+                await kv.push("emb", rsp([2], [row(1)]))
+            await kv.barrier()
+            assert kv._backend._rows._unanswered == {}
+            for _ in range(30):
+                await kv.push("emb", rsp([2], [row(1)]))
+            await asyncio.wait(kv._backend._rows._unanswered["emb"], timeout=20)
+            await kv.push("emb", rsp([2], [row(1)]))
+            # The 30 answered without an error were dropped when this one was sent.
+            assert len(kv._backend._rows._unanswered["emb"]) == 1
+        finally:
+            await kv.close()

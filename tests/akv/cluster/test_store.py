@@ -519,6 +519,65 @@ async def test_optimizer_states_save_and_load_in_distributed_mode(tmp_path):
     assert saved.optimizer_config["name"] == "adam"
 
 
+MORE_OPTIMIZERS = {
+    "ftml": lambda: akv.optimizer.FTML(wd=0.01),
+    "adamax": lambda: akv.optimizer.Adamax(wd=0.01),
+    "nadam": lambda: akv.optimizer.Nadam(),
+    "adamw": lambda: akv.optimizer.AdamW(learning_rate=0.01, wd=0.01),
+    "dcasgd": lambda: akv.optimizer.DCASGD(learning_rate=0.1, momentum=0.9),
+    "lars": lambda: akv.optimizer.LARS(learning_rate=0.1, momentum=0.9, eta=0.1),
+    "groupadagrad": lambda: akv.optimizer.GroupAdaGrad(learning_rate=0.1),
+}
+
+
+async def test_the_optimizers_added_after_the_first_ones_run_on_the_servers():
+    """FTML, Adamax, Nadam, AdamW, DCASGD, LARS and GroupAdaGrad, rebuilt by the servers
+    from their configs, leave a key (2-D, on one server) as the local store does."""
+    rng = np.random.default_rng(3)
+    initial = rng.standard_normal((4, 3)).astype(np.float32)
+    grads = [rng.standard_normal((4, 3)).astype(np.float32) for _ in range(3)]
+    with Cluster(2, 2) as cluster:
+        stores = await cluster.workers()
+
+        async def body(kv):
+            pulled = {}
+            for name, make in MORE_OPTIMIZERS.items():
+                await kv.init(name, initial)
+                await kv.set_optimizer(make())
+                for grad in grads:
+                    await kv.push(name, grad)
+                    await kv.pull(name)
+                pulled[name] = await kv.pull(name)
+            return pulled
+
+        results = await each(stores, body)
+        await close_all(stores)
+    for name, make in MORE_OPTIMIZERS.items():
+        with akv.create("local") as local:  # two workers' gradients summed
+            local.init(name, initial)
+            local.set_optimizer(make())
+            for grad in grads:
+                local.push(name, grad * 2)
+            expected = local.pull(name)
+        for pulled in results:
+            np.testing.assert_array_equal(pulled[name], expected, err_msg=name)
+
+
+async def test_group_adagrad_refuses_the_one_dimensional_parts_of_a_split_dense_key():
+    """A dense key of at least AKV_BIGARRAY_BOUND elements is split by elements, so each
+    server holds a 1-D part, which GroupAdaGrad (rows of a 2-D table) cannot update."""
+    with Cluster(1, 2, AKV_BIGARRAY_BOUND="8") as cluster:
+        (kv,) = await cluster.workers()
+        await kv.init("table", np.ones((4, 3), np.float32))
+        await kv.set_optimizer(akv.optimizer.GroupAdaGrad())
+        await kv.push("table", np.ones((4, 3), np.float32))
+        with pytest.raises(
+            akv.ServerError, match=r"GroupAdaGrad: index 'table': the weight must be 2-D"
+        ):
+            await kv.pull("table")
+        await close_all([kv])
+
+
 async def test_errors_name_the_key_and_change_nothing():
     with Cluster(2, 1) as cluster:
         stores = await cluster.workers()

@@ -43,6 +43,13 @@ ALL_OPTIMIZERS = [
     AdaDelta(wd=0.01),
     FTRL(wd=0.01),
     LAMB(wd=0.01),
+    opt.FTML(beta1=0.5, wd=0.01),
+    opt.Adamax(beta2=0.99, wd=0.01),
+    opt.Nadam(schedule_decay=0.01, wd=0.01),
+    opt.AdamW(correct_bias=False, wd=0.01),
+    opt.DCASGD(momentum=0.9, lamda=0.1, wd=0.01),
+    opt.LARS(momentum=0.9, eta=0.01, eps=1e-6, momentum_correction=False, lazy_update=False),
+    opt.GroupAdaGrad(eps=1e-6),
 ]
 
 
@@ -131,8 +138,8 @@ def test_create_passes_parameters():
 
 
 def test_create_with_an_unknown_name_is_an_error_listing_the_known_ones():
-    with pytest.raises(OptimizerError, match=r"unknown optimizer 'adamw' \(known: .*sgd"):
-        create("adamw")
+    with pytest.raises(OptimizerError, match=r"unknown optimizer 'adamx' \(known: .*sgd"):
+        create("adamx")
 
 
 def test_an_unknown_parameter_is_an_error_naming_optimizer_and_parameter():
@@ -298,8 +305,9 @@ def test_an_optimizer_without_an_update_says_so():
 
 @pytest.mark.parametrize("optimizer", ALL_OPTIMIZERS, ids=ids(ALL_OPTIMIZERS))
 def test_update_leaves_the_gradient_untouched(optimizer):
-    weight = np.linspace(-1, 1, 7, dtype=np.float32)
-    grad = np.linspace(2, -2, 7, dtype=np.float32)
+    # 2-D for GroupAdaGrad; no zero gradient where the weight is zero (Adamax: 0 / 0).
+    weight = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    grad = np.linspace(2, -2, 8, dtype=np.float32).reshape(2, 4)
     before = grad.copy()
     state = optimizer.create_state(0, weight)
     optimizer.update(0, weight, grad, state)

@@ -26,7 +26,15 @@ SETTINGS = {
     "adagrad": {"learning_rate": 0.1, "wd": 0.0},
     "ftrl": {"wd": 0.1},
     "lamb": {"wd": 0.1},
+    "groupadagrad": {"learning_rate": 0.1, "wd": 0.0},
+    "lars": {"momentum": 0.9, "eta": 0.5},
+    "dcasgd": {"momentum": 0.9, "learning_rate": 0.1},
 }
+
+# Adamax divides 0 by 0 where a weight and all its gradients so far are zero (MXNet's dense
+# update does too): in the dense reference, the rows that are zero and unnamed at the first
+# step become NaN, where the row update leaves them unstored until a gradient names them.
+ZERO_OVER_ZERO = {"adamax"}
 
 
 def _optimizer(name: str, **extra: object) -> opt.Optimizer:
@@ -105,10 +113,17 @@ def test_a_row_update_is_the_dense_update_of_its_rows(name, lazy_update):
     how = updater.optimizer.row_sparse_update(0)
     for grad in grads:
         updater.update_rows(0, table, grad)
-    expected = _dense_reference(_optimizer(name, **extra), dense, grads, lazy=how == "lazy")
-    np.testing.assert_allclose(akv.RowSparseArray.to_dense(table.to_sparse()), expected, 1e-6, 1e-7)
+    with np.errstate(invalid="ignore" if name in ZERO_OVER_ZERO else "warn"):
+        expected = _dense_reference(_optimizer(name, **extra), dense, grads, lazy=how == "lazy")
+    got = akv.RowSparseArray.to_dense(table.to_sparse())
+    if name in ZERO_OVER_ZERO:
+        unset = sorted(set(range(ROWS)) - set(INITIAL_ROWS) - set(STEPS[0]))
+        assert np.flatnonzero(np.isnan(expected).any(axis=1)).tolist() == unset
+        kept = sorted(set(range(ROWS)) - set(unset))
+        got, expected = got[kept], expected[kept]
+    np.testing.assert_allclose(got, expected, 1e-6, 1e-7)
     assert updater.optimizer.index_update_counts[0] == len(grads)
-    lazy_in_mxnet = name in {"sgd", "adam", "adagrad", "ftrl"}
+    lazy_in_mxnet = name in {"sgd", "adam", "adagrad", "ftrl", "groupadagrad"}
     assert how == ("lazy" if lazy_in_mxnet and lazy_update else "standard")
     if how == "lazy":
         # Rows stored but never named by a gradient keep their weight exactly, and get no

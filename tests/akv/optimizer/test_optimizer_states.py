@@ -13,10 +13,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from akv.errors import InvalidArgumentError, MixedKeyKindsError, StateFormatError
+from akv.errors import (
+    InvalidArgumentError,
+    MixedKeyKindsError,
+    OptimizerError,
+    StateFormatError,
+)
 from akv.optimizer import (
+    DCASGD,
+    FTML,
     FTRL,
     LAMB,
+    LARS,
     NAG,
     SGD,
     STATE_FORMAT_NAME,
@@ -24,7 +32,12 @@ from akv.optimizer import (
     AdaDelta,
     AdaGrad,
     Adam,
+    Adamax,
+    AdamW,
     CosineScheduler,
+    GroupAdaGrad,
+    MultiFactorScheduler,
+    Nadam,
     RMSProp,
     Signum,
     Updater,
@@ -49,6 +62,19 @@ OPTIMIZERS = {
     "adam-scheduled": lambda: Adam(
         learning_rate=None, lr_scheduler=CosineScheduler(max_update=6, warmup_steps=2)
     ),
+    "ftml": lambda: FTML(wd=0.01),
+    "adamax": lambda: Adamax(wd=0.01),
+    "nadam": lambda: Nadam(wd=0.01),  # its shared momentum schedule, too
+    "adamw": lambda: AdamW(wd=0.01),
+    "dcasgd": lambda: DCASGD(),
+    "dcasgd-momentum": lambda: DCASGD(momentum=0.9, wd=0.01),
+    "lars": lambda: LARS(eta=0.1),
+    "lars-momentum-scheduled": lambda: LARS(  # its shared last learning rate, too
+        momentum=0.9,
+        eta=0.1,
+        lr_scheduler=MultiFactorScheduler(step=[2, 4, 5], factor=0.5, base_lr=0.1),
+    ),
+    "groupadagrad": lambda: GroupAdaGrad(),
     "sgd-float16": lambda: SGD(learning_rate=0.1, momentum=0.9, multi_precision=True),
     "adam-float16": lambda: Adam(multi_precision=True),
 }
@@ -124,6 +150,53 @@ def test_states_can_be_encoded_without_an_updater():
     assert trees_equal(saved.states["a"], states["a"]) and saved.states["b"] is None
     assert (saved.index_update_counts, saved.num_update) == ({"a": 4, "b": 1}, 4)
     assert saved.optimizer_config is None
+
+
+def test_shared_state_is_saved_and_optional():
+    data = encode_states({0: None}, shared_state={"m_schedule": 0.25, "cur_lr": None})
+    assert decode_states(data).shared_state == {"m_schedule": 0.25, "cur_lr": None}
+    assert decode_states(encode_states({0: None})).shared_state == {}
+    # a file from before shared_state existed
+    assert decode_states(archive(good_structure(), GOOD_MEMBERS)).shared_state == {}
+
+
+@pytest.mark.parametrize("bad", [{"m": float("inf")}, {"m": "0.5"}, {1: 0.5}, [("m", 0.5)]])
+def test_a_shared_state_that_is_not_names_to_numbers_cannot_be_encoded(bad):
+    with pytest.raises(InvalidArgumentError, match="shared_state"):
+        encode_states({0: None}, shared_state=bad)
+
+
+class Counting(SGD):
+    """An optimizer with a shared state (SGD's update, and a count of all updates)."""
+
+    _SHARED_STATE = ("total",)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.total = 0.0
+
+    def _step(self, index, weight, grad, state, lr, wd):
+        self.total += 1
+        super()._step(index, weight, grad, state, lr, wd)
+
+
+def test_an_updater_saves_and_restores_its_optimizers_shared_state():
+    original = get_updater(Counting())
+    drive(original, [0, 1], GRADS[:2], {k: np.ones((3, 4), np.float32) for k in (0, 1)})
+    restored = get_updater(Counting())
+    restored.load_states(original.dump_states())
+    assert restored.optimizer.shared_state() == {"total": 4.0}
+
+
+def test_a_shared_state_the_optimizer_does_not_keep_is_refused_and_changes_nothing():
+    updater = get_updater(SGD())
+    updater.states[0] = None
+    data = get_updater(Counting()).dump_states()
+    with pytest.raises(StateFormatError, match=r"SGD: shared state \['total'\] is not kept"):
+        updater.load_states(data)
+    assert updater.states == {0: None}
+    with pytest.raises(OptimizerError, match="must be finite"):
+        Counting().restore_shared_state({"total": float("nan")})
 
 
 def test_decoded_arrays_are_writeable_copies():
@@ -243,6 +316,12 @@ def test_the_hand_built_archive_of_these_tests_decodes():
         (archive(good_structure(index_update_counts=[[0]]), GOOD_MEMBERS), "[key, count]"),
         (archive(good_structure(index_update_counts=[[0, 1.5]]), GOOD_MEMBERS), "update count"),
         (archive(good_structure(optimizer=[1]), GOOD_MEMBERS), "neither a config nor null"),
+        (archive(good_structure(shared_state=[1]), GOOD_MEMBERS), "'shared_state' is not"),
+        (
+            archive(good_structure(shared_state={"m": "one"}), GOOD_MEMBERS),
+            "'shared_state' is not",
+        ),
+        (archive(good_structure(shared_state={"m": True}), GOOD_MEMBERS), "'shared_state' is not"),
     ],
     ids=lambda v: v if isinstance(v, str) else "archive",  # no bytes: ids stay stable
 )

@@ -1,0 +1,272 @@
+"""An embedding table that lives in an akv store: :class:`Embedding` (re-exported by
+:mod:`akv.torch`, which is where users take it from)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from akv._torch_common import blocking_store, describe
+from akv.args import Key
+from akv.errors import (
+    DTypeMismatchError,
+    InvalidArgumentError,
+    RowIdError,
+    ShapeMismatchError,
+    UnsupportedDTypeError,
+)
+from akv.sparse import RowSparseArray, as_row_sparse, check_dtype, host_rows, is_row_sparse
+from akv.store import KVStore
+
+__all__ = ["Embedding"]
+
+
+class Embedding(torch.nn.Module):
+    """An embedding table that lives in an akv store, as a row-sparse key.
+
+    Parameters
+    ----------
+    kv:
+        A blocking store from :func:`akv.create` (``local``, ``device``, ``dist_sync``,
+        ``dist_async`` or their variants). The key must not be initialized yet. Set the
+        store's optimizer (``kv.set_optimizer``, or a :class:`DistributedOptimizer` on the
+        same store) before the first backward: without one, a push *replaces* the table's
+        rows with the gradient (MXNet's meaning of a push). The store stays the caller's.
+    key:
+        The store key of the table (an ``int`` or a ``str``, of the kind the store's other
+        keys use).
+    num_embeddings, embedding_dim:
+        The table's shape ``(num_embeddings, embedding_dim)``: ints >= 1. Only the rows
+        written are stored, so ``num_embeddings`` may far exceed memory.
+    init:
+        The table's first value. ``None`` (default): no row is stored and every row reads
+        as zero (``torch.nn.Embedding`` draws N(0, 1) instead: pass such a table here to
+        start from it). A dense tensor or array of the table's shape and dtype: every row
+        is stored. An :class:`akv.RowSparseArray` (or a torch sparse COO tensor) of the
+        table's shape and dtype: the rows it lists are stored, the others read as zero.
+        In a distributed store every worker passes its own and rank 0's is kept.
+    dtype:
+        The rows' dtype: ``torch.float32`` (default), ``torch.float16`` or
+        ``torch.float64``.
+
+    Guarantees
+    ----------
+    * ``forward(ids)`` takes integer ids of any shape, each in ``[0, num_embeddings)``,
+      and returns a tensor of shape ``ids.shape + (embedding_dim,)`` on ``ids``'s device.
+      It pulls the batch's unique ids once (``row_sparse_pull``, which sees every earlier
+      push) and gathers them.
+    * With grad enabled, the rows pulled are a leaf that requires grad; the backward pass
+      that reaches it pushes their gradient, repeated ids summed, as one row-sparse push
+      of the unique ids, and the store's optimizer updates those rows (lazily, with
+      :class:`akv.optimizer.SGD`: rows the batch does not touch never change). Each
+      backward pass through a forward's output pushes once; nothing is pushed when
+      grad is disabled (``torch.no_grad()``, inference).
+    * The module has no parameters and no state dict: the table is the store's. Read
+      rows with :meth:`rows`.
+    * Bad ids raise :class:`~akv.errors.InvalidArgumentError` (not an integer tensor) or
+      :class:`~akv.errors.RowIdError` (an id out of range, with its position), naming
+      the key; argument errors of the constructor raise before the key is initialized.
+    """
+
+    def __init__(
+        self,
+        kv: KVStore,
+        key: Key,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init: object = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        what = f"Embedding key {key!r}"
+        blocking_store(kv, what, "forward() waits for the rows it pulls")
+        shape = (
+            _positive(num_embeddings, "num_embeddings", what),
+            _positive(embedding_dim, "embedding_dim", what),
+        )
+        table = _initial_table(init, shape, _numpy_dtype(dtype, what), what)
+        kv.init(key, table)
+        self._kv = kv
+        self._key = key
+        self._shape = shape
+        self._dtype = dtype
+        self._what = what
+
+    @property
+    def kv(self) -> KVStore:
+        """The store that holds the table."""
+        return self._kv
+
+    @property
+    def key(self) -> Key:
+        """The table's store key."""
+        return self._key
+
+    @property
+    def num_embeddings(self) -> int:
+        """The table's number of rows."""
+        return self._shape[0]
+
+    @property
+    def embedding_dim(self) -> int:
+        """The width of a row."""
+        return self._shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The rows' dtype."""
+        return self._dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids``: shape ``ids.shape + (embedding_dim,)``, on ``ids``'s device.
+
+        With grad enabled, backward pushes the gradient of the rows pulled (see the class).
+
+        Raises
+        ------
+        InvalidArgumentError, RowIdError
+            Bad ids (naming the key); nothing is pulled.
+        """
+        unique, inverse = self._unique(ids, "forward")
+        rows = self._pull(unique, ids.device)
+        if torch.is_grad_enabled():
+            rows.requires_grad_()
+            # torch leaves this method unannotated: typed here, where it is called.
+            register = cast(Callable[..., Any], rows.register_hook)
+            register(self._pusher(unique))
+        return torch.nn.functional.embedding(inverse, rows)
+
+    @torch.no_grad()
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The current rows of ``ids`` (as :meth:`forward` returns them), without grad.
+
+        ``emb.rows(torch.arange(emb.num_embeddings))`` is the whole table (every row
+        allocated: for a huge table, ask for the rows you need).
+
+        Raises
+        ------
+        InvalidArgumentError, RowIdError
+        """
+        unique, inverse = self._unique(ids, "rows")
+        return torch.nn.functional.embedding(inverse, self._pull(unique, ids.device))
+
+    def extra_repr(self) -> str:
+        return f"key={self._key!r}, {self._shape[0]}, {self._shape[1]}, dtype={self._dtype}"
+
+    # ------------------------------------------------------------------ internals
+
+    def _unique(self, ids: object, call: str) -> tuple[np.ndarray, torch.Tensor]:
+        """The sorted unique ids (host int64) and, for each id, its index among them."""
+        what = f"{self._what}: {call}"
+        if not isinstance(ids, torch.Tensor):
+            raise InvalidArgumentError(
+                f"{what}: ids must be a torch tensor of integers, got {describe(ids)}"
+            )
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise InvalidArgumentError(
+                f"{what}: ids must be integers, got a tensor of dtype {ids.dtype} (convert "
+                "them with ids.long())"
+            )
+        if ids.layout != torch.strided:
+            raise InvalidArgumentError(
+                f"{what}: ids must be a dense tensor, got layout {ids.layout}"
+            )
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        if unique.numel() and (unique[0] < 0 or unique[-1] >= self._shape[0]):
+            bad = ((ids < 0) | (ids >= self._shape[0])).nonzero()[0].tolist()
+            position = f"ids[{', '.join(str(i) for i in bad)}]" if bad else "ids"
+            raise RowIdError(
+                f"{what}: id {int(ids[tuple(bad)])} at {position} is outside "
+                f"[0, {self._shape[0]}) (num_embeddings is {self._shape[0]})"
+            )
+        return unique.cpu().numpy().astype(np.int64, copy=False), inverse
+
+    def _pull(self, unique: np.ndarray, device: torch.device) -> torch.Tensor:
+        """The stored rows of ``unique`` (sorted unique ids), as a new tensor on ``device``."""
+        pulled: RowSparseArray = self._kv.row_sparse_pull(self._key, row_ids=unique)
+        return torch.from_numpy(pulled.data).to(device)
+
+    def _pusher(self, unique: np.ndarray) -> Callable[[torch.Tensor], None]:
+        def push_gradient(grad: torch.Tensor) -> None:
+            rows = grad.detach().cpu()
+            self._kv.push(self._key, RowSparseArray(rows, unique, self._shape))
+
+        return push_gradient
+
+
+def _positive(value: object, name: str, what: str) -> int:
+    """``value`` as an int >= 1.
+
+    Raises
+    ------
+    InvalidArgumentError
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{what}: {name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _numpy_dtype(dtype: object, what: str) -> np.dtype:
+    """The NumPy dtype of the rows of a table of torch ``dtype``.
+
+    Raises
+    ------
+    InvalidArgumentError, UnsupportedDTypeError
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InvalidArgumentError(
+            f"{what}: dtype must be a floating torch.dtype (torch.float32, torch.float16 or "
+            f"torch.float64), got {dtype!r}"
+        )
+    try:
+        kind = torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError as exc:  # bfloat16: NumPy has no such dtype
+        raise UnsupportedDTypeError(
+            f"{what}: dtype {dtype} has no NumPy twin, so akv cannot store it; use "
+            "torch.float32 (and cast the output) instead"
+        ) from exc
+    check_dtype(kind, what)
+    return kind
+
+
+def _initial_table(
+    init: object, shape: tuple[int, int], dtype: np.dtype, what: str
+) -> RowSparseArray:
+    """The row-sparse value ``init`` gives a table of ``shape`` and ``dtype`` (see
+    :class:`Embedding`).
+
+    Raises
+    ------
+    ShapeMismatchError, DTypeMismatchError, StorageTypeError, InvalidArgumentError,
+    RowIdError
+    """
+    if init is None:
+        return RowSparseArray.zeros(shape, dtype)
+    dense: np.ndarray | None = None
+    if is_row_sparse(init):
+        table = as_row_sparse(init, f"{what}: init")
+        given, given_dtype = table.shape, table.dtype
+    else:
+        if isinstance(init, torch.Tensor):
+            init = init.detach().cpu()
+        dense = host_rows(init, f"{what}: init")
+        given, given_dtype = tuple(dense.shape), dense.dtype
+    if given != shape:
+        raise ShapeMismatchError(
+            f"{what}: init of shape {given} does not match the table's shape {shape} "
+            "(num_embeddings, embedding_dim)",
+            expected=shape,
+            got=given,
+        )
+    if given_dtype != dtype:
+        raise DTypeMismatchError(
+            f"{what}: init of dtype {given_dtype} does not match the table's dtype {dtype} "
+            "(akv never casts: convert it, or pass dtype=)",
+            expected=dtype,
+            got=given_dtype,
+        )
+    return table if dense is None else RowSparseArray(dense, np.arange(shape[0]), shape)
