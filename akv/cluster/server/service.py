@@ -83,6 +83,7 @@ from akv.errors import (
 )
 from akv.limits import (
     DRAIN_S,
+    INLINE_MAX_BYTES,
     ROUND_CHECK_INTERVAL_S,
     SERVER_ENGINE_SLOTS,
     SPLIT_ADD_MIN_BYTES,
@@ -441,7 +442,8 @@ class ParameterServer:
                     self._land_rows,
                     instruction,
                     writes=[entry.var for entry in instruction.entries],
-                    executor="thread",
+                    # Small row rounds on the loop: a hop to a thread costs more than they do.
+                    executor="inline" if _rows_bytes(instruction) <= INLINE_MAX_BYTES else "thread",
                     name="push",
                 )
             elif isinstance(instruction, SendRows):
@@ -450,7 +452,10 @@ class ParameterServer:
                     self._send_rows,
                     instruction.ticket,
                     reads=[entry.var for entry, _ in pulls],
-                    executor="thread" if sum(ids.size for _, ids in pulls) > 256 else "inline",
+                    executor="inline"
+                    if sum(ids.size * e.nbytes // max(e.shape[0], 1) for e, ids in pulls)
+                    <= INLINE_MAX_BYTES
+                    else "thread",
                     no_skip=True,
                     name="send",
                 )
@@ -563,7 +568,7 @@ class ParameterServer:
 
     def _send_rows(self, ticket: RowPullTicket) -> None:
         """Answer a row pull with a copy of the rows it asks for."""
-        frame = [frame_bytes(Op.REPLY, ticket.seq, gather_rows(ticket), aux=OK)]
+        frame = encode_frame(Op.REPLY, ticket.seq, gather_rows(ticket), aux=OK)
         self._on_loop(self.send_to, ticket.peer, frame)
 
     def _landed(
@@ -724,6 +729,11 @@ def split_add(
     second = helper.submit(np.add, a[half:], b[half:], whole[half:])
     np.add(a[:half], b[:half], out=whole[:half])
     second.result()
+
+
+def _rows_bytes(work: LandRows) -> int:
+    """The bytes of the row pushes a LandRows sums and applies."""
+    return sum(rows.nbytes for _, _, pushes in work.closing for _, rows in pushes)
 
 
 def _failed_reply(peer: Peer, seq: int, what: str, exc: Exception) -> ReplyError:
