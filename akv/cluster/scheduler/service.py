@@ -92,6 +92,7 @@ class Scheduler:
         )
         #: What servers and workers reported with their heartbeats (the status page).
         self.reports = Reports()
+        self.status_page = StatusPage(config.token, self.status, secure=config.tls)
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -106,7 +107,7 @@ class Scheduler:
         app.router.add_post("/v1/finish", self._finish)
         app.router.add_get("/v1/status", self._status)
         app.router.add_get("/v1/servers", self._servers)
-        StatusPage(self.config.token, self.status, secure=self.config.tls).install(app)
+        self.status_page.install(app)
         return app
 
     def status(self) -> dict[str, Any]:
