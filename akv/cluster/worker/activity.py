@@ -1,8 +1,9 @@
 """What a worker has done so far, for its heartbeats (the job's status page).
 
-Pure: plain counters that the worker's store calls feed (on the store's loop) and that the
-heartbeat thread reads (:meth:`Activity.report`: integers only, so a read from another
-thread sees each as it was at some moment, never a torn value).
+Pure: plain counters that the worker's store calls feed and that the heartbeat thread
+reads (:meth:`Activity.report`: integers only, so a read from another thread sees each as
+it was at some moment, never a torn value). They are for people to read: calls made on one
+store from several threads at once may miss a count, and nothing decides by them.
 """
 
 from __future__ import annotations
