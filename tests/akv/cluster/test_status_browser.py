@@ -102,12 +102,13 @@ def test_the_page_shows_every_rank_and_the_stalled_worker_its_round_waits_for(br
     stop_file = tmp_path / "stop"
     with Cluster(2, 1, **PATIENT) as cluster:
         token = cluster.env["AKV_TOKEN"]
+        logs = [(tmp_path / f"worker{rank}.out").open("w") for rank in range(2)]
         workers = [
             subprocess.Popen(
                 [sys.executable, str(JOB), str(stop_file)],
                 env={**os.environ, **cluster.worker_env(rank)},
                 cwd=ROOT,
-                stdout=(tmp_path / f"worker{rank}.out").open("w"),
+                stdout=logs[rank],
                 stderr=subprocess.STDOUT,
             )
             for rank in range(2)
@@ -165,8 +166,9 @@ def test_the_page_shows_every_rank_and_the_stalled_worker_its_round_waits_for(br
             os.kill(workers[1].pid, signal.SIGCONT)
             stopped = False
             stop_file.touch()
-            for worker in workers:
-                assert worker.wait(timeout=PAGE_WAIT_S) == 0, (tmp_path / "worker0.out").read_text()
+            for rank, worker in enumerate(workers):
+                output = tmp_path / f"worker{rank}.out"
+                assert worker.wait(timeout=PAGE_WAIT_S) == 0, output.read_text()
         finally:
             for worker in workers:
                 if stopped:
@@ -174,3 +176,5 @@ def test_the_page_shows_every_rank_and_the_stalled_worker_its_round_waits_for(br
                 if worker.poll() is None:
                     worker.kill()
                     worker.wait(timeout=10)
+            for log in logs:
+                log.close()
