@@ -171,10 +171,18 @@ class Membership:
         return None
 
     async def heartbeats(
-        self, on_failure: Callable[[str], None], should_stop: Callable[[], bool]
+        self,
+        on_failure: Callable[[str], None],
+        should_stop: Callable[[], bool],
+        report: Callable[[], dict[str, Any]] | None = None,
     ) -> bool:
         """Tell the scheduler every interval that this process lives, until
         ``should_stop()`` or the scheduler says the job is over.
+
+        ``report()``, when given, is called for each heartbeat and sent with it: what this
+        process did so far, for the job's status page (a server's
+        :func:`~akv.cluster.server.report.heartbeat_report`, a worker's
+        :meth:`~akv.cluster.worker.activity.Activity.report`).
 
         ``on_failure(reason)`` is called when the scheduler reports the job failed
         (``reason``: "the job failed: <the scheduler's verdict>", the wording every process
@@ -191,8 +199,11 @@ class Membership:
         reported = ""
         try:
             while not should_stop():
+                body: dict[str, Any] = {"node_id": self.node_id}
+                if report is not None:
+                    body["report"] = report()
                 try:
-                    answer = await client.json("POST", "/v1/heartbeat", {"node_id": self.node_id})
+                    answer = await client.json("POST", "/v1/heartbeat", body)
                     answered = time.monotonic()
                 except (TransportError, ValueError) as exc:
                     silent = time.monotonic() - answered

@@ -24,7 +24,13 @@ HTTP API (JSON; every request needs the job's token):
 ``GET /v1/status``    the roster, for people and monitoring: each node's advertised
                       ``host``/``port``, and ``bound_host``/``bound_port`` when it listens
                       on another address
+``GET /status``       the job's status page (HTML; ``/status.json``: its JSON twin), with
+                      the token or a login at ``/login``
+                      (:mod:`akv.cluster.scheduler.status_page`, ``docs/status.md``)
 ====================  ==========================================================
+
+A heartbeat may carry ``report``: what the node did so far, for the status page
+(:func:`akv.cluster.scheduler.status.parse_report` says what it holds).
 
 A malformed body gets 400. A request that does not fit the job gets 422 ``{error}``
 (:class:`~akv.errors.MembershipError`: an unknown node, a role or rank that does not fit, a
@@ -38,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import socket
 import time
@@ -51,6 +58,8 @@ from akv.cluster import config as _config
 from akv.cluster.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
 from akv.cluster.roles import listener_bounds, run_role, server_ssl, stopped_by_signal
 from akv.cluster.scheduler.roster import Roster, ServerAddress
+from akv.cluster.scheduler.status import Reports, job_status, parse_report
+from akv.cluster.scheduler.status_page import STATUS_PATH, StatusPage
 from akv.errors import MembershipError, PeerLostError
 from akv.limits import (
     DRAIN_S,
@@ -81,6 +90,9 @@ class Scheduler:
             config.timeouts.heartbeat_interval_s,
             config.timeouts.restart_s,
         )
+        #: What servers and workers reported with their heartbeats (the status page).
+        self.reports = Reports()
+        self.status_page = StatusPage(config.token, self.status, secure=config.tls)
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -95,7 +107,13 @@ class Scheduler:
         app.router.add_post("/v1/finish", self._finish)
         app.router.add_get("/v1/status", self._status)
         app.router.add_get("/v1/servers", self._servers)
+        self.status_page.install(app)
         return app
+
+    def status(self) -> dict[str, Any]:
+        """The whole job now, as ``/status.json`` answers it."""
+        advertised = (self.config.scheduler_host, self.port, os.getpid())
+        return job_status(self.roster, self.reports, time.monotonic(), scheduler=advertised)
 
     async def start(self) -> int:
         """Listen (on the inherited socket, or the configured host and port); return the port."""
@@ -118,6 +136,9 @@ class Scheduler:
             config.num_workers,
             config.num_servers,
         )
+        scheme = "https" if config.tls else "http"
+        address = _config.format_address(config.scheduler_host, self.port)
+        log.info("the job's status page: %s://%s%s", scheme, address, STATUS_PATH)
         return self.port
 
     async def run(self) -> int:
@@ -242,8 +263,16 @@ class Scheduler:
         body = await _body(request)
         with _malformed("heartbeat"):
             node_id = str(body["node_id"])
+            report = body.get("report")
+        now = time.monotonic()
         with _refusals():
-            answer = self.roster.heartbeat(node_id, time.monotonic())
+            answer = self.roster.heartbeat(node_id, now)
+        if report is not None:
+            with _malformed("heartbeat report"):
+                role = self.roster.nodes[node_id].role
+                self.reports.heard(
+                    node_id, parse_report(role, report, self.roster.num_workers), now
+                )
         return web.json_response({"failure": answer.failure, "stop": answer.stop})
 
     async def _lost(self, request: web.Request) -> web.Response:

@@ -71,6 +71,7 @@ from akv.cluster.server.instructions import (
     StaleCheckpointError,
 )
 from akv.cluster.server.links import Link, OneShotLink, StreamLink
+from akv.cluster.server.report import heartbeat_report
 from akv.cluster.server.row_keys import gather_rows, land_rows
 from akv.cluster.server.state import ServerState
 from akv.cluster.server.updates import land
@@ -233,7 +234,10 @@ class ParameterServer:
         if self.checkpoints is not None:
             timer = self._spawn(self.checkpoints.every_interval(), "the checkpoint timer")
         try:
-            stopped = await self.membership.heartbeats(self._job_failed, gave_up.is_set)
+            loop = asyncio.get_running_loop()
+            stopped = await self.membership.heartbeats(
+                self._job_failed, gave_up.is_set, lambda: heartbeat_report(self.state, loop.time())
+            )
             ok = stopped and self.state.failure is None and not gave_up.is_set()
             if ok and self.checkpoints is not None:
                 await self.checkpoints.final()

@@ -42,6 +42,7 @@ from akv.cluster.placement import place
 from akv.cluster.protocol import Op, encode_meta
 from akv.cluster.roles import default_worker_logging
 from akv.cluster.states import merge_server_states, split_server_states
+from akv.cluster.worker.activity import Activity
 from akv.cluster.worker.calls import Answer, Done, PullCall, PushCall
 from akv.cluster.worker.events import (
     AcksWanted,
@@ -127,6 +128,8 @@ class DistBackend:
         self._gpu_registered = False
         self._staging = Staging(engine, self._stream_for_staging, self._gpu_ready, device)
         self._heartbeat: Heartbeat | None = None
+        #: The calls so far, which heartbeats report (the scheduler's status page).
+        self.activity = Activity()
         self._barriers = 0
         self._joined = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -206,7 +209,7 @@ class DistBackend:
         for link in self.links:
             await self._open(link, rank, deadline)
         self._joined = True
-        self._heartbeat = Heartbeat(self.membership, self._failed_from_thread)
+        self._heartbeat = Heartbeat(self.membership, self._failed_from_thread, self.activity.report)
         self._heartbeat.start()
         self._sweeper = self._loop.create_task(self._sweep())
         self._sweeper.add_done_callback(self._sweeper_ended)
@@ -433,6 +436,7 @@ class DistBackend:
         """
         self._check()
         self._raise_late(values)
+        self.activity.pushed(entry.key for entry, _ in values)
         pipelined = not self.config.strict_push
         staged, give_back = self._staging.stage(values, borrow and not pipelined, priority)
         return self._engine.push(
@@ -467,6 +471,7 @@ class DistBackend:
         """Fetch each key's value (in dist_sync: after the round of this worker's last push)."""
         self._check()
         self._raise_late(targets)
+        self.activity.pulled(len(targets))
         if len(targets) == 1 and self._asked:
             done = self._pull_arrived(targets[0], result)
             if done is not None:
@@ -518,6 +523,8 @@ class DistBackend:
         """Push, then pull the result, in one request per server."""
         self._check()
         self._raise_late(values)
+        self.activity.pushed(entry.key for entry, _ in values)
+        self.activity.pulled(len(targets))
         staged, give_back = self._staging.stage(values, borrow, priority)
         return self._schedule_pull(targets, result, staged, give_back, priority)
 
@@ -598,6 +605,7 @@ class DistBackend:
         """Send each server the rows of its range (:meth:`RowCalls.push`)."""
         self._check()
         self._raise_late(values)
+        self.activity.pushed(entry.key for entry, _ in values)
         return self._rows.push(values, priority)
 
     def pull_rows(
@@ -606,6 +614,7 @@ class DistBackend:
         """Ask the servers that hold requested rows for them (:meth:`RowCalls.pull`)."""
         self._check()
         self._raise_late([(entry, out) for entry, _, out in pulls])
+        self.activity.pulled(len(pulls))
         return self._rows.pull(pulls, result, priority)
 
     def barrier(self) -> Task:

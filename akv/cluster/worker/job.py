@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from akv.cluster.membership import Membership, scheduler_refusal
 from akv.errors import AKVError, BarrierTimeoutError, PeerLostError
@@ -27,11 +28,18 @@ log = logging.getLogger("akv.cluster")
 class Heartbeat:
     """Runs :meth:`Membership.heartbeats` on a thread and loop of its own, so that a busy
     event loop is never mistaken for a dead worker; ``on_failure(reason)`` hears a failed
-    job or a silent scheduler (on that thread)."""
+    job or a silent scheduler (on that thread). ``report()`` (on that thread too) is what
+    each heartbeat carries (the worker's :class:`~akv.cluster.worker.activity.Activity`)."""
 
-    def __init__(self, membership: Membership, on_failure: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        membership: Membership,
+        on_failure: Callable[[str], None],
+        report: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self._membership = membership
         self._on_failure = on_failure
+        self._report = report
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="akv-heartbeat", daemon=True)
 
@@ -41,7 +49,8 @@ class Heartbeat:
     def _run(self) -> None:
         loop_thread = LoopThread(name="akv-heartbeat-loop")
         try:
-            loop_thread.run(self._membership.heartbeats(self._on_failure, self._stop.is_set))
+            beats = self._membership.heartbeats(self._on_failure, self._stop.is_set, self._report)
+            loop_thread.run(beats)
         except Exception as exc:  # reported, never swallowed: the store fails with it
             self._on_failure(f"the heartbeat to the scheduler failed: {exc!r}")
         finally:
