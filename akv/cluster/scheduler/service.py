@@ -24,6 +24,9 @@ HTTP API (JSON; every request needs the job's token):
 ``GET /v1/status``    the roster, for people and monitoring: each node's advertised
                       ``host``/``port``, and ``bound_host``/``bound_port`` when it listens
                       on another address
+``GET /metrics``      Prometheus metrics (``docs/metrics.md``)
+``GET /healthz``      ``ok`` (no token); ``GET /readyz``: ``ready`` (no token;
+                      :mod:`akv.cluster.health` says why a scheduler always is)
 ====================  ==========================================================
 
 A malformed body gets 400. A request that does not fit the job gets 422 ``{error}``
@@ -48,8 +51,11 @@ from typing import Any
 from aiohttp import web
 
 from akv.cluster import config as _config
+from akv.cluster.health import scheduler_readiness
+from akv.cluster.metrics import ProcessMetrics, observe
 from akv.cluster.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
 from akv.cluster.roles import listener_bounds, run_role, server_ssl, stopped_by_signal
+from akv.cluster.scheduler.metrics import roster_figures
 from akv.cluster.scheduler.roster import Roster, ServerAddress
 from akv.errors import MembershipError, PeerLostError
 from akv.limits import (
@@ -84,6 +90,9 @@ class Scheduler:
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.port = 0
+        self.metrics = ProcessMetrics(
+            "scheduler", lambda: None, lambda families: roster_figures(families, self.roster)
+        )
 
     def app(self) -> web.Application:
         """The HTTP application (token check and body limit included)."""
@@ -95,6 +104,7 @@ class Scheduler:
         app.router.add_post("/v1/finish", self._finish)
         app.router.add_get("/v1/status", self._status)
         app.router.add_get("/v1/servers", self._servers)
+        observe(app, self.metrics, scheduler_readiness)
         return app
 
     async def start(self) -> int:
