@@ -153,7 +153,8 @@ class OpCounts:
 
     def add_to(self, families: Families, *, answers: bool) -> None:
         """Add ``akv_requests_total``, ``akv_request_bytes_total`` and, with ``answers``,
-        ``akv_answer_bytes_total`` and ``akv_request_duration_seconds``, per op seen."""
+        ``akv_answer_bytes_total`` and ``akv_request_duration_seconds``, for every request
+        op (0 until used) and for ``other`` once an unknown op was counted."""
         for slot in range(_OP_SLOTS):
             if slot not in _REQUEST_OPS and not self.requests[slot]:
                 continue  # every request op is shown from the start, an unknown one once seen
