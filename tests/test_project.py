@@ -140,6 +140,7 @@ PURE_AKV_MODULES = [
     "akv.cluster.worker.rows",
     "akv.cluster.worker.requests",
     "akv.cluster.worker.state",
+    "akv.cluster.scheduler.metrics",
     "akv.cluster.scheduler.roster",
     "akv.cluster.scheduler.sessions",
     "akv.cluster.scheduler.status",

@@ -5,7 +5,8 @@
 * :class:`FrameReader`: a sans-IO stream parser that lands large payloads straight in the
   buffers they belong to.
 * :func:`create_app` / :func:`serve` / :class:`HttpClient`: aiohttp for the control plane
-  (routing, token authentication in constant time, body limits, status codes:
+  (routing, token authentication in constant time, routes without it for health probes
+  (:func:`public_route`), body limits, status codes:
   :mod:`transport._http_server`, :mod:`transport._http_client`), bounds on what a hostile
   peer may hold (idle and slow connections time out; connections without the token are
   capped per address and in all, apart from the authenticated ones, which they never
@@ -41,6 +42,7 @@ from transport._http_server import (
     DEFAULT_PROBATION_S,
     RequestError,
     create_app,
+    public_route,
     serve,
     serve_local,
     stream_route,
@@ -155,6 +157,7 @@ __all__ = [
     "host_identity",
     "open_stream",
     "parse_json",
+    "public_route",
     "recv_fds",
     "remove_leftovers",
     "send_fds",

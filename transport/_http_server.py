@@ -4,7 +4,8 @@
   token (``Authorization: Bearer <token>``, compared in constant time; 401 otherwise,
   before any handler runs), caps request bodies (413), and turns handler errors into
   JSON answers with a status code (:class:`RequestError` for a chosen one).
-  :func:`stream_route` adds the route that upgrades a connection to a framed stream.
+  :func:`stream_route` adds the route that upgrades a connection to a framed stream;
+  :func:`public_route` one that answers without the token (health probes).
 * :func:`serve` starts it on a host and port (127.0.0.1 unless told otherwise), or on an
   inherited listening socket, every connection behind the bounds of
   :mod:`transport._http_guard` (idle and slow connections time out; connections that have
@@ -45,6 +46,7 @@ __all__ = [
     "DEFAULT_PROBATION_S",
     "RequestError",
     "create_app",
+    "public_route",
     "serve",
     "serve_local",
     "stream_route",
@@ -75,6 +77,10 @@ DEFAULT_PROBATION_S = 0.5
 DEFAULT_MAX_PROBATION = 64
 
 TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
+#: The resources of the app's routes that need no token (:func:`public_route`).
+PUBLIC_KEY: web.AppKey[set[web.AbstractResource]] = web.AppKey("public", set)
+#: The methods a public route answers without the token.
+_PUBLIC_METHODS = frozenset({"GET", "HEAD"})
 
 
 class RequestError(Exception):
@@ -122,17 +128,21 @@ def create_app(token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> w
     if not token:
         raise ValueError("create_app needs a non-empty token")
     expected = token.encode("utf-8", "surrogateescape")
+    public: set[web.AbstractResource] = set()
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not hmac.compare_digest(_bearer(request), expected):
-            return _error(401, "missing or wrong token")
-        if not authenticate(request):
-            refused = _error(
-                503, "this address holds all the authenticated connections it may; retry later"
-            )
-            refused.force_close()
-            return refused
+        # The route aiohttp matched, not the path as written: no spelling of another
+        # route's path reaches it without the token.
+        if request.method not in _PUBLIC_METHODS or request.match_info.route.resource not in public:
+            if not hmac.compare_digest(_bearer(request), expected):
+                return _error(401, "missing or wrong token")
+            if not authenticate(request):
+                refused = _error(
+                    503, "this address holds all the authenticated connections it may; retry later"
+                )
+                refused.force_close()
+                return refused
         length = request.content_length
         if length is not None and length > max_body_bytes:
             return _error(
@@ -157,7 +167,22 @@ def create_app(token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> w
 
     app = web.Application(middlewares=[guard], client_max_size=max_body_bytes)
     app[TOKEN_KEY] = token
+    app[PUBLIC_KEY] = public
     return app
+
+
+def public_route(app: web.Application, path: str, handler: Handler) -> None:
+    """Add ``GET path`` (and ``HEAD``) to ``app`` (made by :func:`create_app`), answered
+    without the token: for what anyone who reaches the port may know (a health probe's
+    "ok"), never for the job's data.
+
+    A request on it does not authenticate its connection: the connection stays a
+    stranger's, within the strangers' budgets of :func:`serve`. Its other methods, and
+    every other route, still need the token.
+    """
+    resource = app.router.add_get(path, handler).resource
+    assert resource is not None  # a route added to a router has its resource
+    app[PUBLIC_KEY].add(resource)
 
 
 def stream_route(

@@ -195,6 +195,9 @@ class Config:
     #: This process's host identity (``AKV_HOST_ID``, by default
     #: :func:`transport.host_identity`): processes share memory only when theirs are equal.
     host_id: str = field(default_factory=host_identity)
+    #: A worker serves ``/metrics`` and the health probes on this port of ``host``
+    #: (``AKV_METRICS_PORT``; 0: any free port, logged; None: it serves none).
+    metrics_port: int | None = None
 
     @property
     def scheduler_url(self) -> str:
@@ -537,4 +540,15 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
             "a number of bytes",
         ),
         host_id=env.get("AKV_HOST_ID", "").strip() or host_identity(),
+        metrics_port=(
+            int_setting(
+                env["AKV_METRICS_PORT"],
+                "AKV_METRICS_PORT",
+                0,
+                "a TCP port (1-65535) or 0 for any",
+                65535,
+            )
+            if env.get("AKV_METRICS_PORT", "").strip()
+            else None
+        ),
     )

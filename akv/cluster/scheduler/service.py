@@ -27,6 +27,9 @@ HTTP API (JSON; every request needs the job's token):
 ``GET /status``       the job's status page (HTML; ``/status.json``: its JSON twin), with
                       the token or a login at ``/login``
                       (:mod:`akv.cluster.scheduler.status_page`, ``docs/status.md``)
+``GET /metrics``      Prometheus metrics (``docs/metrics.md``)
+``GET /healthz``      ``ok`` (no token); ``GET /readyz``: ``ready`` (no token;
+                      :mod:`akv.cluster.health` says why a scheduler always is)
 ====================  ==========================================================
 
 A heartbeat may carry ``report``: what the node did so far, for the status page
@@ -55,8 +58,11 @@ from typing import Any
 from aiohttp import web
 
 from akv.cluster import config as _config
+from akv.cluster.health import scheduler_readiness
+from akv.cluster.metrics import ProcessMetrics, observe
 from akv.cluster.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
 from akv.cluster.roles import listener_bounds, run_role, server_ssl, stopped_by_signal
+from akv.cluster.scheduler.metrics import roster_figures
 from akv.cluster.scheduler.roster import Roster, ServerAddress
 from akv.cluster.scheduler.status import Reports, job_status, parse_report
 from akv.cluster.scheduler.status_page import STATUS_PATH, StatusPage
@@ -96,6 +102,9 @@ class Scheduler:
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.port = 0
+        self.metrics = ProcessMetrics(
+            "scheduler", lambda: None, lambda families: roster_figures(families, self.roster)
+        )
 
     def app(self) -> web.Application:
         """The HTTP application (token check and body limit included)."""
@@ -108,6 +117,7 @@ class Scheduler:
         app.router.add_get("/v1/status", self._status)
         app.router.add_get("/v1/servers", self._servers)
         self.status_page.install(app)
+        observe(app, self.metrics, scheduler_readiness)
         return app
 
     def status(self) -> dict[str, Any]:

@@ -30,7 +30,8 @@ import asyncio
 import fcntl
 import logging
 import os
-from collections.abc import Awaitable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -125,6 +126,9 @@ class Checkpoints:
         self._requests: list[Checkpoint] = []
         self._serving_requests = False
         self._lock_fd: int | None = None
+        #: Told of each checkpoint: the seconds it took and its size in bytes, or None
+        #: when it failed (the server's metrics).
+        self.on_written: Callable[[float, int | None], None] | None = None
 
     # ------------------------------------------------------------ starting
 
@@ -221,33 +225,46 @@ class Checkpoints:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            state = self.state
-            changes = state.changes
-            plan = state.checkpoint_plan()
-            records, row_records, states = await self.server.copy_values(plan)
-            snapshot = Snapshot(
-                rank=self.rank,
-                num_workers=self.num_workers,
-                store_type=plan.store_type or "dist_sync",
-                generation=self.generation + 1,
-                keys=records,
-                optimizer_config=plan.optimizer_config,
-                optimizer_states=states,
-                durable_seqs=plan.durable_seqs,
-                row_keys=row_records,
-            )
-            await asyncio.to_thread(write_snapshot, self.directory, snapshot)
-            self.generation = snapshot.generation
-            self.durable_seqs = plan.durable_seqs
-            rounds = max(
-                (closed for _, closed, _, _ in (*plan.entries, *plan.row_entries)), default=0
-            )
-            state.lineage.written(snapshot.generation, rounds)
-            self._written_changes = changes
-            durable = [self._durable(peer) for peer in state.peers.values()]
-            told: list[Instruction] = [d for d in durable if d is not None]
-            self.server.execute(told + state.checkpointed(plan))
-            return self.generation
+            started = time.monotonic()
+            try:
+                generation, nbytes = await self._write()
+            except CheckpointError:
+                self._tell_written(started, None)
+                raise
+            self._tell_written(started, nbytes)
+            return generation
+
+    def _tell_written(self, started: float, nbytes: int | None) -> None:
+        if self.on_written is not None:
+            self.on_written(time.monotonic() - started, nbytes)
+
+    async def _write(self) -> tuple[int, int]:
+        """:meth:`write`, holding the lock; returns the number and the file's size."""
+        state = self.state
+        changes = state.changes
+        plan = state.checkpoint_plan()
+        records, row_records, states = await self.server.copy_values(plan)
+        snapshot = Snapshot(
+            rank=self.rank,
+            num_workers=self.num_workers,
+            store_type=plan.store_type or "dist_sync",
+            generation=self.generation + 1,
+            keys=records,
+            optimizer_config=plan.optimizer_config,
+            optimizer_states=states,
+            durable_seqs=plan.durable_seqs,
+            row_keys=row_records,
+        )
+        nbytes = await asyncio.to_thread(_write_sized, self.directory, snapshot)
+        self.generation = snapshot.generation
+        self.durable_seqs = plan.durable_seqs
+        rounds = max((closed for _, closed, _, _ in (*plan.entries, *plan.row_entries)), default=0)
+        state.lineage.written(snapshot.generation, rounds)
+        self._written_changes = changes
+        durable = [self._durable(peer) for peer in state.peers.values()]
+        told: list[Instruction] = [d for d in durable if d is not None]
+        self.server.execute(told + state.checkpointed(plan))
+        return self.generation, nbytes
 
     def tell(self, peer: Peer) -> None:
         """Tell ``peer``'s worker which of its requests the last checkpoint holds (a
@@ -307,6 +324,15 @@ class Checkpoints:
             log.info("server %d wrote its final checkpoint %d", self.rank, generation)
         except (AKVError, asyncio.TimeoutError) as exc:
             log.error("server %d: the final checkpoint failed: %r", self.rank, exc)
+
+
+def _write_sized(directory: Path, snapshot: Snapshot) -> int:
+    """:func:`write_snapshot`, then the file's size in bytes (0 when it cannot be read)."""
+    path = write_snapshot(directory, snapshot)
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def copy_plan(plan: CheckpointPlan) -> Copied:

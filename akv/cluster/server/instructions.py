@@ -170,6 +170,8 @@ class LandRows:
     entries: tuple[RowEntry, ...]
     closing: tuple[tuple[RowEntry, int, tuple[tuple[np.ndarray, np.ndarray], ...]], ...]
     reply: Reply | None = None
+    #: How long the longest-open dist_sync round it closes waited for its last push.
+    waited_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +246,9 @@ class Land:
     #: buffer ``merges`` and ``closing`` name), and the compression.
     decodes: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
     compression: Compression | None = None
+    #: How long the longest-open dist_sync round it closes waited for its last push
+    #: (:attr:`~akv.cluster.server.rounds.PushDecision.waited_s`; None: it closes none).
+    waited_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

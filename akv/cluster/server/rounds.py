@@ -38,7 +38,7 @@ from akv.errors import DoublePushError, ServerError
 #: What a parked pull is remembered by (the server's pull ticket).
 T = TypeVar("T")
 
-__all__ = ["KeyRounds", "PushDecision"]
+__all__ = ["KeyRounds", "PushDecision", "longest_wait"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +47,22 @@ class PushDecision:
 
     ``first``: the push starts its round's merge buffer (else it is added to it).
     ``closes``: the push completes round ``round``, which must now be applied.
+    ``waited_s``: for a push that completes a dist_sync round, how long the round waited
+    for it, the last worker's push, since its first push (None otherwise).
     """
 
     first: bool
     closes: bool
     round: int
+    waited_s: float | None = None
+
+
+def longest_wait(waited: float | None, decision: PushDecision) -> float | None:
+    """The longer of ``waited`` and what the round ``decision`` closes waited for its last
+    push (None: neither is a wait); a frame's rounds report their longest."""
+    if decision.waited_s is None:
+        return waited
+    return decision.waited_s if waited is None else max(waited, decision.waited_s)
 
 
 class KeyRounds(Generic[T]):
@@ -151,8 +162,9 @@ class KeyRounds(Generic[T]):
             return PushDecision(first=first, closes=False, round=self.open_round)
         self.closed_round += 1
         self._open.clear()
+        waited_s = now - self.opened_at if self.opened_at is not None else 0.0
         self.opened_at = None
-        return PushDecision(first=first, closes=True, round=self.closed_round)
+        return PushDecision(first=first, closes=True, round=self.closed_round, waited_s=waited_s)
 
     def open_seqs(self) -> dict[int, int]:
         """The request number of each push counted in the open round, by worker."""

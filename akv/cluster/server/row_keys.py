@@ -38,6 +38,7 @@ from akv.cluster.server.instructions import (
     RowPullTicket,
     ServerEntry,
 )
+from akv.cluster.server.rounds import longest_wait
 from akv.errors import (
     DTypeMismatchError,
     DuplicateInitError,
@@ -222,19 +223,21 @@ class RowKeys:
             entry.rounds.check_push(worker)
             items.append((entry, info.tag, ids, buffers[index + 1]))
         closing = []
+        waited: float | None = None
         for entry, tag, ids, rows in items:
             decision = entry.rounds.accept_push(worker, now, tag, seq)
             entry.pending.append((ids, rows))
             if decision.closes:
                 closing.append((entry, decision.round, tuple(entry.pending)))
                 entry.pending = []
+                waited = longest_wait(waited, decision)
         reply = Reply(peer, header.seq)
         if not closing:
             return [reply], duplicates
         entries = tuple(entry for entry, _, _ in closing)
         if items and not items[0][0].rounds.sync:  # dist_async: answered once applied
             return [LandRows(entries, tuple(closing), reply)], duplicates
-        return [reply, LandRows(entries, tuple(closing))], duplicates
+        return [reply, LandRows(entries, tuple(closing), waited_s=waited)], duplicates
 
     def pull(self, peer: Peer, header: FrameHeader, buffers: Sequence[np.ndarray]) -> RowPullTicket:
         """A checked ``ROW_PULL``'s ticket, parked on each key whose round the puller's

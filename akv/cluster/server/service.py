@@ -29,6 +29,7 @@ from aiohttp import web
 
 from akv.cluster.config import Config, format_address
 from akv.cluster.membership import Membership
+from akv.cluster.metrics import observe
 from akv.cluster.protocol import (
     CLIENT_HEADER,
     COUNTED,
@@ -71,6 +72,7 @@ from akv.cluster.server.instructions import (
     StaleCheckpointError,
 )
 from akv.cluster.server.links import Link, OneShotLink, StreamLink
+from akv.cluster.server.metrics import ServerMetrics
 from akv.cluster.server.report import heartbeat_report
 from akv.cluster.server.row_keys import gather_rows, land_rows
 from akv.cluster.server.state import ServerState
@@ -146,6 +148,7 @@ class ParameterServer:
                 num_workers=config.num_workers,
                 interval_s=config.checkpoint_interval_s,
             )
+        self.metrics = ServerMetrics(self)
         self.links: dict[int, Link] = {}
         #: The port this server listens on, and the ``(host, port)`` the scheduler gives the
         #: workers for it (``AKV_ADVERTISE``; by default the bound host and port).
@@ -174,11 +177,13 @@ class ParameterServer:
     # ------------------------------------------------------------ lifecycle
 
     def app(self) -> web.Application:
-        """The HTTP application: the stream route, one-frame requests, a status page."""
+        """The HTTP application: the stream route, one-frame requests, a status page, the
+        metrics and the health probes (:mod:`akv.cluster.health`)."""
         app = create_app(self.config.token, max_body_bytes=self.config.max_body_bytes)
         stream_route(app, self._open_stream)
         app.router.add_post("/v1/frame", self._one_frame)
         app.router.add_get("/v1/status", self._status)
+        observe(app, self.metrics.process, self.metrics.readiness)
         return app
 
     async def start(self) -> int:
@@ -405,6 +410,7 @@ class ParameterServer:
     def message(self, peer: Peer, message: Message, landing: Landing) -> None:
         """A whole frame arrived from ``peer``: let the state decide, then do it."""
         header = message.header
+        self.metrics.requests.add(header.op, header.payload_len)
         now = asyncio.get_running_loop().time()
         instructions = self.state.message_completed(peer, header, message.buffers, landing, now)
         if landing.lent is not None:  # no task reads them (a refused or resent push)
@@ -432,6 +438,7 @@ class ParameterServer:
             elif isinstance(instruction, ReplyError):
                 self._reply_error(instruction)
             elif isinstance(instruction, Land):
+                self.metrics.landed(len(instruction.closing), instruction.waited_s)
                 self.engine.push(
                     self._land,
                     instruction,
@@ -442,6 +449,7 @@ class ParameterServer:
             elif isinstance(instruction, SendValues):
                 self._send_values(instruction)
             elif isinstance(instruction, LandRows):
+                self.metrics.landed(len(instruction.closing), instruction.waited_s)
                 self.engine.push(
                     self._land_rows,
                     instruction,

@@ -71,6 +71,7 @@ from akv.cluster.server.instructions import (
     ServerEntry,
     StaleCheckpointError,
 )
+from akv.cluster.server.rounds import longest_wait
 from akv.cluster.server.row_keys import ROW_OPS, RowKeys, shaped
 from akv.cluster.server.staleness import Parked, Waiting
 from akv.cluster.server.views import check_invariants, status
@@ -160,6 +161,8 @@ class ServerState:
         self.changes = 0
         #: Resent pushes answered without being counted again (for statistics and tests).
         self.duplicates = 0
+        #: Streams a worker opened again (a reconnect of its session), for statistics.
+        self.reconnects = 0
         #: Each worker's session (its process), from its first stream on.
         self._sessions: dict[int, str] = {}
         #: Workers whose stream was cut: when they count as lost, how they were cut, and
@@ -280,6 +283,7 @@ class ServerState:
                 raise StaleCheckpointError(self.failure, [*failing, *self._fail_waiters()])
         replaced: list[Instruction] = []
         if stream:
+            self.reconnects += known is not None
             for old in current:
                 self.peers.pop(old.id)  # its end, whenever it comes, is no loss
                 replaced.append(CloseStream(old))
@@ -599,6 +603,7 @@ class ServerState:
         decodes = []
         nbytes = 0
         sync = self.sync
+        waited: float | None = None
         for entry, buffer, tag, new in zip(entries, buffers, tags, fresh, strict=True):
             if not new:
                 if compression is None:
@@ -621,6 +626,7 @@ class ServerState:
                 merges.append((entry, buffer, decision.first, keeps))
                 if decision.closes:
                     closing.append((entry, None, decision.round))
+                    waited = longest_wait(waited, decision)
             else:
                 closing.append((entry, buffer, decision.round))
         out: list[Instruction] = []
@@ -644,6 +650,7 @@ class ServerState:
                     lent,
                     tuple(decodes),
                     compression,
+                    waited,
                 )
             )
         if header.op == Op.PUSHPULL:

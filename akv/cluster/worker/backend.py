@@ -69,6 +69,7 @@ from akv.cluster.worker.instructions import (
 )
 from akv.cluster.worker.job import Heartbeat, pass_barrier, report_failure, who_failed
 from akv.cluster.worker.link import ServerLink, local_address, server_name
+from akv.cluster.worker.metrics import WorkerMetrics
 from akv.cluster.worker.requests import WireArray, by_server
 from akv.cluster.worker.row_calls import RowCalls
 from akv.cluster.worker.staging import Staging, land_in_pinned
@@ -140,6 +141,7 @@ class DistBackend:
         self._executing = False
         self._queued: list[Instruction] = []
         self._rows = RowCalls(engine, lambda: self.links, config.timeouts)
+        self.metrics: WorkerMetrics | None = None  # AKV_METRICS_PORT: served from connect()
         #: How the other instructions are carried out (see ``_carry_out``).
         self._carriers: dict[type[Instruction], Callable[[Any], None]] = {
             GiveBuffer: self._give_buffer,
@@ -175,6 +177,7 @@ class DistBackend:
         config = self.config
         default_worker_logging(config.log_level)  # "worker waiting: ..." reaches stderr
         self._loop = asyncio.get_running_loop()
+        self.metrics = await WorkerMetrics.serve(self, self._engine)
         deadline = time.monotonic() + config.timeouts.connect_s
         answer = await self.membership.register(0, deadline)
         rank = int(answer["rank"])
@@ -203,6 +206,7 @@ class DistBackend:
                 locate=self.membership.server_address,
                 restartable=restartable[index],
                 local=local_address(s),
+                metrics=self.metrics,
             )
             for index, s in enumerate(servers)
         ]
@@ -760,6 +764,8 @@ class DistBackend:
             if self._heartbeat is not None:
                 await asyncio.to_thread(self._heartbeat.stop)
             await self.membership.close()
+            if self.metrics is not None:
+                await self.metrics.stop()
         if late is not None:
             raise late
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from akv.cluster.config import Config, format_address
 from akv.cluster.protocol import CLIENT_HEADER, DURABLE_HEADER, STALENESS_HEADER, client_header
@@ -42,6 +42,9 @@ from transport import (
     encode_frame,
     open_stream,
 )
+
+if TYPE_CHECKING:
+    from akv.cluster.worker.metrics import WorkerMetrics
 
 __all__ = ["ServerLink", "local_address", "server_name"]
 
@@ -83,6 +86,7 @@ class ServerLink:
         locate: Callable[[int], Awaitable[dict[str, Any] | None]] | None = None,
         restartable: bool = False,
         local: tuple[str, str] | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.index = index
         self.rank = rank
@@ -94,6 +98,8 @@ class ServerLink:
         self.local = local
         self._state = state
         self._handle = handle
+        #: Counts what the stream carries (``AKV_METRICS_PORT``; None: nothing counted).
+        self.metrics = metrics
         self._locate = locate
         #: The stream (None until :meth:`open`, and while it is cut).
         self.protocol: StreamProtocol | None = None
@@ -248,6 +254,9 @@ class ServerLink:
             # The stream is gone (its loss may not have been reported yet): the request is
             # resent on the next stream.
             self._lost(protocol, exc)
+            return
+        if self.metrics is not None:
+            self.metrics.sent(self._state.table, send)
 
     def _lost(self, protocol: StreamProtocol, exc: BaseException | None) -> None:
         if protocol is not self.protocol:
@@ -320,6 +329,8 @@ class _Stream:
         link = self.link
         loop = link._loop
         assert loop is not None
+        if link.metrics is not None:
+            link.metrics.arrived(link._state.table, message)
         link._handle(FrameArrived(link.index, message, loop.time()))
 
     def on_lost(self, exc: BaseException | None) -> None:

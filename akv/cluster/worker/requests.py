@@ -157,7 +157,8 @@ class Request:
     or else by the answer, and told when the answer came. ``lend``: per array, the value
     asked ahead that may stay where it lies in the server's shared memory (see
     :class:`~akv.cluster.worker.pipeline.Ahead`). ``seq`` is 0 until the request is
-    numbered; ``written``: it went out on the current stream.
+    numbered; ``written``: it went out on the current stream; ``sent_at``: when its frame
+    was last written, for the worker's metrics (0.0: not timed).
     """
 
     __slots__ = (
@@ -170,6 +171,7 @@ class Request:
         "lend",
         "op",
         "push",
+        "sent_at",
         "seq",
         "sizes",
         "text",
@@ -201,6 +203,7 @@ class Request:
         self.acked = False
         self.seq = 0
         self.written = False
+        self.sent_at = 0.0
 
     def ride(self, op: int, destinations: Sequence[Landing], call: Gather | None) -> None:
         """A pull rides on this held push: it goes as one ``op`` (a pushpull) whose answer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from akv.cluster.server.rounds import KeyRounds
+from akv.cluster.server.rounds import KeyRounds, PushDecision, longest_wait
 from akv.errors import DoublePushError, ServerError
 
 
@@ -66,3 +66,28 @@ def test_async_pushes_are_rounds_of_their_own_and_pulls_never_wait():
 def test_an_unknown_worker_rank_cannot_push():
     with pytest.raises(ServerError, match="unknown worker rank 5"):
         KeyRounds(1, num_workers=2, sync=True).accept_push(5, 0.0)
+
+
+def test_the_push_that_closes_a_sync_round_says_how_long_the_round_waited_for_it():
+    rounds = KeyRounds("w", num_workers=3, sync=True)
+    assert rounds.accept_push(2, now=1.0).waited_s is None
+    assert rounds.accept_push(0, now=1.5).waited_s is None
+    assert rounds.accept_push(1, now=3.5).waited_s == 2.5  # since the round's first push
+    assert rounds.accept_push(1, now=10.0).waited_s is None  # the next round opens at 10
+    assert rounds.accept_push(0, now=10.5).waited_s is None
+    assert rounds.accept_push(2, now=11.0).waited_s == 1.0
+
+
+def test_an_async_push_waits_for_nobody():
+    rounds = KeyRounds("w", num_workers=2, sync=False)
+    decision = rounds.accept_push(0, now=1.0)
+    assert decision.closes and decision.waited_s is None
+
+
+def test_a_frames_rounds_report_their_longest_wait():
+    closing = PushDecision(first=False, closes=True, round=1, waited_s=2.0)
+    assert longest_wait(None, closing) == 2.0
+    assert longest_wait(3.0, closing) == 3.0
+    assert longest_wait(1.0, closing) == 2.0
+    assert longest_wait(1.0, PushDecision(first=True, closes=False, round=1)) == 1.0
+    assert longest_wait(None, PushDecision(first=True, closes=True, round=1)) is None
