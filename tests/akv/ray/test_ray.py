@@ -1,0 +1,160 @@
+"""Jobs on a local Ray instance: ``akv.ray.launch`` and ``akv-launch --launcher ray``.
+
+One Ray instance (``ray.init(num_cpus=4)``: logical CPUs, on any machine) serves every test
+of the module and is shut down at its end. After each job, no actor of it may be left
+(``ray.util.list_named_actors``: akv names every actor ``akv-<job>-<role>[-<rank>]``).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+ray = pytest.importorskip(
+    "ray", reason="the Ray tests need Ray: pip install -e '.[test]' (or 'akv[ray]')"
+)
+
+import akv  # noqa: E402
+import akv.ray  # noqa: E402
+from akv.launch.args import parse_args  # noqa: E402
+from akv.launch.command import launch as akv_launch  # noqa: E402
+from examples import train_dist  # noqa: E402
+from tests.akv.cluster.cluster import FAST_TIMEOUTS, ROOT, TRAIN_ACCURACY_BAND  # noqa: E402
+from tests.akv.launch.support import alive  # noqa: E402
+from tests.akv.ray import jobs  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+#: Small jobs: a sliver of the 4 logical CPUs each, so that every actor of a job fits.
+SMALL = {"resources_per_worker": {"CPU": 1}, "resources_per_server": {"CPU": 0.5}}
+#: examples/train_dist.py prints this last.
+FINAL = re.compile(
+    r"^\[worker (\d)\] worker \d: loss ([0-9.]+) -> ([0-9.]+) in .*, test accuracy ([0-9.]+)$", re.M
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance() -> Iterator[str]:
+    """A local Ray instance for the module; its address."""
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def akv_actors() -> list[str]:
+    return [
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"].startswith("akv-")
+    ]
+
+
+def in_band(accuracy: float) -> bool:
+    return TRAIN_ACCURACY_BAND[0] <= accuracy <= TRAIN_ACCURACY_BAND[1]
+
+
+def test_the_training_example_runs_under_akv_ray_launch():
+    results = akv.ray.launch(
+        train_dist.train,
+        num_workers=2,
+        num_servers=1,
+        kwargs={"epochs": 4},
+        env=FAST_TIMEOUTS,
+        **SMALL,
+    )
+    assert [result["rank"] for result in results] == [0, 1]
+    for result in results:
+        assert result["last_loss"] < result["first_loss"]
+        assert in_band(result["accuracy"]), result
+    assert results[0]["accuracy"] == results[1]["accuracy"]  # both pulled the same weights
+    assert akv_actors() == []
+
+
+def test_the_training_example_runs_under_akv_launch_with_the_ray_launcher(ray_instance):
+    # The command as a user types it, on the module's Ray instance (--ray-address).
+    fast = [f"{name}={value}" for name, value in FAST_TIMEOUTS.items()]
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "akv.launch", "--launcher", "ray"),
+            *("--ray-address", ray_instance),
+            *("-n", "2", "-s", "1", "--grace-s", "5", "--env", *fast, "--"),
+            *(sys.executable, "examples/train_dist.py", "--epochs", "4"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    finals = FINAL.findall(done.stdout)
+    assert sorted(rank for rank, *_ in finals) == ["0", "1"], output
+    for _, first, last, accuracy in finals:
+        assert float(last) < float(first)
+        assert in_band(float(accuracy)), output
+    assert re.search(r"\[scheduler\] .*akv-scheduler listening on 127\.0\.0\.1:\d+", output)
+    for rank in (0, 1):
+        assert re.search(rf"akv-launch: worker {rank} \(pid \d+\) exited with code 0", output)
+    assert akv_actors() == []
+
+
+def test_a_worker_exception_fails_the_launch_with_its_traceback_and_no_actor_survives():
+    with pytest.raises(akv.JobFailedError) as caught:
+        akv.ray.launch(jobs.fail_on_rank_1, num_workers=2, num_servers=1, **SMALL)
+    error = caught.value
+    assert (error.role, error.rank) == ("worker", 1)
+    assert "worker 1 raised ValueError: rank 1 fails on purpose" in str(error)
+    assert error.remote_traceback is not None
+    assert 'raise ValueError("rank 1 fails on purpose")' in error.remote_traceback
+    assert "jobs.py" in error.remote_traceback
+    assert akv_actors() == []
+
+
+def test_a_server_killed_by_pid_restarts_from_its_checkpoint_and_the_job_completes(
+    tmp_path, capsys
+):
+    rounds = 30
+    results = akv.ray.launch(
+        jobs.sum_through_a_restart,
+        num_workers=2,
+        num_servers=1,
+        kwargs={"rounds": rounds, "kill_at": 10},
+        env=FAST_TIMEOUTS,
+        checkpoint_dir=str(tmp_path),
+        max_restarts=1,
+        **SMALL,
+    )
+    for result in results:
+        assert result["values"] == [-3.0 * rounds]  # every push counted once: none lost
+    killed, after = results[0]["killed"], results[0]["servers"]
+    assert len(killed) == 1 and after != killed and not alive(killed[0])
+    assert (tmp_path / "server-0.akvckpt").exists()
+    messages = capsys.readouterr().err
+    assert re.search(
+        r"akv\.ray: server 0 \(pid \d+\) exited with signal SIGKILL; restarting it from its "
+        r"checkpoint \(restart 1 of 1\)",
+        messages,
+    ), messages
+    assert re.search(r"akv\.ray: server 0 \(pid \d+\) started again by Ray", messages), messages
+    assert re.search(r"\[server 0\] .*server 0 restored checkpoint \d+", messages), messages
+    assert akv_actors() == []
+
+
+def test_a_failing_command_fails_akv_launch_naming_its_rank():
+    fails_on_rank_1 = "import os, sys; sys.exit(3 if os.environ['AKV_RANK'] == '1' else 0)"
+    options = parse_args(
+        ["--launcher", "ray", "-n", "2", "-s", "1", "--", sys.executable, "-c", fails_on_rank_1]
+    )
+    out, err = io.BytesIO(), io.BytesIO()
+    code = akv_launch(options, stdout=out, stderr=err)
+    messages = err.getvalue().decode()
+    assert code == 3, messages
+    assert re.search(r"akv-launch: worker 1 \(pid \d+\) exited with code 3", messages), messages
+    assert akv_actors() == []
