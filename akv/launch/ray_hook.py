@@ -12,12 +12,9 @@ from typing import BinaryIO
 from akv.errors import LaunchError
 from akv.launch.args import LaunchOptions
 from akv.launch.plans import JobContext, format_dry_run, job_token, plan_local
+from akv.launch.spec import ACTOR_PYTHON
 
-__all__ = ["ACTOR_PYTHON", "launch_with_ray"]
-
-#: In a command, stands for the Python of the Ray actor that starts it (``sys.executable``
-#: there): the scheduler and servers run with the Python Ray runs akv with, on every node.
-ACTOR_PYTHON = "<ray-python>"
+__all__ = ["launch_with_ray"]
 
 
 def launch_with_ray(

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO, NoReturn
 
 from akv.launch.args import OWNED_VARIABLES
 from akv.launch.limits import MAX_LINE_BYTES, OUTPUT_SETTLE_S, POLL_INTERVAL_S
-from akv.launch.ray_hook import ACTOR_PYTHON
+from akv.launch.spec import ACTOR_PYTHON
 from akv.launch.supervisor import _die_with_parent, _live_groups, _signal_group
 from transport import remove_leftovers
 

@@ -37,12 +37,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from akv.cluster.config import TWIN_VARIABLES
 from akv.errors import JobFailedError, LaunchError
 from akv.launch.args import LOCAL_SCHEDULER_HOST, LaunchOptions
-from akv.launch.command import _make_log_dir
 from akv.launch.limits import REPORT_GRACE_S, TERMINATE_GRACE_S
 from akv.launch.plans import JobContext, job_token, plan_local
-from akv.launch.ray_hook import ACTOR_PYTHON
 from akv.launch.rules import Decision, ExitRules, scheduler_verdict
-from akv.launch.spec import ProcessSpec
+from akv.launch.spec import ACTOR_PYTHON, ProcessSpec
 from akv.launch.supervisor import LOG_FILE_MODE
 from akv.ray.actors import FunctionWorker, Poll, ProcessActor, WorkerResult
 
@@ -173,8 +171,6 @@ class RayJob:
 
     def _start(self) -> ExitRules:
         options = self._options
-        if options.log_dir is not None:
-            _make_log_dir(options.log_dir)
         bundles = [dict(SCHEDULER_RESOURCES)] + [
             dict(self._server_resources) for _ in range(options.num_servers)
         ]
@@ -499,6 +495,13 @@ class RayJob:
             self._stderr.flush()
 
     def _open_logs(self) -> None:
+        """Create ``--log-dir`` (0700) and open each process's file in it (0600)."""
+        if self._options.log_dir is None:
+            return
+        try:
+            os.makedirs(self._options.log_dir, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise LaunchError(f"--log-dir: cannot create {self._options.log_dir}: {exc}") from exc
         for member in self._members:
             path = member.spec.log_path
             if path is None or member.function:

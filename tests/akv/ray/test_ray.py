@@ -147,14 +147,24 @@ def test_a_server_killed_by_pid_restarts_from_its_checkpoint_and_the_job_complet
     assert akv_actors() == []
 
 
-def test_a_failing_command_fails_akv_launch_naming_its_rank():
-    fails_on_rank_1 = "import os, sys; sys.exit(3 if os.environ['AKV_RANK'] == '1' else 0)"
+def test_a_failing_command_fails_akv_launch_naming_its_rank(tmp_path):
+    fails_on_rank_1 = (
+        "import os, sys; rank = os.environ['AKV_RANK']; print('rank', rank); "
+        "sys.exit(3 if rank == '1' else 0)"
+    )
     options = parse_args(
-        ["--launcher", "ray", "-n", "2", "-s", "1", "--", sys.executable, "-c", fails_on_rank_1]
+        [
+            *("--launcher", "ray", "-n", "2", "-s", "1", "--log-dir", str(tmp_path / "logs")),
+            *("--", sys.executable, "-c", fails_on_rank_1),
+        ]
     )
     out, err = io.BytesIO(), io.BytesIO()
     code = akv_launch(options, stdout=out, stderr=err)
     messages = err.getvalue().decode()
     assert code == 3, messages
     assert re.search(r"akv-launch: worker 1 \(pid \d+\) exited with code 3", messages), messages
+    assert "[worker 1] rank 1\n" in out.getvalue().decode()
+    log = tmp_path / "logs" / "worker-1.log"
+    assert log.read_text() == "[worker 1] rank 1\n"
+    assert log.stat().st_mode & 0o777 == 0o600
     assert akv_actors() == []
