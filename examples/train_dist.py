@@ -4,6 +4,9 @@ Run it with the launcher (one scheduler, the servers and the workers on this mac
 
     akv-launch -n 2 -s 1 -- python examples/train_dist.py
 
+On a Ray cluster: ``akv-launch --launcher ray -n 2 -s 1 -- python examples/train_dist.py``,
+or, from Python, ``akv.ray.launch(train, num_workers=2, num_servers=1)`` (docs/ray.md).
+
 Every worker trains on its own shard of the training set. Each step it computes the
 gradients of its minibatch, pushes them (the servers sum the workers' gradients and apply
 SGD with momentum to the weights they hold) and pulls the new weights. The loss falls the

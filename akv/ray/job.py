@@ -27,10 +27,10 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TextIO
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -90,6 +90,8 @@ class _Member:
     dead: bool = False
     last_poll: float = 0.0
     result: WorkerResult | None = None
+    #: The rules restarted it and its new process has not answered yet.
+    awaiting_restart: bool = False
     #: Why its process could not be started, and whether the program was not found.
     start_error: tuple[str, bool] | None = None
 
@@ -137,8 +139,8 @@ class RayJob:
         self._kwargs = dict(kwargs or {})
         self._worker_resources = dict(resources_per_worker or DEFAULT_WORKER_RESOURCES)
         self._server_resources = dict(resources_per_server or DEFAULT_SERVER_RESOURCES)
-        self._stdout = stdout if stdout is not None else sys.stdout.buffer
-        self._stderr = stderr if stderr is not None else sys.stderr.buffer
+        self._stdout = _writer(stdout, lambda: sys.stdout)
+        self._stderr = _writer(stderr, lambda: sys.stderr)
         self._terminate_grace_s = terminate_grace_s
         self._name = name
         self._job_id = secrets.token_hex(4)
@@ -330,6 +332,9 @@ class RayJob:
                 timeout = min(timeout, remaining)
             self._ask()
             calls = {member.call: member for member in self._members if member.call is not None}
+            if not calls:  # every actor is gone: only the clock can decide
+                time.sleep(timeout)
+                continue
             ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout)
             for ref in ready:
                 self._answered(calls[ref], ref, rules)
@@ -352,6 +357,11 @@ class RayJob:
         except RayActorError as exc:
             self._actor_lost(member, exc)
             return
+        except RayError as exc:  # the call itself failed: its value could not be sent
+            if not member.function:
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            answer = WorkerResult(error=first, traceback=str(exc))
         if member.function:
             member.result = answer
             if answer.error is not None:
@@ -364,7 +374,7 @@ class RayJob:
 
     def _take_poll(self, member: _Member, answer: Poll, rules: ExitRules) -> None:
         if answer.pid is not None and answer.pid != member.pid:  # restarted by Ray
-            member.pid, member.reported = answer.pid, False
+            member.pid, member.reported, member.awaiting_restart = answer.pid, False, False
             rules.started(member.index, answer.pid)
             self._say(f"{member.spec.describe(answer.pid)} started again by Ray")
         if answer.dropped:
@@ -391,12 +401,18 @@ class RayJob:
             where = "restarting" if restarting else "dead"
             self._say(f"{member.spec.label}'s Ray actor died ({where})")
             self._exits.append((member.index, -signal.SIGKILL))
+        elif member.dead and member.awaiting_restart:
+            # The restart the rules asked for will not come: the job must not wait for it.
+            member.awaiting_restart = False
+            self._say(f"Ray could not restart {member.spec.label}'s actor: {exc}")
+            self._exits.append((member.index, -signal.SIGKILL))
 
     def _restart(self, decision: Decision) -> Decision:
         """The rules restart a server: end its actor, unless it died already; either way
         Ray starts it again, and its next poll names the new process."""
         assert decision.index is not None, "a restart decision names its process"
         member = self._members[decision.index]
+        member.awaiting_restart = True
         if not member.unavailable:
             member.actor.die.remote()
             member.unavailable = True
@@ -476,11 +492,8 @@ class RayJob:
     def _emit(self, member: _Member, stream: int, line: bytes) -> None:
         if member.spec.role == "scheduler" and self._verdict is None:
             self._verdict = scheduler_verdict(line.decode(errors="replace"))
-        out = self._stdout if stream == 1 else self._stderr
         text = f"[{member.spec.label}] ".encode() + line
-        with contextlib.suppress(OSError, ValueError):
-            out.write(text)
-            out.flush()
+        (self._stdout if stream == 1 else self._stderr)(text)
         log = self._logs.get(member.index)
         if log is not None:
             with contextlib.suppress(OSError, ValueError):
@@ -490,9 +503,7 @@ class RayJob:
     def _say(self, message: str) -> None:
         if not message:
             return
-        with contextlib.suppress(OSError, ValueError):
-            self._stderr.write(f"{self._name}: {message}\n".encode())
-            self._stderr.flush()
+        self._stderr(f"{self._name}: {message}\n".encode())
 
     def _open_logs(self) -> None:
         """Create ``--log-dir`` (0700) and open each process's file in it (0600)."""
@@ -548,3 +559,26 @@ def _actor_resources(resources: Mapping[str, float]) -> dict[str, Any]:
     if rest:
         options["resources"] = rest
     return options
+
+
+def _writer(stream: BinaryIO | None, text: Callable[[], TextIO]) -> Callable[[bytes], None]:
+    """Write bytes to ``stream``, else to the text stream ``text()`` is when writing (its
+    binary buffer where it has one: a notebook's has none); errors are ignored."""
+
+    def write(data: bytes) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            if stream is not None:
+                stream.write(data)
+                stream.flush()
+                return
+            target = text()
+            buffer = getattr(target, "buffer", None)
+            if buffer is None:
+                target.write(data.decode(errors="replace"))
+            else:
+                target.flush()
+                buffer.write(data)
+                buffer.flush()
+            target.flush()
+
+    return write

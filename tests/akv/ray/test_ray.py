@@ -1,7 +1,8 @@
 """Jobs on a local Ray instance: ``akv.ray.launch`` and ``akv-launch --launcher ray``.
 
-One Ray instance (``ray.init(num_cpus=4)``: logical CPUs, on any machine) serves every test
-of the module and is shut down at its end. After each job, no actor of it may be left
+One Ray instance (``ray.init(num_cpus=4)``: logical CPUs, on any machine; a job with the
+default resources, two workers and one server, takes 3.01 of them) serves every test of the
+module and is shut down at its end. After each job, no actor of it may be left
 (``ray.util.list_named_actors``: akv names every actor ``akv-<job>-<role>[-<rank>]``).
 """
 
@@ -23,15 +24,13 @@ import akv  # noqa: E402
 import akv.ray  # noqa: E402
 from akv.launch.args import parse_args  # noqa: E402
 from akv.launch.command import launch as akv_launch  # noqa: E402
-from examples import train_dist  # noqa: E402
 from tests.akv.cluster.cluster import FAST_TIMEOUTS, ROOT, TRAIN_ACCURACY_BAND  # noqa: E402
 from tests.akv.launch.support import alive  # noqa: E402
 from tests.akv.ray import jobs  # noqa: E402
+from tests.test_docs import blocks, run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
-#: Small jobs: a sliver of the 4 logical CPUs each, so that every actor of a job fits.
-SMALL = {"resources_per_worker": {"CPU": 1}, "resources_per_server": {"CPU": 0.5}}
 #: examples/train_dist.py prints this last.
 FINAL = re.compile(
     r"^\[worker (\d)\] worker \d: loss ([0-9.]+) -> ([0-9.]+) in .*, test accuracy ([0-9.]+)$", re.M
@@ -60,20 +59,15 @@ def in_band(accuracy: float) -> bool:
     return TRAIN_ACCURACY_BAND[0] <= accuracy <= TRAIN_ACCURACY_BAND[1]
 
 
-def test_the_training_example_runs_under_akv_ray_launch():
-    results = akv.ray.launch(
-        train_dist.train,
-        num_workers=2,
-        num_servers=1,
-        kwargs={"epochs": 4},
-        env=FAST_TIMEOUTS,
-        **SMALL,
-    )
+def test_the_training_example_runs_under_akv_ray_launch_as_docs_ray_md_shows():
+    namespace, printed = run(blocks("ray.md")[0], "docs/ray.md")
+    results = namespace["results"]
     assert [result["rank"] for result in results] == [0, 1]
     for result in results:
         assert result["last_loss"] < result["first_loss"]
         assert in_band(result["accuracy"]), result
     assert results[0]["accuracy"] == results[1]["accuracy"]  # both pulled the same weights
+    assert printed == [str([result["accuracy"] for result in results])]
     assert akv_actors() == []
 
 
@@ -107,7 +101,7 @@ def test_the_training_example_runs_under_akv_launch_with_the_ray_launcher(ray_in
 
 def test_a_worker_exception_fails_the_launch_with_its_traceback_and_no_actor_survives():
     with pytest.raises(akv.JobFailedError) as caught:
-        akv.ray.launch(jobs.fail_on_rank_1, num_workers=2, num_servers=1, **SMALL)
+        akv.ray.launch(jobs.fail_on_rank_1, num_workers=2, num_servers=1)
     error = caught.value
     assert (error.role, error.rank) == ("worker", 1)
     assert "worker 1 raised ValueError: rank 1 fails on purpose" in str(error)
@@ -129,7 +123,6 @@ def test_a_server_killed_by_pid_restarts_from_its_checkpoint_and_the_job_complet
         env=FAST_TIMEOUTS,
         checkpoint_dir=str(tmp_path),
         max_restarts=1,
-        **SMALL,
     )
     for result in results:
         assert result["values"] == [-3.0 * rounds]  # every push counted once: none lost
