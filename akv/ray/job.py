@@ -186,17 +186,21 @@ class RayJob:
             )
         one_node = sum(1 for node in _RAY.nodes() if node.get("Alive")) == 1
         host = LOCAL_SCHEDULER_HOST if one_node else ""
-        skeleton = self._plan(0, 0)
-        scheduler = self._process_actor(skeleton[0], 0, None)
+        skeleton = self._plan(0, 0)[0]
+        scheduler = self._process_actor(skeleton, 0, None)
+        self._members.append(_Member(0, skeleton, scheduler, False))
         try:
             where, port, fd = ray.get(scheduler.listen.remote(host), timeout=START_TIMEOUT_S)
         except GetTimeoutError:
-            ray.kill(scheduler, no_restart=True)
             raise LaunchError(
                 f"the scheduler's actor did not start within {START_TIMEOUT_S:g} s"
             ) from None
+        except RayError as exc:
+            raise LaunchError(
+                f"the scheduler cannot listen on {host or 'its node'}: {exc}"
+            ) from exc
         specs = [_with_scheduler(spec, where) for spec in self._plan(port, fd)]
-        self._members.append(_Member(0, specs[0], scheduler, False))
+        self._members[0].spec = specs[0]
         scheduler.start.remote(dict(specs[0].job_env))
         servers = [spec for spec in specs if spec.role == "server"]
         for spec in servers:
