@@ -28,6 +28,7 @@ __all__ = [
     "GPUUnavailableError",
     "ImmutableOutputError",
     "InvalidArgumentError",
+    "JobFailedError",
     "KeyNotInitializedError",
     "LaunchError",
     "MembershipError",
@@ -226,3 +227,29 @@ class RowIdError(InvalidArgumentError, IndexError):
 class StorageTypeError(InvalidArgumentError):
     """A dense value was given where a row-sparse one is required, or the reverse; the
     message names the argument and what it was."""
+
+
+class JobFailedError(AKVError, RuntimeError):
+    """A job started by :func:`akv.ray.launch` failed: ``role`` and ``rank`` name the
+    process it is blamed on (``rank`` is None for the scheduler), and ``remote_traceback``
+    is the traceback of a worker's exception, as it was formatted where it was raised
+    (None when the process left none: a server that died, a worker's process that was
+    killed)."""
+
+    def __init__(
+        self, message: str, *, role: str, rank: int | None, remote_traceback: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.role = role
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only attributes survive pickling (multiprocessing, Ray).
+        return (_job_failed, (str(self), self.role, self.rank, self.remote_traceback))
+
+
+def _job_failed(
+    message: str, role: str, rank: int | None, remote_traceback: str | None
+) -> JobFailedError:
+    return JobFailedError(message, role=role, rank=rank, remote_traceback=remote_traceback)

@@ -4,6 +4,9 @@ Run it with the launcher (one scheduler, the servers and the workers on this mac
 
     akv-launch -n 2 -s 1 -- python examples/train_dist.py
 
+On a Ray cluster: ``akv-launch --launcher ray -n 2 -s 1 -- python examples/train_dist.py``,
+or, from Python, ``akv.ray.launch(train, num_workers=2, num_servers=1)`` (docs/ray.md).
+
 Every worker trains on its own shard of the training set. Each step it computes the
 gradients of its minibatch, pushes them (the servers sum the workers' gradients and apply
 SGD with momentum to the weights they hold) and pulls the new weights. The loss falls the
@@ -79,15 +82,13 @@ def bar(done: int, total: int) -> str:
     return "[" + "#" * filled + "-" * (BAR_WIDTH - filled) + "]"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--store", default="dist_sync")
-    args = parser.parse_args(argv)
-
-    with akv.create(args.store) as kv:
+def train(
+    epochs: int = 15, batch: int = 32, lr: float = 0.1, store: str = "dist_sync"
+) -> dict[str, float]:
+    """Train this worker's part of the job (the store's configuration comes from the
+    environment, as akv-launch and ``akv.ray.launch`` set it); print each epoch, and return
+    the worker's rank, its first and last epoch's loss and the final test accuracy."""
+    with akv.create(store) as kv:
         rank, workers = kv.rank, kv.num_workers
         x, y, x_test, y_test = load(rank, workers)
         params = init_params(x.shape[1])
@@ -95,44 +96,56 @@ def main(argv: list[str] | None = None) -> int:
         kv.init(names, [params[n] for n in names])  # rank 0's values win
         kv.set_optimizer(
             akv.optimizer.SGD(
-                learning_rate=args.lr,
+                learning_rate=lr,
                 momentum=0.9,
                 wd=1e-4,
-                rescale_grad=1.0 / (args.batch * workers),
+                rescale_grad=1.0 / (batch * workers),
             )
         )
         kv.pull(names, out=[params[n] for n in names])
-        steps = len(x) // args.batch  # the same on every worker (dist_sync needs that)
+        steps = len(x) // batch  # the same on every worker (dist_sync needs that)
         print(
             f"worker {rank}/{workers}: {len(x)} training images, {steps} steps per epoch, "
             f"placement {kv.placement()}",
             flush=True,
         )
         start = time.perf_counter()
-        first_loss = last_loss = None
-        for epoch in range(1, args.epochs + 1):
+        first_loss = last_loss = float("nan")
+        for epoch in range(1, epochs + 1):
             order = np.random.default_rng(epoch).permutation(len(x))
             losses = []
             for step in range(steps):
-                batch = order[step * args.batch : (step + 1) * args.batch]
-                loss, grads = forward_backward(params, x[batch], y[batch])
+                chosen = order[step * batch : (step + 1) * batch]
+                loss, grads = forward_backward(params, x[chosen], y[chosen])
                 kv.push(names, [grads[n] for n in names])
                 kv.pull(names, out=[params[n] for n in names])
                 losses.append(loss)
             last_loss = float(np.mean(losses))
-            first_loss = last_loss if first_loss is None else first_loss
+            first_loss = last_loss if epoch == 1 else first_loss
             print(
-                f"worker {rank} epoch {epoch:2d}/{args.epochs} {bar(epoch, args.epochs)} "
+                f"worker {rank} epoch {epoch:2d}/{epochs} {bar(epoch, epochs)} "
                 f"loss {last_loss:.4f}  test accuracy {accuracy(params, x_test, y_test):.3f}",
                 flush=True,
             )
         elapsed = time.perf_counter() - start
+        final = accuracy(params, x_test, y_test)
         print(
             f"worker {rank}: loss {first_loss:.4f} -> {last_loss:.4f} in {elapsed:.1f} s, "
-            f"test accuracy {accuracy(params, x_test, y_test):.3f}",
+            f"test accuracy {final:.3f}",
             flush=True,
         )
-    return 0 if last_loss is not None and last_loss < first_loss else 1
+    return {"rank": rank, "first_loss": first_loss, "last_loss": last_loss, "accuracy": final}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--store", default="dist_sync")
+    args = parser.parse_args(argv)
+    result = train(args.epochs, args.batch, args.lr, args.store)
+    return 0 if result["last_loss"] < result["first_loss"] else 1
 
 
 if __name__ == "__main__":

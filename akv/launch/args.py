@@ -41,11 +41,12 @@ __all__ = [
     "validate",
 ]
 
-LAUNCHERS = ("local", "ssh", "mpi", "slurm")
+LAUNCHERS = ("local", "ssh", "mpi", "slurm", "ray")
 REMOTE_LAUNCHERS = ("ssh", "mpi", "slurm")
 #: The launchers whose plans give each server a process of its own, which can be started
 #: again alone (``--max-restarts``); mpi and slurm run every server in one mpirun/srun.
-RESTARTING_LAUNCHERS = ("local", "ssh")
+#: (ray: Ray restarts a server's actor, see :mod:`akv.ray`.)
+RESTARTING_LAUNCHERS = ("local", "ssh", "ray")
 #: How often a server writes its checkpoint (``--checkpoint-interval-s``).
 CHECKPOINT_INTERVAL_VARIABLE = "AKV_CHECKPOINT_INTERVAL_S"
 #: The servers' checkpoint variables, and the flag that sets each.
@@ -98,6 +99,9 @@ class LaunchOptions:
     checkpoint_interval_s: float | None = None
     #: How many times each server that fails while workers run is started again.
     max_restarts: int = 0
+    #: The Ray cluster ``--launcher ray`` connects to (``ray.init(address=...)``); None:
+    #: ``RAY_ADDRESS``, else a local Ray instance.
+    ray_address: str | None = None
     scheduler_command: tuple[str, ...] | None = None
     server_command: tuple[str, ...] | None = None
 
@@ -140,6 +144,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_interval_s=args.checkpoint_interval_s,
         max_restarts=args.max_restarts,
+        ray_address=args.ray_address,
     )
     validate(options)
     return options
@@ -200,6 +205,7 @@ def validate(options: LaunchOptions) -> None:
     if options.log_dir is not None and not options.log_dir:
         raise LaunchError("--log-dir is empty: give a directory (it is created if missing)")
     _validate_checkpoints(options)
+    _validate_ray(options)
     remote = options.launcher in REMOTE_LAUNCHERS
     if remote and not options.scheduler_host:
         raise LaunchError(
@@ -275,6 +281,27 @@ def scheduler_address(options: LaunchOptions) -> str:
     return host
 
 
+def _validate_ray(options: LaunchOptions) -> None:
+    """The checks of ``--launcher ray`` and ``--ray-address``: Ray places the processes."""
+    if options.launcher != "ray":
+        if options.ray_address is not None:
+            raise LaunchError("--ray-address is for --launcher ray")
+        return
+    for flag, value in (
+        ("-H/--hostfile", options.hostfile),
+        ("--scheduler-host", options.scheduler_host),
+        ("--scheduler-advertise", options.scheduler_advertise),
+        ("--python", options.python),
+    ):
+        if value is not None:
+            raise LaunchError(
+                f"{flag} is not for --launcher ray: Ray places every process, each on the "
+                "address of its node, with the Python of Ray's workers"
+            )
+    if options.ray_address is not None and not options.ray_address:
+        raise LaunchError("--ray-address is empty: give the Ray cluster's address (HOST:PORT)")
+
+
 def _validate_checkpoints(options: LaunchOptions) -> None:
     """The checks of ``--checkpoint-dir``, ``--checkpoint-interval-s`` and
     ``--max-restarts``."""
@@ -307,7 +334,8 @@ def _validate_checkpoints(options: LaunchOptions) -> None:
     if options.launcher not in RESTARTING_LAUNCHERS:
         tool = "mpirun" if options.launcher == "mpi" else "srun"
         raise LaunchError(
-            f"--max-restarts is for the {' and '.join(RESTARTING_LAUNCHERS)} launchers: "
+            f"--max-restarts is for the {', '.join(RESTARTING_LAUNCHERS[:-1])} and "
+            f"{RESTARTING_LAUNCHERS[-1]} launchers: "
             f"under --launcher {options.launcher} one `{tool}` runs every server, so one "
             "server cannot be started again alone (--checkpoint-dir alone is allowed)"
         )
@@ -348,7 +376,13 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
             metavar="SERVERS",
             help="number of servers (>= 1; default: WORKERS, as MXNet)",
         ),
-        add("--launcher", default="local", help="local (default), ssh, mpi or slurm"),
+        add("--launcher", default="local", help="local (default), ssh, mpi, slurm or ray"),
+        add(
+            "--ray-address",
+            metavar="ADDR",
+            help="--launcher ray: the Ray cluster to run on (default: RAY_ADDRESS, else a "
+            "local Ray instance); needs the ray extra",
+        ),
         add("-H", "--hostfile", help="lines: host, host:port or host slots=N"),
         add(
             "--scheduler-host",
@@ -410,7 +444,7 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
             default=0,
             metavar="N",
             help="start a server that fails while workers run again from its checkpoint, "
-            "up to N times per server (default 0; needs --checkpoint-dir; local and ssh "
+            "up to N times per server (default 0; needs --checkpoint-dir; local, ssh and ray "
             "only); workers and the scheduler are never restarted",
         ),
         add("--version", action="version", version=f"akv-launch {__version__}"),

@@ -93,6 +93,12 @@ def launch(
     environ = dict(os.environ if environ is None else environ)
     validate(options)
     out = stdout if stdout is not None else sys.stdout.buffer
+    if options.launcher == "ray":  # Ray places the processes: akv.ray runs the job
+        from akv.launch.ray_hook import launch_with_ray
+
+        return launch_with_ray(
+            options, environ, stdout=out, stderr=stderr, terminate_grace_s=terminate_grace_s
+        )
     hosts = load_hostfile(options.hostfile) if options.hostfile else []
     token = job_token(environ)
     tool = LAUNCHER_TOOLS.get(options.launcher)

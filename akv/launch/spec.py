@@ -9,7 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["ProcessSpec"]
+__all__ = ["ACTOR_PYTHON", "ProcessSpec"]
+
+#: In a command of ``--launcher ray``, stands for the Python of the Ray actor that starts it
+#: (``sys.executable`` there): the scheduler and servers run with the Python that Ray runs
+#: akv with, on every node.
+ACTOR_PYTHON = "<ray-python>"
 
 
 @dataclass(frozen=True)

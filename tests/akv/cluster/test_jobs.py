@@ -19,6 +19,7 @@ from tests import profiling
 from tests.akv.cluster.cluster import (
     FAST_TIMEOUTS,
     ROOT,
+    TRAIN_ACCURACY_BAND,
     free_port,
     job_env,
     launch,
@@ -94,8 +95,10 @@ def test_the_training_example_runs_and_the_loss_falls():
     done = runs["1"]
     finals = FINAL.findall(done.stdout)
     assert len(finals) == 2, done.stdout
-    for _, first, last, _ in finals:
+    for _, first, last, rest in finals:
         assert float(last) < float(first)
+        accuracy = float(rest.rpartition("test accuracy ")[2])
+        assert TRAIN_ACCURACY_BAND[0] <= accuracy <= TRAIN_ACCURACY_BAND[1], rest
     assert "epoch  4/4 [########################]" in done.stdout
     # Exactly the same losses and accuracies, epoch by epoch, with shared memory on and off.
     for pattern in (EPOCH, FINAL):

@@ -233,7 +233,7 @@ def test_restarts_are_refused_where_one_command_runs_every_server(launcher, tool
     options = LaunchOptions(
         1, 2, ("x",), launcher=launcher, scheduler_host="h0", checkpoint_dir="c", max_restarts=1
     )
-    with pytest.raises(LaunchError, match=rf"local and ssh launchers: .* one `{tool}` runs"):
+    with pytest.raises(LaunchError, match=rf"local, ssh and ray launchers: .* one `{tool}` runs"):
         validate(options)
     validate(replace(options, max_restarts=0))  # a checkpoint directory alone is fine there
 
