@@ -132,7 +132,8 @@ class Scheduler:
         if self._runner is None:
             await self.start()
         assemble_s = self.config.timeouts.connect_s + STARTUP_MARGIN_S
-        deadline = time.monotonic() + assemble_s
+        started = time.monotonic()
+        deadline = started + assemble_s
         try:
             while True:
                 await asyncio.sleep(SCHEDULER_CHECK_INTERVAL_S)
@@ -148,6 +149,13 @@ class Scheduler:
                     await self._notify()
                 status = self.roster.exit_status(now)
                 if status is not None:
+                    if status == 0:
+                        log.info(
+                            "the job ended well: %d workers and %d servers finished in %.1f s",
+                            self.config.num_workers,
+                            self.config.num_servers,
+                            now - started,
+                        )
                     return status
         except asyncio.CancelledError as exc:
             if not stopped_by_signal(exc):
