@@ -151,9 +151,11 @@ class Scheduler:
                 if status is not None:
                     if status == 0:
                         log.info(
-                            "the job ended well: %d workers and %d servers finished in %.1f s",
+                            "the job ended well: %d worker%s and %d server%s finished in %.1f s",
                             self.config.num_workers,
+                            "" if self.config.num_workers == 1 else "s",
                             self.config.num_servers,
+                            "" if self.config.num_servers == 1 else "s",
                             now - started,
                         )
                     return status
