@@ -256,3 +256,34 @@ def test_the_dockerfile_builds_the_image_the_manifests_run():
             assert (ROOT / "examples" / path.name).exists()
         else:
             assert f"\n{program} = " in scripts, program
+
+
+def test_the_docs_scrape_configuration_finds_akvs_pods_with_the_token():
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, flags=re.S)]
+    scrape = next(b for b in blocks if "scrape_configs" in b)["scrape_configs"][0]
+    assert scrape["authorization"]["type"] == "Bearer"
+    keep = {
+        r["source_labels"][0]: r["regex"]
+        for r in scrape["relabel_configs"]
+        if r.get("action") == "keep"
+    }
+    labels = {
+        d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+        for d in documents()
+        if "template" in d.get("spec", {})
+    }
+    assert keep["__meta_kubernetes_pod_label_app_kubernetes_io_name"] in labels
+    scraped = {
+        p["name"]
+        for d in documents()
+        if d["kind"] == "StatefulSet"
+        for p in container_of(d)[1]["ports"]
+    }
+    assert scraped <= set(keep["__meta_kubernetes_pod_container_port_name"].split("|"))
+    monitor = next(b for b in blocks if b.get("kind") == "PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] in scraped and endpoint["path"] == "/metrics"
+    secret = endpoint["authorization"]["credentials"]
+    assert secret["key"] in one("Secret", secret["name"])["stringData"]
+    assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] in labels

@@ -142,9 +142,11 @@ PURE_AKV_MODULES = [
     "akv.cluster.worker.state",
     "akv.cluster.scheduler.roster",
     "akv.launch.args",
+    "akv.launch.devices",
     "akv.launch.hosts",
     "akv.launch.limits",
     "akv.launch.plans",
+    "akv.launch.report",
     "akv.launch.rules",
     "akv.launch.spec",
 ]
