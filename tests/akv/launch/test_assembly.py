@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from akv.cluster import config as _config
 from akv.errors import LaunchError
 from akv.launch.args import LaunchOptions, parse_args
 from akv.launch.command import launch
+from akv.launch.watch import AssemblyWatch
 from tests.akv.cluster.cluster import FAST_TIMEOUTS, free_port
 from tests.akv.launch.support import SUMMARY_HEADER, TOKEN
 
@@ -39,6 +41,7 @@ WORKER = textwrap.dedent(
             time.sleep(0.05)
     with akv.create("dist_sync") as kv:
         kv.init(0, np.zeros(2, np.float32))
+        time.sleep(1.5)  # the launcher asks who has joined every 0.5 s: let it see the job
     """
 )
 NVIDIA_SMI = (
@@ -143,3 +146,24 @@ def test_the_per_node_mode_needs_the_same_token_on_every_node(tmp_path):
     del env["AKV_TOKEN"]
     with pytest.raises(LaunchError, match="needs the same AKV_TOKEN: generate one with"):
         launch(options, env, stdout=io.BytesIO(), stderr=io.BytesIO())
+
+
+def test_above_info_the_watch_prints_only_the_status_pages_address():
+    config = _config.from_env(
+        {
+            "AKV_SCHEDULER_HOST": "127.0.0.1",
+            "AKV_SCHEDULER_PORT": str(free_port()),
+            "AKV_NUM_WORKERS": "1",
+            "AKV_NUM_SERVERS": "1",
+            "AKV_TOKEN": TOKEN,
+        },
+        role="scheduler",
+    )
+    said: list[str] = []
+    watch = AssemblyWatch(config, progress=False)
+    watch.start(said.append)
+    watch.stop()
+    assert said == [
+        f"the job's status page: http://127.0.0.1:{config.scheduler_port}/status "
+        "(it asks for the job's token)"
+    ]
