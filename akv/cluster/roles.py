@@ -24,7 +24,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from akv import __version__
 from akv.cluster import config as _config
 from akv.errors import ConfigError
 from engine import new_event_loop
@@ -269,8 +268,11 @@ def role_parser(role: str, description: str) -> argparse.ArgumentParser:
     """
     if role not in ROLE_FLAGS:
         raise ValueError(f"no command-line role {role!r}: {', '.join(ROLE_FLAGS)}")
+    # Python loads the package akv before this module of it; importing akv here would make
+    # a cycle (akv.factory imports this module).
+    version = sys.modules["akv"].__version__
     parser = argparse.ArgumentParser(prog=f"akv-{role}", description=description)
-    parser.add_argument("--version", action="version", version=f"akv-{role} {__version__}")
+    parser.add_argument("--version", action="version", version=f"akv-{role} {version}")
     for flag in ROLE_FLAGS[role]:
         parser.add_argument(flag.option, dest=flag.dest, type=flag.type, help=flag.help)
     parser.add_argument("--token-file", help="read AKV_TOKEN from this file")
