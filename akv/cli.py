@@ -1,5 +1,6 @@
-"""The ``akv`` command: ``akv --version``, ``akv bench {local,engine,dist,device,soak,
-compression,sparse,fusion} [--quick] [--json PATH] [suite options]``.
+"""The ``akv`` command: ``akv --version``, ``akv [--log-level LEVEL] bench {local,engine,
+dist,device,soak,compression,sparse,fusion} [--quick] [--json PATH] [suite options]``;
+``akv --help`` says what each does, and names the job's other commands.
 
 A suite with options of its own (``sparse``) has an ``options_parser()``; the arguments the
 ``bench`` command does not know go to its ``run``. Any other suite refuses them.
@@ -9,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
 import akv
 from akv.bench import configure
-from akv.errors import AKVError
+from akv.cluster.config import parse_log_level
+from akv.errors import AKVError, ConfigError
 
 __all__ = ["main"]
 
@@ -30,11 +34,41 @@ BENCHMARKS = {
 }
 
 
+DESCRIPTION = """\
+akv: an asyncio-native parameter server (MXNet's KVStore for today's Python).
+
+This command measures akv: `akv bench SUITE` runs one suite of benchmarks and prints a
+table of akv's times next to a floor measured in the same run, and the targets each row
+is held to (--json PATH also writes it as JSON). Suites:
+  local        the local store against NumPy doing the same copies and adds
+  engine       scheduling through the engine against plain Python
+  dist         dist_sync with 2 workers and 1, then 2 servers, on this machine
+  soak         many dist_sync rounds (4 workers, 2 servers), checked and timed
+  device       the device store on a GPU (needs CuPy and a GPU)
+  compression  gradient compression's codes, and a compressed round against a dense one
+  sparse       an embedding table on the servers against akv's dense rounds
+  fusion       a ResNet-18 step through akv.torch: a key per parameter against buckets
+
+The other commands of a job:
+  akv-launch     start a job (scheduler, servers, workers running your command) and
+                 supervise it
+  akv-scheduler  run a job's scheduler yourself
+  akv-server     run one of its parameter servers yourself
+Each takes --help, --version and --log-level."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="akv", description="akv: an asyncio-native parameter server."
+        prog="akv", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"akv {akv.__version__}")
+    parser.add_argument(
+        "--log-level",
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING (the default here), ERROR or CRITICAL, any case: akv's "
+        "log lines at that level and above reach stderr (AKV_LOG_LEVEL, which the "
+        "processes a benchmark starts inherit)",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench = commands.add_parser(
         "bench", help="measure akv against a floor measured in the same run"
@@ -59,6 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    if args.log_level is not None:
+        try:
+            level = parse_log_level(args.log_level, "--log-level")
+        except ConfigError as exc:
+            parser.error(str(exc))
+        os.environ["AKV_LOG_LEVEL"] = args.log_level.strip()
+        logging.basicConfig(level=level, format="%(asctime)s akv %(levelname)s %(message)s")
     if args.command is None:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

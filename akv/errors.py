@@ -33,6 +33,7 @@ __all__ = [
     "LaunchError",
     "MembershipError",
     "MixedKeyKindsError",
+    "NoJobError",
     "OptimizerError",
     "OptimizerNotSetError",
     "PeerLostError",
@@ -151,6 +152,12 @@ class CheckpointError(AKVError, OSError):
 
 class ConfigError(AKVError, ValueError):
     """The distributed configuration (environment or flags) is missing, malformed or wrong."""
+
+
+class NoJobError(ConfigError):
+    """A distributed store was created in a process that no job describes: none of the
+    job's variables is set (the script was run without ``akv-launch``). The message says to
+    run it with ``akv-launch`` or which variables to set."""
 
 
 class RoleError(ConfigError):

@@ -5,13 +5,16 @@ Run it with the launcher (one scheduler, the servers and the workers on this mac
     akv-launch -n 2 -s 1 -- python examples/torch_data_parallel.py
 
 It trains on the GPU where there is one (and CuPy, which akv reads CUDA tensors with), else
-on the CPU. The store is ``dist_sync_device``: on a GPU the gradients are summed there and
-staged through pinned memory; on the CPU it is ``dist_sync``. Every worker trains the same
-torch model on its own shard of the training set. ``akv.torch.DistributedOptimizer`` makes
-every worker start from rank 0's weights, pushes each gradient to the servers as soon as
-backward has computed it, and in ``step()`` pulls the weights the servers updated (SGD with
-momentum; the workers' gradients are averaged through ``rescale_grad``). The workers end
-with the same weights: each prints a checksum of them.
+on the CPU; each worker on a GPU of its own: akv-launch gives each worker of a machine its
+share of the GPUs (``CUDA_VISIBLE_DEVICES``, see ``--gpus-per-worker``), and where every
+worker sees every GPU, ``LOCAL_RANK`` picks one. The store is ``dist_sync_device``: on a
+GPU the gradients are summed there and staged through pinned memory; on the CPU it is
+``dist_sync``. Every worker trains the same torch model on its own shard of the training
+set. ``akv.torch.DistributedOptimizer`` makes every worker start from rank 0's weights,
+pushes each gradient to the servers as soon as backward has computed it, and in ``step()``
+pulls the weights the servers updated (SGD with momentum; the workers' gradients are
+averaged through ``rescale_grad``). The workers end with the same weights: each prints a
+checksum of them.
 
 ``--store local`` runs it as one process without the launcher.
 """
@@ -19,6 +22,7 @@ with the same weights: each prints a checksum of them.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -71,10 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--store", default="dist_sync_device")
     args = parser.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and akv.arrays.cupy_module() is None:
-        print("CUDA is here but CuPy is not (pip install 'akv[gpu]'): training on the CPU")
-        device = "cpu"
+    device = "cpu"
+    if torch.cuda.is_available():
+        if akv.arrays.cupy_module() is None:
+            print("CUDA is here but CuPy is not (pip install 'akv[gpu]'): training on the CPU")
+        else:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            device = f"cuda:{local_rank % torch.cuda.device_count()}"
+            torch.cuda.set_device(device)
     torch.set_num_threads(1)  # several workers share this machine's cores
 
     with akv.create(args.store) as kv:
@@ -92,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
         steps = len(x) // args.batch  # the same on every worker (dist_sync needs that)
+        where = device
+        if device != "cpu":  # which of the machine's GPUs that is
+            where += f" (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'all')})"
         print(
-            f"worker {rank}/{workers} on {device}: {len(x)} training images, {steps} steps "
+            f"worker {rank}/{workers} on {where}: {len(x)} training images, {steps} steps "
             f"per epoch, keys {opt.keys}",
             flush=True,
         )

@@ -148,9 +148,11 @@ PURE_AKV_MODULES = [
     "akv.cluster.server.report",
     "akv.cluster.worker.activity",
     "akv.launch.args",
+    "akv.launch.devices",
     "akv.launch.hosts",
     "akv.launch.limits",
     "akv.launch.plans",
+    "akv.launch.report",
     "akv.launch.rules",
     "akv.launch.spec",
 ]

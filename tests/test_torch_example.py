@@ -58,4 +58,9 @@ def test_the_torch_example_trains_on_the_gpu():
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     workers = sorted(re.findall(r"worker (\d)/2 on (\w+)", done.stdout))
     assert workers == [("0", "cuda"), ("1", "cuda")], done.stdout
+    # akv-launch gave each worker its own share of this machine's GPUs.
+    gpus = re.findall(r"worker \d/2 on (cuda:\d+ \(CUDA_VISIBLE_DEVICES=[^)]*\))", done.stdout)
+    assert len(gpus) == 2, done.stdout
+    if torch.cuda.device_count() >= 2:
+        assert gpus[0] != gpus[1], done.stdout
     trained(done.stdout)

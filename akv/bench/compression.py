@@ -117,7 +117,7 @@ def run() -> Table:
             f"({crossover / MIB:,.0f} MiB/s) per worker link."
         )
     table.notes.append(
-        "Targets (issue #26): the 64 MiB 2bit round at least 3x faster than MXNet's "
+        "Targets: the 64 MiB 2bit round at least 3x faster than MXNet's "
         f"({MXNET_2BIT_ROUND_S} s); encoding within 3x of its memory floor."
     )
     return table

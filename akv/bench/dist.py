@@ -289,9 +289,9 @@ def run() -> Table:
         f"({elements(resnet18) * FLOAT32_BYTES / MIB:.1f} MiB of float32) each way per step."
     )
     table.notes.append(
-        "Targets (issue #3): 4 MiB and 64 MiB push+pull 2x faster than MXNet, 2 servers "
+        "Targets: 4 MiB and 64 MiB push+pull 2x faster than MXNet, 2 servers "
         "faster than 1 for 64 MiB; small-key round trip 2x faster; many small keys in one "
-        "request per server. Issue #10: the per-key step at least 2x MXNet and within 1.3x "
+        "request per server; the per-key step at least 2x MXNet and within 1.3x "
         "of the raw-TCP floor; the list step within 1.2x of it; 4 MiB and 64 MiB rounds "
         "within 2x of the memcpy floor with shared memory, within 1.2x of raw TCP without."
     )

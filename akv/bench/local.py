@@ -208,13 +208,13 @@ def run() -> Table:
         _small_key_rows(table, kv)
     asyncio.run(_async_rows(table))
     table.notes.append(
-        "Targets (issue #2): push+pull within 1.3x of 2 x np.copyto; list-of-4 push 3x faster "
+        "Targets: push+pull within 1.3x of 2 x np.copyto; list-of-4 push 3x faster "
         "than MXNet; SGD push+pull 4x faster; small keys at or above MXNet in both call styles."
     )
     table.notes.append(
         "issued+gathered / issued+awaited / issued+wait_all: a push and a pull per key issued "
         "without awaiting, then `await asyncio.gather(*all)` / each awaited in turn / `await "
-        "kv.wait_all()` (as MXNet's loop ends with `mx.nd.waitall()`). Target (issue #10): at "
+        "kv.wait_all()` (as MXNet's loop ends with `mx.nd.waitall()`). Target: at "
         "least 1.5x faster than MXNet's per-key loop (whose calls never block either)."
     )
     return table

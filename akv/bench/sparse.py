@@ -328,7 +328,7 @@ def options_parser() -> argparse.ArgumentParser:
     """The options of ``akv bench sparse``."""
     parser = argparse.ArgumentParser(
         prog="akv bench sparse",
-        description="issue #25's row-sparse workload against akv's dense rounds",
+        description="a row-sparse embedding workload against akv's dense rounds",
     )
     parser.add_argument(
         "--servers", type=int, nargs="+", default=[1, 2], help="server counts (default 1 2)"
@@ -386,7 +386,7 @@ def run(argv: Sequence[str] = ()) -> Table:
             f"gradient of the unique ones and row_sparse_pulls them; {steps} timed steps "
             f"after {WARMUP_STEPS} warm-up steps. 'floor': the same job's {FLOOR}; 'floor 2': "
             "its dense push+pull of the step's bytes (a batch's mean count of unique ids), "
-            "the issue's floor; both timed in blocks of rounds alternating with blocks of "
+            "the target's floor; both timed in blocks of rounds alternating with blocks of "
             "steps."
         )
         table.notes.extend(spreads)
@@ -417,7 +417,7 @@ def run(argv: Sequence[str] = ()) -> Table:
                 f"{elapsed:.1f} s."
             )
     table.notes.append(
-        "Targets (issue #25): the step at least 4x faster than MXNet with shared memory, 2x "
+        "Targets: the step at least 4x faster than MXNet with shared memory, 2x "
         "with AKV_SHM=0; within 1.5x of the dense round of the same bytes (floor 2); RSS "
         "within 2x of the rows' bytes."
     )

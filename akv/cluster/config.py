@@ -12,11 +12,12 @@ import ipaddress
 import logging
 import math
 import os
+import platform
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from akv.errors import ConfigError
+from akv.errors import ConfigError, NoJobError
 from akv.limits import (
     BARRIER_TIMEOUT_S,
     BIGARRAY_BOUND,
@@ -45,16 +46,22 @@ __all__ = [
     "ADDRESS_FORMS",
     "ADVERTISE_VARIABLE",
     "CHECKPOINT_DIR_VARIABLE",
+    "JOB_VARIABLES",
     "LOG_LEVELS",
+    "RANK_FROM_CHOICES",
+    "RANK_FROM_VARIABLE",
+    "RANK_SOURCES",
     "ROLES",
     "TWIN_VARIABLES",
     "Config",
     "Timeouts",
     "format_address",
     "from_env",
+    "hostname_ordinal",
     "int_setting",
     "is_wildcard",
     "parse_address",
+    "parse_log_level",
 ]
 
 #: The address a server binds and advertises unless AKV_HOST/DMLC_NODE_HOST says otherwise.
@@ -87,7 +94,26 @@ LOG_LEVELS = {
     "ERROR": logging.ERROR,
     "CRITICAL": logging.CRITICAL,
 }
-_RANK_SOURCES = ("AKV_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+#: The variables a worker's or server's rank is read from, the first one set wins: akv's
+#: own, then the rank that MPI, Slurm or a Kubernetes Indexed Job (its completion index)
+#: gives each process.
+RANK_SOURCES = (
+    "AKV_RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "SLURM_PROCID",
+    "JOB_COMPLETION_INDEX",
+)
+#: Where else the rank may come from: ``AKV_RANK_FROM=hostname-ordinal`` takes the number
+#: after the host name's last ``-`` (a Kubernetes StatefulSet pod's ordinal: the pod
+#: ``akv-server-2`` is rank 2). It replaces :data:`RANK_SOURCES`, and ``AKV_RANK`` with it
+#: is an error.
+RANK_FROM_VARIABLE = "AKV_RANK_FROM"
+RANK_FROM_CHOICES = ("hostname-ordinal",)
+#: The variables that say a process belongs to a job (akv's name and MXNet's twin each):
+#: when none is set, a worker's store says to run the script with akv-launch.
+JOB_VARIABLES: tuple[tuple[str, str], ...] = (_ROLE, _HOST, _PORT, _WORKERS, _SERVERS)
+_ORDINAL = re.compile(r"[A-Za-z0-9.\-]*-(\d+)\Z")
 _TIMEOUTS = {
     "connect_s": ("AKV_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S),
     "barrier_s": ("AKV_BARRIER_TIMEOUT_S", BARRIER_TIMEOUT_S),
@@ -103,6 +129,12 @@ _TIMEOUTS = {
 }
 #: The directory a server writes its checkpoints to (none: it writes none).
 CHECKPOINT_DIR_VARIABLE = "AKV_CHECKPOINT_DIR"
+NO_JOB_HINT = (
+    "run the script with akv-launch, which starts the job's scheduler and servers and sets "
+    "them (e.g. `akv-launch -n 2 -s 1 python train.py`), or set them and AKV_TOKEN for every "
+    "process yourself (docs/deployment.md); a store for this process alone is "
+    "akv.create('local')"
+)
 TOKEN_HINT = (
     "every request carries the job's token: akv-launch sets AKV_TOKEN for you; to start "
     "the processes yourself, generate one with "
@@ -342,21 +374,73 @@ def _refuse_wildcard_bind(name: str, host: str) -> None:
         )
 
 
-def _log_level(environ: Mapping[str, str]) -> int:
-    value = environ.get("AKV_LOG_LEVEL")
-    if value is None or not value.strip():
-        return logging.INFO
-    text = value.strip()
+def hostname_ordinal(hostname: str) -> int | None:
+    """The number after the last ``-`` of ``hostname``'s first label (``akv-server-2`` and
+    ``akv-server-2.akv-servers.default.svc`` give 2: a StatefulSet pod's ordinal), or None
+    when it has none."""
+    match = _ORDINAL.match(hostname.split(".")[0])
+    return int(match.group(1)) if match else None
+
+
+def _rank(env: Mapping[str, str], role: str, limit: int) -> int | None:
+    """A worker's or server's rank (None: the scheduler gives the lowest free one), from
+    :data:`RANK_FROM_VARIABLE` or else the first of :data:`RANK_SOURCES` that is set; one
+    of ``limit`` ranks."""
+    rule = env.get(RANK_FROM_VARIABLE, "").strip()
+    if rule:
+        if rule not in RANK_FROM_CHOICES:
+            raise ConfigError(
+                f"{RANK_FROM_VARIABLE}={rule!r}: set it to {' or '.join(RANK_FROM_CHOICES)} "
+                "(or unset it, and set AKV_RANK)"
+            )
+        if env.get("AKV_RANK") is not None:
+            raise ConfigError(
+                f"AKV_RANK and {RANK_FROM_VARIABLE} are both set: set one of them (AKV_RANK "
+                "for a fixed rank, AKV_RANK_FROM=hostname-ordinal for a StatefulSet's pods)"
+            )
+        hostname = env.get("HOSTNAME") or platform.node()
+        rank = hostname_ordinal(hostname)
+        if rank is None:
+            raise ConfigError(
+                f"{RANK_FROM_VARIABLE}=hostname-ordinal, but the host name {hostname!r} does "
+                "not end in -N (a StatefulSet pod's name does, as akv-server-2): set AKV_RANK "
+                "instead"
+            )
+        source = f"{RANK_FROM_VARIABLE}=hostname-ordinal, host name {hostname!r}"
+    else:
+        source = next((name for name in RANK_SOURCES if env.get(name) is not None), "")
+        if not source:
+            return None
+        rank = int_setting(env[source], source, 0, f"this {role}'s rank")
+    if rank >= limit:
+        raise ConfigError(
+            f"rank {rank} (from {source}) is out of range for {limit} "
+            f"{role}s: ranks go from 0 to {limit - 1}"
+        )
+    return rank
+
+
+def parse_log_level(text: str, name: str = "AKV_LOG_LEVEL") -> int:
+    """``text`` (a name of :data:`LOG_LEVELS` in any case, or a number) as a ``logging``
+    level; a :class:`ConfigError` naming ``name`` (a variable or a flag) otherwise."""
+    text = text.strip()
     if text.isdigit():
         return int(text)
     level = LOG_LEVELS.get(text.upper())
     if level is None:
         raise ConfigError(
-            f"AKV_LOG_LEVEL={value!r} is not a log level: set it to "
+            f"{name}={text!r} is not a log level: set it to "
             f"{', '.join(list(LOG_LEVELS)[:-1])} or {list(LOG_LEVELS)[-1]} (any case), "
             "or to a number"
         )
     return level
+
+
+def _log_level(environ: Mapping[str, str]) -> int:
+    value = environ.get("AKV_LOG_LEVEL")
+    if value is None or not value.strip():
+        return logging.INFO
+    return parse_log_level(value)
 
 
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -390,6 +474,11 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
     """
     env = os.environ if environ is None else environ
     if role is None:
+        if not any(_pick(env, names, "value") for names in JOB_VARIABLES):
+            names = ", ".join(f"{mxnet} (or {akv})" for akv, mxnet in JOB_VARIABLES)
+            raise NoJobError(
+                f"no distributed job is set up here: none of {names} is set; {NO_JOB_HINT}"
+            )
         role = _require(env, _ROLE, "worker, server or scheduler")[1]
     if role not in ROLES:
         raise ConfigError(
@@ -412,17 +501,9 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
             f"AKV_TOKEN is too short ({len(token)} characters, at least "
             f"{MIN_TOKEN_CHARS}): {TOKEN_HINT}"
         )
-    rank = None
-    if role != "scheduler":
-        source = next((name for name in _RANK_SOURCES if env.get(name) is not None), None)
-        if source is not None:
-            rank = int_setting(env[source], source, 0, f"this {role}'s rank")
-            limit = workers if role == "worker" else servers
-            if rank >= limit:
-                raise ConfigError(
-                    f"rank {rank} (from {source}) is out of range for {limit} "
-                    f"{role}s: ranks go from 0 to {limit - 1}"
-                )
+    rank = (
+        None if role == "scheduler" else _rank(env, role, workers if role == "worker" else servers)
+    )
     bound = BIGARRAY_BOUND
     picked_bound = _pick(env, _BOUND, "a number of elements")
     if picked_bound is not None:

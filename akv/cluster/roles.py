@@ -145,6 +145,21 @@ class Flag:
         return (self.variable, twin) if twin else (self.variable,)
 
 
+def _log_level(text: str) -> str:
+    try:
+        _config.parse_log_level(text, "--log-level")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
+_LOG_LEVEL = Flag(
+    "--log-level",
+    "AKV_LOG_LEVEL",
+    "DEBUG, INFO (the default), WARNING, ERROR or CRITICAL, any case (AKV_LOG_LEVEL)",
+    _log_level,
+)
+
 _NUM_WORKERS = Flag(
     "--num-workers", "AKV_NUM_WORKERS", "workers in the job (AKV_NUM_WORKERS)", _count
 )
@@ -170,6 +185,7 @@ ROLE_FLAGS: dict[str, tuple[Flag, ...]] = {
         ),
         _NUM_WORKERS,
         _NUM_SERVERS,
+        _LOG_LEVEL,
     ),
     "server": (
         Flag(
@@ -211,6 +227,7 @@ ROLE_FLAGS: dict[str, tuple[Flag, ...]] = {
             "AKV_CHECKPOINT_INTERVAL_S",
             "seconds between checkpoints (AKV_CHECKPOINT_INTERVAL_S, default 30)",
         ),
+        _LOG_LEVEL,
     ),
 }
 
@@ -246,12 +263,16 @@ def role_parser(role: str, description: str) -> argparse.ArgumentParser:
     """The flags of ``akv-<role>`` (``role``: ``"scheduler"`` or ``"server"``).
 
     Each flag overrides its variable (see :data:`ROLE_FLAGS`); ``--token-file`` reads
-    ``AKV_TOKEN`` from a file. A flag that belongs to the other role is an error that
-    names the right one.
+    ``AKV_TOKEN`` from a file; ``--version`` prints ``akv-ROLE VERSION`` and exits 0. A
+    flag that belongs to the other role is an error that names the right one.
     """
     if role not in ROLE_FLAGS:
         raise ValueError(f"no command-line role {role!r}: {', '.join(ROLE_FLAGS)}")
+    # Python loads the package akv before this module of it; importing akv here would make
+    # a cycle (akv.factory imports this module).
+    version = sys.modules["akv"].__version__
     parser = argparse.ArgumentParser(prog=f"akv-{role}", description=description)
+    parser.add_argument("--version", action="version", version=f"akv-{role} {version}")
     for flag in ROLE_FLAGS[role]:
         parser.add_argument(flag.option, dest=flag.dest, type=flag.type, help=flag.help)
     parser.add_argument("--token-file", help="read AKV_TOKEN from this file")

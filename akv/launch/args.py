@@ -18,25 +18,34 @@ from akv import __version__
 from akv.cluster.config import (
     ADVERTISE_VARIABLE,
     CHECKPOINT_DIR_VARIABLE,
+    RANK_FROM_VARIABLE,
     TWIN_VARIABLES,
+    format_address,
     is_wildcard,
     parse_address,
+    parse_log_level,
 )
 from akv.errors import ConfigError, LaunchError
 from akv.launch.limits import DEFAULT_GRACE_S
 
 __all__ = [
+    "ALL_GPUS",
     "CHECKPOINT_INTERVAL_VARIABLE",
     "CHECKPOINT_VARIABLES",
+    "DEFAULT_MASTER_PORT",
+    "GPU_VARIABLE",
     "LAUNCHERS",
     "LOCAL_SCHEDULER_HOST",
     "OWNED_VARIABLES",
     "REMOTE_LAUNCHERS",
     "RESTARTING_LAUNCHERS",
+    "TORCH_VARIABLES",
     "LaunchOptions",
     "SplitCommandLine",
     "parse_args",
+    "per_node_scheduler",
     "scheduler_address",
+    "scheduler_listen_host",
     "split_command",
     "validate",
 ]
@@ -56,12 +65,23 @@ CHECKPOINT_VARIABLES = {
 }
 #: Where the local launcher's scheduler listens.
 LOCAL_SCHEDULER_HOST = "127.0.0.1"
+#: The variables PyTorch programs read, which akv-launch sets for each worker it ranks
+#: (``MASTER_ADDR``/``MASTER_PORT`` too, but a user's ``--env`` may set those).
+TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+#: The devices a worker sees (``--gpus-per-worker``).
+GPU_VARIABLE = "CUDA_VISIBLE_DEVICES"
+#: ``--gpus-per-worker all``: every worker sees every GPU of its machine.
+ALL_GPUS = "all"
+#: The scheduler's port in the per-node mode when ``--master-addr`` comes without
+#: ``--master-port`` (torchrun's default).
+DEFAULT_MASTER_PORT = 29500
 #: Variables that belong to the launcher: ``--env`` may not set them, and values inherited
 #: from the launcher's own environment are dropped so a stale one cannot leak into the job
 #: (a stale checkpoint directory would have the servers restore another job's values).
 OWNED_VARIABLES = frozenset(
     [name for pair in TWIN_VARIABLES for name in pair]
     + ["AKV_TOKEN", "AKV_RANK", "AKV_SCHEDULER_FD", ADVERTISE_VARIABLE, "PYTHONUNBUFFERED"]
+    + [RANK_FROM_VARIABLE, *TORCH_VARIABLES]
     + list(CHECKPOINT_VARIABLES)
 )
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -102,6 +122,24 @@ class LaunchOptions:
     #: The Ray cluster ``--launcher ray`` connects to (``ray.init(address=...)``); None:
     #: ``RAY_ADDRESS``, else a local Ray instance.
     ray_address: str | None = None
+    #: How many GPUs each worker of a machine gets through ``CUDA_VISIBLE_DEVICES``: a
+    #: number (0: none), :data:`ALL_GPUS` (every worker sees every GPU; akv sets nothing),
+    #: or ``None``: the machine's GPUs shared out evenly, when any are found.
+    gpus_per_worker: int | str | None = None
+    #: ``AKV_LOG_LEVEL`` for every process, and the launcher's own level (``--log-level``).
+    log_level: str | None = None
+    #: The per-node mode (``--nnodes``): this command is one of ``nnodes`` launchers, one per
+    #: machine, and starts this machine's share of the job; ``None``: it starts all of it.
+    nnodes: int | None = None
+    #: This machine's number in the per-node mode (``--node-rank``); node 0 runs the
+    #: scheduler.
+    node_rank: int | None = None
+    #: The per-node mode's ``HOST:PORT`` where every node reaches the scheduler (node 0
+    #: listens on PORT): ``--scheduler``, or ``--master-addr``/``--master-port``.
+    scheduler: str | None = None
+    #: The address other machines reach this machine's servers at, in the per-node mode
+    #: (``--node-host``; default: the address this machine reaches the scheduler from).
+    node_host: str | None = None
     scheduler_command: tuple[str, ...] | None = None
     server_command: tuple[str, ...] | None = None
 
@@ -117,6 +155,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
     """
     split = split_command(argv)
     args = _parser()[0].parse_args(split.options)
+    num_workers = _num_workers(args)
     command = split.command
     if not command and not split.separated:
         raise LaunchError(
@@ -128,9 +167,12 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         if not sep:
             raise LaunchError(f"--env {item!r} is not NAME=VALUE")
         env[name] = value
+    servers = args.num_servers
+    if servers is None:  # MXNet's default: a server per worker; per node: one per node
+        servers = args.nnodes if args.nnodes is not None else num_workers
     options = LaunchOptions(
-        num_workers=args.num_workers,
-        num_servers=args.num_servers if args.num_servers is not None else args.num_workers,
+        num_workers=num_workers,
+        num_servers=servers,
         command=tuple(command),
         launcher=args.launcher,
         hostfile=args.hostfile,
@@ -139,15 +181,71 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         python=args.python,
         env=env,
         dry_run=args.dry_run,
-        grace_s=args.grace_s,
+        # The per-node mode: the job ends when every node's workers ended, not this node's.
+        grace_s=args.grace_s
+        if args.grace_s is not None
+        else (math.inf if args.nnodes is not None else DEFAULT_GRACE_S),
         log_dir=args.log_dir,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_interval_s=args.checkpoint_interval_s,
         max_restarts=args.max_restarts,
         ray_address=args.ray_address,
+        gpus_per_worker=_gpus(args.gpus_per_worker),
+        log_level=args.log_level,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        scheduler=_scheduler(args),
+        node_host=args.node_host,
     )
     validate(options)
     return options
+
+
+def _num_workers(args: argparse.Namespace) -> int:
+    """``-n``/``-np``, or ``--nproc-per-node`` times the nodes (both only if they agree)."""
+    nodes = args.nnodes if args.nnodes is not None else 1
+    per_node = args.nproc_per_node
+    if per_node is None:
+        if args.num_workers is None:
+            raise LaunchError(
+                "missing -n/--num-workers WORKERS (or -np WORKERS, or --nproc-per-node N): "
+                f"how many workers the job runs, e.g. `{_EXAMPLE}`"
+            )
+        return int(args.num_workers)
+    if per_node < 1:
+        raise LaunchError(f"--nproc-per-node is {per_node}: give the workers per node (>= 1)")
+    if args.num_workers is not None and args.num_workers != per_node * nodes:
+        raise LaunchError(
+            f"-n {args.num_workers} contradicts --nproc-per-node {per_node} on {nodes} "
+            f"node(s) ({per_node * nodes} workers): give one of them"
+        )
+    return int(per_node * nodes)
+
+
+def _scheduler(args: argparse.Namespace) -> str | None:
+    """The per-node mode's ``HOST:PORT``, from ``--scheduler`` or torchrun's
+    ``--master-addr``/``--master-port``."""
+    if args.master_addr is None:
+        if args.master_port is not None:
+            raise LaunchError("--master-port needs --master-addr: the scheduler's host")
+        return args.scheduler if args.scheduler is None else str(args.scheduler)
+    if args.scheduler is not None:
+        raise LaunchError(
+            "--scheduler and --master-addr both say where the scheduler is: give one of them"
+        )
+    port = args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT
+    return format_address(str(args.master_addr).strip("[]"), int(port))
+
+
+def _gpus(text: str | None) -> int | str | None:
+    if text is None or text == ALL_GPUS:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise LaunchError(
+            f"--gpus-per-worker {text!r}: give a number of GPUs (0: none) or `all`"
+        ) from None
 
 
 class SplitCommandLine(NamedTuple):
@@ -192,6 +290,7 @@ def validate(options: LaunchOptions) -> None:
     problem, saying which flag and what to pass instead."""
     if options.num_workers < 1:
         raise LaunchError(f"-n/--num-workers is {options.num_workers}: a job needs >= 1 worker")
+    _validate_habits(options)
     if options.num_servers < 1:
         raise LaunchError(f"-s/--num-servers is {options.num_servers}: a job needs >= 1 server")
     if not options.command:
@@ -200,7 +299,7 @@ def validate(options: LaunchOptions) -> None:
         raise LaunchError(
             f"unknown launcher {options.launcher!r}: use one of {', '.join(LAUNCHERS)}"
         )
-    if not math.isfinite(options.grace_s) or options.grace_s < 0:
+    if math.isnan(options.grace_s) or options.grace_s < 0:
         raise LaunchError(f"--grace-s is {options.grace_s}: give a number of seconds >= 0")
     if options.log_dir is not None and not options.log_dir:
         raise LaunchError("--log-dir is empty: give a directory (it is created if missing)")
@@ -212,7 +311,7 @@ def validate(options: LaunchOptions) -> None:
             f"--launcher {options.launcher} needs --scheduler-host: pass the address of this "
             "machine that the other hosts can reach (the scheduler runs here and listens there)"
         )
-    if not remote and options.scheduler_host:
+    if not remote and options.scheduler_host and options.nnodes is None:
         raise LaunchError(
             "--scheduler-host is for the ssh, mpi and slurm launchers; the local launcher's "
             f"scheduler listens on {LOCAL_SCHEDULER_HOST}"
@@ -250,6 +349,38 @@ def validate(options: LaunchOptions) -> None:
             )
 
 
+def per_node_scheduler(options: LaunchOptions) -> tuple[str, int]:
+    """The per-node mode's scheduler address ``(host, port)`` (an IPv6 host without
+    brackets); a :class:`LaunchError` when it is missing, has no port, or is a wildcard."""
+    if options.scheduler is None:
+        raise LaunchError(
+            "--nnodes needs the scheduler's address, the same on every node: pass "
+            "--scheduler HOST:PORT (or --master-addr HOST [--master-port PORT]), an address "
+            "of node 0 that every node reaches"
+        )
+    try:
+        host, port = parse_address(options.scheduler, "--scheduler")
+    except ConfigError as exc:
+        raise LaunchError(str(exc)) from None
+    if port is None:
+        raise LaunchError(
+            f"--scheduler {options.scheduler}: give HOST:PORT; node 0 listens on PORT, and "
+            "every node must know it"
+        )
+    return host, port
+
+
+def scheduler_listen_host(options: LaunchOptions) -> str:
+    """Where the scheduler listens: ``--scheduler-host`` (ssh, mpi, slurm, and the per-node
+    mode when given), every interface in the per-node mode (``0.0.0.0``, or ``::`` for an
+    IPv6 ``--scheduler``), else :data:`LOCAL_SCHEDULER_HOST`."""
+    if options.scheduler_host and (options.launcher in REMOTE_LAUNCHERS or options.nnodes):
+        return options.scheduler_host
+    if options.nnodes is not None:
+        return "::" if ":" in per_node_scheduler(options)[0] else "0.0.0.0"
+    return LOCAL_SCHEDULER_HOST
+
+
 def scheduler_address(options: LaunchOptions) -> str:
     """The host the servers and workers are told to reach the scheduler at (their
     ``AKV_SCHEDULER_HOST``; an IPv6 address without brackets): ``--scheduler-advertise``,
@@ -258,7 +389,10 @@ def scheduler_address(options: LaunchOptions) -> str:
     Raises :class:`LaunchError` for a ``--scheduler-advertise`` that is not a host (or has a
     port: akv-launch chooses the scheduler's port when it binds the socket), and for a
     wildcard ``--scheduler-host`` (``0.0.0.0``, ``::``) without ``--scheduler-advertise``.
+    In the per-node mode: the host of :func:`per_node_scheduler`.
     """
+    if options.nnodes is not None:
+        return per_node_scheduler(options)[0]
     if options.scheduler_advertise is not None:
         try:
             host, port = parse_address(options.scheduler_advertise, "--scheduler-advertise")
@@ -300,6 +434,74 @@ def _validate_ray(options: LaunchOptions) -> None:
             )
     if options.ray_address is not None and not options.ray_address:
         raise LaunchError("--ray-address is empty: give the Ray cluster's address (HOST:PORT)")
+
+
+def _validate_habits(options: LaunchOptions) -> None:
+    """The checks of the per-node mode, ``--gpus-per-worker`` and ``--log-level``."""
+    if options.log_level is not None:
+        try:
+            parse_log_level(options.log_level, "--log-level")
+        except ConfigError as exc:
+            raise LaunchError(str(exc)) from None
+        if "AKV_LOG_LEVEL" in options.env:
+            raise LaunchError("--env AKV_LOG_LEVEL=... and --log-level: give one of them")
+    gpus = options.gpus_per_worker
+    if gpus is not None and gpus != ALL_GPUS:
+        if not isinstance(gpus, int) or gpus < 0:
+            raise LaunchError(f"--gpus-per-worker {gpus!r}: give a number >= 0, or `all`")
+        if options.launcher in ("mpi", "slurm"):
+            tool = "mpirun's" if options.launcher == "mpi" else "srun's (--gpus-per-task)"
+            raise LaunchError(
+                f"--gpus-per-worker is for the local and ssh launchers: under --launcher "
+                f"{options.launcher} one command starts every worker, so give them their "
+                f"devices with {tool} own options"
+            )
+    if gpus is not None and GPU_VARIABLE in options.env:
+        raise LaunchError(
+            f"--env {GPU_VARIABLE}=... and --gpus-per-worker both choose the workers' GPUs: "
+            "give one of them"
+        )
+    if options.nnodes is None:
+        for flag, value in (
+            ("--node-rank", options.node_rank),
+            ("--scheduler/--master-addr", options.scheduler),
+            ("--node-host", options.node_host),
+        ):
+            if value is not None:
+                raise LaunchError(
+                    f"{flag} is for the per-node mode: pass --nnodes N too (one akv-launch per "
+                    "node), or leave it out to run the whole job from here"
+                )
+        return
+    if options.nnodes < 1:
+        raise LaunchError(f"--nnodes is {options.nnodes}: give the number of nodes (>= 1)")
+    if options.node_rank is None:
+        if options.nnodes > 1:
+            raise LaunchError(
+                f"--nnodes {options.nnodes} needs --node-rank K (0..{options.nnodes - 1}): "
+                "each node's own number; node 0 runs the scheduler"
+            )
+    elif not 0 <= options.node_rank < options.nnodes:
+        raise LaunchError(
+            f"--node-rank is {options.node_rank}: give 0..{options.nnodes - 1} for "
+            f"--nnodes {options.nnodes}"
+        )
+    if options.launcher != "local":
+        raise LaunchError(
+            f"--nnodes is the per-node mode, where each node runs its own akv-launch: it "
+            f"takes no --launcher {options.launcher} (which starts every node from here)"
+        )
+    if options.scheduler_advertise is not None:
+        raise LaunchError(
+            "--scheduler-advertise is not for the per-node mode: every node reaches the "
+            "scheduler at --scheduler HOST:PORT"
+        )
+    if options.num_workers < options.nnodes:
+        raise LaunchError(
+            f"-n {options.num_workers} workers over --nnodes {options.nnodes}: every node "
+            "needs at least one worker"
+        )
+    per_node_scheduler(options)
 
 
 def _validate_checkpoints(options: LaunchOptions) -> None:
@@ -350,7 +552,9 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     """The argparse parser, and its options (for :func:`split_command`)."""
     parser = _Parser(
         prog="akv-launch",
-        usage="%(prog)s -n WORKERS [options] [--] CMD...",
+        usage="%(prog)s -n WORKERS [options] [--] CMD...\n"
+        "       %(prog)s --nnodes NODES --node-rank K --scheduler HOST:PORT "
+        "--nproc-per-node N [options] [--] CMD...",
         description="Start an akv job (one scheduler, SERVERS servers, WORKERS workers "
         "running CMD) and supervise it: output is prefixed per process, the first failing "
         "worker's exit code is the job's, and every process started is stopped at the end. "
@@ -363,11 +567,19 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     actions = [
         add(
             "-n",
+            "-np",
             "--num-workers",
             type=int,
-            required=True,
             metavar="WORKERS",
-            help="number of workers (required, >= 1)",
+            help="number of workers (>= 1; required unless --nproc-per-node gives it; -np "
+            "is horovodrun's spelling)",
+        ),
+        add(
+            "--nproc-per-node",
+            "--nproc_per_node",
+            type=int,
+            metavar="N",
+            help="workers per node, as torchrun's: -n is N times --nnodes (1 without it)",
         ),
         add(
             "-s",
@@ -411,10 +623,10 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
         add(
             "--grace-s",
             type=float,
-            default=DEFAULT_GRACE_S,
             metavar="SECONDS",
             help="once every worker exited 0, how long the scheduler and servers get to stop "
-            f"on their own (default {DEFAULT_GRACE_S:g})",
+            f"on their own (default {DEFAULT_GRACE_S:g}; per-node mode: until they stop, "
+            "when the whole job ended)",
         ),
         add(
             "--log-dir",
@@ -447,6 +659,60 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
             "up to N times per server (default 0; needs --checkpoint-dir; local, ssh and ray "
             "only); workers and the scheduler are never restarted",
         ),
+        add(
+            "--gpus-per-worker",
+            metavar="N|all",
+            help="GPUs each worker of a machine gets through CUDA_VISIBLE_DEVICES, in "
+            "LOCAL_RANK order (0: none; all: every worker sees every GPU); default: this "
+            "machine's GPUs (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`) shared out evenly",
+        ),
+        add(
+            "--log-level",
+            metavar="LEVEL",
+            help="AKV_LOG_LEVEL for every process: DEBUG, INFO (default), WARNING, ERROR or "
+            "CRITICAL, any case; above INFO the launcher prints no progress lines either",
+        ),
+        add(
+            "--nnodes",
+            type=int,
+            metavar="NODES",
+            help="per-node mode, for clusters without ssh: run one akv-launch on each of "
+            "NODES machines, with the same options but --node-rank; each starts its share "
+            "of the servers and workers, node 0 also the scheduler",
+        ),
+        add(
+            "--node-rank",
+            "--node_rank",
+            type=int,
+            metavar="K",
+            help="per-node mode: this machine's number, 0..NODES-1",
+        ),
+        add(
+            "--scheduler",
+            metavar="HOST:PORT",
+            help="per-node mode: node 0's address and the port its scheduler listens on, "
+            "which every node reaches",
+        ),
+        add(
+            "--master-addr",
+            "--master_addr",
+            metavar="HOST",
+            help="per-node mode: torchrun's spelling of --scheduler's HOST",
+        ),
+        add(
+            "--master-port",
+            "--master_port",
+            type=int,
+            metavar="PORT",
+            help=f"per-node mode: torchrun's spelling of --scheduler's PORT (default "
+            f"{DEFAULT_MASTER_PORT})",
+        ),
+        add(
+            "--node-host",
+            metavar="HOST",
+            help="per-node mode: the address other nodes reach this node's servers at "
+            "(default: the address this node reaches the scheduler from)",
+        ),
         add("--version", action="version", version=f"akv-launch {__version__}"),
     ]
     return parser, actions
@@ -459,9 +725,9 @@ def _values_taken(word: str, rest: Sequence[str], actions: Sequence[argparse.Act
             return 0
         action = _long_option(word, actions)
     else:
-        if len(word) > 2:  # -n2: the value is attached
-            return 0
         action = next((a for a in actions if word in a.option_strings), None)
+        if action is None and len(word) > 2:  # -n2: the value is attached
+            return 0
     if action is None or action.nargs == 0 or not rest or rest[0] == "--":
         return 0
     if action.nargs != "+":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -21,13 +22,25 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import BinaryIO
 
-from akv.cluster.config import from_env
+from akv.cluster.config import Config, from_env, parse_log_level
 from akv.cluster.protocol import LAUNCHER_REPORTER
 from akv.cluster.roles import scheduler_client
 from akv.errors import AKVError, LaunchError
-from akv.launch.args import LOCAL_SCHEDULER_HOST, LaunchOptions, parse_args, validate
+from akv.launch.args import (
+    LaunchOptions,
+    parse_args,
+    per_node_scheduler,
+    scheduler_listen_host,
+    validate,
+)
+from akv.launch.devices import visible_devices
 from akv.launch.hosts import load_hostfile
-from akv.launch.limits import MPI_VERSION_TIMEOUT_S, REPORT_EXIT_S, TERMINATE_GRACE_S
+from akv.launch.limits import (
+    MPI_VERSION_TIMEOUT_S,
+    NVIDIA_SMI_TIMEOUT_S,
+    REPORT_EXIT_S,
+    TERMINATE_GRACE_S,
+)
 from akv.launch.plans import (
     LAUNCHER_TOOLS,
     JobContext,
@@ -38,6 +51,7 @@ from akv.launch.plans import (
 )
 from akv.launch.spec import ProcessSpec
 from akv.launch.supervisor import supervise
+from akv.launch.watch import AssemblyWatch
 
 __all__ = ["EXIT_USAGE", "launch", "main"]
 
@@ -100,6 +114,12 @@ def launch(
             options, environ, stdout=out, stderr=stderr, terminate_grace_s=terminate_grace_s
         )
     hosts = load_hostfile(options.hostfile) if options.hostfile else []
+    if options.nnodes is not None and not environ.get("AKV_TOKEN"):
+        raise LaunchError(
+            "--nnodes: every node's akv-launch needs the same AKV_TOKEN: generate one with "
+            "`python -c 'import secrets; print(secrets.token_hex(32))'` and export it as "
+            "AKV_TOKEN on every node"
+        )
     token = job_token(environ)
     tool = LAUNCHER_TOOLS.get(options.launcher)
     found = tool is not None and shutil.which(tool, path=environ.get("PATH")) is not None
@@ -108,6 +128,7 @@ def launch(
     flavour = "openmpi"
     if options.launcher == "mpi" and found:
         flavour = _detect_mpi_flavour(environ)
+    local = options.launcher == "local"
     context = JobContext(
         environ=environ,
         token=token,
@@ -115,24 +136,41 @@ def launch(
         python=sys.executable,
         hosts=hosts,
         mpi_flavour=flavour,
+        gpus=visible_devices(environ, _nvidia_smi(environ)) if local else None,
+        node_host=_node_host(options) if options.nnodes is not None else None,
     )
+    if options.nnodes is not None:
+        context = replace(context, scheduler_port=per_node_scheduler(options)[1])
     if options.dry_run:
         note = f"# `{tool}` is not on PATH here\n" if tool is not None and not found else ""
         out.write((note + format_dry_run(plan(options, context), token)).encode())
         out.flush()
         return 0
-    host = options.scheduler_host or LOCAL_SCHEDULER_HOST
-    listener = _listen(host, options.num_workers + options.num_servers)
-    try:
+    listeners = []
+    if options.nnodes is None or not options.node_rank:  # this node runs the scheduler
+        port = context.scheduler_port or 0
+        listener = _listen(scheduler_listen_host(options), port, options)
+        listeners.append(listener)
         context = replace(
             context, scheduler_port=listener.getsockname()[1], scheduler_fd=listener.fileno()
         )
+    try:
         specs = plan(options, context)
         if options.log_dir is not None:
             _make_log_dir(options.log_dir)
     except BaseException:
-        listener.close()
+        for listener in listeners:
+            listener.close()
         raise
+    config = _client_config(specs)
+    watch = None
+    if config is not None:
+        level = options.log_level or environ.get("AKV_LOG_LEVEL") or "INFO"
+        try:
+            progress = parse_log_level(level) <= logging.INFO
+        except AKVError:
+            progress = True  # the processes refuse the level themselves, and say so
+        watch = AssemblyWatch(config, progress=progress)
     return supervise(
         specs,
         grace_s=options.grace_s,
@@ -140,23 +178,32 @@ def launch(
         terminate_grace_s=terminate_grace_s,
         stdout=out,
         stderr=stderr,
-        inherited=[listener],
-        report_failure=_failure_reporter(specs),
+        inherited=listeners,
+        report_failure=_failure_reporter(config),
+        watch=watch,
     )
 
 
-def _failure_reporter(specs: Sequence[ProcessSpec]) -> Callable[[ProcessSpec, str], None] | None:
+def _client_config(specs: Sequence[ProcessSpec]) -> Config | None:
+    """How this machine reaches the job's scheduler (the address the servers and workers
+    are given, the token, TLS), from a server's or worker's variables (for ``ssh``, those
+    of its remote script); None when they cannot be read here."""
+    member = next((spec for spec in specs if spec.role != "scheduler"), None)
+    if member is None:
+        return None
+    try:
+        return from_env({**member.env, **member.job_env}, role="scheduler")
+    except AKVError:
+        return None
+
+
+def _failure_reporter(config: Config | None) -> Callable[[ProcessSpec, str], None] | None:
     """What tells the job's scheduler that akv-launch saw one of its processes fail (a
     worker killed by a signal tells nobody itself; the servers give it
     ``AKV_RECONNECT_GRACE_S`` to come back, and the job may be stopped before then), so that
     the scheduler's verdict names it. None when the scheduler's configuration cannot be
     read here. The report is best effort, bounded by :data:`REPORT_EXIT_S`."""
-    scheduler = next((spec for spec in specs if spec.role == "scheduler"), None)
-    if scheduler is None:
-        return None
-    try:
-        config = from_env(scheduler.env)
-    except AKVError:
+    if config is None:
         return None
 
     def report(spec: ProcessSpec, what: str) -> None:
@@ -189,10 +236,12 @@ def _make_log_dir(path: str) -> None:
         raise LaunchError(f"--log-dir {path} cannot be created: {exc}") from exc
 
 
-def _listen(host: str, peers: int) -> socket.socket:
+def _listen(host: str, port: int, options: LaunchOptions) -> socket.socket:
+    """The scheduler's listening socket on ``host`` and ``port`` (0: any free one)."""
+    peers = options.num_workers + options.num_servers
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
-            host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         listener = socket.socket(family, kind, proto)
     except OSError as exc:
@@ -201,15 +250,56 @@ def _listen(host: str, peers: int) -> socket.socket:
             "machine that the other hosts can reach"
         ) from exc
     try:
+        if port:  # the per-node mode's fixed port: a job just ended may leave TIME_WAITs
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(address)
         listener.listen(max(socket.SOMAXCONN, peers))
     except OSError as exc:
         listener.close()
+        if port:
+            raise LaunchError(
+                f"the scheduler cannot listen on port {port} of this node ({host}): {exc}; "
+                "choose another port in --scheduler (or --master-port), the same on every node"
+            ) from exc
         raise LaunchError(
             f"the scheduler cannot listen on {host!r}: {exc}; --scheduler-host must be an "
             "address of this machine that the other hosts can reach"
         ) from exc
     return listener
+
+
+def _node_host(options: LaunchOptions) -> str:
+    """This machine's address that the other nodes reach, by default: the one it reaches
+    the scheduler from (a UDP socket's source address after ``connect``, which sends
+    nothing); ``127.0.0.1`` when that cannot be found."""
+    host, port = per_node_scheduler(options)
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def _nvidia_smi(environ: Mapping[str, str]) -> str | None:
+    """What ``nvidia-smi -L`` prints (the GPUs of this machine), or None without it."""
+    if "CUDA_VISIBLE_DEVICES" in environ or not shutil.which(
+        "nvidia-smi", path=environ.get("PATH")
+    ):
+        return None
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "-L"],
+            capture_output=True,
+            text=True,
+            env=dict(environ),
+            timeout=NVIDIA_SMI_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
 
 
 def _detect_mpi_flavour(environ: Mapping[str, str]) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from akv.cluster.config import parse_address
 from akv.errors import ConfigError, LaunchError
 
-__all__ = ["Host", "assign_hosts", "load_hostfile", "parse_hostfile"]
+__all__ = ["Host", "assign_hosts", "load_hostfile", "node_share", "parse_hostfile"]
 
 _HOST_NAME = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 _MAX_PORT = 65535
@@ -122,3 +122,12 @@ def _advertise(value: str, where: str) -> str:
             "yourself with akv-server --advertise HOST:PORT)"
         )
     return f"[{host}]" if ":" in host else host
+
+
+def node_share(total: int, nodes: int, node: int) -> range:
+    """The ranks that node ``node`` of ``nodes`` runs out of ``total`` (the per-node mode):
+    a block of consecutive ranks per node, in node order; the first ``total % nodes`` nodes
+    run one more than the others (7 over 3 nodes: 0-2, 3-4, 5-6)."""
+    base, extra = divmod(total, nodes)
+    start = node * base + min(node, extra)
+    return range(start, start + base + (1 if node < extra else 0))

@@ -11,10 +11,14 @@ __all__ = [
     "DEFAULT_GRACE_S",
     "MAX_LINE_BYTES",
     "MPI_VERSION_TIMEOUT_S",
+    "NVIDIA_SMI_TIMEOUT_S",
     "OUTPUT_SETTLE_S",
     "POLL_INTERVAL_S",
+    "PROGRESS_DELAY_S",
+    "PROGRESS_POLL_S",
     "REPORT_EXIT_S",
     "REPORT_GRACE_S",
+    "STATUS_REQUEST_TIMEOUT_S",
     "TERMINATE_GRACE_S",
     "TOKEN_BYTES",
     "TRACEBACK_MAX_LINES",
@@ -43,6 +47,15 @@ TRACEBACK_MAX_LINES = 60
 #: How often the supervisor looks at the clock and at process groups while it waits
 #: (seconds).
 POLL_INTERVAL_S = 0.05
+#: While a job assembles, how often akv-launch asks the scheduler who has joined (seconds).
+PROGRESS_POLL_S = 0.5
+#: How long after the start akv-launch begins to print who has joined (a job that assembles
+#: sooner prints only that every process joined) (seconds).
+PROGRESS_DELAY_S = 1.0
+#: How long one of those questions may take (seconds).
+STATUS_REQUEST_TIMEOUT_S = 2.0
+#: How long ``nvidia-smi -L`` may take (seconds).
+NVIDIA_SMI_TIMEOUT_S = 10.0
 #: How long ``mpirun --version`` may take (seconds).
 MPI_VERSION_TIMEOUT_S = 10.0
 #: Random bytes in a job token (``secrets.token_hex`` gives twice as many hex characters).

@@ -20,14 +20,18 @@ from akv.cluster.config import ADVERTISE_VARIABLE, CHECKPOINT_DIR_VARIABLE, TWIN
 from akv.errors import LaunchError
 from akv.launch.args import (
     CHECKPOINT_INTERVAL_VARIABLE,
+    GPU_VARIABLE,
     LOCAL_SCHEDULER_HOST,
     OWNED_VARIABLES,
     REMOTE_LAUNCHERS,
     LaunchOptions,
+    per_node_scheduler,
     scheduler_address,
+    scheduler_listen_host,
     validate,
 )
-from akv.launch.hosts import Host, assign_hosts
+from akv.launch.devices import worker_devices
+from akv.launch.hosts import Host, assign_hosts, node_share
 from akv.launch.limits import TERMINATE_GRACE_S, TOKEN_BYTES
 from akv.launch.spec import ProcessSpec
 from akv.limits import MIN_TOKEN_CHARS
@@ -48,6 +52,7 @@ __all__ = [
     "plan",
     "plan_local",
     "plan_mpi",
+    "plan_node",
     "plan_slurm",
     "plan_ssh",
     "remote_script",
@@ -100,6 +105,12 @@ class JobContext:
         The host file's hosts (required for ``ssh``; optional for ``mpi`` and ``slurm``).
     mpi_flavour
         ``"openmpi"`` or ``"mpich"`` (MPICH and Intel MPI): how ``mpirun`` forwards names.
+    gpus
+        This machine's GPUs (:func:`~akv.launch.devices.visible_devices`), which its
+        workers share out; ``None``: not looked at.
+    node_host
+        The per-node mode's default address of this machine's servers (the one it reaches
+        the scheduler from).
     """
 
     environ: Mapping[str, str]
@@ -110,6 +121,8 @@ class JobContext:
     scheduler_fd: int | None = None
     hosts: Sequence[Host] = field(default=())
     mpi_flavour: str = "openmpi"
+    gpus: Sequence[str] | None = None
+    node_host: str | None = None
 
 
 def plan(options: LaunchOptions, context: JobContext) -> list[ProcessSpec]:
@@ -131,6 +144,8 @@ def plan(options: LaunchOptions, context: JobContext) -> list[ProcessSpec]:
     validate(options)
     if context.mpi_flavour not in MPI_FLAVOURS:
         raise LaunchError(f"unknown MPI flavour {context.mpi_flavour!r}: use one of {MPI_FLAVOURS}")
+    if options.nnodes is not None:
+        return plan_node(options, context)
     return _PLANS[options.launcher](options, context)
 
 
@@ -141,10 +156,12 @@ def plan_local(options: LaunchOptions, context: JobContext) -> list[ProcessSpec]
     """
     inherited = _inherited(context.environ)
     specs = [_scheduler_spec(options, context)]
+    places = _places(options, context, [range(options.num_workers)], context.gpus)
     for role, argv, count in _roles(options, context):
         for rank in range(count):
             node_host = LOCAL_SCHEDULER_HOST if role == "server" else None
-            env = _job_env(options, context, role, rank, node_host)
+            extra = _worker_env(places[rank]) if role == "worker" else {}
+            env = _job_env(options, context, role, rank, node_host, extra=extra)
             specs.append(
                 ProcessSpec(
                     role,
@@ -166,12 +183,21 @@ def plan_ssh(options: LaunchOptions, context: JobContext) -> list[ProcessSpec]:
     line's ``advertise=ADDR`` (:func:`_server_address`)."""
     inherited = _inherited(context.environ)
     specs = [_scheduler_spec(options, context)]
-    placement = iter(assign_hosts(context.hosts, options.num_servers + options.num_workers))
+    hosts = assign_hosts(context.hosts, options.num_servers + options.num_workers)
+    worker_hosts = [host.name for host in hosts[options.num_servers :]]
+    # The workers by host: their local ranks; their GPUs are another machine's (unknown).
+    groups = [
+        [rank for rank, name in enumerate(worker_hosts) if name == host]
+        for host in dict.fromkeys(worker_hosts)
+    ]
+    places = _places(options, context, groups, None, master=worker_hosts[0])
+    placement = iter(hosts)
     for role, argv, count in _roles(options, context):
         for rank in range(count):
             host = next(placement)
             node_host, advertise = _server_address(host) if role == "server" else (None, None)
-            env = _job_env(options, context, role, rank, node_host, advertise)
+            extra = _worker_env(places[rank]) if role == "worker" else {}
+            env = _job_env(options, context, role, rank, node_host, advertise, extra)
             specs.append(
                 ProcessSpec(
                     role,
@@ -214,6 +240,66 @@ def plan_slurm(options: LaunchOptions, context: JobContext) -> list[ProcessSpec]
         return srun_argv(count, names, argv, context.hosts)
 
     return _group_plan(options, context, srun)
+
+
+def plan_node(options: LaunchOptions, context: JobContext) -> list[ProcessSpec]:
+    """The per-node mode (``--nnodes``): this node's share of the job, every process on
+    this machine, started directly as :func:`plan_local` starts them.
+
+    Node 0 runs the scheduler (listening on ``--scheduler``'s port, every interface unless
+    ``--scheduler-host``); each node runs a block of the server ranks and a block of the
+    worker ranks (:func:`~akv.launch.hosts.node_share`). Servers bind and advertise
+    ``--node-host``, else ``context.node_host``. Everyone reaches the scheduler at
+    ``--scheduler``'s host; the workers' ``MASTER_ADDR`` is it too (node 0 runs worker 0).
+    """
+    node = options.node_rank or 0
+    nodes = options.nnodes or 1
+    node_host = options.node_host or context.node_host or LOCAL_SCHEDULER_HOST
+    inherited = _inherited(context.environ)
+    specs = [_scheduler_spec(options, context)] if node == 0 else []
+    workers = node_share(options.num_workers, nodes, node)
+    places = _places(
+        options, context, [workers], context.gpus, master=per_node_scheduler(options)[0]
+    )
+    server_argv, worker_argv = (argv for _, argv, _ in _roles(options, context))
+    for role, argv, ranks in (
+        ("server", server_argv, node_share(options.num_servers, nodes, node)),
+        ("worker", worker_argv, workers),
+    ):
+        for rank in ranks:
+            if role == "server":
+                env = _job_env(options, context, role, rank, node_host)
+            else:
+                env = _job_env(options, context, role, rank, extra=_worker_env(places[rank]))
+            log_path = _log_path(options, role, rank)
+            specs.append(
+                ProcessSpec(role, rank, argv, {**inherited, **env}, env, log_path=log_path)
+            )
+    return specs
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where one worker stands: its rank among the job's ``world_size`` workers, its rank
+    and their number on its machine, its GPUs (``CUDA_VISIBLE_DEVICES``; ``None``: not
+    set), and ``MASTER_ADDR:MASTER_PORT`` (see :func:`master_port`)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    devices: str | None
+    master_addr: str
+    master_port: str
+
+
+def master_port(scheduler_port: int | None) -> str:
+    """The workers' ``MASTER_PORT``: the scheduler's port + 1 (- 1 for 65535), for
+    ``torch.distributed``'s rendezvous on worker 0's machine, which must not be akv's
+    scheduler; :data:`PORT_PLACEHOLDER` + 1 while the port is not known (``--dry-run``)."""
+    if scheduler_port is None:
+        return f"{PORT_PLACEHOLDER}+1"
+    return str(scheduler_port + 1 if scheduler_port < 65535 else scheduler_port - 1)
 
 
 def log_file_name(role: str, rank: int | None) -> str:
@@ -431,7 +517,9 @@ def _group_plan(
     inherited = _inherited(context.environ)
     specs = [_scheduler_spec(options, context)]
     for role, argv, count in _roles(options, context):
-        env = _job_env(options, context, role)
+        # Each rank's RANK and LOCAL_RANK are the runtime's (OMPI_COMM_WORLD_RANK, ...).
+        world = {"WORLD_SIZE": str(options.num_workers)} if role == "worker" else {}
+        env = _job_env(options, context, role, extra=world)
         if role == "server":
             # Each server advertises its own host; only the node knows its name.
             argv = (*_server_host_wrapper(context.hosts), *argv)
@@ -489,6 +577,52 @@ def _server_host_wrapper(hosts: Sequence[Host]) -> tuple[str, ...]:
     return (*_SERVER_HOST_WRAPPER[:2], script, *_SERVER_HOST_WRAPPER[3:])
 
 
+def _places(
+    options: LaunchOptions,
+    context: JobContext,
+    machines: Sequence[Sequence[int]],
+    gpus: Sequence[str] | None,
+    master: str = LOCAL_SCHEDULER_HOST,
+) -> dict[int, WorkerPlace]:
+    """Each worker's :class:`WorkerPlace`, by rank: ``machines`` holds the worker ranks of
+    each machine, in local-rank order; ``gpus`` that machine's devices (``None``: unknown),
+    shared out by :func:`~akv.launch.devices.worker_devices` unless ``--env`` sets
+    ``CUDA_VISIBLE_DEVICES`` for every worker."""
+    places = {}
+    for ranks in machines:
+        if GPU_VARIABLE in options.env:
+            devices: list[str | None] = [None] * len(ranks)
+        else:
+            devices = worker_devices(gpus, len(ranks), options.gpus_per_worker)
+        for local_rank, rank in enumerate(ranks):
+            places[rank] = WorkerPlace(
+                rank,
+                options.num_workers,
+                local_rank,
+                len(ranks),
+                devices[local_rank],
+                master,
+                master_port(context.scheduler_port),
+            )
+    return places
+
+
+def _worker_env(place: WorkerPlace) -> dict[str, str]:
+    """The variables PyTorch programs read (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and the worker's GPUs."""
+    env = {
+        "RANK": str(place.rank),
+        "WORLD_SIZE": str(place.world_size),
+        "LOCAL_RANK": str(place.local_rank),
+        "LOCAL_WORLD_SIZE": str(place.local_world_size),
+        "MASTER_ADDR": place.master_addr,
+        "MASTER_PORT": place.master_port,
+    }
+    if place.devices is not None:
+        env[GPU_VARIABLE] = place.devices
+    return env
+
+
 def _scheduler_spec(options: LaunchOptions, context: JobContext) -> ProcessSpec:
     env = _job_env(options, context, "scheduler")
     fd = context.scheduler_fd
@@ -522,16 +656,18 @@ def _job_env(
     rank: int | None = None,
     node_host: str | None = None,
     advertise: str | None = None,
+    extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The variables akv-launch sets for one process (or group), under both names.
 
     The scheduler's ``AKV_SCHEDULER_HOST`` is where it listens; the others' is where they
     reach it (``--scheduler-advertise``, if given). Only servers get the checkpoint
-    variables (``--checkpoint-dir`` made absolute against ``context.cwd``).
+    variables (``--checkpoint-dir`` made absolute against ``context.cwd``). ``extra``
+    (a worker's :func:`_worker_env`) comes before ``--env``, which may override what it
+    does not own (``MASTER_PORT``).
     """
-    remote = options.launcher in REMOTE_LAUNCHERS
     port = context.scheduler_port
-    listen = (options.scheduler_host if remote else None) or LOCAL_SCHEDULER_HOST
+    listen = scheduler_listen_host(options)
     values = {
         "AKV_ROLE": role,
         "AKV_SCHEDULER_HOST": listen if role == "scheduler" else scheduler_address(options),
@@ -555,6 +691,9 @@ def _job_env(
         env[CHECKPOINT_DIR_VARIABLE] = os.path.join(context.cwd, options.checkpoint_dir)
         if options.checkpoint_interval_s is not None:
             env[CHECKPOINT_INTERVAL_VARIABLE] = repr(options.checkpoint_interval_s)
+    if options.log_level is not None:
+        env["AKV_LOG_LEVEL"] = options.log_level
+    env.update(extra or {})
     env["PYTHONUNBUFFERED"] = "1"
     env.update(options.env)
     return env

@@ -10,6 +10,7 @@ lines.
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 from collections.abc import Mapping, Sequence
@@ -249,11 +250,12 @@ class ExitRules:
             return Decision("stop", 0, f"{what}; every process finished")
         self._draining = True
         left = ", ".join(self._running_labels())
-        return Decision(
-            "drain",
-            0,
-            f"{what}; every worker finished: waiting up to {self._grace_s:g} s for {left} to stop",
-        )
+        if math.isinf(self._grace_s):  # the per-node mode: the job may go on elsewhere
+            done = f"every worker of this node finished: waiting for {left} to stop"
+            done += " (they stop when the whole job ended)"
+        else:
+            done = f"every worker finished: waiting up to {self._grace_s:g} s for {left} to stop"
+        return Decision("drain", 0, f"{what}; {done}")
 
     @staticmethod
     def _restartable(spec: ProcessSpec) -> bool:

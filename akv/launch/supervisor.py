@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, Protocol
 
 from akv.errors import LaunchError
 from akv.launch.limits import (
@@ -35,6 +35,7 @@ from akv.launch.limits import (
     TERMINATE_GRACE_S,
     TRACEBACK_MAX_LINES,
 )
+from akv.launch.report import ProcessRecord, summary_lines
 from akv.launch.rules import Decision, ExitRules, scheduler_verdict, status_text
 from akv.launch.spec import ProcessSpec
 from transport import remove_leftovers
@@ -53,6 +54,16 @@ _TRACEBACK_START = b"Traceback (most recent call last):"
 
 #: ``prctl`` option that sets the signal a process gets when its parent dies (Linux).
 PR_SET_PDEATHSIG = 1
+
+
+class Watch(Protocol):
+    """What watches a job while it runs (:class:`akv.launch.watch.AssemblyWatch`):
+    started once every process was started, with a thread-safe way to print a launcher
+    message; stopped before the job's summary."""
+
+    def start(self, say: Callable[[str], None]) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -90,6 +101,7 @@ def supervise(
     inherited: Sequence[socket.socket] = (),
     handle_signals: bool = True,
     report_failure: Callable[[ProcessSpec, str], None] | None = None,
+    watch: Watch | None = None,
 ) -> int:
     """Run the job's processes to the end and return the launcher's exit code.
 
@@ -108,7 +120,9 @@ def supervise(
     Before it returns (normally, on an exception, or on SIGINT/SIGTERM) it sends SIGTERM to
     every process group it started, waits up to ``terminate_grace_s`` for them to empty, and
     sends SIGKILL to the rest; grandchildren in those groups go too. A second SIGINT or
-    SIGTERM during that wait skips to SIGKILL.
+    SIGTERM during that wait skips to SIGKILL. Then it prints the summary: one line per
+    process with its role, rank, last exit, run time and restarts
+    (:func:`~akv.launch.report.summary_lines`).
 
     Parameters
     ----------
@@ -136,6 +150,9 @@ def supervise(
         swallow its errors) when the exit of ``spec``'s process fails the job, with what
         was seen (``exited with signal SIGKILL``): the launcher tells the scheduler, so that
         its verdict names that process even when nobody else saw it die.
+    watch
+        Started once every process was started (the assembly's progress lines), stopped
+        when the job ends.
 
     Returns
     -------
@@ -157,6 +174,7 @@ def supervise(
         stdout=stdout if stdout is not None else sys.stdout.buffer,
         stderr=stderr if stderr is not None else sys.stderr.buffer,
         report_failure=report_failure,
+        watch=watch,
     )
     return supervisor.run(inherited, handle_signals)
 
@@ -172,9 +190,17 @@ class _Supervisor:
         stdout: BinaryIO,
         stderr: BinaryIO,
         report_failure: Callable[[ProcessSpec, str], None] | None = None,
+        watch: Watch | None = None,
     ) -> None:
         self._specs = list(specs)
         self._report_failure = report_failure
+        self._watch = watch
+        #: When each spec was first started, and when its newest process exited.
+        self._started_at: dict[int, float] = {}
+        self._ended_at: dict[int, float] = {}
+        #: The specs whose process still ran when the launcher stopped the job.
+        self._stopped: set[int] = set()
+        self._rules: ExitRules | None = None
         self._grace_s = grace_s
         self._max_restarts = max_restarts
         self._terminate_grace_s = terminate_grace_s
@@ -197,9 +223,10 @@ class _Supervisor:
         self._tracebacks: dict[int, collections.deque[bytes]] = {}
 
     def run(self, inherited: Sequence[socket.socket], handle_signals: bool) -> int:
-        rules = ExitRules(self._specs, self._grace_s, max_restarts=self._max_restarts)
+        rules = self._rules = ExitRules(self._specs, self._grace_s, max_restarts=self._max_restarts)
         previous = self._install_signal_handlers() if handle_signals else {}
         decision = Decision("continue")
+        failed = False
         try:
             self._open_logs()
             for index, spec in enumerate(self._specs):
@@ -213,6 +240,8 @@ class _Supervisor:
                 rules.started(index, pid)
             for sock in inherited:
                 sock.close()
+            if self._watch is not None and decision.action != "stop":
+                self._watch.start(self._say)
             if self._signo is not None and decision.action != "stop":
                 decision = rules.interrupted(self._signo)
             deadline: float | None = None
@@ -229,15 +258,19 @@ class _Supervisor:
                 if decision.action == "restart":
                     decision = self._restart(decision, rules)
             self._say(decision.message)
-            if decision.exit_code != 0:
-                if self._verdict is not None:
-                    self._say(f"the scheduler's verdict: the job failed: {self._verdict}")
-                self._show_traceback(rules.culprit(self._verdict))
+            failed = decision.exit_code != 0
             return decision.exit_code
         finally:
+            if self._watch is not None:
+                self._watch.stop()
             for sock in inherited:
                 sock.close()
             self._stop_all()
+            self._say_summary()
+            if failed:  # last, where a person looks first: who failed the job, and how
+                if self._verdict is not None:
+                    self._say(f"the scheduler's verdict: the job failed: {self._verdict}")
+                self._show_traceback(rules.culprit(self._verdict))
             self._close_logs()
             for signo, handler in previous.items():
                 signal.signal(signo, handler)
@@ -301,6 +334,7 @@ class _Supervisor:
             preexec_fn=_die_with_parent(),
         )
         self._procs[index] = proc
+        self._started_at.setdefault(index, time.monotonic())
         generation = self._generations[index] = self._generations.get(index, 0) + 1
         if spec.stdin is not None and proc.stdin is not None:
             try:
@@ -325,7 +359,10 @@ class _Supervisor:
         return proc.pid
 
     def _wait(self, index: int, proc: subprocess.Popen[bytes], generation: int) -> None:
-        self._events.put(_Event("exit", index, proc.wait(), generation))
+        returncode = proc.wait()
+        if self._generations.get(index) == generation:
+            self._ended_at[index] = time.monotonic()
+        self._events.put(_Event("exit", index, returncode, generation))
 
     def _restart(self, decision: Decision, rules: ExitRules) -> Decision:
         """Start process ``decision.index`` again: ``continue``, or the rules' ``stop`` when
@@ -459,6 +496,7 @@ class _Supervisor:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()  # a remote script stops its command on EOF
         groups = {index: proc.pid for index, proc in self._procs.items()}
+        self._stopped = {index for index, proc in self._procs.items() if proc.poll() is None}
         for pgid in groups.values():
             _signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + self._terminate_grace_s
@@ -486,6 +524,30 @@ class _Supervisor:
         for pumps in self._pumps.values():
             for pump in pumps:
                 pump.join(OUTPUT_SETTLE_S)
+
+    def _say_summary(self) -> None:
+        """One line per process: role, rank, last exit, run time, restarts."""
+        if not self._procs:
+            return  # nothing was started (a log file could not be opened)
+        restarts = self._rules.restarts if self._rules is not None else {}
+        now = time.monotonic()
+        records = []
+        for index, spec in enumerate(self._specs):
+            proc = self._procs.get(index)
+            started = self._started_at.get(index, now)
+            records.append(
+                ProcessRecord(
+                    spec.role,
+                    spec.rank,
+                    None if proc is None else proc.returncode,
+                    self._ended_at.get(index, now) - started,
+                    restarts.get(index, 0),
+                    index in self._stopped,
+                    spec.count,
+                )
+            )
+        for line in summary_lines(records):
+            self._say(line)
 
     def _second_signal(self) -> bool:
         while True:

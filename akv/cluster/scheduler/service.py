@@ -163,7 +163,8 @@ class Scheduler:
         if self._runner is None:
             await self.start()
         assemble_s = self.config.timeouts.connect_s + STARTUP_MARGIN_S
-        deadline = time.monotonic() + assemble_s
+        started = time.monotonic()
+        deadline = started + assemble_s
         try:
             while True:
                 await asyncio.sleep(SCHEDULER_CHECK_INTERVAL_S)
@@ -179,6 +180,15 @@ class Scheduler:
                     await self._notify()
                 status = self.roster.exit_status(now)
                 if status is not None:
+                    if status == 0:
+                        log.info(
+                            "the job ended well: %d worker%s and %d server%s finished in %.1f s",
+                            self.config.num_workers,
+                            "" if self.config.num_workers == 1 else "s",
+                            self.config.num_servers,
+                            "" if self.config.num_servers == 1 else "s",
+                            now - started,
+                        )
                     return status
         except asyncio.CancelledError as exc:
             if not stopped_by_signal(exc):

@@ -246,6 +246,8 @@ class ParameterServer:
             ok = stopped and self.state.failure is None and not gave_up.is_set()
             if ok and self.checkpoints is not None:
                 await self.checkpoints.final()
+            if ok:
+                log.info("%s: the job ended well; stopping", self.name)
             return 0 if ok else JOB_FAILED_EXIT
         except asyncio.CancelledError as exc:
             if stopped_by_signal(exc):

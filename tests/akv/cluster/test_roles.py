@@ -191,7 +191,7 @@ def test_a_bad_log_level_is_one_line_and_exit_2_not_a_traceback():
     assert done.returncode == 2
     assert done.stderr == (
         "akv-scheduler: AKV_LOG_LEVEL='verbose' is not a log level: set it to DEBUG, INFO, "
-        "WARNING, ERROR or CRITICAL (any case), or to a number\n"
+        "WARNING, ERROR or CRITICAL (any case), or to a number; or pass --log-level\n"
     )
 
 

@@ -269,6 +269,17 @@ def wait_gone(pids: list[int], timeout_s: float = 5.0) -> list[int]:
     return left
 
 
+def before_summary(err: str) -> list[str]:
+    """The launcher's stderr lines before its summary table (whose run times vary)."""
+    lines = err.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.startswith(SUMMARY_HEADER)), None)
+    return lines if header is None else lines[:header]
+
+
+#: How the summary table starts.
+SUMMARY_HEADER = "akv-launch: role "
+
+
 def pids_in(text: str) -> list[int]:
     pids = []
     for line in text.splitlines():

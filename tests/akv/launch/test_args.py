@@ -105,7 +105,7 @@ def test_values_written_attached_to_their_option_are_not_the_command():
 
 
 def test_abbreviated_long_options_take_their_value():
-    options = parse_args(["--num-w", "2", "--grace", "1", "--log", "d", "python", "x"])
+    options = parse_args(["--num-w", "2", "--grace", "1", "--log-d", "d", "python", "x"])
     assert (options.num_workers, options.grace_s, options.log_dir) == (2, 1.0, "d")
     assert options.command == ("python", "x")
 
@@ -132,7 +132,7 @@ def test_an_unknown_option_before_the_command_is_refused():
 
 
 def test_an_option_missing_its_value_before_double_dash_is_refused():
-    with pytest.raises(LaunchError, match="-n/--num-workers: expected one argument"):
+    with pytest.raises(LaunchError, match="-n/-np/--num-workers: expected one argument"):
         parse_args(["-n", "--", "python"])
 
 
@@ -147,7 +147,7 @@ def test_an_option_missing_its_value_before_double_dash_is_refused():
         (["-n", "1", "--"], "missing command after `--`"),
         (["-n", "1"], "missing command: give the worker command after the options"),
         (["-n", "1", "--dry-run", "--env", "A=1"], "missing command: give the worker command"),
-        (["python", "train.py"], "the following arguments are required: -n/--num-workers"),
+        (["python", "train.py"], "missing -n/--num-workers WORKERS (or -np WORKERS, or --nproc"),
         (["-n", "1", "--launcher", "yarn", "--", "x"], "unknown launcher 'yarn'"),
         (["-n", "x", "--", "x"], "invalid int value: 'x'"),
         (["-n", "1", "--launcher", "mpi", "--", "x"], "needs --scheduler-host"),

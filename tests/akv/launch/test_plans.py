@@ -213,6 +213,8 @@ NAMES = [
     "AKV_TOKEN",
     "PYTHONUNBUFFERED",
 ]
+#: A group of workers also gets WORLD_SIZE (RANK and LOCAL_RANK are the runtime's).
+WORKER_NAMES = [*NAMES[:-1], "WORLD_SIZE", "PYTHONUNBUFFERED"]
 HOST_WRAPPER = (
     "/bin/sh",
     "-c",
@@ -225,6 +227,7 @@ def test_open_mpi_plan_is_two_mpiruns_forwarding_variables_by_name():
     scheduler, servers, workers = _mpi_plan("openmpi")
     assert scheduler.role == "scheduler" and scheduler.pass_fds == (7,)
     forward = [arg for name in NAMES for arg in ("-x", name)]
+    worker_forward = [arg for name in WORKER_NAMES for arg in ("-x", name)]
     head = ["mpirun", "-n"]
     assert list(servers.argv) == [
         *head,
@@ -242,7 +245,7 @@ def test_open_mpi_plan_is_two_mpiruns_forwarding_variables_by_name():
         "3",
         "--hostfile",
         "/w/hosts",
-        *forward,
+        *worker_forward,
         "python3",
         "train.py",
     ]
@@ -263,7 +266,7 @@ def test_mpich_plan_uses_genvlist_and_hosts():
         "3",
         *hosts,
         "-genvlist",
-        ",".join(NAMES),
+        ",".join(WORKER_NAMES),
         "python3",
         "train.py",
     ]
@@ -287,7 +290,15 @@ def _slurm_plan() -> list[ProcessSpec]:
 def test_slurm_plan_is_one_srun_step_per_role():
     _, servers, workers = _slurm_plan()
     head = ["srun", "--kill-on-bad-exit=1", "--label", f"--export=ALL,{','.join(NAMES)}"]
-    assert list(workers.argv) == [head[0], "--ntasks=4", *head[1:], "python3", "t.py"]
+    worker_export = f"--export=ALL,{','.join(WORKER_NAMES)}"
+    assert list(workers.argv) == [
+        head[0],
+        "--ntasks=4",
+        *head[1:3],
+        worker_export,
+        "python3",
+        "t.py",
+    ]
     assert list(servers.argv) == [
         head[0],
         "--ntasks=1",

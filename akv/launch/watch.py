@@ -1,0 +1,93 @@
+""":class:`AssemblyWatch`: while a job assembles, ask its scheduler who has joined and say
+so (the I/O around :mod:`akv.launch.report`).
+
+It runs on a thread of its own, with an event loop of its own, and asks the scheduler's
+``GET /v1/status`` (with the job's token) every :data:`PROGRESS_POLL_S`. It prints the
+status page's address at once, then a line each time who has joined changed (from
+:data:`PROGRESS_DELAY_S` on, so that a job that assembles at once prints only the last
+line), and one line when every process joined; then it stops asking. It gives up quietly
+once the job could no longer assemble (the connect timeout and its margin passed: the
+scheduler fails the job then, and says why), and never fails the job itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+
+from akv.cluster.config import Config
+from akv.cluster.roles import scheduler_client
+from akv.launch.limits import PROGRESS_DELAY_S, PROGRESS_POLL_S, STATUS_REQUEST_TIMEOUT_S
+from akv.launch.report import assembled_line, assembly, progress_line
+from akv.limits import STARTUP_MARGIN_S
+
+__all__ = ["AssemblyWatch", "status_url"]
+
+
+def status_url(config: Config) -> str:
+    """The scheduler's status page, ``http(s)://HOST:PORT/status`` (never with the token)."""
+    return f"{config.scheduler_url}/status"
+
+
+class AssemblyWatch:
+    """Says who has joined a job while it assembles (see the module's docstring).
+
+    ``config`` is how this machine reaches the job's scheduler (its address, token and
+    TLS); ``progress``: whether to print the progress lines (the launcher's log level is
+    INFO or lower), besides the status page's address.
+    """
+
+    def __init__(self, config: Config, *, progress: bool = True) -> None:
+        self._config = config
+        self._progress = progress
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, say: Callable[[str], None]) -> None:
+        """Print the status page's address with ``say``, and start watching (on a daemon
+        thread); ``say`` must be safe to call from that thread."""
+        say(f"the job's status page: {status_url(self._config)} (it asks for the job's token)")
+        if not self._progress:
+            return
+        self._thread = threading.Thread(
+            target=self._run, args=(say,), name="akv-launch-watch", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching; returns once the thread ended (within a poll and a request)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(PROGRESS_POLL_S + 2 * STATUS_REQUEST_TIMEOUT_S)
+
+    def _run(self, say: Callable[[str], None]) -> None:
+        with contextlib.suppress(Exception):  # a watch never fails the job
+            asyncio.run(self._watch(say))
+
+    async def _watch(self, say: Callable[[str], None]) -> None:
+        config = self._config
+        started = time.monotonic()
+        give_up = started + config.timeouts.connect_s + STARTUP_MARGIN_S
+        client = scheduler_client(config, STATUS_REQUEST_TIMEOUT_S, retries=0)
+        said = ""
+        try:
+            while not self._stop.is_set() and time.monotonic() < give_up:
+                try:
+                    status = await client.json("GET", "/v1/status")
+                except Exception:  # not listening yet, or not akv's scheduler: ask again
+                    status = None
+                if status is not None:
+                    state = assembly(status, config.num_workers, config.num_servers)
+                    if state.complete:
+                        say(assembled_line(state, time.monotonic() - started))
+                        return
+                    line = progress_line(state)
+                    if line != said and time.monotonic() - started >= PROGRESS_DELAY_S:
+                        say(line)
+                        said = line
+                await asyncio.to_thread(self._stop.wait, PROGRESS_POLL_S)
+        finally:
+            await client.close()
