@@ -10,13 +10,14 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from akv.args import Key, check_one_kind
-from akv.arrays import NUMPY, Array, Origin, cupy_module, pinned_empty
+from akv.arrays import NUMPY, Array, Origin, cupy_module, is_gpu, pinned_empty
 from akv.errors import (
     DTypeMismatchError,
     DuplicateInitError,
     KeyNotInitializedError,
     ShapeMismatchError,
 )
+from akv.fused import sum_into
 from akv.rows import RowTable
 from engine import Var
 
@@ -247,7 +248,10 @@ class KeyTable:
 def merge_into(buffer: Array, arrays: list[Array]) -> Array:
     """Write the sum of ``arrays`` (all of ``buffer``'s shape and dtype) into ``buffer``.
 
-    All on the host, or all on ``buffer``'s GPU (NumPy's functions dispatch to CuPy)."""
+    All on the host, or all on ``buffer``'s GPU (then in one kernel:
+    :func:`akv.fused.sum_into`)."""
+    if type(buffer) is not np.ndarray and is_gpu(buffer):
+        return sum_into(buffer, arrays)
     if len(arrays) == 1:
         np.copyto(buffer, arrays[0])
         return buffer

@@ -40,14 +40,20 @@ What it models, after CuPy's API (names, signatures, errors) and CUDA's semantic
   recorded as a violation, and so is an exception escaping one.
 
 Tests read :data:`violations` (expected empty), :func:`peek` (an array's memory as it is now,
-without synchronizing: what a consumer on an unordered stream would see) and
-:func:`pending` (queued stream work). :func:`held` delays the GPU: while it is active, host
+without synchronizing: what a consumer on an unordered stream would see),
+:func:`pending` (queued stream work) and :data:`counts` (what was submitted to streams:
+``"kernel"`` for kernels and copies, ``"record"``, ``"wait"``, ``"host"``; ``"host_wait"`` for
+host synchronizations; ``"pinned"`` for ``empty_pinned`` calls; ``"elementwise"`` for
+``ElementwiseKernel`` launches). :func:`logging_ops` records each submission in order, with
+its stream and a label. ``ElementwiseKernel`` (``tests/fakekernels.py``) runs its operation
+with NumPy. :func:`held` delays the GPU: while it is active, host
 functions and host waits do not run streams (a deterministic "the GPU is slow").
 """
 
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import ctypes
 import itertools
@@ -70,6 +76,10 @@ DEVICES = 2
 SCHEDULE = "lazy"
 #: Broken rules seen since the last :func:`reset` (a test expects none).
 violations: list[str] = []
+#: What was submitted since the last :func:`reset` (see the module docstring).
+counts: collections.Counter[str] = collections.Counter()
+#: While :func:`logging_ops` is active: ``(stream, kind, label)`` per submission.
+_op_log: list[tuple[Any, str, str]] | None = None
 
 _lock = threading.RLock()
 _changed = threading.Condition(_lock)
@@ -97,6 +107,7 @@ def reset(devices: int = 2, schedule: str = "lazy") -> None:
         DEVICES = devices
         SCHEDULE = schedule
         violations.clear()
+        counts.clear()
         _held = False
         _deferred.clear()
         _streams.clear()
@@ -246,9 +257,17 @@ class Stream:
     # -- queueing and running
 
     def _enqueue(
-        self, kind: str, fn: Any = None, arg: Any = None, states: tuple[_BlockState, ...] = ()
+        self,
+        kind: str,
+        fn: Any = None,
+        arg: Any = None,
+        states: tuple[_BlockState, ...] = (),
+        label: str = "",
     ) -> int:
         with _lock:
+            counts[kind] += 1
+            if _op_log is not None:
+                _op_log.append((self, kind, label))
             self._seq += 1
             for state in states:
                 state.pending[self] = state.pending.get(self, 0) + 1
@@ -391,6 +410,7 @@ def _host_wait() -> None:
     """A host thread waits for GPU work: while :func:`held`, until it is released."""
     global _blocked
     with _lock:
+        counts["host_wait"] += 1
         if not _held:
             return
         _blocked += 1
@@ -567,6 +587,7 @@ class _PinnedOwner:
 def empty_pinned(shape: Any, dtype: Any = float, order: str = "C") -> np.ndarray:
     """``cupyx.empty_pinned``: a NumPy array in (fake) page-locked memory."""
     _api()
+    counts["pinned"] += 1
     dtype = np.dtype(dtype)
     shape = _shape(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -620,7 +641,7 @@ def _memcpy_async(dst: int, src: int, size: int, kind: int, stream_ptr: int) -> 
             def copy(keep: tuple[np.ndarray, ...] = keep) -> None:
                 ctypes.memmove(dst, src, size)
 
-        stream._enqueue("kernel", copy, states=states)
+        stream._enqueue("kernel", copy, states=states, label="memcpy")
         if kind == memcpyDeviceToHost and dst_state is None:
             stream._run()  # into pageable memory: returns once copied
 
@@ -1243,6 +1264,7 @@ def copyto(dst: Any, src: Any, casting: str = "same_kind", where: Any = None) ->
             "kernel",
             lambda: np.copyto(target, source.reshape(target.shape)),
             states=(dst._block.state, src._block.state),
+            label="memcpy",
         )
         return
     with Device(dst.device.id):
@@ -1431,12 +1453,28 @@ cuda.get_device_id = _current_device
 cuda.is_available = is_available
 cuda.MemoryPointer = MemoryPointer
 
+from tests.fakekernels import ElementwiseKernel  # noqa: E402, F401 - uses the names above
+
 cupyx = types.ModuleType("cupyx")
 cupyx.empty_pinned = empty_pinned
 cupyx.zeros_pinned = zeros_pinned
 
 
 # ------------------------------------------------------------------------------ for the tests
+
+
+@contextlib.contextmanager
+def logging_ops() -> Iterator[list[tuple[Any, str, str]]]:
+    """Record every submission to a stream while active: ``(stream, kind, label)``."""
+    global _op_log
+    log: list[tuple[Any, str, str]] = []
+    with _lock:
+        _op_log = log
+    try:
+        yield log
+    finally:
+        with _lock:
+            _op_log = None
 
 
 def peek(array: ndarray) -> np.ndarray:
