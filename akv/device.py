@@ -24,6 +24,7 @@ the store's engine when the first GPU key is initialized.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,9 +42,18 @@ from akv.arrays import (
 )
 from akv.backend import KeyArrays, Updater
 from akv.errors import GPUUnavailableError, InvalidArgumentError
-from akv.keys import Entry, merge_into
+from akv.gpu_stream import follow, note_read, note_write, pending, reduce_on_stream, settle
+from akv.keys import Entry
 from akv.local import GUARD, LocalBackend
-from engine import Engine, GPUContext, GPUExecutor, GPUWork, Waitable, gather
+from engine import (
+    Completed,
+    Engine,
+    GPUContext,
+    GPUExecutor,
+    GPUWork,
+    Waitable,
+    gather,
+)
 
 __all__ = [
     "DeviceBackend",
@@ -85,51 +95,18 @@ class MergePlacement:
         return placed
 
 
-def _to_device(array: Array, device: int) -> Array:
-    """``array`` on GPU ``device``: itself, or a copy on the current stream there.
-
-    A copy from another GPU is ordered on both: it waits (on the GPU) for the work queued so
-    far on the caller's current stream of the source GPU, and work queued there later waits
-    for the copy (so the caller may overwrite the array once the call returns).
-    """
-    source = device_of(array)
-    if source == device:
-        return array
-    cupy = cupy_module()
-    if source is None:  # host memory: staged at the call, copied on the current stream
-        with cupy.cuda.Device(device):
-            copy = cupy.empty(array.shape, array.dtype)
-            copy.set(np.ascontiguousarray(array))
-            return copy
-    with cupy.cuda.Device(source):
-        array = cupy.ascontiguousarray(array)
-        source_stream = cupy.cuda.get_current_stream()
-        ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(source_stream)
-    with cupy.cuda.Device(device):
-        stream = cupy.cuda.get_current_stream()
-        stream.wait_event(ready)
-        copy = cupy.empty(array.shape, array.dtype)
-        cupy.copyto(copy, array)  # a peer copy, on this stream
-        copied = cupy.cuda.Event(disable_timing=True)
-        copied.record(stream)
-    with cupy.cuda.Device(source):
-        source_stream.wait_event(copied)
-    return copy
-
-
 def reduce_at_call(device: int, arrays: list[Array], buffer: Array) -> tuple[Array, Any]:
     """Sum ``arrays`` into ``buffer`` (on GPU ``device``) on the caller's current stream there;
     return the buffer and an event recorded after the sum.
 
     Enqueued on the caller's stream, the sum reads the arrays after the caller's own queued
     work and before anything the caller queues later: once the call returns, the caller may
-    change its arrays. A task that uses the buffer waits for the event on the GPU.
+    change its arrays. A task that uses the buffer waits for the event on the GPU. One
+    kernel per chunk reads every value once (:func:`akv.gpu_stream.reduce_on_stream`).
     """
     cupy = cupy_module()
     with cupy.cuda.Device(device):
-        local = [_to_device(array, device) for array in arrays]
-        merge_into(buffer, local)
+        reduce_on_stream(device, arrays, buffer)
         event = cupy.cuda.Event(disable_timing=True)
         event.record()
     return buffer, event
@@ -220,8 +197,9 @@ def from_pinned(
             copy_async(out, pinned, ctx.stream)
 
 
-def register_gpu_executor(engine: Engine, make: Callable[[], GPUExecutor]) -> None:
-    """Register the engine's ``"gpu"`` executor (once per engine: the caller remembers).
+def register_gpu_executor(engine: Engine, make: Callable[[], GPUExecutor]) -> GPUExecutor:
+    """Register the engine's ``"gpu"`` executor (once per engine: the caller remembers);
+    return it.
 
     Raises
     ------
@@ -230,7 +208,9 @@ def register_gpu_executor(engine: Engine, make: Callable[[], GPUExecutor]) -> No
     """
     if cupy_module() is None:
         raise GPUUnavailableError("GPU values were given, and CuPy is not installed")
-    engine.register_executor(GPU, make())
+    executor = make()
+    engine.register_executor(GPU, executor)
+    return executor
 
 
 def _init_gpu(staged: list[tuple[Entry, Array, Any]], ctx: GPUContext) -> None:
@@ -246,7 +226,8 @@ def _land_gpu(
     ctx: GPUContext,
 ) -> None:
     for entry, buffer, event in staged:
-        ctx.after(event)
+        ctx.after(event, *pending(entry))
+        entry.gpu_after = []  # this task's completion orders what comes later
         if updater is None:
             entry.value = buffer
         else:
@@ -257,12 +238,64 @@ def _land_gpu(
 def _pull_gpu(targets: KeyArrays, result: object, events: list[Any], ctx: GPUContext) -> object:
     ctx.after(*events)
     for entry, outs in targets:
+        ctx.after(*pending(entry))
         for out in outs:
             if is_gpu(out):
                 copy_async(out, entry.value, ctx.stream)  # on this task's stream
             else:
                 copy_into(out, entry.value)  # waits for the copy (host memory)
     return result
+
+
+# ---------------------------------------------------------------- on the caller's stream
+
+
+def _push_now(store: object, updater: Updater | None, entry: Entry, arrays: list[Array]) -> None:
+    """A push of one GPU key, enqueued on the caller's current stream of its merge GPU:
+    the sum straight into the stored value (no updater), or into a buffer the updater
+    applies there; no engine task, no host wait."""
+    cupy = cupy_module()
+    assert entry.device is not None and entry.value is not None  # a GPU key, initialized
+    with cupy.cuda.Device(entry.device):
+        stream = cupy.cuda.get_current_stream()
+        follow(entry, stream, writing=True)
+        if updater is None:
+            reduce_on_stream(entry.device, arrays, entry.value)
+        else:
+            summed = reduce_on_stream(entry.device, arrays, cupy.empty(entry.shape, entry.dtype))
+            GUARD.run(store, updater, entry.key, summed, entry.value)
+        note_write(entry, stream)
+
+
+def _pull_now(
+    entry: Entry, outs: list[Array], executor: GPUExecutor, result: object
+) -> Waitable | None:
+    """A pull of one GPU key into outputs on its GPU or in host memory, enqueued on the
+    caller's current stream of the key's GPU; returns the completion of the GPU copies, with
+    ``result`` (None when every output is in host memory: those copies are done at the
+    return)."""
+    cupy = cupy_module()
+    assert entry.device is not None and entry.value is not None
+    value = entry.value
+    with cupy.cuda.Device(entry.device):
+        stream = cupy.cuda.get_current_stream()
+        follow(entry, stream, writing=False)
+        done = None
+        gpu_outs = [out for out in outs if is_gpu(out)]
+        if gpu_outs:
+            for out in gpu_outs:
+                cupy.copyto(out, value)
+            event = note_read(entry, stream)
+            done = executor.event_done(entry.device, event, result, name="pull")
+        host_outs = [out for out in outs if not is_gpu(out)]
+        if host_outs:
+            host = value.get(stream=stream)  # blocking: done when this returns
+            for out in host_outs:
+                np.copyto(out, host)
+    return done
+
+
+_PUSHED = Completed(None, "push")
 
 
 class DeviceBackend(LocalBackend):
@@ -289,14 +322,15 @@ class DeviceBackend(LocalBackend):
         self._devices = list(devices) if devices is not None else None
         self._seen: set[int] = set()
         self._make_executor = executor
-        self._registered = False
+        self._gpu_executor: GPUExecutor | None = None
+        self._gpu_entries: list[Entry] = []
 
     # ------------------------------------------------------------ splitting host from GPU
 
-    def _gpu_ready(self) -> None:
-        if not self._registered:
-            register_gpu_executor(self._engine, self._make_executor)
-            self._registered = True
+    def _gpu_ready(self) -> GPUExecutor:
+        if self._gpu_executor is None:
+            self._gpu_executor = register_gpu_executor(self._engine, self._make_executor)
+        return self._gpu_executor
 
     # ------------------------------------------------------------ the work
 
@@ -317,6 +351,7 @@ class DeviceBackend(LocalBackend):
         by_device: dict[int, list[tuple[Entry, Array, Any]]] = {}
         for entry, array in gpu:
             entry.device = places[entry.key]
+            self._gpu_entries.append(entry)
             by_device.setdefault(entry.device, []).append((entry, *_stage(entry, [array])))
         for device, staged in by_device.items():
             tasks.append(
@@ -331,18 +366,32 @@ class DeviceBackend(LocalBackend):
         return _joined(tasks, None)
 
     def push(self, values: KeyArrays, priority: int, borrow: bool) -> Waitable:
-        """Host keys as the local store; GPU keys staged at the call, applied on a stream."""
+        """Host keys as the local store. A GPU key whose var is free is pushed on the
+        caller's current stream (:func:`_push_now`: no task, done at the call); the others
+        are summed at the call and applied by a task on a compute stream."""
         host, gpus = _by_device(values)
         if not gpus:
             return super().push(_on_host(values), priority, borrow)
         tasks = [super().push(_on_host(host), priority, borrow)] if host else []
+        updater = self.updater
         for device, items in gpus.items():
-            staged = [(entry, *_stage(entry, arrays)) for entry, arrays in items]
+            queued = []
+            for entry, arrays in items:
+                done = self._engine.run_now(
+                    _push_now, self._store, updater, entry, arrays, writes=(entry.var,), name="push"
+                )
+                if done is None:
+                    queued.append((entry, arrays))
+                elif done.failed():
+                    tasks.append(done)
+            if not queued:
+                continue
+            staged = [(entry, *_stage(entry, arrays)) for entry, arrays in queued]
             tasks.append(
                 self._engine.push(
                     GPUWork(_land_gpu, device=device, kind="compute"),
                     self._store,
-                    self.updater,
+                    updater,
                     staged,
                     writes=[entry.var for entry, _, _ in staged],
                     priority=priority,
@@ -350,28 +399,63 @@ class DeviceBackend(LocalBackend):
                     name="push",
                 )
             )
-        return _joined(tasks, None)
+        return _joined(tasks, None) if tasks else _PUSHED
 
     def pull(self, targets: KeyArrays, result: object, priority: int) -> Waitable:
-        """Host keys as the local store; GPU keys copied out on a copy stream."""
+        """Host keys as the local store. A GPU key whose var is free, pulled into outputs
+        on its GPU or in host memory, is copied on the caller's current stream
+        (:func:`_pull_now`), the pull completing with the copies (an event; no task); the
+        others are copied by a task on a copy stream of the key's GPU."""
         host, gpus = _by_device(targets)
         if not gpus:
             return super().pull(targets, result, priority)
         tasks = [super().pull(host, result, priority)] if host else []
+        executor = self._gpu_ready()
         for device, items in gpus.items():
+            queued = []
+            copied = None  # on one stream: the latest copy's completion covers the others
+            for entry, outs in items:
+                done = None
+                if all(device_of(out) in (None, device) for out in outs):
+                    done = self._engine.run_now(
+                        _pull_now, entry, outs, executor, result, reads=(entry.var,), name="pull"
+                    )
+                if done is None:
+                    queued.append((entry, outs))
+                elif done.failed():
+                    tasks.append(done)
+                else:
+                    copied = done.result() or copied
+            if copied is not None:
+                tasks.append(copied)
+            if not queued:
+                continue
             tasks.append(
                 self._engine.push(
                     GPUWork(_pull_gpu, device=device, kind="copy"),
-                    items,
+                    queued,
                     result,
-                    record_on_callers(out for _, outs in items for out in outs),
-                    reads=[entry.var for entry, _ in items],
+                    record_on_callers(out for _, outs in queued for out in outs),
+                    reads=[entry.var for entry, _ in queued],
                     priority=priority,
                     executor=GPU,
                     name="pull",
                 )
             )
+        if not tasks:
+            return Completed(result, "pull")
         return _joined(tasks, result)
+
+    def _settle(self, entries: list[Entry]) -> None:
+        """Wait for the keys' GPU work on callers' streams (before states are read)."""
+        settle(entries)
+
+    async def close(self, barrier_before_exit: bool) -> None:
+        """Wait for the GPU work enqueued on callers' streams (the values' memory goes back
+        to CuPy's pool with the store)."""
+        if self._gpu_entries:
+            await asyncio.to_thread(settle, list(self._gpu_entries))
+        await super().close(barrier_before_exit)
 
 
 def _by_device(items: KeyArrays) -> tuple[KeyArrays, dict[int, KeyArrays]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -83,6 +83,7 @@ class Entry:
         "_spares",
         "device",
         "dtype",
+        "gpu_after",
         "key",
         "nbytes",
         "origin",
@@ -122,6 +123,10 @@ class Entry:
         self.value: Array | None = None
         #: The stored rows of a row-sparse key (None: a dense key, whose value is ``value``).
         self.rows: RowTable | None = None
+        #: The key's GPU work enqueued outside engine tasks, as ``(stream, event)`` pairs:
+        #: the latest write first (or a placeholder), then the reads since
+        #: (:mod:`akv.gpu_stream`).
+        self.gpu_after: list[tuple[tuple[int, int], Any]] = []
         self._spares: list[Array] = []
 
     def wire_view(self, array: np.ndarray, part: Part) -> np.ndarray:

@@ -351,11 +351,16 @@ class LocalBackend:
             raise OptimizerNotSetError(f"{what} needs an optimizer: call set_optimizer first")
         return self._optimizer_updater
 
+    def _settle(self, entries: list[Entry]) -> None:
+        """Wait for the keys' work that the engine does not see (none here: a subclass that
+        enqueues GPU work outside tasks waits for it), before host code reads their states."""
+
     def save_states(self, entries: list[Entry], path: Path, dump_optimizer: bool) -> Task:
         """Write the optimizer's states once every earlier push to ``entries`` is applied."""
         updater = self._require_optimizer("save_optimizer_states")
 
         def write() -> None:
+            self._settle(entries)
             data = updater.dump_states(dump_optimizer)
             try:
                 path.write_bytes(data)
@@ -373,6 +378,7 @@ class LocalBackend:
         updater = self._require_optimizer("load_optimizer_states")
 
         def read() -> None:
+            self._settle(entries)
             try:
                 data = path.read_bytes()
             except OSError as exc:
