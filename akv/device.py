@@ -38,13 +38,21 @@ from akv.arrays import (
     device_of,
     is_gpu,
     record_on_callers,
-    to_host,
 )
 from akv.backend import KeyArrays, Updater
-from akv.errors import GPUUnavailableError, InvalidArgumentError
-from akv.gpu_stream import follow, note_read, note_write, pending, reduce_on_stream, settle
+from akv.errors import InvalidArgumentError
+from akv.gpu_stream import (
+    follow,
+    note_read,
+    note_write,
+    pending,
+    reduce_at_call,
+    reduce_on_stream,
+    settle,
+)
 from akv.keys import Entry
 from akv.local import GUARD, LocalBackend
+from akv.pinned import GPU, copy_async, from_pinned, register_gpu_executor, to_pinned
 from engine import (
     Completed,
     Engine,
@@ -64,8 +72,6 @@ __all__ = [
     "register_gpu_executor",
     "to_pinned",
 ]
-
-GPU = "gpu"
 
 
 class MergePlacement:
@@ -95,122 +101,9 @@ class MergePlacement:
         return placed
 
 
-def reduce_at_call(device: int, arrays: list[Array], buffer: Array) -> tuple[Array, Any]:
-    """Sum ``arrays`` into ``buffer`` (on GPU ``device``) on the caller's current stream there;
-    return the buffer and an event recorded after the sum.
-
-    Enqueued on the caller's stream, the sum reads the arrays after the caller's own queued
-    work and before anything the caller queues later: once the call returns, the caller may
-    change its arrays. A task that uses the buffer waits for the event on the GPU. One
-    kernel per chunk reads every value once (:func:`akv.gpu_stream.reduce_on_stream`).
-    """
-    cupy = cupy_module()
-    with cupy.cuda.Device(device):
-        reduce_on_stream(device, arrays, buffer)
-        event = cupy.cuda.Event(disable_timing=True)
-        event.record()
-    return buffer, event
-
-
 def _stage(entry: Entry, arrays: list[Array]) -> tuple[Array, Any]:
     assert entry.device is not None
     return reduce_at_call(entry.device, arrays, entry.take_buffer())
-
-
-def copy_async(dst: Array, src: Array, stream: Any) -> None:
-    """Enqueue ``dst <- src`` on ``stream``: between a GPU and pinned host memory, or from a
-    GPU (the stream's) to a GPU.
-
-    With pinned host memory the copy is asynchronous (a pageable one would block the thread).
-    A non-contiguous GPU side goes through a contiguous GPU buffer.
-    """
-    cupy = cupy_module()
-    runtime = cupy.cuda.runtime
-    if is_gpu(dst) and is_gpu(src):
-        _gpu_to_gpu(dst, src, stream)
-        return
-    gpu, host = (dst, src) if is_gpu(dst) else (src, dst)
-    with gpu.device:
-        contiguous = gpu if gpu.flags.c_contiguous else cupy.empty(gpu.shape, gpu.dtype)
-        if is_gpu(src):
-            if contiguous is not gpu:
-                with stream:
-                    cupy.copyto(contiguous, gpu)
-            kind = runtime.memcpyDeviceToHost
-            runtime.memcpyAsync(
-                host.ctypes.data, contiguous.data.ptr, host.nbytes, kind, stream.ptr
-            )
-        else:
-            kind = runtime.memcpyHostToDevice
-            runtime.memcpyAsync(
-                contiguous.data.ptr, host.ctypes.data, host.nbytes, kind, stream.ptr
-            )
-            if contiguous is not gpu:
-                with stream:
-                    cupy.copyto(gpu, contiguous)
-
-
-def _gpu_to_gpu(dst: Array, src: Array, stream: Any) -> None:
-    """``dst <- src``, ordered on ``stream`` (of ``src``'s GPU): a peer copy to another GPU is
-    a memcpy on the stream; a strided ``dst`` there is then filled on its own GPU, on the
-    current stream there, between event waits (CuPy's ``copyto`` would run that part on the
-    other GPU's stream, unordered with ``stream``)."""
-    cupy = cupy_module()
-    with stream:
-        if device_of(dst) == device_of(src):
-            cupy.copyto(dst, src)
-            return
-        src = cupy.ascontiguousarray(src)
-        if dst.flags.c_contiguous:
-            cupy.copyto(dst, src)  # a peer memcpy, on the stream
-            return
-        with dst.device:
-            landing = cupy.empty(dst.shape, dst.dtype)
-        cupy.copyto(landing, src)
-        landed = cupy.cuda.Event(disable_timing=True)
-        landed.record(stream)
-    with dst.device:
-        other = cupy.cuda.get_current_stream()
-        other.wait_event(landed)
-        cupy.copyto(dst, landing)
-        done = cupy.cuda.Event(disable_timing=True)
-        done.record(other)
-    stream.wait_event(done)
-
-
-def to_pinned(staged: list[tuple[Array, Array, Any]], ctx: GPUContext) -> None:
-    """A GPU task: copy each summed GPU buffer into its pinned host buffer once its event
-    has fired (``staged``: ``[(gpu buffer, pinned buffer, event), ...]``)."""
-    for gpu, pinned, event in staged:
-        ctx.after(event)
-        copy_async(pinned, gpu, ctx.stream)
-
-
-def from_pinned(
-    landed: list[tuple[Array, list[Array]]], events: list[Any], ctx: GPUContext
-) -> None:
-    """A GPU task: copy each pinned host buffer into its GPU outputs, after ``events`` (see
-    :func:`record_on_callers`)."""
-    ctx.after(*events)
-    for pinned, outs in landed:
-        for out in outs:
-            copy_async(out, pinned, ctx.stream)
-
-
-def register_gpu_executor(engine: Engine, make: Callable[[], GPUExecutor]) -> GPUExecutor:
-    """Register the engine's ``"gpu"`` executor (once per engine: the caller remembers);
-    return it.
-
-    Raises
-    ------
-    GPUUnavailableError
-        CuPy is not installed.
-    """
-    if cupy_module() is None:
-        raise GPUUnavailableError("GPU values were given, and CuPy is not installed")
-    executor = make()
-    engine.register_executor(GPU, executor)
-    return executor
 
 
 def _init_gpu(staged: list[tuple[Entry, Array, Any]], ctx: GPUContext) -> None:
@@ -316,21 +209,12 @@ class DeviceBackend(LocalBackend):
         """``devices``: the GPUs merge buffers may be placed on (by default every GPU an init
         value came from so far). ``executor`` makes the engine's GPU executor (a seam for
         tests)."""
-        super().__init__(engine, store, inline_max_bytes)
+        super().__init__(engine, store, inline_max_bytes, executor)
         self.type = "device"
         self.placement = MergePlacement()
         self._devices = list(devices) if devices is not None else None
         self._seen: set[int] = set()
-        self._make_executor = executor
-        self._gpu_executor: GPUExecutor | None = None
         self._gpu_entries: list[Entry] = []
-
-    # ------------------------------------------------------------ splitting host from GPU
-
-    def _gpu_ready(self) -> GPUExecutor:
-        if self._gpu_executor is None:
-            self._gpu_executor = register_gpu_executor(self._engine, self._make_executor)
-        return self._gpu_executor
 
     # ------------------------------------------------------------ the work
 
@@ -371,8 +255,8 @@ class DeviceBackend(LocalBackend):
         are summed at the call and applied by a task on a compute stream."""
         host, gpus = _by_device(values)
         if not gpus:
-            return super().push(_on_host(values), priority, borrow)
-        tasks = [super().push(_on_host(host), priority, borrow)] if host else []
+            return super().push(values, priority, borrow)
+        tasks = [super().push(host, priority, borrow)] if host else []
         updater = self.updater
         for device, items in gpus.items():
             queued = []
@@ -468,14 +352,6 @@ def _by_device(items: KeyArrays) -> tuple[KeyArrays, dict[int, KeyArrays]]:
         else:
             gpus.setdefault(entry.device, []).append((entry, arrays))
     return host, gpus
-
-
-def _on_host(values: KeyArrays) -> KeyArrays:
-    """Values of host keys, copied to the host where they came from a GPU (``values``
-    itself when none did: the common case allocates nothing)."""
-    if all(not is_gpu(array) for _, arrays in values for array in arrays):
-        return values
-    return [(entry, [to_host(array) for array in arrays]) for entry, arrays in values]
 
 
 def _joined(tasks: list[Waitable], result: object) -> Waitable:

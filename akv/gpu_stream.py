@@ -35,8 +35,10 @@ __all__ = [
     "note_read",
     "note_write",
     "pending",
+    "reduce_at_call",
     "reduce_on_stream",
     "settle",
+    "side_stream",
     "stream_key",
 ]
 
@@ -64,16 +66,18 @@ def stream_key(stream: Any) -> tuple[int, int]:
 
 # ------------------------------------------------------------------------------ the reduce
 
-_side_streams: dict[int, Any] = {}
+_side_streams: dict[tuple[int, str], Any] = {}
 
 
-def _side_stream(device: int) -> Any:
-    """The merge GPU's stream for peer copies (made once per process and device)."""
-    stream = _side_streams.get(device)
+def side_stream(device: int, purpose: str) -> Any:
+    """A non-blocking stream of ``device`` for one ``purpose`` ("peer": the reduce's peer
+    copies; "copy": staging copies to and from pinned memory), made once per process."""
+    stream = _side_streams.get((device, purpose))
     if stream is None:
         cupy = cupy_module()
         with cupy.cuda.Device(device):
-            stream = _side_streams.setdefault(device, cupy.cuda.Stream(non_blocking=True))
+            made = cupy.cuda.Stream(non_blocking=True)
+        stream = _side_streams.setdefault((device, purpose), made)
     return stream
 
 
@@ -109,7 +113,7 @@ def _reduce_with_peers(
     cupy: Any, device: int, sources: list[Array], peers: list[int], buffer: Array
 ) -> None:
     stream = cupy.cuda.get_current_stream()
-    side = _side_stream(device)
+    side = side_stream(device, "peer")
     side.wait_event(_recorded(cupy, stream))  # the landing memory comes from stream's pool
     origins: dict[int, Any] = {}
     flats: list[Array] = []
@@ -139,6 +143,23 @@ def _reduce_with_peers(
     for where, origin in origins.items():
         with cupy.cuda.Device(where):
             origin.wait_event(copied)  # later work there may overwrite the sources
+
+
+def reduce_at_call(device: int, arrays: list[Array], buffer: Array) -> tuple[Array, Any]:
+    """Sum ``arrays`` into ``buffer`` (on GPU ``device``) on the caller's current stream there;
+    return the buffer and an event recorded after the sum.
+
+    Enqueued on the caller's stream, the sum reads the arrays after the caller's own queued
+    work and before anything the caller queues later: once the call returns, the caller may
+    change its arrays. A task that uses the buffer waits for the event on the GPU. One
+    kernel per chunk reads every value once (:func:`akv.gpu_stream.reduce_on_stream`).
+    """
+    cupy = cupy_module()
+    with cupy.cuda.Device(device):
+        reduce_on_stream(device, arrays, buffer)
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record()
+    return buffer, event
 
 
 def _recorded(cupy: Any, stream: Any) -> Any:

@@ -10,7 +10,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from akv.args import Key, check_one_kind
-from akv.arrays import NUMPY, Array, Origin, cupy_module, is_gpu, pinned_empty
+from akv.arrays import NUMPY, Array, Origin, cupy_module, is_gpu, is_pinned, pinned_empty
 from akv.errors import (
     DTypeMismatchError,
     DuplicateInitError,
@@ -153,13 +153,25 @@ class Entry:
             with cupy.cuda.Device(self.device):
                 return cupy.empty(self.shape, self.dtype)
 
+    def use_pinned(self) -> None:
+        """Allocate the key's host buffers in page-locked memory from now on (spares in
+        pageable memory are dropped, and never kept again)."""
+        if not self.pinned:
+            self.pinned = True
+            self._spares.clear()
+
     def give_buffer(self, buffer: Array) -> None:
         """Return a buffer taken with :meth:`take_buffer` (or the old stored array).
 
         GPU buffers are not kept: CuPy's pool reuses them in stream order, which a spare
         list could not (a buffer may still be read by queued work when it is given back).
+        Once the key is pinned, pageable buffers are not kept either.
         """
-        if self.device is None and len(self._spares) < MAX_SPARE_BUFFERS:
+        if (
+            self.device is None
+            and len(self._spares) < MAX_SPARE_BUFFERS
+            and (not self.pinned or is_pinned(buffer))
+        ):
             self._spares.append(buffer)
 
     def check(self, array: Described, what: str) -> None:

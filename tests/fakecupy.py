@@ -78,6 +78,8 @@ SCHEDULE = "lazy"
 violations: list[str] = []
 #: What was submitted since the last :func:`reset` (see the module docstring).
 counts: collections.Counter[str] = collections.Counter()
+#: Called by :func:`reset` (code that caches streams of the fake forgets them).
+RESET_HOOKS: list[Callable[[], None]] = []
 #: While :func:`logging_ops` is active: ``(stream, kind, label)`` per submission.
 _op_log: list[tuple[Any, str, str]] | None = None
 
@@ -120,6 +122,8 @@ def reset(devices: int = 2, schedule: str = "lazy") -> None:
         for device in range(devices):
             _device_streams[device] = weakref.WeakSet()
             _null[device] = Stream._make_null(device)
+    for hook in RESET_HOOKS:
+        hook()
 
 
 def _api() -> None:

@@ -9,8 +9,7 @@ operations, rounded the same way); on a GPU within float32 rounding (fused multi
 from __future__ import annotations
 
 import re
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,18 +36,13 @@ F32 = np.float32
         ),
     ]
 )
-def xp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def xp(request: pytest.FixtureRequest) -> Any:
     """The fake CuPy (installed as ``cupy``), or the real one on a GPU machine."""
     if request.param == "gpu":
         import cupy
 
-        yield cupy
-        return
-    fakecupy.reset(devices=2, schedule="lazy")
-    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
-    monkeypatch.setitem(sys.modules, "cupyx", fakecupy.cupyx)
-    yield fakecupy
-    assert fakecupy.violations == []
+        return cupy
+    return request.getfixturevalue("fake_cupy")
 
 
 def is_fake(xp: Any) -> bool:

@@ -8,8 +8,6 @@ completions the host waits for, and the engine tasks.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,14 +23,9 @@ F32 = np.float32
 
 
 @pytest.fixture
-def cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The fake CuPy with two fake GPUs; no rule of CUDA's broken by the end of the test."""
-    fakecupy.reset(devices=2, schedule="lazy")
-    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
-    monkeypatch.setitem(sys.modules, "cupyx", fakecupy.cupyx)
-    gpu_stream._side_streams.clear()  # streams of an earlier reset's fake GPUs
-    yield fakecupy
-    assert fakecupy.violations == []
+def cupy(fake_cupy: Any) -> Any:
+    """The fake CuPy (``fake_cupy`` of ``tests/akv/conftest.py``)."""
+    return fake_cupy
 
 
 class Costs:
