@@ -143,10 +143,18 @@ def _pull_gpu(targets: KeyArrays, result: object, events: list[Any], ctx: GPUCon
 # ---------------------------------------------------------------- on the caller's stream
 
 
-def _push_now(store: object, updater: Updater | None, entry: Entry, arrays: list[Array]) -> None:
+def _push_now(
+    store: object,
+    updater: Updater | None,
+    entry: Entry,
+    arrays: list[Array],
+    reads_gradient: bool,
+) -> None:
     """A push of one GPU key, enqueued on the caller's current stream of its merge GPU:
     the sum straight into the stored value (no updater), or into a buffer the updater
-    applies there; no engine task, no host wait."""
+    applies there; no engine task, no host wait. ``reads_gradient``: the updater only reads
+    its gradient (akv's optimizers), so a single value on the key's GPU is handed to it as
+    it is, without a copy (the update is enqueued before the call returns)."""
     cupy = cupy_module()
     assert entry.device is not None and entry.value is not None  # a GPU key, initialized
     with cupy.cuda.Device(entry.device):
@@ -155,7 +163,11 @@ def _push_now(store: object, updater: Updater | None, entry: Entry, arrays: list
         if updater is None:
             reduce_on_stream(entry.device, arrays, entry.value)
         else:
-            summed = reduce_on_stream(entry.device, arrays, cupy.empty(entry.shape, entry.dtype))
+            if reads_gradient and len(arrays) == 1 and device_of(arrays[0]) == entry.device:
+                summed = arrays[0]
+            else:
+                summed = cupy.empty(entry.shape, entry.dtype)
+                reduce_on_stream(entry.device, arrays, summed)
             GUARD.run(store, updater, entry.key, summed, entry.value)
         note_write(entry, stream)
 
@@ -258,11 +270,19 @@ class DeviceBackend(LocalBackend):
             return super().push(values, priority, borrow)
         tasks = [super().push(host, priority, borrow)] if host else []
         updater = self.updater
+        reads_gradient = updater is not None and updater is self._optimizer_updater
         for device, items in gpus.items():
             queued = []
             for entry, arrays in items:
                 done = self._engine.run_now(
-                    _push_now, self._store, updater, entry, arrays, writes=(entry.var,), name="push"
+                    _push_now,
+                    self._store,
+                    updater,
+                    entry,
+                    arrays,
+                    reads_gradient,
+                    writes=(entry.var,),
+                    name="push",
                 )
                 if done is None:
                     queued.append((entry, arrays))

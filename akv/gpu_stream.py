@@ -59,9 +59,10 @@ def chunk_slices(size: int, itemsize: int, chunk_bytes: int | None = None) -> li
     ]
 
 
-def stream_key(stream: Any) -> tuple[int, int]:
-    """What tells streams apart: (device, handle)."""
-    return int(stream.device_id), int(stream.ptr)
+def stream_key(device: int, stream: Any) -> tuple[int, int]:
+    """What tells streams apart: (device, handle). The device is the caller's: CuPy's null
+    stream object serves every device (its ``device_id`` is -1)."""
+    return device, int(stream.ptr)
 
 
 # ------------------------------------------------------------------------------ the reduce
@@ -169,10 +170,11 @@ def _recorded(cupy: Any, stream: Any) -> Any:
     return event
 
 
-def _blocking_event(stream: Any) -> Any:
-    """An event recorded on ``stream`` that a host may wait on (it sleeps while it waits)."""
+def _blocking_event(device: int, stream: Any) -> Any:
+    """An event recorded on ``stream`` (of ``device``) that a host may wait on (it sleeps
+    while it waits)."""
     cupy = cupy_module()
-    with cupy.cuda.Device(stream.device_id):
+    with cupy.cuda.Device(device):
         event = cupy.cuda.Event(block=True, disable_timing=True)
         event.record(stream)
     return event
@@ -182,9 +184,10 @@ def _blocking_event(stream: Any) -> Any:
 
 
 def follow(entry: Entry, stream: Any, writing: bool) -> None:
-    """Make later work on ``stream`` wait (on the GPU) for the key's work on other streams:
-    all of it before a write, its latest write before a read."""
-    here = stream_key(stream)
+    """Make later work on ``stream`` (of the key's GPU) wait (on the GPU) for the key's work
+    on other streams: all of it before a write, its latest write before a read."""
+    assert entry.device is not None
+    here = stream_key(entry.device, stream)
     events = entry.gpu_after if writing else entry.gpu_after[:1]
     for where, event in events:
         if event is not None and where != here:
@@ -192,23 +195,25 @@ def follow(entry: Entry, stream: Any, writing: bool) -> None:
 
 
 def note_write(entry: Entry, stream: Any) -> Any:
-    """Record the end of a write of the key enqueued on ``stream`` (after :func:`follow`,
-    so it follows everything before); return the event (blocking sync)."""
-    event = _blocking_event(stream)
-    entry.gpu_after = [(stream_key(stream), event)]
+    """Record the end of a write of the key enqueued on ``stream`` (of the key's GPU, after
+    :func:`follow`, so it follows everything before); return the event (blocking sync)."""
+    assert entry.device is not None
+    event = _blocking_event(entry.device, stream)
+    entry.gpu_after = [(stream_key(entry.device, stream), event)]
     return event
 
 
 def note_read(entry: Entry, stream: Any) -> Any:
-    """Record the end of a read of the key enqueued on ``stream``; return the event
-    (blocking sync). A later write waits for it."""
-    event = _blocking_event(stream)
+    """Record the end of a read of the key enqueued on ``stream`` (of the key's GPU);
+    return the event (blocking sync). A later write waits for it."""
+    assert entry.device is not None
+    event = _blocking_event(entry.device, stream)
     after = entry.gpu_after
     if not after:
         # No write is pending: a read needs no order before the next read, and the first
         # place is the write's.
         after.append(((-1, -1), None))
-    after.append((stream_key(stream), event))
+    after.append((stream_key(entry.device, stream), event))
     if len(after) > MAX_PENDING_READS:
         after[1:] = [(where, ev) for where, ev in after[1:] if not ev.done]
     return event

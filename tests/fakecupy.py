@@ -59,6 +59,7 @@ import ctypes
 import itertools
 import sys
 import threading
+import time
 import types
 import weakref
 from collections import deque
@@ -440,6 +441,7 @@ class Event:
         self.block = block
         self.ptr = next(_ptrs)
         self._token: tuple[Stream, int] | None = None
+        self._recorded_s = 0.0
         _events[self.ptr] = self
 
     def record(self, stream: Stream | None = None) -> None:
@@ -451,6 +453,7 @@ class Event:
                 400, f"event of device {self.device} recorded on a stream of {stream.device_id}"
             )
         self._token = (stream, stream._enqueue("record"))
+        self._recorded_s = time.perf_counter()  # host time: for get_elapsed_time
 
     @property
     def done(self) -> bool:
@@ -465,6 +468,13 @@ class Event:
         token = self._token
         if token is not None:
             token[0]._run(token[1])
+
+
+def _elapsed_ms(start: Event, end: Event) -> float:
+    """``cuda.get_elapsed_time``: here, the host time between the two records, in ms (a
+    fake GPU has no clock; benchmarks on the fake check their code, not speeds)."""
+    _api()
+    return 1e3 * (end._recorded_s - start._recorded_s)
 
 
 def _event_query(ptr: int) -> int:
@@ -1431,8 +1441,27 @@ def _device_synchronize() -> None:
     Device().synchronize()
 
 
+class _MemoryPool:
+    """``get_default_memory_pool()`` and the pinned one: only ``free_all_blocks``."""
+
+    def free_all_blocks(self) -> None:
+        _api()
+
+
+_memory_pool, _pinned_memory_pool = _MemoryPool(), _MemoryPool()
+
+
+def get_default_memory_pool() -> _MemoryPool:
+    return _memory_pool
+
+
+def get_default_pinned_memory_pool() -> _MemoryPool:
+    return _pinned_memory_pool
+
+
 runtime = _Runtime(
     CUDARuntimeError=CUDARuntimeError,
+    getDeviceProperties=lambda device: {"name": f"fake GPU {device}".encode()},
     getDeviceCount=lambda: DEVICES,
     getDevice=_current_device,
     setDevice=_set_device,
@@ -1453,6 +1482,7 @@ cuda.Stream = Stream
 cuda.Event = Event
 cuda.runtime = runtime
 cuda.get_current_stream = get_current_stream
+cuda.get_elapsed_time = _elapsed_ms
 cuda.get_device_id = _current_device
 cuda.is_available = is_available
 cuda.MemoryPointer = MemoryPointer

@@ -28,8 +28,11 @@ from tests import fakecupy as _fake
 __all__ = ["DEVICE_FUNCTIONS", "ElementwiseKernel"]
 
 #: The device functions a fake kernel may call: CUDA's, and those of akv's preamble
-#: (``akv.fused.PREAMBLE``), with NumPy's meaning (a test checks that the two agree on names).
+#: (``akv.fused.PREAMBLE``), with NumPy's meaning (a test checks that the fake knows all of
+#: the preamble's).
 DEVICE_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "sqrt": np.sqrt,
+    "fabs": np.abs,
     "akv_sqrt": np.sqrt,
     "akv_abs": np.abs,
     "akv_sign": np.sign,

@@ -277,7 +277,7 @@ def test_numpy_scalars_keep_their_own_type_as_numpy_computes_with_them():
 
 def test_the_fake_knows_every_device_function_of_the_preamble():
     defined = set(re.findall(r"__device__ T (akv_\w+)\(", fused.PREAMBLE))
-    assert defined == set(fakekernels.DEVICE_FUNCTIONS)
+    assert defined and defined <= set(fakekernels.DEVICE_FUNCTIONS)
 
 
 @pytest.mark.parametrize(

@@ -125,6 +125,35 @@ def test_an_sgd_push_is_two_kernels_the_sum_and_the_update(cupy, monkeypatch):
         assert kv.pull(0).get().tolist() == [-0.5] * 64
 
 
+def test_an_optimizer_reads_a_single_gradient_where_it_is(cupy, monkeypatch):
+    with akv.create("device") as kv:
+        kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.5))
+        kv.init(0, cupy.ones(64, F32))
+        grad = cupy.ones(64, F32)
+        kv.push(0, grad)
+        costs = Costs(kv, monkeypatch)
+        kv.push(0, grad)
+        grad.fill(7.0)  # after the push, on the same stream: the update read the old one
+        assert costs.now()["submissions"] == 2  # the update (no copy of the gradient), the fill
+        assert kv.pull(0).get().tolist() == [0.0] * 64
+
+
+def test_a_custom_updater_gets_a_copy_of_a_single_value(cupy):
+    seen = []
+
+    def updater(key: Any, recv: Any, stored: Any) -> None:
+        seen.append(recv)
+        stored += recv
+
+    with akv.create("device") as kv:
+        kv.set_updater(updater)
+        kv.init(0, cupy.zeros(8, F32))
+        grad = cupy.ones(8, F32)
+        kv.push(0, grad)
+        assert seen[0] is not grad
+        assert kv.pull(0).get().tolist() == [1.0] * 8
+
+
 def test_work_on_another_stream_waits_for_the_keys_work(cupy):
     """A push on one stream, a pull on another, a push on a third: each waits (on the GPU)
     for what it must, or the lazy fake would let it read or write the wrong memory."""
