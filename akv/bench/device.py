@@ -307,54 +307,23 @@ def _reduce_row(table: Table, cupy: Any, stream: Any, plan: Sizes, d2d_bytes_per
 
 
 def _sgd_row(table: Table, cupy: Any, stream: Any, plan: Sizes, d2d_bytes_per_s: float) -> None:
-    nbytes = plan.array_bytes
-    count = nbytes // 4
-    grad = cupy.full(count, 1e-3, dtype=cupy.float32)
-    name = f"SGD update {_size(nbytes)} (push)"
-    _settle(cupy)
-    with akv.create("device") as kv:
-        kv.init(0, cupy.ones(count, dtype=cupy.float32))
-        kv.set_optimizer(akv.optimizer.SGD(learning_rate=SGD_LEARNING_RATE))
-        (akv_s,) = compare(lambda: kv.push(0, grad))
-
-    weight = cupy.ones(count, dtype=cupy.float32)
-    update = cupy.ElementwiseKernel("T g, T lr", "T w", "w -= lr * g", "akv_bench_sgd")
-    learning_rate = cupy.float32(SGD_LEARNING_RATE)
-
-    def cupy_sgd() -> None:
-        with stream:
-            update(grad, learning_rate, weight)
-
-    (cupy_s,) = _event_compare(cupy, stream, cupy_sgd)
-    moved = sgd_floor_bytes(nbytes)
-    table.add(
-        _bandwidth_row(
-            name,
-            akv_s,
-            moved,
-            d2d_bytes_per_s,
-            f"{_size(moved)} at D2D copy speed",
-            target=f"within {SGD_TARGET_RATIO}x of the floor",
-            cupy_s=cupy_s,
-            max_ratio=SGD_TARGET_RATIO,
-        )
+    kernel = cupy.ElementwiseKernel("T g, T lr", "T w", "w -= lr * g", "akv_bench_sgd")
+    _update_row(
+        table,
+        cupy,
+        stream,
+        plan,
+        d2d_bytes_per_s,
+        "SGD",
+        akv.optimizer.SGD(learning_rate=SGD_LEARNING_RATE),
+        lambda grad, weight: kernel(grad, cupy.float32(SGD_LEARNING_RATE), weight),
+        sgd_floor_bytes,
+        SGD_TARGET_RATIO,
     )
 
 
 def _adam_row(table: Table, cupy: Any, stream: Any, plan: Sizes, d2d_bytes_per_s: float) -> None:
-    nbytes = plan.array_bytes
-    count = nbytes // 4
-    grad = cupy.full(count, 1e-3, dtype=cupy.float32)
-    name = f"Adam update {_size(nbytes)} (push)"
-    _settle(cupy)
-    with akv.create("device") as kv:
-        kv.init(0, cupy.ones(count, dtype=cupy.float32))
-        kv.set_optimizer(akv.optimizer.Adam(learning_rate=SGD_LEARNING_RATE))
-        (akv_s,) = compare(lambda: kv.push(0, grad))
-
-    weight = cupy.ones(count, dtype=cupy.float32)
-    mean, var = cupy.zeros_like(weight), cupy.zeros_like(weight)
-    update = cupy.ElementwiseKernel(
+    kernel = cupy.ElementwiseKernel(
         "T g, T lr, T beta1, T beta2, T eps",
         "T w, T m, T v",
         "m = beta1 * m + (1 - beta1) * g; v = beta2 * v + (1 - beta2) * g * g; "
@@ -363,23 +332,68 @@ def _adam_row(table: Table, cupy: Any, stream: Any, plan: Sizes, d2d_bytes_per_s
     )
     f32 = cupy.float32
     scalars = (f32(SGD_LEARNING_RATE), f32(0.9), f32(0.999), f32(1e-8))
+    states: list[Any] = []
 
-    def cupy_adam() -> None:
+    def adam(grad: Any, weight: Any) -> None:
+        if not states:
+            states.extend((cupy.zeros_like(weight), cupy.zeros_like(weight)))
+        kernel(grad, *scalars, weight, *states)
+
+    _update_row(
+        table,
+        cupy,
+        stream,
+        plan,
+        d2d_bytes_per_s,
+        "Adam",
+        akv.optimizer.Adam(learning_rate=SGD_LEARNING_RATE),
+        adam,
+        adam_floor_bytes,
+        ADAM_TARGET_RATIO,
+    )
+
+
+def _update_row(
+    table: Table,
+    cupy: Any,
+    stream: Any,
+    plan: Sizes,
+    d2d_bytes_per_s: float,
+    what: str,
+    optimizer: akv.optimizer.Optimizer,
+    plain: Callable[[Any, Any], None],
+    floor_bytes: Callable[[int], int],
+    max_ratio: float,
+) -> None:
+    """A push of one gradient into a device store with ``optimizer``, against the bytes
+    the update must move and against ``plain(grad, weight)``, the update in plain CuPy."""
+    nbytes = plan.array_bytes
+    count = nbytes // 4
+    grad = cupy.full(count, 1e-3, dtype=cupy.float32)
+    _settle(cupy)
+    with akv.create("device") as kv:
+        kv.init(0, cupy.ones(count, dtype=cupy.float32))
+        kv.set_optimizer(optimizer)
+        (akv_s,) = compare(lambda: kv.push(0, grad))
+
+    weight = cupy.ones(count, dtype=cupy.float32)
+
+    def cupy_update() -> None:
         with stream:
-            update(grad, *scalars, weight, mean, var)
+            plain(grad, weight)
 
-    (cupy_s,) = _event_compare(cupy, stream, cupy_adam)
-    moved = adam_floor_bytes(nbytes)
+    (cupy_s,) = _event_compare(cupy, stream, cupy_update)
+    moved = floor_bytes(nbytes)
     table.add(
         _bandwidth_row(
-            name,
+            f"{what} update {_size(nbytes)} (push)",
             akv_s,
             moved,
             d2d_bytes_per_s,
             f"{_size(moved)} at D2D copy speed",
-            target=f"within {ADAM_TARGET_RATIO}x of the floor",
+            target=f"within {max_ratio}x of the floor",
             cupy_s=cupy_s,
-            max_ratio=ADAM_TARGET_RATIO,
+            max_ratio=max_ratio,
         )
     )
 
