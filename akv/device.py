@@ -6,14 +6,19 @@ MXNet's ``device`` store (CommDevice) reduces on the GPUs instead of in host mem
   value on one GPU, its *merge device*. Merge devices are placed as CommDevice places its
   merge buffers (:class:`MergePlacement`): each init call's keys by size, largest first,
   each to the GPU with the fewest bytes assigned so far.
-* A push copies the values it is given to the merge device and sums them there, at the call
-  and on the caller's current CUDA stream (so the values are read after the caller's own
-  queued work, and the caller may reuse its arrays once the call returns). The engine task
-  that applies the sum (assignment, an updater, an optimizer) runs on a compute stream of the
-  merge device and waits for that staging on the GPU (``cudaStreamWaitEvent``), never on
-  the host.
-* A pull copies the value to each output on a copy stream of the merge device; a GPU output
-  on another device gets a peer copy.
+* A push sums the values it is given on the merge device, at the call and on the caller's
+  current CUDA stream, in one kernel (values on other GPUs come by peer copies pipelined
+  with the sum: :mod:`akv.gpu_stream`), so the values are read after the caller's own
+  queued work and the caller may reuse its arrays once the call returns. A key whose engine
+  var is free is pushed on that stream with no engine task: the sum goes into the stored
+  value, or an updater applies it there. Otherwise the engine task that applies the sum
+  runs on a compute stream of the merge device and waits for the sum on the GPU
+  (``cudaStreamWaitEvent``), never on the host.
+* A pull of a free key into outputs on its GPU (or in host memory) copies on the caller's
+  current stream and completes with an event (:meth:`engine.GPUExecutor.event_done`);
+  otherwise a task copies on a copy stream of the merge device (a GPU output on another
+  device gets a peer copy). Work on a key from different streams is ordered by events kept
+  in the key's entry.
 * A key initialized from a host array (NumPy, a CPU tensor) behaves exactly as in the
   ``local`` store: so a machine without a GPU runs every ``device`` store program, as MXNet's
   device store does with CPU contexts.

@@ -438,6 +438,8 @@ async def test_the_async_local_store_with_gpu_values(cupy):
         test_device_store.test_optimizers_on_the_gpu_match_numpy,
         test_device_store.test_keys_spread_over_gpus_and_pushes_from_each_are_summed,
         test_device_store.test_the_local_store_copies_gpu_values_to_the_host,
+        test_device_store.test_calls_from_two_streams_are_ordered_on_the_gpu,
+        test_device_store.test_host_stores_stage_cupy_values_through_pinned_buffers,
         test_dist_device_gpu.test_dist_sync_device_rounds_of_two_workers_on_the_gpu,
         test_dist_device_gpu.test_dist_sync_device_server_optimizer_matches_the_local_store,
         test_dist_device_gpu.test_dist_async_device_applies_each_push_on_the_gpu,
