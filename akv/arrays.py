@@ -24,6 +24,7 @@ array.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -49,8 +50,10 @@ __all__ = [
     "cupy_module",
     "device_of",
     "finisher",
+    "has_gpu",
     "is_cupy",
     "is_gpu",
+    "is_pinned",
     "pinned_empty",
     "read",
     "record_on_callers",
@@ -89,12 +92,23 @@ def _require_cupy(key: object, what: str) -> Any:
     return cupy
 
 
+#: The arrays :func:`pinned_empty` made, by id, while they live.
+_pinned: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+
 def pinned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A NumPy array in page-locked host memory (copies to and from a GPU run at full speed
     and asynchronously); needs CuPy."""
     import cupyx
 
-    return cast(np.ndarray, cupyx.empty_pinned(shape, dtype))
+    array = cast(np.ndarray, cupyx.empty_pinned(shape, dtype))
+    _pinned[id(array)] = array
+    return array
+
+
+def is_pinned(array: object) -> bool:
+    """Whether ``array`` is one that :func:`pinned_empty` made (not a view of one)."""
+    return _pinned.get(id(array)) is array
 
 
 def bfloat16(key: object, what: str) -> np.dtype:
@@ -124,6 +138,12 @@ def is_cupy(value: object) -> bool:
 def is_gpu(array: Array) -> bool:
     """Whether ``array`` (as returned by :func:`read`) lives on a GPU."""
     return type(array) is not np.ndarray and not isinstance(array, np.ndarray)
+
+
+def has_gpu(items: Iterable[tuple[Any, Sequence[Array]]]) -> bool:
+    """Whether any array of ``items`` (``(key or entry, arrays)`` pairs) is on a GPU; one
+    type check per NumPy array."""
+    return any(type(a) is not np.ndarray and is_gpu(a) for _, arrays in items for a in arrays)
 
 
 def device_of(array: Array) -> int | None:

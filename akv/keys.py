@@ -5,18 +5,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from akv.args import Key, check_one_kind
-from akv.arrays import NUMPY, Array, Origin, cupy_module, pinned_empty
+from akv.arrays import NUMPY, Array, Origin, cupy_module, is_gpu, is_pinned, pinned_empty
 from akv.errors import (
     DTypeMismatchError,
     DuplicateInitError,
     KeyNotInitializedError,
     ShapeMismatchError,
 )
+from akv.fused import sum_into
 from akv.rows import RowTable
 from engine import Var
 
@@ -82,6 +83,7 @@ class Entry:
         "_spares",
         "device",
         "dtype",
+        "gpu_after",
         "key",
         "nbytes",
         "origin",
@@ -121,6 +123,10 @@ class Entry:
         self.value: Array | None = None
         #: The stored rows of a row-sparse key (None: a dense key, whose value is ``value``).
         self.rows: RowTable | None = None
+        #: The key's GPU work enqueued outside engine tasks, as ``(stream, event)`` pairs:
+        #: the latest write first (or a placeholder), then the reads since
+        #: (:mod:`akv.gpu_stream`).
+        self.gpu_after: list[tuple[tuple[int, int], Any]] = []
         self._spares: list[Array] = []
 
     def wire_view(self, array: np.ndarray, part: Part) -> np.ndarray:
@@ -147,13 +153,25 @@ class Entry:
             with cupy.cuda.Device(self.device):
                 return cupy.empty(self.shape, self.dtype)
 
+    def use_pinned(self) -> None:
+        """Allocate the key's host buffers in page-locked memory from now on (spares in
+        pageable memory are dropped, and never kept again)."""
+        if not self.pinned:
+            self.pinned = True
+            self._spares.clear()
+
     def give_buffer(self, buffer: Array) -> None:
         """Return a buffer taken with :meth:`take_buffer` (or the old stored array).
 
         GPU buffers are not kept: CuPy's pool reuses them in stream order, which a spare
         list could not (a buffer may still be read by queued work when it is given back).
+        Once the key is pinned, pageable buffers are not kept either.
         """
-        if self.device is None and len(self._spares) < MAX_SPARE_BUFFERS:
+        if (
+            self.device is None
+            and len(self._spares) < MAX_SPARE_BUFFERS
+            and (not self.pinned or is_pinned(buffer))
+        ):
             self._spares.append(buffer)
 
     def check(self, array: Described, what: str) -> None:
@@ -247,7 +265,10 @@ class KeyTable:
 def merge_into(buffer: Array, arrays: list[Array]) -> Array:
     """Write the sum of ``arrays`` (all of ``buffer``'s shape and dtype) into ``buffer``.
 
-    All on the host, or all on ``buffer``'s GPU (NumPy's functions dispatch to CuPy)."""
+    All on the host, or all on ``buffer``'s GPU (then in one kernel:
+    :func:`akv.fused.sum_into`)."""
+    if type(buffer) is not np.ndarray and is_gpu(buffer):
+        return sum_into(buffer, arrays)
     if len(arrays) == 1:
         np.copyto(buffer, arrays[0])
         return buffer

@@ -17,6 +17,7 @@ from the blocking face, whose caller waits, is summed straight into the stored a
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +25,16 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
-from akv.arrays import Array, copy_into
+from akv.arrays import Array, copy_into, has_gpu, is_gpu, to_host
 from akv.backend import KeyArrays, Updater, caller_events
 from akv.compression import Compression
 from akv.errors import AKVError, OptimizerNotSetError, StateFileError
 from akv.keys import Entry, merge_into
 from akv.local_rows import RowPull, RowPush, apply_row_push, check_updater, pull_rows, store_rows
+from akv.pinned import gpu_only, pinned_now, register_gpu_executor
 from akv.rows import RowTable
 from akv.sparse import RowSparseArray
-from engine import Engine, Task, Waitable
+from engine import Engine, GPUExecutor, Task, Waitable
 
 __all__ = ["LocalBackend", "UpdaterGuard"]
 
@@ -99,6 +101,19 @@ def _land(
             raise
 
 
+def _staged(entry: Entry, arrays: list[Array]) -> np.ndarray:
+    """A key's values summed into a staging buffer of the key, now: GPU values alone on
+    their GPU, then copied into a pinned buffer (:func:`akv.pinned.pinned_now`); otherwise
+    on the host (GPU values among them copied there first)."""
+    if all(type(array) is np.ndarray for array in arrays):  # the common case
+        staged: np.ndarray = merge_into(entry.take_buffer(), arrays)
+        return staged
+    if gpu_only(arrays):
+        return pinned_now(entry, arrays)
+    staged = merge_into(entry.take_buffer(), [to_host(array) for array in arrays])
+    return staged
+
+
 def _land_now(store: object, updater: Updater | None, entry: Entry, arrays: list[Array]) -> None:
     """Apply one key's push that runs during the call: the caller's arrays are read here,
     as when the caller waits (no staging copy)."""
@@ -129,8 +144,15 @@ def _pull_many(targets: KeyArrays, result: object, after: list[Any]) -> object:
     return result
 
 
-def _store_initial(entries: list[Entry], arrays: list[np.ndarray]) -> None:
-    for entry, array in zip(entries, arrays, strict=True):
+def _store_initial(
+    entries: list[Entry], arrays: list[np.ndarray], owned: list[bool] | None = None
+) -> None:
+    """Store a copy of each initial value (or the value itself where ``owned`` says the
+    array is the store's already: a pinned buffer staged from a GPU)."""
+    for index, (entry, array) in enumerate(zip(entries, arrays, strict=True)):
+        if owned is not None and owned[index]:
+            entry.value = array
+            continue
         value = np.empty(entry.shape, entry.dtype)
         np.copyto(value, array)
         entry.value = value
@@ -149,19 +171,35 @@ class LocalBackend:
     rank = 0
     num_workers = 1
     broken: AKVError | None = None
-    keeps_gpu_arrays = False
+    #: GPU values are staged through pinned buffers here (see the module docstring).
+    keeps_gpu_arrays = True
     returns_pushes_early = False
 
-    def __init__(self, engine: Engine, store: object, inline_max_bytes: int | None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        store: object,
+        inline_max_bytes: int | None,
+        executor: Callable[[], GPUExecutor] = GPUExecutor,
+    ) -> None:
         """``store``: the store whose updater calls are guarded against re-entry.
         ``inline_max_bytes``: work on at most this many bytes runs on the calling thread,
-        bigger work on the engine's threads (None: always on the calling thread)."""
+        bigger work on the engine's threads (None: always on the calling thread).
+        ``executor`` makes the engine's GPU executor when one is needed (a seam for tests)."""
         self._engine = engine
         self._store = store
         self._inline_max_bytes = inline_max_bytes
         self.type = "local"
         self.updater: Updater | None = None
         self._optimizer_updater: _optimizer.Updater | None = None
+        self._make_executor = executor
+        self._gpu_executor: GPUExecutor | None = None
+
+    def _gpu_ready(self) -> GPUExecutor:
+        """The engine's GPU executor, registered on first use."""
+        if self._gpu_executor is None:
+            self._gpu_executor = register_gpu_executor(self._engine, self._make_executor)
+        return self._gpu_executor
 
     def _executor(self, items: KeyArrays) -> str:
         """Inline for work on few bytes (the keys' sizes), else the worker threads."""
@@ -202,11 +240,20 @@ class LocalBackend:
         return self.barrier()
 
     def init(self, entries: list[Entry], arrays: list[np.ndarray]) -> Waitable:
-        """Copy the initial values (the store keeps no reference to the caller's arrays)."""
+        """Copy the initial values (the store keeps no reference to the caller's arrays);
+        a GPU value is copied at the call into a pinned buffer, which is stored."""
+        owned = None
+        if any(type(a) is not np.ndarray and is_gpu(a) for a in arrays):
+            owned = [is_gpu(array) for array in arrays]
+            arrays = [
+                pinned_now(entry, [array]) if gpu else array
+                for entry, array, gpu in zip(entries, arrays, owned, strict=True)
+            ]
         return self._engine.push(
             _store_initial,
             entries,
             arrays,
+            owned,
             writes=[entry.var for entry in entries],
             executor=self._executor([(e, [a]) for e, a in zip(entries, arrays, strict=True)]),
             name="init",
@@ -221,7 +268,9 @@ class LocalBackend:
         now, before the call returns.
         """
         updater = self.updater
-        if len(values) == 1 and (updater is None or self._executor(values) == "inline"):
+        if has_gpu(values):
+            borrow = False  # GPU values are staged at the call (through pinned buffers)
+        elif len(values) == 1 and (updater is None or self._executor(values) == "inline"):
             # One key, free and small enough: applied now, so the values need no staging.
             entry, arrays = values[0]
             done = self._engine.run_now(
@@ -230,8 +279,7 @@ class LocalBackend:
             if done is not None:
                 return done
         pushed = [
-            (entry, arrays, None if borrow else merge_into(entry.take_buffer(), arrays))
-            for entry, arrays in values
+            (entry, arrays, None if borrow else _staged(entry, arrays)) for entry, arrays in values
         ]
         if updater is None and not borrow:
             executor = "inline"  # committing staged buffers is a swap of references
@@ -351,11 +399,16 @@ class LocalBackend:
             raise OptimizerNotSetError(f"{what} needs an optimizer: call set_optimizer first")
         return self._optimizer_updater
 
+    def _settle(self, entries: list[Entry]) -> None:
+        """Wait for the keys' work that the engine does not see (none here: a subclass that
+        enqueues GPU work outside tasks waits for it), before host code reads their states."""
+
     def save_states(self, entries: list[Entry], path: Path, dump_optimizer: bool) -> Task:
         """Write the optimizer's states once every earlier push to ``entries`` is applied."""
         updater = self._require_optimizer("save_optimizer_states")
 
         def write() -> None:
+            self._settle(entries)
             data = updater.dump_states(dump_optimizer)
             try:
                 path.write_bytes(data)
@@ -373,6 +426,7 @@ class LocalBackend:
         updater = self._require_optimizer("load_optimizer_states")
 
         def read() -> None:
+            self._settle(entries)
             try:
                 data = path.read_bytes()
             except OSError as exc:

@@ -37,6 +37,8 @@ from typing import Any, Literal, Protocol
 
 from engine._engine import EngineClosedError, EngineError
 from engine._executors import DoneCallback
+from engine._gpu_events import EventWatcher
+from engine._task import Waitable
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
@@ -79,6 +81,8 @@ HEALTH_CHECK_INTERVAL_S = 1.0
 CLOSE_TIMEOUT_S = 30.0
 
 _CUDA_NOT_READY = 600  # cudaErrorNotReady (and hipErrorNotReady)
+#: End events kept per device for reuse.
+_MAX_FREE_EVENTS = 16
 
 
 def gpu_available() -> bool:
@@ -244,7 +248,9 @@ class GPUStatistics:
     """A snapshot of a :class:`GPUExecutor`'s counters.
 
     ``in_flight`` tasks were submitted and have not completed; ``leased_streams`` counts the
-    streams that hold at least one of them.
+    streams that hold at least one of them. ``events_made``: end events created (they are
+    pooled per device and reused once their task completed). ``watched``: waitables of
+    :meth:`GPUExecutor.event_done` handed to a watcher thread.
     """
 
     completion: Completion
@@ -254,6 +260,8 @@ class GPUStatistics:
     failed: int
     in_flight: int
     leased_streams: int
+    events_made: int = 0
+    watched: int = 0
 
 
 class _Slot:
@@ -297,6 +305,9 @@ class _Device:
         self.broken: BaseException | None = None
         self.in_flight: dict[int, _Job] = {}
         self.threads: list[threading.Thread] = []
+        #: End events of completed tasks, for reuse (appended under the executor's lock,
+        #: taken by the device thread only).
+        self.free_events: list[Any] = []
 
 
 class GPUContext:
@@ -457,7 +468,8 @@ class GPUExecutor:
         self._devices: dict[int, _Device] = {}
         self._num_devices: int | None = None
         self._closed = False
-        self._submitted = self._completed = self._failed = 0
+        self._submitted = self._completed = self._failed = self._events_made = 0
+        self._events = EventWatcher(self._driver, name)
 
     @property
     def completion(self) -> Completion:
@@ -489,6 +501,18 @@ class GPUExecutor:
             return
         device.queue.put((_LAUNCH, job))
 
+    def event_done(
+        self, device: int, event: Any, result: Any = None, name: str = "gpu event"
+    ) -> Waitable:
+        """A waitable that completes with ``result`` once ``event`` has happened: the
+        completion of GPU work enqueued outside any task (on a caller's own stream), with no
+        task and no thread involved until somebody waits for it (``result()`` without a
+        timeout waits on the calling thread; ``await`` and callbacks through a watcher
+        thread of ``device``). ``event`` must be made with blocking sync
+        (``new_event(device, blocking=True)``); a CUDA error of the wait fails the waitable.
+        """
+        return self._events.make(device, event, result, name)
+
     def statistics(self) -> GPUStatistics:
         """The counters now (see :class:`GPUStatistics`)."""
         with self._lock:
@@ -506,6 +530,8 @@ class GPUExecutor:
                     for slot in slots
                     if slot.busy
                 ),
+                events_made=self._events_made,
+                watched=self._events.watched,
             )
 
     def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
@@ -543,6 +569,7 @@ class GPUExecutor:
             # Read after the device thread ended: it adds its waiters to the list as it starts.
             for thread in device.threads[1:]:
                 self._join(thread, current, deadline)
+        self._events.close(deadline)
 
     # ------------------------------------------------------------------ internals
 
@@ -638,7 +665,7 @@ class GPUExecutor:
                         "a GPU task returned a coroutine: its function must enqueue GPU "
                         "work and return, not be a coroutine function"
                     )
-                event = self._driver.new_event(device.index, True)
+                event = self._end_event(device)
                 self._driver.record(event, slot.stream)
             slot.last_event = event
             job.result = result
@@ -651,6 +678,14 @@ class GPUExecutor:
             self._complete(device, job, None, exc)
             # A CUDA error may be sticky: then work launched earlier failed too, silently.
             self._check_in_flight(device)
+
+    def _end_event(self, device: _Device) -> Any:
+        """A pooled end event of ``device``, or a new one (blocking sync: waits sleep)."""
+        free = device.free_events
+        if free:
+            return free.pop()  # only this (the device) thread takes from the pool
+        self._events_made += 1
+        return self._driver.new_event(device.index, True)
 
     def _lease(self, device: _Device, kind: StreamKind) -> _Slot:
         slots = device.pools[kind]
@@ -713,6 +748,10 @@ class GPUExecutor:
                 job.slot.busy -= 1
             if exc is None:
                 self._completed += 1
+                # The event has happened: it may be recorded again (a task waiting on it
+                # through last_events() then waits for a later point, never an earlier one).
+                if job.end_event is not None and len(device.free_events) < _MAX_FREE_EVENTS:
+                    device.free_events.append(job.end_event)
             else:
                 self._failed += 1
             if self._closed and not device.in_flight:

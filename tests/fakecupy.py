@@ -40,19 +40,26 @@ What it models, after CuPy's API (names, signatures, errors) and CUDA's semantic
   recorded as a violation, and so is an exception escaping one.
 
 Tests read :data:`violations` (expected empty), :func:`peek` (an array's memory as it is now,
-without synchronizing: what a consumer on an unordered stream would see) and
-:func:`pending` (queued stream work). :func:`held` delays the GPU: while it is active, host
+without synchronizing: what a consumer on an unordered stream would see),
+:func:`pending` (queued stream work) and :data:`counts` (what was submitted to streams:
+``"kernel"`` for kernels and copies, ``"record"``, ``"wait"``, ``"host"``; ``"host_wait"`` for
+host synchronizations; ``"pinned"`` for ``empty_pinned`` calls; ``"elementwise"`` for
+``ElementwiseKernel`` launches). :func:`logging_ops` records each submission in order, with
+its stream and a label. ``ElementwiseKernel`` (``tests/fakekernels.py``) runs its operation
+with NumPy. :func:`held` delays the GPU: while it is active, host
 functions and host waits do not run streams (a deterministic "the GPU is slow").
 """
 
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import ctypes
 import itertools
 import sys
 import threading
+import time
 import types
 import weakref
 from collections import deque
@@ -70,6 +77,12 @@ DEVICES = 2
 SCHEDULE = "lazy"
 #: Broken rules seen since the last :func:`reset` (a test expects none).
 violations: list[str] = []
+#: What was submitted since the last :func:`reset` (see the module docstring).
+counts: collections.Counter[str] = collections.Counter()
+#: Called by :func:`reset` (code that caches streams of the fake forgets them).
+RESET_HOOKS: list[Callable[[], None]] = []
+#: While :func:`logging_ops` is active: ``(stream, kind, label)`` per submission.
+_op_log: list[tuple[Any, str, str]] | None = None
 
 _lock = threading.RLock()
 _changed = threading.Condition(_lock)
@@ -97,6 +110,7 @@ def reset(devices: int = 2, schedule: str = "lazy") -> None:
         DEVICES = devices
         SCHEDULE = schedule
         violations.clear()
+        counts.clear()
         _held = False
         _deferred.clear()
         _streams.clear()
@@ -109,6 +123,8 @@ def reset(devices: int = 2, schedule: str = "lazy") -> None:
         for device in range(devices):
             _device_streams[device] = weakref.WeakSet()
             _null[device] = Stream._make_null(device)
+    for hook in RESET_HOOKS:
+        hook()
 
 
 def _api() -> None:
@@ -246,9 +262,17 @@ class Stream:
     # -- queueing and running
 
     def _enqueue(
-        self, kind: str, fn: Any = None, arg: Any = None, states: tuple[_BlockState, ...] = ()
+        self,
+        kind: str,
+        fn: Any = None,
+        arg: Any = None,
+        states: tuple[_BlockState, ...] = (),
+        label: str = "",
     ) -> int:
         with _lock:
+            counts[kind] += 1
+            if _op_log is not None:
+                _op_log.append((self, kind, label))
             self._seq += 1
             for state in states:
                 state.pending[self] = state.pending.get(self, 0) + 1
@@ -391,6 +415,7 @@ def _host_wait() -> None:
     """A host thread waits for GPU work: while :func:`held`, until it is released."""
     global _blocked
     with _lock:
+        counts["host_wait"] += 1
         if not _held:
             return
         _blocked += 1
@@ -416,6 +441,7 @@ class Event:
         self.block = block
         self.ptr = next(_ptrs)
         self._token: tuple[Stream, int] | None = None
+        self._recorded_s = 0.0
         _events[self.ptr] = self
 
     def record(self, stream: Stream | None = None) -> None:
@@ -427,6 +453,7 @@ class Event:
                 400, f"event of device {self.device} recorded on a stream of {stream.device_id}"
             )
         self._token = (stream, stream._enqueue("record"))
+        self._recorded_s = time.perf_counter()  # host time: for get_elapsed_time
 
     @property
     def done(self) -> bool:
@@ -441,6 +468,13 @@ class Event:
         token = self._token
         if token is not None:
             token[0]._run(token[1])
+
+
+def _elapsed_ms(start: Event, end: Event) -> float:
+    """``cuda.get_elapsed_time``: here, the host time between the two records, in ms (a
+    fake GPU has no clock; benchmarks on the fake check their code, not speeds)."""
+    _api()
+    return 1e3 * (end._recorded_s - start._recorded_s)
 
 
 def _event_query(ptr: int) -> int:
@@ -567,6 +601,7 @@ class _PinnedOwner:
 def empty_pinned(shape: Any, dtype: Any = float, order: str = "C") -> np.ndarray:
     """``cupyx.empty_pinned``: a NumPy array in (fake) page-locked memory."""
     _api()
+    counts["pinned"] += 1
     dtype = np.dtype(dtype)
     shape = _shape(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -620,7 +655,7 @@ def _memcpy_async(dst: int, src: int, size: int, kind: int, stream_ptr: int) -> 
             def copy(keep: tuple[np.ndarray, ...] = keep) -> None:
                 ctypes.memmove(dst, src, size)
 
-        stream._enqueue("kernel", copy, states=states)
+        stream._enqueue("kernel", copy, states=states, label="memcpy")
         if kind == memcpyDeviceToHost and dst_state is None:
             stream._run()  # into pageable memory: returns once copied
 
@@ -1243,6 +1278,7 @@ def copyto(dst: Any, src: Any, casting: str = "same_kind", where: Any = None) ->
             "kernel",
             lambda: np.copyto(target, source.reshape(target.shape)),
             states=(dst._block.state, src._block.state),
+            label="memcpy",
         )
         return
     with Device(dst.device.id):
@@ -1405,8 +1441,27 @@ def _device_synchronize() -> None:
     Device().synchronize()
 
 
+class _MemoryPool:
+    """``get_default_memory_pool()`` and the pinned one: only ``free_all_blocks``."""
+
+    def free_all_blocks(self) -> None:
+        _api()
+
+
+_memory_pool, _pinned_memory_pool = _MemoryPool(), _MemoryPool()
+
+
+def get_default_memory_pool() -> _MemoryPool:
+    return _memory_pool
+
+
+def get_default_pinned_memory_pool() -> _MemoryPool:
+    return _pinned_memory_pool
+
+
 runtime = _Runtime(
     CUDARuntimeError=CUDARuntimeError,
+    getDeviceProperties=lambda device: {"name": f"fake GPU {device}".encode()},
     getDeviceCount=lambda: DEVICES,
     getDevice=_current_device,
     setDevice=_set_device,
@@ -1427,9 +1482,12 @@ cuda.Stream = Stream
 cuda.Event = Event
 cuda.runtime = runtime
 cuda.get_current_stream = get_current_stream
+cuda.get_elapsed_time = _elapsed_ms
 cuda.get_device_id = _current_device
 cuda.is_available = is_available
 cuda.MemoryPointer = MemoryPointer
+
+from tests.fakekernels import ElementwiseKernel  # noqa: E402, F401 - uses the names above
 
 cupyx = types.ModuleType("cupyx")
 cupyx.empty_pinned = empty_pinned
@@ -1437,6 +1495,20 @@ cupyx.zeros_pinned = zeros_pinned
 
 
 # ------------------------------------------------------------------------------ for the tests
+
+
+@contextlib.contextmanager
+def logging_ops() -> Iterator[list[tuple[Any, str, str]]]:
+    """Record every submission to a stream while active: ``(stream, kind, label)``."""
+    global _op_log
+    log: list[tuple[Any, str, str]] = []
+    with _lock:
+        _op_log = log
+    try:
+        yield log
+    finally:
+        with _lock:
+            _op_log = None
 
 
 def peek(array: ndarray) -> np.ndarray:

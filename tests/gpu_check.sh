@@ -6,7 +6,8 @@
 #
 #   bash tests/gpu_check.sh "$OUT"        # the log folder; default ${OUT:-./gpu-logs}
 #
-# Steps: record nvidia-smi and the Python version; make akv importable: from this checkout
+# Steps: record nvidia-smi, the Python version and this checkout's commit (to tell a run
+# before a change from one after it); make akv importable: from this checkout
 # (PYTHONPATH) when the machine's Python already has CuPy and akv's dependencies (this
 # workplace's H200 image: python3 with cupy-cuda13x, torch, jax, aiohttp, pytest, and no
 # network), else by installing akv with its test and interop extras and CuPy's CUDA 12 wheel
@@ -20,8 +21,11 @@
 # cupy-cuda12x; the gpu extra names cupy, which would build from source),
 # GPU_CHECK_SKIP_INSTALL=1 (a rerun on a machine where the install step already ran), and
 # each step's time limit (*_TIMEOUT_S below).
-# The folder receives 8 files: nvidia-smi.txt, python-version.txt, install.log, cupy.log,
-# gpu-tests.log, bench-device.log, bench-device.json, summary.txt.
+# The folder receives 9 files: nvidia-smi.txt, python-version.txt, checkout.txt, install.log,
+# cupy.log, gpu-tests.log, bench-device.log, bench-device.json, summary.txt. The bench's
+# table has issue #28's rows (reduce 4 x 64 MiB + pull, SGD and Adam updates of 64 MiB, small
+# key push + pull, CuPy to a host key and back, the chained engine task), each against a
+# floor measured in the same run, with its target and whether this run met it.
 set -euo pipefail
 
 DIR=${1:-${OUT:-./gpu-logs}}
@@ -74,6 +78,8 @@ step() {
 
 step nvidia-smi "$MACHINE_TIMEOUT_S" nvidia-smi.txt nvidia-smi
 step python-version "$MACHINE_TIMEOUT_S" python-version.txt "$PYTHON" -VV
+step checkout "$MACHINE_TIMEOUT_S" checkout.txt \
+  sh -c 'git log -1 --format="%H %cd %s" 2>/dev/null || echo "not a git checkout"; git status --short 2>/dev/null | head -n 20'
 
 if [ "${GPU_CHECK_SKIP_INSTALL:-0}" = 1 ]; then
   echo "== install skipped (GPU_CHECK_SKIP_INSTALL=1)" | tee "$DIR/install.log"

@@ -20,6 +20,7 @@ from akv.errors import (
     OptimizerError,
     ShapeMismatchError,
 )
+from akv.fused import fused_update
 from akv.optimizer import lr_scheduler as _lr_scheduler
 
 Index = int | str
@@ -823,11 +824,15 @@ def run_chunked(
     ``buffers`` (of the weight's dtype, as long as the chunk) freely. Arrays that are not
     C-contiguous are processed through contiguous copies that are written back.
 
-    On a GPU (CuPy arrays) there is one chunk, the whole arrays: the kernel's NumPy calls
-    dispatch to CuPy (NumPy's ``__array_ufunc__`` and ``__array_function__`` protocols), so
-    the same kernel, written once, runs there, with scratch buffers from CuPy's pool.
+    On a GPU (CuPy arrays) the kernel is traced into one fused CUDA kernel
+    (:func:`akv.fused.fused_update`: one pass over the arrays, one launch). A kernel that
+    cannot be fused runs as one chunk, the whole arrays: its NumPy calls dispatch to CuPy
+    (NumPy's ``__array_ufunc__`` and ``__array_function__`` protocols), so the same kernel,
+    written once, runs there, with scratch buffers from CuPy's pool.
     """
     on_host = isinstance(weight, np.ndarray)
+    if not on_host and fused_update(kernel, weight, grad, states, num_scratch):
+        return
     xp: Any = np if on_host else cupy_module()
     with contextlib.nullcontext() if on_host else cast(Any, weight).device:
         for_write = [weight, *states]

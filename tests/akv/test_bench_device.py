@@ -18,6 +18,8 @@ from akv.bench.device import (
     GIB,
     MIB,
     DeviceRow,
+    Sizes,
+    adam_floor_bytes,
     bytes_per_second,
     copy_bytes,
     floor_seconds,
@@ -51,6 +53,10 @@ def test_the_reduce_floor_counts_every_source_the_sum_and_the_pull():
 
 def test_the_sgd_floor_reads_weight_and_gradient_and_writes_the_weight():
     assert sgd_floor_bytes(64 * MIB) == 3 * 64 * MIB
+
+
+def test_the_adam_floor_reads_four_arrays_and_writes_three():
+    assert adam_floor_bytes(64 * MIB) == (4 + 3) * 64 * MIB
 
 
 def test_a_floor_is_the_bytes_at_the_copy_bandwidth():
@@ -160,19 +166,44 @@ def test_akv_bench_device_without_a_gpu_exits_1_with_one_line():
     assert "Traceback" not in result.stderr
 
 
-# ---------------------------------------------------------------- on a real GPU
+# ---------------------------------------------------------------- every row, on a fake GPU
 
 EXPECTED_ROWS = (
     "reduce 4 x",
     "SGD update",
+    "Adam update",
     "small key",
     "H2D",
     "D2H",
     "akv push",
     "akv pull",
+    "akv CuPy to a host key and back",
+    "engine GPU task, chained",
     "engine GPU task, completion=host_func",
     "engine GPU task, completion=waiter",
 )
+
+
+def test_every_row_runs_on_the_fake_gpu(fake_cupy, monkeypatch, tmp_path):
+    """The suite's code, run end to end on the fake CuPy with tiny buffers and one short
+    round per measurement: it checks that each row is measured, named and checked, not
+    any speed (the fake's times are the host's)."""
+    monkeypatch.setattr(device, "sizes", lambda quick: Sizes(1 << 20, 64 << 10, quick=True))
+    monkeypatch.setattr(device, "CHAIN_TASKS", 4)
+    monkeypatch.setitem(device._SETTINGS, "rounds", 1)
+    monkeypatch.setitem(device._SETTINGS, "min_round_s", 1e-4)
+    table = device.run()
+    names = [row.name for row in table.rows]
+    for prefix in EXPECTED_ROWS:
+        assert any(name.startswith(prefix) for name in names), (prefix, names)
+    for row in table.rows:
+        assert row.akv_s > 0 and row.floor_s > 0, row
+    report = tmp_path / "device.json"
+    table.write(io.StringIO(), json_path=str(report))
+    assert {row["name"] for row in json.loads(report.read_text())["rows"]} == set(names)
+
+
+# ---------------------------------------------------------------- on a real GPU
 
 
 @pytest.mark.gpu

@@ -206,3 +206,37 @@ def test_the_local_store_copies_gpu_values_to_the_host(cupy):
         pulled = kv.pull(0)
         assert isinstance(pulled, cupy.ndarray)
         assert cupy.asnumpy(pulled).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_calls_from_two_streams_are_ordered_on_the_gpu(cupy):
+    """A push on one stream, a pull on another, a push on a third (each on the caller's
+    stream, no task): each waits on the GPU for what it must."""
+    with akv.create("device") as kv:
+        kv.init(0, cupy.zeros(1 << 20, cupy.float32))
+        streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3)]
+        with streams[0]:
+            kv.push(0, [cupy.full(1 << 20, 1.0, cupy.float32) for _ in range(3)])
+        out = cupy.empty(1 << 20, cupy.float32)
+        with streams[1]:
+            kv.pull(0, out=out)
+            assert float(out[-1]) == 3.0
+        with streams[2]:
+            kv.push(0, cupy.full(1 << 20, 5.0, cupy.float32))
+        assert float(kv.pull(0)[-1]) == 5.0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_host_stores_stage_cupy_values_through_pinned_buffers(cupy):
+    from akv.arrays import is_pinned
+
+    with akv.create("local") as kv:
+        kv.init(0, np.zeros(1 << 20, np.float32))
+        for value in (1.0, 2.0):
+            kv.push(0, [cupy.full(1 << 20, value, cupy.float32)] * 2)
+        assert is_pinned(kv._inner._keys.get(0, "test").value)
+        out = cupy.empty(1 << 20, cupy.float32)
+        kv.pull(0, out=out)
+        assert float(out[0]) == 4.0 and float(out[-1]) == 4.0

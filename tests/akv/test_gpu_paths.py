@@ -379,17 +379,23 @@ async def test_the_async_face_reads_values_at_the_call(cupy, completion):
 
 async def test_a_push_keeps_its_buffers_until_the_gpu_is_done(cupy, completion):
     """With the GPU held back, the optimizer's work is queued but not run: nothing the push
-    staged may go back to CuPy's pool before it is."""
+    staged may go back to CuPy's pool before it is. A push of a free key is enqueued on the
+    caller's stream (done at the call); one of a key whose var is held (by a pull to another
+    GPU, a task) is applied by a task, done once the GPU is."""
     async with await akv.create_async("device") as kv:
         await kv.set_optimizer(akv.optimizer.SGD(learning_rate=1.0, momentum=0.5))
         await kv.init([0, 1], [cupy.zeros(128, F32), cupy.zeros(64, F32)])
         with cupy.held():
             first = kv.push(0, cupy.ones(128, F32))
-            second = kv.push(1, cupy.ones(64, F32))  # launched after the first's launch
-            await asyncio.to_thread(cupy.wait_for_gpu_work, 2)
-            assert not first.done() and not second.done()
+            assert first.done()  # on the caller's stream: no task
+            elsewhere = on(1, lambda: cupy.empty(64, F32))
+            pulled_elsewhere = kv.pull(1, out=elsewhere)  # a task holds key 1
+            second = kv.push(1, cupy.ones(64, F32))  # so this one is a task too
+            await asyncio.to_thread(cupy.wait_for_gpu_work, 1)
+            assert not pulled_elsewhere.done() and not second.done()
             assert cupy.violations == []
-        await asyncio.gather(first, second)
+        await asyncio.gather(first, second, pulled_elsewhere)
+        assert peek(elsewhere).tolist() == [0.0] * 64  # pulled before the push
         pulled = await kv.pull([0, 1])
         assert [a.get()[0] for a in pulled] == [-1.0, -1.0]
 
@@ -432,6 +438,8 @@ async def test_the_async_local_store_with_gpu_values(cupy):
         test_device_store.test_optimizers_on_the_gpu_match_numpy,
         test_device_store.test_keys_spread_over_gpus_and_pushes_from_each_are_summed,
         test_device_store.test_the_local_store_copies_gpu_values_to_the_host,
+        test_device_store.test_calls_from_two_streams_are_ordered_on_the_gpu,
+        test_device_store.test_host_stores_stage_cupy_values_through_pinned_buffers,
         test_dist_device_gpu.test_dist_sync_device_rounds_of_two_workers_on_the_gpu,
         test_dist_device_gpu.test_dist_sync_device_server_optimizer_matches_the_local_store,
         test_dist_device_gpu.test_dist_async_device_applies_each_push_on_the_gpu,

@@ -34,7 +34,7 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
-from akv.arrays import Array, is_gpu, to_host
+from akv.arrays import Array, has_gpu, is_gpu, to_host
 from akv.backend import caller_events
 from akv.cluster.config import Config
 from akv.cluster.membership import Membership
@@ -110,9 +110,11 @@ class DistBackend:
         device: bool = False,
         gpu_executor: Callable[[], GPUExecutor] = GPUExecutor,
     ) -> None:
-        """``device``: a ``*_device`` store, which reduces GPU values on their GPU and
-        stages them through pinned host memory (otherwise the store hands this backend
-        host values only). ``gpu_executor`` makes the engine's GPU executor."""
+        """``device``: a ``*_device`` store. Every type takes GPU values as they are and
+        stages them through pinned host memory (:mod:`akv.pinned`: summed on their GPU at
+        the call, copied once by a GPU task the send follows); a ``*_device`` store also
+        waits for that work in a push of the blocking face, and asks no pulls ahead.
+        ``gpu_executor`` makes the engine's GPU executor."""
         self._engine = engine
         self.type = store_type
         self.config = config
@@ -122,12 +124,13 @@ class DistBackend:
         #: The worker's decisions (made once it knows the servers, at :meth:`connect`).
         self.state = WorkerState([], request_s=config.timeouts.request_s)
         self._read_state()
-        self.keeps_gpu_arrays = device
+        self.keeps_gpu_arrays = True
+        self._device = device
         # GPU values are reduced on their GPUs by work that follows the call: wait for it.
         self.returns_pushes_early = not config.strict_push and not device
         self._gpu_executor = gpu_executor
         self._gpu_registered = False
-        self._staging = Staging(engine, self._stream_for_staging, self._gpu_ready, device)
+        self._staging = Staging(engine, self._stream_for_staging, self._gpu_ready)
         self._heartbeat: Heartbeat | None = None
         #: The calls so far, which heartbeats report (the scheduler's status page).
         self.activity = Activity()
@@ -189,7 +192,7 @@ class DistBackend:
                 for s, r in zip(servers, restartable, strict=True)
             ],
             strict_push=config.strict_push,
-            pull_ahead=config.pull_ahead and self.type == "dist_sync" and not self.keeps_gpu_arrays,
+            pull_ahead=config.pull_ahead and self.type == "dist_sync" and not self._device,
             request_s=config.timeouts.request_s,
             round_s=config.timeouts.round_s,
             retain_bytes=config.retain_bytes,
@@ -357,7 +360,7 @@ class DistBackend:
         """A GPU value or output for ``entry``: its staging buffers are page-locked from now
         on, and the engine has a GPU executor (registered on first use: a key initialized
         from host memory may be pushed GPU values later)."""
-        entry.pinned = True
+        entry.use_pinned()
         if not self._gpu_registered:
             register_gpu_executor(self._engine, self._gpu_executor)
             self._gpu_registered = True
@@ -542,12 +545,12 @@ class DistBackend:
     ) -> Waitable:
         """A pull reads the keys; a pushpull (with ``staged`` values) writes them.
 
-        In a ``*_device`` store, GPU outputs are landed in pinned buffers and copied to
-        their GPUs by GPU tasks (on copy streams) that follow the pull. The callers
-        checked that the store is not broken.
+        GPU outputs are landed in pinned buffers and copied to their GPUs by GPU tasks
+        (on copy streams) that follow the pull. The callers checked that the store is not
+        broken.
         """
         landed: list[tuple[Entry, np.ndarray, list[Array]]] = []
-        if self.keeps_gpu_arrays:
+        if has_gpu(targets):
             for target, arrays in targets:
                 if any(is_gpu(array) for array in arrays):
                     self._gpu_ready(target)

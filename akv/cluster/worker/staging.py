@@ -3,10 +3,11 @@
 At a push's call, :class:`Staging` takes the values: each key's values summed into a
 staging buffer (a region of the shared arena of the stream to the key's one server, sent
 from there without another copy; else a buffer of the key's own), or a single
-C-contiguous array borrowed as it is when the caller waits for the servers. In a
-``*_device`` store GPU values are summed on their GPU at the call and copied into a pinned
-buffer by a GPU task that the send follows; a pull's GPU outputs land in a pinned buffer
-per key, copied to their GPUs by GPU tasks that follow the pull.
+C-contiguous array borrowed as it is when the caller waits for the servers. GPU values
+(in every distributed store type) are summed on their GPU at the call and copied into a
+pinned buffer by a GPU task that the send follows (:mod:`akv.pinned`); a pull's GPU
+outputs land in a pinned buffer per key, copied to their GPUs by GPU tasks that follow the
+pull.
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ from typing import Any
 
 import numpy as np
 
-from akv.arrays import Array, cupy_module, device_of, is_gpu, record_on_callers
+from akv.arrays import Array, has_gpu, is_gpu, record_on_callers
 from akv.cluster.worker.requests import compress_parts
 from akv.compression import Residuals
-from akv.device import GPU, from_pinned, reduce_at_call, to_pinned
 from akv.errors import CompressionError
 from akv.keys import Entry, merge_into
+from akv.pinned import GPU, from_pinned, stage_to_pinned
 from engine import Engine, GPUWork, Var, Waitable, gather, then
 from transport import SharedMemory, StreamProtocol
 
 __all__ = ["Staging", "land_in_pinned"]
+
+_NONE: dict[int, np.ndarray] = {}
 
 #: A staged push: what to send per key, and how to give the staging buffers back.
 Staged = tuple[list[tuple[Entry, np.ndarray]], Callable[[], None]]
@@ -44,12 +47,10 @@ class Staging:
         engine: Engine,
         stream_of: Callable[[int], StreamProtocol | None],
         gpu_ready: Callable[[Entry], None],
-        gpus: bool,
     ) -> None:
         self._engine = engine
         self._stream_of = stream_of
         self._gpu_ready = gpu_ready
-        self._gpus = gpus
         #: With gradient compression: the residuals (staged values are then compressed).
         self.residuals: Residuals | None = None
 
@@ -65,7 +66,7 @@ class Staging:
         staged = []
         owned = []
         reserved: list[tuple[SharedMemory, np.ndarray]] = []
-        pinned = self._reduce_on_gpus(values, priority) if self._gpus else {}
+        pinned = self._reduce_on_gpus(values, priority) if has_gpu(values) else _NONE
         for entry, arrays in values:
             buffer = pinned.get(id(entry))
             if buffer is not None:
@@ -131,33 +132,10 @@ class Staging:
     def _reduce_on_gpus(
         self, values: list[tuple[Entry, list[Array]]], priority: int
     ) -> dict[int, np.ndarray]:
-        """Sum each key's GPU values on the GPU (at the call, on the caller's stream), and
-        schedule their copies into pinned buffers (a GPU task per device, on a copy stream,
-        writing the keys' vars so that the sends follow). Returns ``id(entry) -> pinned``."""
-        by_device: dict[int, list[tuple[Array, np.ndarray, Any]]] = {}
-        vars_of: dict[int, list[Var]] = {}
-        pinned: dict[int, np.ndarray] = {}
-        for entry, arrays in values:
-            device = next((d for a in arrays if (d := device_of(a)) is not None), None)
-            if device is None:
-                continue
-            self._gpu_ready(entry)
-            cupy = cupy_module()
-            with cupy.cuda.Device(device):
-                summed, event = reduce_at_call(device, arrays, cupy.empty(entry.shape, entry.dtype))
-            pinned[id(entry)] = buffer = entry.take_buffer()
-            by_device.setdefault(device, []).append((summed, buffer, event))
-            vars_of.setdefault(device, []).append(entry.var)
-        for device, staged in by_device.items():
-            self._engine.push(
-                GPUWork(to_pinned, device=device, kind="copy"),
-                staged,
-                writes=vars_of[device],
-                priority=priority,
-                executor=GPU,
-                name="stage",
-            )
-        return pinned
+        """Each key's GPU values summed on the GPU at the call and copied into a pinned
+        buffer by a GPU task that the send follows (:func:`akv.pinned.stage_to_pinned`).
+        Returns ``id(entry) -> pinned``."""
+        return stage_to_pinned(self._engine, values, priority, self._gpu_ready)
 
     def land_on_gpus(
         self,
