@@ -18,7 +18,7 @@ MXNet's ``device`` store (CommDevice) reduces on the GPUs instead of in host mem
   ``local`` store: so a machine without a GPU runs every ``device`` store program, as MXNet's
   device store does with CPU contexts.
 
-GPU tasks run on the engine's ``"gpu"`` executor (:class:`engine.GPUExecutor`), registered on
+GPU tasks run on the engine's ``"gpu"`` executor (:class:`akv_engine.GPUExecutor`), registered on
 the store's engine when the first GPU key is initialized.
 """
 
@@ -43,7 +43,7 @@ from akv.backend import KeyArrays, Updater
 from akv.errors import GPUUnavailableError, InvalidArgumentError
 from akv.keys import Entry, merge_into
 from akv.local import GUARD, LocalBackend
-from engine import Engine, GPUContext, GPUExecutor, GPUWork, Waitable, gather
+from akv_engine import Engine, GPUContext, GPUExecutor, GPUWork, Waitable, gather
 
 __all__ = [
     "DeviceBackend",

@@ -15,7 +15,7 @@ from akv.errors import InvalidArgumentError, RoleError
 from akv.exits import close_at_exit, sigterm_raises
 from akv.kinds import StoreType, check_options, env_int, store_type
 from akv.store import AsyncKVStore, KVStore
-from engine import LoopThread
+from akv_engine import LoopThread
 
 __all__ = ["create", "create_async"]
 

@@ -18,7 +18,7 @@ from akv.errors import (
     ShapeMismatchError,
 )
 from akv.rows import RowTable
-from engine import Var
+from akv_engine import Var
 
 __all__ = [
     "MAX_SPARE_BUFFERS",

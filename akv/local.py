@@ -32,7 +32,7 @@ from akv.keys import Entry, merge_into
 from akv.local_rows import RowPull, RowPush, apply_row_push, check_updater, pull_rows, store_rows
 from akv.rows import RowTable
 from akv.sparse import RowSparseArray
-from engine import Engine, Task, Waitable
+from akv_engine import Engine, Task, Waitable
 
 __all__ = ["LocalBackend", "UpdaterGuard"]
 

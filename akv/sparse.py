@@ -30,7 +30,7 @@ from akv.errors import (
     StorageTypeError,
     UnsupportedDTypeError,
 )
-from transport import DTYPE_CODES
+from akv_transport import DTYPE_CODES
 
 __all__ = [
     "RowSparseArray",
@@ -82,7 +82,7 @@ class RowSparseArray:
     ShapeMismatchError
         ``data`` does not have shape ``(len(indices), *shape[1:])``.
     UnsupportedDTypeError
-        ``data``'s dtype is not one akv stores (:data:`transport.DTYPE_CODES`).
+        ``data``'s dtype is not one akv stores (:data:`akv_transport.DTYPE_CODES`).
     StorageTypeError
         ``data`` is itself sparse (a torch sparse tensor).
     """

@@ -93,11 +93,11 @@ fi
 step cupy "$CUPY_TIMEOUT_S" cupy.log "$PYTHON" -c '
 import sys
 import cupy
-from engine import gpu_available
+from akv_engine import gpu_available
 runtime = cupy.cuda.runtime
 print("cupy", cupy.__version__, "runtime", runtime.runtimeGetVersion(),
       "driver", runtime.driverGetVersion(), "devices", runtime.getDeviceCount())
-print("engine.gpu_available():", gpu_available())
+print("akv_engine.gpu_available():", gpu_available())
 cupy.show_config()
 import numpy
 print("numpy", numpy.__version__)

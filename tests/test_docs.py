@@ -164,7 +164,7 @@ def test_every_answer_of_where_is_it_decided_names_a_function_that_exists():
         paths = re.findall(r"`([^`]+)`", where)
         assert paths, f"{question!r}: no path in `where`"
         for path in paths:
-            assert re.fullmatch(r"(akv|engine|transport)(\.\w+)+", path), (
+            assert re.fullmatch(r"(akv|akv_engine|akv_transport)(\.\w+)+", path), (
                 f"{question!r}: {path!r} is not a fully qualified dotted path"
             )
             try:

@@ -31,7 +31,7 @@ import akv
 from akv.arrays import cupy_module
 from akv.bench._report import _SETTINGS, Row, Table, _plan, compare
 from akv.errors import BenchmarkError
-from engine import Engine, GPUExecutor, gpu_available
+from akv_engine import Engine, GPUExecutor, gpu_available
 
 __all__ = [
     "DeviceRow",

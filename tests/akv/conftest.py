@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from engine import gpu_available
+from akv_engine import gpu_available
 
 
 @pytest.fixture

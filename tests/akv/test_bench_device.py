@@ -25,7 +25,7 @@ from akv.bench.device import (
     sgd_floor_bytes,
     sizes,
 )
-from engine import gpu_available
+from akv_engine import gpu_available
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI_TIMEOUT_S = 120

@@ -7,11 +7,12 @@
   :func:`stream_route` adds the route that upgrades a connection to a framed stream.
 * :func:`serve` starts it on a host and port (127.0.0.1 unless told otherwise), or on an
   inherited listening socket, every connection behind the bounds of
-  :mod:`transport._http_guard` (idle and slow connections time out; connections that have
+  :mod:`akv_transport._http_guard` (idle and slow connections time out; connections that have
   not authenticated are capped per address and in all, apart from the authenticated ones,
-  which they never displace) and aiohttp's logs behind the filter of :mod:`transport._http_log` (no
-  token, no traceback for a client's mistake); listening beyond loopback without TLS logs
-  a warning. :func:`serve_local` serves the same application to processes on this host.
+  which they never displace) and aiohttp's logs behind the filter of
+  :mod:`akv_transport._http_log` (no token, no traceback for a client's mistake); listening
+  beyond loopback without TLS logs a warning. :func:`serve_local` serves the same
+  application to processes on this host.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from typing import Any
 
 from aiohttp import web
 
-from transport._admission import Admission, check_bound
-from transport._http_guard import Connections, Guard, Handler, authenticate, track_request
-from transport._http_log import CLIENT_MISTAKES, install_log_filter, log
-from transport._shm_stream import DEFAULT_ARENA_BYTES, LocalSite, SharedMemory
-from transport._stream import UPGRADE_PROTOCOL, StreamProtocol
-from transport.errors import TransportError
+from akv_transport._admission import Admission, check_bound
+from akv_transport._http_guard import Connections, Guard, Handler, authenticate, track_request
+from akv_transport._http_log import CLIENT_MISTAKES, install_log_filter, log
+from akv_transport._shm_stream import DEFAULT_ARENA_BYTES, LocalSite, SharedMemory
+from akv_transport._stream import UPGRADE_PROTOCOL, StreamProtocol
+from akv_transport.errors import TransportError
 
 __all__ = [
     "DEFAULT_HOST",
@@ -307,7 +308,7 @@ async def serve_local(
 ) -> LocalSite:
     """Serve ``runner``'s application (started by :func:`serve`) to processes on this host
     too, through a private Unix socket whose streams share memory
-    (:mod:`transport._shm_stream`; ``arena_bytes`` 0: they share none); ``site.path`` is
+    (:mod:`akv_transport._shm_stream`; ``arena_bytes`` 0: they share none); ``site.path`` is
     the socket's path, for :func:`open_stream`'s ``local_path``, and ``await site.close()``
     stops it (before ``runner.cleanup()``).
 

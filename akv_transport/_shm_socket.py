@@ -4,7 +4,7 @@
 socket in it (mode 0600): only the job's user (and root) can reach it, and each connection
 must send the job's token before anything else. :func:`connect_shm` is the client side. Both
 hand out a :class:`ShmConnection`, which carries small messages and file descriptors
-(:mod:`transport._shm_wire`'s framing) in order, over any stream socket: descriptors only over
+(:mod:`akv_transport._shm_wire`'s framing) in order, over any stream socket: descriptors only over
 AF_UNIX.
 
 The handshake: the client sends one message whose data is the token and which carries no
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-from transport._shm_wire import (
+from akv_transport._shm_wire import (
     DEFAULT_MAX_FDS_PER_MESSAGE,
     DEFAULT_MAX_MESSAGE_BYTES,
     HEADER_BYTES,
@@ -46,7 +46,7 @@ from transport._shm_wire import (
     rights,
     take_fds,
 )
-from transport.errors import AuthError, FrameError, TransportError
+from akv_transport.errors import AuthError, FrameError, TransportError
 
 __all__ = [
     "DEFAULT_MAX_PENDING_CONNECTIONS",

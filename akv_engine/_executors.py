@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from engine._loop import LoopThread
+from akv_engine._loop import LoopThread
 
 __all__ = ["CallbackExecutor", "DoneCallback", "Executor", "LoopExecutor", "ThreadExecutor"]
 
@@ -102,7 +102,7 @@ class ThreadExecutor:
 class LoopExecutor:
     """Runs coroutine functions as asyncio tasks on one event loop.
 
-    With no loop given it starts a private :class:`~engine.LoopThread` on first use.
+    With no loop given it starts a private :class:`~akv_engine.LoopThread` on first use.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:

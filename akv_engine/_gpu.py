@@ -35,8 +35,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from engine._engine import EngineClosedError, EngineError
-from engine._executors import DoneCallback
+from akv_engine._engine import EngineClosedError, EngineError
+from akv_engine._executors import DoneCallback
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
@@ -56,7 +56,7 @@ __all__ = [
     "gpu_available",
 ]
 
-log = logging.getLogger("engine.gpu")
+log = logging.getLogger("akv_engine.gpu")
 
 StreamKind = Literal["compute", "copy"]
 #: How the executor learns that a task's stream work finished (see :class:`GPUExecutor`).
@@ -139,7 +139,7 @@ class CudaDriver(Protocol):
 
 
 class CupyDriver:
-    """:class:`CudaDriver` over CuPy (imported here, not when ``engine`` is).
+    """:class:`CudaDriver` over CuPy (imported here, not when ``akv_engine`` is).
 
     What it relies on in CuPy (``cupy_backends/cuda/api/runtime.pyx``): ``eventSynchronize``,
     ``launchHostFunc``, ``streamWaitEvent`` and kernel launches release the GIL while in the
@@ -727,4 +727,4 @@ def _call_done(done: DoneCallback, result: Any, exc: BaseException | None) -> No
     except Exception:
         # Nothing to hand it to: raising would end a device thread and hang every later
         # task. (The engine's done raises when a waiting loop was closed.)
-        log.exception("engine.gpu: a task's completion callback raised")
+        log.exception("akv_engine.gpu: a task's completion callback raised")

@@ -2,7 +2,7 @@
 
 The memory has no name in any file system (not in ``/dev/shm``, not anywhere): it is reached
 only through its file descriptor, which is close-on-exec and passed to a peer over a Unix
-socket (:func:`transport.shm.send_fds`). The kernel frees it when the last descriptor and the
+socket (:func:`akv_transport.shm.send_fds`). The kernel frees it when the last descriptor and the
 last mapping are gone, so a process that dies, however it dies, takes its arenas with it.
 """
 
@@ -14,8 +14,8 @@ import stat
 import sys
 from types import TracebackType
 
-from transport._shm_wire import close_fds
-from transport.errors import FrameError, TransportError
+from akv_transport._shm_wire import close_fds
+from akv_transport.errors import FrameError, TransportError
 
 if sys.platform != "win32":
     import fcntl

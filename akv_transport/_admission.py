@@ -19,7 +19,7 @@ connections without the token cannot take the place of the job's own (issue #24)
 
 An authenticated connection is never closed to make room for anyone.
 :class:`Admission` counts and decides; the asyncio protocol that holds the sockets and the
-timers (:class:`transport._http_guard.Guard`) carries its decisions out.
+timers (:class:`akv_transport._http_guard.Guard`) carries its decisions out.
 """
 
 from __future__ import annotations

@@ -2,15 +2,15 @@
 
 The connection starts as HTTP: the client sends an authenticated ``GET`` with
 ``Upgrade: akv-stream/1`` and the server (an aiohttp handler) answers ``101 Switching
-Protocols``; from then on both sides exchange frames (:mod:`transport.frame`).
+Protocols``; from then on both sides exchange frames (:mod:`akv_transport.frame`).
 :class:`StreamProtocol` is the thin asyncio side of it: a ``BufferedProtocol`` whose
-buffers come from a :class:`~transport._reader.FrameReader`, so that large payloads are
+buffers come from a :class:`~akv_transport._reader.FrameReader`, so that large payloads are
 received straight into the arrays they belong to, and whose writes are zero-copy
 (``writelines`` of memoryviews) with an exact "drained" signal.
 
-Both ends may run a liveness clock (:mod:`transport._liveness`): an end that has written
+Both ends may run a liveness clock (:mod:`akv_transport._liveness`): an end that has written
 nothing for a while sends a keepalive, and an end that has received nothing for
-``silent_s`` cuts the stream (``on_lost`` gets a :class:`~transport.errors.StreamSilentError`),
+``silent_s`` cuts the stream (``on_lost`` gets a :class:`~akv_transport.errors.StreamSilentError`),
 as a reset would. The server's settings govern the pair: its upgrade answer names them
 (:data:`KEEPALIVE_HEADER`) and the client adopts them, so the two ends cannot disagree.
 """
@@ -24,17 +24,17 @@ import ssl
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, cast
 
-from transport._liveness import Due, KeepAlive, LivenessClock
-from transport._reader import Destinations, FrameReader, Message, ReaderStatistics
-from transport._shm_stream import SharedMemory, connect_local
-from transport.errors import (
+from akv_transport._liveness import Due, KeepAlive, LivenessClock
+from akv_transport._reader import Destinations, FrameReader, Message, ReaderStatistics
+from akv_transport._shm_stream import SharedMemory, connect_local
+from akv_transport.errors import (
     AuthError,
     FrameError,
     RemoteError,
     StreamSilentError,
     TransportError,
 )
-from transport.frame import DEFAULT_MAX_PAYLOAD_BYTES, KEEPALIVE_FRAME
+from akv_transport.frame import DEFAULT_MAX_PAYLOAD_BYTES, KEEPALIVE_FRAME
 
 __all__ = [
     "HANDSHAKE_MAX_BYTES",
@@ -44,7 +44,7 @@ __all__ = [
     "open_stream",
 ]
 
-log = logging.getLogger("transport.stream")
+log = logging.getLogger("akv_transport.stream")
 
 #: The protocol name in the ``Upgrade`` header.
 UPGRADE_PROTOCOL = "akv-stream/1"
@@ -72,7 +72,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
     returned it (a stream that ends before is its caller's error, not a loss).
     ``destinations(header)`` chooses where each array's payload is received.
 
-    ``keepalive``: the liveness this end runs (:mod:`transport._liveness`; None: none).
+    ``keepalive``: the liveness this end runs (:mod:`akv_transport._liveness`; None: none).
     A client's is also the bound on the wait for the server's upgrade answer (nothing at
     all for ``silent_s``: the attempt fails), and with ``adopt_keepalive`` it is replaced
     by what the server's answer names.
@@ -129,12 +129,12 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._reader.shared = True
 
     def statistics(self) -> ReaderStatistics:
-        """The counters of what this end received (see :class:`~transport.ReaderStatistics`)."""
+        """The counters of what this end received (see :class:`~akv_transport.ReaderStatistics`)."""
         return self._reader.statistics()
 
     def give_back(self, offsets: Sequence[int]) -> None:
         """Give back regions of the peer's arena that messages lent (their
-        :attr:`~transport.Message.borrowed` offsets), once their views were read: a release
+        :attr:`~akv_transport.Message.borrowed` offsets), once their views were read: a release
         frame naming them goes with the next frame written, at the latest at the end of
         this loop turn. Call on the stream's loop; nothing is sent once the connection is
         closing (the peer's arena goes with it)."""
@@ -251,7 +251,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         return None
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        """The connection ended; also called by :func:`~transport.stream_route` for a
+        """The connection ended; also called by :func:`~akv_transport.stream_route` for a
         stream whose upgrade failed before :meth:`connection_made`."""
         self._paused = False
         self._stop_clock()
@@ -566,17 +566,17 @@ async def open_stream(
 ) -> StreamProtocol:
     """Connect, authenticate and upgrade to a framed stream; return its protocol.
 
-    With ``local_path`` (a :class:`~transport._shm_stream.LocalSite`'s socket, on this
+    With ``local_path`` (a :class:`~akv_transport._shm_stream.LocalSite`'s socket, on this
     host) the stream runs over that Unix socket instead of TCP to ``host:port``, and with
     ``arena_bytes`` it carries large payloads through shared memory
-    (:mod:`transport._shm_stream`): an arena of that many bytes for this side's, and the
+    (:mod:`akv_transport._shm_stream`): an arena of that many bytes for this side's, and the
     peer's.
 
     ``headers`` are sent with the upgrade request, in order and as given, for the
     application to read on the other side (``request.headers`` in ``stream_route``'s
     ``make_protocol``); nothing is sent beyond the authentication and the upgrade itself.
 
-    ``keepalive``: the stream's liveness (:mod:`transport._liveness`). ``"server"`` (the
+    ``keepalive``: the stream's liveness (:mod:`akv_transport._liveness`). ``"server"`` (the
     default): what the server's upgrade answer names (none if it names none), and until
     then the default ``silent_s`` bounds the wait for that answer; a :class:`KeepAlive`:
     those settings whatever the server runs; None: no liveness on this end.

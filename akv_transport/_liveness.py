@@ -2,7 +2,7 @@
 
 Both ends of a framed stream run one :class:`LivenessClock`. An end that has written
 nothing for :attr:`KeepAlive.interval_s` sends a keepalive frame (16 bytes:
-:func:`transport.frame.encode_keepalive`), so a live peer is never silent for longer than
+:func:`akv_transport.frame.encode_keepalive`), so a live peer is never silent for longer than
 that, whether it is idle, computing between rounds or only receiving. An end that has
 received nothing at all (not a keepalive, not a byte of a payload) for
 :attr:`KeepAlive.silent_s` calls the stream silent and cuts it, as a reset would:
@@ -11,7 +11,7 @@ a NAT that dropped the mapping. Any byte received counts as life, so a large pay
 crawls keeps its stream alive however long it takes; and a peer whose loop is blocked
 (a long computation holding it) is cut only after ``silent_s - interval_s`` of it.
 
-The asyncio side (:class:`~transport.StreamProtocol`) notes what it received and wrote
+The asyncio side (:class:`~akv_transport.StreamProtocol`) notes what it received and wrote
 (:meth:`LivenessClock.received`, :meth:`LivenessClock.sent`) and calls
 :meth:`LivenessClock.poll` from one timer, re-armed at :attr:`LivenessClock.next_check`.
 """

@@ -15,7 +15,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine._var import Var
+    from akv_engine._var import Var
 
 __all__ = ["ALREADY_DONE", "Completed", "Failure", "Task", "Waitable", "gather", "then"]
 
@@ -311,7 +311,7 @@ class Waitable:
 class Completed(Waitable):
     """A waitable that is complete from the start, with ``result``.
 
-    What :meth:`engine.Engine.run_now` returns for work it ran at once: no lock, no
+    What :meth:`akv_engine.Engine.run_now` returns for work it ran at once: no lock, no
     callback list, no ``asyncio`` object. Callbacks added to it run at once.
     """
 

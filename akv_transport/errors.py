@@ -31,14 +31,14 @@ class FrameError(TransportError, ValueError):
 
 
 class StreamSilentError(TransportError):
-    """A stream received nothing for its ``silent_s`` (:mod:`transport._liveness`) and
+    """A stream received nothing for its ``silent_s`` (:mod:`akv_transport._liveness`) and
     was cut: the path to the peer holds the connection but carries nothing (a proxy that
     black-holes it, a host that vanished), or the peer's loop is blocked for that long.
     Handle it as a reset: open the stream again."""
 
 
 class JSONError(TransportError, ValueError):
-    """A JSON text is malformed, or outside what :func:`transport.parse_json` accepts
+    """A JSON text is malformed, or outside what :func:`akv_transport.parse_json` accepts
     (nested too deeply, a non-finite number, an integer beyond 64 bits, not UTF-8)."""
 
 

@@ -3,10 +3,10 @@
 Guarantees: every request carries the token and has a timeout; connection errors
 (refused, reset, DNS) are retried with exponential backoff and jitter, answers never are;
 a non-2xx answer raises an error that names the request, the status and the server's
-message (:class:`~transport.errors.AuthError` for 401,
-:class:`~transport.errors.PayloadTooLargeError` for 413,
-:class:`~transport.errors.RemoteError` otherwise); JSON answers are decoded strictly
-(:func:`transport.parse_json`). Idle connections are kept :data:`CLIENT_KEEPALIVE_S`, below
+message (:class:`~akv_transport.errors.AuthError` for 401,
+:class:`~akv_transport.errors.PayloadTooLargeError` for 413,
+:class:`~akv_transport.errors.RemoteError` otherwise); JSON answers are decoded strictly
+(:func:`akv_transport.parse_json`). Idle connections are kept :data:`CLIENT_KEEPALIVE_S`, below
 any server's idle timeout.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import aiohttp
 
-from transport._json import parse_json
-from transport.errors import AuthError, PayloadTooLargeError, RemoteError, TransportError
+from akv_transport._json import parse_json
+from akv_transport.errors import AuthError, PayloadTooLargeError, RemoteError, TransportError
 
 __all__ = ["CLIENT_KEEPALIVE_S", "CONNECTIONS_PER_HOST", "RETRIES", "HttpClient"]
 
@@ -128,7 +128,7 @@ class HttpClient:
 
     async def json(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Any:
         """Send JSON (or nothing), return the decoded JSON answer (decoded by
-        :func:`parse_json`: a malformed one raises :class:`~transport.errors.JSONError`)."""
+        :func:`parse_json`: a malformed one raises :class:`~akv_transport.errors.JSONError`)."""
         _, payload = await self.request(method, path, json_body=body, **kwargs)
         return parse_json(payload) if payload else None
 

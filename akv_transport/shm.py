@@ -15,20 +15,20 @@ Nothing here knows what akv sends; it moves bytes and file descriptors.
 * :func:`host_identity`: equal for two processes iff they may share memory (same machine and
   boot, same IPC and mount namespaces); processes on different hosts never are.
 
-``python -m transport._shm_bench`` measures a small message's round trip over the Unix socket
-and over TCP loopback, in one run (:func:`transport._shm_bench.measure_round_trips`).
+``python -m akv_transport._shm_bench`` measures a small message's round trip over the Unix socket
+and over TCP loopback, in one run (:func:`akv_transport._shm_bench.measure_round_trips`).
 
 What the file system keeps: a listener's directory and socket while it is open, and nothing
 after :meth:`ShmListener.close`. A process killed by SIGKILL leaves its listener's directory
 (``{tempdir}/akv-shm-{pid}-*``) and socket, nothing else: memory and descriptors die with it;
-:func:`transport.remove_leftovers` removes such directories once their process is gone.
+:func:`akv_transport.remove_leftovers` removes such directories once their process is gone.
 """
 
 from __future__ import annotations
 
-from transport._shm_arena import ARENA_NAME, MAX_ARENA_BYTES, Arena, next_arena_size
-from transport._shm_host import host_identity, identity_from
-from transport._shm_socket import (
+from akv_transport._shm_arena import ARENA_NAME, MAX_ARENA_BYTES, Arena, next_arena_size
+from akv_transport._shm_host import host_identity, identity_from
+from akv_transport._shm_socket import (
     DEFAULT_MAX_PENDING_CONNECTIONS,
     DEFAULT_MAX_QUEUED_MESSAGES,
     HANDSHAKE_TIMEOUT_S,
@@ -41,7 +41,7 @@ from transport._shm_socket import (
     ShmListenerStatistics,
     connect_shm,
 )
-from transport._shm_wire import (
+from akv_transport._shm_wire import (
     DEFAULT_MAX_FDS_PER_MESSAGE,
     DEFAULT_MAX_MESSAGE_BYTES,
     HEADER_BYTES,

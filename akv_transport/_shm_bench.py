@@ -6,13 +6,13 @@ in a child process, two ways each:
 
 * ``raw``: blocking sockets, one ``sendall`` and ``recv`` calls per round trip: the kernel's
   floor for the path;
-* ``ShmConnection``: the framed asyncio connection of :mod:`transport.shm`, the same code
+* ``ShmConnection``: the framed asyncio connection of :mod:`akv_transport.shm`, the same code
   over either socket family: what a caller of this module pays.
 
 Blocks of round trips alternate between the paths, so that a machine that gets busier or
 quieter during the run shifts every path alike. Run it with::
 
-    python -m transport._shm_bench [--round-trips N] [--message-bytes B] [--uvloop]
+    python -m akv_transport._shm_bench [--round-trips N] [--message-bytes B] [--uvloop]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from transport._shm_socket import ShmConnection
+from akv_transport._shm_socket import ShmConnection
 
 __all__ = ["RoundTrip", "format_round_trips", "measure_round_trips"]
 

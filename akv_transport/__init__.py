@@ -1,36 +1,36 @@
 """transport: the wire between akv's workers, servers and scheduler.
 
-* :mod:`transport.frame`: a versioned binary frame for a batch of arrays, as plain
+* :mod:`akv_transport.frame`: a versioned binary frame for a batch of arrays, as plain
   encode/decode functions (no I/O), every field validated on decode.
 * :class:`FrameReader`: a sans-IO stream parser that lands large payloads straight in the
   buffers they belong to.
 * :func:`create_app` / :func:`serve` / :class:`HttpClient`: aiohttp for the control plane
   (routing, token authentication in constant time, body limits, status codes:
-  :mod:`transport._http_server`, :mod:`transport._http_client`), bounds on what a hostile
+  :mod:`akv_transport._http_server`, :mod:`akv_transport._http_client`), bounds on what a hostile
   peer may hold (idle and slow connections time out; connections without the token are
   capped per address and in all, apart from the authenticated ones, which they never
-  displace: :mod:`transport._http_guard`, deciding with :mod:`transport._admission`), logs
-  that never show the token (:mod:`transport._http_log`), TLS (:mod:`transport._tls`).
+  displace: :mod:`akv_transport._http_guard`, deciding with :mod:`akv_transport._admission`), logs
+  that never show the token (:mod:`akv_transport._http_log`), TLS (:mod:`akv_transport._tls`).
 * :func:`parse_json`: the strict JSON decoder for whatever peers send (no I/O:
-  :mod:`transport._json`).
+  :mod:`akv_transport._json`).
 * :func:`stream_route` / :func:`open_stream` / :class:`StreamProtocol`: an authenticated
   HTTP Upgrade to a framed stream for bulk arrays (zero-copy sends, receives into
   preallocated buffers), kept alive and cut when silent (:class:`KeepAlive`,
-  :mod:`transport._liveness`).
+  :mod:`akv_transport._liveness`).
 * :func:`serve_local` / ``open_stream(local_path=...)``: the same streams between processes
   on one host over a private Unix socket, with large payloads through shared memory
-  (:mod:`transport._shm_stream`); :func:`remove_leftovers` removes what a killed process
+  (:mod:`akv_transport._shm_stream`); :func:`remove_leftovers` removes what a killed process
   left in the file system.
-* :mod:`transport.shm`: shared memory between processes on one host: :class:`Arena` (a
+* :mod:`akv_transport.shm`: shared memory between processes on one host: :class:`Arena` (a
   sealed memfd), :func:`send_fds` / :func:`recv_fds`, an authenticated private Unix socket
   (:class:`ShmListener`, :func:`connect_shm`, :class:`ShmConnection`), :func:`host_identity`.
 
-This package never imports ``akv`` or ``engine``.
+This package never imports ``akv`` or ``akv_engine``.
 """
 
-from transport._http_client import HttpClient
-from transport._http_log import CLIENT_MISTAKE_LOG_INTERVAL_S
-from transport._http_server import (
+from akv_transport._http_client import HttpClient
+from akv_transport._http_log import CLIENT_MISTAKE_LOG_INTERVAL_S
+from akv_transport._http_server import (
     DEFAULT_HOST,
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -45,9 +45,9 @@ from transport._http_server import (
     serve_local,
     stream_route,
 )
-from transport._json import DEFAULT_JSON_MAX_DEPTH, parse_json
-from transport._liveness import DEFAULT_KEEPALIVE_INTERVAL_S, DEFAULT_SILENT_S, KeepAlive
-from transport._reader import (
+from akv_transport._json import DEFAULT_JSON_MAX_DEPTH, parse_json
+from akv_transport._liveness import DEFAULT_KEEPALIVE_INTERVAL_S, DEFAULT_SILENT_S, KeepAlive
+from akv_transport._reader import (
     DISCARD,
     Destination,
     Discard,
@@ -56,7 +56,7 @@ from transport._reader import (
     Message,
     ReaderStatistics,
 )
-from transport._shm_stream import (
+from akv_transport._shm_stream import (
     DEFAULT_ARENA_BYTES,
     DEFAULT_MIN_SHARED_BYTES,
     ArenaBook,
@@ -64,9 +64,9 @@ from transport._shm_stream import (
     SharedMemory,
     remove_leftovers,
 )
-from transport._stream import UPGRADE_PROTOCOL, StreamProtocol, open_stream
-from transport._tls import client_ssl_context, server_ssl_context
-from transport.errors import (
+from akv_transport._stream import UPGRADE_PROTOCOL, StreamProtocol, open_stream
+from akv_transport._tls import client_ssl_context, server_ssl_context
+from akv_transport.errors import (
     AuthError,
     FrameError,
     JSONError,
@@ -75,7 +75,7 @@ from transport.errors import (
     StreamSilentError,
     TransportError,
 )
-from transport.frame import (
+from akv_transport.frame import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DTYPE_CODES,
     ArrayInfo,
@@ -87,7 +87,7 @@ from transport.frame import (
     encode_frame,
     frame_bytes,
 )
-from transport.shm import (
+from akv_transport.shm import (
     Arena,
     ShmConnection,
     ShmListener,

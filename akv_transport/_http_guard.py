@@ -4,7 +4,7 @@ A :class:`Connections` (one per listener) makes a :class:`Guard` for each accept
 connection, which stands between it and aiohttp's protocol and guarantees:
 
 * connections that have not authenticated (strangers) never take the place of the job's
-  own: who may hold a connection is decided by :class:`transport._admission.Admission`
+  own: who may hold a connection is decided by :class:`akv_transport._admission.Admission`
   (strangers and authenticated connections have separate budgets per address; a new
   connection that finds the strangers' places taken is on probation: it is closed unless
   a request on it passes the token check within ``probation_s``);
@@ -17,7 +17,7 @@ connection, which stands between it and aiohttp's protocol and guarantees:
 The :func:`track_request` middleware tells the guard when a request's header arrived and
 when its handler returned; :func:`authenticate` (called by the token check) that a request
 on it carried the token. Each closed connection is one rationed line
-(:func:`transport._http_log.log_mistake`).
+(:func:`akv_transport._http_log.log_mistake`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import cast
 import aiohttp
 from aiohttp import web
 
-from transport._admission import Admission, Standing
-from transport._http_log import log_mistake
-from transport._shm_stream import SharedMemory
+from akv_transport._admission import Admission, Standing
+from akv_transport._http_log import log_mistake
+from akv_transport._shm_stream import SharedMemory
 
 __all__ = ["Connections", "Guard", "Handler", "authenticate", "track_request"]
 
@@ -261,7 +261,7 @@ def authenticate(request: web.Request) -> bool:
 @web.middleware
 async def track_request(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Tell the connection's :class:`Guard` that a request's header arrived, and when
-    its handler returned (:func:`transport.serve` puts it first in every app)."""
+    its handler returned (:func:`akv_transport.serve` puts it first in every app)."""
     transport = request.transport
     guard = transport.get_protocol() if transport is not None else None
     if not isinstance(guard, Guard):

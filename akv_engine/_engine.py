@@ -18,9 +18,9 @@ from functools import partial
 from types import CoroutineType
 from typing import Any, NoReturn
 
-from engine._executors import CallbackExecutor, Executor, LoopExecutor, ThreadExecutor
-from engine._graph import to_dot
-from engine._task import (
+from akv_engine._executors import CallbackExecutor, Executor, LoopExecutor, ThreadExecutor
+from akv_engine._graph import to_dot
+from akv_engine._task import (
     ALREADY_DONE,
     DONE,
     FAILED,
@@ -34,7 +34,7 @@ from engine._task import (
     add_note,
     note_task,
 )
-from engine._var import Var
+from akv_engine._var import Var
 
 __all__ = ["DEFAULT_SLOTS", "Engine", "EngineClosedError", "EngineError", "EngineStatistics"]
 

@@ -21,7 +21,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine._task import Failure, Task
+    from akv_engine._task import Failure, Task
 
 __all__ = ["Var"]
 
@@ -29,9 +29,9 @@ __all__ = ["Var"]
 class Var:
     """A handle for one mutable thing (a stored value, a merge buffer, a user array).
 
-    Create it with :meth:`engine.Engine.new_var`. ``version`` counts the writes that
+    Create it with :meth:`akv_engine.Engine.new_var`. ``version`` counts the writes that
     finished on it. A var holds the failure of the last task that failed while writing it
-    until that failure is delivered to the user (see :class:`engine.Engine`).
+    until that failure is delivered to the user (see :class:`akv_engine.Engine`).
     """
 
     __slots__ = ("_engine", "_failure", "_holders", "_queue", "_writer", "id", "name", "version")

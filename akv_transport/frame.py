@@ -14,7 +14,7 @@ A message on a stream is a 16-byte prefix, a header and a payload::
     payload, payload_len bytes: the arrays' bytes concatenated in descriptor order
 
 Two more kinds of message share the prefix, only between peers that share memory
-(:mod:`transport._shm_stream`); the version byte tells them apart:
+(:mod:`akv_transport._shm_stream`); the version byte tells them apart:
 
 * version 2, a frame whose payload lies in the sender's arena: prefix and header as above,
   then, instead of the payload, one ``offset u64`` per array that has bytes (in descriptor
@@ -27,7 +27,7 @@ And one more on every stream:
 
 * version 4, a keepalive: ``header_len`` 0 and ``payload_len`` 0, nothing but the prefix:
   proof that the sender lives, sent by an end that has written nothing for a while
-  (:mod:`transport._liveness`).
+  (:mod:`akv_transport._liveness`).
 
 The version byte is the transport's; the ``op`` field is the application's. Control
 messages (releases, keepalives) are told apart by their version and carry no header, so
@@ -35,7 +35,7 @@ they never reach the application and can never collide with its ops, whatever th
 
 Every integer is little-endian, and so is every array. ``op``, ``flags``, ``seq``, ``aux`` and
 each array's ``tag`` are opaque here: the application gives them meaning. Encoding and decoding
-validate every field and raise :class:`~transport.errors.FrameError` for anything out of range,
+validate every field and raise :class:`~akv_transport.errors.FrameError` for anything out of range,
 so a peer's bytes can never raise anything else.
 """
 
@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from transport.errors import FrameError
+from akv_transport.errors import FrameError
 
 __all__ = [
     "ARENA_REF_BYTES",

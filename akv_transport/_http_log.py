@@ -8,7 +8,7 @@
   request becomes one short line (no traceback, no request bytes), and whatever follows
   ``Authorization`` or ``Bearer`` in any other line or traceback becomes ``<redacted>``.
 
-Every line goes to the ``transport.http`` logger or to aiohttp's own.
+Every line goes to the ``akv_transport.http`` logger or to aiohttp's own.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = [
     "log_mistake",
 ]
 
-log = logging.getLogger("transport.http")
+log = logging.getLogger("akv_transport.http")
 
 #: A client's mistakes (malformed requests, connections refused or timed out) are logged
 #: at most once per this many seconds per peer address.

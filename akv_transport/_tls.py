@@ -2,8 +2,8 @@
 
 Both ask for TLS 1.2 at least and verify the peer's certificate against a CA (a client
 always; a server when given one, for mutual TLS). They only build :class:`ssl.SSLContext`
-objects: :func:`transport.serve`, :class:`transport.HttpClient` and
-:func:`transport.open_stream` take them.
+objects: :func:`akv_transport.serve`, :class:`akv_transport.HttpClient` and
+:func:`akv_transport.open_stream` take them.
 """
 
 from __future__ import annotations

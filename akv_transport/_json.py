@@ -3,12 +3,12 @@
 Guarantees: a text is decoded only if it is UTF-8, nests at most ``max_depth`` levels
 (measured before decoding, in linear time and without recursion, so hostile nesting costs
 one scan and never a deep recursion), holds only finite numbers and integers that fit in 64
-bits (signed or unsigned). Anything else raises :class:`~transport.errors.JSONError` (a
+bits (signed or unsigned). Anything else raises :class:`~akv_transport.errors.JSONError` (a
 ``ValueError``), and nothing else escapes.
 
 What it does not refuse (callers check what they read): duplicate keys in an object (the
 last one wins, as with :func:`json.loads`), any JSON value at the top level, texts of any
-length (bound them before reading, as :func:`transport.create_app` bounds bodies).
+length (bound them before reading, as :func:`akv_transport.create_app` bounds bodies).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import re
 from typing import Any
 
-from transport.errors import JSONError
+from akv_transport.errors import JSONError
 
 __all__ = ["DEFAULT_JSON_MAX_DEPTH", "JSON_MAX_INT", "JSON_MIN_INT", "nesting", "parse_json"]
 
@@ -35,7 +35,7 @@ def parse_json(
 ) -> Any:
     """Decode JSON from a peer, strictly.
 
-    Besides malformed text, it refuses (with :class:`~transport.errors.JSONError`, a
+    Besides malformed text, it refuses (with :class:`~akv_transport.errors.JSONError`, a
     ``ValueError``): bytes that are not UTF-8; nesting deeper than ``max_depth`` (checked
     before decoding, in linear time, so the decoder never recurses deeper); ``NaN``,
     ``Infinity`` and numbers that overflow a float (``1e999``); integers outside

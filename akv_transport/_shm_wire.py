@@ -27,7 +27,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from transport.errors import FrameError, TransportError
+from akv_transport.errors import FrameError, TransportError
 
 __all__ = [
     "DEFAULT_MAX_FDS_PER_MESSAGE",
@@ -64,7 +64,7 @@ class ShmMessage:
     """One message: its data and the descriptors that came with it.
 
     The receiver owns ``fds``: it must close each one, or hand it to something that does
-    (:meth:`Arena.from_fd <transport.shm.Arena.from_fd>` takes one over).
+    (:meth:`Arena.from_fd <akv_transport.shm.Arena.from_fd>` takes one over).
     """
 
     data: bytes

@@ -1,21 +1,21 @@
 """A framed stream between two processes on one host: frames over a private Unix socket,
 large payloads through shared memory.
 
-Each side of such a stream sends through an :class:`~transport._shm_arena.Arena` (a sealed
+Each side of such a stream sends through an :class:`~akv_transport._shm_arena.Arena` (a sealed
 memfd) and maps the peer's. A client's arena is its stream's own; a :class:`LocalSite`
 sends through one arena for all its streams (:class:`ArenaBook`), so that what lies in a
 region of it reaches every local peer without a copy. A frame whose payload is at least
 ``min_bytes`` is sent as its header and one offset per array
-(:data:`~transport.frame.VERSION_ARENA`): each array is copied once into a free region of
+(:data:`~akv_transport.frame.VERSION_ARENA`): each array is copied once into a free region of
 the sender's arena (or is there already, in a region the caller took), and the receiver
 copies it from there into the buffer it chose for it, then gives the regions back with a
-*release* frame (:data:`~transport.frame.VERSION_RELEASE`). A stream accepts releases only
+*release* frame (:data:`~akv_transport.frame.VERSION_RELEASE`). A stream accepts releases only
 of what it sent. Small frames, and any frame whose payload finds no free region, travel on
 the socket as usual; the order of frames never changes.
 
 One pair of verbs says who holds a region, at every level: ``take`` and ``give_back``
 (:class:`RegionAllocator`, :class:`ArenaBook`, :class:`SharedMemory`, and
-:meth:`StreamProtocol.give_back <transport.StreamProtocol.give_back>` for the regions of the
+:meth:`StreamProtocol.give_back <akv_transport.StreamProtocol.give_back>` for the regions of the
 peer's arena that a message lent). *Release* names only the frame on the wire by which a
 receiver gives the sender's regions back (:meth:`SharedMemory.release_frames` makes them,
 :meth:`SharedMemory.given_back` takes in what they name).
@@ -23,13 +23,13 @@ receiver gives the sender's regions back (:meth:`SharedMemory.release_frames` ma
 Setting a stream up (:class:`LocalSite` on the server, :func:`connect_local` on the client):
 
 1. The client connects to the site's socket (mode 0600 in a private 0700 directory,
-   :class:`~transport._shm_socket.ShmListener`) and sends the job's token, which the site
+   :class:`~akv_transport._shm_socket.ShmListener`) and sends the job's token, which the site
    checks in constant time before it reads anything else; a descriptor sent before the
    token is accepted is never installed.
 2. The client sends ``akv-arena/1`` with its arena's descriptor (or none: it shares no
    memory), and the site answers ``akv-arena/1`` with its own (or none).
 3. The socket becomes an ordinary stream connection: the client's authenticated HTTP
-   ``Upgrade`` (:func:`~transport._stream.open_stream`) and then frames, exactly as over
+   ``Upgrade`` (:func:`~akv_transport._stream.open_stream`) and then frames, exactly as over
    TCP.
 
 Nothing here has a name in the file system but the site's socket: the arenas are reached
@@ -53,11 +53,11 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from transport._shm_arena import Arena
-from transport._shm_socket import DIRECTORY_PREFIX, ShmConnection, ShmListener, connect_shm
-from transport._shm_wire import close_fds, send_fds
-from transport.errors import FrameError, TransportError
-from transport.frame import (
+from akv_transport._shm_arena import Arena
+from akv_transport._shm_socket import DIRECTORY_PREFIX, ShmConnection, ShmListener, connect_shm
+from akv_transport._shm_wire import close_fds, send_fds
+from akv_transport.errors import FrameError, TransportError
+from akv_transport.frame import (
     MAX_ARENA_ARRAYS,
     MAX_RELEASE_OFFSETS,
     PREFIX_BYTES,
@@ -78,7 +78,7 @@ __all__ = [
     "remove_leftovers",
 ]
 
-log = logging.getLogger("transport")
+log = logging.getLogger("akv_transport")
 
 #: Each side's arena: its pages take memory only once used, and a region is taken from the
 #: lowest free offset, so what a stream holds is about the most it had in flight at once.
@@ -382,7 +382,7 @@ class SharedMemory:
 
     def place(self, buffers: Sequence[bytes | memoryview]) -> list[bytes | memoryview] | None:
         """The buffers that send this frame (prefix and header, then each array's payload,
-        as :func:`~transport.frame.encode_frame` makes them) through the arena: each
+        as :func:`~akv_transport.frame.encode_frame` makes them) through the arena: each
         payload copied into a region of its own now, or referred to where it lies in a
         reserved region; None when it goes on the socket as it is (small, no arena, too
         many arrays, or no free region large enough)."""

@@ -8,7 +8,7 @@ The payload of an array the application refuses (:data:`DISCARD`) is read throug
 buffer and dropped, so a header that declares a huge payload never makes the reader allocate
 it.
 
-Between peers that share memory (:mod:`transport._shm_stream`) a frame's payload may lie in
+Between peers that share memory (:mod:`akv_transport._shm_stream`) a frame's payload may lie in
 the sender's arena instead: the reader copies it from :attr:`FrameReader.arena` into the
 destinations and notes the region in :attr:`FrameReader.to_give_back` (the stream gives it
 back by a release frame); the regions of this side's arena that the peer's release frames
@@ -16,9 +16,9 @@ give back are noted in :attr:`FrameReader.given_back`. A destination wrapped in
 :class:`InPlace` is not written for such a frame: the message carries a read-only view of
 the payload where it lies, and the application gives the region back itself
 (:attr:`Message.borrowed`) once it has read it. A release on a stream that shares no memory
-(:attr:`FrameReader.shared` False) is a :class:`~transport.errors.FrameError`.
+(:attr:`FrameReader.shared` False) is a :class:`~akv_transport.errors.FrameError`.
 
-Keepalives (:mod:`transport._liveness`) are consumed and counted, never delivered.
+Keepalives (:mod:`akv_transport._liveness`) are consumed and counted, never delivered.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, NamedTuple, TypeAlias
 
-from transport.errors import FrameError
-from transport.frame import (
+from akv_transport.errors import FrameError
+from akv_transport.frame import (
     ARENA_REF_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     MAX_ARENA_ARRAYS,
@@ -68,7 +68,7 @@ class Discard(enum.Enum):
     DISCARD = "discard"
 
     def __repr__(self) -> str:
-        return "transport.DISCARD"
+        return "akv_transport.DISCARD"
 
 
 #: A destination that receives nothing: the array's payload is read through the scratch
@@ -84,7 +84,7 @@ class InPlace:
     When the frame's payload lies in the peer's shared arena it is not copied: the message
     holds a read-only view of it there, its offset is in :attr:`Message.borrowed`, and the
     region stays the reader's until the application gives it back (see
-    :meth:`~transport.StreamProtocol.give_back`).
+    :meth:`~akv_transport.StreamProtocol.give_back`).
     """
 
     buffer: memoryview
@@ -151,7 +151,7 @@ class FrameReader:
     ----------
     destinations
         Called once per frame, as soon as its header is decoded, with the
-        :class:`~transport.frame.FrameHeader`. Returns one entry per array: a writable,
+        :class:`~akv_transport.frame.FrameHeader`. Returns one entry per array: a writable,
         C-contiguous buffer (ideally a ``memoryview`` cast to ``"B"``) of exactly that array's
         ``nbytes`` to receive its payload into, None for a fresh ``bytearray`` of that size,
         or :data:`DISCARD` to read the payload and drop it (a frame the application refuses:
@@ -169,7 +169,7 @@ class FrameReader:
 
     Notes
     -----
-    Messages come out in stream order. Once any :class:`~transport.errors.FrameError` has been
+    Messages come out in stream order. Once any :class:`~akv_transport.errors.FrameError` has been
     raised the reader is broken and every later call raises one too: the stream is out of step
     and its connection must be closed. Messages completed earlier in the call that failed are
     dropped with it. The reader is not thread-safe; it belongs to one event loop.

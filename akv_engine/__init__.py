@@ -6,18 +6,24 @@ bounded number of slots, on the loop (coroutines), on worker threads (plain func
 inline, or on an executor registered for other hardware (:class:`GPUExecutor` runs
 functions on CUDA streams). See :class:`Engine`.
 
-This package never imports ``akv`` or ``transport``.
+This package never imports ``akv`` or ``akv_transport``.
 """
 
-from engine._engine import DEFAULT_SLOTS, Engine, EngineClosedError, EngineError, EngineStatistics
-from engine._executors import (
+from akv_engine._engine import (
+    DEFAULT_SLOTS,
+    Engine,
+    EngineClosedError,
+    EngineError,
+    EngineStatistics,
+)
+from akv_engine._executors import (
     CallbackExecutor,
     DoneCallback,
     Executor,
     LoopExecutor,
     ThreadExecutor,
 )
-from engine._gpu import (
+from akv_engine._gpu import (
     CudaDriver,
     CupyDriver,
     GPUContext,
@@ -26,10 +32,10 @@ from engine._gpu import (
     GPUWork,
     gpu_available,
 )
-from engine._graph import to_dot
-from engine._loop import LoopThread, new_event_loop, uvloop_available
-from engine._task import Completed, Failure, Task, Waitable, gather, then
-from engine._var import Var
+from akv_engine._graph import to_dot
+from akv_engine._loop import LoopThread, new_event_loop, uvloop_available
+from akv_engine._task import Completed, Failure, Task, Waitable, gather, then
+from akv_engine._var import Var
 
 __all__ = [
     "DEFAULT_SLOTS",
