@@ -158,7 +158,7 @@ class CupyDriver:
             import cupy
         except ImportError as exc:
             raise ImportError(
-                f"GPU tasks need CuPy: pip install 'akv[gpu]' ({exc})", name="cupy"
+                f"GPU tasks need CuPy: pip install 'akvstore[gpu]' ({exc})", name="cupy"
             ) from exc
         self._cupy = cupy
 

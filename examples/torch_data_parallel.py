@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and akv.arrays.cupy_module() is None:
-        print("CUDA is here but CuPy is not (pip install 'akv[gpu]'): training on the CPU")
+        print("CUDA is here but CuPy is not (pip install 'akvstore[gpu]'): training on the CPU")
         device = "cpu"
     torch.set_num_threads(1)  # several workers share this machine's cores
 

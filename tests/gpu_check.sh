@@ -17,7 +17,7 @@
 # also written to summary.txt; the exit status is 1 if any step failed.
 #
 # Knobs (environment): PYTHON (default python3, else python), CUPY_WHEEL (default
-# cupy-cuda12x; the gpu extra names cupy, which would build from source),
+# cupy-cuda12x, the wheel the gpu extra names; cupy-cuda13x for CUDA 13),
 # GPU_CHECK_SKIP_INSTALL=1 (a rerun on a machine where the install step already ran), and
 # each step's time limit (*_TIMEOUT_S below).
 # The folder receives 8 files: nvidia-smi.txt, python-version.txt, install.log, cupy.log,
@@ -77,7 +77,7 @@ step python-version "$MACHINE_TIMEOUT_S" python-version.txt "$PYTHON" -VV
 
 if [ "${GPU_CHECK_SKIP_INSTALL:-0}" = 1 ]; then
   echo "== install skipped (GPU_CHECK_SKIP_INSTALL=1)" | tee "$DIR/install.log"
-elif "$PYTHON" -c 'import cupy, akv, engine, transport, pytest, torch' >/dev/null 2>&1; then
+elif "$PYTHON" -c 'import cupy, akv, akv_engine, akv_transport, pytest, torch' >/dev/null 2>&1; then
   echo "== install not needed: CuPy, torch, pytest and this checkout's akv import" \
     | tee "$DIR/install.log"
 else

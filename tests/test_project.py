@@ -269,8 +269,11 @@ def test_a_plain_wheel_carries_every_package_and_py_typed(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    (wheel,) = tmp_path.glob("akv-*.whl")
+    (wheel,) = tmp_path.glob("akvstore-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
+    # Nothing top-level that a user's own module (engine.py, transport.py) could shadow.
+    tops = {name.split("/")[0] for name in names}
+    assert tops == {"akv", "akv_engine", "akv_transport", f"akvstore-{akv.__version__}.dist-info"}
     for package in ("akv", "akv_engine", "akv_transport"):
         assert f"{package}/__init__.py" in names
         assert f"{package}/py.typed" in names
@@ -287,6 +290,17 @@ def test_a_plain_wheel_carries_every_package_and_py_typed(tmp_path):
         "akv-scheduler = akv.cluster.scheduler:main",
     ):
         assert line in scripts
+    info = f"akvstore-{akv.__version__}.dist-info"
+    assert "Apache License" in zipfile.ZipFile(wheel).read(f"{info}/licenses/LICENSE").decode()
+    metadata = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode().splitlines()
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+    urls = {line.split(": ", 1)[1].split(",")[0] for line in metadata if line.startswith("Proj")}
+    assert urls == {"Homepage", "Documentation", "Source", "Issues"}
+    classifiers = {line.split(": ", 1)[1] for line in metadata if line.startswith("Classifier")}
+    assert "Programming Language :: Python :: 3.10" in classifiers
+    assert {"Development Status", "Intended Audience", "Operating System"} <= {
+        classifier.split(" :: ")[0] for classifier in classifiers
+    }
 
 
 def test_types_are_checked():

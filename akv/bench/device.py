@@ -69,7 +69,7 @@ TASK_TIMEOUT_S = 60.0
 # cudaMemcpyKind
 _H2D, _D2H, _D2D = 1, 2, 3
 
-INSTALL_HINT = "pip install 'akv[gpu]' (with a CUDA 12 driver: pip install cupy-cuda12x)"
+INSTALL_HINT = "pip install 'akvstore[gpu]' (CuPy's wheel for CUDA 12: cupy-cuda12x)"
 
 
 @dataclass(frozen=True)

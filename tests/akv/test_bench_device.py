@@ -99,7 +99,9 @@ def test_device_rows_write_their_bandwidth_and_target_to_json(tmp_path):
 
 def test_run_without_cupy_raises_a_benchmark_error_naming_what_to_install(monkeypatch):
     monkeypatch.setattr(device, "cupy_module", lambda: None)
-    with pytest.raises(akv.BenchmarkError, match=r"CuPy and a CUDA GPU.*not installed.*akv\[gpu\]"):
+    with pytest.raises(
+        akv.BenchmarkError, match=r"CuPy and a CUDA GPU.*not installed.*akvstore\[gpu\]"
+    ):
         device.run()
 
 

@@ -693,7 +693,7 @@ def test_gpu_available_never_raises(monkeypatch):
 
 def test_the_cupy_driver_says_how_to_get_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)
-    with pytest.raises(ImportError, match=r"akv\[gpu\]"):
+    with pytest.raises(ImportError, match=r"akvstore\[gpu\]"):
         CupyDriver()
     with pytest.raises(ImportError):
         GPUExecutor()
