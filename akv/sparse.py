@@ -64,6 +64,8 @@ class RowSparseArray:
     shape
         The shape of the whole (dense) array; ``shape[0]`` is its number of rows.
 
+    Notes
+    -----
     The constructor sorts the rows by id and sums the rows of a repeated id (in the order
     given; for bool, a logical or), once: afterwards :attr:`indices` is sorted and unique.
     The array owns its memory: ``data`` and ``indices`` are copied, never kept as views of

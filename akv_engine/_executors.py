@@ -46,7 +46,7 @@ class Executor(Protocol):
 _STOP = object()
 
 
-class ThreadExecutor:
+class ThreadExecutor(Executor):
     """A fixed pool of daemon worker threads fed from one queue, started on first use.
 
     The engine never hands it more tasks than it has slots, so with ``num_threads`` equal
@@ -99,7 +99,7 @@ class ThreadExecutor:
         self._threads.clear()
 
 
-class LoopExecutor:
+class LoopExecutor(Executor):
     """Runs coroutine functions as asyncio tasks on one event loop.
 
     With no loop given it starts a private :class:`~akv_engine.LoopThread` on first use.
@@ -155,7 +155,7 @@ class LoopExecutor:
             self._loop_thread = None
 
 
-class CallbackExecutor:
+class CallbackExecutor(Executor):
     """Runs functions that start work on the loop and report the end through a callback.
 
     ``fn(*args, done)`` is called on the loop's thread (at once when the task becomes ready

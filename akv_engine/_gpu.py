@@ -138,7 +138,7 @@ class CudaDriver(Protocol):
         ...
 
 
-class CupyDriver:
+class CupyDriver(CudaDriver):
     """:class:`CudaDriver` over CuPy (imported here, not when ``akv_engine`` is).
 
     What it relies on in CuPy (``cupy_backends/cuda/api/runtime.pyx``): ``eventSynchronize``,
