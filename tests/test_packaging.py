@@ -61,7 +61,7 @@ def _tracked_text_files() -> list[Path]:
 
 
 def test_every_install_hint_names_the_distribution():
-    # `pip install akv` fetches an unrelated project (Azure Key Vault secrets).
+    # The distribution named "akv" on PyPI is an unrelated project (Azure Key Vault secrets).
     wrong = re.compile(r"pip install(?: +[^\s#&;|`)]+)*? +['\"]?akv(?:\[|['\"`]| |$)", re.M)
     found = [
         f"{path.relative_to(ROOT)}: {match.group(0)}"
