@@ -87,7 +87,7 @@ def _require_cupy(key: object, what: str) -> Any:
     if cupy is None:
         raise GPUUnavailableError(
             f"{what} for key {key!r} is on a GPU, and CuPy is not installed: "
-            "pip install 'akv[gpu]' (or move it to the CPU first)"
+            "pip install 'akvstore[gpu]' (or move it to the CPU first)"
         )
     return cupy
 
@@ -124,7 +124,7 @@ def bfloat16(key: object, what: str) -> np.dtype:
     except ImportError as exc:
         raise UnsupportedDTypeError(
             f"{what} for key {key!r} is bfloat16, which NumPy holds only with ml_dtypes: "
-            "pip install 'akv[interop]' (or ml_dtypes), or convert it to float32 first"
+            "pip install 'akvstore[torch]' (or ml_dtypes), or convert it to float32 first"
         ) from exc
     bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
     return bfloat16

@@ -22,7 +22,7 @@ from akv.compression import Compression
 from akv.errors import AKVError
 from akv.keys import Entry
 from akv.sparse import RowIds, RowSparseArray
-from engine import Waitable
+from akv_engine import Waitable
 
 __all__ = ["Backend", "KeyArrays", "Updater", "caller_events"]
 
@@ -35,7 +35,7 @@ KeyArrays = list[tuple[Entry, list[np.ndarray]]]
 class Backend(Protocol):
     """The work behind one store.
 
-    Every method that returns a :class:`~engine.Waitable` (an engine task, or several
+    Every method that returns a :class:`~akv_engine.Waitable` (an engine task, or several
     gathered) has scheduled its work on the keys' vars before it returns, so that per key
     the work keeps call order. Values are checked by the store first: shapes and dtypes
     match their keys, keys exist. ``borrow`` means the caller waits for the task, so its

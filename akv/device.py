@@ -15,7 +15,7 @@ MXNet's ``device`` store (CommDevice) reduces on the GPUs instead of in host mem
   runs on a compute stream of the merge device and waits for the sum on the GPU
   (``cudaStreamWaitEvent``), never on the host.
 * A pull of a free key into outputs on its GPU (or in host memory) copies on the caller's
-  current stream and completes with an event (:meth:`engine.GPUExecutor.event_done`);
+  current stream and completes with an event (:meth:`akv_engine.GPUExecutor.event_done`);
   otherwise a task copies on a copy stream of the merge device (a GPU output on another
   device gets a peer copy). Work on a key from different streams is ordered by events kept
   in the key's entry.
@@ -23,7 +23,7 @@ MXNet's ``device`` store (CommDevice) reduces on the GPUs instead of in host mem
   ``local`` store: so a machine without a GPU runs every ``device`` store program, as MXNet's
   device store does with CPU contexts.
 
-GPU tasks run on the engine's ``"gpu"`` executor (:class:`engine.GPUExecutor`), registered on
+GPU tasks run on the engine's ``"gpu"`` executor (:class:`akv_engine.GPUExecutor`), registered on
 the store's engine when the first GPU key is initialized.
 """
 
@@ -58,7 +58,7 @@ from akv.gpu_stream import (
 from akv.keys import Entry
 from akv.local import GUARD, LocalBackend
 from akv.pinned import GPU, copy_async, from_pinned, register_gpu_executor, to_pinned
-from engine import (
+from akv_engine import (
     Completed,
     Engine,
     GPUContext,

@@ -15,7 +15,7 @@ from akv.errors import InvalidArgumentError, RoleError
 from akv.exits import close_at_exit, sigterm_raises
 from akv.kinds import StoreType, check_options, env_int, store_type
 from akv.store import AsyncKVStore, KVStore
-from engine import LoopThread
+from akv_engine import LoopThread
 
 __all__ = ["create", "create_async"]
 
@@ -68,7 +68,7 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
 
     Parameters
     ----------
-    name:
+    name : str
         The store type (see ``STORE_TYPES`` and :func:`store_type`); case-insensitive, and
         reported by ``type`` as given. Unknown names raise
         :class:`~akv.errors.UnknownStoreTypeError` (MXNet silently makes a local store).
@@ -80,20 +80,23 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
         (see ``docs/distributed.md``) and return once every worker and server is
         reachable; their ``_device`` variants reduce GPU values on the GPU first and stage
         them through pinned host memory.
-    slots:
+
+    Other Parameters
+    ----------------
+    slots : int
         How many engine tasks may run at once (default ``AKV_ENGINE_SLOTS`` for a local
         store, ``AKV_DIST_SLOTS`` requests in flight for a distributed one).
-    environ:
+    environ : Mapping[str, str]
         For distributed types, the variables to read instead of ``os.environ`` (to join a
         job from a program that configures itself, or several jobs from one process).
-    devices:
+    devices : Sequence[int]
         For the local device stores, the GPUs keys may be placed on (default: every GPU an
         init value came from so far).
-    staleness:
+    staleness : int
         For ``dist_async``: a worker may be at most this many pushes of a key ahead of the
         slowest worker; a push that would go further waits (default ``AKV_STALENESS``, else
         no bound; see ``docs/distributed.md``). Every worker must give the same bound.
-    inline_max_bytes:
+    inline_max_bytes : int
         Work on at most this many bytes runs on the calling thread, bigger work on the
         engine's worker threads (default ``AKV_INLINE_MAX_BYTES``, 16 MiB). The blocking
         store runs all array work on the calling thread unless this is given.

@@ -19,7 +19,7 @@ from akv.errors import (
 )
 from akv.fused import sum_into
 from akv.rows import RowTable
-from engine import Var
+from akv_engine import Var
 
 __all__ = [
     "MAX_SPARE_BUFFERS",

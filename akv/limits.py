@@ -181,7 +181,7 @@ MAX_CONNECTIONS_PER_PEER = 256
 #: Connections that have not (yet) sent a request with the token, per IP address, each for
 #: the idle timeout at most. A new connection that finds them all taken is on probation:
 #: closed unless it sends a request with the token within half a second (a job's own
-#: connection sends one at once; ``transport.DEFAULT_PROBATION_S``).
+#: connection sends one at once; ``akv_transport.DEFAULT_PROBATION_S``).
 #: ``AKV_MAX_STRANGERS_PER_PEER``.
 MAX_STRANGERS_PER_PEER = 64
 #: The same, all addresses together: bounds the descriptors strangers hold whatever

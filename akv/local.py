@@ -34,7 +34,7 @@ from akv.local_rows import RowPull, RowPush, apply_row_push, check_updater, pull
 from akv.pinned import gpu_only, pinned_now, register_gpu_executor
 from akv.rows import RowTable
 from akv.sparse import RowSparseArray
-from engine import Engine, GPUExecutor, Task, Waitable
+from akv_engine import Engine, GPUExecutor, Task, Waitable
 
 __all__ = ["LocalBackend", "UpdaterGuard"]
 

@@ -27,7 +27,7 @@ from akv.arrays import Array, cupy_module, device_of, is_gpu
 from akv.errors import GPUUnavailableError
 from akv.gpu_stream import reduce_at_call, reduce_on_stream, side_stream
 from akv.keys import Entry
-from engine import Engine, GPUContext, GPUExecutor, GPUWork, Var
+from akv_engine import Engine, GPUContext, GPUExecutor, GPUWork, Var
 
 __all__ = [
     "GPU",

@@ -30,7 +30,7 @@ from akv.errors import (
     StorageTypeError,
     UnsupportedDTypeError,
 )
-from transport import DTYPE_CODES
+from akv_transport import DTYPE_CODES
 
 __all__ = [
     "RowSparseArray",
@@ -64,6 +64,8 @@ class RowSparseArray:
     shape
         The shape of the whole (dense) array; ``shape[0]`` is its number of rows.
 
+    Notes
+    -----
     The constructor sorts the rows by id and sums the rows of a repeated id (in the order
     given; for bool, a logical or), once: afterwards :attr:`indices` is sorted and unique.
     The array owns its memory: ``data`` and ``indices`` are copied, never kept as views of
@@ -82,7 +84,7 @@ class RowSparseArray:
     ShapeMismatchError
         ``data`` does not have shape ``(len(indices), *shape[1:])``.
     UnsupportedDTypeError
-        ``data``'s dtype is not one akv stores (:data:`transport.DTYPE_CODES`).
+        ``data``'s dtype is not one akv stores (:data:`akv_transport.DTYPE_CODES`).
     StorageTypeError
         ``data`` is itself sparse (a torch sparse tensor).
     """

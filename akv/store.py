@@ -56,7 +56,7 @@ from akv.row_args import (
     sparse_call,
 )
 from akv.sparse import RowSparseArray, check_dense
-from engine import Engine, LoopThread, Waitable, then
+from akv_engine import Engine, LoopThread, Waitable, then
 
 __all__ = ["AsyncKVStore", "KVStore"]
 
@@ -65,7 +65,7 @@ class AsyncKVStore:
     """A key-value store for asyncio programs (create it with :func:`akv.create_async`).
 
     Every method that does work schedules it before returning and returns an awaitable
-    (an :class:`engine.Waitable`); per key, work happens in call order whether or not the
+    (an :class:`akv_engine.Waitable`); per key, work happens in call order whether or not the
     caller awaits. Argument errors raise at the call, before anything is scheduled.
     The store copies what it is given: after a call returns, changing the caller's arrays
     never changes the store, and a pull never hands out the stored array.

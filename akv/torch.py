@@ -39,7 +39,7 @@ from akv.errors import (
     InvalidArgumentError,
 )
 from akv.store import KVStore
-from engine import Waitable
+from akv_engine import Waitable
 
 __all__ = ["DistributedOptimizer", "Embedding"]
 

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu"
     if torch.cuda.is_available():
         if akv.arrays.cupy_module() is None:
-            print("CUDA is here but CuPy is not (pip install 'akv[gpu]'): training on the CPU")
+            print("CUDA is here but CuPy is not (pip install 'akvstore[gpu]'): training on the CPU")
         else:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             device = f"cuda:{local_rank % torch.cuda.device_count()}"

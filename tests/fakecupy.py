@@ -2,7 +2,7 @@
 
 Install it with the ``cupy`` fixture of ``tests/akv/test_gpu_paths.py`` (it puts this
 module in ``sys.modules["cupy"]`` and :data:`cupyx` in ``sys.modules["cupyx"]`` with
-``monkeypatch``, after :func:`reset`). The production :class:`engine.CupyDriver` then drives
+``monkeypatch``, after :func:`reset`). The production :class:`akv_engine.CupyDriver` then drives
 the engine's GPU executor on the fake's streams and events.
 
 What it models, after CuPy's API (names, signatures, errors) and CUDA's semantics:

@@ -18,7 +18,7 @@
 # also written to summary.txt; the exit status is 1 if any step failed.
 #
 # Knobs (environment): PYTHON (default python3, else python), CUPY_WHEEL (default
-# cupy-cuda12x; the gpu extra names cupy, which would build from source),
+# cupy-cuda12x, the wheel the gpu extra names; cupy-cuda13x for CUDA 13),
 # GPU_CHECK_SKIP_INSTALL=1 (a rerun on a machine where the install step already ran), and
 # each step's time limit (*_TIMEOUT_S below).
 # The folder receives 9 files: nvidia-smi.txt, python-version.txt, checkout.txt, install.log,
@@ -83,7 +83,7 @@ step checkout "$MACHINE_TIMEOUT_S" checkout.txt \
 
 if [ "${GPU_CHECK_SKIP_INSTALL:-0}" = 1 ]; then
   echo "== install skipped (GPU_CHECK_SKIP_INSTALL=1)" | tee "$DIR/install.log"
-elif "$PYTHON" -c 'import cupy, akv, engine, transport, pytest, torch' >/dev/null 2>&1; then
+elif "$PYTHON" -c 'import cupy, akv, akv_engine, akv_transport, pytest, torch' >/dev/null 2>&1; then
   echo "== install not needed: CuPy, torch, pytest and this checkout's akv import" \
     | tee "$DIR/install.log"
 else
@@ -99,11 +99,11 @@ fi
 step cupy "$CUPY_TIMEOUT_S" cupy.log "$PYTHON" -c '
 import sys
 import cupy
-from engine import gpu_available
+from akv_engine import gpu_available
 runtime = cupy.cuda.runtime
 print("cupy", cupy.__version__, "runtime", runtime.runtimeGetVersion(),
       "driver", runtime.driverGetVersion(), "devices", runtime.getDeviceCount())
-print("engine.gpu_available():", gpu_available())
+print("akv_engine.gpu_available():", gpu_available())
 cupy.show_config()
 import numpy
 print("numpy", numpy.__version__)

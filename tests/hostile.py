@@ -3,7 +3,7 @@
 
 The limiter that logs a peer's mistake at most once a minute is process-wide, so a test that
 counts such lines starts with :func:`forget_logged_mistakes`; this is the one place the tests
-outside ``transport``'s own reach into its private modules for it.
+outside ``akv_transport``'s own reach into its private modules for it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 
-from transport._http_log import MISTAKES
+from akv_transport._http_log import MISTAKES
 
 
 def forget_logged_mistakes() -> None:

@@ -7,6 +7,7 @@ or of a job under akv-launch, which the job tests run in full).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import io
@@ -164,7 +165,7 @@ def test_every_answer_of_where_is_it_decided_names_a_function_that_exists():
         paths = re.findall(r"`([^`]+)`", where)
         assert paths, f"{question!r}: no path in `where`"
         for path in paths:
-            assert re.fullmatch(r"(akv|engine|transport)(\.\w+)+", path), (
+            assert re.fullmatch(r"(akv|akv_engine|akv_transport)(\.\w+)+", path), (
                 f"{question!r}: {path!r} is not a fully qualified dotted path"
             )
             try:
@@ -174,3 +175,73 @@ def test_every_answer_of_where_is_it_decided_names_a_function_that_exists():
             assert callable(found) or isinstance(found, property), (
                 f"{question!r}: {path} is not a function, method or class"
             )
+
+
+GUIDE = DOCS / "migrating-from-mxnet.md"
+#: Every method and property of MXNet 1.9.1's KVStore (python/mxnet/kvstore/kvstore.py and
+#: base.py, the private ones that scripts call included), and what MXNet has only in its C API.
+MXNET_METHODS = [
+    "init",
+    "push",
+    "pull",
+    "pushpull",
+    "row_sparse_pull",
+    "broadcast",
+    "set_optimizer",
+    "_set_updater",
+    "set_gradient_compression",
+    "save_optimizer_states",
+    "load_optimizer_states",
+    "_barrier",
+    "_send_command_to_servers",
+    "is_capable",
+    "type",
+    "rank",
+    "num_workers",
+    "register",
+    "kv_registry",
+    "OPTIMIZER",
+    "set_barrier_before_exit",
+    "num_dead_node",
+]
+
+
+def _mentioned(text: str, name: str) -> bool:
+    return re.search(rf"`(?:[\w.]+\.)?{re.escape(name)}\b", text) is not None
+
+
+@pytest.mark.parametrize("face", [akv.KVStore, akv.AsyncKVStore], ids=lambda c: c.__name__)
+def test_the_migration_guide_names_every_public_method_of_the_stores(face):
+    methods = section(GUIDE, "Methods")
+    missing = [
+        name for name in dir(face) if not name.startswith("_") and not _mentioned(methods, name)
+    ]
+    assert not missing, f"docs/migrating-from-mxnet.md's Methods leave out {missing}"
+
+
+def test_the_migration_guide_names_every_method_of_mxnets_kvstore():
+    first_column = [row[0] for row in table_rows(section(GUIDE, "Methods"))]
+    missing = [
+        name for name in MXNET_METHODS if not any(_mentioned(cell, name) for cell in first_column)
+    ]
+    assert not missing, missing
+
+
+def test_the_migration_guide_names_every_store_type():
+    types = section(GUIDE, "Store types")
+    assert [name for name in akv.STORE_TYPES if not _mentioned(types, name)] == []
+
+
+def test_the_migration_guide_names_every_mxnet_variable_akv_mentions():
+    # The variables akv reads or names in its messages and docstrings: in its strings.
+    strings = [
+        node.value
+        for top in ("akv", "akv_engine", "akv_transport")
+        for path in (DOCS.parent / top).rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    ]
+    names = {name for text in strings for name in re.findall(r"\b(?:DMLC|MXNET|PS)_[A-Z_]+", text)}
+    assert {"DMLC_ROLE", "MXNET_KVSTORE_BIGARRAY_BOUND"} <= names
+    variables = section(GUIDE, "Environment variables")
+    assert [name for name in sorted(names) if not _mentioned(variables, name)] == []

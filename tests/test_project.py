@@ -21,11 +21,14 @@ import tomllib
 
 import akv
 import akv.errors
-import engine
-import transport
+import akv_engine as engine
+import akv_transport as transport
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = {"engine": {"akv", "transport"}, "transport": {"akv", "engine"}}
+FORBIDDEN = {
+    "akv_engine": {"akv", "akv_transport"},
+    "akv_transport": {"akv", "akv_engine"},
+}
 
 
 @pytest.mark.parametrize("package", [akv, engine, transport])
@@ -78,22 +81,22 @@ IO_MODULES = {
     "threading",
     "aiohttp",
     "ssl",
-    "engine",
+    "akv_engine",
 }
 #: Private modules that do I/O (a pure module imports none, whatever it imports them for).
 IO_PRIVATE_MODULES = (
-    "engine._loop",
-    "transport._http_client",
-    "transport._http_guard",
-    "transport._http_server",
-    "transport._stream",
+    "akv_engine._loop",
+    "akv_transport._http_client",
+    "akv_transport._http_guard",
+    "akv_transport._http_server",
+    "akv_transport._stream",
 )
 PURE_EXCEPTIONS = {
     # A lock is no I/O: the key table is shared by the threads that call a blocking store;
     # an entry holds its engine var (a handle; the table never schedules anything).
-    "akv.keys": {"threading", "engine"},
+    "akv.keys": {"threading", "akv_engine"},
     # The backend protocol returns engine tasks: it is the seam to the engine.
-    "akv.backend": {"engine"},
+    "akv.backend": {"akv_engine"},
     # A thread-local (each thread's scratch buffers for updates) is no I/O either.
     "akv.optimizer._base": {"threading"},
 }
@@ -161,7 +164,7 @@ PURE_AKV_MODULES = [
 def test_mypy_checks_everything_with_the_strict_flags():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
     assert config["strict"] is True
-    assert sorted(config["files"]) == ["akv", "engine", "transport"]
+    assert sorted(config["files"]) == ["akv", "akv_engine", "akv_transport"]
     for override in config.get("overrides", []):
         # Only packages without type information may be let off, and only for that.
         assert set(override) == {"module", "ignore_missing_imports"}, override
@@ -188,7 +191,7 @@ def test_the_pure_modules_include_the_servers_state_machine():
 def test_no_source_or_test_file_is_ignored_by_git():
     files = [
         str(path.relative_to(ROOT))
-        for top in ("akv", "engine", "transport", "tests", "examples", "docs")
+        for top in ("akv", "akv_engine", "akv_transport", "tests", "examples", "docs")
         for path in (ROOT / top).rglob("*")
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
     ]
@@ -274,9 +277,12 @@ def test_a_plain_wheel_carries_every_package_and_py_typed(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    (wheel,) = tmp_path.glob("akv-*.whl")
+    (wheel,) = tmp_path.glob("akvstore-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for package in ("akv", "engine", "transport"):
+    # Nothing top-level that a user's own module (engine.py, transport.py) could shadow.
+    tops = {name.split("/")[0] for name in names}
+    assert tops == {"akv", "akv_engine", "akv_transport", f"akvstore-{akv.__version__}.dist-info"}
+    for package in ("akv", "akv_engine", "akv_transport"):
         assert f"{package}/__init__.py" in names
         assert f"{package}/py.typed" in names
     assert "akv/optimizer/__init__.py" in names
@@ -292,6 +298,17 @@ def test_a_plain_wheel_carries_every_package_and_py_typed(tmp_path):
         "akv-scheduler = akv.cluster.scheduler:main",
     ):
         assert line in scripts
+    info = f"akvstore-{akv.__version__}.dist-info"
+    assert "Apache License" in zipfile.ZipFile(wheel).read(f"{info}/licenses/LICENSE").decode()
+    metadata = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode().splitlines()
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+    urls = {line.split(": ", 1)[1].split(",")[0] for line in metadata if line.startswith("Proj")}
+    assert urls == {"Homepage", "Documentation", "Source", "Issues"}
+    classifiers = {line.split(": ", 1)[1] for line in metadata if line.startswith("Classifier")}
+    assert "Programming Language :: Python :: 3.10" in classifiers
+    assert {"Development Status", "Intended Audience", "Operating System"} <= {
+        classifier.split(" :: ")[0] for classifier in classifiers
+    }
 
 
 def test_types_are_checked():
@@ -314,7 +331,7 @@ TOOL_OUTPUT_NAMES = {"dist", "build", "node_modules", "venv", "site-packages", "
 def test_no_code_folder_has_a_name_tools_reserve():
     named = [
         path.relative_to(ROOT)
-        for top in ("akv", "engine", "transport", "tests", "examples", "docs")
+        for top in ("akv", "akv_engine", "akv_transport", "tests", "examples", "docs")
         for path in (ROOT / top).rglob("*")
         if path.is_dir() and path.name in TOOL_OUTPUT_NAMES
     ]
@@ -354,7 +371,7 @@ def test_code_is_ruff_clean():
 
 def _module_names() -> dict[str, Path]:
     names = {}
-    for top in ("akv", "engine", "transport"):
+    for top in ("akv", "akv_engine", "akv_transport"):
         for path in (ROOT / top).rglob("*.py"):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":

@@ -15,7 +15,9 @@ import pytest
 from tests.akv.cluster.cluster import launch, launch_shm_on_and_off
 
 pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
-pytest.importorskip("sklearn", reason="the example needs scikit-learn: pip install akv[examples]")
+pytest.importorskip(
+    "sklearn", reason="the example needs scikit-learn: pip install akvstore[examples]"
+)
 pytestmark = pytest.mark.timeout(180)
 
 FINAL = re.compile(

@@ -34,7 +34,7 @@ import akv
 from akv.arrays import cupy_module
 from akv.bench._report import _SETTINGS, Row, Table, _plan, compare
 from akv.errors import BenchmarkError
-from engine import Engine, GPUExecutor, gpu_available
+from akv_engine import Engine, GPUExecutor, gpu_available
 
 __all__ = [
     "DeviceRow",
@@ -79,7 +79,7 @@ TASK_TIMEOUT_S = 60.0
 # cudaMemcpyKind
 _H2D, _D2H, _D2D = 1, 2, 3
 
-INSTALL_HINT = "pip install 'akv[gpu]' (with a CUDA 12 driver: pip install cupy-cuda12x)"
+INSTALL_HINT = "pip install 'akvstore[gpu]' (CuPy's wheel for CUDA 12: cupy-cuda12x)"
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import asyncio
 import concurrent.futures
 
 from akv.bench._report import Row, Table, compare, compare_async
-from engine import Engine
+from akv_engine import Engine
 
 __all__ = ["run"]
 

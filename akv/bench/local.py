@@ -14,7 +14,7 @@ import numpy as np
 import akv
 from akv.args import Key
 from akv.bench._report import Row, Table, compare, compare_async
-from engine import Waitable
+from akv_engine import Waitable
 
 __all__ = ["run"]
 

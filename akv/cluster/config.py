@@ -40,7 +40,7 @@ from akv.limits import (
     STREAM_KEEPALIVE_S,
     STREAM_SILENT_S,
 )
-from transport import KeepAlive, host_identity
+from akv_transport import KeepAlive, host_identity
 
 __all__ = [
     "ADDRESS_FORMS",
@@ -225,7 +225,7 @@ class Config:
     #: without shared memory).
     shm_arena_bytes: int = SHM_ARENA_BYTES
     #: This process's host identity (``AKV_HOST_ID``, by default
-    #: :func:`transport.host_identity`): processes share memory only when theirs are equal.
+    #: :func:`akv_transport.host_identity`): processes share memory only when theirs are equal.
     host_id: str = field(default_factory=host_identity)
     #: A worker serves ``/metrics`` and the health probes on this port of ``host``
     #: (``AKV_METRICS_PORT``; 0: any free port, logged; None: it serves none).

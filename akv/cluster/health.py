@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from transport import public_route
+from akv_transport import public_route
 
 __all__ = [
     "HEALTHZ_PATH",
@@ -68,7 +68,7 @@ def worker_readiness(joined: bool, failed: bool) -> str | None:
 
 
 def health_routes(app: web.Application, readiness: Readiness) -> None:
-    """Add ``/healthz`` and ``/readyz`` to ``app`` (made by :func:`transport.create_app`),
+    """Add ``/healthz`` and ``/readyz`` to ``app`` (made by :func:`akv_transport.create_app`),
     both without the token; ``readiness()`` decides ``/readyz``'s answer at each request."""
 
     async def healthz(request: web.Request) -> web.Response:

@@ -34,7 +34,7 @@ from akv.limits import (
     MIN_HEARTBEAT_REQUEST_S,
     VERDICT_POLL_S,
 )
-from transport import AuthError, HttpClient, RemoteError, TransportError
+from akv_transport import AuthError, HttpClient, RemoteError, TransportError
 
 __all__ = ["Membership", "scheduler_refusal"]
 

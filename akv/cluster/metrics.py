@@ -14,7 +14,7 @@ process's ``role`` and ``rank`` (empty for the scheduler, and for a server or wo
 before it has one), read at the scrape, so a rank learned late still labels every sample.
 
 :func:`observe` adds ``/metrics`` (behind the app's token check, as every route of
-:func:`transport.create_app`) and the health probes (:mod:`akv.cluster.health`) to an app.
+:func:`akv_transport.create_app`) and the health probes (:mod:`akv.cluster.health`) to an app.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from akv.cluster.health import Readiness, health_routes
 from akv.cluster.protocol import Op, op_label
-from engine import EngineStatistics
+from akv_engine import EngineStatistics
 
 __all__ = [
     "CHECKPOINT_BUCKETS_S",

@@ -59,7 +59,7 @@ from enum import IntEnum
 from typing import Final
 
 from akv import errors
-from transport import parse_json
+from akv_transport import parse_json
 
 __all__ = [
     "CLIENT_HEADER",
@@ -255,7 +255,7 @@ def decode_meta(text: str) -> list[tuple[int | str, tuple[int, ...], str]]:
     ------
     InvalidArgumentError
         When ``text`` is not a list of ``[key, shape, dtype]`` with int or str keys, or
-        not strict JSON (:func:`transport.parse_json`: no NaN, no overflowing number, no
+        not strict JSON (:func:`akv_transport.parse_json`: no NaN, no overflowing number, no
         nesting past its depth), never with a traceback of its own.
     """
     try:

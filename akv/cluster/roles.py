@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from akv.cluster import config as _config
 from akv.errors import ConfigError
-from engine import new_event_loop
-from transport import HttpClient, client_ssl_context, server_ssl_context
+from akv_engine import new_event_loop
+from akv_transport import HttpClient, client_ssl_context, server_ssl_context
 
 __all__ = [
     "ROLE_FLAGS",
@@ -69,7 +69,7 @@ def server_ssl(config: _config.Config) -> ssl.SSLContext | None:
 
 
 def listener_bounds(config: _config.Config) -> dict[str, Any]:
-    """What one peer may hold of this process's listener: :func:`transport.serve`'s bounds,
+    """What one peer may hold of this process's listener: :func:`akv_transport.serve`'s bounds,
     as configured (``AKV_IDLE_TIMEOUT_S``, ``AKV_MAX_CONNECTIONS_PER_PEER``,
     ``AKV_MAX_STRANGERS_PER_PEER``, ``AKV_MAX_STRANGERS``)."""
     return {

@@ -38,7 +38,7 @@ from akv.launch.limits import (
 from akv.launch.report import ProcessRecord, summary_lines
 from akv.launch.rules import Decision, ExitRules, scheduler_verdict, status_text
 from akv.launch.spec import ProcessSpec
-from transport import remove_leftovers
+from akv_transport import remove_leftovers
 
 __all__ = ["supervise"]
 

@@ -38,7 +38,7 @@ import numpy as np
 from akv.arrays import is_cupy, to_host
 from akv.errors import InvalidArgumentError, MixedKeyKindsError, StateFormatError
 from akv.optimizer._base import Index, State
-from transport import parse_json
+from akv_transport import parse_json
 
 __all__ = [
     "STATE_FORMAT_NAME",

@@ -34,7 +34,7 @@ from akv.launch.args import OWNED_VARIABLES
 from akv.launch.limits import MAX_LINE_BYTES, OUTPUT_SETTLE_S, POLL_INTERVAL_S
 from akv.launch.spec import ACTOR_PYTHON
 from akv.launch.supervisor import _die_with_parent, _live_groups, _signal_group
-from transport import remove_leftovers
+from akv_transport import remove_leftovers
 
 __all__ = ["FunctionWorker", "Poll", "ProcessActor", "WorkerResult"]
 

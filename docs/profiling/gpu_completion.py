@@ -1,8 +1,8 @@
 """The engine's two GPU completion strategies side by side, per task (docs/engine.md).
 
 For each strategy (``host_func``, ``waiter``) it pushes a run of tiny GPU tasks (one
-``+= 1`` on one element of a 64-float CuPy array) through an :class:`engine.Engine` with a
-:class:`engine.GPUExecutor`, chained on one var (each task waits for the one before it: the
+``+= 1`` on one element of a 64-float CuPy array) through an :class:`akv_engine.Engine` with a
+:class:`akv_engine.GPUExecutor`, chained on one var (each task waits for the one before it: the
 latency per task) and spread over 8 vars (independent: the throughput), and prints the
 median over REPEATS runs of the wall time and the process's CPU time per task (CPU time
 shows a thread that spins). It checks that every task ran::
@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-import engine
+import akv_engine as engine
 
 WARMUP_TASKS = 200
 COMPLETIONS = ("host_func", "waiter")

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from engine import new_event_loop
+from akv_engine import new_event_loop
 
 WORKERS = 2
 FLOATS = 16

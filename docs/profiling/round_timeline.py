@@ -65,7 +65,7 @@ def _stamp(tag: str, cls: type, name: str, label: str) -> None:
 
 def _instrument(tag: str) -> None:
     """Stamp this process's stream events; write them to the job's directory at exit."""
-    from transport._stream import StreamProtocol
+    from akv_transport._stream import StreamProtocol
 
     _stamp(tag, StreamProtocol, "buffer_updated", "recv")
     _stamp(tag, StreamProtocol, "write", "write")

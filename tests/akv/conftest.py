@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from akv import gpu_stream
-from engine import gpu_available
+from akv_engine import gpu_available
 from tests import fakecupy
 
 # The side streams akv caches per GPU belong to the fake's previous GPUs after a reset.

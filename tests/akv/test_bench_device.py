@@ -27,7 +27,7 @@ from akv.bench.device import (
     sgd_floor_bytes,
     sizes,
 )
-from engine import gpu_available
+from akv_engine import gpu_available
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI_TIMEOUT_S = 120
@@ -105,7 +105,9 @@ def test_device_rows_write_their_bandwidth_and_target_to_json(tmp_path):
 
 def test_run_without_cupy_raises_a_benchmark_error_naming_what_to_install(monkeypatch):
     monkeypatch.setattr(device, "cupy_module", lambda: None)
-    with pytest.raises(akv.BenchmarkError, match=r"CuPy and a CUDA GPU.*not installed.*akv\[gpu\]"):
+    with pytest.raises(
+        akv.BenchmarkError, match=r"CuPy and a CUDA GPU.*not installed.*akvstore\[gpu\]"
+    ):
         device.run()
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import akv
 from akv.device import DeviceBackend, MergePlacement
-from engine import gpu_available
+from akv_engine import gpu_available
 
 DEVICE_TYPES = ["device", "local_allreduce_device", "nccl"]
 

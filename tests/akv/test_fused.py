@@ -18,7 +18,7 @@ import pytest
 from akv import fused
 from akv import optimizer as opt
 from akv.keys import merge_into
-from engine import gpu_available
+from akv_engine import gpu_available
 from tests import fakecupy, fakekernels
 
 F32 = np.float32

@@ -1,7 +1,7 @@
 """The GPU code paths of the stores, run end to end on a fake GPU (``tests/fakecupy.py``).
 
 The fake CuPy is installed as ``cupy`` and ``cupyx`` for each test; the engine's GPU executor
-runs on it through the production :class:`engine.CupyDriver`. Its streams run lazily (only
+runs on it through the production :class:`akv_engine.CupyDriver`. Its streams run lazily (only
 when an event wait, a host function or a host synchronization needs their work), so work
 that the code does not order is visibly not done: :func:`fakecupy.peek` shows an array's
 memory as it is, and reading memory nobody wrote shows NaN. Each test ends with no
@@ -565,7 +565,7 @@ async def test_dist_sync_device_optimizer_states_of_gpu_keys_load_back(cupy, tmp
 
 def test_device_backend_takes_an_executor_factory(cupy):
     """The seam: a DeviceBackend made with another GPU executor factory uses it."""
-    from engine import Engine, GPUExecutor
+    from akv_engine import Engine, GPUExecutor
 
     made = []
 

@@ -10,7 +10,9 @@ import pytest
 import akv
 from akv.arrays import NUMPY, copy_into, read, write_view
 
-torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'akv[interop]')")
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed (pip install 'akvstore[interop]')"
+)
 
 HOST_TYPES = ["local", "device", "local_update_cpu"]
 
@@ -162,7 +164,7 @@ async def test_the_async_store_returns_tensors_too():
 
 @pytest.fixture
 def jnp():
-    pytest.importorskip("jax", reason="jax is not installed (pip install 'akv[interop]')")
+    pytest.importorskip("jax", reason="jax is not installed (pip install 'akvstore[interop]')")
     import jax.numpy as jnp
 
     return jnp
@@ -261,7 +263,7 @@ def test_a_gpu_array_without_cupy_is_a_typed_error(monkeypatch):
         def __dlpack__(self, stream=None):
             raise AssertionError("never read without CuPy")
 
-    with pytest.raises(akv.GPUUnavailableError, match=r"key 5.*akv\[gpu\]"):
+    with pytest.raises(akv.GPUUnavailableError, match=r"key 5.*akvstore\[gpu\]"):
         read(CudaThing(), 5, "push value")
 
 

@@ -24,7 +24,7 @@ pytestmark = [
 @pytest.fixture
 def torch() -> Any:
     return pytest.importorskip(
-        "torch", reason="torch is not installed (pip install 'akv[interop]')"
+        "torch", reason="torch is not installed (pip install 'akvstore[interop]')"
     )
 
 

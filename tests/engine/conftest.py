@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine import Engine
+from akv_engine import Engine
 from tests.engine.common import WAIT_S
 
 

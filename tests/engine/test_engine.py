@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-import engine
-from engine import Engine, EngineClosedError, EngineError
+import akv_engine as engine
+from akv_engine import Engine, EngineClosedError, EngineError
 from tests.engine.common import WAIT_S, Gate
 
 

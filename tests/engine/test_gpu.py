@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-import engine
-from engine import (
+import akv_engine as engine
+from akv_engine import (
     CupyDriver,
     Engine,
     EngineClosedError,
@@ -102,7 +102,7 @@ class FakeStream:
 
 
 class FakeDriver:
-    """A :class:`engine.CudaDriver` whose streams are threads (see the module docstring).
+    """A :class:`akv_engine.CudaDriver` whose streams are threads (see the module docstring).
 
     It records the rules broken: a CUDA call from a host callback, a host wait on an event
     made without blocking sync, an exception out of a host callback.
@@ -591,12 +591,12 @@ def test_a_raising_done_is_logged_and_the_executor_keeps_working(driver, complet
         closed_loop.call_soon_threadsafe(print, result)  # RuntimeError: loop is closed
 
     outcomes = Outcomes()
-    with caplog.at_level(logging.ERROR, logger="engine.gpu"):
+    with caplog.at_level(logging.ERROR, logger="akv_engine.gpu"):
         gpu.submit(lambda ctx: driver.kernel(), (), done_on_closed_loop)
         # Same stream: its completion comes after the first one's.
         gpu.submit(lambda ctx: driver.kernel() or "later", (), outcomes)
         assert outcomes.next()[:2] == ("later", None)
-    (record,) = [r for r in caplog.records if r.name == "engine.gpu"]
+    (record,) = [r for r in caplog.records if r.name == "akv_engine.gpu"]
     assert record.exc_info is not None and "is closed" in str(record.exc_info[1])
     gpu.close(timeout=WAIT_S)
 
@@ -693,7 +693,7 @@ def test_gpu_available_never_raises(monkeypatch):
 
 def test_the_cupy_driver_says_how_to_get_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)
-    with pytest.raises(ImportError, match=r"akv\[gpu\]"):
+    with pytest.raises(ImportError, match=r"akvstore\[gpu\]"):
         CupyDriver()
     with pytest.raises(ImportError):
         GPUExecutor()
@@ -723,7 +723,7 @@ def test_the_cupy_driver_checks_the_status_of_event_queries(monkeypatch):
 def test_engine_imports_without_cupy():
     code = (
         "import sys; sys.modules['cupy'] = None\n"
-        "import engine\n"
+        "import akv_engine as engine\n"
         "assert engine.gpu_available() is False\n"
         "assert 'cupy' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
     )
@@ -808,7 +808,7 @@ def test_real_gpu_cuda_error_raised_by_the_function_fails_the_task(real_eng):
 FAULT_SCRIPT = r"""
 import os, sys
 import cupy
-from engine import Engine, GPUExecutor
+from akv_engine import Engine, GPUExecutor
 eng = Engine(slots=2)
 eng.register_executor("gpu", GPUExecutor(completion=sys.argv[1], health_check_s=0.2))
 trap = cupy.RawKernel('extern "C" __global__ void trap() { __trap(); }', "trap")

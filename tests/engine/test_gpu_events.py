@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine import Engine, GPUExecutor, gather, then
+from akv_engine import Engine, GPUExecutor, gather, then
 from tests.engine.test_gpu import WAIT_S, FakeCudaError, FakeDriver, Gate
 
 

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-import engine
-from engine import Engine, EngineClosedError, EngineError
-from engine._task import ALREADY_DONE
+import akv_engine as engine
+from akv_engine import Engine, EngineClosedError, EngineError
+from akv_engine._task import ALREADY_DONE
 from tests.counting import count_tasks_and_futures
 from tests.engine.common import WAIT_S, Gate
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport._admission import Admission, PeerCount, Standing
+from akv_transport._admission import Admission, PeerCount, Standing
 
 HOST = "127.0.0.1"
 OTHER = "127.0.0.2"

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transport.errors import FrameError, TransportError
-from transport.frame import (
+from akv_transport.errors import FrameError, TransportError
+from akv_transport.frame import (
     CODE_DTYPES,
     DTYPE_CODES,
     MAGIC,

@@ -17,9 +17,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.hostile import Flood, closed_within, forget_logged_mistakes
-from tests.tls import make_certificates
-from transport import (
+from akv_transport import (
     DEFAULT_MAX_STRANGERS_PER_PEER,
     DEFAULT_PROBATION_S,
     FrameHeader,
@@ -36,8 +34,10 @@ from transport import (
     server_ssl_context,
     stream_route,
 )
-from transport._http_client import _message
-from transport._http_log import install_log_filter
+from akv_transport._http_client import _message
+from akv_transport._http_log import install_log_filter
+from tests.hostile import Flood, closed_within, forget_logged_mistakes
+from tests.tls import make_certificates
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -537,7 +537,7 @@ def open_bind_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogReco
 
 
 async def test_a_bind_beyond_loopback_without_tls_warns_once(caplog):
-    caplog.set_level(logging.INFO, logger="transport.http")
+    caplog.set_level(logging.INFO, logger="akv_transport.http")
     runner, _ = await serve(Service().app(), "0.0.0.0", 0)
     try:
         (warning,) = open_bind_warnings(caplog)
@@ -549,14 +549,14 @@ async def test_a_bind_beyond_loopback_without_tls_warns_once(caplog):
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
 async def test_a_loopback_bind_does_not_warn(caplog, host):
-    caplog.set_level(logging.INFO, logger="transport.http")
+    caplog.set_level(logging.INFO, logger="akv_transport.http")
     runner, _ = await serve(Service().app(), host, 0)
     await runner.cleanup()
     assert open_bind_warnings(caplog) == []
 
 
 async def test_a_bind_beyond_loopback_with_tls_does_not_warn(caplog):
-    caplog.set_level(logging.INFO, logger="transport.http")
+    caplog.set_level(logging.INFO, logger="akv_transport.http")
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     runner, _ = await serve(Service().app(), "0.0.0.0", 0, ssl_context=context)
     await runner.cleanup()

@@ -1,4 +1,4 @@
-"""The strict JSON decoder (:mod:`transport._json`): each rule it refuses text by, what it
+"""The strict JSON decoder (:mod:`akv_transport._json`): each rule it refuses text by, what it
 leaves to its callers, and properties over generated texts. Plain calls, no I/O."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import transport
-from transport import DEFAULT_JSON_MAX_DEPTH, JSONError, TransportError, parse_json
-from transport._json import JSON_MAX_INT, JSON_MIN_INT, nesting
+import akv_transport as transport
+from akv_transport import DEFAULT_JSON_MAX_DEPTH, JSONError, TransportError, parse_json
+from akv_transport._json import JSON_MAX_INT, JSON_MIN_INT, nesting
 
 # ---------------------------------------------------------------------- one rule each
 
@@ -126,7 +126,7 @@ def test_the_strict_decoder_is_public_and_does_no_io():
         "math",
         "re",
         "typing",
-        "transport.errors",
+        "akv_transport.errors",
     }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transport._liveness import (
+from akv_transport._liveness import (
     CONFIRM_S,
     DEFAULT_KEEPALIVE_INTERVAL_S,
     DEFAULT_SILENT_S,

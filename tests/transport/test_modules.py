@@ -6,7 +6,7 @@ import ast
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
-import transport
+import akv_transport as transport
 
 PACKAGE = Path(transport.__file__).parent
 
@@ -18,12 +18,12 @@ def _transport_imports(path: Path) -> set[str]:
             names.add(node.module)
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-    return {name for name in names if name.startswith("transport.")}
+    return {name for name in names if name.startswith("akv_transport.")}
 
 
 def test_transport_modules_import_each_other_without_a_cycle():
     graph = {
-        f"transport.{path.stem}": _transport_imports(path)
+        f"akv_transport.{path.stem}": _transport_imports(path)
         for path in PACKAGE.glob("*.py")
         if path.stem != "__init__"
     }
@@ -31,4 +31,4 @@ def test_transport_modules_import_each_other_without_a_cycle():
         order = list(TopologicalSorter(graph).static_order())
     except CycleError as exc:
         raise AssertionError(f"an import cycle inside transport: {exc.args[1]}") from None
-    assert "transport._json" in order and "transport._http_server" in order
+    assert "akv_transport._json" in order and "akv_transport._http_server" in order

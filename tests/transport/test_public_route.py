@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
+from akv_transport import create_app, public_route, serve
 from tests.transport.test_http_hostile import exchange, request_bytes
-from transport import create_app, public_route, serve
 
 pytestmark = pytest.mark.timeout(60)
 

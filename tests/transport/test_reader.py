@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transport._reader import DISCARD, FrameReader, Message
-from transport.errors import FrameError
-from transport.frame import (
+from akv_transport._reader import DISCARD, FrameReader, Message
+from akv_transport.errors import FrameError
+from akv_transport.frame import (
     DTYPE_CODES,
     KEEPALIVE_FRAME,
     MAGIC,

@@ -34,7 +34,7 @@ if not sys.platform.startswith("linux"):
 from hypothesis import given
 from hypothesis import strategies as st
 
-from transport import (
+from akv_transport import (
     AuthError,
     FrameError,
     TransportError,
@@ -43,7 +43,7 @@ from transport import (
     _shm_socket,
     _shm_wire,
 )
-from transport.shm import (
+from akv_transport.shm import (
     HEADER_BYTES,
     MAX_ARENA_BYTES,
     MAX_QUEUED_FDS,
@@ -175,7 +175,7 @@ def our_directories() -> set[str]:
 
 CHILD_WRITES_THROUGH_A_SOCKETPAIR = """
 import socket, sys
-from transport.shm import Arena, recv_fds, send_fds
+from akv_transport.shm import Arena, recv_fds, send_fds
 sock = socket.socket(fileno=int(sys.argv[1]))
 message = recv_fds(sock, 1)
 (fd,) = message.fds
@@ -206,7 +206,7 @@ def test_a_child_that_adopts_the_fd_reads_and_writes_the_parents_arena(children)
 
 CHILD_CONNECTS_AND_WRITES = """
 import asyncio, sys
-from transport.shm import Arena, connect_shm
+from akv_transport.shm import Arena, connect_shm
 async def main():
     connection = await connect_shm(sys.argv[1], sys.argv[2], timeout_s=20)
     message = await connection.recv()
@@ -724,7 +724,7 @@ async def test_connecting_where_nobody_listens_is_a_transport_error(tmp_path):
 
 CHILD_HOLDS_A_LISTENER_AND_AN_ARENA = """
 import asyncio, sys
-from transport.shm import Arena, ShmListener
+from akv_transport.shm import Arena, ShmListener
 async def main():
     listener = ShmListener(sys.argv[1])
     arena = Arena(1 << 20, name=sys.argv[2])
@@ -910,7 +910,7 @@ async def test_fds_do_not_pass_over_tcp():
 
 # --------------------------------------------------------------------------- host identity
 
-CHILD_PRINTS_HOST_IDENTITY = "from transport.shm import host_identity; print(host_identity())"
+CHILD_PRINTS_HOST_IDENTITY = "from akv_transport.shm import host_identity; print(host_identity())"
 
 
 def test_host_identity_is_equal_in_the_same_process_and_in_a_child(children):

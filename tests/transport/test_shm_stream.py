@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from transport import (
+from akv_transport import (
     AuthError,
     FrameError,
     FrameHeader,
@@ -32,9 +32,9 @@ from transport import (
     serve_local,
     stream_route,
 )
-from transport._shm_stream import ALIGNMENT, ArenaBook, RegionAllocator, SharedMemory
-from transport.frame import encode_release, to_arena_prefix
-from transport.shm import Arena
+from akv_transport._shm_stream import ALIGNMENT, ArenaBook, RegionAllocator, SharedMemory
+from akv_transport.frame import encode_release, to_arena_prefix
+from akv_transport.shm import Arena
 
 TOKEN = "secret"
 
@@ -534,7 +534,7 @@ def test_leftovers_of_a_killed_process_are_removed(tmp_path):
             sys.executable,
             "-c",
             "import asyncio, sys\n"
-            "from transport.shm import ShmListener\n"
+            "from akv_transport.shm import ShmListener\n"
             "async def main():\n"
             "    listener = ShmListener('t', parent_directory=sys.argv[1])\n"
             "    print(listener.path, flush=True)\n"

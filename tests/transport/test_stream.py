@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Mapping
 import pytest
 from aiohttp import web
 
-from transport import (
+from akv_transport import (
     FrameError,
     FrameHeader,
     Message,
@@ -20,7 +20,7 @@ from transport import (
     serve,
     stream_route,
 )
-from transport.frame import encode_release
+from akv_transport.frame import encode_release
 
 TOKEN = "secret"
 

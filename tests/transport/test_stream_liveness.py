@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from engine import LoopThread
-from tests.transport.test_stream import Listener, RawServer
-from transport import (
+from akv_engine import LoopThread
+from akv_transport import (
     FrameHeader,
     KeepAlive,
     Message,
@@ -31,7 +30,8 @@ from transport import (
     serve_local,
     stream_route,
 )
-from transport._stream import KEEPALIVE_HEADER, parse_keepalive
+from akv_transport._stream import KEEPALIVE_HEADER, parse_keepalive
+from tests.transport.test_stream import Listener, RawServer
 
 TOKEN = "secret"
 FAST = KeepAlive(interval_s=0.2, silent_s=2.0)

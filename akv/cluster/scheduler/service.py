@@ -73,7 +73,7 @@ from akv.limits import (
     SCHEDULER_POLL_S,
     STARTUP_MARGIN_S,
 )
-from transport import RequestError, create_app, parse_json, serve
+from akv_transport import RequestError, create_app, parse_json, serve
 
 __all__ = ["Scheduler", "main", "run_scheduler"]
 
@@ -390,7 +390,7 @@ def _local(value: object) -> tuple[str, str] | None:
 
 
 async def _body(request: web.Request) -> _Fields:
-    """The request's JSON object, decoded strictly (:func:`transport.parse_json`: bounded
+    """The request's JSON object, decoded strictly (:func:`akv_transport.parse_json`: bounded
     nesting, finite numbers, 64-bit integers, UTF-8); anything else is a 400."""
     try:
         body = parse_json(await request.read())

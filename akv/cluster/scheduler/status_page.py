@@ -5,7 +5,7 @@ What the page shows is decided in :mod:`akv.cluster.scheduler.status` and writte
 Sessions`. This module only routes requests and checks who may see the page:
 
 * a request with an ``Authorization`` header is judged by the job's token check of every
-  route (:func:`transport.create_app`'s, constant-time): the page, or 401;
+  route (:func:`akv_transport.create_app`'s, constant-time): the page, or 401;
 * else a request with the cookie of a login (:data:`COOKIE`: a random session id, never
   the token; ``HttpOnly``, ``SameSite=Strict``, ``Secure`` when the job uses TLS) gets the
   page;
@@ -85,7 +85,7 @@ class StatusPage:
         self.sessions = Sessions()
 
     def install(self, app: web.Application) -> None:
-        """Add the routes to ``app`` (made by :func:`transport.create_app`) and put the
+        """Add the routes to ``app`` (made by :func:`akv_transport.create_app`) and put the
         access check before its token check."""
         app.router.add_get(STATUS_PATH, self._status)
         app.router.add_get(STATUS_JSON_PATH, self._status_json)

@@ -10,7 +10,7 @@ without a copy. A sender owns the payloads the server reads in place in its shar
 and :func:`give_back` move an array between the two: copied into a buffer of the key where
 it must be kept, returned to the key only when it is the key's.
 
-One pair of verbs for who holds what, as in :mod:`transport`'s shared memory: ``take``
+One pair of verbs for who holds what, as in :mod:`akv_transport`'s shared memory: ``take``
 and ``give_back`` (a region of :class:`ValueRegions`, a share of what is :class:`Lent`, a
 buffer of a key). No I/O: the service hands these objects its streams' memory and
 callbacks.
@@ -44,7 +44,7 @@ VALUES_KEEP_FREE = 4
 
 class ValueRegions(Protocol):
     """Memory that answers can be sent from without a copy (regions of the arena a
-    server's local streams share, :class:`transport.ArenaBook`): thread-safe."""
+    server's local streams share, :class:`akv_transport.ArenaBook`): thread-safe."""
 
     @property
     def nbytes(self) -> int:

@@ -16,7 +16,7 @@ The file, ``server-{rank}.akvckpt``, holds no pickle and nothing that runs code 
 The header holds ``rank``, ``num_workers``, ``store_type``, ``generation``,
 ``optimizer_config``, ``durable_seqs``, ``payload_nbytes``, ``optimizer_states`` (``null``
 or ``{"offset", "nbytes"}``) and ``keys``: per key ``key``, ``kind`` (``"int"`` or
-``"str"``), ``dtype`` (``np.dtype.str`` of a dtype in :data:`transport.DTYPE_CODES`, such as
+``"str"``), ``dtype`` (``np.dtype.str`` of a dtype in :data:`akv_transport.DTYPE_CODES`, such as
 ``"<f4"``), ``shape``, ``closed_round``, ``tags``, ``last_round``, ``offset`` and ``nbytes``
 (offsets count from the payload's first byte). A server that holds row-sparse keys adds
 ``row_keys`` (absent otherwise, so that such a file is what an older akv wrote): per key
@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, cast
 import numpy as np
 
 from akv.errors import CheckpointError
-from transport import DEFAULT_JSON_MAX_DEPTH, DTYPE_CODES, parse_json
-from transport.frame import MAX_NDIM
+from akv_transport import DEFAULT_JSON_MAX_DEPTH, DTYPE_CODES, parse_json
+from akv_transport.frame import MAX_NDIM
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -130,7 +130,7 @@ class KeyRecord:
     """One key as a server holds it: its value and how far each worker's pushes reached it.
 
     ``key`` is the key, or this server's part of a split key (an ``int`` within int64, or a
-    ``str``). ``value`` is C-contiguous, of a dtype in :data:`transport.DTYPE_CODES`.
+    ``str``). ``value`` is C-contiguous, of a dtype in :data:`akv_transport.DTYPE_CODES`.
     ``closed_round`` counts the rounds applied into ``value``; ``tags`` maps a worker rank
     to the number of that worker's last push reflected in ``value``, ``last_round`` to the
     round of that push.

@@ -27,7 +27,7 @@ from akv.errors import (
     KeyNotInitializedError,
     OptimizerNotSetError,
 )
-from transport import ArrayInfo, FrameHeader, parse_json
+from akv_transport import ArrayInfo, FrameHeader, parse_json
 
 __all__ = [
     "NO_ARRAY_OPS",

@@ -17,7 +17,7 @@ from akv.cluster.server.buffers import Landing
 from akv.cluster.server.instructions import Peer
 from akv.cluster.server.state import ServerState
 from akv.limits import MAX_PAYLOAD_BYTES
-from transport import DISCARD, Destination, FrameHeader, InPlace, Message, StreamProtocol
+from akv_transport import DISCARD, Destination, FrameHeader, InPlace, Message, StreamProtocol
 
 __all__ = ["Link", "LinkedServer", "OneShotLink", "StreamLink"]
 

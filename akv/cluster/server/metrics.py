@@ -23,7 +23,7 @@ from akv.cluster.metrics import (
     engine_families,
     shared_memory_families,
 )
-from transport import ArenaBook
+from akv_transport import ArenaBook
 
 if TYPE_CHECKING:
     from akv.cluster.server.service import ParameterServer

@@ -51,7 +51,7 @@ from akv.errors import (
 from akv.keys import VarFactory
 from akv.local_rows import apply_row_push, sum_rows
 from akv.sparse import RowSparseArray
-from transport import ArrayInfo, FrameHeader
+from akv_transport import ArrayInfo, FrameHeader
 
 __all__ = ["ROW_OPS", "RowKeys", "gather_rows", "land_rows", "shaped"]
 

@@ -93,8 +93,8 @@ from akv.limits import (
     STAGED_REPLY_MIN_BYTES,
     STARTUP_MARGIN_S,
 )
-from engine import Engine
-from transport import (
+from akv_engine import Engine
+from akv_transport import (
     FrameError,
     LocalSite,
     Message,

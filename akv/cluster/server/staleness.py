@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from akv.cluster.protocol import Op
 from akv.cluster.server.buffers import Landing
 from akv.cluster.server.instructions import Peer
-from transport import FrameHeader
+from akv_transport import FrameHeader
 
 __all__ = ["Ahead", "Parked", "Waiting"]
 

@@ -87,7 +87,7 @@ from akv.errors import (
 )
 from akv.keys import VarFactory
 from akv.limits import INLINE_MAX_BYTES, RECONNECT_GRACE_S, SMALL_REPLY_BYTES
-from transport import FrameHeader, StreamSilentError
+from akv_transport import FrameHeader, StreamSilentError
 
 __all__ = ["ServerState"]
 
@@ -317,7 +317,7 @@ class ServerState:
         """``peer``'s stream ended (``exc``: why, if known; ``now``: the clock). Without a
         goodbye first, the worker has :attr:`reconnect_s` to come back (:meth:`tick` fails
         the job when it does not), or :attr:`silent_reconnect_s` when the stream was cut
-        for silence (``exc`` a :class:`~transport.StreamSilentError`); a worker without a
+        for silence (``exc`` a :class:`~akv_transport.StreamSilentError`); a worker without a
         session cannot, and fails it now. Only the end of the worker's newest stream counts:
         the end of one that a newer stream replaced (whenever it comes, made or not), or of
         one whose end was reported before, is no loss."""

@@ -89,8 +89,15 @@ from akv.errors import (
 from akv.keys import Entry, Part
 from akv.limits import CONNECT_RETRY_S, GOODBYE_TIMEOUT_S, INIT_CHECK_MARGIN_S, SWEEP_INTERVAL_S
 from akv.sparse import RowIds, RowSparseArray
-from engine import Completed, Engine, GPUExecutor, Task, Waitable
-from transport import DTYPE_CODES, AuthError, Message, RemoteError, StreamProtocol, TransportError
+from akv_engine import Completed, Engine, GPUExecutor, Task, Waitable
+from akv_transport import (
+    DTYPE_CODES,
+    AuthError,
+    Message,
+    RemoteError,
+    StreamProtocol,
+    TransportError,
+)
 
 __all__ = ["DistBackend"]
 

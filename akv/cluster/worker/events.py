@@ -39,7 +39,7 @@ import numpy as np
 from akv.cluster.worker.requests import Landing, WireArray
 from akv.errors import AKVError
 from akv.keys import Entry
-from transport import Message
+from akv_transport import Message
 
 if TYPE_CHECKING:
     from akv.cluster.worker.pipeline import Ahead

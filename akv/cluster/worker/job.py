@@ -17,8 +17,8 @@ from typing import Any
 from akv.cluster.membership import Membership, scheduler_refusal
 from akv.errors import AKVError, BarrierTimeoutError, PeerLostError
 from akv.limits import BLAME_TIMEOUT_S, HEARTBEAT_STOP_S, REPORT_FAILURE_S
-from engine import LoopThread
-from transport import RemoteError, TransportError
+from akv_engine import LoopThread
+from akv_transport import RemoteError, TransportError
 
 __all__ = ["Heartbeat", "pass_barrier", "report_failure", "who_failed"]
 

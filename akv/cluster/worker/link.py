@@ -34,7 +34,7 @@ from akv.cluster.worker.reconnect import Link
 from akv.cluster.worker.requests import WireArray
 from akv.errors import AKVError
 from akv.limits import MAX_PAYLOAD_BYTES
-from transport import (
+from akv_transport import (
     AuthError,
     Message,
     StreamProtocol,

@@ -38,8 +38,8 @@ from akv.cluster.roles import listener_bounds, server_ssl
 from akv.cluster.worker.instructions import Send
 from akv.cluster.worker.requests import RequestTable
 from akv.errors import ConfigError
-from engine import Engine
-from transport import Message, create_app, serve
+from akv_engine import Engine
+from akv_transport import Message, create_app, serve
 
 if TYPE_CHECKING:
     from akv.cluster.worker.backend import DistBackend

@@ -32,7 +32,7 @@ from akv.args import Key
 from akv.cluster.worker.instructions import GiveBack, GiveBuffer, Instruction
 from akv.errors import AKVError, ServerError
 from akv.keys import Entry
-from transport import Message
+from akv_transport import Message
 
 __all__ = [
     "CHECKPOINT",

@@ -37,7 +37,7 @@ from akv.cluster.worker.requests import (
 )
 from akv.errors import AKVError, MembershipError, PeerLostError
 from akv.limits import RECONNECT_FIRST_S, RECONNECT_MAX_S, RECONNECT_SILENT_ATTEMPTS
-from transport import AuthError, RemoteError, StreamSilentError, TransportError
+from akv_transport import AuthError, RemoteError, StreamSilentError, TransportError
 
 __all__ = ["Backoff", "Link", "Refusal", "Replay", "Resend", "Retained", "classify"]
 

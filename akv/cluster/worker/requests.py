@@ -20,7 +20,7 @@ from akv.cluster.protocol import COUNTED, OK, Op, error_from_status, op_label
 from akv.compression import Compression, Residuals, compressed_nbytes
 from akv.errors import AKVError, ServerError
 from akv.keys import Entry, Part
-from transport import DISCARD, Destination, FrameHeader, InPlace, Message
+from akv_transport import DISCARD, Destination, FrameHeader, InPlace, Message
 
 if TYPE_CHECKING:
     from akv.cluster.worker.pipeline import Ahead, Gather, Pipelined

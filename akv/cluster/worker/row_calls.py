@@ -29,8 +29,8 @@ from akv.keys import Entry
 from akv.limits import INIT_CHECK_MARGIN_S
 from akv.rows import RowTable
 from akv.sparse import RowIds, RowSparseArray
-from engine import Engine, Task
-from transport import Message
+from akv_engine import Engine, Task
+from akv_transport import Message
 
 __all__ = ["RowCalls"]
 

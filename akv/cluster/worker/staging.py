@@ -23,8 +23,8 @@ from akv.compression import Residuals
 from akv.errors import CompressionError
 from akv.keys import Entry, merge_into
 from akv.pinned import GPU, from_pinned, stage_to_pinned
-from engine import Engine, GPUWork, Var, Waitable, gather, then
-from transport import SharedMemory, StreamProtocol
+from akv_engine import Engine, GPUWork, Var, Waitable, gather, then
+from akv_transport import SharedMemory, StreamProtocol
 
 __all__ = ["Staging", "land_in_pinned"]
 

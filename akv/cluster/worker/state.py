@@ -85,7 +85,7 @@ from akv.compression import Compression
 from akv.errors import AKVError, PeerLostError
 from akv.keys import Entry
 from akv.limits import AHEAD_COPY_MAX_BYTES, MAX_UNACKED_PUSHES, RETAIN_BYTES
-from transport import DTYPE_CODES, Destination, FrameHeader, InPlace, Message
+from akv_transport import DTYPE_CODES, Destination, FrameHeader, InPlace, Message
 
 __all__ = ["WorkerState"]
 

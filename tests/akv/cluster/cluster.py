@@ -26,7 +26,7 @@ from akv.cluster import config as _config
 from akv.cluster.scheduler.service import Scheduler
 from akv.cluster.server.service import ParameterServer
 from akv.cluster.worker.events import Closing
-from engine import LoopThread
+from akv_engine import LoopThread
 
 ROOT = Path(__file__).resolve().parents[3]
 FAST_TIMEOUTS = {

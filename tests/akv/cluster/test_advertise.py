@@ -28,9 +28,9 @@ from akv.cluster import config as _config
 from akv.cluster.scheduler.service import Scheduler
 from akv.cluster.server.service import ParameterServer
 from akv.errors import ConnectTimeoutError
-from engine import LoopThread
+from akv_engine import LoopThread
+from akv_transport import HttpClient
 from tests.akv.cluster.cluster import ROOT, Cluster, free_port
-from transport import HttpClient
 
 pytestmark = pytest.mark.timeout(90)
 KEY_ELEMENTS = 16  # with AKV_BIGARRAY_BOUND=8: split over both servers

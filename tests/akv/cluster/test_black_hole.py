@@ -19,7 +19,7 @@ import akv
 from akv.cluster.config import _TIMEOUTS
 from akv.errors import AKVError
 from akv.limits import STREAM_SILENT_S
-from engine import LoopThread
+from akv_engine import LoopThread
 from tests.akv.cluster.test_advertise import AdvertisedCluster, Proxy, proxies
 from tests.akv.cluster.test_reconnect import train
 

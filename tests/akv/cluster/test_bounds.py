@@ -43,8 +43,7 @@ from akv.errors import (
     ShapeMismatchError,
 )
 from akv.limits import SCHEDULER_LINGER_S, STARTUP_MARGIN_S
-from tests.akv.cluster.cluster import ROOT, Cluster, free_port, job_env
-from transport.frame import (
+from akv_transport.frame import (
     PREFIX_BYTES,
     ArrayInfo,
     FrameHeader,
@@ -53,6 +52,7 @@ from transport.frame import (
     encode_header,
     frame_bytes,
 )
+from tests.akv.cluster.cluster import ROOT, Cluster, free_port, job_env
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -8,7 +8,7 @@ import pytest
 
 from akv.cluster import config as _config
 from akv.errors import ConfigError
-from transport import KeepAlive
+from akv_transport import KeepAlive
 
 TOKEN = "t" * 32
 

@@ -24,9 +24,9 @@ from typing import IO, Any
 import numpy as np
 import pytest
 
+from akv_transport._http_client import CLIENT_KEEPALIVE_S
 from tests.akv.cluster.cluster import ROOT, free_port, job_env
 from tests.hostile import Flood
-from transport._http_client import CLIENT_KEEPALIVE_S
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import akv
-from engine import LoopThread
+from akv_engine import LoopThread
 from tests.akv.cluster.test_advertise import AdvertisedCluster, Proxy, proxies
 
 pytestmark = pytest.mark.timeout(240)

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from akv.cluster import config as _config
 from akv.cluster.protocol import CLIENT_HEADER, Op
 from akv.cluster.scheduler import Scheduler
+from akv_transport import frame_bytes
 from tests.akv.cluster.cluster import Cluster, free_port, job_env
 from tests.hostile import closed_within, forget_logged_mistakes
-from transport import frame_bytes
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,7 +7,7 @@ import pytest
 from akv.cluster.membership import scheduler_refusal
 from akv.cluster.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
 from akv.errors import MembershipError, PeerLostError, ServerError
-from transport import RemoteError
+from akv_transport import RemoteError
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from akv.cluster.metrics import Families, OpCounts, ProcessMetrics, Tally, engin
 from akv.cluster.protocol import Op
 from akv.cluster.scheduler.metrics import roster_figures
 from akv.cluster.scheduler.roster import Roster
-from engine import EngineStatistics
+from akv_engine import EngineStatistics
 
 
 def scraped(figures, role: str = "server", rank: int | None = 3) -> dict[str, object]:

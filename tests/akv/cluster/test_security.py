@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from akv.cluster import protocol as proto
+from akv_transport import frame_bytes
 from tests.akv.cluster.cluster import Cluster
 from tests.tls import make_certificates
-from transport import frame_bytes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -87,7 +87,7 @@ async def test_the_right_token_can_use_the_frame_route():
             headers={proto.CLIENT_HEADER: "0 dist_sync"},
         )
         assert status == 200
-        from transport import decode_frame
+        from akv_transport import decode_frame
 
         header, buffers = decode_frame(body)
         assert (header.op, header.seq, header.aux) == (proto.Op.REPLY, 5, proto.OK)

@@ -31,7 +31,8 @@ from akv.cluster.protocol import Op, status_of
 from akv.cluster.worker.events import FrameArrived
 from akv.cluster.worker.link import ServerLink
 from akv.limits import AHEAD_COPY_MAX_BYTES
-from engine import Completed
+from akv_engine import Completed
+from akv_transport import Message, decode_frame, frame_bytes
 from tests.akv.cluster.cluster import (
     Cluster,
     close_all,
@@ -42,7 +43,6 @@ from tests.akv.cluster.cluster import (
     vanish,
     wait_until,
 )
-from transport import Message, decode_frame, frame_bytes
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0

@@ -13,9 +13,9 @@ import pytest
 from akv.cluster import config as _config
 from akv.cluster.scheduler import Scheduler
 from akv.cluster.scheduler.status_page import COOKIE, MAX_LOGIN_BYTES
+from akv_transport import client_ssl_context
 from tests.akv.cluster.cluster import Cluster, close_all, free_port, job_env, wait_until
 from tests.tls import make_certificates
-from transport import client_ssl_context
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -37,8 +37,8 @@ from akv.cluster.server.instructions import (
 from akv.cluster.server.row_keys import gather_rows, land_rows
 from akv.cluster.server.state import ServerState
 from akv.cluster.server.updates import land
-from engine import Var
-from transport import decode_frame, frame_bytes
+from akv_engine import Var
+from akv_transport import decode_frame, frame_bytes
 
 OK = "ok"
 

@@ -31,7 +31,7 @@ from akv.cluster.server.checkpoint import (
     write_snapshot,
 )
 from akv.errors import AKVError, CheckpointError
-from transport import DTYPE_CODES
+from akv_transport import DTYPE_CODES
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 

@@ -28,7 +28,7 @@ from akv.cluster.server.instructions import (
 )
 from akv.cluster.server.state import ServerState
 from akv.errors import CheckpointError
-from engine import Var
+from akv_engine import Var
 from tests.akv.cluster.cluster import wait_until
 from tests.akv.cluster.server.players import Players
 

@@ -26,8 +26,7 @@ from akv.errors import (
     ShapeMismatchError,
     WaitTimeoutError,
 )
-from tests.akv.cluster.server.players import OK, Players
-from transport import (
+from akv_transport import (
     ArenaBook,
     ArrayInfo,
     FrameHeader,
@@ -35,7 +34,8 @@ from transport import (
     decode_frame,
     frame_bytes,
 )
-from transport.shm import Arena
+from akv_transport.shm import Arena
+from tests.akv.cluster.server.players import OK, Players
 
 
 def f32(*values: float) -> np.ndarray:

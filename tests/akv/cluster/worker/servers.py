@@ -53,8 +53,8 @@ from akv.cluster.worker.instructions import (
 from akv.cluster.worker.state import WorkerState
 from akv.errors import AKVError
 from akv.keys import Entry, Part
-from engine import Var
-from transport import DISCARD, InPlace, Message, decode_frame, encode_frame, frame_bytes
+from akv_engine import Var
+from akv_transport import DISCARD, InPlace, Message, decode_frame, encode_frame, frame_bytes
 
 WAITING = object()
 

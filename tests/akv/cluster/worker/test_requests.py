@@ -16,8 +16,8 @@ from akv.cluster.worker.requests import (
 )
 from akv.errors import DoublePushError, ServerError
 from akv.keys import Entry, Part
-from engine import Var
-from transport import DISCARD, Message, decode_frame, frame_bytes
+from akv_engine import Var
+from akv_transport import DISCARD, Message, decode_frame, frame_bytes
 
 
 def reply(seq: int, arrays=(), aux: int = OK, text: str = "") -> Message:

@@ -24,8 +24,8 @@ from akv.limits import (
     RECONNECT_MAX_S,
     RECONNECT_SILENT_ATTEMPTS,
 )
+from akv_transport import AuthError, RemoteError, StreamSilentError, TransportError
 from tests.akv.cluster.worker.servers import Servers, key_entry
-from transport import AuthError, RemoteError, StreamSilentError, TransportError
 
 
 def f32(*values: float) -> np.ndarray:

@@ -1,0 +1,149 @@
+"""The control-plane HTTP client: :class:`HttpClient`.
+
+Guarantees: every request carries the token and has a timeout; connection errors
+(refused, reset, DNS) are retried with exponential backoff and jitter, answers never are;
+a non-2xx answer raises an error that names the request, the status and the server's
+message (:class:`~akv_transport.errors.AuthError` for 401,
+:class:`~akv_transport.errors.PayloadTooLargeError` for 413,
+:class:`~akv_transport.errors.RemoteError` otherwise); JSON answers are decoded strictly
+(:func:`akv_transport.parse_json`). Idle connections are kept :data:`CLIENT_KEEPALIVE_S`, below
+any server's idle timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import ssl
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from akv_transport._json import parse_json
+from akv_transport.errors import AuthError, PayloadTooLargeError, RemoteError, TransportError
+
+__all__ = ["CLIENT_KEEPALIVE_S", "CONNECTIONS_PER_HOST", "RETRIES", "HttpClient"]
+
+#: Connection errors are retried this many times, with exponential backoff.
+RETRIES = 5
+RETRY_BACKOFF_S = 0.05
+RETRY_BACKOFF_MAX_S = 2.0
+#: Connections the client keeps open per host.
+CONNECTIONS_PER_HOST = 8
+#: How long the client keeps an idle connection for the next request (seconds): below a
+#: server's idle timeout, so that it rarely sends on a connection the server is closing.
+CLIENT_KEEPALIVE_S = 5.0
+
+
+class HttpClient:
+    """Control-plane requests to one base URL, carrying the token.
+
+    Connection errors (refused, reset, DNS) are retried ``retries`` times with exponential
+    backoff, so requests must be idempotent (akv's are: they carry the caller's id and
+    sequence numbers); answers are never retried. Every request has a timeout.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        timeout_s: float = 30.0,
+        retries: int = RETRIES,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._ssl = ssl_context
+        self._timeout_s = timeout_s
+        self._retries = retries
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(
+                limit_per_host=CONNECTIONS_PER_HOST,
+                keepalive_timeout=CLIENT_KEEPALIVE_S,
+                ssl=self._ssl if self._ssl is not None else True,
+            )
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+        return self._session
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        data: bytes | memoryview | None = None,
+        params: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[int, bytes]:
+        """Send a request; return (status, body) for a 2xx answer.
+
+        Raises
+        ------
+        AuthError
+            401: the token was refused.
+        PayloadTooLargeError
+            413.
+        RemoteError
+            Any other non-2xx answer (``.status``, and the server's message).
+        TransportError
+            When the connection failed after all retries, or the request timed out.
+        """
+        url = self.base_url + path
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeout_s)
+        body = json.dumps(json_body).encode() if json_body is not None else data
+        headers = {"Content-Type": "application/json"} if json_body is not None else None
+        delay = RETRY_BACKOFF_S
+        for attempt in range(self._retries + 1):
+            try:
+                async with self._client().request(
+                    method, url, data=body, params=params, timeout=timeout, headers=headers
+                ) as response:
+                    payload = await response.read()
+                    status = response.status
+            except (aiohttp.ClientConnectionError, aiohttp.ClientOSError) as exc:
+                if attempt == self._retries:
+                    raise TransportError(f"{method} {url} failed: {exc!r}") from exc
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, RETRY_BACKOFF_MAX_S)
+                continue
+            except asyncio.TimeoutError as exc:
+                raise TransportError(
+                    f"{method} {url} got no answer within {timeout.total} s"
+                ) from exc
+            if 200 <= status < 300:
+                return status, payload
+            message = _message(payload)
+            if status == 401:
+                raise AuthError(f"{method} {url}: 401 {message}")
+            if status == 413:
+                raise PayloadTooLargeError(f"{method} {url}: 413 {message}")
+            raise RemoteError(status, f"{method} {url}: {status} {message}")
+        raise TransportError(f"{method} {url} failed")  # pragma: no cover - loop always returns
+
+    async def json(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Any:
+        """Send JSON (or nothing), return the decoded JSON answer (decoded by
+        :func:`parse_json`: a malformed one raises :class:`~akv_transport.errors.JSONError`)."""
+        _, payload = await self.request(method, path, json_body=body, **kwargs)
+        return parse_json(payload) if payload else None
+
+    async def close(self) -> None:
+        """Close the pooled connections."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _message(payload: bytes) -> str:
+    try:
+        decoded = parse_json(payload)
+        if isinstance(decoded, dict) and "error" in decoded:
+            return str(decoded["error"])
+    except ValueError:
+        pass
+    return payload.decode("utf-8", "replace")[:500]

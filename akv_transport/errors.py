@@ -1,0 +1,61 @@
+"""The errors the transport raises.
+
+Every error the transport raises on purpose is a :class:`TransportError`. Subclasses exist so
+that a caller can catch one reason; each message names the field and the value that was wrong.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthError",
+    "FrameError",
+    "JSONError",
+    "PayloadTooLargeError",
+    "RemoteError",
+    "StreamSilentError",
+    "TransportError",
+]
+
+
+class TransportError(Exception):
+    """Base class of every error the transport raises on purpose."""
+
+
+class FrameError(TransportError, ValueError):
+    """A frame is truncated, oversized or garbled, or cannot be encoded.
+
+    The message says which field held which value, for example
+    ``"frame header: ndim 40 of array 2 exceeds MAX_NDIM 32"``. A connection that produced one
+    cannot be trusted to be in step any more and should be closed.
+    """
+
+
+class StreamSilentError(TransportError):
+    """A stream received nothing for its ``silent_s`` (:mod:`akv_transport._liveness`) and
+    was cut: the path to the peer holds the connection but carries nothing (a proxy that
+    black-holes it, a host that vanished), or the peer's loop is blocked for that long.
+    Handle it as a reset: open the stream again."""
+
+
+class JSONError(TransportError, ValueError):
+    """A JSON text is malformed, or outside what :func:`akv_transport.parse_json` accepts
+    (nested too deeply, a non-finite number, an integer beyond 64 bits, not UTF-8)."""
+
+
+class AuthError(TransportError, PermissionError):
+    """The peer refused the job's token (HTTP 401)."""
+
+
+class RemoteError(TransportError):
+    """The peer answered with an HTTP error status (``status``) and a message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class PayloadTooLargeError(RemoteError):
+    """The peer refused a request body as too large (HTTP 413)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(413, message)
