@@ -19,7 +19,7 @@ from akv.cluster.roles import config_from_args, role_parser
 from akv.errors import ConfigError
 
 kubernetes_validate = pytest.importorskip(
-    "kubernetes_validate", reason="pip install kubernetes-validate (in akv's test extra)"
+    "kubernetes_validate", reason="pip install kubernetes-validate (the test extra has it)"
 )
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with kubernetes-validate")
 

@@ -28,9 +28,10 @@ DOCUMENTED = [
     "akv.custom",
     "akv.errors",
     "akv.torch",
+    "akv.ray",
     "akv_engine",
 ]
-NEEDS = {"akv.torch": "torch"}
+NEEDS = {"akv.torch": "torch", "akv.ray": "ray"}
 
 
 def _module(name: str) -> ModuleType:

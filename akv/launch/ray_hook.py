@@ -46,8 +46,8 @@ def launch_with_ray(
         from akv.ray import launch_command
     except ImportError as exc:
         raise LaunchError(
-            f"--launcher ray needs Ray ({exc.__cause__ or exc}): install akv's ray extra "
-            "(pip install 'akv[ray]')"
+            f"--launcher ray needs Ray ({exc.__cause__ or exc}): install the ray extra "
+            "(pip install 'akvstore[ray]')"
         ) from exc
     return launch_command(
         options, environ, stdout=stdout, stderr=stderr, terminate_grace_s=terminate_grace_s

@@ -20,7 +20,7 @@ try:
     import ray
 except ImportError as exc:  # pragma: no cover - exercised where Ray is missing
     raise ImportError(
-        "akv.ray needs Ray: install akv's ray extra (pip install 'akv[ray]')"
+        "akv.ray needs Ray: install the ray extra (pip install 'akvstore[ray]')"
     ) from exc
 
 from akv.launch.args import LaunchOptions, validate

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-pytest.importorskip("ray", reason="akv.ray needs Ray: pip install -e '.[test]' (or 'akv[ray]')")
+pytest.importorskip(
+    "ray", reason="akv.ray needs Ray: pip install -e '.[test]' (or 'akvstore[ray]')"
+)
 
 from akv.ray.actors import FunctionWorker, Poll, ProcessActor
 from tests.akv.launch.support import alive

@@ -42,7 +42,7 @@ def test_the_ray_launcher_without_ray_says_which_extra_to_install():
     )
     assert done.returncode == 2, done.stderr
     assert "--launcher ray needs Ray" in done.stderr
-    assert "pip install 'akv[ray]'" in done.stderr
+    assert "pip install 'akvstore[ray]'" in done.stderr
 
 
 def test_ray_address_is_only_for_the_ray_launcher():

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 ray = pytest.importorskip(
-    "ray", reason="the Ray tests need Ray: pip install -e '.[test]' (or 'akv[ray]')"
+    "ray", reason="the Ray tests need Ray: pip install -e '.[test]' (or 'akvstore[ray]')"
 )
 
 import akv  # noqa: E402
