@@ -41,7 +41,6 @@ from akv.cluster.membership import Membership
 from akv.cluster.placement import place
 from akv.cluster.protocol import Op, encode_meta
 from akv.cluster.roles import default_worker_logging
-from akv.cluster.states import merge_server_states, split_server_states
 from akv.cluster.worker.activity import Activity
 from akv.cluster.worker.calls import Answer, Done, PullCall, PushCall
 from akv.cluster.worker.events import (
@@ -74,6 +73,7 @@ from akv.cluster.worker.requests import WireArray, by_server
 from akv.cluster.worker.row_calls import RowCalls
 from akv.cluster.worker.staging import Staging, land_in_pinned
 from akv.cluster.worker.state import WorkerState
+from akv.cluster.worker.states_file import send_states_file, write_states_file
 from akv.compression import Compression, Residuals
 from akv.device import register_gpu_executor
 from akv.errors import (
@@ -83,7 +83,6 @@ from akv.errors import (
     InvalidArgumentError,
     PeerLostError,
     ServerError,
-    StateFileError,
     UnsupportedDTypeError,
 )
 from akv.keys import Entry, Part
@@ -681,14 +680,7 @@ class DistBackend:
 
     async def _save_states(self, entries: list[Entry], path: Path, dump: bool) -> None:
         replies = await self._to_all(Op.SAVE_STATES, json.dumps({"dump_optimizer": dump}))
-        parts = [bytes(reply.buffers[0]) for reply in replies]
-        data = merge_server_states(parts, {e.key: e.layout() for e in entries})
-        try:
-            await asyncio.to_thread(path.write_bytes, data)
-        except OSError as exc:
-            raise StateFileError(
-                f"save_optimizer_states: cannot write {str(path)!r}: {exc}"
-            ) from exc
+        await write_states_file(replies, entries, path)
 
     def load_states(self, entries: list[Entry], path: Path) -> Task:
         """Send each server its share of a states file (after earlier pushes, before later)."""
@@ -703,22 +695,7 @@ class DistBackend:
         )
 
     async def _load_states(self, entries: list[Entry], path: Path) -> None:
-        try:
-            data = await asyncio.to_thread(path.read_bytes)
-        except OSError as exc:
-            raise StateFileError(
-                f"load_optimizer_states: cannot read {str(path)!r}: {exc}"
-            ) from exc
-        shares = split_server_states(data, len(self.links), {e.key: e.layout() for e in entries})
-        timeout = self.config.timeouts.request_s
-        await asyncio.gather(
-            *(
-                link.request(
-                    Op.LOAD_STATES, [(None, np.frombuffer(share, np.uint8), 0)], timeout_s=timeout
-                )
-                for link, share in zip(self.links, shares, strict=True)
-            )
-        )
+        await send_states_file(self.links, entries, path, self.config.timeouts.request_s)
 
     # ------------------------------------------------------------ leaving
 

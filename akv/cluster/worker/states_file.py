@@ -1,0 +1,61 @@
+"""A worker's share of ``save_optimizer_states`` and ``load_optimizer_states`` on a
+distributed store: one states file, split among the servers by the keys' layouts
+(:mod:`akv.cluster.states` decides the split and the merge)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from akv.cluster.protocol import Op
+from akv.cluster.states import merge_server_states, split_server_states
+from akv.cluster.worker.link import ServerLink
+from akv.errors import StateFileError
+from akv.keys import Entry
+from akv_transport import Message
+
+__all__ = ["send_states_file", "write_states_file"]
+
+
+async def write_states_file(replies: Sequence[Message], entries: list[Entry], path: Path) -> None:
+    """Merge every server's answer to ``SAVE_STATES`` into one file at ``path``.
+
+    Raises
+    ------
+    StateFileError
+        The file cannot be written.
+    """
+    parts = [bytes(reply.buffers[0]) for reply in replies]
+    data = merge_server_states(parts, {e.key: e.layout() for e in entries})
+    try:
+        await asyncio.to_thread(path.write_bytes, data)
+    except OSError as exc:
+        raise StateFileError(f"save_optimizer_states: cannot write {str(path)!r}: {exc}") from exc
+
+
+async def send_states_file(
+    links: Sequence[ServerLink], entries: list[Entry], path: Path, timeout_s: float
+) -> None:
+    """Read the states file at ``path`` and send each server its share (``LOAD_STATES``).
+
+    Raises
+    ------
+    StateFileError
+        The file cannot be read, or does not fit the keys.
+    """
+    try:
+        data = await asyncio.to_thread(path.read_bytes)
+    except OSError as exc:
+        raise StateFileError(f"load_optimizer_states: cannot read {str(path)!r}: {exc}") from exc
+    shares = split_server_states(data, len(links), {e.key: e.layout() for e in entries})
+    await asyncio.gather(
+        *(
+            link.request(
+                Op.LOAD_STATES, [(None, np.frombuffer(share, np.uint8), 0)], timeout_s=timeout_s
+            )
+            for link, share in zip(links, shares, strict=True)
+        )
+    )
