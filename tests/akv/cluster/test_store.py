@@ -672,7 +672,11 @@ async def _drop_streams(server):
     """As if the server's process died: its streams and its listener go (a worker finds
     nothing to reconnect to)."""
     server.state.stopping = True  # it will not report the worker lost: it is the one "dying"
-    for site in list(server._runner.sites):  # the runner itself is cleaned up by stop()
+    runner = server._runner
+    # A server told that the job failed may have stopped by itself already (its listener
+    # and streams gone): that is the cut this simulates. Else the runner itself is cleaned
+    # up by stop().
+    for site in list(runner.sites) if runner is not None else []:
         await site.stop()
     for link in list(server.links.values()):
         link.protocol.abort()
