@@ -368,3 +368,17 @@ def test_an_mxnet_style_script_serves_every_role_by_dmlc_role():
                 process.wait(10)
     assert [p.returncode for p in processes] == [0, 0, 0], outputs
     assert "pulled [1.0, 1.0]" in outputs[2][0]
+
+
+def test_the_sparse_steps_script_times_the_row_sparse_step():
+    # docs/profiling/sparse_steps.py: the step of `akv bench sparse` alone, for profilers.
+    script = str(ROOT / "docs" / "profiling" / "sparse_steps.py")
+    done = launch(["-n", "2", "-s", "1", "--", sys.executable, script, "10"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = re.search(
+        r"\[worker 0\] step median ([\d.]+) ms, p10 ([\d.]+), p90 ([\d.]+)", done.stdout
+    )
+    assert found is not None, done.stdout
+    median, p10, p90 = map(float, found.groups())
+    assert 0 < p10 <= median <= p90, found.group(0)
+    assert "[worker 1] step median" not in done.stdout  # worker 0 alone reports
