@@ -127,6 +127,7 @@ PURE_AKV_MODULES = [
     "akv.cluster.states",
     "akv.cluster.server.buffers",
     "akv.cluster.server.checks",
+    "akv.cluster.server.dense_keys",
     "akv.cluster.server.durability",
     "akv.cluster.server.inits",
     "akv.cluster.server.instructions",
