@@ -129,6 +129,7 @@ PURE_AKV_MODULES = [
     "akv.cluster.protocol",
     "akv.cluster.states",
     "akv.cluster.server.buffers",
+    "akv.cluster.server.checkpoint_header",
     "akv.cluster.server.checks",
     "akv.cluster.server.dense_keys",
     "akv.cluster.server.durability",

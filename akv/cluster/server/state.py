@@ -41,7 +41,7 @@ from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import Note, Op, decode_meta, op_label
 from akv.cluster.server.buffers import Landing, ValueRegions
-from akv.cluster.server.checkpoint import RowRecord
+from akv.cluster.server.checkpoint_header import RowRecord
 from akv.cluster.server.checks import (
     check_admission,
     check_frame,
