@@ -10,7 +10,7 @@ every input once and writes every output once:
   per :data:`MAX_SUM_ARITY` - 1 further arrays), adding left to right as NumPy's sequence of
   adds does, so the sums are the same numbers.
 * :func:`fused_update` *traces* an optimizer's element-wise kernel (the NumPy function that
-  :func:`akv.optimizer._base.run_chunked` calls) by running it once on stand-in arrays that
+  :func:`akv.optimizer._kernels.run_chunked` calls) by running it once on stand-in arrays that
   record each NumPy call, and generates the CUDA statements doing the same operations in the
   same order, one per element: the update as one kernel launch. Each statement rounds to
   the weight's dtype as the NumPy call does (a GPU may contract a multiply and an add into

@@ -1,5 +1,5 @@
-"""The two faces of a store: :class:`AsyncKVStore` (awaitable) and :class:`KVStore` (blocking);
-:mod:`akv.factory` opens them.
+"""The two faces of a store: :class:`AsyncKVStore` (awaitable) and :class:`KVStore` (blocking,
+in :mod:`akv.blocking`, re-exported here); :mod:`akv.factory` opens them.
 
 One implementation: ``AsyncKVStore`` checks every argument, merges pushed values into
 staging buffers and hands the work to its backend as engine tasks; ``KVStore`` owns a
@@ -9,24 +9,22 @@ private event loop thread, builds an ``AsyncKVStore`` on it, and blocks on each 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import os
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from akv import limits
 from akv import optimizer as _optimizer
 from akv.args import Key, group, normalize_key, pairs
 from akv.arrays import Array, Origin, finisher, is_gpu, read, to_host, write_view
 from akv.backend import Backend, KeyArrays, Updater
+from akv.blocking import KVStore
 from akv.cluster.config import Config
 from akv.compression import Compression, Residuals, parse_compression
-from akv.custom import KVStoreBase, check_capability
+from akv.custom import check_capability
 from akv.device import DeviceBackend
 from akv.errors import (
     AKVError,
@@ -35,12 +33,9 @@ from akv.errors import (
     InvalidArgumentError,
     ReentrantCallError,
     StorageTypeError,
-    WaitTimeoutError,
 )
 from akv.exits import (
-    closed,
     describe,
-    second_signal_exits,
     sigterm_released,
 )
 from akv.keys import Entry, KeyTable
@@ -56,7 +51,7 @@ from akv.row_args import (
     sparse_call,
 )
 from akv.sparse import RowSparseArray, check_dense
-from akv_engine import Engine, LoopThread, Waitable, then
+from akv_engine import Engine, Waitable, then
 
 __all__ = ["AsyncKVStore", "KVStore"]
 
@@ -596,224 +591,3 @@ class AsyncKVStore:
         dense_only(entry, "pull from")
         obj, view = entry.origin.new(entry.shape, entry.dtype)
         return obj, view, entry.origin
-
-
-class KVStore(KVStoreBase):
-    """A blocking key-value store (create it with :func:`akv.create`); an
-    :class:`akv.KVStoreBase`, with the optimizer capability.
-
-    The same methods and meaning as :class:`AsyncKVStore`; each call returns once its
-    work is done. Safe to use from several threads at once and from threads that run
-    an event loop of their own. Network work runs on a private event-loop thread (uvloop
-    when installed); array work of a local store runs on the calling thread.
-    """
-
-    def __init__(self, inner: AsyncKVStore, loop_thread: LoopThread) -> None:
-        self._inner = inner
-        self._loop_thread = loop_thread
-        self._timeout: float | None = None
-        #: Pipelined pushes this face returned from without waiting for their tasks
-        #: (which only send what the call took); settled by the calls that need them done.
-        self._unsettled: collections.deque[Waitable] = collections.deque()
-        self._unsettled_lock = threading.Lock()
-        #: This store made SIGTERM raise :class:`akv.exits.Terminated` (given back at close).
-        self._holds_sigterm = False
-
-    @property
-    def type(self) -> str:
-        """The store type name as it was given to ``create`` (MXNet reports it so too)."""
-        return self._inner.type
-
-    @property
-    def rank(self) -> int:
-        """This worker's rank (0 in a local store)."""
-        return self._inner.rank
-
-    @property
-    def num_workers(self) -> int:
-        """How many workers share the store (1 in a local store)."""
-        return self._inner.num_workers
-
-    @property
-    def engine(self) -> Engine:
-        """The store's dependency engine."""
-        return self._inner.engine
-
-    def keys(self) -> list[Key]:
-        """The initialized keys, in initialization order."""
-        return self._inner.keys()
-
-    def _wait(self, waitable: Waitable) -> Any:
-        try:
-            return waitable.result(self._timeout)
-        except TimeoutError as exc:
-            if isinstance(exc, AKVError):
-                raise
-            raise WaitTimeoutError(str(exc)) from exc
-
-    def _settle(self) -> None:
-        """Wait for the pushes returned from early (raising the first that failed)."""
-        while True:
-            with self._unsettled_lock:
-                if not self._unsettled:
-                    return
-                waitable = self._unsettled.popleft()
-            self._wait(waitable)
-
-    def init(self, key: Key | list[Key], value: Any) -> None:
-        """See :meth:`AsyncKVStore.init`."""
-        self._settle()
-        self._wait(self._inner.init(key, value))
-
-    def push(self, key: Key | list[Key], value: Any, priority: int = 0) -> None:
-        """See :meth:`AsyncKVStore.push`.
-
-        In a distributed store (pipelined pushes, the default) this returns once the values
-        are taken, without waiting for the loop thread to send them; a failure to send is
-        raised by the next call on the key, :meth:`barrier` or :meth:`close`.
-        """
-        waitable = self._inner.push(key, value, priority)
-        if not self._inner._backend.returns_pushes_early or waitable.done():
-            self._wait(waitable)
-            return
-        with self._unsettled_lock:
-            unsettled = self._unsettled
-            unsettled.append(waitable)
-            # Those sent already are forgotten; a failed one stays for the next settle.
-            while unsettled and unsettled[0].done() and not unsettled[0].failed():
-                unsettled.popleft()
-            full = len(unsettled) > limits.MAX_UNACKED_PUSHES
-        if full:  # memory stays bounded: wait for the oldest
-            self._settle()
-
-    def pull(self, key: Key | list[Key], out: Any = None, priority: int = 0) -> Any:
-        """See :meth:`AsyncKVStore.pull`; returns ``out`` (or the new arrays)."""
-        return self._wait(self._inner.pull(key, out, priority))
-
-    def pushpull(self, key: Key | list[Key], value: Any, out: Any = None, priority: int = 0) -> Any:
-        """See :meth:`AsyncKVStore.pushpull`; returns ``out`` (``value`` when omitted)."""
-        return self._wait(self._inner.pushpull(key, value, out, priority))
-
-    def row_sparse_pull(
-        self, key: Key | list[Key], out: Any = None, priority: int = 0, row_ids: Any = None
-    ) -> Any:
-        """See :meth:`AsyncKVStore.row_sparse_pull`; returns ``out`` (or new
-        :class:`~akv.RowSparseArray` objects)."""
-        return self._wait(self._inner.row_sparse_pull(key, out, priority, row_ids))
-
-    def broadcast(
-        self, key: Key | list[Key], value: Any, out: Any = None, priority: int = 0
-    ) -> Any:
-        """See :meth:`AsyncKVStore.broadcast`; returns ``out`` (or new arrays)."""
-        return self._wait(self._inner.broadcast(key, value, out, priority))
-
-    def is_capable(self, capability: str) -> bool:
-        """See :meth:`AsyncKVStore.is_capable`."""
-        return self._inner.is_capable(capability)
-
-    def set_updater(self, updater: Updater | None) -> None:
-        """See :meth:`AsyncKVStore.set_updater`."""
-        self._inner.set_updater(updater)
-
-    def set_gradient_compression(self, compression_params: Mapping[str, Any]) -> None:
-        """See :meth:`AsyncKVStore.set_gradient_compression`."""
-        self._inner.set_gradient_compression(compression_params)
-
-    def set_optimizer(self, optimizer: _optimizer.Optimizer) -> None:
-        """See :meth:`AsyncKVStore.set_optimizer`."""
-        self._settle()
-        self._wait(self._inner.set_optimizer(optimizer))
-
-    def save_optimizer_states(
-        self, fname: str | os.PathLike[str], dump_optimizer: bool = False
-    ) -> None:
-        """See :meth:`AsyncKVStore.save_optimizer_states`."""
-        self._settle()
-        self._wait(self._inner.save_optimizer_states(fname, dump_optimizer))
-
-    def load_optimizer_states(self, fname: str | os.PathLike[str]) -> None:
-        """See :meth:`AsyncKVStore.load_optimizer_states`."""
-        self._settle()
-        self._wait(self._inner.load_optimizer_states(fname))
-
-    def placement(
-        self, key: Key | list[Key] | None = None
-    ) -> dict[Key, list[tuple[int, int, int]]]:
-        """See :meth:`AsyncKVStore.placement`."""
-        return self._inner.placement(key)
-
-    def barrier(self) -> None:
-        """See :meth:`AsyncKVStore.barrier`."""
-        self._settle()
-        self._wait(self._inner.barrier())
-
-    def wait_all(self) -> None:
-        """See :meth:`AsyncKVStore.wait_all`. The calls of this face return once done,
-        except a distributed store's pipelined pushes, which this waits for too."""
-        self._settle()
-        self._wait(self._inner.wait_all())
-
-    def set_barrier_before_exit(self, barrier_before_exit: bool = True) -> None:
-        """See :meth:`AsyncKVStore.set_barrier_before_exit`."""
-        self._inner.set_barrier_before_exit(barrier_before_exit)
-
-    def close(self) -> None:
-        """Finish the work in flight, then release the engine and the event loop.
-
-        Raises the first failure of work that no call reported. Idempotent. Interrupted
-        (Ctrl-C, SIGTERM) while it waits, say at the exit barrier, it leaves as
-        ``__exit__`` does after an exception, then raises the interruption.
-        """
-        if not self._loop_thread.running:
-            return
-        try:
-            try:
-                self._settle()
-            finally:
-                self._loop_thread.run(_await(self._inner.close), self._timeout)
-        except (KeyboardInterrupt, SystemExit) as exc:
-            self._leave_failed(exc)
-            raise
-        finally:
-            self._release()
-
-    def __enter__(self) -> KVStore:
-        return self
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        """A clean exit closes (with the exit barrier). After an exception (Ctrl-C and
-        SIGTERM included) a distributed store skips the barrier and tells the scheduler
-        at once that this worker failed, and why, so that every other process of the job
-        fails within seconds naming it; that exception then propagates (an error of the
-        work the leaving failed never replaces it). A second Ctrl-C or SIGTERM meanwhile
-        ends the process at once."""
-        if exc is None:
-            self.close()
-        else:
-            self._leave_failed(exc)
-
-    def _leave_failed(self, exc: BaseException) -> None:
-        """:meth:`AsyncKVStore._leave_failed`, waited for (bounded), then release."""
-        if not self._loop_thread.running:
-            return
-        try:
-            with second_signal_exits(), contextlib.suppress(AKVError, TimeoutError):
-                self._loop_thread.run(
-                    _await(lambda: self._inner._leave_failed(exc)), limits.LEAVE_FAILED_S
-                )
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        closed(self)
-        self._loop_thread.close()
-        if self._holds_sigterm:
-            self._holds_sigterm = False
-            sigterm_released()
-
-    def __repr__(self) -> str:
-        return repr(self._inner).replace("AsyncKVStore", "KVStore", 1)
-
-
-async def _await(make: Callable[[], Any]) -> Any:
-    return await make()

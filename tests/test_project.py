@@ -97,8 +97,10 @@ PURE_EXCEPTIONS = {
     "akv.keys": {"threading", "akv_engine"},
     # The backend protocol returns engine tasks: it is the seam to the engine.
     "akv.backend": {"akv_engine"},
-    # A thread-local (each thread's scratch buffers for updates) is no I/O either.
+    # A lock (the optimizer's shared state) and a thread-local (each thread's scratch
+    # buffers for updates) are no I/O either.
     "akv.optimizer._base": {"threading"},
+    "akv.optimizer._kernels": {"threading"},
 }
 #: akv's pure modules: they decide and do no I/O (docs/architecture.md lists them too).
 PURE_AKV_MODULES = [
@@ -117,6 +119,7 @@ PURE_AKV_MODULES = [
     "akv.optimizer._adaptive",
     "akv.optimizer._base",
     "akv.optimizer._contrib",
+    "akv.optimizer._kernels",
     "akv.optimizer._sgd",
     "akv.optimizer._states",
     "akv.optimizer._updater",
@@ -126,7 +129,9 @@ PURE_AKV_MODULES = [
     "akv.cluster.protocol",
     "akv.cluster.states",
     "akv.cluster.server.buffers",
+    "akv.cluster.server.checkpoint_header",
     "akv.cluster.server.checks",
+    "akv.cluster.server.dense_keys",
     "akv.cluster.server.durability",
     "akv.cluster.server.inits",
     "akv.cluster.server.instructions",

@@ -22,7 +22,6 @@ from akv.optimizer import lr_scheduler
 from akv.optimizer._adam_variants import FTML, Adamax, AdamW, Nadam
 from akv.optimizer._adaptive import FTRL, LAMB, AdaDelta, AdaGrad, Adam, RMSProp
 from akv.optimizer._base import (
-    CHUNK_ELEMENTS,
     Index,
     Optimizer,
     State,
@@ -31,6 +30,9 @@ from akv.optimizer._base import (
     register,
 )
 from akv.optimizer._contrib import GroupAdaGrad
+from akv.optimizer._kernels import (
+    CHUNK_ELEMENTS,
+)
 from akv.optimizer._sgd import DCASGD, LARS, NAG, SGD, Signum
 from akv.optimizer._states import (
     STATE_FORMAT_NAME,

@@ -25,6 +25,8 @@ from akv.optimizer._base import (
     Optimizer,
     State,
     register,
+)
+from akv.optimizer._kernels import (
     rescaled_clipped,
     run_chunked,
     zeros_like,

@@ -18,8 +18,10 @@ from akv.optimizer._base import (
     Index,
     Optimizer,
     State,
-    complement,
     register,
+)
+from akv.optimizer._kernels import (
+    complement,
     rescaled_clipped,
     run_chunked,
     zeros_like,
@@ -39,20 +41,14 @@ def decayed_gradient(
 ) -> np.ndarray:
     """``clip(rescale_grad * grad + wd * weight, clip_gradient)``, in ``out`` unless it is
     ``grad`` itself (then only to be read)."""
-    if wd:
-        np.multiply(weight, wd, out=out)
-        if rescale_grad != 1.0:
-            np.multiply(grad, rescale_grad, out=work)
-            grad = work
-        np.add(out, grad, out=out)
-        grad = out
-    elif rescale_grad != 1.0:
-        np.multiply(grad, rescale_grad, out=out)
-        grad = out
-    if clip_gradient:
-        np.clip(grad, -clip_gradient, clip_gradient, out=out)
-        grad = out
-    return grad
+    if not wd:
+        return rescaled_clipped(grad, out, rescale_grad, clip_gradient)
+    np.multiply(weight, wd, out=out)
+    if rescale_grad != 1.0:
+        np.multiply(grad, rescale_grad, out=work)
+        grad = work
+    np.add(out, grad, out=out)
+    return rescaled_clipped(out, out, 1.0, clip_gradient)
 
 
 def moving_average(

@@ -1,26 +1,25 @@
-"""The optimizer base class, the registry and the shared update machinery."""
+"""The optimizer base class, the registry and the checks of an update's arguments (the
+element-wise machinery the updates run on is :mod:`akv.optimizer._kernels`)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal, TypeAlias, TypeGuard, cast, overload
 
 import numpy as np
 
-from akv.arrays import cupy_module, is_cupy
+from akv.arrays import is_cupy
 from akv.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
     OptimizerError,
     ShapeMismatchError,
 )
-from akv.fused import fused_update
 from akv.optimizer import lr_scheduler as _lr_scheduler
 
 Index = int | str
@@ -29,14 +28,6 @@ Index = int | str
 State: TypeAlias = np.ndarray | tuple["State", ...] | list["State"] | None
 """An optimizer state: ``None``, an array, or a tuple or list of states. For a weight on a
 GPU the arrays are CuPy arrays on the weight's device."""
-
-CHUNK_ELEMENTS = 1 << 17
-"""Elements per pass of the element-wise kernels (512 KiB of float32). An update makes
-several passes over its arrays (up to a dozen for Adam); made chunk by chunk, the chunks of
-the weight, gradient, states and scratch buffers stay in cache between passes instead of
-streaming through memory each time. Measured on a 2-core EPYC (1 MiB L2 per core, 32 MiB
-L3): for a 64 MiB array chunked passes take about 0.6 of the time of whole-array passes;
-64K to 512K elements perform alike, smaller chunks pay per-call overhead."""
 
 DEFAULT_LEARNING_RATE = 0.01
 """The learning rate of an optimizer given neither ``learning_rate`` nor a scheduler."""
@@ -759,126 +750,3 @@ def _describe_state(state: State) -> str:
         members = ", ".join(type(member).__name__ for member in state)
         return f"a {type(state).__name__} of ({members})"
     return f"a {type(state).__name__}"
-
-
-# -- element-wise machinery ----------------------------------------------------------------
-
-_local = threading.local()
-
-
-def scratch(dtype: np.dtype, count: int) -> list[np.ndarray]:
-    """``count`` buffers of :data:`CHUNK_ELEMENTS` elements, owned by the calling thread and
-    reused by every update it runs (threads never share them)."""
-    cache: dict[np.dtype, list[np.ndarray]] | None = getattr(_local, "buffers", None)
-    if cache is None:
-        cache = _local.buffers = {}
-    buffers = cache.setdefault(np.dtype(dtype), [])
-    while len(buffers) < count:
-        buffers.append(np.empty(CHUNK_ELEMENTS, dtype))
-    return buffers[:count]
-
-
-def complement(decay: float, dtype: np.dtype) -> float:
-    """``1 - decay`` computed in ``dtype``, as MXNet's kernels compute it (``1.f - beta2``).
-
-    For ``beta2 = 0.999`` the float32 result is 1.3e-5 away (relatively) from the exact
-    0.001, which moves Adam's steps by about 6e-6 of their size; computing it MXNet's way
-    keeps akv's weights within float32 rounding of MXNet's.
-    """
-    kind = np.dtype(dtype).type
-    return float(kind(1.0) - kind(decay))
-
-
-def product(dtype: np.dtype, *factors: float) -> float:
-    """The product of scalar parameters rounded step by step to ``dtype``, as MXNet's kernels
-    form ``lr * wd`` from float32 parameters."""
-    kind = np.dtype(dtype).type
-    result = kind(1.0)
-    for factor in factors:
-        result = kind(result * kind(factor))
-    return float(result)
-
-
-def zeros_like(weight: np.ndarray) -> np.ndarray:
-    """A new C-contiguous zero array with the weight's shape and dtype, where it lives."""
-    if isinstance(weight, np.ndarray):
-        return np.zeros(weight.shape, weight.dtype)
-    gpu = cast(Any, weight)
-    with gpu.device:
-        return cast(np.ndarray, cupy_module().zeros(gpu.shape, gpu.dtype))
-
-
-Kernel = Callable[..., None]
-
-
-def run_chunked(
-    kernel: Kernel,
-    weight: np.ndarray,
-    grad: np.ndarray,
-    states: Sequence[np.ndarray],
-    num_scratch: int,
-) -> None:
-    """Call ``kernel(w, g, *states, buffers)`` on aligned 1-D chunks of the arrays.
-
-    The kernel updates ``w`` and the state chunks in place and may use the scratch
-    ``buffers`` (of the weight's dtype, as long as the chunk) freely. Arrays that are not
-    C-contiguous are processed through contiguous copies that are written back.
-
-    On a GPU (CuPy arrays) the kernel is traced into one fused CUDA kernel
-    (:func:`akv.fused.fused_update`: one pass over the arrays, one launch). A kernel that
-    cannot be fused runs as one chunk, the whole arrays: its NumPy calls dispatch to CuPy
-    (NumPy's ``__array_ufunc__`` and ``__array_function__`` protocols), so the same kernel,
-    written once, runs there, with scratch buffers from CuPy's pool.
-    """
-    on_host = isinstance(weight, np.ndarray)
-    if not on_host and fused_update(kernel, weight, grad, states, num_scratch):
-        return
-    xp: Any = np if on_host else cupy_module()
-    with contextlib.nullcontext() if on_host else cast(Any, weight).device:
-        for_write = [weight, *states]
-        flats = []
-        write_back = []
-        for array in for_write:
-            if array.flags.c_contiguous:
-                flats.append(array.reshape(-1))
-            else:
-                flat = xp.ascontiguousarray(array).reshape(-1)
-                flats.append(flat)
-                write_back.append((array, flat))
-        flat_grad = xp.ascontiguousarray(grad).reshape(-1)
-        size = flat_grad.size
-        if on_host:
-            buffers, chunks = scratch(weight.dtype, num_scratch), chunk_slices(size)
-        else:
-            buffers = [xp.empty(size, weight.dtype) for _ in range(num_scratch)]
-            chunks = iter([slice(0, size)])
-        for chunk in chunks:
-            length = chunk.stop - chunk.start
-            kernel(
-                flats[0][chunk],
-                flat_grad[chunk],
-                *(flat[chunk] for flat in flats[1:]),
-                [buffer[:length] for buffer in buffers],
-            )
-        for array, flat in write_back:
-            xp.copyto(array, flat.reshape(array.shape))
-
-
-def chunk_slices(size: int) -> Iterator[slice]:
-    """Consecutive slices of at most :data:`CHUNK_ELEMENTS` covering ``range(size)``."""
-    for start in range(0, size, CHUNK_ELEMENTS):
-        yield slice(start, min(size, start + CHUNK_ELEMENTS))
-
-
-def rescaled_clipped(
-    grad: np.ndarray, out: np.ndarray, rescale_grad: float, clip_gradient: float | None
-) -> np.ndarray:
-    """``clip(rescale_grad * grad, clip_gradient)`` in ``out``, or ``grad`` itself when that
-    is the identity (the result is then only to be read)."""
-    if rescale_grad != 1.0:
-        np.multiply(grad, rescale_grad, out=out)
-        grad = out
-    if clip_gradient:
-        np.clip(grad, -clip_gradient, clip_gradient, out=out)
-        grad = out
-    return grad

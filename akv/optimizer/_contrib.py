@@ -8,12 +8,14 @@ import numpy as np
 
 from akv.errors import OptimizerError
 from akv.optimizer._base import (
-    CHUNK_ELEMENTS,
     Index,
     Optimizer,
     State,
     check_update_arrays,
     register,
+)
+from akv.optimizer._kernels import (
+    CHUNK_ELEMENTS,
     scratch,
     zeros_like,
 )

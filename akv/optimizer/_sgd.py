@@ -11,10 +11,12 @@ from akv.optimizer._base import (
     Optimizer,
     State,
     check_update_arrays,
+    register,
+)
+from akv.optimizer._kernels import (
     chunk_slices,
     complement,
     product,
-    register,
     rescaled_clipped,
     run_chunked,
     scratch,

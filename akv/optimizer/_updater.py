@@ -13,6 +13,8 @@ from akv.optimizer._base import (
     check_update_arrays,
     from_config,
     is_array,
+)
+from akv.optimizer._kernels import (
     zeros_like,
 )
 from akv.optimizer._states import RowStates, decode_states, encode_states

@@ -166,6 +166,12 @@ class Landing:
                 self.buffers[index] = np.frombuffer(payload, entry.dtype).reshape(entry.shape)
         self.lent = Lent(give_back)
 
+    def give_back_buffers(self) -> None:
+        """Return each buffer to its key (a frame answered with an error uses none)."""
+        for entry, buffer in zip(self.entries, self.buffers, strict=True):
+            if entry is not None and buffer is not None:
+                give_back(entry, buffer)
+
 
 class Lent:
     """One frame's payloads read in place in the sender's shared memory, given back to

@@ -3,7 +3,8 @@ the server holds, made before any payload is given memory or anything is counted
 a refused frame costs its header and nothing proportional to the payload it declares.
 
 Plain functions that change nothing and do no I/O:
-:meth:`~akv.cluster.server.state.ServerState.header_arrived` calls :func:`check_frame`,
+:meth:`~akv.cluster.server.state.ServerState.header_arrived` calls :func:`check_frame`
+(and ``admit`` :func:`check_admission`, for a worker's stream or single frame),
 and the state looks its keys and its optimizer up with :func:`entry_of` and
 :func:`require_updater`, which raise the errors a worker is answered with.
 """
@@ -17,7 +18,7 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
-from akv.cluster.protocol import Op, op_label
+from akv.cluster.protocol import DIST_STORE_TYPES, Op, op_label
 from akv.cluster.server.instructions import Peer, ServerEntry
 from akv.compression import Compression, compressed_nbytes, parse_wire
 from akv.errors import (
@@ -25,13 +26,16 @@ from akv.errors import (
     DuplicateInitError,
     InvalidArgumentError,
     KeyNotInitializedError,
+    MembershipError,
     OptimizerNotSetError,
+    PeerLostError,
 )
 from akv_transport import ArrayInfo, FrameHeader, parse_json
 
 __all__ = [
     "NO_ARRAY_OPS",
     "REQUEST_OPS",
+    "check_admission",
     "check_compressed",
     "check_frame",
     "entry_of",
@@ -44,6 +48,49 @@ __all__ = [
 REQUEST_OPS = frozenset(op for op in Op if op not in (Op.REPLY, Op.DURABLE))
 #: The requests that carry no arrays (their meaning is in ``text``).
 NO_ARRAY_OPS = frozenset({Op.INIT_CHECK, Op.SET_OPTIMIZER, Op.SAVE_STATES, Op.CLOSE, Op.CHECKPOINT})
+
+
+def check_admission(
+    worker: int,
+    store_type: str,
+    stream: bool,
+    staleness: int | None,
+    *,
+    num_workers: int,
+    job: tuple[str | None, int | None],
+    failure: str | None,
+    stopping: bool,
+    name: str,
+) -> None:
+    """Whether server ``name`` takes a stream (``stream``) or single frame of ``worker``
+    opening a ``store_type`` store with bound ``staleness``; ``job``: the job's store type
+    (None before the first worker) and staleness bound, ``failure``: why the job failed,
+    if it did; ``stopping``: the server stops. Raises what
+    :meth:`~akv.cluster.server.state.ServerState.admit` documents, but for the checks of
+    a worker's session and checkpoint note.
+    """
+    job_type, job_staleness = job
+    if store_type not in DIST_STORE_TYPES:
+        raise InvalidArgumentError(f"unknown store type {store_type!r}")
+    if not 0 <= worker < num_workers:
+        raise MembershipError(f"worker rank {worker} is out of range for {num_workers} workers")
+    if job_type is not None and store_type != job_type:
+        raise MembershipError(
+            f"worker {worker} opened a {store_type} store, but this job's workers use "
+            f"{job_type}: every worker must create the same store type"
+        )
+    if staleness is not None and store_type != "dist_async":
+        raise MembershipError(f"worker {worker}: staleness bounds dist_async only")
+    if stream and staleness != job_staleness and (job_type or staleness is None):
+        bound = "none" if job_staleness is None else job_staleness
+        raise MembershipError(
+            f"worker {worker} opened its store with staleness {staleness}, but this "
+            f"job's workers use {bound}: every worker must give the same bound"
+        )
+    if stream and failure is not None:
+        raise MembershipError(f"{name} takes no stream: the job failed: {failure}")
+    if stream and stopping:
+        raise PeerLostError(f"{name} takes no stream: it is stopping")
 
 
 def check_frame(

@@ -28,7 +28,7 @@ import numpy as np
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import Op, RowMeta, decode_row_meta, op_label
-from akv.cluster.server.checkpoint import RowRecord
+from akv.cluster.server.checkpoint_header import RowRecord
 from akv.cluster.server.instructions import (
     Instruction,
     LandRows,

@@ -23,7 +23,8 @@ event (method)                             when
 
 It owns the keys and their rounds (:class:`~akv.cluster.server.rounds.KeyRounds`), pull
 tickets, init waits, the job's store type, optimizer installation and deduplication, and
-the overdue checks; which frames it takes at all is :mod:`akv.cluster.server.checks`'s.
+the overdue checks; which frames it takes at all is :mod:`akv.cluster.server.checks`'s,
+what a dense push, pull and init decide :mod:`akv.cluster.server.dense_keys`'s.
 :meth:`~ServerState.validate` checks its invariants. Array work (merging, applying,
 copying out) is the service's, through the engine, so that per key a merge, the apply of
 its round and the pulls that read the result keep their order.
@@ -38,16 +39,18 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
-from akv.cluster.protocol import COUNTED, DIST_STORE_TYPES, Note, Op, decode_meta, op_label
-from akv.cluster.server.buffers import Landing, ValueRegions, give_back
-from akv.cluster.server.checkpoint import RowRecord
+from akv.cluster.protocol import Note, Op, decode_meta, op_label
+from akv.cluster.server.buffers import Landing, ValueRegions
+from akv.cluster.server.checkpoint_header import RowRecord
 from akv.cluster.server.checks import (
+    check_admission,
     check_frame,
     entry_of,
     optimizer_request,
     require_updater,
     save_states_request,
 )
+from akv.cluster.server.dense_keys import count_push, init_keys, land, pull_ticket
 from akv.cluster.server.durability import Lineage
 from akv.cluster.server.inits import InitWaits
 from akv.cluster.server.instructions import (
@@ -57,7 +60,6 @@ from akv.cluster.server.instructions import (
     FailJob,
     InstallOptimizer,
     Instruction,
-    Land,
     LoadStates,
     Peer,
     PullTicket,
@@ -71,14 +73,11 @@ from akv.cluster.server.instructions import (
     ServerEntry,
     StaleCheckpointError,
 )
-from akv.cluster.server.rounds import longest_wait
 from akv.cluster.server.row_keys import ROW_OPS, RowKeys, shaped
 from akv.cluster.server.staleness import Parked, Waiting
 from akv.cluster.server.views import check_invariants, status
-from akv.compression import parse_wire
 from akv.errors import (
     AKVError,
-    DuplicateInitError,
     InvalidArgumentError,
     MembershipError,
     PeerLostError,
@@ -86,7 +85,7 @@ from akv.errors import (
     ServerError,
 )
 from akv.keys import VarFactory
-from akv.limits import INLINE_MAX_BYTES, RECONNECT_GRACE_S, SMALL_REPLY_BYTES
+from akv.limits import RECONNECT_GRACE_S, SMALL_REPLY_BYTES
 from akv_transport import FrameHeader, StreamSilentError
 
 __all__ = ["ServerState"]
@@ -248,29 +247,17 @@ class ServerState:
             This server lost requests it had declared durable to the worker: the job
             failed (the error carries what to do about it).
         """
-        if store_type not in DIST_STORE_TYPES:
-            raise InvalidArgumentError(f"unknown store type {store_type!r}")
-        if not 0 <= worker < self.num_workers:
-            raise MembershipError(
-                f"worker rank {worker} is out of range for {self.num_workers} workers"
-            )
-        if self.store_type is not None and store_type != self.store_type:
-            raise MembershipError(
-                f"worker {worker} opened a {store_type} store, but this job's workers use "
-                f"{self.store_type}: every worker must create the same store type"
-            )
-        if staleness is not None and store_type != "dist_async":
-            raise MembershipError(f"worker {worker}: staleness bounds dist_async only")
-        if stream and staleness != self.staleness and (self.store_type or staleness is None):
-            job = "none" if self.staleness is None else self.staleness
-            raise MembershipError(
-                f"worker {worker} opened its store with staleness {staleness}, but this "
-                f"job's workers use {job}: every worker must give the same bound"
-            )
-        if stream and self.failure is not None:
-            raise MembershipError(f"{self.name} takes no stream: the job failed: {self.failure}")
-        if stream and self.stopping:
-            raise PeerLostError(f"{self.name} takes no stream: it is stopping")
+        check_admission(
+            worker,
+            store_type,
+            stream,
+            staleness,
+            num_workers=self.num_workers,
+            job=(self.store_type, self.staleness),
+            failure=self.failure,
+            stopping=self.stopping,
+            name=self.name,
+        )
         current = [p for p in self.peers.values() if p.worker == worker]
         known = self._sessions.get(worker)
         if stream and (current or known is not None) and not (session and session == known):
@@ -405,25 +392,7 @@ class ServerState:
         except AKVError as exc:
             landing.error = exc
             return landing
-        op = header.op
-        if op == Op.INIT:  # a resent init's keys are held already: its payloads are dropped
-            landing.buffers = [
-                None if info.key in self.entries else np.empty(info.shape, info.dtype)
-                for info in arrays
-            ]
-        elif op in (Op.PUSH, Op.PUSHPULL) and header.text:
-            # Compressed: fresh bytes, decoded into buffers of the keys by the push's task.
-            landing.buffers = [np.empty(info.nbytes, np.uint8) for info in arrays]
-        elif op in (Op.PUSH, Op.PUSHPULL):
-            # A push that may wait for slower workers keeps its payloads: no reading in
-            # place of memory the sender waits to get back.
-            landing.read_in_place = self.waiting is None
-            for index, info in enumerate(arrays):
-                entry = self.entries[cast("Key", info.key)]  # checked: initialized
-                landing.entries[index] = entry
-                landing.buffers[index] = entry.take_buffer()
-        elif op == Op.LOAD_STATES:
-            landing.buffers = [np.empty(info.nbytes, np.uint8) for info in arrays]
+        land(header, self.entries, landing, parks=self.waiting is not None)
         return landing
 
     def message_completed(
@@ -450,9 +419,7 @@ class ServerState:
                 self.changes += 1
             return out
         except Exception as exc:
-            for entry, buffer in zip(landing.entries, landing.buffers, strict=True):
-                if entry is not None and buffer is not None:
-                    give_back(entry, buffer)
+            landing.give_back_buffers()
             if isinstance(exc, AKVError):
                 return [ReplyError(peer, header.seq, exc)]
             error = ServerError(
@@ -483,7 +450,8 @@ class ServerState:
         if op == Op.INIT:
             return self._init(peer, header, landing)
         if op == Op.INIT_CHECK:
-            return self._init_check(peer, seq, decode_meta(header.text), now)
+            items = decode_meta(header.text)
+            return self._init_waits.add(peer, seq, items, now, self._held())
         if op == Op.SET_OPTIMIZER:
             return self._set_optimizer(peer, seq, header.text)
         if op == Op.SAVE_STATES:
@@ -539,10 +507,7 @@ class ServerState:
 
     def _drop_parked(self, parked: Parked, error: AKVError) -> list[Instruction]:
         """Answer a frame that waited with ``error``, its payloads given back."""
-        landing = parked.landing
-        for entry, buffer in zip(landing.entries, landing.buffers, strict=True):
-            if entry is not None and buffer is not None:
-                give_back(entry, buffer)
+        parked.landing.give_back_buffers()
         return [ReplyError(parked.peer, parked.header.seq, error)]
 
     def _rows(
@@ -569,107 +534,16 @@ class ServerState:
     def _push(
         self, peer: Peer, header: FrameHeader, landing: Landing, now: float
     ) -> list[Instruction]:
-        """Count a frame's pushes (all or nothing), then merge and apply them in one task.
-
-        A push whose number was counted already (a resent request) is answered without
-        being counted or merged again.
-        """
-        # A landing without an error has a buffer for every array, and an entry for every
-        # array unless the push is compressed (its bytes are no buffers of the keys).
-        buffers = cast("list[np.ndarray]", landing.buffers)
-        compression = parse_wire(header.text) if header.text else None
-        if compression is None:
-            entries = cast("list[ServerEntry]", landing.entries)
-        else:
-            entries = [self.entries[cast("Key", info.key)] for info in header.arrays]
-        tags = [info.tag for info in header.arrays]
-        worker = peer.worker
-        seq = header.seq if peer.stream else 0
-        seen: set[Key] = set()
-        fresh: list[bool] = []
-        for entry, tag in zip(entries, tags, strict=True):
-            if entry.key in seen:
-                raise InvalidArgumentError(
-                    f"push names key {entry.key!r} twice in one request (worker {worker})"
-                )
-            seen.add(entry.key)
-            fresh.append(not entry.rounds.is_duplicate(worker, tag))
-            self.duplicates += not fresh[-1]
-            if fresh[-1]:
-                entry.rounds.check_push(worker)
-        merges = []
-        closing: list[tuple[ServerEntry, np.ndarray | None, int]] = []
-        counted = []
-        decodes = []
-        nbytes = 0
-        sync = self.sync
-        waited: float | None = None
-        for entry, buffer, tag, new in zip(entries, buffers, tags, fresh, strict=True):
-            if not new:
-                if compression is None:
-                    give_back(entry, buffer)
-                continue
-            if compression is not None:  # decoded by the push's task into a key buffer
-                raw, buffer = buffer, entry.take_buffer()
-                decodes.append((raw, buffer))
-            decision = entry.rounds.accept_push(worker, now, tag, seq)
-            counted.append(entry)
-            nbytes += entry.nbytes
-            if sync:
-                # A first push read in place that leaves its round open is the sum as it
-                # lies: the next push adds both into a buffer of the key's own in one pass.
-                keeps = landing.lent if decision.first and not decision.closes else None
-                if keeps is not None and buffer.flags.writeable:
-                    keeps = None  # not read in place: copied to start the sum as usual
-                if keeps is not None:
-                    keeps.take()
-                merges.append((entry, buffer, decision.first, keeps))
-                if decision.closes:
-                    closing.append((entry, None, decision.round))
-                    waited = longest_wait(waited, decision)
-            else:
-                closing.append((entry, buffer, decision.round))
-        out: list[Instruction] = []
-        reply = Reply(peer, header.seq) if header.op == Op.PUSH else None
-        # dist_async: a push is answered once applied, so that whoever hears of the answer
-        # (a barrier) sees it; dist_sync: once counted (its round may wait for others).
-        # Payloads read in place stay the server's until it gives them back, answered or
-        # not (the sender frees that memory then).
-        lent = landing.lent if counted else None
-        after_land = reply if counted and not sync else None
-        if counted:
-            landing.lent = None  # the task lets go of them
-            inline = nbytes <= INLINE_MAX_BYTES
-            out.append(
-                Land(
-                    tuple(counted),
-                    tuple(merges),
-                    tuple(closing),
-                    inline,
-                    after_land,
-                    lent,
-                    tuple(decodes),
-                    compression,
-                    waited,
-                )
-            )
+        """Count a frame's pushes (:func:`~akv.cluster.server.dense_keys.count_push`);
+        a pushpull's pull follows."""
+        out, entries, duplicates = count_push(peer, header, landing, now, self.entries, self.sync)
+        self.duplicates += duplicates
         if header.op == Op.PUSHPULL:
-            if header.flags & COUNTED and peer.stream:  # resent too: a second is ignored
-                out.append(Reply(peer, header.seq, counted=True))
             out.extend(self._pull(peer, header.seq, entries))
-        elif after_land is None:
-            out.append(cast("Reply", reply))
         return out
 
     def _pull(self, peer: Peer, seq: int, entries: list[ServerEntry]) -> list[Instruction]:
-        worker = peer.worker
-        after = [entry.rounds.last_push_round(worker) for entry in entries]
-        for entry, after_round in zip(entries, after, strict=True):
-            entry.rounds.check_pull(after_round)  # refuse before parking anywhere
-        ticket = PullTicket(peer, seq, entries)
-        for entry, after_round in zip(entries, after, strict=True):
-            if not entry.rounds.pull(after_round, ticket):
-                ticket.remaining += 1
+        ticket = pull_ticket(peer, seq, entries)
         if ticket.remaining:
             return []
         return self._ready(ticket)
@@ -691,46 +565,20 @@ class ServerState:
         return SendValues(ticket, sum(e.nbytes for e in ticket.entries) <= SMALL_REPLY_BYTES)
 
     def _init(self, peer: Peer, header: FrameHeader, landing: Landing) -> list[Instruction]:
-        keys = [info.key for info in header.arrays]
-        if any(key is None for key in keys) or len(set(keys)) != len(keys):
-            raise InvalidArgumentError(
-                f"init from worker {peer.worker} names a key twice or carries no key"
-            )
-        # Keys given a buffer were free when the header arrived; one held now was made by
-        # another init since. (Keys without a buffer are this init's own, resent.)
-        held = [
-            info.key
-            for info, buffer in zip(header.arrays, landing.buffers, strict=True)
-            if buffer is not None and info.key in self.entries
-        ]
-        if held:
-            raise DuplicateInitError(
-                f"init key {held[0]!r}: {self.name} already holds it", key=held[0]
-            )
-        made_by = (peer.session, header.seq) if peer.session else ("", -1)
-        for info, buffer in zip(header.arrays, landing.buffers, strict=True):
-            assert info.key is not None  # checked above
-            if buffer is None:
-                continue
-            entry = ServerEntry(
-                info.key, buffer, self._new_var, self.sync, self.num_workers, made_by
-            )
-            # With checkpoints, a new key is answered for (to its init, and to the other
-            # workers' init checks) once a checkpoint holds it: a worker never pushes to a
-            # key that a restarted server would not have.
-            entry.durable = not self.checkpoints
-            entry.regions = self.value_regions
-            self.entries[info.key] = entry
-        if self.checkpoints:
-            return [Checkpoint(peer, header.seq)]
-        out: list[Instruction] = [Reply(peer, header.seq)]
-        out.extend(self._init_waits.release(self._held()))
+        make = (self._new_var, self.sync, self.num_workers)
+        out = init_keys(
+            peer,
+            header,
+            landing,
+            self.entries,
+            self.name,
+            make,
+            self.checkpoints,
+            self.value_regions,
+        )
+        if not self.checkpoints:
+            out.extend(self._init_waits.release(self._held()))
         return out
-
-    def _init_check(
-        self, peer: Peer, seq: int, items: list[tuple[Key, tuple[int, ...], str]], now: float
-    ) -> list[Instruction]:
-        return self._init_waits.add(peer, seq, items, now, self._held())
 
     # ------------------------------------------------------------ the optimizer
 
