@@ -29,7 +29,6 @@ the store's engine when the first GPU key is initialized.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +45,7 @@ from akv.arrays import (
 )
 from akv.backend import KeyArrays, Updater
 from akv.errors import InvalidArgumentError
+from akv.exits import off_loop
 from akv.gpu_stream import (
     follow,
     note_read,
@@ -363,7 +363,7 @@ class DeviceBackend(LocalBackend):
         """Wait for the GPU work enqueued on callers' streams (the values' memory goes back
         to CuPy's pool with the store)."""
         if self._gpu_entries:
-            await asyncio.to_thread(settle, list(self._gpu_entries))
+            await off_loop(settle, list(self._gpu_entries))
         await super().close(barrier_before_exit)
 
 

@@ -17,7 +17,9 @@ about the process rather than the store:
 * :func:`close_at_exit`: a blocking store the program never closed is closed when the
   interpreter exits, as MXNet's KVStore is by its destructor: with the exit barrier after a
   normal end, or leaving as after a failure when an exception ended the program (recorded
-  by a :func:`sys.excepthook` that chains to the one it replaced).
+  by a :func:`sys.excepthook` that chains to the one it replaced);
+* :func:`off_loop`: a blocking call awaited from a store's close, which may run while the
+  interpreter exits (where :func:`asyncio.to_thread` is refused).
 
 Signal handlers are only ever installed from the main thread, and only over the default
 handlers: a program that set its own keeps it.
@@ -25,15 +27,16 @@ handlers: a program that set its own keeps it.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 __all__ = [
     "MAX_REASON_CHARS",
@@ -42,9 +45,12 @@ __all__ = [
     "close_at_exit",
     "closed",
     "describe",
+    "off_loop",
     "second_signal_exits",
     "sigterm_raises",
 ]
+
+T = TypeVar("T")
 
 #: The longest reason a worker sends the scheduler (longer messages are cut, with "...").
 MAX_REASON_CHARS = 500
@@ -218,3 +224,33 @@ def close_at_exit(store: Closable) -> None:
 def closed(store: Closable) -> None:
     """``store`` was closed: nothing to do for it at exit."""
     _AT_EXIT.stores.discard(store)
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a thread of its own, awaited (its exception raised here).
+
+    :func:`asyncio.to_thread` without the loop's default executor: once the interpreter has
+    begun to exit, that executor takes no new work (``RuntimeError``), so a store closed by
+    :func:`close_at_exit` would leave its threads running into the interpreter's
+    finalization, where they may crash the process."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if done.done():
+            return
+        if exc is None:
+            done.set_result(result)
+        else:
+            done.set_exception(exc)
+
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as error:
+            result, exc = None, error
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=run, name="akv-off-loop", daemon=True).start()
+    return await done

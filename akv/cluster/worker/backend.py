@@ -85,6 +85,7 @@ from akv.errors import (
     ServerError,
     UnsupportedDTypeError,
 )
+from akv.exits import off_loop
 from akv.keys import Entry, Part
 from akv.limits import CONNECT_RETRY_S, GOODBYE_TIMEOUT_S, INIT_CHECK_MARGIN_S, SWEEP_INTERVAL_S
 from akv.sparse import RowIds, RowSparseArray
@@ -749,7 +750,7 @@ class DistBackend:
             for link in self.links:
                 link.close()
             if self._heartbeat is not None:
-                await asyncio.to_thread(self._heartbeat.stop)
+                await off_loop(self._heartbeat.stop)
             await self.membership.close()
             if self.metrics is not None:
                 await self.metrics.stop()

@@ -30,6 +30,7 @@ from akv.exits import (
     MAX_REASON_CHARS,
     Terminated,
     describe,
+    off_loop,
     second_signal_exits,
     sigterm_raises,
     sigterm_released,
@@ -196,6 +197,10 @@ def test_a_store_never_closed_is_closed_at_exit_with_the_barrier_after_a_normal_
     assert done.returncode == 0, output
     assert "[worker 0] rank 0 done: 2.0" in output and "[worker 1] rank 1 done: 2.0" in output
     assert "Unclosed" not in output  # aiohttp's warnings of sessions nobody closed
+    # The close at exit stops the heartbeat threads too (asyncio.to_thread, refused while
+    # the interpreter exits, once left them running into its finalization: a rare SIGSEGV).
+    for rank in (0, 1):
+        assert f"[worker {rank}] akv threads left at exit: []" in output, output
 
 
 def test_a_store_never_closed_leaves_as_failed_when_an_exception_ends_the_program():
@@ -327,3 +332,34 @@ def test_a_second_ctrl_c_ends_a_leaving_worker_at_once():
             assert code == 128 + signal.SIGINT, out
         finally:
             scheduler.send_signal(signal.SIGCONT)
+
+
+# ---------------------------------------------------------------- off_loop
+
+
+async def test_off_loop_returns_the_result_and_raises_the_error_of_the_call():
+    assert await off_loop(lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(ZeroDivisionError):
+        await off_loop(lambda: 1 / 0)
+
+
+def test_off_loop_works_while_the_interpreter_exits_where_to_thread_is_refused():
+    # What a store closed at exit awaits (the heartbeat's stop): asyncio.to_thread is
+    # refused there, off_loop is not.
+    script = (
+        "import asyncio, atexit\n"
+        "from akv.exits import off_loop\n"
+        "def at_exit():\n"
+        "    for name, run in (('off_loop', off_loop), ('to_thread', asyncio.to_thread)):\n"
+        "        try:\n"
+        "            print(name, asyncio.run(run(lambda: 'ran')), flush=True)\n"
+        "        except RuntimeError as exc:\n"
+        "            print(name, 'refused', exc, flush=True)\n"
+        "atexit.register(at_exit)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "off_loop ran" in done.stdout, done.stdout
+    assert "to_thread refused" in done.stdout, done.stdout  # the reason off_loop exists
