@@ -10,7 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import akv
-from akv.rows import FIBONACCI_MULTIPLIER, MAX_LOAD_FACTOR, MIN_INDEX_CAPACITY, RowIndex, RowTable
+from akv.rows import (
+    DIRECT_MAX_ROWS,
+    DIRECT_MIN_ROW_BYTES,
+    FIBONACCI_MULTIPLIER,
+    MAX_LOAD_FACTOR,
+    MIN_INDEX_CAPACITY,
+    DirectIndex,
+    RowIndex,
+    RowTable,
+)
 
 F32 = np.float32
 INT64_MAX = 2**63 - 1
@@ -198,6 +207,72 @@ def test_capacity_is_a_power_of_two():
     assert RowIndex(0).capacity == MIN_INDEX_CAPACITY
 
 
+# ---------------------------------------------------------------- DirectIndex
+
+
+def test_direct_index_agrees_with_a_dict():
+    rng = np.random.default_rng(26)
+    index, reference = DirectIndex(5000), DictIndex()
+    for _ in range(60):
+        ids = rng.integers(0, 5000, size=int(rng.integers(0, 400)), dtype=np.int64)
+        if rng.random() < 0.5:
+            ids = np.unique(ids)  # sorted and unique: the usual case
+        slots = index.insert(ids)
+        reference.insert(ids)
+        assert slots.tolist() == reference.lookup(ids)
+        assert len(index) == len(reference.slots)
+        probe = rng.integers(0, 5000, size=300)
+        assert index.lookup(probe).tolist() == reference.lookup(probe)
+    ids, slots = index.items()
+    assert ids.tolist() == sorted(reference.slots)
+    assert slots.tolist() == [reference.slots[i] for i in ids.tolist()]
+
+
+def test_direct_index_numbers_repeated_new_ids_by_first_appearance():
+    index = DirectIndex(100)
+    index.insert([50])
+    assert index.insert([7, 50, 3, 7, 99, 3]).tolist() == [1, 0, 2, 1, 3, 2]
+    assert index.lookup([3, 7, 99, 50, 0]).tolist() == [2, 1, 3, 0, -1]
+    assert len(index) == 4
+
+
+def test_direct_index_grows_its_ids_across_doublings():
+    index = DirectIndex(10**6)
+    given = [index.insert(np.arange(start, start + 7) * 97) for start in range(0, 3000, 7)]
+    every = np.arange(0, 3003) * 97
+    assert index.lookup(every).tolist() == np.concatenate(given).tolist() == list(range(3003))
+    assert index.items()[0].tolist() == every.tolist()
+
+
+def test_direct_index_refuses_ids_outside_its_rows():
+    index = DirectIndex(10)
+    with pytest.raises(akv.RowIdError, match=r"DirectIndex.insert: row id 10 at position 1"):
+        index.insert([3, 10])
+    with pytest.raises(akv.RowIdError, match=r"DirectIndex.lookup: row id -1 at position 0"):
+        index.lookup([-1])
+    assert len(index) == 0
+    with pytest.raises(akv.InvalidArgumentError, match="int32 map"):
+        DirectIndex(2**31)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "direct"),
+    [
+        ((10**6, 64), np.float32, True),  # the benchmark's table: 4 MB of map
+        ((DIRECT_MAX_ROWS, 16), np.float32, True),
+        ((DIRECT_MAX_ROWS + 1, 16), np.float32, False),  # a map over 64 MiB
+        ((10**9, 64), np.float32, False),
+        ((10**6, DIRECT_MIN_ROW_BYTES // 4 - 1), np.float32, False),  # map > 1/16 of rows
+        ((10**6, 8), np.float64, True),
+        ((10, 2), np.float32, False),
+    ],
+)
+def test_a_table_indexes_directly_only_small_tables_of_wide_rows(shape, dtype, direct):
+    table = RowTable(shape, dtype)
+    assert isinstance(table._index, DirectIndex if direct else RowIndex)
+    assert len(table) == 0
+
+
 # ---------------------------------------------------------------- RowTable
 
 
@@ -357,9 +432,11 @@ def test_a_table_refuses_bad_shapes_and_dtypes():
         RowTable((10, 2), "no such dtype")
 
 
-def test_a_table_against_a_dense_array():
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_table_against_a_dense_array(direct):
     rng = np.random.default_rng(11)
-    table = RowTable((300, 3), np.int64)
+    table = RowTable((300, 3), np.int64, direct=direct)
+    assert isinstance(table._index, DirectIndex if direct else RowIndex)
     dense = np.zeros((300, 3), np.int64)
     for _ in range(200):
         ids = rng.integers(0, 300, size=int(rng.integers(0, 20)))
@@ -375,10 +452,11 @@ def test_a_table_against_a_dense_array():
     assert np.array_equal(table.to_sparse().to_dense(), dense)
 
 
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("shape", [(20,), (20, 2, 3), (20, 0), (20, 1)])
-def test_rows_of_any_shape(shape):
+def test_rows_of_any_shape(shape, direct):
     rng = np.random.default_rng(5)
-    table = RowTable(shape, np.float64)
+    table = RowTable(shape, np.float64, direct=direct)
     dense = np.zeros(shape)
     for _ in range(30):
         ids = np.unique(rng.integers(0, 20, size=5))
