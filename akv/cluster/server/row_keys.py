@@ -20,7 +20,7 @@ array work the service runs in engine tasks that write (or read) the keys involv
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 import numpy as np
@@ -313,13 +313,26 @@ def land_rows(
     return done, failed
 
 
-def gather_rows(ticket: RowPullTicket) -> list[tuple[Key, np.ndarray, int]]:
+def gather_rows(
+    ticket: RowPullTicket, region: Callable[[int], memoryview | None] | None = None
+) -> tuple[list[tuple[Key, np.ndarray, int]], list[np.ndarray]]:
     """The arrays of a row pull's answer: per key, the rows asked for (zeros for rows not
-    stored), tagged with the round applied."""
-    return [
-        (entry.key, entry.rows.gather(ids), entry.rounds.applied_round)
-        for entry, ids in ticket.pulls
-    ]
+    stored), tagged with the round applied; and those of them gathered straight into a
+    memory ``region(nbytes)`` gave (a region of the shared memory the answer goes through:
+    no copy into it when sent). ``region`` None, or a region None: a new array."""
+    arrays = []
+    placed = []
+    for entry, ids in ticket.pulls:
+        shape = (ids.size, *entry.shape[1:])
+        nbytes = int(np.prod(shape, dtype=np.int64)) * entry.dtype.itemsize
+        view = None if region is None else region(nbytes)
+        if view is None:
+            rows = entry.rows.gather(ids)
+        else:
+            rows = entry.rows.gather(ids, out=np.frombuffer(view, entry.dtype).reshape(shape))
+            placed.append(rows)
+        arrays.append((entry.key, rows, entry.rounds.applied_round))
+    return arrays, placed
 
 
 # ---------------------------------------------------------------------- checks

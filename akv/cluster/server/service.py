@@ -581,9 +581,17 @@ class ParameterServer:
         self._on_loop(self._landed, done, failed, work.reply)
 
     def _send_rows(self, ticket: RowPullTicket) -> None:
-        """Answer a row pull with a copy of the rows it asks for."""
-        frame = encode_frame(Op.REPLY, ticket.seq, gather_rows(ticket), aux=OK)
-        self._on_loop(self.send_to, ticket.peer, frame)
+        """Answer a row pull with a copy of the rows it asks for: gathered into regions of
+        the stream's shared memory where it has one (sent from there), else into arrays."""
+        link = self.links.get(ticket.peer.id)
+        shared = link.protocol.shared if isinstance(link, StreamLink) else None
+        arrays, placed = gather_rows(ticket, None if shared is None else shared.take)
+        frame = encode_frame(Op.REPLY, ticket.seq, arrays, aux=OK)
+        if placed:
+            assert shared is not None
+            self._on_loop(self._send_from_arena, ticket.peer, frame, shared, placed)
+        else:
+            self._on_loop(self.send_to, ticket.peer, frame)
 
     def _landed(
         self,

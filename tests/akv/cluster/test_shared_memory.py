@@ -276,3 +276,37 @@ async def test_a_cut_shared_memory_stream_reconnects_and_loses_nothing():
         for step, value in enumerate(seen):
             assert np.allclose(value, (step + 10) * total, rtol=1e-5, atol=1e-4)
     assert len(first) == 2
+
+
+async def test_row_answers_to_local_workers_are_gathered_into_the_servers_arena():
+    # 400 rows of 64 float32: 100 KiB, above the smallest payload worth the arena; 4 rows
+    # (1 KiB) go on the socket.
+    shape = (10_000, 64)
+    with Cluster(2, 1) as cluster:
+        stores = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+
+        async def body(kv):
+            await kv.init("emb", akv.RowSparseArray.zeros(shape, np.float32))
+            await kv.set_optimizer(akv.optimizer.SGD(learning_rate=1.0))
+            ids = np.arange(kv.rank, 800, 2)
+            grad = akv.RowSparseArray(np.ones((ids.size, 64), np.float32), ids, shape)
+            await kv.push("emb", grad)
+            many = await kv.row_sparse_pull("emb", row_ids=np.arange(400))
+            few = await kv.row_sparse_pull("emb", row_ids=np.arange(4))
+            return many, few
+
+        try:
+            answers = await asyncio.gather(*(body(kv) for kv in stores))
+            arenas = server_arenas(cluster)
+            # One large answer a worker gathered into a region, sent from there.
+            assert sum(shared.arrays_in_place for shared in arenas) == 2
+            (book,) = server_books(cluster)
+            await wait_until(
+                lambda: book.regions.regions == 0, "the workers to hand the regions back"
+            )
+        finally:
+            await asyncio.gather(*(kv.close() for kv in stores))
+    for many, few in answers:
+        np.testing.assert_array_equal(many.indices, np.arange(400))
+        np.testing.assert_array_equal(many.data, np.full((400, 64), -1, np.float32))
+        np.testing.assert_array_equal(few.data, np.full((4, 64), -1, np.float32))

@@ -73,6 +73,12 @@ class Players:
         #: traceback by the service): a client's mistake never adds one.
         self.unexpected: list[BaseException] = []
         self.failures: list[FailJob] = []
+        #: Row answers of at least this many bytes are gathered into "shared memory"
+        #: regions (``regions``; the arrays gathered there: ``placed``), as a server does
+        #: for a worker on its host.
+        self.region_min_bytes: int | None = 64
+        self.regions: list[memoryview] = []
+        self.placed: list[np.ndarray] = []
         self.checkpoints: list[Checkpoint] = []
         self.held: list[Land | LandRows] = []
         self.hold_updates = False
@@ -235,7 +241,9 @@ class Players:
                 self._land(instruction)
         elif isinstance(instruction, SendRows):
             ticket = instruction.ticket
-            rows = {key: rows.copy() for key, rows, _ in gather_rows(ticket)}
+            arrays, placed = gather_rows(ticket, self._region)
+            self.placed.extend(placed)
+            rows = {key: rows.copy() for key, rows, _ in arrays}
             self._answer(ticket.peer, ticket.seq, rows)
         elif isinstance(instruction, SendValues):
             ticket = instruction.ticket
@@ -258,6 +266,15 @@ class Players:
             self.closed.append(instruction.peer)
         else:  # pragma: no cover - a new instruction nobody taught this helper
             raise AssertionError(f"unknown instruction {instruction!r}")
+
+    def _region(self, nbytes: int) -> memoryview | None:
+        """A region of "shared memory" for an answer's rows (as ``SharedMemory.take``):
+        for answers of at least :attr:`region_min_bytes` (None: never)."""
+        if self.region_min_bytes is None or nbytes < self.region_min_bytes:
+            return None
+        region = memoryview(bytearray(nbytes))
+        self.regions.append(region)
+        return region
 
     def _land(self, work: Land | LandRows) -> None:
         if isinstance(work, LandRows):

@@ -45,6 +45,25 @@ def test_a_round_sums_every_workers_rows_and_a_pull_waits_for_it():
     assert players.state.status()["row_sparse_keys"] == 1
 
 
+@pytest.mark.parametrize("region_min_bytes", [None, 64, 10**6])
+def test_a_pull_is_gathered_into_a_shared_region_when_one_is_given(region_min_bytes):
+    players = started()
+    players.region_min_bytes = region_min_bytes
+    players.row_push(0, "emb", [500, 700], ones(2), tag=1)
+    players.row_push(1, "emb", [700, 999], ones(2, 2.0), tag=1)
+    big = players.row_pull(0, "emb", [500, 600, 700, 995, 996, 997, 998, 999])  # 64 bytes
+    small = players.row_pull(1, "emb", [700])
+    expected = [1, 0, 3, 0, 0, 0, 0, 2]
+    np.testing.assert_array_equal(players.reply(0, big)["emb"][:, 0], expected)
+    np.testing.assert_array_equal(players.reply(1, small)["emb"], ones(1, 3.0))
+    if region_min_bytes == 64:  # only the answer of 64 bytes: gathered into its region
+        assert [array.shape for array in players.placed] == [(8, 2)]
+        assert np.shares_memory(players.placed[0], np.asarray(players.regions[0]))
+        np.testing.assert_array_equal(players.placed[0][:, 0], expected)
+    else:
+        assert players.placed == [] and players.regions == []
+
+
 def test_a_resent_push_is_answered_and_not_counted_again():
     players = started()
     seq = players.row_push(0, "emb", [500], ones(1), tag=1)
