@@ -63,6 +63,10 @@ class Backend(Protocol):
     #: call on the key, ``barrier()`` or ``close()``.
     returns_pushes_early: bool
 
+    #: Whether ``push_rows`` copies at the call what it keeps of the rows (into memory it
+    #: sends from): the store then hands it a single pushed value as given, uncopied.
+    stages_rows: bool
+
     def new_entry(self, key: Key, array: np.ndarray) -> Entry:
         """A new key's entry (its var, and where its parts live), for a value like ``array``."""
         ...

@@ -174,6 +174,7 @@ class LocalBackend:
     #: GPU values are staged through pinned buffers here (see the module docstring).
     keeps_gpu_arrays = True
     returns_pushes_early = False
+    stages_rows = False
 
     def __init__(
         self,

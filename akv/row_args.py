@@ -113,8 +113,9 @@ def no_row_pushpull(table: KeyTable, keys: object) -> None:
             )
 
 
-def row_pushes(table: KeyTable, keys: object, values: object) -> list[RowPush]:
-    """Each key's entry with the sum of the row-sparse values pushed to it.
+def row_pushes(table: KeyTable, keys: object, values: object, copy: bool = True) -> list[RowPush]:
+    """Each key's entry with the sum of the row-sparse values pushed to it: arrays of its
+    own, but for a key pushed one value with ``copy`` False (that value, as given).
 
     Raises
     ------
@@ -127,7 +128,7 @@ def row_pushes(table: KeyTable, keys: object, values: object) -> list[RowPush]:
         rows = [as_row_sparse(value, f"push to key {key!r}") for value in given]
         for value in rows:
             check_rows_fit(entry, value, "push to")
-        pushes.append((entry, sum_rows(rows)))
+        pushes.append((entry, rows[0] if len(rows) == 1 and not copy else sum_rows(rows)))
     return pushes
 
 

@@ -223,7 +223,7 @@ class AsyncKVStore:
                 entry.check(value, "push to")
             return self._backend.push([(entry, [value])], priority, self._caller_waits)
         if sparse_call(value if isinstance(key, (list, tuple)) else [value]):
-            pushes = row_pushes(self._keys, key, value)
+            pushes = row_pushes(self._keys, key, value, copy=not self._backend.stages_rows)
             if self._compression is not None:
                 raise CompressionError(
                     f"push to key {pushes[0][0].key!r}: gradient compression takes dense "

@@ -135,6 +135,7 @@ class DistBackend:
         self._device = device
         # GPU values are reduced on their GPUs by work that follows the call: wait for it.
         self.returns_pushes_early = not config.strict_push and not device
+        self.stages_rows = True
         self._gpu_executor = gpu_executor
         self._gpu_registered = False
         self._staging = Staging(engine, self._stream_for_staging, self._gpu_ready)
@@ -150,7 +151,7 @@ class DistBackend:
         # Instructions met while carrying out others wait for them (see ``handle``).
         self._executing = False
         self._queued: list[Instruction] = []
-        self._rows = RowCalls(engine, lambda: self.links, config.timeouts)
+        self._rows = RowCalls(engine, lambda: self.links, config.timeouts, self._stream_for_staging)
         self.metrics: WorkerMetrics | None = None  # AKV_METRICS_PORT: served from connect()
         #: How the other instructions are carried out (see ``_carry_out``).
         self._carriers: dict[type[Instruction], Callable[[Any], None]] = {

@@ -30,7 +30,7 @@ from akv.limits import INIT_CHECK_MARGIN_S
 from akv.rows import RowTable
 from akv.sparse import RowIds, RowSparseArray
 from akv_engine import Engine, Task
-from akv_transport import Message
+from akv_transport import Message, SharedMemory, StreamProtocol
 
 __all__ = ["RowCalls"]
 
@@ -49,10 +49,12 @@ class RowCalls:
         engine: Engine,
         links: Callable[[], Sequence[ServerLink]],
         timeouts: Timeouts,
+        stream_of: Callable[[int], StreamProtocol | None] = lambda server: None,
     ) -> None:
         self._engine = engine
         self._links = links
         self._timeouts = timeouts
+        self._stream_of = stream_of
         #: The answers of the pushes sent and not yet awaited, by key.
         self._unanswered: dict[Any, list[asyncio.Future[Message]]] = {}
 
@@ -83,20 +85,37 @@ class RowCalls:
         for entry, value in values:
             entry.pushes += 1  # in call order, as the pushes of a key run
             numbered.append((entry, value, entry.pushes))
-        requests = push_requests(numbered)
+        requests, placed = push_requests(numbered, self._region)
         keys = [entry.key for entry, _ in values]
         return self._engine.push(
             self._send_push,
             requests,
             keys,
+            placed,
             writes=[entry.var for entry, _ in values],
             priority=priority,
             executor="loop",
             name="push",
         )
 
-    async def _send_push(self, requests: dict[int, list[WireArray]], keys: list[Any]) -> None:
-        """Send a push's requests now; their answers are awaited later (see the module)."""
+    def _region(self, server: int, nbytes: int) -> tuple[SharedMemory, memoryview] | None:
+        """A region of the shared arena of the stream to ``server`` that a push's rows may
+        wait in until answered (see :meth:`DistBackend._stream_for_staging`), and that
+        memory; or None."""
+        stream = self._stream_of(server)
+        shared = None if stream is None else stream.shared
+        view = None if shared is None else shared.take(nbytes)
+        return None if view is None or shared is None else (shared, view)
+
+    async def _send_push(
+        self,
+        requests: dict[int, list[WireArray]],
+        keys: list[Any],
+        placed: list[tuple[SharedMemory, np.ndarray]],
+    ) -> None:
+        """Send a push's requests now; their answers are awaited later (see the module).
+        Rows staged in a stream's arena (``placed``) go back to it once every server
+        answered (they are resent from there until then)."""
         links = self._links()
         timeout = self._timeouts.request_s
         answers = [
@@ -105,6 +124,9 @@ class RowCalls:
         ]
         for answer in answers:
             answer.add_done_callback(_retrieved)
+        if placed:
+            answered = asyncio.gather(*answers, return_exceptions=True)
+            answered.add_done_callback(lambda _: _give_back(placed))
         for key in keys:
             # Answers that came without an error need no settling: kept are those in
             # flight and the failed (so that pushes with no pull between stay bounded).
@@ -198,6 +220,13 @@ class RowCalls:
                 for server, (arrays, text) in requests.items()
             )
         )
+
+
+def _give_back(placed: list[tuple[SharedMemory, np.ndarray]]) -> None:
+    """Give the arena regions a push's rows waited in back (free once no frame that
+    carried them is unreleased)."""
+    for shared, rows in placed:
+        shared.give_back(rows)
 
 
 def _retrieved(answer: asyncio.Future[Message]) -> None:

@@ -13,6 +13,7 @@ it asks for, and their answers land straight in the slices of the output that ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -58,17 +59,36 @@ def init_check_text(entries: list[Entry]) -> str:
     return encode_meta([(entry.key, entry.shape, f"{entry.dtype} row_sparse") for entry in entries])
 
 
-def push_requests(pushes: list[tuple[Entry, RowSparseArray, int]]) -> dict[int, list[WireArray]]:
+#: ``region(server, nbytes)``: memory that a request to ``server`` is sent from without a
+#: copy (a region of the stream's shared arena) and its owner (what takes it back), or None.
+Region = Callable[[int, int], tuple[Any, memoryview] | None]
+
+
+def push_requests(
+    pushes: list[tuple[Entry, RowSparseArray, int]], region: Region | None = None
+) -> tuple[dict[int, list[WireArray]], list[tuple[Any, np.ndarray]]]:
     """Each server's ``ROW_PUSH`` arrays: per key, its ids and rows in the server's range
     (none, for some: every server gets every key, see the module), tagged with the push
-    number."""
+    number; copied now (the caller may change the values once this returns): each
+    server's rows into ``region(server, nbytes)`` where it gives one, else into arrays of
+    their own. Also returns the ``(owner, rows)`` that lie in regions."""
     requests: dict[int, list[WireArray]] = {}
+    placed: list[tuple[Any, np.ndarray]] = []
     for entry, value, tag in pushes:
-        for server, first, end in slices(entry, value.indices):
+        ids = value.indices.copy()
+        for server, first, end in slices(entry, ids):
+            rows = value.data[first:end]
+            taken = region(server, rows.nbytes) if region is not None and rows.size else None
+            if taken is None:
+                held = rows.copy()
+            else:
+                held = np.frombuffer(taken[1], rows.dtype).reshape(rows.shape)
+                held[...] = rows
+                placed.append((taken[0], held))
             arrays = requests.setdefault(server, [])
-            arrays.append((entry.key, value.indices[first:end], tag))
-            arrays.append((entry.key, value.data[first:end], tag))
-    return requests
+            arrays.append((entry.key, ids[first:end], tag))
+            arrays.append((entry.key, held, tag))
+    return requests, placed
 
 
 def pull_requests(

@@ -162,8 +162,9 @@ def test_a_pull_asks_only_the_servers_that_hold_its_rows():
         1: [[5]],
     }
     value = rsp([9], [row(1)])
-    pushed = push_requests([(entry, value, 1)])  # every server: an empty push to server 0
+    pushed, placed = push_requests([(entry, value, 1)])  # every server: server 0's empty
     assert {server: arrays[0][1].tolist() for server, arrays in pushed.items()} == {0: [], 1: [9]}
+    assert placed == []
 
 
 async def test_row_sparse_optimizer_states_saved_over_two_servers_load_into_a_local_store(
