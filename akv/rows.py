@@ -21,6 +21,7 @@ about 2 us, where probing takes about 50 us).
 
 from __future__ import annotations
 
+import abc
 import random
 from collections.abc import Sequence
 
@@ -75,7 +76,50 @@ _HALF = np.uint64(32)
 _RANDOM = random.SystemRandom()
 
 
-class RowIndex:
+class _SlotIndex(abc.ABC):
+    """What :class:`RowIndex` and :class:`DirectIndex` share: the checked ``lookup`` and
+    ``insert`` over their ``_lookup`` and ``_insert`` (ids checked against ``_bound``:
+    None for any id >= 0)."""
+
+    __slots__ = ()
+
+    _bound: int | None = None
+
+    def lookup(self, ids: npt.ArrayLike) -> RowIds:
+        """The slot of each id, or -1 for an id not in the index (a new int64 array).
+
+        Raises
+        ------
+        InvalidArgumentError, RowIdError
+            ``ids`` are not 1-D integers, or one is negative (or past the index's rows).
+        """
+        what = f"{type(self).__name__}.lookup"
+        return self._lookup(check_row_ids(ids, self._bound, what))
+
+    def insert(self, ids: npt.ArrayLike) -> RowIds:
+        """The slot of each id; ids not yet present get the next free slots, in the order
+        they first appear in ``ids`` (as a dict would number them).
+
+        Ids already present keep their slots. An id repeated in ``ids`` gets one slot.
+
+        Raises
+        ------
+        InvalidArgumentError, RowIdError
+            ``ids`` are not 1-D integers, or one is negative (or past the index's rows).
+        """
+        what = f"{type(self).__name__}.insert"
+        return self._insert(check_row_ids(ids, self._bound, what))
+
+    @abc.abstractmethod
+    def _lookup(self, ids: RowIds) -> RowIds:
+        """``lookup`` of checked ids."""
+
+    @abc.abstractmethod
+    def _insert(self, ids: RowIds) -> RowIds:
+        """``insert`` of checked ids."""
+
+
+class RowIndex(_SlotIndex):
     """A map from row ids (int64, >= 0) to slots ``0 .. len - 1``, in insertion order.
 
     Parameters
@@ -116,29 +160,6 @@ class RowIndex:
     def nbytes(self) -> int:
         """Bytes the index holds (16 per position)."""
         return int(self._table.nbytes)
-
-    def lookup(self, ids: npt.ArrayLike) -> RowIds:
-        """The slot of each id, or -1 for an id not in the index (a new int64 array).
-
-        Raises
-        ------
-        InvalidArgumentError, RowIdError
-            ``ids`` are not 1-D integers, or one is negative.
-        """
-        return self._lookup(check_row_ids(ids, None, "RowIndex.lookup"))
-
-    def insert(self, ids: npt.ArrayLike) -> RowIds:
-        """The slot of each id; ids not yet present get the next free slots, in the order
-        they first appear in ``ids`` (as a dict would number them).
-
-        Ids already present keep their slots. An id repeated in ``ids`` gets one slot.
-
-        Raises
-        ------
-        InvalidArgumentError, RowIdError
-            ``ids`` are not 1-D integers, or one is negative.
-        """
-        return self._insert(check_row_ids(ids, None, "RowIndex.insert"))
 
     def items(self) -> tuple[RowIds, RowIds]:
         """Every id held and its slot, sorted by id (new arrays)."""
@@ -278,7 +299,7 @@ class RowIndex:
         return table_slots[spot]
 
 
-class DirectIndex:
+class DirectIndex(_SlotIndex):
     """A map from row ids in ``[0, rows)`` to slots ``0 .. len - 1``, in insertion order:
     an int32 array of ``rows`` entries holding each id's slot + 1 (0: not held).
 
@@ -288,7 +309,7 @@ class DirectIndex:
     numbered by first appearance). Not thread-safe: one caller at a time.
     """
 
-    __slots__ = ("_held", "_map", "_size")
+    __slots__ = ("_bound", "_held", "_map", "_size")
 
     def __init__(self, rows: int) -> None:
         if not 0 <= rows <= np.iinfo(np.int32).max:
@@ -296,6 +317,7 @@ class DirectIndex:
                 f"DirectIndex: {rows} rows do not fit an int32 map (0 to {2**31 - 1})"
             )
         self._map = np.zeros(rows, np.int32)
+        self._bound = rows
         #: The id of each slot, in slot order (grown by doubling).
         self._held = np.empty(MIN_INDEX_CAPACITY, np.int64)
         self._size = 0
@@ -312,26 +334,6 @@ class DirectIndex:
     def nbytes(self) -> int:
         """Bytes the index holds: its map (resident only where written) and its ids."""
         return int(self._map.nbytes + self._held.nbytes)
-
-    def lookup(self, ids: npt.ArrayLike) -> RowIds:
-        """The slot of each id, or -1 for an id not in the index (a new int64 array).
-
-        Raises
-        ------
-        InvalidArgumentError, RowIdError
-            ``ids`` are not 1-D integers, or one is outside ``[0, rows)``.
-        """
-        return self._lookup(check_row_ids(ids, self.capacity, "DirectIndex.lookup"))
-
-    def insert(self, ids: npt.ArrayLike) -> RowIds:
-        """As :meth:`RowIndex.insert`, for ids in ``[0, rows)``.
-
-        Raises
-        ------
-        InvalidArgumentError, RowIdError
-            ``ids`` are not 1-D integers, or one is outside ``[0, rows)``.
-        """
-        return self._insert(check_row_ids(ids, self.capacity, "DirectIndex.insert"))
 
     def items(self) -> tuple[RowIds, RowIds]:
         """Every id held and its slot, sorted by id (new arrays)."""
