@@ -81,14 +81,28 @@ def rows(driver: Any) -> dict[tuple[str, str], dict[str, str]]:
 def wait_for(driver: Any, condition: Any, what: str) -> Any:
     """Wait (at most ``PAGE_WAIT_S``) until ``condition(driver)`` is true, as the page
     reloads itself; fail naming ``what`` and showing the page."""
-    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
+    from selenium.common.exceptions import (
+        StaleElementReferenceException,
+        TimeoutException,
+        WebDriverException,
+    )
     from selenium.webdriver.support.ui import WebDriverWait
+
+    def on_this_page(driver: Any) -> Any:
+        # An element of the page that reloaded meanwhile: Chrome reports it stale, or
+        # (from a script reading its attribute) as a node of no document. Look again.
+        try:
+            return condition(driver)
+        except WebDriverException as exc:
+            if "does not belong to the document" in str(exc):
+                return None
+            raise
 
     wait = WebDriverWait(
         driver, PAGE_WAIT_S, poll_frequency=0.2, ignored_exceptions=[StaleElementReferenceException]
     )
     try:
-        return wait.until(condition)
+        return wait.until(on_this_page)
     except TimeoutException:
         text = driver.find_element("tag name", "body").text
         raise AssertionError(
