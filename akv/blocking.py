@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -17,7 +18,7 @@ from akv.args import Key
 from akv.backend import Updater
 from akv.custom import KVStoreBase
 from akv.errors import AKVError, WaitTimeoutError
-from akv.exits import closed, second_signal_exits, sigterm_released
+from akv.exits import Terminated, closed, describe, second_signal_exits, sigterm_released
 from akv_engine import Engine, LoopThread, Waitable
 
 if TYPE_CHECKING:
@@ -225,7 +226,17 @@ class KVStore(KVStoreBase):
         if not self._loop_thread.running:
             return
         try:
-            with second_signal_exits(), contextlib.suppress(AKVError, TimeoutError):
+            with second_signal_exits() as exits, contextlib.suppress(AKVError, TimeoutError):
+                signalled = isinstance(exc, (KeyboardInterrupt, Terminated))
+                if exits and signalled and self.type.startswith("dist"):
+                    # The leaving may wait (bounded) for the scheduler: say so, and how
+                    # to cut it short.
+                    logging.getLogger("akv").warning(
+                        "akv: worker %d leaves the job: %s; a second Ctrl-C or SIGTERM "
+                        "ends it at once",
+                        self.rank,
+                        describe(exc),
+                    )
                 self._loop_thread.run(
                     _await(lambda: self._inner._leave_failed(exc)), limits.LEAVE_FAILED_S
                 )

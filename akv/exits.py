@@ -149,18 +149,19 @@ def _exit_now(signo: int, frame: FrameType | None) -> None:
 
 
 @contextlib.contextmanager
-def second_signal_exits() -> Iterator[None]:
+def second_signal_exits() -> Iterator[bool]:
     """Within the block (a store leaving after a failure), Ctrl-C or SIGTERM ends the
     process at once with 128+N: the first signal, if any, already started the leaving.
-    The previous handlers come back after it. Only on the main thread; elsewhere a no-op."""
+    The previous handlers come back after it. Only on the main thread; elsewhere a no-op.
+    Yields whether the handlers were installed."""
     if not _on_main_thread():
-        yield
+        yield False
         return
     previous = {signo: signal.getsignal(signo) for signo in (signal.SIGINT, signal.SIGTERM)}
     for signo in previous:
         signal.signal(signo, _exit_now)
     try:
-        yield
+        yield True
     finally:
         for signo, handler in previous.items():
             signal.signal(signo, handler if handler is not None else signal.SIG_DFL)

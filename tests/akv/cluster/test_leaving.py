@@ -325,7 +325,12 @@ def test_a_second_ctrl_c_ends_a_leaving_worker_at_once():
         scheduler.send_signal(signal.SIGSTOP)
         try:
             worker1.send_signal(signal.SIGINT)
-            time.sleep(0.5)
+            _read_until(
+                worker1,
+                r"akv: worker 1 leaves the job: it was interrupted \(Ctrl-C\); a second "
+                r"Ctrl-C or SIGTERM ends it at once",
+                FAILS_WITHIN_S,
+            )
             # ... which a second Ctrl-C cuts short: os._exit(130), not death by SIGINT.
             worker1.send_signal(signal.SIGINT)
             code, out = _rest(worker1, FAILS_WITHIN_S)
