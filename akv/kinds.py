@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from akv import limits
+from akv import jit, limits
 from akv.cluster.config import int_setting
 from akv.errors import InvalidArgumentError, UnknownStoreTypeError
 
@@ -90,6 +90,7 @@ _OPTIONS = ("slots", "environ", "inline_max_bytes", "devices", "staleness")
 
 def check_options(kind: StoreType, options: dict[str, Any]) -> int:
     """Check ``create``'s options for a ``kind`` store; return its engine's slots."""
+    jit.enabled()  # a malformed AKV_JIT fails here, not in a round
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise InvalidArgumentError(

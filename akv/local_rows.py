@@ -18,9 +18,11 @@ entry's var orders these tasks exactly as it orders a dense key's. Semantics (as
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import numpy as np
 
+from akv import jit
 from akv import optimizer as _optimizer
 from akv.backend import Updater
 from akv.errors import OptimizerError
@@ -63,14 +65,27 @@ def sum_rows(values: Sequence[RowSparseArray]) -> RowSparseArray:
     where = np.empty(merged.size, np.int64)
     where[order] = np.cumsum(starts) - 1
     data = np.zeros((ids.size, *first.shape[1:]), first.dtype)
+    compiled = _compiled_rows(data)
+    flat = data.reshape(ids.size, -1) if compiled is not None else data
     end = 0
     for value in values:
         begin, end = end, end + value.indices.size
-        if begin == 0:
+        if compiled is not None and value.data.dtype == data.dtype:
+            rows = np.ascontiguousarray(value.data).reshape(end - begin, flat.shape[1])
+            put = compiled.put_rows if begin == 0 else compiled.add_rows
+            put(flat, where[begin:end], rows)
+        elif begin == 0:
             data[where[:end]] = value.data  # copied, not added to zeros: the rows as given
         else:
             data[where[begin:end]] += value.data
     return RowSparseArray._trusted(data, ids, first.shape)
+
+
+def _compiled_rows(data: np.ndarray) -> SimpleNamespace | None:
+    """:mod:`akv.jit`'s kernels where they apply to rows like ``data``'s, else None."""
+    if data.dtype not in jit.DTYPES or data.size == 0:
+        return None
+    return jit.kernels()
 
 
 def table_of(entry: Entry) -> RowTable:

@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from akv import jit
 from akv.errors import ConfigError, NoJobError
 from akv.limits import (
     BARRIER_TIMEOUT_S,
@@ -218,6 +219,9 @@ class Config:
     #: pulls of the key until the next push are answered from that value without a request
     #: (``AKV_PULL_AHEAD``, 1 by default; 0: a pull asks the servers).
     pull_ahead: bool = True
+    #: Compiled row kernels where numba imports (``AKV_JIT``, 1 by default; 0: NumPy only;
+    #: read by :mod:`akv.jit` itself, checked here when the process starts).
+    jit: bool = True
     #: Streams to a server on this host go through its private Unix socket, and payloads
     #: through shared memory (``AKV_SHM``, 1 by default; 0: TCP only).
     shm: bool = True
@@ -614,6 +618,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         ),
         pull_ahead=_flag(env, "AKV_PULL_AHEAD", default=True),
         shm=_flag(env, "AKV_SHM", default=True),
+        jit=jit.enabled(env),
         shm_arena_bytes=int_setting(
             env.get("AKV_SHM_ARENA_BYTES", str(SHM_ARENA_BYTES)),
             "AKV_SHM_ARENA_BYTES",

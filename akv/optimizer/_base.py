@@ -612,6 +612,18 @@ class Optimizer:
         :meth:`update_multi_precision`."""
         self.update_multi_precision(index, weight, grad, state)
 
+    def update_rows_in_place(
+        self, index: Index, table: np.ndarray, slots: np.ndarray, grad: np.ndarray
+    ) -> bool:
+        """Apply a lazy row-sparse gradient of a stateless update straight to the stored
+        rows: row ``slots[i]`` of ``table`` with ``grad[i]`` (``slots`` unique), with the
+        same result as :meth:`update_rows` on the gathered rows, bit for bit. Returns
+        False, changing nothing and counting nothing, where this optimizer (with its
+        settings) has no such update; the caller then gathers the rows. This one never
+        has; SGD without momentum has, when compiled kernels are available
+        (:mod:`akv.jit`)."""
+        return False
+
     def _step(
         self,
         index: Index,

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from akv import jit
 from akv.optimizer._base import (
     Index,
     Optimizer,
@@ -143,6 +144,35 @@ class SGD(Optimizer):
         self._update_count(index)
         lr, wd = self._get_lr(index), self._get_wd(index)
         _sgd_step(self, weight, grad, lr, wd, decay_factor=True)
+
+    def update_rows_in_place(
+        self, index: Index, table: np.ndarray, slots: np.ndarray, grad: np.ndarray
+    ) -> bool:
+        """As :meth:`Optimizer.update_rows_in_place`: without momentum and gradient
+        clipping, on float32 or float64 rows, when :mod:`akv.jit`'s kernels are available:
+        each row read and written once, ``(1 - lr*wd) * weight - lr * g``."""
+        compiled = jit.kernels()
+        if (
+            compiled is None
+            or self.momentum != 0.0
+            or self.clip_gradient
+            or not isinstance(table, np.ndarray)
+            or table.dtype not in jit.DTYPES
+            or table.ndim != 2
+        ):
+            return False
+        grad = np.asarray(grad)
+        if grad.dtype != table.dtype or grad.shape != (slots.size, table.shape[1]):
+            return False  # update_rows names the mismatch
+        self._update_count(index)
+        lr, wd = self._get_lr(index), self._get_wd(index)
+        dtype = table.dtype
+        step = product(dtype, lr, self.rescale_grad)
+        keep = dtype.type(1.0) - dtype.type(product(dtype, lr, wd))
+        compiled.sgd_rows(
+            table, slots, np.ascontiguousarray(grad), dtype.type(step), keep, bool(wd)
+        )
+        return True
 
     def _step(
         self,

@@ -117,6 +117,12 @@ class Updater:
         # A row's state starts as create_state makes it from the row's weight (a float32
         # master copy is the weight, not zeros); a row updated before resumes its state.
         slots = table.rows_for(ids)  # new rows are stored as zeros first
+        width = int(np.prod(table.row_shape, dtype=np.int64))
+        if not tables and how == "lazy" and width and len(ids):
+            rows = table.rows.reshape(len(table), width)
+            if optimizer.update_rows_in_place(index, rows, slots, grad_rows.reshape(-1, width)):
+                self.row_states[index] = []
+                return
         weight_rows = np.take(table.rows, slots, axis=0)  # ~20% faster than rows[slots]
         state_rows = optimizer.create_state_multi_precision(index, weight_rows)
         leaves = _leaves(state_rows)

@@ -270,3 +270,10 @@ def test_a_server_config_made_in_code_never_advertises_a_wildcard():
 def test_pull_ahead_is_on_unless_turned_off():
     assert _config.from_env(env()).pull_ahead
     assert not _config.from_env(env(AKV_PULL_AHEAD="0")).pull_ahead
+
+
+def test_akv_jit_is_checked_when_the_process_reads_its_configuration():
+    assert _config.from_env(env()).jit
+    assert not _config.from_env(env(AKV_JIT="0")).jit
+    with pytest.raises(ConfigError, match=r"AKV_JIT='on': set it to 1 \(on\) or 0 \(off\)"):
+        _config.from_env(env(AKV_JIT="on"))

@@ -1,0 +1,155 @@
+"""Compiled row kernels: the per-row loops of a row-sparse round in one pass each.
+
+A round of row-sparse pushes on a server sums the pushes (a union of a few thousand
+scattered rows) and updates the stored rows with the optimizer. In NumPy that is about
+eight passes over the round's rows, each a fancy-indexed gather, scatter or element-wise
+call on a fresh array, and on this memory-bound kind of work each pass costs about as much
+as the arithmetic. Compiled with numba, the sum is one pass per push and SGD's update reads
+and writes each stored row once: 0.1 ms instead of 0.9 for the benchmark's round of 4,300
+rows of 64 float32 (``docs/benchmarks.md``).
+
+numba is installed with akv where it has wheels and used when it imports; without it
+(:func:`available` False, or ``AKV_JIT=0``) the same work runs in NumPy. Both compute the
+same numbers, bit for bit: the same float operations in the same order (no fused
+multiply-add: numba does not contract without ``fastmath``), which the tests check.
+
+The kernels are compiled on first use and cached on disk (numba's ``cache=True``): the
+first use on a machine takes about a second, later processes load them in about 0.1 s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from akv.errors import ConfigError
+
+__all__ = ["available", "enabled", "kernels"]
+
+#: The dtypes the kernels are compiled for (numba specializes on the first call's types).
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+_lock = threading.Lock()
+_kernels: SimpleNamespace | None = None
+_failed = False
+
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """``AKV_JIT`` (``os.environ`` by default): 1 or unset, use the compiled kernels where
+    they import; 0, never.
+
+    Raises
+    ------
+    ConfigError
+        Any other value (checked when a store is created and when a server starts).
+    """
+    value = (os.environ if environ is None else environ).get("AKV_JIT", "1").strip()
+    if value not in ("0", "1"):
+        raise ConfigError(f"AKV_JIT={value!r}: set it to 1 (on) or 0 (off)")
+    return value == "1"
+
+
+def available() -> bool:
+    """Whether the compiled kernels can be used: numba imports and ``AKV_JIT`` is not 0."""
+    return kernels() is not None
+
+
+def kernels() -> SimpleNamespace | None:
+    """The compiled kernels (``put_rows``, ``add_rows``, ``sgd_rows``), made on the first
+    call; None without numba or with ``AKV_JIT=0``."""
+    global _kernels, _failed
+    if not enabled():
+        return None
+    if _kernels is not None or _failed:
+        return _kernels
+    with _lock:
+        if _kernels is None and not _failed:
+            try:
+                _kernels = _compile()
+            except ImportError:
+                _failed = True
+            except Exception as exc:  # numba present but unusable here (no cache dir...)
+                _failed = True
+                logging.getLogger("akv").warning(
+                    "akv: numba's compiled row kernels are off, NumPy does their work: %s: %s",
+                    type(exc).__name__,
+                    exc,
+                )
+    return _kernels
+
+
+def _compile() -> SimpleNamespace:
+    # Imported here: optional, and 0.1-0.3 s to import, paid only where rows are summed.
+    import numba
+    from numba import types
+
+    # Signatures given: every kernel is compiled (or loaded from the cache) here, where a
+    # failure turns them off, never in a round; a call with other types is a TypeError.
+    def signatures(*args: Any) -> list[Any]:
+        return [
+            types.void(*(arg(types.float32 if d == np.float32 else types.float64) for arg in args))
+            for d in DTYPES
+        ]
+
+    def rows(real: Any) -> Any:
+        return types.Array(real, 2, "C")
+
+    def ids(real: Any) -> Any:
+        return types.Array(types.int64, 1, "C")
+
+    def scalar(real: Any) -> Any:
+        return real
+
+    def flag(real: Any) -> Any:
+        return types.boolean
+
+    def jit(sigs: list[Any]) -> Any:
+        return numba.njit(sigs, cache=True, nogil=True, boundscheck=False)
+
+    return SimpleNamespace(
+        put_rows=jit(signatures(rows, ids, rows))(_put_rows),
+        add_rows=jit(signatures(rows, ids, rows))(_add_rows),
+        sgd_rows=jit(signatures(rows, ids, rows, scalar, scalar, flag))(_sgd_rows),
+    )
+
+
+# The kernels, in the subset of Python that numba compiles (they run compiled only).
+
+
+def _put_rows(data: Any, where: Any, rows: Any) -> None:  # pragma: no cover - compiled
+    """``data[where[r]] = rows[r]`` for each r."""
+    width = rows.shape[1]
+    for r in range(where.size):
+        u = where[r]
+        for k in range(width):
+            data[u, k] = rows[r, k]
+
+
+def _add_rows(data: Any, where: Any, rows: Any) -> None:  # pragma: no cover - compiled
+    """``data[where[r]] += rows[r]`` for each r (``where`` unique)."""
+    width = rows.shape[1]
+    for r in range(where.size):
+        u = where[r]
+        for k in range(width):
+            data[u, k] += rows[r, k]
+
+
+def _sgd_rows(
+    table: Any, slots: Any, grad: Any, step: Any, keep: Any, decay: bool
+) -> None:  # pragma: no cover - compiled
+    """SGD's ``sgd_update`` on rows ``slots`` (unique) of ``table``, in NumPy's order:
+    ``w = w * keep`` (with ``decay``), then ``w - grad * step``."""
+    width = grad.shape[1]
+    for r in range(slots.size):
+        s = slots[r]
+        for k in range(width):
+            w = table[s, k]
+            if decay:
+                w = w * keep
+            table[s, k] = w - grad[r, k] * step
