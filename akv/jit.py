@@ -4,17 +4,18 @@ A round of row-sparse pushes on a server sums the pushes (a union of a few thous
 scattered rows) and updates the stored rows with the optimizer. In NumPy that is about
 eight passes over the round's rows, each a fancy-indexed gather, scatter or element-wise
 call on a fresh array, and on this memory-bound kind of work each pass costs about as much
-as the arithmetic. Compiled with numba, the sum is one pass per push and SGD's update reads
-and writes each stored row once: 0.1 ms instead of 0.9 for the benchmark's round of 4,300
-rows of 64 float32 (``docs/benchmarks.md``).
+as the arithmetic. Compiled with numba, two pushes are summed in one merge over their rows
+and SGD's update reads and writes each stored row once (no gather and scatter); see
+``docs/benchmarks.md`` for what that saves.
 
 numba is installed with akv where it has wheels and used when it imports; without it
 (:func:`available` False, or ``AKV_JIT=0``) the same work runs in NumPy. Both compute the
 same numbers, bit for bit: the same float operations in the same order (no fused
 multiply-add: numba does not contract without ``fastmath``), which the tests check.
 
-The kernels are compiled on first use and cached on disk (numba's ``cache=True``): the
-first use on a machine takes about a second, later processes load them in about 0.1 s.
+The kernels are compiled on first use in a process, for float32 and float64, and cached on
+disk (numba's ``cache=True``): the first use on a machine takes a few seconds, later
+processes import numba and load them in about 0.3 s.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def available() -> bool:
 
 
 def kernels() -> SimpleNamespace | None:
-    """The compiled kernels (``put_rows``, ``add_rows``, ``sgd_rows``), made on the first
+    """The compiled kernels (``merge_rows``, ``sgd_rows``), made on the first
     call; None without numba or with ``AKV_JIT=0``."""
     global _kernels, _failed
     if not enabled():
@@ -91,9 +92,9 @@ def _compile() -> SimpleNamespace:
 
     # Signatures given: every kernel is compiled (or loaded from the cache) here, where a
     # failure turns them off, never in a round; a call with other types is a TypeError.
-    def signatures(*args: Any) -> list[Any]:
+    def signatures(*args: Any, returns: Any = types.void) -> list[Any]:
         return [
-            types.void(*(arg(types.float32 if d == np.float32 else types.float64) for arg in args))
+            returns(*(arg(types.float32 if d == np.float32 else types.float64) for arg in args))
             for d in DTYPES
         ]
 
@@ -102,6 +103,13 @@ def _compile() -> SimpleNamespace:
 
     def ids(real: Any) -> Any:
         return types.Array(types.int64, 1, "C")
+
+    # Arrays only read: writable ones are accepted too.
+    def rows_in(real: Any) -> Any:
+        return types.Array(real, 2, "C", readonly=True)
+
+    def ids_in(real: Any) -> Any:
+        return types.Array(types.int64, 1, "C", readonly=True)
 
     def scalar(real: Any) -> Any:
         return real
@@ -113,31 +121,44 @@ def _compile() -> SimpleNamespace:
         return numba.njit(sigs, cache=True, nogil=True, boundscheck=False)
 
     return SimpleNamespace(
-        put_rows=jit(signatures(rows, ids, rows))(_put_rows),
-        add_rows=jit(signatures(rows, ids, rows))(_add_rows),
-        sgd_rows=jit(signatures(rows, ids, rows, scalar, scalar, flag))(_sgd_rows),
+        merge_rows=jit(
+            signatures(ids_in, rows_in, ids_in, rows_in, ids, rows, returns=types.int64)
+        )(_merge_rows),
+        sgd_rows=jit(signatures(rows, ids_in, rows_in, scalar, scalar, flag))(_sgd_rows),
     )
 
 
 # The kernels, in the subset of Python that numba compiles (they run compiled only).
 
 
-def _put_rows(data: Any, where: Any, rows: Any) -> None:  # pragma: no cover - compiled
-    """``data[where[r]] = rows[r]`` for each r."""
+def _merge_rows(
+    ids_a: Any, rows_a: Any, ids_b: Any, rows_b: Any, ids: Any, rows: Any
+) -> int:  # pragma: no cover - compiled
+    """The sum of two row-sparse values (ids sorted and unique) into ``ids`` and ``rows``
+    (room for both); returns how many rows it wrote. As NumPy adds them into zeros: a row
+    of ``a`` alone is copied, of ``b`` alone added to 0.0 (-0.0 becomes 0.0), of both
+    ``a + b``."""
     width = rows.shape[1]
-    for r in range(where.size):
-        u = where[r]
-        for k in range(width):
-            data[u, k] = rows[r, k]
-
-
-def _add_rows(data: Any, where: Any, rows: Any) -> None:  # pragma: no cover - compiled
-    """``data[where[r]] += rows[r]`` for each r (``where`` unique)."""
-    width = rows.shape[1]
-    for r in range(where.size):
-        u = where[r]
-        for k in range(width):
-            data[u, k] += rows[r, k]
+    i = j = n = 0
+    while i < ids_a.size or j < ids_b.size:
+        if j == ids_b.size or (i < ids_a.size and ids_a[i] < ids_b[j]):
+            ids[n] = ids_a[i]
+            for k in range(width):
+                rows[n, k] = rows_a[i, k]
+            i += 1
+        elif i == ids_a.size or ids_b[j] < ids_a[i]:
+            ids[n] = ids_b[j]
+            for k in range(width):
+                rows[n, k] = 0.0 + rows_b[j, k]  # exact in float64, as NumPy's 0 + b
+            j += 1
+        else:
+            ids[n] = ids_a[i]
+            for k in range(width):
+                rows[n, k] = rows_a[i, k] + rows_b[j, k]
+            i += 1
+            j += 1
+        n += 1
+    return n
 
 
 def _sgd_rows(

@@ -43,7 +43,9 @@ def _values(rng: np.random.Generator, dtype: str, row_shape: tuple[int, ...], co
             # Values whose bits a sloppy sum would change: a negative zero (0.0 + -0.0 is
             # +0.0), an infinity and a NaN.
             data.reshape(-1)[: min(3, data.size)] = [-0.0, np.inf, np.nan][: min(3, data.size)]
-        values.append(RowSparseArray(data, ids, (ROWS, *row_shape)))
+        value = RowSparseArray(data, ids, (ROWS, *row_shape))
+        value.data.flags.writeable = len(values) % 2 == 0  # read-only rows are summed too
+        values.append(value)
     return values
 
 
@@ -158,7 +160,7 @@ def test_a_numba_that_cannot_compile_here_is_turned_off_with_a_warning(
     monkeypatch.setenv("AKV_JIT", "1")
 
     def broken() -> None:
-        raise RuntimeError("cannot cache function 'put_rows': no locator available")
+        raise RuntimeError("cannot cache function 'merge_rows': no locator available")
 
     monkeypatch.setattr(jit, "_compile", broken)
     with caplog.at_level(logging.WARNING, logger="akv"):
@@ -167,7 +169,7 @@ def test_a_numba_that_cannot_compile_here_is_turned_off_with_a_warning(
     warnings = [record.getMessage() for record in caplog.records]
     assert warnings == [
         "akv: numba's compiled row kernels are off, NumPy does their work: RuntimeError: "
-        "cannot cache function 'put_rows': no locator available"
+        "cannot cache function 'merge_rows': no locator available"
     ]
 
 
