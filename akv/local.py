@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from akv import jit
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.arrays import Array, copy_into, has_gpu, is_gpu, to_host
@@ -226,6 +227,7 @@ class LocalBackend:
         """A row-sparse key's entry: its rows are kept in ``entry.rows``."""
         entry = Entry(key, shape, dtype, self._engine.new_var(f"key {key!r}"))
         entry.rows = RowTable(shape, dtype)
+        jit.kernels()  # loaded (once a process) with the key, not in its first push
         return entry
 
     def set_updater(self, updater: Updater | None) -> None:

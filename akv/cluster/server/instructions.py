@@ -38,6 +38,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from akv import jit
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import Note
@@ -138,6 +139,7 @@ class RowEntry(Entry):
         super().__init__(key, shape, dtype, new_var(f"key {key!r}"))
         self.first, self.end = rows
         self.rows: RowTable = RowTable(shape, dtype)
+        jit.kernels()  # loaded (once a process) with the key, not in its first round
         self.rounds: KeyRounds[RowPullTicket] = KeyRounds(key, num_workers, sync)
         self.pending: list[tuple[np.ndarray, np.ndarray]] = []
         self.made_by = made_by
