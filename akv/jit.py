@@ -4,9 +4,9 @@ A round of row-sparse pushes on a server sums the pushes (a union of a few thous
 scattered rows) and updates the stored rows with the optimizer. In NumPy that is about
 eight passes over the round's rows, each a fancy-indexed gather, scatter or element-wise
 call on a fresh array, and on this memory-bound kind of work each pass costs about as much
-as the arithmetic. Compiled with numba, two pushes are summed in one merge over their rows
-and SGD's update reads and writes each stored row once (no gather and scatter); see
-``docs/benchmarks.md`` for what that saves.
+as the arithmetic. Compiled with numba, two pushes are summed in one merge over their rows,
+and SGD's update (with or without momentum) and Adam's read and write each stored row and
+state row once (no gather and scatter); see ``docs/benchmarks.md`` for what that saves.
 
 numba is installed with akv where it has wheels and used when it imports; without it
 (:func:`available` False, or ``AKV_JIT=0``) the same work runs in NumPy. Both compute the
@@ -62,7 +62,8 @@ def available() -> bool:
 
 
 def kernels() -> SimpleNamespace | None:
-    """The compiled kernels (``merge_rows``, ``sgd_rows``), made on the first
+    """The compiled kernels (``merge_rows``, ``sgd_rows``, ``sgd_mom_rows``,
+    ``adam_rows``), made on the first
     call; None without numba or with ``AKV_JIT=0``."""
     global _kernels, _failed
     if not enabled():
@@ -117,14 +118,40 @@ def _compile() -> SimpleNamespace:
     def flag(real: Any) -> Any:
         return types.boolean
 
+    # error_model="numpy": a float division by zero gives inf or nan, as in NumPy (numba's
+    # default raises ZeroDivisionError, and its check keeps loops from vectorizing).
     def jit(sigs: list[Any]) -> Any:
-        return numba.njit(sigs, cache=True, nogil=True, boundscheck=False)
+        return numba.njit(sigs, cache=True, nogil=True, boundscheck=False, error_model="numpy")
 
     return SimpleNamespace(
         merge_rows=jit(
             signatures(ids_in, rows_in, ids_in, rows_in, ids, rows, returns=types.int64)
         )(_merge_rows),
         sgd_rows=jit(signatures(rows, ids_in, rows_in, scalar, scalar, flag))(_sgd_rows),
+        sgd_mom_rows=jit(
+            signatures(rows, ids_in, rows_in, rows, ids_in, scalar, scalar, scalar, flag)
+        )(_sgd_mom_rows),
+        adam_rows=jit(
+            signatures(
+                rows,
+                ids_in,
+                rows_in,
+                rows,
+                ids_in,
+                rows,
+                ids_in,
+                scalar,
+                flag,
+                scalar,
+                flag,
+                scalar,
+                scalar,
+                scalar,
+                scalar,
+                scalar,
+                scalar,
+            )
+        )(_adam_rows),
     )
 
 
@@ -174,3 +201,72 @@ def _sgd_rows(
             if decay:
                 w = w * keep
             table[s, k] = w - grad[r, k] * step
+
+
+def _sgd_mom_rows(
+    table: Any,
+    slots: Any,
+    grad: Any,
+    mom: Any,
+    mom_slots: Any,
+    momentum: Any,
+    decay: Any,
+    step: Any,
+    decays: bool,
+) -> None:  # pragma: no cover - compiled
+    """SGD with momentum on rows ``slots`` of ``table`` and ``mom_slots`` of ``mom``, in
+    NumPy's order: ``m = m * momentum``, ``m = m - w * decay`` (with ``decays``),
+    ``m = m - g * step``, ``w = w + m``."""
+    width = grad.shape[1]
+    for r in range(slots.size):
+        s = slots[r]
+        q = mom_slots[r]
+        for k in range(width):
+            m = mom[q, k] * momentum
+            if decays:
+                m = m - table[s, k] * decay
+            m = m - grad[r, k] * step
+            mom[q, k] = m
+            table[s, k] = table[s, k] + m
+
+
+def _adam_rows(
+    table: Any,
+    slots: Any,
+    grad: Any,
+    mean: Any,
+    mean_slots: Any,
+    var: Any,
+    var_slots: Any,
+    rescale: Any,
+    rescales: bool,
+    wd: Any,
+    decays: bool,
+    beta1: Any,
+    keep1: Any,
+    beta2: Any,
+    keep2: Any,
+    epsilon: Any,
+    neg_lr: Any,
+) -> None:  # pragma: no cover - compiled
+    """Adam on rows ``slots`` of ``table`` with their mean and variance rows, in NumPy's
+    order: ``g = w * wd + g * rescale``, ``mean = mean * beta1 + g * keep1``,
+    ``var = var * beta2 + (g * g) * keep2``, ``w = w + (mean / (sqrt(var) + eps)) * -lr``
+    (the bias correction folded into ``neg_lr``)."""
+    width = grad.shape[1]
+    for r in range(slots.size):
+        s = slots[r]
+        p = mean_slots[r]
+        q = var_slots[r]
+        for k in range(width):
+            g = grad[r, k]
+            if rescales:
+                g = g * rescale
+            w = table[s, k]
+            if decays:
+                g = w * wd + g
+            m = mean[p, k] * beta1 + g * keep1
+            v = var[q, k] * beta2 + (g * g) * keep2
+            mean[p, k] = m
+            var[q, k] = v
+            table[s, k] = w + (m / (np.sqrt(v) + epsilon)) * neg_lr

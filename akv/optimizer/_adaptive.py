@@ -9,10 +9,12 @@ and for float16 weights with ``multi_precision``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from akv import jit
 from akv.errors import OptimizerError
 from akv.optimizer._base import (
     Index,
@@ -156,6 +158,57 @@ class Adam(MomentEstimates):
         super().__init__(learning_rate, beta1, beta2, epsilon, **kwargs)
         self.lazy_update = self._boolean("lazy_update", lazy_update)
 
+    def _corrected_lr(self, index: Index, lr: float) -> float:
+        """The learning rate with the bias correction of the index's update count."""
+        t = self._index_update_count[index]
+        return lr * (math.sqrt(1.0 - self.beta2**t) / (1.0 - self.beta1**t))
+
+    def row_states_in_place(self, index: Index, dtype: np.dtype) -> int | None:
+        """As :meth:`Optimizer.row_states_in_place`: the mean and the variance; not for a
+        subclass (its update may differ) nor with gradient clipping."""
+        if not self._row_kernels_apply(Adam, dtype):
+            return None
+        return 2
+
+    def update_rows_in_place(
+        self,
+        index: Index,
+        table: np.ndarray,
+        slots: np.ndarray,
+        grad: np.ndarray,
+        states: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+    ) -> bool:
+        """As :meth:`Optimizer.update_rows_in_place`: each row, its mean and its variance
+        read and written once, in the order of :meth:`update_rows`."""
+        compiled = jit.kernels()
+        if compiled is None or not self._in_place_fits(index, table, slots, grad, states):
+            return False
+        self._update_count(index)
+        lr = self._corrected_lr(index, self._get_lr(index))
+        wd = self._get_wd(index)
+        real, dtype = table.dtype.type, table.dtype
+        (mean, mean_slots), (var, var_slots) = states
+        compiled.adam_rows(
+            table,
+            slots,
+            grad,
+            mean,
+            mean_slots,
+            var,
+            var_slots,
+            real(self.rescale_grad),
+            self.rescale_grad != 1.0,
+            real(wd),
+            bool(wd),
+            real(self.beta1),
+            real(complement(self.beta1, dtype)),
+            real(self.beta2),
+            real(complement(self.beta2, dtype)),
+            real(self.epsilon),
+            real(-lr),
+        )
+        return True
+
     def _step(
         self,
         index: Index,
@@ -165,8 +218,7 @@ class Adam(MomentEstimates):
         lr: float,
         wd: float,
     ) -> None:
-        t = self._index_update_count[index]
-        lr *= math.sqrt(1.0 - self.beta2**t) / (1.0 - self.beta1**t)
+        lr = self._corrected_lr(index, lr)
         rescale, clip = self.rescale_grad, self.clip_gradient
         beta1, beta2, epsilon = self.beta1, self.beta2, self.epsilon
 

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal, TypeAlias, TypeGuard, cast, overload
 
 import numpy as np
 
+from akv import jit
 from akv.arrays import is_cupy
 from akv.errors import (
     DTypeMismatchError,
@@ -612,17 +613,74 @@ class Optimizer:
         :meth:`update_multi_precision`."""
         self.update_multi_precision(index, weight, grad, state)
 
+    def row_states_in_place(self, index: Index, dtype: np.dtype) -> int | None:
+        """How many state arrays :meth:`update_rows_in_place` keeps per row of ``index``
+        for rows of ``dtype``, each starting at zero for a new row; None where this
+        optimizer, with its settings, has no such update (the caller then gathers the rows
+        for :meth:`update_rows`). None here; SGD and Adam (not their subclasses) have one,
+        without gradient clipping, on float32 and float64 rows, where :mod:`akv.jit`'s
+        kernels are available."""
+        return None
+
     def update_rows_in_place(
-        self, index: Index, table: np.ndarray, slots: np.ndarray, grad: np.ndarray
+        self,
+        index: Index,
+        table: np.ndarray,
+        slots: np.ndarray,
+        grad: np.ndarray,
+        states: Sequence[tuple[np.ndarray, np.ndarray]] = (),
     ) -> bool:
-        """Apply a lazy row-sparse gradient of a stateless update straight to the stored
-        rows: row ``slots[i]`` of ``table`` with ``grad[i]`` (``slots`` unique), with the
-        same result as :meth:`update_rows` on the gathered rows, bit for bit. Returns
-        False, changing nothing and counting nothing, where this optimizer (with its
-        settings) has no such update; the caller then gathers the rows. This one never
-        has; SGD without momentum has, when compiled kernels are available
-        (:mod:`akv.jit`)."""
+        """Apply a lazy row-sparse gradient straight to the stored rows: row ``slots[i]``
+        of ``table`` (2-D) with ``grad[i]`` (``slots`` unique), and each state's row
+        ``state_slots[i]`` of its ``state_rows`` (``states``: one ``(state_rows,
+        state_slots)`` pair per state array, as many as :meth:`row_states_in_place`
+        says), with the same result as :meth:`update_rows` on gathered rows, bit for bit.
+        Counts one update of ``index``. Returns False, changing and counting nothing,
+        where :meth:`row_states_in_place` is None or the arrays do not fit it."""
         return False
+
+    def _row_kernels_apply(self, own: type, dtype: np.dtype) -> bool:
+        """Whether :mod:`akv.jit`'s kernels of ``own`` can update rows of ``dtype``: this
+        optimizer is an ``own`` itself (a subclass may change the update), without
+        gradient clipping, on float32 or float64 rows, with the kernels available."""
+        return (
+            type(self) is own
+            and not self.clip_gradient
+            and np.dtype(dtype) in jit.DTYPES
+            and jit.kernels() is not None
+        )
+
+    def _in_place_fits(
+        self,
+        index: Index,
+        table: np.ndarray,
+        slots: np.ndarray,
+        grad: np.ndarray,
+        states: Sequence[tuple[np.ndarray, np.ndarray]],
+    ) -> bool:
+        """Whether :meth:`update_rows_in_place` can take these arrays: the states it
+        keeps, all 2-D C-contiguous host arrays of the table's dtype and width, int64
+        slots, as many rows of gradient as slots."""
+        count = self.row_states_in_place(index, table.dtype)
+        if count is None or len(states) != count:
+            return False
+        width = table.shape[1] if table.ndim == 2 else -1
+        arrays = [table, grad, *(rows for rows, _ in states)]
+        for array in arrays:
+            if not (
+                isinstance(array, np.ndarray)
+                and array.ndim == 2
+                and array.shape[1] == width
+                and array.dtype == table.dtype
+                and array.flags.c_contiguous
+            ):
+                return False
+        for ids in [slots, *(state_slots for _, state_slots in states)]:
+            if not isinstance(ids, np.ndarray) or ids.dtype != np.int64:
+                return False
+            if ids.shape != slots.shape:
+                return False
+        return grad.shape[0] == slots.size and table.flags.writeable
 
     def _step(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -145,33 +146,40 @@ class SGD(Optimizer):
         lr, wd = self._get_lr(index), self._get_wd(index)
         _sgd_step(self, weight, grad, lr, wd, decay_factor=True)
 
+    def row_states_in_place(self, index: Index, dtype: np.dtype) -> int | None:
+        """As :meth:`Optimizer.row_states_in_place`: none without momentum, the momentum
+        with it; not for a subclass (its update may differ) nor with gradient clipping."""
+        if not self._row_kernels_apply(SGD, dtype):
+            return None
+        return 0 if self.momentum == 0.0 else 1
+
     def update_rows_in_place(
-        self, index: Index, table: np.ndarray, slots: np.ndarray, grad: np.ndarray
+        self,
+        index: Index,
+        table: np.ndarray,
+        slots: np.ndarray,
+        grad: np.ndarray,
+        states: Sequence[tuple[np.ndarray, np.ndarray]] = (),
     ) -> bool:
-        """As :meth:`Optimizer.update_rows_in_place`: without momentum and gradient
-        clipping, on float32 or float64 rows, when :mod:`akv.jit`'s kernels are available:
-        each row read and written once, ``(1 - lr*wd) * weight - lr * g``."""
+        """As :meth:`Optimizer.update_rows_in_place`, each row read and written once, in
+        the order of :meth:`update_rows`: ``(1 - lr*wd) * weight - lr * g`` without
+        momentum; ``mom = (momentum * mom - (lr*wd) * weight) - (lr*rescale_grad) * g``,
+        ``weight += mom`` with it."""
         compiled = jit.kernels()
-        if (
-            compiled is None
-            or self.momentum != 0.0
-            or self.clip_gradient
-            or not isinstance(table, np.ndarray)
-            or table.dtype not in jit.DTYPES
-            or table.ndim != 2
-        ):
+        if compiled is None or not self._in_place_fits(index, table, slots, grad, states):
             return False
-        grad = np.asarray(grad)
-        if grad.dtype != table.dtype or grad.shape != (slots.size, table.shape[1]):
-            return False  # update_rows names the mismatch
         self._update_count(index)
         lr, wd = self._get_lr(index), self._get_wd(index)
-        dtype = table.dtype
-        step = product(dtype, lr, self.rescale_grad)
-        keep = dtype.type(1.0) - dtype.type(product(dtype, lr, wd))
-        compiled.sgd_rows(
-            table, slots, np.ascontiguousarray(grad), dtype.type(step), keep, bool(wd)
-        )
+        real = table.dtype.type
+        step = real(product(table.dtype, lr, self.rescale_grad))
+        if not states:
+            keep = real(1.0) - real(product(table.dtype, lr, wd))
+            compiled.sgd_rows(table, slots, grad, step, keep, bool(wd))
+        else:
+            (mom, mom_slots), decay = states[0], real(product(table.dtype, lr, wd))
+            compiled.sgd_mom_rows(
+                table, slots, grad, mom, mom_slots, real(self.momentum), decay, step, bool(wd)
+            )
         return True
 
     def _step(

@@ -117,12 +117,8 @@ class Updater:
         # A row's state starts as create_state makes it from the row's weight (a float32
         # master copy is the weight, not zeros); a row updated before resumes its state.
         slots = table.rows_for(ids)  # new rows are stored as zeros first
-        width = int(np.prod(table.row_shape, dtype=np.int64))
-        if not tables and how == "lazy" and width and len(ids):
-            rows = table.rows.reshape(len(table), width)
-            if optimizer.update_rows_in_place(index, rows, slots, grad_rows.reshape(-1, width)):
-                self.row_states[index] = []
-                return
+        if how == "lazy" and self._update_in_place(index, table, ids, slots, grad_rows, tables):
+            return
         weight_rows = np.take(table.rows, slots, axis=0)  # ~20% faster than rows[slots]
         state_rows = optimizer.create_state_multi_precision(index, weight_rows)
         leaves = _leaves(state_rows)
@@ -137,6 +133,43 @@ class Updater:
         for leaf, leaf_table in zip(leaves, tables, strict=True):
             leaf_table.scatter(ids, leaf)
         self.row_states[index] = tables
+
+    def _update_in_place(
+        self,
+        index: Index,
+        table: RowTable,
+        ids: np.ndarray,
+        slots: np.ndarray,
+        grad_rows: np.ndarray,
+        tables: list[RowTable] | None,
+    ) -> bool:
+        """A lazy row update straight on the stored rows and states, where the optimizer
+        has one (:meth:`Optimizer.row_states_in_place`); whether it was made. A new row's
+        state rows are stored as zeros, as such an optimizer's ``create_state`` makes
+        them."""
+        optimizer = self.optimizer
+        width = int(np.prod(table.row_shape, dtype=np.int64))
+        count = optimizer.row_states_in_place(index, table.dtype)
+        if count is None or not width or not len(ids):
+            return False
+        if tables is None:
+            tables = [RowTable(table.shape, table.dtype) for _ in range(count)]
+        if len(tables) != count or any(
+            state.dtype != table.dtype or state.shape != table.shape for state in tables
+        ):
+            return False
+        state_slots = [state.rows_for(ids) for state in tables]  # new rows: zeros
+        states = [
+            (state.rows.reshape(len(state), width), where)
+            for state, where in zip(tables, state_slots, strict=True)
+        ]
+        rows = table.rows.reshape(len(table), width)
+        if not optimizer.update_rows_in_place(
+            index, rows, slots, grad_rows.reshape(-1, width), states
+        ):
+            return False
+        self.row_states[index] = tables
+        return True
 
     def dump_states(self, dump_optimizer: bool = False) -> bytes:
         """Encode the states, the update counts and, if ``dump_optimizer``, the optimizer's

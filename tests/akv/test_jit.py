@@ -66,66 +66,104 @@ def test_the_compiled_sum_of_row_pushes_is_numpys_bit_for_bit(
         np.testing.assert_array_equal(_bits(compiled.data), _bits(plain.data))
 
 
-def _sgd_rounds(monkeypatch: pytest.MonkeyPatch, jit_on: str, dtype: str, **settings: float):
-    """Three rounds of lazy SGD row updates; the table's rows and the update counts."""
+def _rounds(monkeypatch: pytest.MonkeyPatch, jit_on: str, optimizer: opt.Optimizer, dtype: str):
+    """Four rounds of lazy row updates by ``optimizer``; the table's rows, the update
+    count and the states as save_optimizer_states writes them."""
     monkeypatch.setenv("AKV_JIT", jit_on)
+    if jit_on == "1":  # every round in place: the gathered update is never called
+
+        def gathered(*args: object) -> None:
+            pytest.fail("the rows were gathered, not updated in place")
+
+        monkeypatch.setattr(optimizer, "update_rows", gathered)
     rng = np.random.default_rng(7)
-    optimizer = opt.SGD(**settings)
     updater = opt.get_updater(optimizer)
     table = RowTable((ROWS, 4), np.dtype(dtype))
     table.scatter(np.array([1, 5, 9]), rng.standard_normal((3, 4)).astype(dtype))
-    for _ in range(3):
+    for _ in range(4):
         ids = np.unique(rng.integers(0, ROWS, 12))
         grad = RowSparseArray(rng.standard_normal((ids.size, 4)).astype(dtype), ids, (ROWS, 4))
         updater.update_rows("emb", table, grad)
     stored = np.sort(table.ids())
-    return stored, table.gather(stored), optimizer.num_update, updater.row_states["emb"]
+    return stored, table.gather(stored), optimizer.num_update, updater.dump_states()
+
+
+IN_PLACE = [
+    ("SGD", {"learning_rate": 0.1}),
+    ("SGD", {"learning_rate": 0.37, "wd": 0.013, "rescale_grad": 0.5}),
+    ("SGD", {"learning_rate": 0.1, "momentum": 0.9}),
+    ("SGD", {"learning_rate": 0.37, "momentum": 0.5, "wd": 0.013, "rescale_grad": 0.5}),
+    ("Adam", {"learning_rate": 0.01}),
+    ("Adam", {"learning_rate": 0.3, "wd": 0.02, "rescale_grad": 0.25, "beta1": 0.8}),
+]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize(
-    "settings",
-    [
-        {"learning_rate": 0.1},
-        {"learning_rate": 0.37, "wd": 0.013, "rescale_grad": 0.5},
-    ],
-    ids=["plain", "weight-decay-rescaled"],
+    ("name", "settings"), IN_PLACE, ids=[f"{n}-{i}" for i, (n, _) in enumerate(IN_PLACE)]
 )
-def test_sgds_update_in_place_is_the_gathered_update_bit_for_bit(
-    monkeypatch: pytest.MonkeyPatch, dtype: str, settings: dict[str, float]
+def test_an_update_in_place_is_the_gathered_update_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, dtype: str, name: str, settings: dict[str, float]
 ) -> None:
-    ids, rows, count, states = _sgd_rounds(monkeypatch, "1", dtype, **settings)
-    plain_ids, plain_rows, plain_count, plain_states = _sgd_rounds(
-        monkeypatch, "0", dtype, **settings
-    )
+    def make() -> opt.Optimizer:
+        optimizer = getattr(opt, name)(**settings)
+        assert optimizer.row_states_in_place(0, np.dtype(dtype)) is not None
+        return optimizer
+
+    ids, rows, count, states = _rounds(monkeypatch, "1", make(), dtype)
+    plain_ids, plain_rows, plain_count, plain_states = _rounds(monkeypatch, "0", make(), dtype)
     np.testing.assert_array_equal(ids, plain_ids)
     np.testing.assert_array_equal(_bits(rows), _bits(plain_rows))
-    assert count == plain_count == 3
-    assert states == plain_states == []
+    assert count == plain_count == 4
+    assert states == plain_states  # the momentum, Adam's moments: the same rows and bits
 
 
-def test_sgd_updates_in_place_only_without_momentum_clipping_or_a_narrow_dtype(
+def test_only_sgd_and_adam_update_in_place_and_not_with_clipping_or_a_narrow_dtype(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("AKV_JIT", "1")
-    slots = np.array([0, 2], np.int64)
-
-    def in_place(optimizer: opt.Optimizer, dtype: str = "float32") -> bool:
-        table = np.ones((3, 4), dtype)
-        before = table.copy()
-        done = optimizer.update_rows_in_place(0, table, slots, np.ones((2, 4), dtype))
-        if not done:  # nothing changed, nothing counted
-            np.testing.assert_array_equal(table, before)
-            assert optimizer.num_update == 0
-        return done
-
-    assert in_place(opt.SGD(learning_rate=0.5))
-    assert not in_place(opt.SGD(momentum=0.9))
-    assert not in_place(opt.SGD(clip_gradient=1.0))
-    assert not in_place(opt.SGD(), "float16")
-    assert not in_place(opt.Adam())  # stateful: the caller gathers the rows
+    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
+    assert opt.SGD().row_states_in_place(0, f32) == 0
+    assert opt.SGD(momentum=0.9).row_states_in_place(0, f32) == 1
+    assert opt.Adam().row_states_in_place(0, f32) == 2
+    assert opt.SGD(clip_gradient=1.0).row_states_in_place(0, f32) is None
+    assert opt.Adam(clip_gradient=1.0).row_states_in_place(0, f32) is None
+    assert opt.SGD().row_states_in_place(0, f16) is None
+    assert opt.AdaGrad().row_states_in_place(0, f32) is None
+    assert opt.AdamW().row_states_in_place(0, f32) is None
     monkeypatch.setenv("AKV_JIT", "0")
-    assert not in_place(opt.SGD())
+    assert opt.SGD().row_states_in_place(0, f32) is None
+
+    # Arrays that do not fit change and count nothing.
+    monkeypatch.setenv("AKV_JIT", "1")
+    sgd, table = opt.SGD(momentum=0.9), np.ones((3, 4), np.float32)
+    mom = (np.zeros((3, 4), np.float32), np.array([0, 1], np.int64))
+    slots, grad = np.array([0, 2], np.int64), np.ones((2, 4), np.float32)
+    for args in [
+        (table, slots, grad, []),  # the momentum missing
+        (table, slots, grad.astype(np.float64), [mom]),
+        (table, slots.astype(np.int32), grad, [mom]),
+        (table, slots, np.ones((3, 4), np.float32), [mom]),
+    ]:
+        assert not sgd.update_rows_in_place(0, *args)
+    np.testing.assert_array_equal(table, 1.0)
+    assert sgd.num_update == 0
+
+
+def test_a_subclass_of_sgd_updates_rows_with_its_own_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AKV_JIT", "1")
+
+    class Doubling(opt.SGD):
+        def update_rows(self, index, weight, grad, state) -> None:
+            self._update_count(index)
+            weight += 2 * grad
+
+    optimizer = Doubling()
+    assert optimizer.row_states_in_place(0, np.dtype(np.float32)) is None
+    table = RowTable((ROWS, 2), np.float32)
+    grad = RowSparseArray(np.ones((2, 2), np.float32), np.array([3, 4]), (ROWS, 2))
+    opt.get_updater(optimizer).update_rows("emb", table, grad)
+    np.testing.assert_array_equal(table.gather([3, 4]), 2.0)
 
 
 def test_an_in_place_update_is_sgds_formula(monkeypatch: pytest.MonkeyPatch) -> None:
