@@ -31,7 +31,7 @@ import numpy as np
 
 from akv.errors import ConfigError
 
-__all__ = ["available", "enabled", "kernels"]
+__all__ = ["available", "describe", "enabled", "kernels"]
 
 #: The dtypes the kernels are compiled for (numba specializes on the first call's types).
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -54,6 +54,18 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     if value not in ("0", "1"):
         raise ConfigError(f"AKV_JIT={value!r}: set it to 1 (on) or 0 (off)")
     return value == "1"
+
+
+def describe() -> str:
+    """Which row kernels this process uses, for reports: ``compiled (numba X.Y)``, or
+    ``NumPy`` and why."""
+    if not enabled():
+        return "NumPy (AKV_JIT=0)"
+    if kernels() is None:
+        return "NumPy (numba does not import here)"
+    import numba
+
+    return f"compiled (numba {numba.__version__})"
 
 
 def available() -> bool:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 import akv
+from akv import jit
 from akv.bench._report import _SETTINGS, Row, Table
 from akv.bench.dist import launch_job
 from akv.bench.soak import _server_pids, percentile
@@ -390,6 +391,7 @@ def run(argv: Sequence[str] = ()) -> Table:
             "steps."
         )
         table.notes.extend(spreads)
+    table.notes.append(f"Row sums and updates: {jit.describe()} (AKV_JIT).")
     for count in [count for count in counts if count > 0]:
         if "local" in options.memory_stores:
             grown, stored, elapsed = memory_growth(count)

@@ -224,3 +224,18 @@ def test_a_malformed_akv_jit_is_refused_when_a_store_is_made(
     monkeypatch.setenv("AKV_JIT", "yes")
     with pytest.raises(ConfigError, match=r"AKV_JIT='yes': set it to 1 \(on\) or 0 \(off\)"):
         akv.create("local")
+
+
+def test_describe_says_which_kernels_run_and_why(
+    monkeypatch: pytest.MonkeyPatch, fresh_jit: None
+) -> None:
+    import numba
+
+    monkeypatch.setenv("AKV_JIT", "1")
+    assert jit.describe() == f"compiled (numba {numba.__version__})"
+    monkeypatch.setenv("AKV_JIT", "0")
+    assert jit.describe() == "NumPy (AKV_JIT=0)"
+    monkeypatch.setenv("AKV_JIT", "1")
+    monkeypatch.setattr(jit, "_kernels", None)
+    monkeypatch.setitem(sys.modules, "numba", None)
+    assert jit.describe() == "NumPy (numba does not import here)"

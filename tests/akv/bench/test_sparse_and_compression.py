@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+from akv import jit
 from akv.bench import configure
 from akv.bench.compression import codec_rows, round_rows
 from akv.bench.dist import MIB
@@ -62,6 +63,7 @@ def test_a_tiny_sparse_run_reports_the_step_against_both_dense_floors():
     assert local is not None and dist is not None
     assert "server 0 " in notes and "server 1 " in notes
     assert float(dist.group(1)) > 0  # the servers grew as the rows came
+    assert f"Row sums and updates: {jit.describe()} (AKV_JIT)." in table.notes
 
 
 def test_the_sparse_options_are_parsed_and_refused_where_a_suite_has_none(capsys):
