@@ -81,9 +81,9 @@ def sum_rows(values: Sequence[RowSparseArray]) -> RowSparseArray:
 def _merged(compiled: SimpleNamespace, values: Sequence[RowSparseArray]) -> RowSparseArray:
     """:func:`sum_rows` by :mod:`akv.jit`'s merge, value by value: the same numbers."""
     shape = values[0].shape
+    width = int(np.prod(shape[1:], dtype=np.int64))
     ids, data = values[0].indices, values[0].data
     for value in values[1:]:
-        width = int(np.prod(shape[1:], dtype=np.int64))
         room = ids.size + value.indices.size
         out_ids = np.empty(room, np.int64)
         out = np.empty((room, width), data.dtype)
