@@ -238,4 +238,4 @@ def test_describe_says_which_kernels_run_and_why(
     monkeypatch.setenv("AKV_JIT", "1")
     monkeypatch.setattr(jit, "_kernels", None)
     monkeypatch.setitem(sys.modules, "numba", None)
-    assert jit.describe() == "NumPy (numba does not import here)"
+    assert jit.describe() == "NumPy (numba is not installed or cannot compile here)"
