@@ -54,7 +54,7 @@ def sum_rows(values: Sequence[RowSparseArray]) -> RowSparseArray:
     first = values[0]
     if len(values) == 1:
         return RowSparseArray._trusted(first.data.copy(), first.indices.copy(), first.shape)
-    compiled = _compiled_rows(first.data)
+    compiled = jit.kernels() if first.dtype in jit.DTYPES and first.data.size else None
     if compiled is not None and all(value.data.dtype == first.dtype for value in values):
         return _merged(compiled, values)
     merged = np.concatenate([value.indices for value in values])
@@ -97,13 +97,6 @@ def _merged(compiled: SimpleNamespace, values: Sequence[RowSparseArray]) -> RowS
         )
         ids, data = out_ids[:count], out[:count].reshape(count, *shape[1:])
     return RowSparseArray._trusted(data, ids, shape)
-
-
-def _compiled_rows(data: np.ndarray) -> SimpleNamespace | None:
-    """:mod:`akv.jit`'s kernels where they apply to rows like ``data``'s, else None."""
-    if data.dtype not in jit.DTYPES or data.size == 0:
-        return None
-    return jit.kernels()
 
 
 def table_of(entry: Entry) -> RowTable:

@@ -14,7 +14,6 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from akv import jit
 from akv.errors import OptimizerError
 from akv.optimizer._base import (
     Index,
@@ -180,8 +179,8 @@ class Adam(MomentEstimates):
     ) -> bool:
         """As :meth:`Optimizer.update_rows_in_place`: each row, its mean and its variance
         read and written once, in the order of :meth:`update_rows`."""
-        compiled = jit.kernels()
-        if compiled is None or not self._in_place_fits(index, table, slots, grad, states):
+        compiled = self._kernels_for(index, table, slots, grad, states)
+        if compiled is None:
             return False
         self._update_count(index)
         lr = self._corrected_lr(index, self._get_lr(index))

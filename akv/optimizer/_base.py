@@ -8,7 +8,7 @@ import numbers
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, ClassVar, Literal, TypeAlias, TypeGuard, cast, overload
 
 import numpy as np
@@ -22,6 +22,7 @@ from akv.errors import (
     ShapeMismatchError,
 )
 from akv.optimizer import lr_scheduler as _lr_scheduler
+from akv.optimizer._kernels import rows_fit
 
 Index = int | str
 """A weight's index: the store's key, an ``int`` or a ``str`` as the caller gave it."""
@@ -614,12 +615,9 @@ class Optimizer:
         self.update_multi_precision(index, weight, grad, state)
 
     def row_states_in_place(self, index: Index, dtype: np.dtype) -> int | None:
-        """How many state arrays :meth:`update_rows_in_place` keeps per row of ``index``
-        for rows of ``dtype``, each starting at zero for a new row; None where this
-        optimizer, with its settings, has no such update (the caller then gathers the rows
-        for :meth:`update_rows`). None here; SGD and Adam (not their subclasses) have one,
-        without gradient clipping, on float32 and float64 rows, where :mod:`akv.jit`'s
-        kernels are available."""
+        """How many state arrays (each zero for a new row) :meth:`update_rows_in_place`
+        keeps for rows of ``dtype``; None where it has no such update, and the caller
+        gathers the rows for :meth:`update_rows`. None here; SGD and Adam have one."""
         return None
 
     def update_rows_in_place(
@@ -630,19 +628,16 @@ class Optimizer:
         grad: np.ndarray,
         states: Sequence[tuple[np.ndarray, np.ndarray]] = (),
     ) -> bool:
-        """Apply a lazy row-sparse gradient straight to the stored rows: row ``slots[i]``
-        of ``table`` (2-D) with ``grad[i]`` (``slots`` unique), and each state's row
-        ``state_slots[i]`` of its ``state_rows`` (``states``: one ``(state_rows,
-        state_slots)`` pair per state array, as many as :meth:`row_states_in_place`
-        says), with the same result as :meth:`update_rows` on gathered rows, bit for bit.
-        Counts one update of ``index``. Returns False, changing and counting nothing,
-        where :meth:`row_states_in_place` is None or the arrays do not fit it."""
+        """Apply a lazy row-sparse gradient in place: row ``slots[i]`` (unique) of the 2-D
+        ``table`` with ``grad[i]``, and of each ``(state_rows, state_slots)`` of ``states``
+        row ``state_slots[i]``; bit for bit :meth:`update_rows` on gathered rows. Counts
+        one update. False, changing nothing, where the arrays do not fit (``rows_fit``)."""
         return False
 
     def _row_kernels_apply(self, own: type, dtype: np.dtype) -> bool:
-        """Whether :mod:`akv.jit`'s kernels of ``own`` can update rows of ``dtype``: this
-        optimizer is an ``own`` itself (a subclass may change the update), without
-        gradient clipping, on float32 or float64 rows, with the kernels available."""
+        """Whether :mod:`akv.jit`'s kernels of ``own`` apply: to an ``own`` itself (not a
+        subclass, whose update may differ), without gradient clipping, on float32 or
+        float64 rows, with the kernels available."""
         return (
             type(self) is own
             and not self.clip_gradient
@@ -650,37 +645,20 @@ class Optimizer:
             and jit.kernels() is not None
         )
 
-    def _in_place_fits(
+    def _kernels_for(
         self,
         index: Index,
         table: np.ndarray,
         slots: np.ndarray,
         grad: np.ndarray,
         states: Sequence[tuple[np.ndarray, np.ndarray]],
-    ) -> bool:
-        """Whether :meth:`update_rows_in_place` can take these arrays: the states it
-        keeps, all 2-D C-contiguous host arrays of the table's dtype and width, int64
-        slots, as many rows of gradient as slots."""
+    ) -> SimpleNamespace | None:
+        """:mod:`akv.jit`'s kernels where :meth:`update_rows_in_place` can take these
+        arrays (:func:`rows_fit` of the states it keeps), else None."""
         count = self.row_states_in_place(index, table.dtype)
-        if count is None or len(states) != count:
-            return False
-        width = table.shape[1] if table.ndim == 2 else -1
-        arrays = [table, grad, *(rows for rows, _ in states)]
-        for array in arrays:
-            if not (
-                isinstance(array, np.ndarray)
-                and array.ndim == 2
-                and array.shape[1] == width
-                and array.dtype == table.dtype
-                and array.flags.c_contiguous
-            ):
-                return False
-        for ids in [slots, *(state_slots for _, state_slots in states)]:
-            if not isinstance(ids, np.ndarray) or ids.dtype != np.int64:
-                return False
-            if ids.shape != slots.shape:
-                return False
-        return grad.shape[0] == slots.size and table.flags.writeable
+        if count is None or not rows_fit(count, table, slots, grad, states):
+            return None
+        return jit.kernels()
 
     def _step(
         self,

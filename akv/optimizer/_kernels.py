@@ -142,3 +142,31 @@ def rescaled_clipped(
         np.clip(grad, -clip_gradient, clip_gradient, out=out)
         grad = out
     return grad
+
+
+def rows_fit(
+    count: int,
+    table: np.ndarray,
+    slots: np.ndarray,
+    grad: np.ndarray,
+    states: Sequence[tuple[np.ndarray, np.ndarray]],
+) -> bool:
+    """Whether a compiled row update (:mod:`akv.jit`) can take these arrays: ``count``
+    states, the table, gradient and state rows 2-D C-contiguous host arrays of the table's
+    dtype and width (the table writable), the slots int64, one gradient row per slot."""
+    if len(states) != count:
+        return False
+    width = table.shape[1] if table.ndim == 2 else -1
+    for array in [table, grad, *(rows for rows, _ in states)]:
+        if not (
+            isinstance(array, np.ndarray)
+            and array.ndim == 2
+            and array.shape[1] == width
+            and array.dtype == table.dtype
+            and array.flags.c_contiguous
+        ):
+            return False
+    for ids in [slots, *(state_slots for _, state_slots in states)]:
+        if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.shape != slots.shape:
+            return False
+    return grad.shape[0] == slots.size and bool(table.flags.writeable)

@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 
-from akv import jit
 from akv.optimizer._base import (
     Index,
     Optimizer,
@@ -165,8 +164,8 @@ class SGD(Optimizer):
         the order of :meth:`update_rows`: ``(1 - lr*wd) * weight - lr * g`` without
         momentum; ``mom = (momentum * mom - (lr*wd) * weight) - (lr*rescale_grad) * g``,
         ``weight += mom`` with it."""
-        compiled = jit.kernels()
-        if compiled is None or not self._in_place_fits(index, table, slots, grad, states):
+        compiled = self._kernels_for(index, table, slots, grad, states)
+        if compiled is None:
             return False
         self._update_count(index)
         lr, wd = self._get_lr(index), self._get_wd(index)
