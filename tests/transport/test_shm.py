@@ -726,7 +726,7 @@ CHILD_HOLDS_A_LISTENER_AND_AN_ARENA = """
 import asyncio, sys
 from akv_transport.shm import Arena, ShmListener
 async def main():
-    listener = ShmListener(sys.argv[1])
+    listener = ShmListener(sys.argv[1], parent_directory=sys.argv[3])
     arena = Arena(1 << 20, name=sys.argv[2])
     arena.view(0, 4)[:] = b"held"
     print(listener.directory, arena.fd, flush=True)
@@ -737,9 +737,13 @@ asyncio.run(main())
 """
 
 
-async def test_after_a_sigkill_only_the_directory_is_left_and_the_memory_is_gone(children):
+async def test_after_a_sigkill_only_the_directory_is_left_and_the_memory_is_gone(
+    children, tmp_path
+):
+    # A directory of its own: a server started meanwhile by another test removes what dead
+    # processes left in the shared temporary directory (remove_leftovers), this one included.
     name = unique_name()
-    child = children.start(CHILD_HOLDS_A_LISTENER_AND_AN_ARENA, TOKEN, name)
+    child = children.start(CHILD_HOLDS_A_LISTENER_AND_AN_ARENA, TOKEN, name, tmp_path)
     directory, fd = (await asyncio.to_thread(read_line, child)).split()
     try:
         path = os.path.join(directory, "socket")
