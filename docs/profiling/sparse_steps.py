@@ -7,7 +7,8 @@ Run it as every worker of a job, for instance with 2 workers and 1 server::
 Each worker inits a 10^6 x 64 float32 row-sparse key with akv's SGD on the servers, draws
 up to 300 batches of 8192 Zipf-like ids (the bench's ``draw_ids``) before the timing, then
 runs the given number of steps (push of the unique ids' gradient, ``row_sparse_pull`` of
-them), reusing the batches in turn. Worker 0 prints the median, p10 and p90 step. While it
+them), reusing the batches in turn. Worker 0 prints the median, p10, p90, mean and
+longest step (the mean and the longest show the stalls of a table's growth). While it
 runs, read each process's CPU from ``/proc/PID/stat`` or attach ``py-spy record --gil``.
 """
 
@@ -46,7 +47,9 @@ def main() -> None:
         if kv.rank == 0:
             p10, p90 = np.percentile(times, [10, 90]) * 1e3
             print(
-                f"step median {statistics.median(times) * 1e3:.3f} ms, p10 {p10:.3f}, p90 {p90:.3f}"
+                f"step median {statistics.median(times) * 1e3:.3f} ms, p10 {p10:.3f}, "
+                f"p90 {p90:.3f}, mean {statistics.fmean(times) * 1e3:.3f}, "
+                f"longest {max(times) * 1e3:.1f}"
             )
 
 

@@ -10,12 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import akv
+from akv import rows as rows_module
 from akv.rows import (
     DIRECT_MAX_ROWS,
     DIRECT_MIN_ROW_BYTES,
     FIBONACCI_MULTIPLIER,
     MAX_LOAD_FACTOR,
     MIN_INDEX_CAPACITY,
+    REMAP_MIN_BYTES,
     DirectIndex,
     RowIndex,
     RowTable,
@@ -344,6 +346,63 @@ def test_the_arena_grows_across_doublings_and_keeps_rows():
     ids = np.array(sorted(dense))
     assert np.array_equal(table.gather(ids), np.array([dense[i] for i in ids.tolist()]))
     assert table.to_sparse().indices.tolist() == ids.tolist()
+
+
+#: Rows of 64 float32: 8,192 of them fill REMAP_MIN_BYTES.
+WIDE = 64
+
+
+def _scatter_new_rows(table: RowTable, first: int, count: int, value: float) -> None:
+    ids = np.arange(first, first + count) * 7  # spread over the declared rows
+    table.scatter(ids, np.full((count, WIDE), value, F32))
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["remapped", "copied"])
+def test_a_large_arena_grows_past_the_mapping_threshold_and_keeps_rows(monkeypatch, in_place):
+    monkeypatch.setattr(rows_module, "_REMAP", in_place and rows_module._REMAP)
+    table = RowTable((10**6, WIDE), F32)
+    for batch in range(8):
+        _scatter_new_rows(table, 3000 * batch, 3000, batch + 1)
+    assert table.rows.nbytes > 2 * REMAP_MIN_BYTES
+    ids = np.arange(24000) * 7
+    expected = np.repeat(np.arange(1, 9, dtype=F32), 3000)[:, None] * np.ones(WIDE, F32)
+    assert np.array_equal(table.gather(ids), expected)
+    assert not table.gather([1, 6 * 24000 + 1]).any()  # rows never written read as zeros
+    table.rows_for([999_999])
+    assert len(table) == 24001
+    assert not table.gather([999_999]).any()  # a new row is stored as zeros
+
+
+@pytest.mark.skipif(not rows_module._REMAP, reason="arenas grow in place on Linux only")
+def test_a_large_arena_grows_in_its_own_mapping_without_a_copy():
+    table = RowTable((10**6, WIDE), F32)
+    _scatter_new_rows(table, 0, 9000, 1.0)  # 2.2 MiB: a mapping of its own
+    mapping = table._rows._map
+    assert mapping is not None
+    assert len(mapping) % (2 << 20) == 0  # whole huge pages
+    for batch in range(1, 4):
+        _scatter_new_rows(table, 9000 * batch, 9000, batch + 1)
+    assert table._rows._map is mapping  # resized, never replaced
+    assert len(mapping) >= 36000 * WIDE * 4
+    assert len(mapping) % (2 << 20) == 0
+    assert table.gather([0, 7 * 35999]).tolist() == [[1.0] * WIDE, [4.0] * WIDE]
+
+
+@pytest.mark.skipif(not rows_module._REMAP, reason="arenas grow in place on Linux only")
+def test_a_view_of_the_rows_held_across_growth_stays_valid():
+    table = RowTable((10**6, WIDE), F32)
+    _scatter_new_rows(table, 0, 9000, 1.0)
+    view = table.rows
+    mapping = table._rows._map
+    _scatter_new_rows(table, 9000, 20000, 2.0)  # grows while the view is alive: copied
+    assert table._rows._map is not mapping
+    assert view.shape == (9000, WIDE) and bool(np.all(view == 1.0))  # still readable
+    assert table.gather([0, 7 * 28999]).tolist() == [[1.0] * WIDE, [2.0] * WIDE]
+    del view
+    mapping = table._rows._map
+    _scatter_new_rows(table, 29000, 40000, 3.0)  # nothing holds a view: resized in place
+    assert table._rows._map is mapping
+    assert table.gather([7 * 28999, 7 * 68999]).tolist() == [[2.0] * WIDE, [3.0] * WIDE]
 
 
 def test_a_table_of_one_row():
