@@ -392,8 +392,9 @@ class _Arena:
     with huge pages where the kernel gives them, as NumPy asks for its large arrays, once
     it reaches :data:`REMAP_MIN_BYTES`.
     Doubling a table of 400,000 rows of 64 float32 by copying stalled its caller for 150
-    to 380 ms here. While a view of the rows is alive (``RowTable.rows``), and on other
-    systems, it grows by copying into new memory instead, so that no view ever dangles.
+    to 380 ms here. While a view of the rows is alive (``RowTable.rows``), where the
+    mapping cannot be resized, and on other systems, it grows by copying into new memory
+    instead, so that no view ever dangles.
     """
 
     __slots__ = ("_map", "array")
@@ -423,8 +424,8 @@ class _Arena:
             try:
                 self._map.resize(nbytes)
                 resized = True
-            except BufferError:
-                pass  # a view of the rows is alive: copied below
+            except (BufferError, OSError, SystemError):
+                pass  # a view of the rows is alive, or no mremap here: copied below
             finally:
                 self.array = _rows_in(self._map, rows if resized else held, row_shape, dtype)
             if resized:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import mmap
 import tracemalloc
 
 import numpy as np
@@ -403,6 +405,23 @@ def test_a_view_of_the_rows_held_across_growth_stays_valid():
     _scatter_new_rows(table, 29000, 40000, 3.0)  # nothing holds a view: resized in place
     assert table._rows._map is mapping
     assert table.gather([7 * 28999, 7 * 68999]).tolist() == [[2.0] * WIDE, [3.0] * WIDE]
+
+
+@pytest.mark.skipif(not rows_module._REMAP, reason="arenas grow in place on Linux only")
+def test_a_mapping_that_cannot_be_resized_is_copied_into_a_new_one(monkeypatch):
+    class Unresizable(mmap.mmap):
+        def resize(self, newsize: int) -> None:
+            raise OSError(errno.ENOMEM, "no mremap here")
+
+    monkeypatch.setattr(rows_module.mmap, "mmap", Unresizable)
+    table = RowTable((10**6, WIDE), F32)
+    _scatter_new_rows(table, 0, 9000, 1.0)
+    first = table._rows._map
+    assert isinstance(first, Unresizable)
+    _scatter_new_rows(table, 9000, 20000, 2.0)
+    assert table._rows._map is not first
+    assert table.gather([0, 7 * 28999]).tolist() == [[1.0] * WIDE, [2.0] * WIDE]
+    assert len(table) == 29000
 
 
 def test_a_table_of_one_row():
