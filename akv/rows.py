@@ -82,10 +82,11 @@ _RANDOM = random.SystemRandom()
 #: Arenas live in anonymous private memory that ``mremap`` grows in place (Linux).
 _REMAP = sys.platform.startswith("linux") and hasattr(mmap, "MAP_PRIVATE")
 _HUGE_PAGES = getattr(mmap, "MADV_HUGEPAGE", None)
-#: The smallest arena that gets such memory of its own: a smaller one is cheap to copy,
-#: and a mapping per small table would waste pages and the process's count of mappings.
-REMAP_MIN_BYTES = 1 << 21
 _HUGE_PAGE = 1 << 21
+#: The smallest arena that gets such memory of its own (one huge page): a smaller one is
+#: cheap to copy, and a mapping per small table would waste pages and the process's count
+#: of mappings.
+REMAP_MIN_BYTES = _HUGE_PAGE
 
 
 class _SlotIndex(abc.ABC):
