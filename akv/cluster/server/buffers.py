@@ -157,13 +157,18 @@ class Landing:
         memory back to the sender once nothing reads it any more (:class:`Lent`).
 
         A payload read in place is a read-only array: :func:`own` copies it into a buffer
-        of its key where it has to be kept.
+        of its key where it has to be kept. A buffer of no key (a row push's) is replaced
+        by the payload with its dtype and shape.
         """
         for index, payload in enumerate(payloads):
             entry, buffer = self.entries[index], self.buffers[index]
-            if payload.readonly and entry is not None and buffer is not None:
+            if not payload.readonly or buffer is None:
+                continue
+            if entry is not None:
                 entry.give_buffer(buffer)
                 self.buffers[index] = np.frombuffer(payload, entry.dtype).reshape(entry.shape)
+            else:
+                self.buffers[index] = np.frombuffer(payload, buffer.dtype).reshape(buffer.shape)
         self.lent = Lent(give_back)
 
     def give_back_buffers(self) -> None:

@@ -67,12 +67,17 @@ __all__ = [
     "ReplyError",
     "RowEntry",
     "RowPullTicket",
+    "RowPushed",
     "SaveStates",
     "SendRows",
     "SendValues",
     "ServerEntry",
     "StaleCheckpointError",
 ]
+
+#: One row push as a round holds it: its ids and rows, and the share of its frame's
+#: payloads read in place (in the sender's shared memory) that keeps them, or None.
+RowPushed: TypeAlias = tuple[np.ndarray, np.ndarray, Lent | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +126,8 @@ class RowEntry(Entry):
     rows ``[first, end)`` that are this server's (:func:`~akv.cluster.placement.row_parts`),
     those of them stored (:attr:`rows`, a table of the declared shape that only ever holds
     ids of the range), its rounds, the pushes of the open round (``pending``: ids and rows
-    as they arrived), and the init that made it."""
+    as they arrived, with the share of their frame's payloads read in place that keeps
+    them, or None), and the init that made it."""
 
     __slots__ = ("durable", "end", "first", "made_by", "pending", "rounds")
 
@@ -141,7 +147,7 @@ class RowEntry(Entry):
         self.rows: RowTable = RowTable(shape, dtype)
         jit.kernels()  # loaded (once a process) with the key, not in its first round
         self.rounds: KeyRounds[RowPullTicket] = KeyRounds(key, num_workers, sync)
-        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.pending: list[RowPushed] = []
         self.made_by = made_by
         self.durable = True
 
@@ -167,13 +173,20 @@ class LandRows:
     """Sum each closed round's row-sparse pushes (``closing``: entry, round, the pushes'
     ids and rows) and apply the sum (the rows replaced, or updated by the optimizer), in
     one task that writes every key in ``entries``; then report as :class:`Land` does and
-    send ``reply`` (dist_async)."""
+    send ``reply`` (dist_async). The task gives back the shares of :attr:`lent` once the
+    sums are made."""
 
     entries: tuple[RowEntry, ...]
-    closing: tuple[tuple[RowEntry, int, tuple[tuple[np.ndarray, np.ndarray], ...]], ...]
+    closing: tuple[tuple[RowEntry, int, tuple[RowPushed, ...]], ...]
     reply: Reply | None = None
     #: How long the longest-open dist_sync round it closes waited for its last push.
     waited_s: float | None = None
+
+    @property
+    def lent(self) -> list[Lent]:
+        """The shares of payloads read in place that the closed rounds' pushes hold, one
+        per push read so."""
+        return [lent for _, _, pushes in self.closing for _, _, lent in pushes if lent]
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ import numpy as np
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import Op, RowMeta, decode_row_meta, op_label
+from akv.cluster.server.buffers import Lent
 from akv.cluster.server.checkpoint_header import RowRecord
 from akv.cluster.server.instructions import (
     Instruction,
@@ -198,10 +199,17 @@ class RowKeys:
         return [entry for entry, _, _ in fresh]
 
     def push(
-        self, peer: Peer, header: FrameHeader, buffers: Sequence[np.ndarray], now: float
+        self,
+        peer: Peer,
+        header: FrameHeader,
+        buffers: Sequence[np.ndarray],
+        now: float,
+        lent: Lent | None = None,
     ) -> tuple[list[Instruction], int]:
         """Count a checked ``ROW_PUSH`` (all its keys or none); returns what to do and how
-        many resent pushes it held (answered without being counted again).
+        many resent pushes it held (answered without being counted again). ``lent``: the
+        buffers are read in place (:meth:`Landing.lend`); each push counted takes a share
+        of it, which the round's :class:`LandRows` gives back.
 
         Raises
         ------
@@ -226,7 +234,9 @@ class RowKeys:
         waited: float | None = None
         for entry, tag, ids, rows in items:
             decision = entry.rounds.accept_push(worker, now, tag, seq)
-            entry.pending.append((ids, rows))
+            if lent is not None:
+                lent.take()
+            entry.pending.append((ids, rows, lent))
             if decision.closes:
                 closing.append((entry, decision.round, tuple(entry.pending)))
                 entry.pending = []
@@ -302,7 +312,7 @@ def land_rows(
     for entry, round_no, pushes in work.closing:
         try:
             grads = []
-            for ids, rows in pushes:
+            for ids, rows, _ in pushes:
                 unique_ids, summed = _sorted_summed(ids, rows, entry)
                 grads.append(RowSparseArray._trusted(summed, unique_ids, entry.shape))
             apply_row_push(updater, [(entry, sum_rows(grads))])

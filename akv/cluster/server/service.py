@@ -577,7 +577,11 @@ class ParameterServer:
         self._on_loop(self._landed, done, failed, work.reply)
 
     def _land_rows(self, work: LandRows) -> None:
-        done, failed = land_rows(work, self.state.updater)
+        try:
+            done, failed = land_rows(work, self.state.updater)
+        finally:
+            for lent in work.lent:
+                self._on_loop(lent.give_back)
         self._on_loop(self._landed, done, failed, work.reply)
 
     def _send_rows(self, ticket: RowPullTicket) -> None:
@@ -755,7 +759,7 @@ def split_add(
 
 def _rows_bytes(work: LandRows) -> int:
     """The bytes of the row pushes a LandRows sums and applies."""
-    return sum(rows.nbytes for _, _, pushes in work.closing for _, rows in pushes)
+    return sum(rows.nbytes for _, _, pushes in work.closing for _, rows, _ in pushes)
 
 
 def _failed_reply(peer: Peer, seq: int, what: str, exc: Exception) -> ReplyError:

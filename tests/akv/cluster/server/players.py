@@ -279,6 +279,8 @@ class Players:
     def _land(self, work: Land | LandRows) -> None:
         if isinstance(work, LandRows):
             done, failed = land_rows(work, self.state.updater)
+            for lent in work.lent:
+                lent.give_back()
             self._landed(work, done, failed)
             return
         done, failed, to_give_back = land(work, self.state.updater)

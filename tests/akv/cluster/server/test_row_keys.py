@@ -85,6 +85,69 @@ def test_a_second_push_in_one_round_is_refused_and_changes_nothing():
     assert players.state.rows.entries["emb"].pending[0][0].tolist() == [500]
 
 
+def test_sync_row_pushes_are_read_in_place_and_given_back_once_their_round_landed():
+    players = started()
+    players.lend = True
+    players.hold_updates = True
+    first = players.row_push(0, "emb", [500, 700], ones(2), tag=1)
+    # Answered once counted; its rows wait for the round where they lie, in worker 0's
+    # memory (not copied), and that memory stays the server's.
+    assert players.reply(0, first) == OK and players.given_back == []
+    ids, rows, lent = players.state.rows.entries["emb"].pending[0]
+    assert lent is not None and not ids.flags.writeable and not rows.flags.writeable
+    second = players.row_push(1, "emb", [700, 999], ones(2, 2.0), tag=1)
+    assert players.reply(1, second) == OK
+    assert players.given_back == []  # closed, not landed yet: both are still read
+    players.finish_updates()
+    assert sorted(players.given_back) == [(0, first), (1, second)]
+    entry = players.state.rows.entries["emb"]
+    np.testing.assert_array_equal(entry.rows.gather([500, 700, 999])[:, 0], [1, 3, 2])
+    assert entry.rows.rows.flags.writeable and not np.shares_memory(entry.rows.rows, rows)
+
+
+def test_a_frame_of_row_pushes_read_in_place_is_given_back_once_each_key_landed():
+    players = started()
+    assert players.reply(0, players.row_init(0, "other", SHAPE, RANGE)) == OK
+    players.lend = True
+    ids, rows = np.array([500], np.int64), ones(1)
+    both = players.send(
+        0,
+        Op.ROW_PUSH,
+        [("emb", ids), ("emb", rows), ("other", ids), ("other", rows)],
+        tags=[1, 1, 1, 1],
+    )
+    players.row_push(1, "emb", [500], ones(1), tag=1)
+    assert (0, both) not in players.given_back  # "other"'s round still reads it
+    players.row_push(1, "other", [500], ones(1), tag=1)
+    assert (0, both) in players.given_back
+    assert len(players.given_back) == 3
+
+
+@pytest.mark.parametrize("store_type", ["dist_sync", "dist_async"])
+def test_a_resent_or_refused_row_push_read_in_place_is_given_back_at_once(store_type):
+    players = started(store_type)
+    players.lend = True
+    first = players.row_push(0, "emb", [500], ones(1), tag=1)
+    players.given_back.clear()
+    players.row_push(0, "emb", [500], ones(1), tag=1, seq=first)  # resent: counted before
+    assert players.given_back == [(0, first)]
+    refused = players.row_push(0, "emb", [1000], ones(1), tag=2)  # outside the range
+    assert isinstance(players.reply(0, refused), RowIdError)
+    assert players.given_back == [(0, first), (0, refused)]
+
+
+def test_async_row_pushes_read_in_place_are_given_back_once_applied():
+    players = started("dist_async")
+    players.lend = True
+    players.hold_updates = True
+    seq = players.row_push(0, "emb", [500], ones(1, 3.0), tag=1)
+    assert players.given_back == [] and players.waiting(0, seq)  # answered once applied
+    players.finish_updates()
+    assert players.given_back == [(0, seq)] and players.reply(0, seq) == OK
+    entry = players.state.rows.entries["emb"]
+    np.testing.assert_array_equal(entry.rows.gather([500]), ones(1, 3.0))
+
+
 @pytest.mark.parametrize(
     ("ids", "error", "message"),
     [
