@@ -167,7 +167,8 @@ def create(name: str = "local", **options: Any) -> KVStoreBase:
     kind = store_type(name)
     slots = check_options(kind, options)
     config = _dist_config(kind, options.get("environ"), True, options.get("staleness"))
-    loop_thread = LoopThread(name="akv-store-loop")
+    # A worker's network thread: batch scheduling (see Config.sched_batch).
+    loop_thread = LoopThread(name="akv-store-loop", batch=config is not None and config.sched_batch)
     try:
         # The blocking face runs array work inline on the calling thread: it waits anyway.
         inline = options.get("inline_max_bytes")

@@ -37,23 +37,47 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+def _schedule_batch() -> str:
+    """Put the calling thread under ``SCHED_BATCH``; the policy it has afterwards."""
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is None:
+        return "normal (this system has no SCHED_BATCH)"
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))  # 0: the calling thread
+    except OSError as exc:
+        return f"normal (SCHED_BATCH refused: {exc})"
+    return "batch"
+
+
 class LoopThread:
     """An event loop running forever on a daemon thread of its own.
 
     It serves blocking code that needs coroutines run somewhere (the blocking KVStore, an
     engine created outside any loop). :meth:`run` submits a coroutine and blocks until it
     finishes; :meth:`close` stops the loop and joins the thread.
+
+    ``batch``: the thread runs under the batch scheduling policy where the system has one
+    (Linux's ``SCHED_BATCH``): its fair share of the CPU is unchanged, but when an event
+    wakes it, it does not preempt the thread running on that CPU (it runs once a CPU is
+    free or at that thread's next tick). :attr:`scheduling` says what it got.
     """
 
-    def __init__(self, name: str = "engine-loop") -> None:
+    def __init__(self, name: str = "engine-loop", *, batch: bool = False) -> None:
         self.loop = new_event_loop()
+        #: The thread's scheduling policy: ``"normal"``, ``"batch"``, or ``"normal (...)"``
+        #: with why batch was not set (no such policy here, or the system refused it).
+        self.scheduling = "normal"
+        self._batch = batch
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         self._ready.wait()
         self.thread_id = self._thread.ident
+        self.native_id = self._thread.native_id
 
     def _main(self) -> None:
+        if self._batch:
+            self.scheduling = _schedule_batch()
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._ready.set)
         try:

@@ -212,6 +212,11 @@ class Config:
     #: A push waits for the servers' acknowledgement before it is done (``AKV_STRICT_PUSH``
     #: = 1; for debugging: by default pushes are pipelined).
     strict_push: bool = False
+    #: The blocking store's network thread runs under ``SCHED_BATCH`` on Linux
+    #: (``AKV_SCHED_BATCH`` = 1, the default): woken by a server's answer, it does not
+    #: preempt the process running on that CPU (on a host with fewer cores than busy
+    #: threads, that is often the server, with more answers to send).
+    sched_batch: bool = True
     #: dist_async's bound on how many pushes of a key a worker may be ahead of the slowest
     #: worker (``AKV_STALENESS``, or ``create(..., staleness=k)``; None: no bound).
     staleness: int | None = None
@@ -611,6 +616,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
         checkpoint_interval_s=checkpoint_interval_s,
         retain_bytes=retain_bytes,
         strict_push=_flag(env, "AKV_STRICT_PUSH"),
+        sched_batch=_flag(env, "AKV_SCHED_BATCH", default=True),
         staleness=(
             int_setting(env["AKV_STALENESS"], "AKV_STALENESS", 0, "a number of pushes")
             if env.get("AKV_STALENESS", "").strip()

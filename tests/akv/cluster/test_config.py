@@ -75,6 +75,7 @@ def test_akv_twins_work_alone_and_agreeing_with_mxnet_names():
         ),
         ({"AKV_BIGARRAY_BOUND": "inf"}, r"AKV_BIGARRAY_BOUND='inf' is not a number of elements"),
         ({"AKV_PULL_AHEAD": "yes"}, r"AKV_PULL_AHEAD='yes': set it to 1 \(on\) or 0 \(off\)"),
+        ({"AKV_SCHED_BATCH": "on"}, r"AKV_SCHED_BATCH='on': set it to 1 \(on\) or 0 \(off\)"),
         ({"AKV_PORT": "70000"}, r"AKV_PORT=70000 is out of range: set it to a TCP port"),
         (
             {"AKV_LOG_LEVEL": "verbose"},
@@ -85,6 +86,12 @@ def test_akv_twins_work_alone_and_agreeing_with_mxnet_names():
 def test_bad_configuration_names_the_variable(changes, message):
     with pytest.raises(ConfigError, match=message):
         _config.from_env(env(**changes))
+
+
+def test_the_network_thread_is_batch_scheduled_unless_akv_sched_batch_is_0():
+    assert _config.from_env(env()).sched_batch
+    assert _config.from_env(env(AKV_SCHED_BATCH="1")).sched_batch
+    assert not _config.from_env(env(AKV_SCHED_BATCH="0")).sched_batch
 
 
 def test_rank_comes_from_mpi_or_slurm_when_akv_rank_is_absent():

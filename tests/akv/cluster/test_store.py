@@ -780,6 +780,29 @@ def test_a_pipelined_push_sends_a_copy_the_caller_may_change_at_once(sent):
         kv.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs Linux's SCHED_BATCH")
+@pytest.mark.parametrize("setting", [None, "1", "0"])
+def test_a_blocking_workers_network_thread_is_batch_scheduled_unless_turned_off(setting):
+    with Cluster(1, 1) as cluster:
+        environ = cluster.worker_env(0)
+        if setting is not None:
+            environ["AKV_SCHED_BATCH"] = setting
+        kv = akv.create("dist_sync", environ=environ)
+        try:
+            thread = kv._loop_thread
+            policy = os.sched_getscheduler(thread.native_id)
+            if setting == "0":
+                assert (thread.scheduling, policy) == ("normal", os.SCHED_OTHER)
+            else:
+                assert (thread.scheduling, policy) == ("batch", os.SCHED_BATCH)
+            assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's is its own
+            kv.init("w", np.zeros(4, np.float32))
+            kv.push("w", np.ones(4, np.float32))
+            np.testing.assert_array_equal(kv.pull("w"), np.ones(4, np.float32))
+        finally:
+            kv.close()
+
+
 def test_a_blocking_push_returns_before_its_task_and_barrier_settles_it(monkeypatch):
     """The blocking face does not wait for the loop thread to send a pipelined push;
     barrier() waits for it, and raises what a server answered it with."""
