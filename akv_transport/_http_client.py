@@ -60,8 +60,13 @@ class HttpClient:
         self._timeout_s = timeout_s
         self._retries = retries
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
 
     def _client(self) -> aiohttp.ClientSession:
+        if self._closed:
+            # A request after close() would open a session that nobody closes (aiohttp
+            # warns "Unclosed client session" when it is collected).
+            raise TransportError(f"{self.base_url}: the client is closed")
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(
                 limit_per_host=CONNECTIONS_PER_HOST,
@@ -133,7 +138,9 @@ class HttpClient:
         return parse_json(payload) if payload else None
 
     async def close(self) -> None:
-        """Close the pooled connections."""
+        """Close the pooled connections; every request after this raises
+        :class:`~akv_transport.errors.TransportError`. Idempotent."""
+        self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None

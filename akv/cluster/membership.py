@@ -267,10 +267,9 @@ class Membership:
         )
 
     async def close(self) -> None:
-        """Close the HTTP client. Idempotent."""
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        """Close the HTTP client; a request after this raises
+        :class:`~akv_transport.TransportError` (none opens a new connection). Idempotent."""
+        await self.client.close()
 
 
 def scheduler_refusal(exc: RemoteError) -> AKVError:

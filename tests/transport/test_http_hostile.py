@@ -25,6 +25,7 @@ from akv_transport import (
     Message,
     RequestError,
     StreamProtocol,
+    TransportError,
     client_ssl_context,
     create_app,
     frame_bytes,
@@ -334,6 +335,16 @@ async def test_the_http_client_survives_idle_pauses_longer_than_the_timeout(serv
             await asyncio.sleep(IDLE_S * 2)  # the server closes the kept-alive connection
     finally:
         await client.close()
+
+
+async def test_a_closed_http_client_refuses_requests_and_opens_no_session(service):
+    client = HttpClient(f"http://127.0.0.1:{service.port}", TOKEN, timeout_s=10)
+    assert await client.json("POST", "/echo", {"n": 1}) == {"got": {"n": 1}}
+    await client.close()
+    with pytest.raises(TransportError, match="the client is closed"):
+        await client.json("POST", "/echo", {"n": 2})
+    assert client._session is None  # a late request made no session that nobody closes
+    await client.close()  # idempotent
 
 
 async def open_echo_stream(

@@ -303,9 +303,9 @@ class ParameterServer:
         if not self._awaits_restart and self.membership.registered:
             with contextlib.suppress(TransportError, AKVError):  # it may be gone already
                 await self.membership.finish()
-        await self.membership.close()
-        for task in list(self._tasks):
+        for task in list(self._tasks):  # before the client closes: none asks it again
             task.cancel()
+        await self.membership.close()
         await self.engine.aclose()
         self._adder.shutdown(wait=False)
         if self.checkpoints is not None:
