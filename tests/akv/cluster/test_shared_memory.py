@@ -278,6 +278,56 @@ async def test_a_cut_shared_memory_stream_reconnects_and_loses_nothing():
     assert len(first) == 2
 
 
+async def test_a_row_push_read_in_place_survives_its_workers_stream_being_cut():
+    """Worker 0's row push waits on the server for worker 1's, read where it lies in
+    worker 0's arena; worker 0's stream is cut meanwhile and opened again with fresh
+    arenas (its push resent and recognized): the round sums the rows as they were pushed."""
+    shape = (10_000, 64)
+    with Cluster(2, 1) as cluster:
+        fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        server = cluster.servers[0]
+
+        async def on_server(fn):
+            return await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(fn(), cluster.thread.loop)
+            )
+
+        def held_in_place() -> bool:
+            entries = list(server.state.rows.entries.values())
+            return (
+                bool(entries)
+                and len(entries[0].pending) == 1
+                and not entries[0].pending[0][1].flags.writeable
+            )
+
+        async def cut() -> None:
+            (link,) = [
+                link
+                for link in server.links.values()
+                if getattr(link, "peer", None) is not None and link.peer.worker == 0
+            ]
+            link.protocol.abort()
+
+        try:
+            await asyncio.gather(
+                *(
+                    kv.init("emb", akv.RowSparseArray.zeros(shape, np.float32))
+                    for kv in (fast, slow)
+                )
+            )
+            ids = np.arange(0, 2000, 2)  # 1000 rows of 64 float32: through the arena
+            grad = akv.RowSparseArray(np.full((ids.size, 64), 3.0, np.float32), ids, shape)
+            await fast.push("emb", grad)
+            await wait_until(held_in_place, "worker 0's push held in place on the server")
+            await on_server(cut)
+            await slow.push("emb", akv.RowSparseArray(np.ones((1, 64), np.float32), [1], shape))
+            pulled = await fast.row_sparse_pull("emb", row_ids=np.arange(4))
+            assert [link.reconnects for link in fast._backend.links] == [1]
+        finally:
+            await asyncio.gather(*(kv.close() for kv in (fast, slow)))
+    np.testing.assert_array_equal(pulled.data[:, 0], [3, 1, 3, 0])
+
+
 async def test_row_answers_to_local_workers_are_gathered_into_the_servers_arena():
     # 400 rows of 64 float32: 100 KiB, above the smallest payload worth the arena; 4 rows
     # (1 KiB) go on the socket.
