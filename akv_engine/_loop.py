@@ -64,8 +64,9 @@ class LoopThread:
 
     def __init__(self, name: str = "engine-loop", *, batch: bool = False) -> None:
         self.loop = new_event_loop()
-        #: The thread's scheduling policy: ``"normal"``, ``"batch"``, or ``"normal (...)"``
-        #: with why batch was not set (no such policy here, or the system refused it).
+        #: The thread's scheduling policy: ``"batch"``; ``"normal"``, the one it started
+        #: with (its creator's); or ``"normal (...)"`` with why batch was not set (no such
+        #: policy here, or the system refused it).
         self.scheduling = "normal"
         self._batch = batch
         self._ready = threading.Event()

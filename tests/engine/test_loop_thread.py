@@ -19,22 +19,23 @@ async def _where() -> tuple[int, int]:
 
 @needs_batch
 def test_a_batch_loop_thread_runs_its_coroutines_under_sched_batch_and_the_caller_keeps_its_own():
+    caller = os.sched_getscheduler(0)
     thread = LoopThread(name="test-batch", batch=True)
     try:
         native_id, policy = thread.run(_where())
         assert native_id == thread.native_id != threading.get_native_id()
         assert (thread.scheduling, policy) == ("batch", os.SCHED_BATCH)
-        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        assert os.sched_getscheduler(0) == caller
     finally:
         thread.close()
     assert not thread.running
 
 
 @needs_batch
-def test_a_loop_thread_is_normally_scheduled_by_default():
+def test_a_loop_thread_keeps_its_creators_policy_by_default():
     thread = LoopThread(name="test-normal")
     try:
-        assert thread.run(_where())[1] == os.SCHED_OTHER
+        assert thread.run(_where())[1] == os.sched_getscheduler(0)
         assert thread.scheduling == "normal"
     finally:
         thread.close()
