@@ -47,6 +47,7 @@ from akv.cluster.server.rounds import KeyRounds
 from akv.compression import Compression
 from akv.errors import AKVError, MembershipError
 from akv.keys import Entry, VarFactory
+from akv.limits import INLINE_MAX_BYTES
 from akv.rows import RowTable
 
 __all__ = [
@@ -183,6 +184,13 @@ class LandRows:
     waited_s: float | None = None
 
     @property
+    def inline(self) -> bool:
+        """Small enough to run on the server's loop (:data:`~akv.limits.INLINE_MAX_BYTES` of
+        pushed rows at most): a hop to a thread costs more than such a round."""
+        nbytes = sum(rows.nbytes for _, _, pushes in self.closing for _, rows, _ in pushes)
+        return nbytes <= INLINE_MAX_BYTES
+
+    @property
     def lent(self) -> list[Lent]:
         """The shares of payloads read in place that the closed rounds' pushes hold, one
         per push read so."""
@@ -194,6 +202,14 @@ class SendRows:
     """Answer ``ticket`` with the rows it asks for, read after earlier writes."""
 
     ticket: RowPullTicket
+
+    @property
+    def inline(self) -> bool:
+        """Small enough to gather on the server's loop, as :attr:`LandRows.inline`."""
+        pulls = self.ticket.pulls
+        return (
+            sum(ids.size * e.nbytes // max(e.shape[0], 1) for e, ids in pulls) <= INLINE_MAX_BYTES
+        )
 
 
 @dataclass(eq=False)

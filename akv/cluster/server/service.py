@@ -86,7 +86,6 @@ from akv.errors import (
 )
 from akv.limits import (
     DRAIN_S,
-    INLINE_MAX_BYTES,
     ROUND_CHECK_INTERVAL_S,
     SERVER_ENGINE_SLOTS,
     SPLIT_ADD_MIN_BYTES,
@@ -456,20 +455,15 @@ class ParameterServer:
                     self._land_rows,
                     instruction,
                     writes=[entry.var for entry in instruction.entries],
-                    # Small row rounds on the loop: a hop to a thread costs more than they do.
-                    executor="inline" if _rows_bytes(instruction) <= INLINE_MAX_BYTES else "thread",
+                    executor="inline" if instruction.inline else "thread",
                     name="push",
                 )
             elif isinstance(instruction, SendRows):
-                pulls = instruction.ticket.pulls
                 self.engine.push(
                     self._send_rows,
                     instruction.ticket,
-                    reads=[entry.var for entry, _ in pulls],
-                    executor="inline"
-                    if sum(ids.size * e.nbytes // max(e.shape[0], 1) for e, ids in pulls)
-                    <= INLINE_MAX_BYTES
-                    else "thread",
+                    reads=[entry.var for entry, _ in instruction.ticket.pulls],
+                    executor="inline" if instruction.inline else "thread",
                     no_skip=True,
                     name="send",
                 )
@@ -755,11 +749,6 @@ def split_add(
     second = helper.submit(np.add, a[half:], b[half:], whole[half:])
     np.add(a[:half], b[:half], out=whole[:half])
     second.result()
-
-
-def _rows_bytes(work: LandRows) -> int:
-    """The bytes of the row pushes a LandRows sums and applies."""
-    return sum(rows.nbytes for _, _, pushes in work.closing for _, rows, _ in pushes)
 
 
 def _failed_reply(peer: Peer, seq: int, what: str, exc: Exception) -> ReplyError:

@@ -40,7 +40,7 @@ import numpy as np
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import Note, Op, decode_meta, op_label
-from akv.cluster.server.buffers import Landing, Lent, ValueRegions
+from akv.cluster.server.buffers import Landing, ValueRegions
 from akv.cluster.server.checkpoint_header import RowRecord
 from akv.cluster.server.checks import (
     check_admission,
@@ -445,8 +445,7 @@ class ServerState:
         if op in (Op.PUSH, Op.PUSHPULL):
             return self._push(peer, header, landing, now)
         if op in ROW_OPS:
-            arrays = shaped(header, cast("list[np.ndarray]", landing.buffers))
-            return self._rows(peer, header, arrays, now, landing.lent)
+            return self._rows(peer, header, landing, now)
         if op == Op.PULL:
             return self._pull(peer, seq, [self._entry(i.key, "pull from") for i in header.arrays])
         if op == Op.INIT:
@@ -513,15 +512,10 @@ class ServerState:
         return [ReplyError(parked.peer, parked.header.seq, error)]
 
     def _rows(
-        self,
-        peer: Peer,
-        header: FrameHeader,
-        buffers: list[np.ndarray],
-        now: float,
-        lent: Lent | None,
+        self, peer: Peer, header: FrameHeader, landing: Landing, now: float
     ) -> list[Instruction]:
-        """A request on row-sparse keys (:class:`~akv.cluster.server.row_keys.RowKeys`);
-        ``lent``: its buffers are read in place (a push's)."""
+        """A request on row-sparse keys (:class:`~akv.cluster.server.row_keys.RowKeys`)."""
+        buffers = shaped(header, cast("list[np.ndarray]", landing.buffers))
         if header.op == Op.ROW_INIT:
             made = self.rows.init(peer, header, buffers, self.sync)
             if self.checkpoints:  # answered once a checkpoint holds the keys (as INIT)
@@ -530,7 +524,7 @@ class ServerState:
                 return [Checkpoint(peer, header.seq)]
             return [Reply(peer, header.seq), *self._init_waits.release(self._held())]
         if header.op == Op.ROW_PUSH:
-            out, duplicates = self.rows.push(peer, header, buffers, now, lent)
+            out, duplicates = self.rows.push(peer, header, buffers, now, landing.lent)
             self.duplicates += duplicates
             return out
         ticket = self.rows.pull(peer, header, buffers)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from akv.cluster.protocol import Op
+from akv.cluster.server import instructions
+from akv.cluster.server.instructions import RowPullTicket, SendRows
 from akv.errors import (
     DoublePushError,
     InvalidArgumentError,
@@ -199,3 +201,18 @@ def test_parked_pulls_fail_when_their_round_times_out_or_the_job_fails():
     again = players.row_pull(0, "emb", [500])
     players.run(players.state.job_failed("worker 1 died"))
     assert isinstance(players.reply(0, again), PeerLostError)
+
+
+def test_small_row_rounds_and_answers_run_on_the_loop_and_large_ones_on_a_thread(monkeypatch):
+    players = started()
+    players.hold_updates = True
+    players.row_push(0, "emb", [500, 700], ones(2), tag=1)
+    players.row_push(1, "emb", [700], ones(1), tag=1)
+    (land,) = players.held
+    entry = players.state.rows.entries["emb"]
+    pull = SendRows(RowPullTicket(players.peers[0], 1, [(entry, np.arange(500, 504))]))
+    assert land.inline and pull.inline  # 24 and 32 bytes
+    monkeypatch.setattr(instructions, "INLINE_MAX_BYTES", 24)
+    assert land.inline and not pull.inline
+    monkeypatch.setattr(instructions, "INLINE_MAX_BYTES", 23)
+    assert not land.inline
