@@ -38,7 +38,7 @@ from functools import partial
 
 import numpy as np
 
-from akv.cluster.server.service import split_add
+from akv.cluster.server.updates import split_add
 
 __all__ = ["RawEcho", "RawRound", "RawShmRound", "round_trip"]
 

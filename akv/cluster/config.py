@@ -166,6 +166,17 @@ class Timeouts:
     silent_s: float = STREAM_SILENT_S
 
     @property
+    def silent_reconnect_s(self) -> float:
+        """How long a server waits for a worker whose stream it cut as silent, before it
+        reports the worker lost: the worker's own cut may come up to ``AKV_STREAM_SILENT_S``
+        later, it then tries to reconnect for ``AKV_REQUEST_TIMEOUT_S``, its last attempt
+        may take ``AKV_CONNECT_TIMEOUT_S``, and then the usual grace. A silent stream is no
+        sign that the worker died (a dead or hanging worker stops its heartbeats, and the
+        scheduler names it first); a live worker that cannot reach this server within its
+        window names this server itself, and this report is only the last resort."""
+        return self.silent_s + self.request_s + self.connect_s + self.reconnect_s
+
+    @property
     def keepalive(self) -> KeepAlive:
         """The liveness of the workers' streams (the servers' settings govern them)."""
         return KeepAlive(self.keepalive_s, self.silent_s)

@@ -76,7 +76,7 @@ from akv.cluster.server.metrics import ServerMetrics
 from akv.cluster.server.report import heartbeat_report
 from akv.cluster.server.row_keys import gather_rows, land_rows
 from akv.cluster.server.state import ServerState
-from akv.cluster.server.updates import land
+from akv.cluster.server.updates import land, split_add
 from akv.errors import (
     AKVError,
     InvalidArgumentError,
@@ -88,7 +88,6 @@ from akv.limits import (
     DRAIN_S,
     ROUND_CHECK_INTERVAL_S,
     SERVER_ENGINE_SLOTS,
-    SPLIT_ADD_MIN_BYTES,
     STAGED_REPLY_MIN_BYTES,
     STARTUP_MARGIN_S,
 )
@@ -132,7 +131,7 @@ class ParameterServer:
             self.engine.new_var,
             reconnect_s=config.timeouts.reconnect_s,
             checkpoints=checkpoints,
-            silent_reconnect_s=silent_reconnect_s(config),
+            silent_reconnect_s=config.timeouts.silent_reconnect_s,
             server_id=self.membership.node_id,
         )
         #: Writes this server's checkpoints (None: it writes none).
@@ -534,6 +533,11 @@ class ParameterServer:
         frame = encode_frame(Op.REPLY, instruction.seq, aux=status_of(error), text=str(error))
         self.send_to(instruction.peer, frame)
 
+    def _answer_failed(self, ticket: PullTicket | RowPullTicket, what: str, exc: Exception) -> None:
+        """Answer ``ticket``'s pull with the error that making its answer raised (logged
+        with its traceback), instead of leaving the worker to wait for its deadline."""
+        self._on_loop(self._reply_error, _failed_reply(ticket.peer, ticket.seq, what, exc))
+
     def _fail_job(self, instruction: FailJob) -> None:
         if instruction.blames_itself:
             log.error("%s", instruction.reason)
@@ -583,8 +587,16 @@ class ParameterServer:
         the stream's shared memory where it has one (sent from there), else into arrays."""
         link = self.links.get(ticket.peer.id)
         shared = link.protocol.shared if isinstance(link, StreamLink) else None
-        arrays, placed = gather_rows(ticket, None if shared is None else shared.take)
-        frame = encode_frame(Op.REPLY, ticket.seq, arrays, aux=OK)
+        placed: list[np.ndarray] = []
+        try:
+            arrays, placed = gather_rows(ticket, None if shared is None else shared.take)
+            frame = encode_frame(Op.REPLY, ticket.seq, arrays, aux=OK)
+        except Exception as exc:
+            if shared is not None:
+                for region in placed:
+                    shared.give_back(region)
+            self._answer_failed(ticket, "row_sparse_pull", exc)
+            return
         if placed:
             assert shared is not None
             self._on_loop(self._send_from_arena, ticket.peer, frame, shared, placed)
@@ -646,7 +658,11 @@ class ParameterServer:
     def _send_copy(self, ticket: PullTicket) -> None:
         """Answer a small pull with a copy of the values (no need to hold them until sent)."""
         arrays = [(e.key, e.value, e.rounds.applied_round) for e in ticket.entries]
-        frame = [frame_bytes(Op.REPLY, ticket.seq, arrays, aux=OK)]
+        try:
+            frame = [frame_bytes(Op.REPLY, ticket.seq, arrays, aux=OK)]
+        except Exception as exc:
+            self._answer_failed(ticket, "pull", exc)
+            return
         self._on_loop(self.send_to, ticket.peer, frame)
 
     def _arena_for(self, ticket: PullTicket) -> SharedMemory | None:
@@ -668,17 +684,23 @@ class ParameterServer:
         of the stream's arena (or, where none is free, into buffers of their own), then
         send the answer from there on the loop."""
         arrays = []
-        staged = []
-        for entry in ticket.entries:
-            view = shared.take(entry.nbytes)
-            if view is None:
-                array = entry.value.copy()
-            else:
-                array = np.frombuffer(view, entry.dtype).reshape(entry.shape)
-                np.copyto(array, entry.value)
-                staged.append(array)
-            arrays.append((entry.key, array, entry.rounds.applied_round))
-        frame = encode_frame(Op.REPLY, ticket.seq, arrays, aux=OK)
+        staged: list[np.ndarray] = []
+        try:
+            for entry in ticket.entries:
+                view = shared.take(entry.nbytes)
+                if view is None:
+                    array = entry.value.copy()
+                else:
+                    array = np.frombuffer(view, entry.dtype).reshape(entry.shape)
+                    staged.append(array)
+                    np.copyto(array, entry.value)
+                arrays.append((entry.key, array, entry.rounds.applied_round))
+            frame = encode_frame(Op.REPLY, ticket.seq, arrays, aux=OK)
+        except Exception as exc:
+            for region in staged:
+                shared.give_back(region)
+            self._answer_failed(ticket, "pull", exc)
+            return
         self._on_loop(self._send_from_arena, ticket.peer, frame, shared, staged)
 
     def _send_from_arena(
@@ -706,7 +728,13 @@ class ParameterServer:
             done(None, None)
             return
         arrays = [(e.key, e.value, e.rounds.applied_round) for e in ticket.entries]
-        link.send(encode_frame(Op.REPLY, ticket.seq, arrays, aux=OK))
+        try:
+            frame = encode_frame(Op.REPLY, ticket.seq, arrays, aux=OK)
+        except Exception as exc:
+            self._answer_failed(ticket, "pull", exc)
+            done(None, None)
+            return
+        link.send(frame)
         link.when_drained(lambda _: done(None, None))  # a lost stream ends the task as well
 
     async def _install(self, work: InstallOptimizer) -> None:
@@ -735,38 +763,10 @@ class ParameterServer:
         self.execute([Reply(work.peer, work.seq)])
 
 
-def split_add(
-    helper: concurrent.futures.Executor, a: np.ndarray, b: np.ndarray, out: np.ndarray
-) -> None:
-    """``out = a + b`` (``out`` may be ``a``); from :data:`SPLIT_ADD_MIN_BYTES` on, the
-    second half is added by ``helper`` meanwhile (NumPy lets go of the GIL while it adds)."""
-    contiguous = a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous
-    if out.nbytes < SPLIT_ADD_MIN_BYTES or not contiguous:
-        np.add(a, b, out=out)
-        return
-    a, b, whole = a.reshape(-1), b.reshape(-1), out.reshape(-1)
-    half = len(whole) // 2
-    second = helper.submit(np.add, a[half:], b[half:], whole[half:])
-    np.add(a[:half], b[:half], out=whole[:half])
-    second.result()
-
-
 def _failed_reply(peer: Peer, seq: int, what: str, exc: Exception) -> ReplyError:
     if isinstance(exc, AKVError):
         return ReplyError(peer, seq, exc)
     return ReplyError(peer, seq, ServerError(f"{what}: {type(exc).__name__}: {exc}"), exc)
-
-
-def silent_reconnect_s(config: Config) -> float:
-    """How long a server waits for a worker whose stream it cut as silent, before it
-    reports the worker lost: the worker's own cut may come up to ``AKV_STREAM_SILENT_S``
-    later, it then tries to reconnect for ``AKV_REQUEST_TIMEOUT_S``, its last attempt may
-    take ``AKV_CONNECT_TIMEOUT_S``, and then the usual grace. A silent stream is no sign
-    that the worker died (a dead or hanging worker stops its heartbeats, and the scheduler
-    names it first); a live worker that cannot reach this server within its window names
-    this server itself, and this report is only the last resort."""
-    timeouts = config.timeouts
-    return timeouts.silent_s + timeouts.request_s + timeouts.connect_s + timeouts.reconnect_s
 
 
 # ---------------------------------------------------------------------- command line

@@ -7,6 +7,7 @@ pulls that read the result.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -15,6 +16,7 @@ from akv import optimizer as _optimizer
 from akv.cluster.server.buffers import Lent, give_back, own
 from akv.cluster.server.instructions import Land, ServerEntry
 from akv.compression import decode
+from akv.limits import SPLIT_ADD_MIN_BYTES
 
 __all__ = ["Add", "land"]
 
@@ -106,3 +108,19 @@ def _give_back_borrowed(entry: ServerEntry, to_give_back: list[Lent]) -> None:
     if entry.borrowed is not None:
         to_give_back.append(entry.borrowed)
         entry.borrowed = None
+
+
+def split_add(
+    helper: concurrent.futures.Executor, a: np.ndarray, b: np.ndarray, out: np.ndarray
+) -> None:
+    """``out = a + b`` (``out`` may be ``a``); from :data:`SPLIT_ADD_MIN_BYTES` on, the
+    second half is added by ``helper`` meanwhile (NumPy lets go of the GIL while it adds)."""
+    contiguous = a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous
+    if out.nbytes < SPLIT_ADD_MIN_BYTES or not contiguous:
+        np.add(a, b, out=out)
+        return
+    a, b, whole = a.reshape(-1), b.reshape(-1), out.reshape(-1)
+    half = len(whole) // 2
+    second = helper.submit(np.add, a[half:], b[half:], whole[half:])
+    np.add(a[:half], b[:half], out=whole[:half])
+    second.result()

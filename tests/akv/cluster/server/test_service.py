@@ -1,4 +1,4 @@
-"""The server's array helpers that run outside its state (``akv.cluster.server.service``)."""
+"""The server's array helpers that run outside its state (``akv.cluster.server.updates``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from akv.cluster.server.service import split_add
+from akv.cluster.server.updates import split_add
 from akv.limits import SPLIT_ADD_MIN_BYTES
 
 
