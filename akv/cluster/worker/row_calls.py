@@ -140,7 +140,11 @@ class RowCalls:
         answers = {id(a): a for key in taken for a in self._unanswered.pop(key)}
         if not answers:
             return None
-        outcomes = await asyncio.gather(*answers.values(), return_exceptions=True)
+        outcomes: list[object]
+        if all(answer.done() for answer in answers.values()):
+            outcomes = [_outcome(answer) for answer in answers.values()]
+        else:
+            outcomes = list(await asyncio.gather(*answers.values(), return_exceptions=True))
         for outcome in outcomes:
             if isinstance(outcome, AKVError):
                 return outcome
@@ -178,12 +182,18 @@ class RowCalls:
     ) -> object:
         links = self._links()
         timeout = self._timeouts.request_s
-        await asyncio.gather(
-            *(
-                links[server].request(Op.ROW_PULL, arrays, timeout_s=timeout, destinations=landings)
-                for server, (arrays, landings) in wanted.items()
+        if len(wanted) == 1:  # no gather: its callbacks cost the pull loop turns
+            ((server, (arrays, landings)),) = wanted.items()
+            await links[server].issue(Op.ROW_PULL, arrays, timeout_s=timeout, destinations=landings)
+        else:
+            await asyncio.gather(
+                *(
+                    links[server].request(
+                        Op.ROW_PULL, arrays, timeout_s=timeout, destinations=landings
+                    )
+                    for server, (arrays, landings) in wanted.items()
+                )
             )
-        )
         late = await self.settle([entry.key for entry, _, _ in pulls])
         if late is not None:
             raise late  # a push the pull follows failed: its rows may lack it
@@ -220,6 +230,12 @@ class RowCalls:
                 for server, (arrays, text) in requests.items()
             )
         )
+
+
+def _outcome(answer: asyncio.Future[Message]) -> BaseException | None:
+    """A settled answer's error (None for a reply), as ``gather(return_exceptions=True)``
+    gives it."""
+    return asyncio.CancelledError() if answer.cancelled() else answer.exception()
 
 
 def _give_back(placed: list[tuple[SharedMemory, np.ndarray]]) -> None:

@@ -295,3 +295,31 @@ async def test_pushes_without_pulls_keep_no_growing_list_of_answers():
             assert len(kv._backend._rows._unanswered["emb"]) == 1
         finally:
             await kv.close()
+
+
+async def test_a_refused_row_push_is_raised_by_the_next_row_pull_and_the_round_is_kept():
+    """A pipelined row push the server refuses (a second push in one dist_sync round) is
+    raised by the worker's next row_sparse_pull of the key; the round sums the pushes it
+    counted. (How answers still in flight are settled: tests/akv/cluster/worker.)"""
+    with Cluster(2, 2) as cluster:
+        fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        try:
+            await asyncio.gather(
+                *(kv.init("emb", rsp([0, 9], [row(0), row(0)])) for kv in (fast, slow))
+            )
+            await fast.push("emb", rsp([0, 9], [row(1), row(1)]))
+            await fast.push("emb", rsp([0, 9], [row(5), row(5)]))  # refused by both servers
+            answers = fast._backend._rows._unanswered["emb"]
+            await wait_until(lambda: all(a.done() for a in answers), "the push answers")
+            pull = asyncio.ensure_future(fast.row_sparse_pull("emb", row_ids=[0, 9]))
+            await slow.push("emb", rsp([0, 9], [row(2), row(2)]))
+            with pytest.raises(akv.DoublePushError, match=r"worker 0 pushed key 'emb' twice"):
+                await asyncio.wait_for(pull, 20)
+            pulled = await asyncio.gather(
+                *(kv.row_sparse_pull("emb", row_ids=[0, 9]) for kv in (fast, slow))
+            )
+            for rows in pulled:  # the round of worker 0's first push and worker 1's
+                np.testing.assert_array_equal(rows.data, [row(3), row(3)])
+            assert fast._backend._rows._unanswered == {}
+        finally:
+            await asyncio.gather(*(kv.close() for kv in (fast, slow)))
