@@ -17,6 +17,7 @@ entry's var orders these tasks exactly as it orders a dense key's. Semantics (as
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from types import SimpleNamespace
 
@@ -81,7 +82,7 @@ def sum_rows(values: Sequence[RowSparseArray]) -> RowSparseArray:
 def _merged(compiled: SimpleNamespace, values: Sequence[RowSparseArray]) -> RowSparseArray:
     """:func:`sum_rows` by :mod:`akv.jit`'s merge, value by value: the same numbers."""
     shape = values[0].shape
-    width = int(np.prod(shape[1:], dtype=np.int64))
+    width = math.prod(shape[1:])
     ids, data = values[0].indices, values[0].data
     for value in values[1:]:
         room = ids.size + value.indices.size

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 import mmap
 import random
 import sys
@@ -488,7 +489,7 @@ class RowTable:
             raise InvalidArgumentError(f"RowTable: {dtype!r} is not a dtype") from exc
         check_dtype(self._dtype, "RowTable")
         if direct is None:
-            row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self._dtype.itemsize
+            row_bytes = math.prod(self.row_shape) * self._dtype.itemsize
             direct = self._shape[0] <= DIRECT_MAX_ROWS and row_bytes >= DIRECT_MIN_ROW_BYTES
         self._index: RowIndex | DirectIndex = DirectIndex(self._shape[0]) if direct else RowIndex()
         self._rows = _Arena(self.row_shape, self._dtype)
@@ -640,7 +641,7 @@ class RowTable:
 
     def _write(self, slots: RowIds, rows: np.ndarray) -> None:
         """Set arena rows ``slots`` (unique) to ``rows``."""
-        size = int(np.prod(self.row_shape, dtype=np.int64))
+        size = math.prod(self.row_shape)
         if size == 0:
             return
         # Each row as one opaque item: NumPy copies rows so about 1.5x faster than as

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from akv.arrays import copy_into, is_cupy
@@ -148,7 +150,7 @@ class Updater:
         state rows are stored as zeros, as such an optimizer's ``create_state`` makes
         them."""
         optimizer = self.optimizer
-        width = int(np.prod(table.row_shape, dtype=np.int64))
+        width = math.prod(table.row_shape)
         count = optimizer.row_states_in_place(index, table.dtype)
         if count is None or not width or not len(ids):
             return False

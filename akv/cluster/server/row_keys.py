@@ -20,6 +20,7 @@ array work the service runs in engine tasks that write (or read) the keys involv
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
@@ -334,7 +335,7 @@ def gather_rows(
     placed = []
     for entry, ids in ticket.pulls:
         shape = (ids.size, *entry.shape[1:])
-        nbytes = int(np.prod(shape, dtype=np.int64)) * entry.dtype.itemsize
+        nbytes = math.prod(shape) * entry.dtype.itemsize
         view = None if region is None else region(nbytes)
         if view is None:
             rows = entry.rows.gather(ids)
