@@ -153,6 +153,7 @@ def encode_states(
     -------
     bytes
         An archive that :func:`decode_states` turns back into equal states, bit for bit.
+        It holds no time of writing: equal states encode to equal bytes.
 
     Raises
     ------
@@ -199,11 +200,20 @@ def encode_states(
         raise InvalidArgumentError(f"the optimizer config is not JSON-serialisable: {exc}") from exc
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as archive:
-        archive.writestr(STRUCTURE_MEMBER, text.encode("utf-8"))
+        archive.writestr(_member(STRUCTURE_MEMBER), text.encode("utf-8"))
         for name, array in members.items():
-            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+            with archive.open(_member(f"{name}.npy"), "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, array, allow_pickle=False)
     return buffer.getvalue()
+
+
+def _member(name: str) -> zipfile.ZipInfo:
+    """An archive member stamped with zip's epoch (1980-01-01), not the time of writing:
+    the same states are the same bytes, whenever they are saved."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    info.external_attr = 0o600 << 16  # -rw-------, as zipfile gives a member named by str
+    return info
 
 
 def decode_states(data: bytes | bytearray | memoryview) -> SavedStates:

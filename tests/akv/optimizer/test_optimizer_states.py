@@ -218,6 +218,20 @@ def test_the_archive_is_an_npz_numpy_reads_without_pickle():
     assert structure["states"] == [{"tuple": [{"array": "a0", "shape": [4], "dtype": "<f4"}, None]}]
 
 
+def test_the_same_states_are_the_same_bytes_whenever_they_are_saved(monkeypatch):
+    """No time of writing in the archive: checkpoints of equal states compare equal."""
+    import time
+
+    states = {"emb": (np.arange(6, dtype=np.float32).reshape(2, 3), None)}
+    saved = []
+    for now in (1.7e9, 1.7e9 + 3601.5):
+        monkeypatch.setattr(time, "time", lambda now=now: now)
+        saved.append(encode_states(states, index_update_counts={"emb": 2}, num_update=2))
+    assert saved[0] == saved[1]
+    members = zipfile.ZipFile(io.BytesIO(saved[0])).infolist()
+    assert {info.date_time for info in members} == {(1980, 1, 1, 0, 0, 0)}
+
+
 def test_str_keys_come_back_as_str():
     saved = decode_states(encode_states({"3": None}, index_update_counts={"3": 1}))
     assert list(saved.states) == ["3"] and saved.index_update_counts == {"3": 1}
