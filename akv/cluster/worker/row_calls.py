@@ -23,7 +23,13 @@ from akv.cluster.placement import row_parts
 from akv.cluster.protocol import Op
 from akv.cluster.worker.link import ServerLink
 from akv.cluster.worker.requests import WireArray
-from akv.cluster.worker.rows import init_check_text, init_requests, pull_requests, push_requests
+from akv.cluster.worker.rows import (
+    PushBuffers,
+    init_check_text,
+    init_requests,
+    pull_requests,
+    push_requests,
+)
 from akv.errors import AKVError
 from akv.keys import Entry
 from akv.limits import INIT_CHECK_MARGIN_S
@@ -33,6 +39,9 @@ from akv_engine import Engine, Task
 from akv_transport import Message, SharedMemory, StreamProtocol
 
 __all__ = ["RowCalls"]
+
+#: Who lent the memory a push's rows wait in.
+Lender = SharedMemory | PushBuffers
 
 #: Each server's request: its arrays and its text.
 Requests = dict[int, tuple[list[WireArray], str]]
@@ -57,6 +66,8 @@ class RowCalls:
         self._stream_of = stream_of
         #: The answers of the pushes sent and not yet awaited, by key.
         self._unanswered: dict[Any, list[asyncio.Future[Message]]] = {}
+        #: Where pushed rows wait for their answers on streams without a shared arena.
+        self.push_buffers = PushBuffers()
 
     def new_entry(self, key: Any, shape: tuple[int, ...], dtype: np.dtype) -> Entry:
         """A row-sparse key's entry: its parts are row ranges, one per server
@@ -98,24 +109,30 @@ class RowCalls:
             name="push",
         )
 
-    def _region(self, server: int, nbytes: int) -> tuple[SharedMemory, memoryview] | None:
-        """A region of the shared arena of the stream to ``server`` that a push's rows may
-        wait in until answered (see :meth:`DistBackend._stream_for_staging`), and that
-        memory; or None."""
+    def _region(self, server: int, nbytes: int) -> tuple[Lender, memoryview] | None:
+        """Memory a push's rows to ``server`` wait in until answered, and who takes it back:
+        a region of the shared arena of the stream to it where it takes them, else a
+        reusable buffer of :attr:`push_buffers`; None when the server keeps copies past the
+        answer (it writes checkpoints: see :meth:`DistBackend._stream_for_staging`) or
+        the stream is down."""
         stream = self._stream_of(server)
-        shared = None if stream is None else stream.shared
+        if stream is None:
+            return None
+        shared = stream.shared
         view = None if shared is None else shared.take(nbytes)
-        return None if view is None or shared is None else (shared, view)
+        if shared is not None and view is not None:
+            return shared, view
+        return self.push_buffers, self.push_buffers.take(nbytes)
 
     async def _send_push(
         self,
         requests: dict[int, list[WireArray]],
         keys: list[Any],
-        placed: list[tuple[SharedMemory, np.ndarray]],
+        placed: list[tuple[Lender, np.ndarray]],
     ) -> None:
         """Send a push's requests now; their answers are awaited later (see the module).
-        Rows staged in a stream's arena (``placed``) go back to it once every server
-        answered (they are resent from there until then)."""
+        Rows placed in a stream's arena or a push buffer (``placed``) go back once every
+        server answered (they are resent from there until then)."""
         links = self._links()
         timeout = self._timeouts.request_s
         answers = [
@@ -238,9 +255,9 @@ def _outcome(answer: asyncio.Future[Message]) -> BaseException | None:
     return asyncio.CancelledError() if answer.cancelled() else answer.exception()
 
 
-def _give_back(placed: list[tuple[SharedMemory, np.ndarray]]) -> None:
-    """Give the arena regions a push's rows waited in back (free once no frame that
-    carried them is unreleased)."""
+def _give_back(placed: list[tuple[Lender, np.ndarray]]) -> None:
+    """Give back the memory a push's rows waited in (an arena's region is free once no
+    frame that carried it is unreleased)."""
     for shared, rows in placed:
         shared.give_back(rows)
 

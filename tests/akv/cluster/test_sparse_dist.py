@@ -12,7 +12,7 @@ import pytest
 import akv
 from akv.cluster.placement import row_parts
 from akv.cluster.protocol import Op
-from akv.cluster.worker.rows import pull_requests, push_requests
+from akv.cluster.worker.rows import MAX_SPARE_PUSH_BUFFERS, pull_requests, push_requests
 from akv.errors import RowIdError, ShapeMismatchError, StorageTypeError
 from akv.keys import Entry
 from tests.akv.cluster.cluster import Cluster, each, on_every_worker, wait_until
@@ -323,3 +323,30 @@ async def test_a_refused_row_push_is_raised_by_the_next_row_pull_and_the_round_i
             assert fast._backend._rows._unanswered == {}
         finally:
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
+
+
+async def test_pushes_over_tcp_wait_in_reused_buffers_and_each_is_applied_as_it_was_called():
+    """Without shared memory a push's rows are copied at the call into a reusable buffer
+    (not fresh pages each time) and wait there until both servers answered: pipelined
+    pushes from one array changed after each call are each applied as they were called."""
+    with Cluster(1, 2, AKV_SHM="0") as cluster:
+        (kv,) = await cluster.workers()
+        try:
+            assert not any(link.shares_memory for link in kv._backend.links)
+            await kv.init("emb", rsp([0], [row(0)]))
+            await kv.set_optimizer(akv.optimizer.SGD(learning_rate=1.0))
+            source = np.zeros((ROWS, WIDTH), np.float32)
+            expected = np.zeros((ROWS, WIDTH), np.float32)
+            for step in range(24):
+                ids = np.arange(step % 3, ROWS, 1 + step % 4)  # both servers, sizes vary
+                source[: len(ids)] = step + 1
+                await kv.push("emb", akv.RowSparseArray(source[: len(ids)], ids, (ROWS, WIDTH)))
+                source[...] = -1000  # the push took its rows at the call
+                expected[ids] -= step + 1
+            pulled = await kv.row_sparse_pull("emb", row_ids=np.arange(ROWS))
+            np.testing.assert_array_equal(pulled.to_dense(), expected)
+            buffers = kv._backend._rows.push_buffers
+            await wait_until(lambda: not buffers._lent, "every push buffer given back")
+            assert 0 < len(buffers._free) <= MAX_SPARE_PUSH_BUFFERS
+        finally:
+            await kv.close()

@@ -1,0 +1,176 @@
+"""Where a worker's row pushes wait for their answers on streams without a shared arena
+(``PushBuffers``), and which memory ``RowCalls`` places them in: buffers reused rather than
+fresh pages on every push, given back only once every server answered, never for a server
+that keeps copies past the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from akv.cluster.config import Timeouts
+from akv.cluster.worker import rows as rows_module
+from akv.cluster.worker.row_calls import RowCalls
+from akv.cluster.worker.rows import MAX_SPARE_PUSH_BUFFERS, MAX_SPARE_PUSH_BYTES, PushBuffers
+
+
+def address(view) -> int:
+    return np.asarray(view).ctypes.data
+
+
+def test_a_buffer_given_back_is_taken_again_by_a_push_it_fits():
+    buffers = PushBuffers()
+    first = buffers.take(1000)
+    assert len(first) == 1000 and not first.readonly
+    rows = np.frombuffer(first, np.float32).reshape(10, 25)  # as a push lays its rows
+    buffers.give_back(rows)
+    again = buffers.take(900)
+    assert address(again) == address(first) and len(again) == 900
+    bigger = buffers.take(2000)  # none free fits: a new one
+    assert address(bigger) != address(again)
+
+
+def test_the_smallest_free_buffer_that_fits_is_taken():
+    buffers = PushBuffers()
+    views = [buffers.take(n) for n in (4000, 1000, 2000)]
+    for view in views:
+        buffers.give_back(view)
+    assert address(buffers.take(1500)) == address(views[2])
+    assert address(buffers.take(100)) == address(views[1])
+    assert address(buffers.take(100)) == address(views[0])
+
+
+def test_memory_not_lent_here_is_refused_and_changes_nothing():
+    buffers = PushBuffers()
+    lent = buffers.take(64)
+    with pytest.raises(ValueError, match="no push buffer was lent"):
+        buffers.give_back(np.empty(16, np.float32))
+    buffers.give_back(lent)
+    with pytest.raises(ValueError, match="no push buffer was lent"):
+        buffers.give_back(lent)  # twice
+    assert buffers.kept_bytes == 64 + 64 // 4  # kept once, a quarter larger than asked
+
+
+def test_the_free_buffers_kept_are_bounded_in_number_and_bytes(monkeypatch):
+    buffers = PushBuffers()
+    views = [buffers.take(1000 + n) for n in range(MAX_SPARE_PUSH_BUFFERS + 2)]
+    for view in views:
+        buffers.give_back(view)
+    assert len(buffers._free) == MAX_SPARE_PUSH_BUFFERS
+    kept = {address(buffer) for buffer in buffers._free}
+    assert kept == {address(view) for view in views[-MAX_SPARE_PUSH_BUFFERS:]}  # the newest
+
+    monkeypatch.setattr(rows_module, "MAX_SPARE_PUSH_BYTES", 10_000)
+    small = PushBuffers()
+    views = [small.take(3000) for _ in range(4)]  # 3750 bytes each
+    for view in views:
+        small.give_back(view)
+    assert small.kept_bytes <= 10_000 and len(small._free) == 2
+    huge = small.take(20_000)
+    small.give_back(huge)  # larger than all that may be kept: dropped
+    assert all(address(buffer) != address(huge) for buffer in small._free)
+    assert MAX_SPARE_PUSH_BYTES >= 16 << 20  # a 10^4-row push of 64 float32s fits
+
+
+def test_takes_and_gives_back_from_two_threads_lend_each_buffer_once():
+    """A push takes in its caller's thread, its answer gives back on the loop's: a buffer
+    lent twice at once would see the other thread's bytes."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads interleave inside take and give_back
+    buffers = PushBuffers()
+    overwritten = []
+
+    def churn(mark: int) -> None:
+        for step in range(3000):
+            view = np.frombuffer(buffers.take(512 + step % 7 * 64), np.uint8)
+            view[...] = mark
+            time.sleep(0)  # let the other thread run while this one holds it
+            if not (view == mark).all():
+                overwritten.append(step)
+            buffers.give_back(view)
+
+    threads = [threading.Thread(target=churn, args=(mark,)) for mark in (1, 2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            thread.join(60)
+    finally:
+        sys.setswitchinterval(switch)
+    assert not any(thread.is_alive() for thread in threads)
+    assert overwritten == [] and buffers._lent == {}
+
+
+class Link:
+    """A server link whose answers the test gives."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.answers: list[asyncio.Future] = []
+        self.sent: list[list] = []
+        self._loop = loop
+
+    def issue(self, op, arrays, timeout_s=None):
+        answer = self._loop.create_future()
+        self.answers.append(answer)
+        self.sent.append([np.array(array, copy=True) for _, array, _ in arrays])
+        return answer
+
+
+class Arena:
+    """A stream's shared arena that takes what it is given room for."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.back: list[np.ndarray] = []
+
+    def take(self, nbytes: int):
+        return memoryview(bytearray(nbytes)) if nbytes <= self.room else None
+
+    def give_back(self, view) -> None:
+        self.back.append(view)
+
+
+def row_calls(links, streams) -> RowCalls:
+    return RowCalls(
+        engine=None,  # type: ignore[arg-type]
+        links=lambda: links,
+        timeouts=Timeouts(),
+        stream_of=lambda server: streams[server],
+    )
+
+
+async def test_rows_wait_in_a_push_buffer_until_every_server_answered():
+    loop = asyncio.get_running_loop()
+    links = [Link(loop), Link(loop)]
+    calls = row_calls(links, [SimpleNamespace(shared=None)] * 2)
+    owner, view = calls._region(0, 12)
+    assert owner is calls.push_buffers
+    rows = np.frombuffer(view, np.float32).reshape(1, 3)
+    rows[...] = [1, 2, 3]
+    requests = {0: [("emb", np.array([0]), 1), ("emb", rows, 1)], 1: [("emb", rows[:0], 1)]}
+    await calls._send_push(requests, ["emb"], [(owner, rows)])
+    np.testing.assert_array_equal(links[0].sent[0][1], [[1, 2, 3]])
+    links[0].answers[0].set_result(None)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert calls.push_buffers.kept_bytes == 0  # server 1 has not answered: still lent
+    assert address(calls._region(0, 12)[1]) != address(view)
+    links[1].answers[0].set_exception(ConnectionResetError("cut"))  # failed: given back too
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert calls.push_buffers.kept_bytes > 0
+    assert address(calls._region(1, 8)[1]) == address(view)  # reused by the next push
+
+
+def test_rows_go_to_the_arena_where_it_takes_them_else_to_push_buffers():
+    arena = Arena(room=100)
+    calls = row_calls([], [SimpleNamespace(shared=arena), None])
+    assert calls._region(0, 100)[0] is arena
+    assert calls._region(0, 101)[0] is calls.push_buffers  # full (or below its minimum)
+    assert calls._region(1, 100) is None  # its server keeps copies past the answer
