@@ -22,14 +22,9 @@ from akv.cluster.config import Timeouts
 from akv.cluster.placement import row_parts
 from akv.cluster.protocol import Op
 from akv.cluster.worker.link import ServerLink
+from akv.cluster.worker.push_buffers import PushBuffers
 from akv.cluster.worker.requests import WireArray
-from akv.cluster.worker.rows import (
-    PushBuffers,
-    init_check_text,
-    init_requests,
-    pull_requests,
-    push_requests,
-)
+from akv.cluster.worker.rows import init_check_text, init_requests, pull_requests, push_requests
 from akv.errors import AKVError
 from akv.keys import Entry
 from akv.limits import INIT_CHECK_MARGIN_S

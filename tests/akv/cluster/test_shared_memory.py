@@ -278,12 +278,15 @@ async def test_a_cut_shared_memory_stream_reconnects_and_loses_nothing():
     assert len(first) == 2
 
 
-async def test_a_row_push_read_in_place_survives_its_workers_stream_being_cut():
+@pytest.mark.parametrize("shm", ["1", "0"])
+async def test_a_row_push_read_in_place_survives_its_workers_stream_being_cut(shm):
     """Worker 0's row push waits on the server for worker 1's, read where it lies in
     worker 0's arena; worker 0's stream is cut meanwhile and opened again with fresh
-    arenas (its push resent and recognized): the round sums the rows as they were pushed."""
+    arenas (its push resent and recognized): the round sums the rows as they were pushed.
+    Over TCP the same: the push is resent from the push buffer its rows wait in, which
+    goes back once answered."""
     shape = (10_000, 64)
-    with Cluster(2, 1) as cluster:
+    with Cluster(2, 1, AKV_SHM=shm) as cluster:
         fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
         server = cluster.servers[0]
 
@@ -297,7 +300,7 @@ async def test_a_row_push_read_in_place_survives_its_workers_stream_being_cut():
             return (
                 bool(entries)
                 and len(entries[0].pending) == 1
-                and not entries[0].pending[0][1].flags.writeable
+                and (shm == "0" or not entries[0].pending[0][1].flags.writeable)
             )
 
         async def cut() -> None:
@@ -323,6 +326,9 @@ async def test_a_row_push_read_in_place_survives_its_workers_stream_being_cut():
             await slow.push("emb", akv.RowSparseArray(np.ones((1, 64), np.float32), [1], shape))
             pulled = await fast.row_sparse_pull("emb", row_ids=np.arange(4))
             assert [link.reconnects for link in fast._backend.links] == [1]
+            buffers = fast._backend._rows.push_buffers
+            await wait_until(lambda: not buffers._lent, "worker 0's push buffer given back")
+            assert (buffers.kept_bytes > 0) == (shm == "0")
         finally:
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
     np.testing.assert_array_equal(pulled.data[:, 0], [3, 1, 3, 0])

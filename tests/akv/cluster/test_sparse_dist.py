@@ -12,7 +12,8 @@ import pytest
 import akv
 from akv.cluster.placement import row_parts
 from akv.cluster.protocol import Op
-from akv.cluster.worker.rows import MAX_SPARE_PUSH_BUFFERS, pull_requests, push_requests
+from akv.cluster.worker.push_buffers import MAX_SPARE_PUSH_BUFFERS
+from akv.cluster.worker.rows import pull_requests, push_requests
 from akv.errors import RowIdError, ShapeMismatchError, StorageTypeError
 from akv.keys import Entry
 from tests.akv.cluster.cluster import Cluster, each, on_every_worker, wait_until

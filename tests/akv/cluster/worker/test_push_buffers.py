@@ -15,9 +15,13 @@ import numpy as np
 import pytest
 
 from akv.cluster.config import Timeouts
-from akv.cluster.worker import rows as rows_module
+from akv.cluster.worker import push_buffers as push_buffers_module
+from akv.cluster.worker.push_buffers import (
+    MAX_SPARE_PUSH_BUFFERS,
+    MAX_SPARE_PUSH_BYTES,
+    PushBuffers,
+)
 from akv.cluster.worker.row_calls import RowCalls
-from akv.cluster.worker.rows import MAX_SPARE_PUSH_BUFFERS, MAX_SPARE_PUSH_BYTES, PushBuffers
 
 
 def address(view) -> int:
@@ -66,7 +70,7 @@ def test_the_free_buffers_kept_are_bounded_in_number_and_bytes(monkeypatch):
     kept = {address(buffer) for buffer in buffers._free}
     assert kept == {address(view) for view in views[-MAX_SPARE_PUSH_BUFFERS:]}  # the newest
 
-    monkeypatch.setattr(rows_module, "MAX_SPARE_PUSH_BYTES", 10_000)
+    monkeypatch.setattr(push_buffers_module, "MAX_SPARE_PUSH_BYTES", 10_000)
     small = PushBuffers()
     views = [small.take(3000) for _ in range(4)]  # 3750 bytes each
     for view in views:
