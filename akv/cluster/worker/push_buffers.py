@@ -19,12 +19,12 @@ class PushBuffers:
 
     A push's rows differ in size from step to step, so a dense key's spare buffers (of the
     key's shape) do not fit; fresh arrays of that size cost page faults on every push (the
-    allocator gives their pages back to the system and takes new ones: about a fifth of a
+    allocator gives their pages back to the system and takes new ones: about a tenth of a
     two-worker step over TCP). A buffer is taken for ``nbytes`` (the smallest free one
-    large enough, else a new one a quarter larger) and given back by the array laid over
-    it; the most recently given back are kept free, at most :data:`MAX_SPARE_PUSH_BUFFERS`
-    of at most :data:`MAX_SPARE_PUSH_BYTES` in all. Thread-safe: a push takes in its
-    caller's thread, its answers give back on the loop's.
+    large enough, else a new one a quarter larger where that may be kept) and given back by
+    the array laid over it; the most recently given back are kept free, at most
+    :data:`MAX_SPARE_PUSH_BUFFERS` of at most :data:`MAX_SPARE_PUSH_BYTES` in all.
+    Thread-safe: a push takes in its caller's thread, its answers give back on the loop's.
     """
 
     def __init__(self) -> None:
@@ -40,7 +40,9 @@ class PushBuffers:
             if fits:
                 buffer = free.pop(min(fits, key=lambda index: free[index].nbytes))
             else:
-                buffer = np.empty(max(nbytes + nbytes // 4, 1), np.uint8)
+                # A quarter more, for the next pushes' sizes; none for one too big to keep.
+                spare = nbytes // 4 if nbytes + nbytes // 4 <= MAX_SPARE_PUSH_BYTES else 0
+                buffer = np.empty(max(nbytes + spare, 1), np.uint8)
             self._lent[buffer.ctypes.data] = buffer
         return buffer.data[:nbytes]
 

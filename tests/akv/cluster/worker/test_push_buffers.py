@@ -77,6 +77,7 @@ def test_the_free_buffers_kept_are_bounded_in_number_and_bytes(monkeypatch):
         small.give_back(view)
     assert small.kept_bytes <= 10_000 and len(small._free) == 2
     huge = small.take(20_000)
+    assert np.asarray(huge).base.nbytes == 20_000  # never kept: no room for later sizes
     small.give_back(huge)  # larger than all that may be kept: dropped
     assert all(address(buffer) != address(huge) for buffer in small._free)
     assert MAX_SPARE_PUSH_BYTES >= 16 << 20  # a 10^4-row push of 64 float32s fits
