@@ -112,6 +112,35 @@ def test_takes_and_gives_back_from_two_threads_lend_each_buffer_once():
     assert overwritten == [] and buffers._lent == {}
 
 
+class SlowList(list):
+    """A free list whose pop lets other threads run in the middle of a take."""
+
+    def pop(self, index=-1):
+        time.sleep(0.05)
+        return super().pop(index)
+
+
+def test_two_takes_at_once_never_get_the_same_free_buffer():
+    buffers = PushBuffers()
+    buffers.give_back(buffers.take(1000))  # one free buffer
+    buffers._free = SlowList(buffers._free)
+    taken: list[int] = []
+    failed: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            taken.append(address(buffers.take(800)))
+        except BaseException as exc:  # reported by the assert below
+            failed.append(exc)
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert failed == [] and len(set(taken)) == 2
+
+
 class Link:
     """A server link whose answers the test gives."""
 
