@@ -262,6 +262,13 @@ class Waitable:
 
         self._add_callback(completed)
 
+    def on_done(self, fn: Callable[[Waitable], None]) -> None:
+        """Call ``fn(self)`` once completed, successfully or not: on the thread that
+        completes it, or here at once when it already has. Unlike
+        :meth:`add_done_callback` it needs no running loop, so it suits releasing what a
+        call holds; ``fn`` should be quick and must not raise."""
+        self._add_callback(fn)
+
     def remove_done_callback(self, fn: FutureCallback) -> int:
         """Nothing to remove once scheduled (a done asyncio.Future does the same): 0."""
         return 0

@@ -554,3 +554,26 @@ async def test_a_long_chain_of_callback_tasks_done_at_once_runs_without_recursio
     assert results == list(range(5000))
     assert order == list(range(5000))
     assert eng.statistics().failed == 0
+
+
+def test_on_done_is_called_on_success_on_failure_and_at_once_when_done(eng):
+    seen = []
+    gate = Gate()
+    task = eng.push(gate, executor="thread")
+    task.on_done(lambda waitable: seen.append(("ran", waitable.failed())))
+    assert seen == []
+    gate.opened.set()
+    task.result(WAIT_S)
+    assert seen == [("ran", False)]
+
+    def boom():
+        raise ValueError("boom")
+
+    var = eng.new_var()
+    failed = eng.push(boom, writes=[var], executor="inline")
+    skipped = eng.push(lambda: pytest.fail("skipped"), writes=[var], executor="inline")
+    for waitable in (failed, skipped):  # both done already: called here, at once
+        waitable.on_done(lambda waitable: seen.append(("failed", waitable.failed())))
+    assert seen[1:] == [("failed", True), ("failed", True)]
+    with pytest.raises(ValueError, match="boom"):
+        skipped.result(WAIT_S)

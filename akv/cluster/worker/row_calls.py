@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ import numpy as np
 from akv.cluster.config import Timeouts
 from akv.cluster.placement import row_parts
 from akv.cluster.protocol import Op
+from akv.cluster.worker.calls import Unstarted
 from akv.cluster.worker.link import ServerLink
 from akv.cluster.worker.push_buffers import PushBuffers
 from akv.cluster.worker.requests import WireArray
@@ -93,16 +95,21 @@ class RowCalls:
             numbered.append((entry, value, entry.pushes))
         requests, placed = push_requests(numbered, self._region)
         keys = [entry.key for entry, _ in values]
-        return self._engine.push(
+        unstarted = Unstarted(partial(_give_back, placed))
+        task = self._engine.push(
             self._send_push,
             requests,
             keys,
             placed,
+            unstarted,
             writes=[entry.var for entry, _ in values],
             priority=priority,
             executor="loop",
             name="push",
         )
+        if placed:
+            task.on_done(unstarted.task_done)
+        return task
 
     def _region(self, server: int, nbytes: int) -> tuple[Lender, memoryview] | None:
         """Memory a push's rows to ``server`` wait in until answered, and who takes it back:
@@ -124,10 +131,12 @@ class RowCalls:
         requests: dict[int, list[WireArray]],
         keys: list[Any],
         placed: list[tuple[Lender, np.ndarray]],
+        unstarted: Unstarted,
     ) -> None:
         """Send a push's requests now; their answers are awaited later (see the module).
         Rows placed in a stream's arena or a push buffer (``placed``) go back once every
         server answered (they are resent from there until then)."""
+        unstarted.started = True
         links = self._links()
         timeout = self._timeouts.request_s
         answers = [
@@ -253,8 +262,8 @@ def _outcome(answer: asyncio.Future[Message]) -> BaseException | None:
 def _give_back(placed: list[tuple[Lender, np.ndarray]]) -> None:
     """Give back the memory a push's rows waited in (an arena's region is free once no
     frame that carried it is unreleased)."""
-    for shared, rows in placed:
-        shared.give_back(rows)
+    for lender, rows in placed:
+        lender.give_back(rows)
 
 
 def _retrieved(answer: asyncio.Future[Message]) -> None:

@@ -409,3 +409,38 @@ async def test_row_pushes_are_staged_in_the_workers_arena_and_taken_at_the_call(
         # Without an optimizer each round's rows are its pushes' sum: ones, and 7 in the
         # first row the worker pushed (pushed before the change: the value at the call).
         assert rows.data[0, 0] == 1 and rows.data[1:].max() == 1, rank
+
+
+@pytest.mark.parametrize("behind", ["push", "pushpull"])
+async def test_a_push_the_engine_skips_gives_its_arena_region_back(behind):
+    """With ``AKV_STRICT_PUSH=1`` a push the server refuses (worker 0's second push in one
+    ``dist_sync`` round) fails its task; the push (or pushpull) called behind it on the key
+    never starts (the engine skips it: the failure was not raised yet), so the region of the
+    arena its value was staged in goes back at once, not never."""
+    shape = (64, 1024)  # 256 KiB: staged in the worker's arena
+    with Cluster(2, 1, AKV_STRICT_PUSH="1") as cluster:
+        fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        try:
+            await asyncio.gather(
+                *(kv.init("w", np.zeros(shape, np.float32)) for kv in (fast, slow))
+            )
+            book = fast._backend.links[0].protocol.shared.book
+            first = fast.push("w", np.ones(shape, np.float32))
+            refused = fast.push("w", np.ones(shape, np.float32))  # twice in round 1
+            skipped = getattr(fast, behind)("w", np.ones(shape, np.float32))
+            assert len(book._reserved) == 3  # each staged in a region at its call
+            await asyncio.wait_for(_awaited(first), 20)  # counted: the round is open
+            with pytest.raises(akv.DoublePushError):
+                await asyncio.wait_for(_awaited(refused), 20)
+            with pytest.raises(akv.DoublePushError):
+                await asyncio.wait_for(_awaited(skipped), 20)
+            await slow.push("w", np.ones(shape, np.float32))
+            await wait_until(lambda: not book._reserved, "every staging region given back")
+            pulled = await fast.pull("w")
+            np.testing.assert_array_equal(pulled, np.full(shape, 2, np.float32))
+        finally:
+            await asyncio.gather(*(kv.close() for kv in (fast, slow)))
+
+
+async def _awaited(waitable):
+    return await waitable

@@ -16,12 +16,15 @@ import pytest
 
 from akv.cluster.config import Timeouts
 from akv.cluster.worker import push_buffers as push_buffers_module
+from akv.cluster.worker.calls import Unstarted
 from akv.cluster.worker.push_buffers import (
     MAX_SPARE_PUSH_BUFFERS,
     MAX_SPARE_PUSH_BYTES,
     PushBuffers,
 )
 from akv.cluster.worker.row_calls import RowCalls
+from akv.sparse import RowSparseArray
+from akv_engine import Engine
 
 
 def address(view) -> int:
@@ -170,9 +173,9 @@ class Arena:
         self.back.append(view)
 
 
-def row_calls(links, streams) -> RowCalls:
+def row_calls(links, streams, engine=None) -> RowCalls:
     return RowCalls(
-        engine=None,  # type: ignore[arg-type]
+        engine=engine,  # type: ignore[arg-type]
         links=lambda: links,
         timeouts=Timeouts(),
         stream_of=lambda server: streams[server],
@@ -188,7 +191,7 @@ async def test_rows_wait_in_a_push_buffer_until_every_server_answered():
     rows = np.frombuffer(view, np.float32).reshape(1, 3)
     rows[...] = [1, 2, 3]
     requests = {0: [("emb", np.array([0]), 1), ("emb", rows, 1)], 1: [("emb", rows[:0], 1)]}
-    await calls._send_push(requests, ["emb"], [(owner, rows)])
+    await calls._send_push(requests, ["emb"], [(owner, rows)], Unstarted(lambda: None))
     np.testing.assert_array_equal(links[0].sent[0][1], [[1, 2, 3]])
     links[0].answers[0].set_result(None)
     await asyncio.sleep(0)
@@ -208,3 +211,36 @@ def test_rows_go_to_the_arena_where_it_takes_them_else_to_push_buffers():
     assert calls._region(0, 100)[0] is arena
     assert calls._region(0, 101)[0] is calls.push_buffers  # full (or below its minimum)
     assert calls._region(1, 100) is None  # its server keeps copies past the answer
+
+
+async def test_a_push_the_engine_skips_gives_its_buffer_back_at_once():
+    """The engine skips a push whose key carries a failure not yet raised (here a failed
+    write before it): its requests never go, so no answer would give its rows back."""
+    loop = asyncio.get_running_loop()
+    engine = Engine(loop=loop)
+    try:
+        links = [Link(loop)]
+        calls = row_calls(links, [SimpleNamespace(shared=None)], engine)
+        entry = calls.new_entry("emb", (10, 3), np.dtype(np.float32))
+
+        def refused() -> None:
+            raise ValueError("an earlier write to the key failed")
+
+        engine.push(refused, writes=[entry.var], executor="inline")
+        value = RowSparseArray(np.ones((2, 3), np.float32), [1, 4], (10, 3))
+        skipped = calls.push([(entry, value)], priority=0)
+        assert skipped.done()  # at once: skipped where it was pushed
+        with pytest.raises(ValueError, match="earlier write"):
+            await skipped  # the failure, raised to the caller
+        assert links[0].sent == []  # never sent
+        assert calls.push_buffers._lent == {} and calls.push_buffers.kept_bytes > 0
+
+        sent = calls.push([(entry, value)], priority=0)  # the failure was raised: runs
+        await asyncio.wait_for(_awaited(sent), 10)
+        assert len(links[0].sent) == 1 and len(calls.push_buffers._lent) == 1  # answer due
+    finally:
+        engine.close(timeout=10)
+
+
+async def _awaited(waitable):
+    return await waitable
