@@ -28,6 +28,7 @@ from tests.akv.cluster.cluster import (
 
 JOBS = ROOT / "tests" / "akv" / "cluster" / "jobs"
 round_timeline = profiling.load("round_timeline")
+step_ab = profiling.load("step_ab")
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -148,6 +149,45 @@ def test_the_round_timeline_script_reports_each_span_of_the_rounds():
     }, done.stdout
     assert 0 < float(spans["push call"]) < float(spans["round"])
     assert float(spans["server busy"]) > 0
+
+
+def test_the_step_ab_script_alternates_the_push_buffers_in_blocks():
+    # docs/profiling/step_ab.py: 400 steps are 4 blocks, the first 2 warm-up; over TCP
+    # every row push of worker 0 takes a push buffer in "on" blocks and copies in "off".
+    done = launch(
+        [
+            "-n",
+            "2",
+            "-s",
+            "1",
+            "--",
+            sys.executable,
+            "docs/profiling/step_ab.py",
+            "push-buffers",
+            "400",
+        ],
+        env={"AKV_SHM": "0"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = re.search(
+        r"push-buffers on ([\d.]+) ms, off ([\d.]+) ms; on/off median ([\d.]+), mean "
+        r"[\d.]+ \(1 pairs of blocks\); rows pushed: \{'in push buffers': (\d+), "
+        r"'copied': (\d+)\}",
+        done.stdout,
+    )
+    assert line is not None, done.stdout
+    on, off, ratio, placed, copied = line.groups()
+    assert float(ratio) == pytest.approx(float(on) / float(off), abs=0.002)
+    assert (int(placed), int(copied)) == (200, 200)  # one server: one push each step
+
+
+def test_step_ab_summarizes_neighbouring_blocks():
+    # Blocks of 100 steps, the first 10 of each left out, blocks 0 and 1 warm-up.
+    times = [9.0] * 200 + ([0.001] * 100 + [0.002] * 100) * 2 + [0.003] * 100
+    line = step_ab.summary("x", times)
+    assert line == (
+        "x on 1.000 ms, off 2.000 ms; on/off median 0.500, mean 0.500 (2 pairs of blocks)"
+    )
 
 
 def test_the_round_timeline_counts_a_write_inside_a_receive_once():
