@@ -8,8 +8,9 @@ import numpy as np
 
 __all__ = ["MAX_SPARE_PUSH_BUFFERS", "MAX_SPARE_PUSH_BYTES", "PushBuffers"]
 
-#: Free push buffers kept for reuse, at most this many and this many bytes in all.
-MAX_SPARE_PUSH_BUFFERS = 4
+#: Free push buffers kept for reuse, at most this many and this many bytes in all: a push
+#: of several row-sparse keys over several servers takes one buffer per key and server.
+MAX_SPARE_PUSH_BUFFERS = 32
 MAX_SPARE_PUSH_BYTES = 64 << 20
 
 

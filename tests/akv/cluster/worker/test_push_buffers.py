@@ -43,6 +43,18 @@ def test_a_buffer_given_back_is_taken_again_by_a_push_it_fits():
     assert address(bigger) != address(again)
 
 
+def test_a_push_of_many_keys_over_many_servers_reuses_every_buffer_the_next_step():
+    """One buffer per key and server: 10 row-sparse keys over 2 servers take 20 a step,
+    all of them free again and fitting the next step's rows."""
+    buffers = PushBuffers()
+    rng = np.random.default_rng(0)
+    first = [buffers.take(int(n)) for n in rng.integers(90_000, 110_000, 20)]
+    for view in first:
+        buffers.give_back(view)
+    second = [buffers.take(int(n)) for n in rng.integers(90_000, 110_000, 20)]
+    assert {address(view) for view in second} == {address(view) for view in first}
+
+
 def test_the_smallest_free_buffer_that_fits_is_taken():
     buffers = PushBuffers()
     views = [buffers.take(n) for n in (4000, 1000, 2000)]
