@@ -625,6 +625,7 @@ class Engine:
             if failure is not None:
                 if inherited is not None:
                     self._skipped += 1
+                    task.skipped = True
                 elif not task.is_wait:
                     self._failed += 1
                     self._failures.append(failure)

@@ -12,7 +12,7 @@ import contextvars
 import sys
 import threading
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 if TYPE_CHECKING:
     from akv_engine._var import Var
@@ -31,6 +31,10 @@ _STATE_NAMES = {
     DONE: "done",
     FAILED: "failed",
 }
+
+
+#: A waitable of some kind (``on_done`` hands its callback the waitable itself).
+_W = TypeVar("_W", bound="Waitable")
 
 
 class Failure:
@@ -262,12 +266,12 @@ class Waitable:
 
         self._add_callback(completed)
 
-    def on_done(self, fn: Callable[[Waitable], None]) -> None:
+    def on_done(self: _W, fn: Callable[[_W], None]) -> None:
         """Call ``fn(self)`` once completed, successfully or not: on the thread that
         completes it, or here at once when it already has. Unlike
         :meth:`add_done_callback` it needs no running loop, so it suits releasing what a
         call holds; ``fn`` should be quick and must not raise."""
-        self._add_callback(fn)
+        self._add_callback(cast(Callable[[Waitable], None], fn))
 
     def remove_done_callback(self, fn: FutureCallback) -> int:
         """Nothing to remove once scheduled (a done asyncio.Future does the same): 0."""
@@ -427,6 +431,7 @@ class Task(Waitable):
         "no_skip",
         "priority",
         "reads",
+        "skipped",
         "writes",
     )
 
@@ -460,6 +465,9 @@ class Task(Waitable):
         self.executor = executor
         self.no_skip = no_skip
         self.is_wait = is_wait
+        #: True once the engine skipped it: it failed with a failure one of its vars carried
+        #: (not yet raised to a caller), and its function never ran.
+        self.skipped = False
         self._deps = 0
 
     @property

@@ -577,3 +577,18 @@ def test_on_done_is_called_on_success_on_failure_and_at_once_when_done(eng):
     assert seen[1:] == [("failed", True), ("failed", True)]
     with pytest.raises(ValueError, match="boom"):
         skipped.result(WAIT_S)
+
+
+def test_a_task_is_marked_skipped_only_when_the_engine_skipped_it(eng):
+    def boom():
+        raise ValueError("boom")
+
+    var = eng.new_var()
+    failed = eng.push(boom, writes=[var], executor="inline")
+    skipped = eng.push(lambda: pytest.fail("skipped"), writes=[var], executor="inline")
+    assert failed.failed() and not failed.skipped
+    assert skipped.failed() and skipped.skipped
+    with pytest.raises(ValueError, match="boom"):
+        skipped.result(WAIT_S)  # raised: the var is usable again
+    ran = eng.push(lambda: "ok", writes=[var], executor="inline")
+    assert ran.result(WAIT_S) == "ok" and not ran.skipped

@@ -42,7 +42,7 @@ from akv.cluster.placement import place
 from akv.cluster.protocol import Op, encode_meta
 from akv.cluster.roles import default_worker_logging
 from akv.cluster.worker.activity import Activity
-from akv.cluster.worker.calls import Answer, Done, PullCall, PushCall, Unstarted
+from akv.cluster.worker.calls import Answer, Done, PullCall, PushCall, give_back_if_skipped
 from akv.cluster.worker.events import (
     AcksWanted,
     Closing,
@@ -454,29 +454,22 @@ class DistBackend:
         self.activity.pushed(entry.key for entry, _ in values)
         pipelined = not self.config.strict_push
         staged, give_back = self._staging.stage(values, borrow and not pipelined, priority)
-        unstarted = Unstarted(give_back)
         task = self._engine.push(
             self._start_push,
             staged,
             give_back,
-            unstarted,
             writes=[e.var for e, _ in staged],
             priority=priority,
             executor="callback",
             name="push",
         )
-        task.on_done(unstarted.task_done)
+        task.on_done(give_back_if_skipped(give_back))
         return task
 
     def _start_push(
-        self,
-        staged: list[tuple[Entry, np.ndarray]],
-        give_back: Callable[[], None],
-        unstarted: Unstarted,
-        done: Done,
+        self, staged: list[tuple[Entry, np.ndarray]], give_back: Callable[[], None], done: Done
     ) -> None:
         assert self._loop is not None
-        unstarted.started = True
         self.handle(PushIssued(PushCall(done, give_back), staged, self._loop.time()))
 
     async def acknowledged(self) -> None:
@@ -574,14 +567,12 @@ class DistBackend:
             targets, landed = land_in_pinned(targets)
         key_vars = [e.var for e, _ in targets]
         landing = [self._engine.new_var("landing")] if landed else []
-        unstarted = Unstarted(give_back)
         task = self._engine.push(
             self._start_pull,
             targets,
             result,
             staged,
             give_back,
-            unstarted,
             # GPU outputs of a host store are written on the loop thread: after the work
             # the caller queued on them (on its own streams) before the call.
             caller_events(targets),
@@ -591,7 +582,8 @@ class DistBackend:
             executor="callback",
             name="pull" if staged is None else "pushpull",
         )
-        task.on_done(unstarted.task_done)
+        if staged is not None:  # a pull stages nothing
+            task.on_done(give_back_if_skipped(give_back))
         if not landed:
             return task
         return self._staging.land_on_gpus(task, landing[0], landed, result, priority)
@@ -602,12 +594,10 @@ class DistBackend:
         result: Any,
         staged: list[tuple[Entry, np.ndarray]] | None,
         give_back: Callable[[], None],
-        unstarted: Unstarted,
         after: list[Any],
         done: Done,
     ) -> None:
         assert self._loop is not None
-        unstarted.started = True
         call = PullCall(done, result, give_back, after)
         self.handle(PullIssued(call, targets, staged, self._loop.time()))
 

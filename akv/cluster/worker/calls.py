@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 from akv.arrays import copy_into
 from akv.errors import AKVError
-from akv_engine import Waitable
+from akv_engine import Task
 
-__all__ = ["Answer", "Call", "Done", "PullCall", "PushCall", "Unstarted"]
+__all__ = ["Answer", "Call", "Done", "PullCall", "PushCall", "give_back_if_skipped"]
 
 #: What an engine task of the ``callback`` executor is given to report its end.
 Done = Callable[[Any, BaseException | None], None]
@@ -35,25 +35,17 @@ class Call(Protocol):
     def copy_out(self, copies: list[tuple[Any, Any]]) -> None: ...
 
 
-class Unstarted:
-    """What a call staged, given back should its engine task never start.
+def give_back_if_skipped(give_back: Callable[[], None]) -> Callable[[Task], None]:
+    """A task's ``on_done``: give back what its call staged (a region of a shared arena, a
+    push buffer) if the engine skipped the task. A skipped task's function never runs, so
+    nothing that would give its staging back ever sees it; a task that ran gives it back
+    itself, once answered."""
 
-    The engine skips a task one of whose keys carries a failure not yet raised to the
-    caller: the task fails with it and its function never runs, so nothing that would give
-    back its staging (a region of a shared arena, a push buffer) ever sees it. Pass
-    :meth:`task_done` to the task's ``on_done`` and set :attr:`started` when it starts;
-    once started, the call gives its staging back itself.
-    """
+    def done(task: Task) -> None:
+        if task.skipped:
+            give_back()
 
-    __slots__ = ("_give_back", "started")
-
-    def __init__(self, give_back: Callable[[], None]) -> None:
-        self._give_back = give_back
-        self.started = False
-
-    def task_done(self, task: Waitable) -> None:
-        if task.failed() and not self.started:
-            self._give_back()
+    return done
 
 
 class PushCall:

@@ -22,7 +22,7 @@ import numpy as np
 from akv.cluster.config import Timeouts
 from akv.cluster.placement import row_parts
 from akv.cluster.protocol import Op
-from akv.cluster.worker.calls import Unstarted
+from akv.cluster.worker.calls import give_back_if_skipped
 from akv.cluster.worker.link import ServerLink
 from akv.cluster.worker.push_buffers import PushBuffers
 from akv.cluster.worker.requests import WireArray
@@ -95,20 +95,18 @@ class RowCalls:
             numbered.append((entry, value, entry.pushes))
         requests, placed = push_requests(numbered, self._region)
         keys = [entry.key for entry, _ in values]
-        unstarted = Unstarted(partial(_give_back, placed))
         task = self._engine.push(
             self._send_push,
             requests,
             keys,
             placed,
-            unstarted,
             writes=[entry.var for entry, _ in values],
             priority=priority,
             executor="loop",
             name="push",
         )
         if placed:
-            task.on_done(unstarted.task_done)
+            task.on_done(give_back_if_skipped(partial(_give_back, placed)))
         return task
 
     def _region(self, server: int, nbytes: int) -> tuple[Lender, memoryview] | None:
@@ -120,10 +118,10 @@ class RowCalls:
         stream = self._stream_of(server)
         if stream is None:
             return None
-        shared = stream.shared
-        view = None if shared is None else shared.take(nbytes)
-        if shared is not None and view is not None:
-            return shared, view
+        if stream.shared is not None:
+            view = stream.shared.take(nbytes)
+            if view is not None:
+                return stream.shared, view
         return self.push_buffers, self.push_buffers.take(nbytes)
 
     async def _send_push(
@@ -131,12 +129,10 @@ class RowCalls:
         requests: dict[int, list[WireArray]],
         keys: list[Any],
         placed: list[tuple[Lender, np.ndarray]],
-        unstarted: Unstarted,
     ) -> None:
         """Send a push's requests now; their answers are awaited later (see the module).
         Rows placed in a stream's arena or a push buffer (``placed``) go back once every
         server answered (they are resent from there until then)."""
-        unstarted.started = True
         links = self._links()
         timeout = self._timeouts.request_s
         answers = [

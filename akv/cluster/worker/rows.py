@@ -23,13 +23,7 @@ from akv.cluster.worker.requests import WireArray
 from akv.keys import Entry
 from akv.sparse import RowIds, RowSparseArray
 
-__all__ = [
-    "init_check_text",
-    "init_requests",
-    "pull_requests",
-    "push_requests",
-    "slices",
-]
+__all__ = ["init_check_text", "init_requests", "pull_requests", "push_requests", "slices"]
 
 
 def slices(entry: Entry, ids: RowIds) -> list[tuple[int, int, int]]:

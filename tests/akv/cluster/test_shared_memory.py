@@ -429,18 +429,14 @@ async def test_a_push_the_engine_skips_gives_its_arena_region_back(behind):
             refused = fast.push("w", np.ones(shape, np.float32))  # twice in round 1
             skipped = getattr(fast, behind)("w", np.ones(shape, np.float32))
             assert len(book._reserved) == 3  # each staged in a region at its call
-            await asyncio.wait_for(_awaited(first), 20)  # counted: the round is open
+            await asyncio.wait_for(first, 20)  # counted: the round is open
             with pytest.raises(akv.DoublePushError):
-                await asyncio.wait_for(_awaited(refused), 20)
+                await asyncio.wait_for(refused, 20)
             with pytest.raises(akv.DoublePushError):
-                await asyncio.wait_for(_awaited(skipped), 20)
+                await asyncio.wait_for(skipped, 20)
             await slow.push("w", np.ones(shape, np.float32))
             await wait_until(lambda: not book._reserved, "every staging region given back")
             pulled = await fast.pull("w")
             np.testing.assert_array_equal(pulled, np.full(shape, 2, np.float32))
         finally:
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
-
-
-async def _awaited(waitable):
-    return await waitable

@@ -16,7 +16,6 @@ import pytest
 
 from akv.cluster.config import Timeouts
 from akv.cluster.worker import push_buffers as push_buffers_module
-from akv.cluster.worker.calls import Unstarted
 from akv.cluster.worker.push_buffers import (
     MAX_SPARE_PUSH_BUFFERS,
     MAX_SPARE_PUSH_BYTES,
@@ -203,7 +202,7 @@ async def test_rows_wait_in_a_push_buffer_until_every_server_answered():
     rows = np.frombuffer(view, np.float32).reshape(1, 3)
     rows[...] = [1, 2, 3]
     requests = {0: [("emb", np.array([0]), 1), ("emb", rows, 1)], 1: [("emb", rows[:0], 1)]}
-    await calls._send_push(requests, ["emb"], [(owner, rows)], Unstarted(lambda: None))
+    await calls._send_push(requests, ["emb"], [(owner, rows)])
     np.testing.assert_array_equal(links[0].sent[0][1], [[1, 2, 3]])
     links[0].answers[0].set_result(None)
     await asyncio.sleep(0)
@@ -248,11 +247,7 @@ async def test_a_push_the_engine_skips_gives_its_buffer_back_at_once():
         assert calls.push_buffers._lent == {} and calls.push_buffers.kept_bytes > 0
 
         sent = calls.push([(entry, value)], priority=0)  # the failure was raised: runs
-        await asyncio.wait_for(_awaited(sent), 10)
+        await asyncio.wait_for(sent, 10)
         assert len(links[0].sent) == 1 and len(calls.push_buffers._lent) == 1  # answer due
     finally:
         engine.close(timeout=10)
-
-
-async def _awaited(waitable):
-    return await waitable
