@@ -22,7 +22,6 @@ the process involved.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -43,6 +42,7 @@ from akv.cluster.protocol import Op, encode_meta
 from akv.cluster.roles import default_worker_logging
 from akv.cluster.worker.activity import Activity
 from akv.cluster.worker.calls import Answer, Done, PullCall, PushCall, give_back_if_skipped
+from akv.cluster.worker.control import ControlCalls
 from akv.cluster.worker.events import (
     AcksWanted,
     Closing,
@@ -73,7 +73,6 @@ from akv.cluster.worker.requests import WireArray, by_server
 from akv.cluster.worker.row_calls import RowCalls
 from akv.cluster.worker.staging import Staging, land_in_pinned
 from akv.cluster.worker.state import WorkerState
-from akv.cluster.worker.states_file import send_states_file, write_states_file
 from akv.compression import Compression, Residuals
 from akv.device import register_gpu_executor
 from akv.errors import (
@@ -93,7 +92,6 @@ from akv_engine import Completed, Engine, GPUExecutor, Task, Waitable
 from akv_transport import (
     DTYPE_CODES,
     AuthError,
-    Message,
     RemoteError,
     StreamProtocol,
     TransportError,
@@ -152,6 +150,7 @@ class DistBackend:
         self._executing = False
         self._queued: list[Instruction] = []
         self._rows = RowCalls(engine, lambda: self.links, config.timeouts, self._stream_for_staging)
+        self._control = ControlCalls(engine, lambda: self.links, config.timeouts)
         self.metrics: WorkerMetrics | None = None  # AKV_METRICS_PORT: served from connect()
         #: How the other instructions are carried out (see ``_carry_out``).
         self._carriers: dict[type[Instruction], Callable[[Any], None]] = {
@@ -660,48 +659,17 @@ class DistBackend:
     def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Task:
         """Send the optimizer's name and hyper-parameters (JSON) to every server."""
         self._check()
-        text = json.dumps(optimizer.get_config())
-        return self._engine.push(
-            self._to_all, Op.SET_OPTIMIZER, text, executor="loop", name="set_optimizer"
-        )
-
-    async def _to_all(self, op: Op, text: str) -> list[Message]:
-        timeout = self.config.timeouts.request_s
-        return await asyncio.gather(
-            *(link.request(op, text=text, timeout_s=timeout) for link in self.links)
-        )
+        return self._control.set_optimizer(optimizer)
 
     def save_states(self, entries: list[Entry], path: Path, dump_optimizer: bool) -> Task:
         """Gather every server's optimizer states into one file (after earlier pushes)."""
         self._check()
-        return self._engine.push(
-            self._save_states,
-            entries,
-            path,
-            dump_optimizer,
-            reads=[e.var for e in entries],
-            executor="loop",
-            name="save_optimizer_states",
-        )
-
-    async def _save_states(self, entries: list[Entry], path: Path, dump: bool) -> None:
-        replies = await self._to_all(Op.SAVE_STATES, json.dumps({"dump_optimizer": dump}))
-        await write_states_file(replies, entries, path)
+        return self._control.save_states(entries, path, dump_optimizer)
 
     def load_states(self, entries: list[Entry], path: Path) -> Task:
         """Send each server its share of a states file (after earlier pushes, before later)."""
         self._check()
-        return self._engine.push(
-            self._load_states,
-            entries,
-            path,
-            writes=[e.var for e in entries],
-            executor="loop",
-            name="load_optimizer_states",
-        )
-
-    async def _load_states(self, entries: list[Entry], path: Path) -> None:
-        await send_states_file(self.links, entries, path, self.config.timeouts.request_s)
+        return self._control.load_states(entries, path)
 
     # ------------------------------------------------------------ leaving
 
