@@ -73,6 +73,7 @@ class KeyRounds(Generic[T]):
         "_last",
         "_open",
         "_tags",
+        "_untold",
         "_waiting",
         "applied_round",
         "closed_round",
@@ -95,6 +96,9 @@ class KeyRounds(Generic[T]):
         self._last: dict[int, int] = {}
         self._tags: dict[int, int] = {}
         self._waiting: list[tuple[int, T]] = []
+        #: dist_sync: the error of a failed round, by each worker that pushed into it and
+        #: was not told yet (its next pull of the key is answered with it).
+        self._untold: dict[int, ServerError] = {}
 
     @property
     def open_round(self) -> int:
@@ -236,6 +240,23 @@ class KeyRounds(Generic[T]):
         ready = [t for r, t in self._waiting if r <= self.applied_round]
         self._waiting = [(r, t) for r, t in self._waiting if r > self.applied_round]
         return ready
+
+    def failed(self, round_no: int, error: ServerError, told: set[int]) -> None:
+        """Applying round ``round_no`` raised ``error``; the workers in ``told`` heard of it
+        (their pulls waited for the round). In dist_sync a round's pushes were answered once
+        counted, so every other worker that pushed into it is told by its next pull of the
+        key (:meth:`take_untold`): its push changed nothing, and no pull may read as if it
+        had. In dist_async the failed push's own answer carries the error."""
+        if not self.sync:
+            return
+        for worker, last in self._last.items():
+            if last >= round_no and worker not in told:
+                self._untold[worker] = error
+
+    def take_untold(self, worker: int) -> ServerError | None:
+        """The error of a failed round ``worker`` pushed into and was not told of yet (then
+        it counts as told), or None."""
+        return self._untold.pop(worker, None) if self._untold else None
 
     def waiting_tickets(self) -> list[T]:
         """Every parked pull's ticket."""

@@ -528,7 +528,7 @@ class ServerState:
             self.duplicates += duplicates
             return out
         ticket = self.rows.pull(peer, header, buffers)
-        return [] if ticket.remaining else self._ready(ticket)
+        return self._answer_pull(ticket, [entry for entry, _ in ticket.pulls])
 
     def _entry(self, key: Key | None, what: str) -> ServerEntry:
         return entry_of(self.entries, key, what)
@@ -545,10 +545,18 @@ class ServerState:
         return out
 
     def _pull(self, peer: Peer, seq: int, entries: list[ServerEntry]) -> list[Instruction]:
-        ticket = pull_ticket(peer, seq, entries)
-        if ticket.remaining:
-            return []
-        return self._ready(ticket)
+        return self._answer_pull(pull_ticket(peer, seq, entries), entries)
+
+    def _answer_pull(
+        self, ticket: PullTicket | RowPullTicket, entries: Sequence[ServerEntry | RowEntry]
+    ) -> list[Instruction]:
+        """A pull's ticket answered now, or left to wait (``remaining``); answered with the
+        error of a failed round of one of its keys that its worker was not told of yet."""
+        for entry in entries:
+            untold = entry.rounds.take_untold(ticket.peer.worker)
+            if untold is not None:
+                return self._fail_tickets([ticket], untold)
+        return [] if ticket.remaining else self._ready(ticket)
 
     def _ready(self, ticket: PullTicket | RowPullTicket) -> list[Instruction]:
         """``ticket``'s values may be sent; unless this restored ``dist_async`` server has
@@ -722,7 +730,10 @@ class ServerState:
         """Applying round ``round_no`` of ``entry`` raised ``exc``: the pulls waiting for it
         get a :class:`~akv.errors.ServerError` naming the key, the round and the server."""
         error = self._update_error(entry, round_no, exc)
-        return self._fail_tickets(entry.rounds.applied(round_no), error)
+        tickets = entry.rounds.applied(round_no)
+        told = {ticket.peer.worker for ticket in tickets if not ticket.answered}
+        entry.rounds.failed(round_no, error, told)
+        return self._fail_tickets(tickets, error)
 
     def _update_error(
         self, entry: ServerEntry | RowEntry, round_no: int, exc: BaseException

@@ -351,3 +351,24 @@ async def test_pushes_over_tcp_wait_in_reused_buffers_and_each_is_applied_as_it_
             assert 0 < len(buffers._free) <= MAX_SPARE_PUSH_BUFFERS
         finally:
             await kv.close()
+
+
+async def test_a_failed_row_update_is_raised_by_each_workers_next_pull_after_it():
+    """A dist_sync row push is answered once counted; when its round's update then fails on
+    the servers (AdaGrad refuses weight decay for rows), each worker's next row_sparse_pull
+    of the key raises it, even one sent after the failure, and the rows are unchanged."""
+    with Cluster(2, 2) as cluster:
+
+        async def body(kv):
+            await kv.init("emb", rsp([0, 9], [row(1), row(1)]))
+            await kv.set_optimizer(akv.optimizer.AdaGrad(learning_rate=0.1, wd=0.1))
+            await kv.push("emb", rsp([0, 9], [row(1), row(1)]))
+            await kv.barrier()
+            rounds = [server.state.rows.entries["emb"].rounds for server in cluster.servers]
+            await wait_until(lambda: all(r.applied_round == 1 for r in rounds), "the round")
+            with pytest.raises(akv.ServerError, match=r"key 'emb' in round 1 failed on server"):
+                await kv.row_sparse_pull("emb", row_ids=[0, 9])
+            return await kv.row_sparse_pull("emb", row_ids=[0, 9])  # told once
+
+        for pulled in await on_every_worker(cluster, "dist_sync", body):
+            np.testing.assert_array_equal(pulled.data, [row(1), row(1)])

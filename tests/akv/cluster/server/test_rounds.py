@@ -91,3 +91,22 @@ def test_a_frames_rounds_report_their_longest_wait():
     assert longest_wait(1.0, closing) == 2.0
     assert longest_wait(1.0, PushDecision(first=True, closes=False, round=1)) == 1.0
     assert longest_wait(None, PushDecision(first=True, closes=True, round=1)) is None
+
+
+def test_a_failed_round_is_told_once_to_each_worker_that_pushed_into_it_and_was_not_told():
+    rounds = KeyRounds("w", num_workers=3, sync=True)
+    for worker in range(3):
+        rounds.accept_push(worker, now=0.0)
+    error = ServerError("the update of key 'w' in round 1 failed")
+    rounds.failed(1, error, told={1})
+    assert rounds.take_untold(0) is error
+    assert rounds.take_untold(0) is None  # told once
+    assert rounds.take_untold(1) is None  # its waiting pull got the error
+    assert rounds.take_untold(2) is error
+
+
+def test_a_failed_round_in_dist_async_leaves_nothing_untold():
+    rounds = KeyRounds("w", num_workers=2, sync=False)
+    decision = rounds.accept_push(0, now=0.0)
+    rounds.failed(decision.round, ServerError("failed"), told=set())
+    assert rounds.take_untold(0) is None  # the push's own answer carries the error

@@ -4,11 +4,13 @@ pushes, parked pulls, refusals, and the status counters."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
 import pytest
 
+from akv import optimizer
 from akv.cluster.protocol import Op
 from akv.cluster.server import instructions
 from akv.cluster.server.instructions import RowPullTicket, SendRows
@@ -18,6 +20,7 @@ from akv.errors import (
     PeerLostError,
     RoundTimeoutError,
     RowIdError,
+    ServerError,
     StorageTypeError,
 )
 from tests.akv.cluster.server.players import OK, Players
@@ -216,3 +219,27 @@ def test_small_row_rounds_and_answers_run_on_the_loop_and_large_ones_on_a_thread
     assert land.inline and not pull.inline
     monkeypatch.setattr(instructions, "INLINE_MAX_BYTES", 23)
     assert not land.inline
+
+
+def test_a_failed_row_update_is_told_to_each_worker_by_its_next_row_pull():
+    """A dist_sync row push is answered once counted; its round's update then raises (AdaGrad
+    refuses weight decay for rows): each worker's next row pull of the key gets the error,
+    once, and the rows stay as they were."""
+    players = started()
+    players.row_push(0, "emb", [500], ones(1), tag=1)
+    players.row_push(1, "emb", [500], ones(1), tag=1)  # the round: rows [500] = 2
+    text = json.dumps(optimizer.AdaGrad(learning_rate=0.1, wd=0.1).get_config())
+    for worker in range(2):
+        assert players.reply(worker, players.send(worker, Op.SET_OPTIMIZER, text=text)) == OK
+    for worker in range(2):
+        assert (
+            players.reply(worker, players.row_push(worker, "emb", [500, 600], ones(2), tag=2)) == OK
+        )
+    for worker in range(2):
+        failed = players.reply(worker, players.row_pull(worker, "emb", [500]))
+        assert isinstance(failed, ServerError), failed
+        assert "key 'emb' in round 2 failed on server 0: OptimizerError" in str(failed)
+    for worker in range(2):  # told once; nothing of round 2 landed
+        rows = players.reply(worker, players.row_pull(worker, "emb", [500, 600]))["emb"]
+        np.testing.assert_array_equal(rows[:, 0], [2, 0])
+    assert players.unexpected == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import tracemalloc
 
 import numpy as np
@@ -1005,3 +1006,34 @@ def test_a_pushpull_that_asks_hears_once_its_push_is_counted_then_gets_the_round
     plain = players.send(1, Op.PUSHPULL, [("w", f32(1, 1))], tags=[2])
     assert players.counted == [(0, seq)]  # not asked: no interim answer
     assert players.waiting(1, plain)
+
+
+def refused_update_optimizer(players: Players) -> None:
+    """An optimizer whose update of every key raises (GroupAdaGrad refuses weight decay)."""
+    text = json.dumps(optimizer.GroupAdaGrad(learning_rate=0.1, wd=0.1).get_config())
+    for worker in range(len(players.peers)):
+        assert players.reply(worker, players.send(worker, Op.SET_OPTIMIZER, text=text)) == OK
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+def test_a_failed_update_is_told_to_every_worker_by_its_next_pull(waiting):
+    """dist_sync answers a push once counted: a worker whose pull did not wait for the failed
+    round hears of it from its next pull of the key, once; the value is unchanged."""
+    players = started(2, w=f32(1, 1))
+    refused_update_optimizer(players)
+    early = players.pull(0, ["w"]) if waiting else None
+    players.push(0, {"w": f32(1, 1)})
+    parked = players.pull(0, ["w"]) if waiting else None
+    players.push(1, {"w": f32(1, 1)})
+    assert players.unexpected == []
+    if waiting:
+        assert players.reply(0, early)["w"].tolist() == [1, 1]  # asked before the push
+        assert "round 1 failed on server 0" in str(players.reply(0, parked))
+    for worker in range(2) if not waiting else [1]:
+        failed = players.reply(worker, players.pull(worker, ["w"]))
+        assert isinstance(failed, ServerError), failed
+        assert re.search(r"key 'w' in round 1 failed on server 0: OptimizerError", str(failed))
+    for worker in range(2):  # told once: the next pull reads the value, unchanged
+        np.testing.assert_array_equal(
+            players.reply(worker, players.pull(worker, ["w"]))["w"], [1, 1]
+        )
