@@ -26,7 +26,13 @@ from akv.cluster.worker.calls import give_back_if_skipped
 from akv.cluster.worker.link import ServerLink
 from akv.cluster.worker.push_buffers import PushBuffers
 from akv.cluster.worker.requests import WireArray
-from akv.cluster.worker.rows import init_check_text, init_requests, pull_requests, push_requests
+from akv.cluster.worker.rows import (
+    PullRequest,
+    init_check_text,
+    init_requests,
+    pull_requests,
+    push_requests,
+)
 from akv.errors import AKVError
 from akv.keys import Entry
 from akv.limits import INIT_CHECK_MARGIN_S
@@ -192,7 +198,7 @@ class RowCalls:
 
     async def _pull(
         self,
-        wanted: dict[int, tuple[list[WireArray], list[memoryview]]],
+        wanted: list[PullRequest],
         pulls: list[tuple[Entry, RowIds, RowSparseArray]],
         datas: list[np.ndarray],
         result: object,
@@ -200,7 +206,7 @@ class RowCalls:
         links = self._links()
         timeout = self._timeouts.request_s
         if len(wanted) == 1:  # no gather: its callbacks cost the pull loop turns
-            ((server, (arrays, landings)),) = wanted.items()
+            ((server, arrays, landings),) = wanted
             await links[server].issue(Op.ROW_PULL, arrays, timeout_s=timeout, destinations=landings)
         else:
             await asyncio.gather(
@@ -208,7 +214,7 @@ class RowCalls:
                     links[server].request(
                         Op.ROW_PULL, arrays, timeout_s=timeout, destinations=landings
                     )
-                    for server, (arrays, landings) in wanted.items()
+                    for server, arrays, landings in wanted
                 )
             )
         late = await self.settle([entry.key for entry, _, _ in pulls])

@@ -23,7 +23,14 @@ from akv.cluster.worker.requests import WireArray
 from akv.keys import Entry
 from akv.sparse import RowIds, RowSparseArray
 
-__all__ = ["init_check_text", "init_requests", "pull_requests", "push_requests", "slices"]
+__all__ = [
+    "PullRequest",
+    "init_check_text",
+    "init_requests",
+    "pull_requests",
+    "push_requests",
+    "slices",
+]
 
 
 def slices(entry: Entry, ids: RowIds) -> list[tuple[int, int, int]]:
@@ -91,17 +98,31 @@ def push_requests(
     return requests, placed
 
 
-def pull_requests(
-    pulls: list[tuple[Entry, RowIds, np.ndarray]],
-) -> dict[int, tuple[list[WireArray], list[memoryview]]]:
-    """Each server's ``ROW_PULL``: per key with requested rows in its range, those ids, and
-    where the rows it answers land (the slice of that key's output ``data``, C-contiguous,
-    one row per id)."""
-    requests: dict[int, tuple[list[WireArray], list[memoryview]]] = {}
+#: One ``ROW_PULL`` to send: its server, its arrays, and where each answered array lands.
+PullRequest = tuple[int, list[WireArray], list[memoryview]]
+
+
+def pull_requests(pulls: list[tuple[Entry, RowIds, np.ndarray]]) -> list[PullRequest]:
+    """The ``ROW_PULL`` requests of a pull: per key with requested rows in a server's range,
+    those ids, and where the rows it answers land (the slice of that key's output ``data``,
+    C-contiguous, one row per id). One request per server that holds requested rows; more
+    where the pull names a key more than once (several id arrays or outputs of one key, as
+    MXNet allows), since a request names each key once."""
+    requests: dict[int, list[tuple[set[Any], list[WireArray], list[memoryview]]]] = {}
     for entry, ids, data in pulls:
         for server, first, end in slices(entry, ids):
             if end > first:
-                arrays, landings = requests.setdefault(server, ([], []))
+                chain = requests.setdefault(server, [])
+                request = next((r for r in chain if entry.key not in r[0]), None)
+                if request is None:
+                    request = (set(), [], [])
+                    chain.append(request)
+                keys, arrays, landings = request
+                keys.add(entry.key)
                 arrays.append((entry.key, ids[first:end], 0))
                 landings.append(memoryview(cast(Any, data[first:end])).cast("B"))
-    return requests
+    return [
+        (server, arrays, landings)
+        for server, chain in requests.items()
+        for _, arrays, landings in chain
+    ]

@@ -153,15 +153,13 @@ def test_a_pull_asks_only_the_servers_that_hold_its_rows():
     entry = Entry("emb", (ROWS, WIDTH), np.dtype(np.float32), None, row_parts(ROWS, 2))
     ids = np.array([0, 3, 4], np.int64)
     data = np.zeros((3, WIDTH), np.float32)
-    assert list(pull_requests([(entry, ids, data)])) == [0]
+    assert [server for server, _, _ in pull_requests([(entry, ids, data)])] == [0]
     ids = np.array([4, 5], np.int64)
     requests = pull_requests([(entry, ids, np.zeros((2, WIDTH), np.float32))])
-    assert {
-        server: [a[1].tolist() for a in arrays] for server, (arrays, _) in requests.items()
-    } == {
-        0: [[4]],
-        1: [[5]],
-    }
+    assert [(server, [a[1].tolist() for a in arrays]) for server, arrays, _ in requests] == [
+        (0, [[4]]),
+        (1, [[5]]),
+    ]
     value = rsp([9], [row(1)])
     pushed, placed = push_requests([(entry, value, 1)])  # every server: server 0's empty
     assert {server: arrays[0][1].tolist() for server, arrays in pushed.items()} == {0: [], 1: [9]}
@@ -372,3 +370,38 @@ async def test_a_failed_row_update_is_raised_by_each_workers_next_pull_after_it(
 
         for pulled in await on_every_worker(cluster, "dist_sync", body):
             np.testing.assert_array_equal(pulled.data, [row(1), row(1)])
+
+
+def test_a_pull_naming_a_key_twice_sends_a_request_per_time_to_a_server():
+    """A request names each key once (a server refuses one that repeats a key): a pull with
+    several id arrays of one key asks a server once per array that has rows there."""
+    entry = Entry("emb", (ROWS, WIDTH), np.dtype(np.float32), None, row_parts(ROWS, 2))
+    first, second = np.array([1, 7], np.int64), np.array([2, 3], np.int64)
+    data = [np.zeros((2, WIDTH), np.float32), np.zeros((2, WIDTH), np.float32)]
+    requests = pull_requests([(entry, first, data[0]), (entry, second, data[1])])
+    asked = [(server, [a[1].tolist() for a in arrays]) for server, arrays, _ in requests]
+    assert asked == [(0, [[1]]), (0, [[2, 3]]), (1, [[7]])]
+    other = Entry("other", (ROWS, WIDTH), np.dtype(np.float32), None, row_parts(ROWS, 2))
+    both = pull_requests([(entry, first, data[0]), (other, second, data[1])])
+    assert [(server, len(arrays)) for server, arrays, _ in both] == [(0, 2), (1, 1)]
+
+
+async def test_one_key_pulled_with_several_id_arrays_or_outputs_as_in_mxnet():
+    """``row_sparse_pull`` of one key with a list of id arrays, of one id array into several
+    outputs, and of a key list naming a key twice: each output gets its ids' rows, as in the
+    local store."""
+    with Cluster(1, 2) as cluster:
+        (kv,) = await cluster.workers()
+        try:
+            await kv.init("emb", rsp([1, 8], [row(1), row(8)]))
+            pairs = await kv.row_sparse_pull("emb", row_ids=[np.array([1]), np.array([8, 2])])
+            assert [p.indices.tolist() for p in pairs] == [[1], [2, 8]]
+            assert [p.data[:, 0].tolist() for p in pairs] == [[1], [0, 8]]
+            outs = [akv.RowSparseArray.zeros((ROWS, WIDTH), np.float32) for _ in range(2)]
+            await kv.row_sparse_pull("emb", out=outs, row_ids=np.array([8, 1]))
+            for out in outs:
+                assert out.indices.tolist() == [1, 8] and out.data[:, 0].tolist() == [1, 8]
+            twice = await kv.row_sparse_pull(["emb", "emb"], row_ids=[[1], [1, 8]])
+            assert [p.data[:, 0].tolist() for p in twice] == [[1], [1, 8]]
+        finally:
+            await kv.close()
