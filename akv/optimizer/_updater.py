@@ -71,11 +71,14 @@ class Updater:
         ShapeMismatchError, DTypeMismatchError
             ``grad`` does not match ``weight``.
         StateFormatError
-            A state loaded by :meth:`load_states` does not fit ``weight``.
+            A state loaded by :meth:`load_states` does not fit ``weight``, or was saved for
+            a row-sparse key.
         """
         if isinstance(index, bool) or not isinstance(index, (int, str)):
             raise InvalidArgumentError(f"updater index {index!r} is neither an int nor a str")
         check_update_arrays(index, weight, grad)
+        if index in self.row_states:
+            raise _other_kind(index, "row-sparse", "dense")
         if index not in self.states:
             self.states[index] = self.optimizer.create_state_multi_precision(index, weight)
         elif index in self._unchecked:
@@ -101,9 +104,13 @@ class Updater:
         ------
         OptimizerError
             The optimizer has no row-sparse update (nothing changes).
+        StateFormatError
+            The states loaded for ``index`` were saved for a dense key (nothing changes).
         """
         optimizer = self.optimizer
         how = optimizer.row_sparse_update(index)  # refuses before anything changes
+        if index in self.states:
+            raise _other_kind(index, "dense", "row-sparse")
         if how == "lazy":
             ids, grad_rows = grad.indices, grad.data
         else:
@@ -264,6 +271,15 @@ def _check_state_fits(index: Index, state: State, expected: State, path: str) ->
         raise mismatch(f"expected {_describe(expected)}, got {_describe(state)}")
     for i, (member, expected_member) in enumerate(zip(state, expected, strict=True)):
         _check_state_fits(index, member, expected_member, f"{path}[{i}]")
+
+
+def _other_kind(index: Index, saved: str, key: str) -> StateFormatError:
+    """The error of states loaded for a key of the other storage type: using them would drop
+    them silently (a dense update reads no row states, a row update no dense ones)."""
+    return StateFormatError(
+        f"loaded state of index {index!r} was saved for a {saved} key, but the key is {key} "
+        f"here: load states saved from a {key} key"
+    )
 
 
 def _placed_like(state: State, expected: State) -> State:

@@ -220,3 +220,30 @@ def test_a_malformed_row_state_is_refused():
     short = opt.encode_states({0: opt.RowStates((4, 2), np.array([1, 3]), (np.ones((1, 2)),))})
     with pytest.raises(StateFormatError, match="one row per id"):
         opt.decode_states(short)
+
+
+def test_states_saved_for_one_storage_type_are_refused_by_the_other():
+    """States are either rows (a row-sparse key's) or arrays (a dense key's): loaded where the
+    key has the other type they would be dropped without a word (the momentum starting
+    again from zero), so the update refuses them, naming the index, and changes nothing."""
+    grad_rows = akv.RowSparseArray(np.ones((1, 2), np.float32), [1], (4, 2))
+    row_key = opt.get_updater(opt.SGD(momentum=0.9))
+    row_key.update_rows("w", RowTable((4, 2), np.float32), grad_rows)
+    dense_key = opt.get_updater(opt.SGD(momentum=0.9))
+    dense_key("w", np.ones((4, 2), np.float32), np.zeros((4, 2), np.float32))
+    weight = np.ones((4, 2), np.float32)
+    loaded = opt.get_updater(opt.SGD(momentum=0.9))
+    loaded.load_states(row_key.dump_states())
+    with pytest.raises(StateFormatError, match="index 'w' was saved for a row-sparse key, but"):
+        loaded("w", np.zeros((4, 2), np.float32), weight)
+    np.testing.assert_array_equal(weight, np.ones((4, 2), np.float32))
+    table = RowTable((4, 2), np.float32)
+    table.scatter(np.array([1]), np.ones((1, 2), np.float32))
+    loaded.load_states(dense_key.dump_states())
+    with pytest.raises(StateFormatError, match="index 'w' was saved for a dense key, but"):
+        loaded.update_rows("w", table, grad_rows)
+    np.testing.assert_array_equal(table.gather([1]), np.ones((1, 2), np.float32))
+    assert (
+        loaded.optimizer.index_update_counts.get("w", 0)
+        == dense_key.optimizer.index_update_counts["w"]
+    )
