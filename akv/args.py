@@ -16,6 +16,7 @@ from akv.errors import InvalidArgumentError, MixedKeyKindsError
 __all__ = [
     "Key",
     "check_one_kind",
+    "check_priority",
     "group",
     "key_kind",
     "normalize_key",
@@ -25,6 +26,14 @@ __all__ = [
 Key = int | str
 
 _KIND_NAMES = {int: "int", str: "str"}
+
+
+def check_priority(priority: object, what: str) -> int:
+    """``priority`` as an int (a NumPy integer too); a bool, a float or anything else is an
+    :class:`~akv.errors.InvalidArgumentError` naming the call (MXNet takes an int)."""
+    if isinstance(priority, (int, np.integer)) and not isinstance(priority, (bool, np.bool_)):
+        return int(priority)
+    raise InvalidArgumentError(f"{what}: priority must be an int, got {priority!r}")
 
 
 def normalize_key(key: object) -> Key:

@@ -359,7 +359,7 @@ def check_row_ids(ids: npt.ArrayLike, rows: int | None, what: str) -> RowIds:
     """
     try:
         array = np.asarray(ids)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: torch's refusals
         raise InvalidArgumentError(f"{what}: row ids must be 1-D integers: {exc}") from exc
     if array.ndim != 1:
         raise InvalidArgumentError(

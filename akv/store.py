@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from akv import optimizer as _optimizer
-from akv.args import Key, group, normalize_key, pairs
+from akv.args import Key, check_priority, group, normalize_key, pairs
 from akv.arrays import Array, Origin, finisher, is_gpu, read, to_host, write_view
 from akv.backend import Backend, KeyArrays, Updater
 from akv.blocking import KVStore
@@ -207,6 +207,8 @@ class AsyncKVStore:
         MixedKeyKindsError, InvalidArgumentError
         """
         self._check_usable()
+        if type(priority) is not int:
+            priority = check_priority(priority, "push")
         self._pushed = True
         if (
             type(value) is np.ndarray
@@ -289,6 +291,8 @@ class AsyncKVStore:
         :meth:`row_sparse_pull`; or a row-sparse ``out``)
         """
         self._check_usable()
+        if type(priority) is not int:
+            priority = check_priority(priority, "pull")
         if out is not None:
             if (
                 type(out) is np.ndarray
@@ -320,6 +324,8 @@ class AsyncKVStore:
     ) -> Waitable:
         """Push ``value``, then pull the result into ``out`` (into ``value`` when omitted)."""
         self._check_usable()
+        if type(priority) is not int:
+            priority = check_priority(priority, "pushpull")
         self._pushed = True
         no_row_pushpull(self._keys, key)
         values = self._compressed(self._values(group(key, value, "pushpull")))
@@ -346,6 +352,8 @@ class AsyncKVStore:
         RowIdError, ShapeMismatchError, DTypeMismatchError, InvalidArgumentError
         """
         self._check_usable()
+        if type(priority) is not int:
+            priority = check_priority(priority, "row_sparse_pull")
         pulls, result = row_pulls(self._keys, key, out, row_ids)
         return self._backend.pull_rows(pulls, result, priority)
 

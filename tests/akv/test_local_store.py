@@ -449,6 +449,22 @@ async def test_async_store_is_an_async_context_manager():
         kv.pull("a")
 
 
+@pytest.mark.parametrize("priority", ["high", 1.5, True, None])
+def test_a_priority_that_is_not_an_int_is_refused_by_every_call(kv, priority):
+    kv.init("a", ones(2))
+    kv.init("emb", akv.RowSparseArray.zeros((4, 2), np.float32))
+    calls = {
+        "push": lambda: kv.push("a", ones(2), priority=priority),
+        "pull": lambda: kv.pull("a", priority=priority),
+        "pushpull": lambda: kv.pushpull("a", ones(2), priority=priority),
+        "row_sparse_pull": lambda: kv.row_sparse_pull("emb", priority=priority, row_ids=[1]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(InvalidArgumentError, match=f"{name}: priority must be an int"):
+            call()
+    np.testing.assert_array_equal(kv.pull("a", priority=np.int64(2)), ones(2))  # unchanged
+
+
 async def test_priority_orders_work_that_piles_up():
     kv = await akv.create_async("local", slots=1, inline_max_bytes=1 << 20)
     gate = threading.Event()

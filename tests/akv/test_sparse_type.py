@@ -417,3 +417,15 @@ def test_a_torch_row_id_out_of_range_is_refused(torch):
     tensor = torch.sparse_coo_tensor([[1, 3]], torch.ones(2, 2), (3, 2), check_invariants=False)
     with pytest.raises(akv.RowIdError, match=r"row id 3 at position 1 is outside \[0, 3\)"):
         akv.RowSparseArray.from_torch(tensor)
+
+
+def test_torch_ids_numpy_cannot_read_are_an_invalid_argument(torch):
+    """A tensor that requires grad (float, so never valid ids) makes NumPy's conversion raise
+    torch's RuntimeError: refused as the other ids that are not 1-D integers are."""
+    ids = torch.ones(1, requires_grad=True)
+    with pytest.raises(akv.InvalidArgumentError, match=r"row ids must be 1-D integers.*grad"):
+        akv.RowSparseArray(np.ones((1, 3), np.float32), ids, (5, 3))
+    with akv.create("local") as kv:
+        kv.init("emb", akv.RowSparseArray.zeros((5, 3), np.float32))
+        with pytest.raises(akv.InvalidArgumentError, match="row ids must be 1-D integers"):
+            kv.row_sparse_pull("emb", row_ids=ids)
