@@ -131,7 +131,12 @@ def check_updater(updater: Updater | None, entry: Entry) -> _optimizer.Updater |
 
 
 def apply_row_push(updater: _optimizer.Updater | None, pushed: list[RowPush]) -> None:
-    """Apply one push call, key by key (see the module's docstring)."""
+    """Apply one push call, key by key (see the module's docstring); a key the optimizer
+    refuses (:meth:`~akv.optimizer.Updater.check_rows`) fails the call before any key
+    changes."""
+    if updater is not None:
+        for entry, _ in pushed:
+            updater.check_rows(entry.key)
     for entry, grad in pushed:
         table = table_of(entry)
         if updater is None:

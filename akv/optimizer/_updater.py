@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import numpy as np
 
@@ -108,9 +109,7 @@ class Updater:
             The states loaded for ``index`` were saved for a dense key (nothing changes).
         """
         optimizer = self.optimizer
-        how = optimizer.row_sparse_update(index)  # refuses before anything changes
-        if index in self.states:
-            raise _other_kind(index, "dense", "row-sparse")
+        how = self.check_rows(index)  # refuses before anything changes
         if how == "lazy":
             ids, grad_rows = grad.indices, grad.data
         else:
@@ -142,6 +141,23 @@ class Updater:
         for leaf, leaf_table in zip(leaves, tables, strict=True):
             leaf_table.scatter(ids, leaf)
         self.row_states[index] = tables
+
+    def check_rows(self, index: Index) -> Literal["lazy", "standard"]:
+        """How :meth:`update_rows` would apply a row-sparse gradient of ``index``
+        (:meth:`Optimizer.row_sparse_update`), or its refusal; changes nothing (a push of
+        several keys is checked for every key before any is updated).
+
+        Raises
+        ------
+        OptimizerError
+            The optimizer has no row-sparse update of ``index``.
+        StateFormatError
+            The states loaded for ``index`` were saved for a dense key.
+        """
+        how = self.optimizer.row_sparse_update(index)
+        if index in self.states:
+            raise _other_kind(index, "dense", "row-sparse")
+        return how
 
     def _update_in_place(
         self,

@@ -199,6 +199,22 @@ def test_a_custom_updater_is_refused_for_a_row_sparse_push():
         np.testing.assert_array_equal(all_rows(kv)[3], [3, 3, 3])
 
 
+def test_a_push_of_several_keys_the_optimizer_refuses_for_one_changes_none(kv):
+    """AdaGrad refuses a row update with weight decay: with ``b``'s refused, ``a`` (whose
+    wd_mult is 0) is not updated either."""
+    kv.init(["a", "b"], [rows([1], [[1, 1, 1]]), rows([1], [[1, 1, 1]])])
+    adagrad = akv.optimizer.AdaGrad(learning_rate=0.1, wd=0.1)
+    adagrad.set_wd_mult({"a": 0.0})
+    kv.set_optimizer(adagrad)
+    grad = rows([1], [[1, 1, 1]])
+    with pytest.raises(OptimizerError, match="index 'b': a row-sparse update needs wd=0"):
+        kv.push(["a", "b"], [grad, grad])
+    for key in ("a", "b"):
+        np.testing.assert_array_equal(all_rows(kv, key)[1], [1, 1, 1])
+    kv.push("a", grad)  # a alone is updated
+    assert all_rows(kv, "a")[1][0] < 1
+
+
 async def test_the_async_face():
     kv = await akv.create_async("local")
     try:
