@@ -74,6 +74,7 @@ __all__ = [
     "SendValues",
     "ServerEntry",
     "StaleCheckpointError",
+    "StatesTicket",
 ]
 
 #: One row push as a round holds it: its ids and rows, and the share of its frame's
@@ -109,7 +110,7 @@ class ServerEntry(RegionEntry):
         made_by: tuple[str, int] | None = None,
     ) -> None:
         super().__init__(key, value, new_var)
-        self.rounds: KeyRounds[PullTicket] = KeyRounds(key, num_workers, sync)
+        self.rounds: KeyRounds[PullTicket | StatesTicket] = KeyRounds(key, num_workers, sync)
         #: The (session, request number) of the init that made the key; None when it was
         #: restored from a checkpoint (then any init of it is a resent one).
         self.made_by = made_by
@@ -147,7 +148,7 @@ class RowEntry(Entry):
         self.first, self.end = rows
         self.rows: RowTable = RowTable(shape, dtype)
         jit.kernels()  # loaded (once a process) with the key, not in its first round
-        self.rounds: KeyRounds[RowPullTicket] = KeyRounds(key, num_workers, sync)
+        self.rounds: KeyRounds[RowPullTicket | StatesTicket] = KeyRounds(key, num_workers, sync)
         self.pending: list[RowPushed] = []
         self.made_by = made_by
         self.durable = True
@@ -325,6 +326,20 @@ class LoadStates:
     updater: _optimizer.Updater
     data: bytes
     entries: tuple[Entry, ...]
+
+
+@dataclass(eq=False)
+class StatesTicket:
+    """A save or load of optimizer states (``work``) waiting, as a pull does, for the rounds
+    its sender's last pushes went into to be applied (dist_sync: a push answered once
+    counted may wait for the other workers; the states saved must hold its update, and
+    states loaded must not be overwritten by it)."""
+
+    peer: Peer
+    seq: int
+    work: SaveStates | LoadStates
+    remaining: int = 0
+    answered: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,7 @@ from akv.cluster.server.instructions import (
     SendValues,
     ServerEntry,
     StaleCheckpointError,
+    StatesTicket,
 )
 from akv.cluster.server.row_keys import ROW_OPS, RowKeys, shaped
 from akv.cluster.server.staleness import Parked, Waiting
@@ -463,7 +464,10 @@ class ServerState:
             return self._load_states(peer, seq, bytes(buffers[0]))
         if op == Op.CLOSE:
             self._goodbyes.add(peer.id)
-            return [Reply(peer, seq)]
+            untold = [e.rounds.take_untold(peer.worker) for e in self._all_keys()]
+            failed = next((error for error in untold if error is not None), None)
+            # A failed update this worker never pulled after is raised by its close.
+            return [Reply(peer, seq) if failed is None else ReplyError(peer, seq, failed)]
         if op == Op.CHECKPOINT:
             if not self.checkpoints:
                 raise InvalidArgumentError(
@@ -558,11 +562,15 @@ class ServerState:
                 return self._fail_tickets([ticket], untold)
         return [] if ticket.remaining else self._ready(ticket)
 
-    def _ready(self, ticket: PullTicket | RowPullTicket) -> list[Instruction]:
-        """``ticket``'s values may be sent; unless this restored ``dist_async`` server has
-        not checked every worker yet (then it waits: in ``dist_async`` no round needs the
-        others' pushes, so a value could lack pushes a restore lost; in ``dist_sync`` a
-        round closes only with a push of every worker, each made after its check)."""
+    def _ready(self, ticket: PullTicket | RowPullTicket | StatesTicket) -> list[Instruction]:
+        """``ticket``'s values may be sent (or its states saved or loaded); unless this
+        restored ``dist_async`` server has not checked every worker yet (then a pull waits:
+        in ``dist_async`` no round needs the others' pushes, so a value could lack pushes a
+        restore lost; in ``dist_sync`` a round closes only with a push of every worker, each
+        made after its check)."""
+        if isinstance(ticket, StatesTicket):
+            ticket.answered = True
+            return [ticket.work]
         if not self.sync and self.lineage.answers_held:
             self._held_answers.append(ticket)
             return []
@@ -618,11 +626,21 @@ class ServerState:
     def _save_states(self, peer: Peer, seq: int, text: str) -> list[Instruction]:
         dump = save_states_request(text)
         updater = self._require_updater("save_optimizer_states")
-        return [SaveStates(peer, seq, updater, dump, self._all_keys())]
+        return self._after_own_rounds(SaveStates(peer, seq, updater, dump, self._all_keys()))
 
     def _load_states(self, peer: Peer, seq: int, data: bytes) -> list[Instruction]:
         updater = self._require_updater("load_optimizer_states")
-        return [LoadStates(peer, seq, updater, data, self._all_keys())]
+        return self._after_own_rounds(LoadStates(peer, seq, updater, data, self._all_keys()))
+
+    def _after_own_rounds(self, work: SaveStates | LoadStates) -> list[Instruction]:
+        """``work`` now, or once the round of its sender's last push of each key is applied
+        (as a pull waits: a save holds, and a load follows, every push sent before it)."""
+        ticket = StatesTicket(work.peer, work.seq, work)
+        for entry in self._all_keys():
+            rounds = entry.rounds
+            if not rounds.pull(rounds.last_push_round(work.peer.worker), ticket):
+                ticket.remaining += 1
+        return [] if ticket.remaining else self._ready(ticket)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -745,7 +763,7 @@ class ServerState:
         )
 
     def _fail_tickets(
-        self, tickets: Sequence[PullTicket | RowPullTicket], error: AKVError
+        self, tickets: Sequence[PullTicket | RowPullTicket | StatesTicket], error: AKVError
     ) -> list[Instruction]:
         out: list[Instruction] = []
         for ticket in tickets:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from akv.cluster.protocol import DIST_STORE_TYPES
-from akv.cluster.server.instructions import PullTicket
+from akv.cluster.server.instructions import PullTicket, StatesTicket
 
 if TYPE_CHECKING:
     from akv.cluster.server.state import ServerState
@@ -25,7 +25,7 @@ def check_invariants(state: ServerState) -> None:
     workers = [peer.worker for peer in state.peers.values()]
     assert len(workers) == len(set(workers)), f"two streams of one worker: {workers}"
     parked: dict[int, int] = {}
-    tickets: dict[int, PullTicket] = {}
+    tickets: dict[int, PullTicket | StatesTicket] = {}
     for key, entry in state.entries.items():
         rounds = entry.rounds
         assert entry.key == key and rounds.key == key, key

@@ -707,13 +707,21 @@ class DistBackend:
                 self._barriers += 1
                 await pass_barrier(self.membership, self._barriers, self._check)
             if self.broken is None:
-                await asyncio.gather(
+                goodbyes = await asyncio.gather(
                     *(
                         link.request(Op.CLOSE, timeout_s=GOODBYE_TIMEOUT_S)
                         for link in self.links
                         if link.lost is None
-                    )
+                    ),
+                    return_exceptions=True,
                 )
+                for goodbye in goodbyes:
+                    if isinstance(goodbye, ServerError):
+                        # A server's update of a round this worker pushed into failed and
+                        # no pull told it yet: raised once the goodbyes are said.
+                        late = late or goodbye
+                    elif isinstance(goodbye, BaseException):
+                        raise goodbye
                 await self.membership.finish()
         finally:
             if self._sweeper is not None:

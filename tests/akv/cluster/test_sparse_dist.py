@@ -405,3 +405,51 @@ async def test_one_key_pulled_with_several_id_arrays_or_outputs_as_in_mxnet():
             assert [p.data[:, 0].tolist() for p in twice] == [[1], [1, 8]]
         finally:
             await kv.close()
+
+
+async def test_a_failed_row_update_no_pull_told_is_raised_by_close():
+    """A worker that pushes and never pulls the key again still hears that the servers'
+    update failed: its close raises it (after its goodbyes: the job ends in order)."""
+    with Cluster(2, 2) as cluster:
+        stores = await cluster.workers()
+
+        async def body(kv):
+            await kv.init("emb", rsp([0, 9], [row(1), row(1)]))
+            await kv.set_optimizer(akv.optimizer.AdaGrad(learning_rate=0.1, wd=0.1))
+            await kv.push("emb", rsp([0, 9], [row(1), row(1)]))
+            await kv.barrier()
+            rounds = [server.state.rows.entries["emb"].rounds for server in cluster.servers]
+            await wait_until(lambda: all(r.applied_round == 1 for r in rounds), "the round")
+            with pytest.raises(akv.ServerError, match=r"key 'emb' in round 1 failed on server"):
+                await kv.close()
+            return True
+
+        try:
+            assert await each(stores, body) == [True, True]
+        finally:  # closed already where the test passes (a close raises its error again)
+            await asyncio.gather(*(kv.close() for kv in stores), return_exceptions=True)
+        assert cluster.scheduler is not None and cluster.scheduler.roster.failure is None
+
+
+async def test_states_saved_right_after_a_push_hold_its_rounds_update(tmp_path):
+    """dist_sync answers a push once counted: worker 0's save, sent while its push's round
+    still waits for worker 1, is written once that round is applied (as a pull waits), so
+    the file holds the momentum of that round, as a local store's would."""
+    path = tmp_path / "states.akv"
+    with Cluster(2, 2) as cluster:
+        first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        try:
+            for kv in (first, second):
+                await kv.init("emb", rsp([0, 9], [row(1), row(1)]))
+                await kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+            await first.push("emb", rsp([0, 9], [row(1), row(1)]))
+            save = asyncio.ensure_future(first.save_optimizer_states(str(path)))
+            rounds = [server.state.rows.entries["emb"].rounds for server in cluster.servers]
+            await wait_until(lambda: all(r.waiting_tickets() for r in rounds), "the save parked")
+            await second.push("emb", rsp([0, 9], [row(2), row(2)]))
+            await asyncio.wait_for(save, 20)
+        finally:
+            await asyncio.gather(first.close(), second.close())
+    saved = akv.optimizer.decode_states(path.read_bytes()).states["emb"]
+    assert saved.ids.tolist() == [0, 9]
+    np.testing.assert_allclose(saved.leaves[0], [row(-0.3), row(-0.3)], rtol=1e-6)

@@ -637,6 +637,31 @@ def test_states_saved_by_one_state_load_into_another():
     )
 
 
+def test_states_are_saved_and_loaded_after_the_round_of_the_senders_last_push():
+    """dist_sync answers a push once counted; a save sent after it waits for its round (the
+    other worker's push) to be applied, so that the states hold its update, and a load
+    waits likewise, so that the round does not update the states it loads."""
+    players = started(2)
+    for worker in range(2):
+        players.send(worker, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.1, momentum=0.9))
+    players.push(0, {"w": f32(1, 1)})
+    save = players.send(0, Op.SAVE_STATES, text='{"dump_optimizer": false}')
+    assert players.waiting(0, save)
+    assert players.reply(1, players.send(1, Op.SAVE_STATES, text="{}")) is not None  # no push
+    players.push(1, {"w": f32(1, 1)})
+    saved = optimizer.decode_states(players.reply(0, save)).states["w"]
+    np.testing.assert_allclose(saved, f32(-0.2, -0.2))  # the momentum after round 1
+    players.push(0, {"w": f32(1, 1)})
+    load = players.send(
+        0, Op.LOAD_STATES, [(None, np.frombuffer(players.reply(0, save), np.uint8))]
+    )
+    assert players.waiting(0, load)
+    players.push(1, {"w": f32(1, 1)})  # round 2 applied, then the states loaded
+    assert players.reply(0, load) == OK
+    np.testing.assert_allclose(players.state.updater.states["w"], f32(-0.2, -0.2))
+    players.state.validate()
+
+
 # ---------------------------------------------------------------- invariants
 
 
@@ -1037,3 +1062,17 @@ def test_a_failed_update_is_told_to_every_worker_by_its_next_pull(waiting):
         np.testing.assert_array_equal(
             players.reply(worker, players.pull(worker, ["w"]))["w"], [1, 1]
         )
+
+
+def test_a_failed_update_no_pull_told_is_the_answer_to_the_workers_goodbye():
+    """A worker that never pulls after a failed round hears of it when it closes; one that
+    was told already says goodbye as usual."""
+    players = started(2, w=f32(1, 1))
+    refused_update_optimizer(players)
+    players.push(0, {"w": f32(1, 1)})
+    players.push(1, {"w": f32(1, 1)})
+    assert isinstance(players.reply(1, players.pull(1, ["w"])), ServerError)  # told
+    goodbye = players.reply(0, players.send(0, Op.CLOSE))
+    assert isinstance(goodbye, ServerError)
+    assert "key 'w' in round 1 failed on server 0" in str(goodbye)
+    assert players.reply(1, players.send(1, Op.CLOSE)) == OK
