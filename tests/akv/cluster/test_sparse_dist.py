@@ -351,6 +351,20 @@ async def test_pushes_over_tcp_wait_in_reused_buffers_and_each_is_applied_as_it_
             await kv.close()
 
 
+FAILED_ROUND = r"key 'emb' in round 1 failed on server"
+
+
+async def push_into_a_failed_round(kv: akv.AsyncKVStore, cluster: Cluster) -> None:
+    """Push ``emb``'s rows into round 1, whose update every server then refuses (AdaGrad
+    with weight decay has no row update), and wait until both servers failed it."""
+    await kv.init("emb", rsp([0, 9], [row(1), row(1)]))
+    await kv.set_optimizer(akv.optimizer.AdaGrad(learning_rate=0.1, wd=0.1))
+    await kv.push("emb", rsp([0, 9], [row(1), row(1)]))
+    await kv.barrier()
+    rounds = [server.state.rows.entries["emb"].rounds for server in cluster.servers]
+    await wait_until(lambda: all(r.applied_round == 1 for r in rounds), "the round")
+
+
 async def test_a_failed_row_update_is_raised_by_each_workers_next_pull_after_it():
     """A dist_sync row push is answered once counted; when its round's update then fails on
     the servers (AdaGrad refuses weight decay for rows), each worker's next row_sparse_pull
@@ -358,13 +372,8 @@ async def test_a_failed_row_update_is_raised_by_each_workers_next_pull_after_it(
     with Cluster(2, 2) as cluster:
 
         async def body(kv):
-            await kv.init("emb", rsp([0, 9], [row(1), row(1)]))
-            await kv.set_optimizer(akv.optimizer.AdaGrad(learning_rate=0.1, wd=0.1))
-            await kv.push("emb", rsp([0, 9], [row(1), row(1)]))
-            await kv.barrier()
-            rounds = [server.state.rows.entries["emb"].rounds for server in cluster.servers]
-            await wait_until(lambda: all(r.applied_round == 1 for r in rounds), "the round")
-            with pytest.raises(akv.ServerError, match=r"key 'emb' in round 1 failed on server"):
+            await push_into_a_failed_round(kv, cluster)
+            with pytest.raises(akv.ServerError, match=FAILED_ROUND):
                 await kv.row_sparse_pull("emb", row_ids=[0, 9])
             return await kv.row_sparse_pull("emb", row_ids=[0, 9])  # told once
 
@@ -414,13 +423,8 @@ async def test_a_failed_row_update_no_pull_told_is_raised_by_close():
         stores = await cluster.workers()
 
         async def body(kv):
-            await kv.init("emb", rsp([0, 9], [row(1), row(1)]))
-            await kv.set_optimizer(akv.optimizer.AdaGrad(learning_rate=0.1, wd=0.1))
-            await kv.push("emb", rsp([0, 9], [row(1), row(1)]))
-            await kv.barrier()
-            rounds = [server.state.rows.entries["emb"].rounds for server in cluster.servers]
-            await wait_until(lambda: all(r.applied_round == 1 for r in rounds), "the round")
-            with pytest.raises(akv.ServerError, match=r"key 'emb' in round 1 failed on server"):
+            await push_into_a_failed_round(kv, cluster)
+            with pytest.raises(akv.ServerError, match=FAILED_ROUND):
                 await kv.close()
             return True
 
