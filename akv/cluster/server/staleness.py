@@ -63,7 +63,7 @@ class Waiting:
     def blocked(self, peer: Peer, header: FrameHeader, ahead: Ahead) -> bool:
         """Whether a push frame names a key its worker is more than ``bound`` pushes ahead
         on (``ahead(worker, key, tag)``: that lead, or -1 for a push counted already)."""
-        if header.op == Op.PULL:
+        if header.op in (Op.PULL, Op.ROW_PULL):
             return False
         worker = peer.worker
         return any(ahead(worker, info.key, info.tag) > self.bound for info in header.arrays)

@@ -91,6 +91,9 @@ from akv_transport import FrameHeader, StreamSilentError
 
 __all__ = ["ServerState"]
 
+#: The requests that wait behind a worker's held-back pushes under bounded staleness.
+_BOUNDED_OPS = frozenset({Op.PUSH, Op.PUSHPULL, Op.PULL, Op.ROW_PUSH, Op.ROW_PULL})
+
 #: The requests that may change keys, rounds or the optimizer (for the checkpoint timer).
 _CHANGING_OPS = frozenset(
     {Op.INIT, Op.PUSH, Op.PUSHPULL, Op.SET_OPTIMIZER, Op.LOAD_STATES, Op.ROW_INIT, Op.ROW_PUSH}
@@ -390,7 +393,9 @@ class ServerState:
                 )
                 # A push's rows are only read (summed into a round's own arrays), so they
                 # may be read where they lie in the sender's shared memory.
-                landing.read_in_place = header.op == Op.ROW_PUSH
+                # Not a push that may wait (bounded staleness): the sender frees it once
+                # answered, and a parked frame is answered before it is read.
+                landing.read_in_place = header.op == Op.ROW_PUSH and self.waiting is None
                 return landing
             check_frame(peer, header, self.entries, self.updater, self.name)
         except AKVError as exc:
@@ -441,7 +446,7 @@ class ServerState:
         now: float,
     ) -> list[Instruction]:
         op, seq = header.op, header.seq
-        if self.waiting is not None and op in (Op.PUSH, Op.PUSHPULL, Op.PULL):
+        if self.waiting is not None and op in _BOUNDED_OPS:
             return self._bounded(peer, header, landing, now)
         if op in (Op.PUSH, Op.PUSHPULL):
             return self._push(peer, header, landing, now)
@@ -479,7 +484,8 @@ class ServerState:
     def _bounded(
         self, peer: Peer, header: FrameHeader, landing: Landing, now: float
     ) -> list[Instruction]:
-        """A push, pushpull or pull with bounded staleness: it waits, or is taken and lets
+        """A push, pushpull or pull (of dense or row-sparse keys) with bounded staleness: it
+        waits, or is taken and lets
         the frames go that it no longer holds back (:mod:`~akv.cluster.server.staleness`)."""
         waiting = cast("Waiting", self.waiting)
         if waiting.must_wait(peer, header, self._ahead):
@@ -504,10 +510,12 @@ class ServerState:
             return self._pull(
                 peer, header.seq, [self._entry(i.key, "pull from") for i in header.arrays]
             )
+        if header.op in ROW_OPS:
+            return self._rows(peer, header, landing, now)
         return self._push(peer, header, landing, now)
 
     def _ahead(self, worker: int, key: object, tag: int) -> int:
-        rounds = self.entries[cast("Key", key)].rounds
+        rounds = self._held()[cast("Key", key)].rounds
         return -1 if rounds.is_duplicate(worker, tag) else rounds.lead(worker)[0]
 
     def _drop_parked(self, parked: Parked, error: AKVError) -> list[Instruction]:
@@ -797,13 +805,10 @@ class ServerState:
             overdue = self.waiting.pop_overdue(now, round_timeout_s)
             if overdue is None:
                 break
-            keys = [info.key for info in overdue.header.arrays]
+            keys = list(dict.fromkeys(info.key for info in overdue.header.arrays))
+            held = self._held()
             slow = sorted(
-                {
-                    w
-                    for k in keys
-                    for w in self.entries[cast("Key", k)].rounds.lead(overdue.peer.worker)[1]
-                }
+                {w for k in keys for w in held[cast("Key", k)].rounds.lead(overdue.peer.worker)[1]}
             )
             error = RoundTimeoutError(
                 f"a push of keys {keys} by worker {overdue.peer.worker} waited {round_timeout_s:g} "

@@ -457,3 +457,25 @@ async def test_states_saved_right_after_a_push_hold_its_rounds_update(tmp_path):
     saved = akv.optimizer.decode_states(path.read_bytes()).states["emb"]
     assert saved.ids.tolist() == [0, 9]
     np.testing.assert_allclose(saved.leaves[0], [row(-0.3), row(-0.3)], rtol=1e-6)
+
+
+async def test_bounded_staleness_holds_row_pushes_as_dense_ones():
+    """dist_async with AKV_STALENESS=0: the fast worker's second row push, and its pull
+    behind it, wait on the server until the slow worker pushed; then the pull sees it."""
+    with Cluster(2, 1, AKV_STALENESS="0") as cluster:
+        fast, slow = sorted(await cluster.workers("dist_async"), key=lambda kv: kv.rank)
+        try:
+            await asyncio.gather(*(kv.init("emb", rsp([0], [row(0)])) for kv in (fast, slow)))
+            await fast.push("emb", rsp([1], [row(1)]))
+            await fast.push("emb", rsp([1], [row(2)]))
+            pull = asyncio.ensure_future(fast.row_sparse_pull("emb", row_ids=[1]))
+            state = cluster.servers[0].state
+            await wait_until(
+                lambda: state.waiting is not None and len(state.waiting) == 2, "parked"
+            )
+            assert not pull.done()
+            await slow.push("emb", rsp([1], [row(10)]))
+            pulled = await asyncio.wait_for(pull, 20)
+            np.testing.assert_array_equal(pulled.data, [row(2)])  # no optimizer: replaced
+        finally:
+            await asyncio.gather(fast.close(), slow.close())

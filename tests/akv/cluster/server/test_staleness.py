@@ -91,3 +91,41 @@ def test_every_worker_must_give_the_same_bound():
     sync.staleness = 1
     with pytest.raises(MembershipError, match="dist_async only"):
         sync.reconnect(0)
+
+
+def rows_started(bound: int) -> Players:
+    players = Players(2, "dist_async", staleness=bound)
+    players.row_init(0, "emb", (10, 2), (0, 10))
+    players.lend = True  # pushes that may wait must not be read in place
+    return players
+
+
+def test_row_pushes_past_the_bound_wait_with_the_row_pull_behind_them():
+    """Row-sparse keys are bounded as dense ones are: with k = 0 the fast worker's second
+    push waits for the slow worker's first, and its pull behind it sees it."""
+    players = rows_started(0)
+    rows = np.ones((1, 2), np.float32)
+    assert players.reply(0, players.row_push(0, "emb", [1], rows, tag=1)) == OK
+    second = players.row_push(0, "emb", [1], 2 * rows, tag=2)
+    pull = players.row_pull(0, "emb", [1])
+    assert players.waiting(0, second) and players.waiting(0, pull)
+    assert players.state.rows.entries["emb"].rounds.closed_round == 1
+    # Under a bound no push is read in place: a parked one's shared memory would be
+    # given back to its sender, and overwritten, before the push is read.
+    assert players.given_back == []
+    assert players.reply(1, players.row_push(1, "emb", [3], rows, tag=1)) == OK
+    assert players.reply(0, second) == OK
+    # No optimizer: each dist_async push replaces the rows; the pull follows the second.
+    np.testing.assert_array_equal(players.reply(0, pull)["emb"], 2 * rows)
+    assert len(players.state.waiting) == 0
+
+
+def test_a_row_push_that_waits_past_the_round_deadline_names_the_slow_worker():
+    players = rows_started(0)
+    rows = np.ones((1, 2), np.float32)
+    players.row_push(0, "emb", [1], rows, tag=1)
+    late = players.row_push(0, "emb", [1], rows, tag=2)
+    players.tick(100.0, round_timeout_s=10.0)
+    error = players.reply(0, late)
+    assert isinstance(error, RoundTimeoutError)
+    assert "keys ['emb'] by worker 0" in str(error) and "for workers [1]" in str(error)
