@@ -390,6 +390,13 @@ class DistBackend:
             if late is not None:
                 raise late
 
+    def _raise_late_rows(self, keys: list[Key]) -> None:
+        """Raise the error of an earlier push of one of ``keys`` (row-sparse: its answers
+        are kept by :class:`RowCalls`), once."""
+        late = self._rows.take_failed(keys)
+        if late is not None:
+            raise late
+
     # ------------------------------------------------------------ the work
 
     def init(self, entries: list[Entry], arrays: list[np.ndarray]) -> Task:
@@ -622,7 +629,7 @@ class DistBackend:
     def push_rows(self, values: list[tuple[Entry, RowSparseArray]], priority: int) -> Task:
         """Send each server the rows of its range (:meth:`RowCalls.push`)."""
         self._check()
-        self._raise_late(values)
+        self._raise_late_rows([entry.key for entry, _ in values])
         self.activity.pushed(entry.key for entry, _ in values)
         return self._rows.push(values, priority)
 
@@ -631,7 +638,7 @@ class DistBackend:
     ) -> Task:
         """Ask the servers that hold requested rows for them (:meth:`RowCalls.pull`)."""
         self._check()
-        self._raise_late([(entry, out) for entry, _, out in pulls])
+        self._raise_late_rows([entry.key for entry, _, _ in pulls])
         self.activity.pulled(len(pulls))
         return self._rows.pull(pulls, result, priority)
 

@@ -24,6 +24,7 @@ from akv.cluster.placement import row_parts
 from akv.cluster.protocol import Op
 from akv.cluster.worker.calls import give_back_if_skipped
 from akv.cluster.worker.link import ServerLink
+from akv.cluster.worker.pipeline import late_error
 from akv.cluster.worker.push_buffers import PushBuffers
 from akv.cluster.worker.requests import WireArray
 from akv.cluster.worker.rows import (
@@ -69,6 +70,8 @@ class RowCalls:
         self._stream_of = stream_of
         #: The answers of the pushes sent and not yet awaited, by key.
         self._unanswered: dict[Any, list[asyncio.Future[Message]]] = {}
+        #: Each unanswered answer's push: the answers of all its servers (told once).
+        self._push_of: dict[asyncio.Future[Message], tuple[asyncio.Future[Message], ...]] = {}
         #: Where pushed rows wait for their answers on streams without a shared arena.
         self.push_buffers = PushBuffers()
 
@@ -150,11 +153,48 @@ class RowCalls:
         if placed:
             answered = asyncio.gather(*answers, return_exceptions=True)
             answered.add_done_callback(lambda _: _give_back(placed))
+        push = tuple(answers)
+        for answer in answers:
+            self._push_of[answer] = push
         for key in keys:
             # Answers that came without an error need no settling: kept are those in
             # flight and the failed (so that pushes with no pull between stay bounded).
-            kept = [a for a in self._unanswered.get(key, ()) if not _settled(a)]
+            kept = []
+            for answer in self._unanswered.get(key, ()):
+                if not _settled(answer):
+                    kept.append(answer)
+                else:
+                    self._push_of.pop(answer, None)
             self._unanswered[key] = kept + answers
+
+    def take_failed(self, keys: Sequence[Any]) -> AKVError | None:
+        """The error of a push of one of ``keys`` that a server already refused (a
+        ``DoublePushError``), named as an earlier push of its keys, once; None when none
+        did. A call raises it at once instead of sending requests that would wait for a
+        round the refused push never joined."""
+        for key in keys:
+            for answer in self._unanswered.get(key, ()):
+                error = _outcome(answer) if answer.done() else None
+                if isinstance(error, AKVError):
+                    return late_error(error, self._forget(answer))
+        return None
+
+    def _forget(self, answer: asyncio.Future[Message]) -> list[Any]:
+        """Drop ``answer``'s push, every server's answer of it, under every key (a push of
+        several keys is kept under each: its error is told once); the keys it was kept for."""
+        push = set(self._push_of.get(answer, (answer,)))
+        keys = []
+        for key, answers in list(self._unanswered.items()):
+            kept = [a for a in answers if a not in push]
+            if len(kept) < len(answers):
+                keys.append(key)
+                if kept:
+                    self._unanswered[key] = kept
+                else:
+                    del self._unanswered[key]
+        for dropped in push:
+            self._push_of.pop(dropped, None)
+        return keys
 
     async def settle(self, keys: list[Any] | None = None) -> AKVError | None:
         """Wait for the answers of the pushes sent so far (of ``keys``, or all); the first
@@ -164,16 +204,21 @@ class RowCalls:
         if not answers:
             return None
         outcomes: list[object]
-        if all(answer.done() for answer in answers.values()):
-            outcomes = [_outcome(answer) for answer in answers.values()]
-        else:
-            outcomes = list(await asyncio.gather(*answers.values(), return_exceptions=True))
-        for outcome in outcomes:
-            if isinstance(outcome, AKVError):
-                return outcome
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return None
+        try:
+            if all(answer.done() for answer in answers.values()):
+                outcomes = [_outcome(answer) for answer in answers.values()]
+            else:
+                outcomes = list(await asyncio.gather(*answers.values(), return_exceptions=True))
+            for answer, outcome in zip(answers.values(), outcomes, strict=True):
+                if isinstance(outcome, AKVError):
+                    self._forget(answer)  # kept under the push's other keys too: told once
+                    return outcome
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            return None
+        finally:
+            for answer in answers.values():
+                self._push_of.pop(answer, None)
 
     def pull(
         self, pulls: list[tuple[Entry, RowIds, RowSparseArray]], result: object, priority: int
@@ -203,6 +248,9 @@ class RowCalls:
         datas: list[np.ndarray],
         result: object,
     ) -> object:
+        failed = self.take_failed([entry.key for entry, _, _ in pulls])
+        if failed is not None:  # refused while this pull waited for its turn
+            raise failed
         links = self._links()
         timeout = self._timeouts.request_s
         if len(wanted) == 1:  # no gather: its callbacks cost the pull loop turns

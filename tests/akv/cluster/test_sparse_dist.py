@@ -296,10 +296,12 @@ async def test_pushes_without_pulls_keep_no_growing_list_of_answers():
             await kv.close()
 
 
-async def test_a_refused_row_push_is_raised_by_the_next_row_pull_and_the_round_is_kept():
-    """A pipelined row push the server refuses (a second push in one dist_sync round) is
-    raised by the worker's next row_sparse_pull of the key; the round sums the pushes it
-    counted. (How answers still in flight are settled: tests/akv/cluster/worker.)"""
+@pytest.mark.parametrize("call", ["row_sparse_pull", "push"])
+async def test_a_refused_row_push_is_raised_by_the_next_call_and_the_round_is_kept(call):
+    """A pipelined row push the servers refuse (a second push in one dist_sync round) is
+    raised by the worker's next row_sparse_pull or push of the key, at its call, once; the
+    round sums the pushes it counted. (How answers still in flight are settled:
+    tests/akv/cluster/worker.)"""
     with Cluster(2, 2) as cluster:
         fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
         try:
@@ -310,10 +312,17 @@ async def test_a_refused_row_push_is_raised_by_the_next_row_pull_and_the_round_i
             await fast.push("emb", rsp([0, 9], [row(5), row(5)]))  # refused by both servers
             answers = fast._backend._rows._unanswered["emb"]
             await wait_until(lambda: all(a.done() for a in answers), "the push answers")
-            pull = asyncio.ensure_future(fast.row_sparse_pull("emb", row_ids=[0, 9]))
+            # Raised by the pull's call, at once: not sent to wait for the round that the
+            # refused push never joined (which waits for worker 1).
+            refused = r"an earlier push of key 'emb' failed: worker 0 pushed key 'emb' twice"
+            with pytest.raises(akv.DoublePushError, match=refused):
+                if call == "push":  # refused at its call: nothing sent
+                    await fast.push("emb", rsp([0, 9], [row(7), row(7)]))
+                else:
+                    await fast.row_sparse_pull("emb", row_ids=[0, 9])
+            # Told once: neither server's refusal is kept (the first push's answers are).
+            assert fast._backend._rows.take_failed(["emb"]) is None
             await slow.push("emb", rsp([0, 9], [row(2), row(2)]))
-            with pytest.raises(akv.DoublePushError, match=r"worker 0 pushed key 'emb' twice"):
-                await asyncio.wait_for(pull, 20)
             pulled = await asyncio.gather(
                 *(kv.row_sparse_pull("emb", row_ids=[0, 9]) for kv in (fast, slow))
             )

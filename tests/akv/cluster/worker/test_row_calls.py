@@ -67,3 +67,30 @@ async def test_a_failure_that_is_no_server_error_is_raised(in_flight):
         lost.set_exception(ConnectionResetError("cut"))
     with pytest.raises(asyncio.CancelledError if not in_flight else ConnectionResetError):
         await asyncio.wait_for(settling, 5)
+
+
+async def test_a_refused_push_is_taken_at_a_call_once_for_all_its_keys_and_servers():
+    """A push of two keys to two servers, both of which refused it: a later call of either
+    key takes its error at once, named as an earlier push of both keys; then it is gone,
+    every server's answer under every key, and what is still in flight stays."""
+    loop = asyncio.get_running_loop()
+    refused = DoublePushError("worker 0 pushed key 'a' twice in round 1")
+    push = (done(loop, refused), done(loop, DoublePushError("the same, from server 1")))
+    in_flight = loop.create_future()
+    rows = calls(a=[*push], b=[*push, in_flight])
+    rows._push_of = {answer: push for answer in push}
+    late = rows.take_failed(["b"])
+    assert isinstance(late, DoublePushError) and late.__cause__ is refused
+    assert str(late).startswith("an earlier push of key 'a', 'b' failed: worker 0 pushed")
+    assert rows.take_failed(["a", "b"]) is None
+    assert rows._unanswered == {"b": [in_flight]} and rows._push_of == {}
+    in_flight.set_result(None)
+
+
+async def test_an_error_settled_for_one_key_is_not_told_again_for_the_pushs_other_keys():
+    loop = asyncio.get_running_loop()
+    push = (done(loop, DoublePushError("refused")),)
+    rows = calls(a=list(push), b=list(push))
+    rows._push_of = {push[0]: push}
+    assert await rows.settle(["a"]) is push[0].exception()
+    assert rows._unanswered == {} and await rows.settle(["b"]) is None
