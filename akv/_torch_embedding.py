@@ -166,10 +166,10 @@ class Embedding(torch.nn.Module):
             raise InvalidArgumentError(
                 f"{what}: ids must be a torch tensor of integers, got {describe(ids)}"
             )
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        if ids.dtype not in _ID_DTYPES:
             raise InvalidArgumentError(
-                f"{what}: ids must be integers, got a tensor of dtype {ids.dtype} (convert "
-                "them with ids.long())"
+                f"{what}: ids must be integers (int64, int32, int16, int8 or uint8), got a "
+                f"tensor of dtype {ids.dtype} (convert them with ids.long())"
             )
         if ids.layout != torch.strided:
             raise InvalidArgumentError(
@@ -208,6 +208,11 @@ def _positive(value: object, name: str, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgumentError(f"{what}: {name} must be an int >= 1, got {value!r}")
     return value
+
+
+#: The id dtypes taken: torch's unique and comparisons have no kernels for the wider
+#: unsigned ones (uint16, uint32, uint64).
+_ID_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
 def _numpy_dtype(dtype: object, what: str) -> np.dtype:

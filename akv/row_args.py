@@ -223,5 +223,6 @@ def _sorted_unique(ids: RowIds) -> RowIds:
 
 
 def _is_array_of_ids(value: object) -> bool:
-    """A list or tuple of ints (one array of row ids), not a list of arrays."""
-    return _is_list(value) and all(isinstance(v, (int, np.integer)) for v in value)
+    """A list or tuple of numbers (one array of row ids, checked as such: floats are
+    refused as ids), not a list of arrays."""
+    return _is_list(value) and all(np.ndim(v) == 0 for v in value)

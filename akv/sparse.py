@@ -72,12 +72,13 @@ class RowSparseArray:
     the arguments. :attr:`indices` is read-only (it must stay sorted); :attr:`data` may be
     written in place.
 
-    There is no ``==`` between arrays (it would be ambiguous); :meth:`equals` compares.
+    ``==`` is Python's identity comparison, as for any object (an element-wise one would be
+    ambiguous between stored rows and absent ones): :meth:`equals` compares values.
 
     Raises
     ------
     InvalidArgumentError
-        ``shape`` is not a tuple of non-negative ints with at least one dimension,
+        ``shape`` is not a sequence of non-negative ints with at least one dimension,
         ``indices`` are not 1-D integers, or ``data`` is not a host array.
     RowIdError
         A row id is negative or not below ``shape[0]`` (names the first, and its position).

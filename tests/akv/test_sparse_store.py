@@ -156,6 +156,11 @@ def test_a_huge_declared_table_costs_only_its_rows():
         (lambda kv: kv.row_sparse_pull("emb", row_ids=[10]), RowIdError, "10"),
         (lambda kv: kv.row_sparse_pull("emb", row_ids=[-1]), RowIdError, "-1"),
         (lambda kv: kv.row_sparse_pull("emb"), InvalidArgumentError, "row_ids"),
+        (
+            lambda kv: kv.row_sparse_pull("emb", row_ids=[1.0]),  # one array, not a list
+            InvalidArgumentError,
+            "row ids must be integers, got dtype float64",
+        ),
         (lambda kv: kv.row_sparse_pull("nope", row_ids=[0]), KeyNotInitializedError, "nope"),
         (
             lambda kv: kv.push("emb", rows([0], [[1, 1, 1, 1]], (10, 4))),

@@ -337,9 +337,13 @@ def test_the_module_has_no_parameters_and_says_what_it_is(kv):
         (
             torch.tensor([1.0]),
             InvalidArgumentError,
-            "ids must be integers, got a tensor of dtype torch.float32",
+            r"ids must be integers \(int64, int32, int16, int8 or uint8\), got a tensor of "
+            "dtype torch.float32",
         ),
         (torch.tensor([True]), InvalidArgumentError, "dtype torch.bool"),
+        # torch itself has no unique or comparison kernels for these.
+        (torch.tensor([1], dtype=torch.uint16), InvalidArgumentError, "dtype torch.uint16"),
+        (torch.tensor([1], dtype=torch.uint64), InvalidArgumentError, "dtype torch.uint64"),
         (
             [1, 2],
             InvalidArgumentError,
