@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,8 @@ _MAX_ARRAY_BYTES = (1 << 63) - 1
 #: inside it.
 HEADER_MAX_DEPTH = DEFAULT_JSON_MAX_DEPTH + 1
 _RANK_TEXT = re.compile(r"0|[1-9][0-9]{0,19}")
+#: The longest worker session id kept (a worker's is a uuid4 hex: 32).
+MAX_SESSION_CHARS = 128
 _DTYPES_BY_STR = {dtype.str: dtype for dtype in DTYPE_CODES}
 _HEADER_FIELDS = frozenset(
     {
@@ -134,6 +136,9 @@ class Snapshot:
     optimizer_states: bytes | None
     durable_seqs: dict[int, int]
     row_keys: list[RowRecord] = field(default_factory=list)
+    #: Each worker's session (its process) when the checkpoint was written: a worker of
+    #: another session is of a new job, whose pushes are numbered afresh.
+    sessions: dict[int, str] = field(default_factory=dict)
 
 
 def encode_header(snapshot: Snapshot) -> bytes:
@@ -179,6 +184,8 @@ def encode_header(snapshot: Snapshot) -> bytes:
     }
     if row_keys:
         header["row_keys"] = row_keys
+    if snapshot.sessions:
+        header["sessions"] = _rank_map_to_json(snapshot.sessions, "sessions", _session)
     # ASCII (every other character escaped) round-trips any str, lone surrogates included.
     text = json.dumps(header, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
     return text.encode("ascii")
@@ -285,12 +292,17 @@ def _checked_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
     return config
 
 
-def _rank_map_to_json(mapping: dict[int, int], what: str) -> dict[str, int]:
+def _rank_map_to_json(
+    mapping: Mapping[int, Any], what: str, item: Callable[[object, str], Any] | None = None
+) -> dict[str, Any]:
+    """A map of worker ranks to values that ``item`` checks (counts by default), as a JSON
+    object."""
+    check = _count if item is None else item
     if not isinstance(mapping, dict):
         raise ValueError(f"{what} must be a dict, not {type(mapping).__name__}")
     for rank, count in mapping.items():
         _count(rank, f"{what}: worker rank {rank!r}")
-        _count(count, f"{what}[{rank}]")
+        check(count, f"{what}[{rank}]")
     return {str(rank): count for rank, count in mapping.items()}
 
 
@@ -303,9 +315,11 @@ def decode_header(
     what is allocated never exceeds the file's size.
     """
     row_entries: object = []
-    if isinstance(header, dict) and "row_keys" in header:
+    sessions: object = {}
+    if isinstance(header, dict) and ("row_keys" in header or "sessions" in header):
         header = dict(header)
-        row_entries = header.pop("row_keys")
+        row_entries = header.pop("row_keys", [])
+        sessions = header.pop("sessions", {})
     fields = _fields(header, _HEADER_FIELDS, "the header")
     if _count(fields["rank"], "rank") != rank:
         raise ValueError(f"it holds server {fields['rank']}'s keys, not server {rank}'s")
@@ -363,6 +377,7 @@ def decode_header(
         optimizer_states=None,
         durable_seqs=_rank_map_from_json(fields["durable_seqs"], "durable_seqs"),
         row_keys=row_records,
+        sessions=_rank_map_from_json(sessions, "sessions", _session),
     )
     return snapshot, records, states_nbytes
 
@@ -458,14 +473,26 @@ def _fields(value: object, names: frozenset[str], what: str) -> dict[str, Any]:
     return value
 
 
-def _rank_map_from_json(value: object, what: str) -> dict[int, int]:
+def _session(value: object, what: str) -> str:
+    """``value`` if it is a worker's session id (a str of at most MAX_SESSION_CHARS)."""
+    if not isinstance(value, str) or len(value) > MAX_SESSION_CHARS:
+        raise ValueError(f"{what} is not a session id")
+    return value
+
+
+def _rank_map_from_json(
+    value: object, what: str, item: Callable[[object, str], Any] | None = None
+) -> dict[int, Any]:
+    """A JSON object of worker ranks (as text) to values that ``item`` checks (counts by
+    default)."""
+    check = _count if item is None else item
     if not isinstance(value, dict):
         raise ValueError(f"{what} is a {type(value).__name__}, not an object")
-    mapping: dict[int, int] = {}
+    mapping: dict[int, Any] = {}
     for text, count in value.items():
         if not _RANK_TEXT.fullmatch(text) or int(text) > _U64_MAX:
             raise ValueError(f"{what}: {text!r} is not a worker rank")
-        mapping[int(text)] = _count(count, f"{what}[{text}]")
+        mapping[int(text)] = check(count, f"{what}[{text}]")
     return mapping
 
 

@@ -184,6 +184,7 @@ class Checkpoints:
             snapshot.optimizer_states,
             snapshot.durable_seqs,
             snapshot.row_keys,
+            snapshot.sessions,
         )
         self.generation = snapshot.generation
         self.durable_seqs = dict(snapshot.durable_seqs)
@@ -254,6 +255,7 @@ class Checkpoints:
             optimizer_states=states,
             durable_seqs=plan.durable_seqs,
             row_keys=row_records,
+            sessions=plan.sessions,
         )
         nbytes = await asyncio.to_thread(_write_sized, self.directory, snapshot)
         self.generation = snapshot.generation
@@ -274,6 +276,15 @@ class Checkpoints:
             self.server.execute([durable])
 
     def _durable(self, peer: Peer) -> Durable | None:
+        for worker in self.state.take_renumbered():  # of a new job: none is durable yet
+            self.durable_seqs.pop(worker, None)
+            log.warning(
+                "server %d: worker %d is of a new job (another process than the "
+                "checkpoint's): its pushes are counted from its first, on top of the "
+                "restored values",
+                self.rank,
+                worker,
+            )
         seq = self.durable_seqs.get(peer.worker)
         return None if seq is None else Durable(peer, self.state.lineage.note(seq))
 

@@ -33,7 +33,7 @@ this server's range of its rows, in a :class:`~akv.rows.RowTable`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -410,3 +410,5 @@ class CheckpointPlan:
     updater: _optimizer.Updater | None
     #: The row-sparse keys, as ``entries``.
     row_entries: tuple[tuple[RowEntry, int, dict[int, int], dict[int, int]], ...] = ()
+    #: Each connected worker's session (what a restored server compares a worker with).
+    sessions: dict[int, str] = field(default_factory=dict)

@@ -195,6 +195,14 @@ class KeyRounds(Generic[T]):
         self._open.clear()
         self.opened_at = None
 
+    def forget_worker(self, worker: int) -> None:
+        """Forget ``worker``'s push numbers and rounds (a worker of a new job started from a
+        checkpoint: its pushes are numbered from 1 again). Only with no open round."""
+        assert worker not in self._open, "a worker forgotten in an open round"
+        self._tags.pop(worker, None)
+        self._last.pop(worker, None)
+        self._untold.pop(worker, None)
+
     def last_push_round(self, worker: int) -> int:
         """The round that ``worker``'s latest accepted push went into (0: none yet)."""
         return self._last.get(worker, 0)

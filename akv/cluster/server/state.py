@@ -168,6 +168,9 @@ class ServerState:
         self.reconnects = 0
         #: Each worker's session (its process), from its first stream on.
         self._sessions: dict[int, str] = {}
+        #: The sessions of the checkpoint this process was restored from (see restore).
+        self._restored_sessions: dict[int, str] = {}
+        self._renumbered: list[int] = []
         #: Workers whose stream was cut: when they count as lost, how they were cut, and
         #: the seconds they were given to come back.
         self._absent: dict[int, tuple[float, str, float]] = {}
@@ -287,6 +290,9 @@ class ServerState:
             self.peers[peer.id] = peer
             self._absent.pop(worker, None)
             if session:
+                restored = self._restored_sessions.pop(worker, None)
+                if restored is not None and restored != session:
+                    self._new_job(worker)
                 self._sessions[worker] = session
         return peer, [*replaced, *self._answers_let_go()]
 
@@ -680,6 +686,7 @@ class ServerState:
             self.optimizer_config,
             self.updater,
             tuple(row_entries),
+            dict(self._sessions),
         )
 
     def checkpointed(self, plan: CheckpointPlan) -> list[Instruction]:
@@ -699,10 +706,14 @@ class ServerState:
         optimizer_states: bytes | None,
         durable_seqs: dict[int, int],
         row_keys: Sequence[RowRecord] = (),
+        sessions: dict[int, str] | None = None,
     ) -> None:
         """Start from a checkpoint: the keys (key, value, closed round, each worker's last
         push number and last push round), the optimizer and its states, and the request
-        numbers the checkpoint holds. Workers resend what it does not hold.
+        numbers the checkpoint holds. Workers resend what it does not hold. ``sessions``:
+        the workers' sessions when it was written; a worker that comes with another one is
+        of a new job started from the checkpoint (workers are never restarted within a
+        job), whose pushes are numbered from 1 again (see :meth:`admit`).
 
         Raises
         ------
@@ -722,6 +733,22 @@ class ServerState:
             if optimizer_states:
                 self.updater.load_states(optimizer_states)
         self._received = {worker: seq - 1 for worker, seq in durable_seqs.items()}
+        self._restored_sessions = dict(sessions or {})
+
+    def take_renumbered(self) -> list[int]:
+        """The workers found to be of a new job since the last call (their requests of the
+        restored checkpoint's job are no longer theirs: no note may say they are durable)."""
+        renumbered, self._renumbered = self._renumbered, []
+        return renumbered
+
+    def _new_job(self, worker: int) -> None:
+        """``worker`` is of a new job started from the restored checkpoint: its pushes and
+        requests are counted from the start again, on top of the restored values (else its
+        first pushes would be taken for resends of the old job's, and dropped)."""
+        for entry in self._all_keys():
+            entry.rounds.forget_worker(worker)
+        self._received.pop(worker, None)
+        self._renumbered.append(worker)
 
     # ------------------------------------------------------------ events: array work done
 

@@ -123,3 +123,43 @@ def test_a_server_restarted_from_an_older_or_missing_checkpoint_fails_the_job(
     assert not re.search(r"^\[worker \d\] \{", done.stdout, re.M), output
     # Only the killed server is restarted: not server 0, which ends because the job failed.
     assert output.count("restarting it from its checkpoint") == 1, output
+
+
+def test_a_new_job_with_the_same_checkpoint_directory_adds_its_rounds_to_the_restored_values(
+    tmp_path,
+):
+    """Start the job again: its servers restore the first job's values, and its workers'
+    pushes (numbered from 1 again: new processes) are all counted on top of them. Before,
+    the servers took the new job's first pushes for resends of the old job's, and dropped
+    them without a word (both runs ended at -5)."""
+    finals = []
+    for _ in range(2):
+        done = launch(
+            [
+                "-n",
+                "2",
+                "-s",
+                "2",
+                "--checkpoint-dir",
+                str(tmp_path),
+                "--checkpoint-interval-s",
+                "0.2",
+                "--",
+                sys.executable,
+                str(JOBS / "resume.py"),
+            ],
+            timeout=150,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        finals.append(
+            [
+                json.loads(line.split("] ", 1)[1])
+                for line in done.stdout.splitlines()
+                if line.startswith("[worker") and line.split("] ", 1)[1].startswith("{")
+            ]
+        )
+    # 1 - 3 rounds x 2 workers, then 3 more rounds on top.
+    assert [[(r["emb"], r["d"]) for r in run] for run in finals] == [
+        [([-5.0], [-5.0])] * 2,
+        [([-11.0], [-11.0])] * 2,
+    ]

@@ -66,6 +66,7 @@ def assert_same(got: Snapshot | None, expected: Snapshot) -> None:
         got.optimizer_config,
         got.optimizer_states,
         got.durable_seqs,
+        got.sessions,
     ) == (
         expected.rank,
         expected.num_workers,
@@ -74,6 +75,7 @@ def assert_same(got: Snapshot | None, expected: Snapshot) -> None:
         expected.optimizer_config,
         expected.optimizer_states,
         expected.durable_seqs,
+        expected.sessions,
     )
     assert [record.key for record in got.keys] == [record.key for record in expected.keys]
     for record, want in zip(got.keys, expected.keys, strict=True):
@@ -144,6 +146,7 @@ ALL_DTYPES = [
             id="int-keys-negative-and-64-bit",
         ),
         pytest.param(snapshot(optimizer_config=None, optimizer_states=None), id="no-optimizer"),
+        pytest.param(snapshot(sessions={0: "a" * 32, 2: ""}), id="worker-sessions"),
         pytest.param(snapshot(optimizer_config={}, optimizer_states=b""), id="empty-optimizer"),
         pytest.param(
             snapshot(keys=[], durable_seqs={}, store_type="", generation=0), id="empty-store"
@@ -579,6 +582,10 @@ DELETE = object()
         ("optimizer_states", 9, "optimizer_states is a int, not an object"),
         ("payload_nbytes", 10, "the header gives the payload 10 bytes"),
         ("durable_seqs", {"x": 1}, "'x' is not a worker rank"),
+        ("sessions", {"0": 5}, r"sessions\[0\] is not a session id"),
+        ("sessions", {"0": "s" * 129}, r"sessions\[0\] is not a session id"),
+        ("sessions", {"01": "s"}, "sessions: '01' is not a worker rank"),
+        ("sessions", ["s"], "sessions is a list, not an object"),
         ("extra", None, r"the header: fields missing \[\], unknown \['extra'\]"),
     ],
 )

@@ -29,6 +29,7 @@ from akv.cluster.server.instructions import (
 from akv.cluster.server.state import ServerState
 from akv.errors import CheckpointError
 from akv_engine import Var
+from akv_transport import decode_frame, frame_bytes
 from tests.akv.cluster.cluster import wait_until
 from tests.akv.cluster.server.players import Players
 
@@ -260,7 +261,9 @@ async def test_durable_tells_each_connected_worker_which_of_its_requests_the_fil
 # ---------------------------------------------------------------------- restoring
 
 
-def stored_snapshot(directory: Path, num_workers: int = 2) -> Snapshot:
+def stored_snapshot(
+    directory: Path, num_workers: int = 2, sessions: dict[int, str] | None = None
+) -> Snapshot:
     snapshot = Snapshot(
         rank=RANK,
         num_workers=num_workers,
@@ -270,6 +273,7 @@ def stored_snapshot(directory: Path, num_workers: int = 2) -> Snapshot:
         optimizer_config=optimizer.SGD(learning_rate=0.5).get_config(),
         optimizer_states=None,
         durable_seqs={0: 12, 1: 9},
+        sessions={0: "session0", 1: "session1"} if sessions is None else sessions,
     )
     write_snapshot(directory, snapshot)
     return snapshot
@@ -299,6 +303,58 @@ async def test_a_restore_feeds_the_state_what_the_checkpoint_holds(opened, tmp_p
     await checkpoints.final()  # nothing changed since the restore: nothing to write
     assert server.copies == 0
     assert await checkpoints.write() == 8  # the numbering goes on
+
+
+def admit(state: ServerState, worker: int, session: str) -> Any:
+    peer, _ = state.admit(worker, "dist_sync", stream=True, session=session, note=None)
+    return peer
+
+
+def push(state: ServerState, peer: Any, seq: int, tag: int) -> list[Instruction]:
+    """Worker ``peer``'s push number ``tag`` of ``w`` (ones), request ``seq``, counted (its
+    instructions returned, not carried out)."""
+    header, buffers = decode_frame(frame_bytes(Op.PUSH, seq, [("w", f32(1, 1), tag)]))
+    landing = state.header_arrived(peer, header)
+    for buffer, target in zip(buffers, landing.buffers, strict=True):
+        memoryview(target).cast("B")[:] = buffer
+    return state.message_completed(peer, header, buffers, landing, 0.0)
+
+
+async def test_a_new_job_from_a_checkpoint_counts_its_pushes_from_the_first(opened, tmp_path):
+    """Workers are never restarted within a job: a worker of another session than the
+    checkpoint's is of a new job started from it. Its pushes, numbered from 1 again, are
+    counted on top of the restored values (not taken for resends of the old job's, which
+    would drop the first of them), and no note says its requests are durable yet; a worker
+    of the checkpoint's own session (a restarted server of the same job) resends."""
+    stored_snapshot(tmp_path)
+    state = fresh_state()
+    checkpoints, server = opened(state)
+    checkpoints.restore()
+    same = admit(state, 0, "session0")  # the job goes on: its push 1 was counted
+    new = admit(state, 1, "another-process")
+    checkpoints.tell(same)
+    checkpoints.tell(new)
+    assert [d.peer.worker for d in server.told(Durable)] == [0]  # 12 for worker 0, none for 1
+    assert checkpoints.durable_seqs == {0: 12}
+    rounds = state.entries["w"].rounds
+    assert rounds.is_duplicate(0, 5) and not rounds.is_duplicate(1, 1)
+    assert rounds.last_push_round(1) == 0
+    push(state, same, 12, tag=6)
+    push(state, new, 1, tag=1)
+    assert rounds.closed_round == 6  # both counted: one round on top of the restored 5
+    assert state.checkpoint_plan().sessions == {0: "session0", 1: "another-process"}
+    state.validate()
+
+
+async def test_a_checkpoint_without_sessions_renumbers_nobody(opened, tmp_path):
+    """Checkpoints written before sessions were kept: every worker is taken as the job's."""
+    stored_snapshot(tmp_path, sessions={})
+    state = fresh_state()
+    checkpoints, _ = opened(state)
+    checkpoints.restore()
+    admit(state, 1, "another-process")
+    assert state.entries["w"].rounds.is_duplicate(1, 1)
+    assert state.take_renumbered() == []
 
 
 async def test_a_checkpoint_of_a_job_with_another_number_of_workers_is_refused(opened, tmp_path):
