@@ -149,7 +149,13 @@ class DistBackend:
         # Instructions met while carrying out others wait for them (see ``handle``).
         self._executing = False
         self._queued: list[Instruction] = []
-        self._rows = RowCalls(engine, lambda: self.links, config.timeouts, self._stream_for_staging)
+        self._rows = RowCalls(
+            engine,
+            lambda: self.links,
+            config.timeouts,
+            self._stream_for_staging,
+            sync=store_type.startswith("dist_sync"),
+        )
         self._control = ControlCalls(engine, lambda: self.links, config.timeouts)
         self.metrics: WorkerMetrics | None = None  # AKV_METRICS_PORT: served from connect()
         #: How the other instructions are carried out (see ``_carry_out``).

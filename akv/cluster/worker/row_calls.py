@@ -63,8 +63,12 @@ class RowCalls:
         links: Callable[[], Sequence[ServerLink]],
         timeouts: Timeouts,
         stream_of: Callable[[int], StreamProtocol | None] = lambda server: None,
+        sync: bool = True,
     ) -> None:
         self._engine = engine
+        self._sync = sync
+        #: dist_sync: per key, the servers pushed to since this worker last pulled from them.
+        self._unpulled: dict[Any, set[int]] = {}
         self._links = links
         self._timeouts = timeouts
         self._stream_of = stream_of
@@ -104,6 +108,9 @@ class RowCalls:
             numbered.append((entry, value, entry.pushes))
         requests, placed = push_requests(numbered, self._region)
         keys = [entry.key for entry, _ in values]
+        if self._sync:
+            for key in keys:
+                self._unpulled.setdefault(key, set()).update(requests)
         task = self._engine.push(
             self._send_push,
             requests,
@@ -226,8 +233,17 @@ class RowCalls:
         """Ask the servers that hold requested rows for them; each output is set to its ids
         and the rows that landed, and the task returns ``result``."""
         datas = [np.empty((len(ids), *entry.shape[1:]), entry.dtype) for entry, ids, _ in pulls]
+        # dist_sync: a pull waits for the round of this worker's last push on every server
+        # it went to, also those holding none of the rows asked for, so that a push after it
+        # never reaches a server whose previous round still waits (a DoublePushError).
+        waits = {
+            entry.key: self._unpulled.pop(entry.key)
+            for entry, _, _ in pulls
+            if entry.key in self._unpulled
+        }
         wanted = pull_requests(
-            [(entry, ids, data) for (entry, ids, _), data in zip(pulls, datas, strict=True)]
+            [(entry, ids, data) for (entry, ids, _), data in zip(pulls, datas, strict=True)],
+            waits,
         )
         return self._engine.push(
             self._pull,

@@ -98,29 +98,50 @@ def push_requests(
     return requests, placed
 
 
+_NO_IDS = np.zeros(0, np.int64)
+
 #: One ``ROW_PULL`` to send: its server, its arrays, and where each answered array lands.
 PullRequest = tuple[int, list[WireArray], list[memoryview]]
 
 
-def pull_requests(pulls: list[tuple[Entry, RowIds, np.ndarray]]) -> list[PullRequest]:
+def pull_requests(
+    pulls: list[tuple[Entry, RowIds, np.ndarray]],
+    waits: dict[Any, set[int]] | None = None,
+) -> list[PullRequest]:
     """The ``ROW_PULL`` requests of a pull: per key with requested rows in a server's range,
     those ids, and where the rows it answers land (the slice of that key's output ``data``,
     C-contiguous, one row per id). One request per server that holds requested rows; more
     where the pull names a key more than once (several id arrays or outputs of one key, as
-    MXNet allows), since a request names each key once."""
+    MXNet allows), since a request names each key once. ``waits``: per key, servers asked
+    for no row but for the key all the same (with no ids: the answer comes once the round
+    of this worker's last push there is applied; see :meth:`RowCalls.pull`)."""
     requests: dict[int, list[tuple[set[Any], list[WireArray], list[memoryview]]]] = {}
+
+    def ask(server: int, key: Any, ids: np.ndarray, landing: memoryview) -> None:
+        chain = requests.setdefault(server, [])
+        request = next((r for r in chain if key not in r[0]), None)
+        if request is None:
+            request = (set(), [], [])
+            chain.append(request)
+        keys, arrays, landings = request
+        keys.add(key)
+        arrays.append((key, ids, 0))
+        landings.append(landing)
+
+    asked: dict[Any, set[int]] = {}
     for entry, ids, data in pulls:
         for server, first, end in slices(entry, ids):
             if end > first:
-                chain = requests.setdefault(server, [])
-                request = next((r for r in chain if entry.key not in r[0]), None)
-                if request is None:
-                    request = (set(), [], [])
-                    chain.append(request)
-                keys, arrays, landings = request
-                keys.add(entry.key)
-                arrays.append((entry.key, ids[first:end], 0))
-                landings.append(memoryview(cast(Any, data[first:end])).cast("B"))
+                ask(
+                    server,
+                    entry.key,
+                    ids[first:end],
+                    memoryview(cast(Any, data[first:end])).cast("B"),
+                )
+                asked.setdefault(entry.key, set()).add(server)
+    for key, servers in (waits or {}).items():
+        for server in sorted(servers - asked.get(key, set())):
+            ask(server, key, _NO_IDS, memoryview(bytearray()))
     return [
         (server, arrays, landings)
         for server, chain in requests.items()

@@ -488,3 +488,46 @@ async def test_bounded_staleness_holds_row_pushes_as_dense_ones():
             np.testing.assert_array_equal(pulled.data, [row(2)])  # no optimizer: replaced
         finally:
             await asyncio.gather(fast.close(), slow.close())
+
+
+def test_a_pull_after_a_push_also_waits_on_the_servers_holding_none_of_its_rows():
+    """A pull of rows of server 0 alone, after a push that went to both servers, asks
+    server 1 too, for no row: then the next push never reaches a server whose previous
+    round still waits for another worker (a DoublePushError, about 1 run in 300 steps)."""
+    entry = Entry("emb", (ROWS, WIDTH), np.dtype(np.float32), None, row_parts(ROWS, 2))
+    data = np.zeros((1, WIDTH), np.float32)
+    ids = np.array([1], np.int64)
+    requests = pull_requests([(entry, ids, data)], {"emb": {0, 1}})
+    asked = [(server, [a[1].tolist() for a in arrays]) for server, arrays, _ in requests]
+    assert asked == [(0, [[1]]), (1, [[]])]
+    assert [len(landings[0]) for _, _, landings in requests] == [WIDTH * 4, 0]
+    assert not requests[1][2][0].readonly  # a reply's destination must be writable
+
+
+@pytest.mark.parametrize("store_type", ["dist_sync", "dist_async"])
+async def test_which_servers_a_row_pull_asks_after_a_push(store_type):
+    with Cluster(2, 2) as cluster:
+        asked: list[tuple[int, int]] = []  # (server, worker) of each ROW_PULL
+        for rank, server in enumerate(cluster.servers):
+
+            def record(peer, message, landing, rank=rank, given=server.message):
+                if message.header.op == Op.ROW_PULL:
+                    asked.append((rank, peer.worker))
+                given(peer, message, landing)
+
+            server.message = record
+
+        async def body(kv):
+            await kv.init("emb", rsp([0], [row(0)]))
+            await kv.push("emb", rsp([0, 9], [row(1), row(1)]))
+            first = await kv.row_sparse_pull("emb", row_ids=[0])  # rows of server 0 only
+            again = await kv.row_sparse_pull("emb", row_ids=[0])  # no push since
+            return first, again
+
+        results = await on_every_worker(cluster, store_type, body)
+        expected = [(0, 0), (0, 1)] * 2 + ([(1, 0), (1, 1)] if store_type == "dist_sync" else [])
+        assert sorted(asked) == sorted(expected)
+        if store_type == "dist_sync":
+            for first, again in results:
+                np.testing.assert_array_equal(first.data, [row(2)])
+                np.testing.assert_array_equal(again.data, [row(2)])
