@@ -491,8 +491,8 @@ class ServerState:
         self, peer: Peer, header: FrameHeader, landing: Landing, now: float
     ) -> list[Instruction]:
         """A push, pushpull or pull (of dense or row-sparse keys) with bounded staleness: it
-        waits, or is taken and lets
-        the frames go that it no longer holds back (:mod:`~akv.cluster.server.staleness`)."""
+        waits, or is taken and lets the frames go that it no longer holds back
+        (:mod:`~akv.cluster.server.staleness`)."""
         waiting = cast("Waiting", self.waiting)
         if waiting.must_wait(peer, header, self._ahead):
             waiting.park(Parked(peer, header, landing, now))
