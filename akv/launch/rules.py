@@ -188,7 +188,10 @@ class ExitRules:
         if failed:
             if workers_left:
                 if returncode == JOB_FAILED_EXIT and spec.role == "server":
-                    exited = f"{who} exited with {status} (the job had failed: no restart mends it)"
+                    exited = (
+                        f"{who} exited with {status} (the job had failed, or its checkpoint "
+                        "cannot be used: no restart mends it)"
+                    )
                     return self._job_failed(index, code, exited, workers_left)
                 if self._restartable(spec) and self._restarts.get(index, 0) < self._max_restarts:
                     self._restarts[index] = count = self._restarts.get(index, 0) + 1

@@ -58,7 +58,7 @@ from akv.cluster.server.state import ServerState
 from akv.errors import AKVError, CheckpointError
 from akv.limits import FINAL_CHECKPOINT_S
 
-__all__ = ["CheckpointedServer", "Checkpoints", "Copied", "copy_plan"]
+__all__ = ["CheckpointedServer", "Checkpoints", "Copied", "UnusableCheckpointError", "copy_plan"]
 
 log = logging.getLogger("akv.cluster.server")
 
@@ -79,6 +79,11 @@ class CheckpointedServer(Protocol):
     def execute(self, instructions: Sequence[Instruction]) -> None:
         """Carry out ``instructions``, in order."""
         ...
+
+
+class UnusableCheckpointError(CheckpointError):
+    """The checkpoint is there and cannot be used (damaged, or of another job's shape): a
+    restart reads the same file, so none mends it (the server exits ``JOB_FAILED_EXIT``)."""
 
 
 class Checkpoints:
@@ -159,7 +164,10 @@ class Checkpoints:
             ) from exc
         self._lock_fd = fd
         remove_leftovers(self.directory, self.rank)  # of a writer that died: none runs now
-        snapshot = read_snapshot(self.directory, self.rank)
+        try:
+            snapshot = read_snapshot(self.directory, self.rank)
+        except CheckpointError as exc:
+            raise UnusableCheckpointError(str(exc)) from exc
         path = str(checkpoint_path(self.directory, self.rank))
         if snapshot is None:
             # Workers told of a checkpoint of this rank say so when they reconnect.
@@ -173,7 +181,7 @@ class Checkpoints:
             return None
         num_workers = self.num_workers
         if snapshot.num_workers != num_workers:
-            raise CheckpointError(
+            raise UnusableCheckpointError(
                 f"the checkpoint of server {self.rank} in {self.directory} is of a job with "
                 f"{snapshot.num_workers} workers, this job has {num_workers}"
             )

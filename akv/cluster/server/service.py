@@ -47,7 +47,12 @@ from akv.cluster.protocol import (
 )
 from akv.cluster.roles import listener_bounds, run_role, server_ssl, stopped_by_signal
 from akv.cluster.server.buffers import Landing
-from akv.cluster.server.checkpointing import Checkpoints, Copied, copy_plan
+from akv.cluster.server.checkpointing import (
+    Checkpoints,
+    Copied,
+    UnusableCheckpointError,
+    copy_plan,
+)
 from akv.cluster.server.instructions import (
     Checkpoint,
     CheckpointPlan,
@@ -777,6 +782,10 @@ async def run_server(config: Config) -> int:
     server = ParameterServer(config)
     try:
         await server.start()
+    except UnusableCheckpointError as exc:
+        log.error("%s; no restart mends it", exc)
+        await server.stop()
+        return JOB_FAILED_EXIT  # akv-launch restarts no server that exits so
     except AKVError as exc:
         log.error("%s", exc)
         await server.stop()

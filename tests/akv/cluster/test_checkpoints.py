@@ -24,9 +24,9 @@ import pytest
 import akv
 from akv import CheckpointError, ConfigError, InvalidArgumentError
 from akv.cluster import config as _config
-from akv.cluster.protocol import Op
+from akv.cluster.protocol import JOB_FAILED_EXIT, Op
 from akv.cluster.server.checkpoint import KeyRecord, Snapshot, read_snapshot, write_snapshot
-from akv.cluster.server.service import ParameterServer
+from akv.cluster.server.service import ParameterServer, run_server
 from tests.akv.cluster.cluster import Cluster, free_port, job_env, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -364,6 +364,51 @@ async def test_a_checkpoint_of_a_job_with_other_workers_is_refused_at_restore(tm
     finally:
         server.checkpoints.close()
         await server.engine.aclose()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "a byte flipped", "of another job"])
+async def test_a_server_whose_checkpoint_cannot_be_used_exits_so_that_nobody_restarts_it(
+    tmp_path, damage, caplog
+):
+    """A damaged checkpoint (or one of a job with other workers) is read again by every
+    restart: the server exits JOB_FAILED_EXIT, which akv-launch never restarts, naming the
+    file, instead of 1 (restarted up to --max-restarts for nothing)."""
+    snapshot = Snapshot(
+        rank=0,
+        num_workers=3 if damage == "of another job" else 2,
+        store_type="dist_sync",
+        generation=4,
+        keys=[KeyRecord("w", np.ones(4, np.float32), 2, {0: 2, 1: 2}, {0: 2, 1: 2})],
+        optimizer_config=None,
+        optimizer_states=None,
+        durable_seqs={0: 9, 1: 9},
+    )
+    path = write_snapshot(tmp_path, snapshot)
+    data = bytearray(path.read_bytes())
+    if damage == "truncated":
+        data = data[:-7]
+    elif damage == "a byte flipped":
+        data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    env = job_env(2, 1, free_port(), AKV_CHECKPOINT_DIR=str(tmp_path))
+    config = _config.from_env({**env, "AKV_ROLE": "server", "AKV_RANK": "0"})
+    assert await asyncio.wait_for(run_server(config), 30) == JOB_FAILED_EXIT
+    assert "server-0.akvckpt" in caplog.text or "workers, this job has 2" in caplog.text
+    assert "no restart mends it" in caplog.text
+
+
+async def test_a_server_whose_checkpoint_is_locked_exits_1_and_may_be_restarted(tmp_path):
+    """The lock of a rank's directory held by another process is no damage: that process
+    may be gone by the next restart."""
+    env = job_env(2, 1, free_port(), AKV_CHECKPOINT_DIR=str(tmp_path))
+    config = _config.from_env({**env, "AKV_ROLE": "server", "AKV_RANK": "0"})
+    holder = ParameterServer(config)
+    holder.checkpoints.restore()  # takes the lock
+    try:
+        assert await asyncio.wait_for(run_server(config), 30) == 1
+    finally:
+        holder.checkpoints.close()
+        await holder.engine.aclose()
 
 
 # ---------------------------------------------------------------------- configuration

@@ -181,9 +181,9 @@ def test_a_server_that_ended_because_the_job_failed_is_not_restarted():
     decision = rules.exited(1, JOB_FAILED_EXIT)
     assert (decision.action, decision.exit_code) == ("report", JOB_FAILED_EXIT)
     assert decision.message == (
-        "server 0 (pid 101) exited with code 3 (the job had failed: no restart mends it) "
-        "while 2 workers still ran; the job failed: waiting up to 5 s for the workers to "
-        "report it and exit"
+        "server 0 (pid 101) exited with code 3 (the job had failed, or its checkpoint cannot "
+        "be used: no restart mends it) while 2 workers still ran; the job failed: waiting "
+        "up to 5 s for the workers to report it and exit"
     )
     assert rules.restarts == {}
 
