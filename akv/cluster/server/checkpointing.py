@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from akv.cluster.placement import row_parts
 from akv.cluster.server.checkpoint import (
     KeyRecord,
     RowRecord,
@@ -115,8 +116,12 @@ class Checkpoints:
         rank: int,
         num_workers: int,
         interval_s: float,
+        num_servers: int | None = None,
     ) -> None:
+        """``num_servers``: the job's, to check a restored row-sparse key's range against
+        (None: not checked)."""
         self.state = state
+        self.num_servers = num_servers
         self.server = server
         self.directory = directory
         self.rank = rank
@@ -185,6 +190,7 @@ class Checkpoints:
                 f"the checkpoint of server {self.rank} in {self.directory} is of a job with "
                 f"{snapshot.num_workers} workers, this job has {num_workers}"
             )
+        self._check_row_ranges(snapshot)
         self.state.restore(
             snapshot.store_type,
             [(r.key, r.value, r.closed_round, r.tags, r.last_round) for r in snapshot.keys],
@@ -275,6 +281,21 @@ class Checkpoints:
         told: list[Instruction] = [d for d in durable if d is not None]
         self.server.execute(told + state.checkpointed(plan))
         return self.generation, nbytes
+
+    def _check_row_ranges(self, snapshot: Snapshot) -> None:
+        """Refuse a checkpoint whose row-sparse keys hold other rows than this server holds
+        in this job (written by a job with another number of servers)."""
+        if self.num_servers is None:
+            return
+        for record in snapshot.row_keys:
+            part = row_parts(record.shape[0], self.num_servers)[self.rank]
+            if (record.first, record.end) != (part.start, part.stop):
+                raise UnusableCheckpointError(
+                    f"the checkpoint of server {self.rank} in {self.directory} holds rows "
+                    f"[{record.first}, {record.end}) of key {record.key!r}; with "
+                    f"{self.num_servers} servers this server holds [{part.start}, "
+                    f"{part.stop}): it was written by a job with another number of servers"
+                )
 
     def tell(self, peer: Peer) -> None:
         """Tell ``peer``'s worker which of its requests the last checkpoint holds (a

@@ -150,6 +150,7 @@ class ParameterServer:
                 rank=config.rank,
                 num_workers=config.num_workers,
                 interval_s=config.checkpoint_interval_s,
+                num_servers=config.num_servers,
             )
         self.metrics = ServerMetrics(self)
         self.links: dict[int, Link] = {}

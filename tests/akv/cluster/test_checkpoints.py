@@ -25,7 +25,13 @@ import akv
 from akv import CheckpointError, ConfigError, InvalidArgumentError
 from akv.cluster import config as _config
 from akv.cluster.protocol import JOB_FAILED_EXIT, Op
-from akv.cluster.server.checkpoint import KeyRecord, Snapshot, read_snapshot, write_snapshot
+from akv.cluster.server.checkpoint import (
+    KeyRecord,
+    RowRecord,
+    Snapshot,
+    read_snapshot,
+    write_snapshot,
+)
 from akv.cluster.server.service import ParameterServer, run_server
 from tests.akv.cluster.cluster import Cluster, free_port, job_env, wait_until
 
@@ -366,7 +372,9 @@ async def test_a_checkpoint_of_a_job_with_other_workers_is_refused_at_restore(tm
         await server.engine.aclose()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "a byte flipped", "of another job"])
+@pytest.mark.parametrize(
+    "damage", ["truncated", "a byte flipped", "of another job", "of another server count"]
+)
 async def test_a_server_whose_checkpoint_cannot_be_used_exits_so_that_nobody_restarts_it(
     tmp_path, damage, caplog
 ):
@@ -382,6 +390,20 @@ async def test_a_server_whose_checkpoint_cannot_be_used_exits_so_that_nobody_res
         optimizer_config=None,
         optimizer_states=None,
         durable_seqs={0: 9, 1: 9},
+        # Rows [0, 5) of 10: server 0's of a job with 2 servers; this job has 1.
+        row_keys=[
+            RowRecord(
+                "emb",
+                (10, 2),
+                0,
+                5 if damage == "of another server count" else 10,
+                np.array([1], np.int64),
+                np.ones((1, 2), np.float32),
+                2,
+                {},
+                {},
+            )
+        ],
     )
     path = write_snapshot(tmp_path, snapshot)
     data = bytearray(path.read_bytes())
@@ -393,7 +415,13 @@ async def test_a_server_whose_checkpoint_cannot_be_used_exits_so_that_nobody_res
     env = job_env(2, 1, free_port(), AKV_CHECKPOINT_DIR=str(tmp_path))
     config = _config.from_env({**env, "AKV_ROLE": "server", "AKV_RANK": "0"})
     assert await asyncio.wait_for(run_server(config), 30) == JOB_FAILED_EXIT
-    assert "server-0.akvckpt" in caplog.text or "workers, this job has 2" in caplog.text
+    assert {
+        "truncated": "server-0.akvckpt",
+        "a byte flipped": "server-0.akvckpt",
+        "of another job": "workers, this job has 2",
+        "of another server count": "holds rows [0, 5) of key 'emb'; with 1 servers this "
+        "server holds [0, 10)",
+    }[damage] in caplog.text
     assert "no restart mends it" in caplog.text
 
 
