@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Protocol
 
 from akv.cluster.placement import row_parts
+from akv.cluster.server import snapshots
 from akv.cluster.server.checkpoint import (
     KeyRecord,
     RowRecord,
@@ -191,7 +192,8 @@ class Checkpoints:
                 f"{snapshot.num_workers} workers, this job has {num_workers}"
             )
         self._check_row_ranges(snapshot)
-        self.state.restore(
+        snapshots.restore(
+            self.state,
             snapshot.store_type,
             [(r.key, r.value, r.closed_round, r.tags, r.last_round) for r in snapshot.keys],
             snapshot.optimizer_config,

@@ -24,7 +24,8 @@ event (method)                             when
 It owns the keys and their rounds (:class:`~akv.cluster.server.rounds.KeyRounds`), pull
 tickets, init waits, the job's store type, optimizer installation and deduplication, and
 the overdue checks; which frames it takes at all is :mod:`akv.cluster.server.checks`'s,
-what a dense push, pull and init decide :mod:`akv.cluster.server.dense_keys`'s.
+what a dense push, pull and init decide :mod:`akv.cluster.server.dense_keys`'s, what a
+checkpoint holds and a restore :mod:`akv.cluster.server.snapshots`'s.
 :meth:`~ServerState.validate` checks its invariants. Array work (merging, applying,
 copying out) is the service's, through the engine, so that per key a merge, the apply of
 its round and the pulls that read the result keep their order.
@@ -40,8 +41,8 @@ import numpy as np
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import Note, Op, decode_meta, op_label
+from akv.cluster.server import snapshots
 from akv.cluster.server.buffers import Landing, ValueRegions
-from akv.cluster.server.checkpoint_header import RowRecord
 from akv.cluster.server.checks import (
     check_admission,
     check_frame,
@@ -168,7 +169,8 @@ class ServerState:
         self.reconnects = 0
         #: Each worker's session (its process), from its first stream on.
         self._sessions: dict[int, str] = {}
-        #: The sessions of the checkpoint this process was restored from (see restore).
+        #: The sessions of the checkpoint this process was restored from
+        #: (:func:`~akv.cluster.server.snapshots.restore`).
         self._restored_sessions: dict[int, str] = {}
         self._renumbered: list[int] = []
         #: Workers whose stream was cut: when they count as lost, how they were cut, and
@@ -521,7 +523,9 @@ class ServerState:
         return self._push(peer, header, landing, now)
 
     def _ahead(self, worker: int, key: object, tag: int) -> int:
-        rounds = self._held()[cast("Key", key)].rounds
+        # No merged dict of the keys: this runs for every array of every bounded frame.
+        dense = self.entries.get(cast("Key", key))
+        rounds = dense.rounds if dense is not None else self.rows.entries[cast("Key", key)].rounds
         return -1 if rounds.is_duplicate(worker, tag) else rounds.lead(worker)[0]
 
     def _drop_parked(self, parked: Parked, error: AKVError) -> list[Instruction]:
@@ -659,35 +663,8 @@ class ServerState:
     # ------------------------------------------------------------ checkpoints
 
     def checkpoint_plan(self) -> CheckpointPlan:
-        """What a checkpoint asked for now holds (see :class:`CheckpointPlan`): every key's
-        value after its closed rounds (read by a task that follows every write issued so
-        far), and per worker the number below which its requests are all in it: the first
-        of its pushes still in an open round, else the one after its latest request."""
-        entries = []
-        row_entries = []
-        open_seqs: dict[int, int] = {}
-        for entry in self._all_keys():
-            closed_round, tags, last = entry.rounds.durable()
-            if isinstance(entry, RowEntry):
-                row_entries.append((entry, closed_round, tags, last))
-            else:
-                entries.append((entry, closed_round, tags, last))
-            for worker, seq in entry.rounds.open_seqs().items():
-                if seq:
-                    open_seqs[worker] = min(open_seqs.get(worker, seq), seq)
-        durable = {
-            worker: open_seqs.get(worker, received + 1)
-            for worker, received in self._received.items()
-        }
-        return CheckpointPlan(
-            tuple(entries),
-            durable,
-            self.store_type,
-            self.optimizer_config,
-            self.updater,
-            tuple(row_entries),
-            dict(self._sessions),
-        )
+        """What a checkpoint asked for now holds (:func:`~akv.cluster.server.snapshots.plan`)."""
+        return snapshots.plan(self)
 
     def checkpointed(self, plan: CheckpointPlan) -> list[Instruction]:
         """The checkpoint of ``plan`` is written: its keys are durable; answer the init
@@ -697,43 +674,6 @@ class ServerState:
         for row_entry, _, _, _ in plan.row_entries:
             row_entry.durable = True
         return self._init_waits.release(self._held())
-
-    def restore(
-        self,
-        store_type: str,
-        keys: Sequence[tuple[Key, np.ndarray, int, dict[int, int], dict[int, int]]],
-        optimizer_config: dict[str, Any] | None,
-        optimizer_states: bytes | None,
-        durable_seqs: dict[int, int],
-        row_keys: Sequence[RowRecord] = (),
-        sessions: dict[int, str] | None = None,
-    ) -> None:
-        """Start from a checkpoint: the keys (key, value, closed round, each worker's last
-        push number and last push round), the optimizer and its states, and the request
-        numbers the checkpoint holds. Workers resend what it does not hold. ``sessions``:
-        the workers' sessions when it was written; a worker that comes with another one is
-        of a new job started from the checkpoint (workers are never restarted within a
-        job), whose pushes are numbered from 1 again (see :meth:`admit`).
-
-        Raises
-        ------
-        OptimizerError, StateFormatError
-            The optimizer configuration or states cannot be loaded.
-        """
-        self.store_type = store_type
-        for key, value, closed_round, tags, last in keys:
-            entry = ServerEntry(key, value, self._new_var, self.sync, self.num_workers, None)
-            entry.rounds.restore(closed_round, tags, last)
-            entry.regions = self.value_regions
-            self.entries[key] = entry
-        self.rows.restore(row_keys, self.sync)
-        if optimizer_config is not None:
-            self.updater = _optimizer.get_updater(_optimizer.from_config(optimizer_config))
-            self.optimizer_config = optimizer_config
-            if optimizer_states:
-                self.updater.load_states(optimizer_states)
-        self._received = {worker: seq - 1 for worker, seq in durable_seqs.items()}
-        self._restored_sessions = dict(sessions or {})
 
     def take_renumbered(self) -> list[int]:
         """The workers found to be of a new job since the last call (their requests of the

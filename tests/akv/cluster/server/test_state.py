@@ -11,6 +11,7 @@ import pytest
 
 from akv import optimizer
 from akv.cluster.protocol import COUNTED, Op, encode_meta
+from akv.cluster.server import snapshots
 from akv.cluster.server.instructions import CloseStream, ServerEntry
 from akv.errors import (
     DoublePushError,
@@ -480,7 +481,7 @@ def test_a_restored_state_takes_resent_pushes_once_and_finishes_the_round():
     players.push(0, {"w": f32(5, 5)}, tag=2)  # lost with the server
 
     restored = Players(2)
-    restored.state.restore("dist_sync", keys, None, None, plan.durable_seqs)
+    snapshots.restore(restored.state, "dist_sync", keys, None, None, plan.durable_seqs)
     restored.state.validate()
     restored.push(0, {"w": f32(1, 1)}, tag=1)  # held by the checkpoint: not counted
     restored.push(0, {"w": f32(5, 5)}, tag=2)

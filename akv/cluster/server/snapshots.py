@@ -1,0 +1,92 @@
+"""A server's state and its checkpoints: what a checkpoint holds now (:func:`plan`), and a
+state started from one (:func:`restore`).
+
+Both work on a :class:`~akv.cluster.server.state.ServerState` (its private parts too, as
+:mod:`akv.cluster.server.views` does), kept apart from the state's decisions about frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from akv import optimizer as _optimizer
+from akv.args import Key
+from akv.cluster.server.checkpoint_header import RowRecord
+from akv.cluster.server.instructions import CheckpointPlan, RowEntry, ServerEntry
+
+if TYPE_CHECKING:
+    from akv.cluster.server.state import ServerState
+
+__all__ = ["plan", "restore"]
+
+
+def plan(state: ServerState) -> CheckpointPlan:
+    """What a checkpoint asked for now holds (see :class:`CheckpointPlan`): every key's
+    value after its closed rounds (read by a task that follows every write issued so
+    far), and per worker the number below which its requests are all in it: the first
+    of its pushes still in an open round, else the one after its latest request."""
+    entries = []
+    row_entries = []
+    open_seqs: dict[int, int] = {}
+    for entry in state._all_keys():
+        closed_round, tags, last = entry.rounds.durable()
+        if isinstance(entry, RowEntry):
+            row_entries.append((entry, closed_round, tags, last))
+        else:
+            entries.append((entry, closed_round, tags, last))
+        for worker, seq in entry.rounds.open_seqs().items():
+            if seq:
+                open_seqs[worker] = min(open_seqs.get(worker, seq), seq)
+    durable = {
+        worker: open_seqs.get(worker, received + 1) for worker, received in state._received.items()
+    }
+    return CheckpointPlan(
+        tuple(entries),
+        durable,
+        state.store_type,
+        state.optimizer_config,
+        state.updater,
+        tuple(row_entries),
+        dict(state._sessions),
+    )
+
+
+def restore(
+    state: ServerState,
+    store_type: str,
+    keys: Sequence[tuple[Key, np.ndarray, int, dict[int, int], dict[int, int]]],
+    optimizer_config: dict[str, Any] | None,
+    optimizer_states: bytes | None,
+    durable_seqs: dict[int, int],
+    row_keys: Sequence[RowRecord] = (),
+    sessions: dict[int, str] | None = None,
+) -> None:
+    """Start from a checkpoint: the keys (key, value, closed round, each worker's last
+    push number and last push round), the optimizer and its states, and the request
+    numbers the checkpoint holds. Workers resend what it does not hold. ``sessions``:
+    the workers' sessions when it was written; a worker that comes with another one is
+    of a new job started from the checkpoint (workers are never restarted within a
+    job), whose pushes are numbered from 1 again (see :meth:`ServerState.admit`).
+
+    Raises
+    ------
+    OptimizerError, StateFormatError
+        The optimizer configuration or states cannot be loaded.
+    """
+    state.store_type = store_type
+    for key, value, closed_round, tags, last in keys:
+        entry = ServerEntry(key, value, state._new_var, state.sync, state.num_workers, None)
+        entry.rounds.restore(closed_round, tags, last)
+        entry.regions = state.value_regions
+        state.entries[key] = entry
+    state.rows.restore(row_keys, state.sync)
+    if optimizer_config is not None:
+        state.updater = _optimizer.get_updater(_optimizer.from_config(optimizer_config))
+        state.optimizer_config = optimizer_config
+        if optimizer_states:
+            state.updater.load_states(optimizer_states)
+    state._received = {worker: seq - 1 for worker, seq in durable_seqs.items()}
+    state._restored_sessions = dict(sessions or {})
