@@ -472,29 +472,16 @@ class ParameterServer:
                     no_skip=True,
                     name="send",
                 )
-            elif isinstance(instruction, InstallOptimizer):
+            elif isinstance(instruction, (InstallOptimizer, SaveStates, LoadStates)):
+                keys = [entry.var for entry in instruction.entries]
+                saves = isinstance(instruction, SaveStates)  # reads the keys' states only
                 self.engine.push(
-                    self._install,
+                    self._optimizer_work,
                     instruction,
-                    writes=[entry.var for entry in instruction.entries],
+                    reads=keys if saves else (),
+                    writes=() if saves else keys,
                     executor="loop",
-                    name="set_optimizer",
-                )
-            elif isinstance(instruction, SaveStates):
-                self.engine.push(
-                    self._save_states,
-                    instruction,
-                    reads=[entry.var for entry in instruction.entries],
-                    executor="loop",
-                    name="save_states",
-                )
-            elif isinstance(instruction, LoadStates):
-                self.engine.push(
-                    self._load_states,
-                    instruction,
-                    writes=[entry.var for entry in instruction.entries],
-                    executor="loop",
-                    name="load_states",
+                    name=_OPTIMIZER_WORK[type(instruction)],
                 )
             elif isinstance(instruction, Checkpoint):
                 assert self.checkpoints is not None  # the state asks only then
@@ -743,30 +730,33 @@ class ParameterServer:
         link.send(frame)
         link.when_drained(lambda _: done(None, None))  # a lost stream ends the task as well
 
-    async def _install(self, work: InstallOptimizer) -> None:
+    async def _optimizer_work(self, work: InstallOptimizer | SaveStates | LoadStates) -> None:
+        """Install an optimizer, or save or load its states (on a thread), then answer."""
+        saved: bytes | None = None
         try:
-            self.state.install_optimizer(work.optimizer, work.config)
+            if isinstance(work, InstallOptimizer):
+                self.state.install_optimizer(work.optimizer, work.config)
+            elif isinstance(work, SaveStates):
+                saved = await asyncio.to_thread(work.updater.dump_states, work.dump)
+            else:
+                await asyncio.to_thread(work.updater.load_states, work.data)
         except Exception as exc:
-            self.execute([_failed_reply(work.peer, work.seq, "set_optimizer", exc)])
+            what = _OPTIMIZER_WORK[type(work)].replace("_states", "_optimizer_states")
+            self.execute([_failed_reply(work.peer, work.seq, what, exc)])
             return
-        self.execute([Reply(work.peer, work.seq)])
+        if saved is None:
+            self.execute([Reply(work.peer, work.seq)])
+        else:
+            arrays = [(None, np.frombuffer(saved, np.uint8), 0)]
+            self.send_to(work.peer, encode_frame(Op.REPLY, work.seq, arrays, aux=OK))
 
-    async def _save_states(self, work: SaveStates) -> None:
-        try:
-            data = await asyncio.to_thread(work.updater.dump_states, work.dump)
-        except Exception as exc:
-            self.execute([_failed_reply(work.peer, work.seq, "save_optimizer_states", exc)])
-            return
-        arrays = [(None, np.frombuffer(data, np.uint8), 0)]
-        self.send_to(work.peer, encode_frame(Op.REPLY, work.seq, arrays, aux=OK))
 
-    async def _load_states(self, work: LoadStates) -> None:
-        try:
-            await asyncio.to_thread(work.updater.load_states, work.data)
-        except Exception as exc:
-            self.execute([_failed_reply(work.peer, work.seq, "load_optimizer_states", exc)])
-            return
-        self.execute([Reply(work.peer, work.seq)])
+#: The engine task's name of each piece of optimizer work.
+_OPTIMIZER_WORK = {
+    InstallOptimizer: "set_optimizer",
+    SaveStates: "save_states",
+    LoadStates: "load_states",
+}
 
 
 def _failed_reply(peer: Peer, seq: int, what: str, exc: Exception) -> ReplyError:
@@ -783,14 +773,11 @@ async def run_server(config: Config) -> int:
     server = ParameterServer(config)
     try:
         await server.start()
-    except UnusableCheckpointError as exc:
-        log.error("%s; no restart mends it", exc)
-        await server.stop()
-        return JOB_FAILED_EXIT  # akv-launch restarts no server that exits so
     except AKVError as exc:
-        log.error("%s", exc)
+        unusable = isinstance(exc, UnusableCheckpointError)
+        log.error("%s%s", exc, "; no restart mends it" if unusable else "")
         await server.stop()
-        return 1
+        return JOB_FAILED_EXIT if unusable else 1  # akv-launch restarts no server exiting 3
     except asyncio.CancelledError:  # SIGTERM while starting: close what was opened
         await server.stop()
         raise
