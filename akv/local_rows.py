@@ -134,7 +134,7 @@ def apply_row_push(updater: _optimizer.Updater | None, pushed: list[RowPush]) ->
     """Apply one push call, key by key (see the module's docstring); a key the optimizer
     refuses (:meth:`~akv.optimizer.Updater.check_rows`) fails the call before any key
     changes."""
-    if updater is not None:
+    if updater is not None and len(pushed) > 1:  # one key: update_rows checks it first
         for entry, _ in pushed:
             updater.check_rows(entry.key)
     for entry, grad in pushed:
