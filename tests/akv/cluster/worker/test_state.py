@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from akv.cluster.protocol import Note, Op, format_note, parse_note
 from akv.cluster.worker.events import PullIssued
 from akv.cluster.worker.instructions import GiveBack, GiveBuffer, Reconnect, Send
-from akv.cluster.worker.reconnect import Refusal, classify
 from akv.cluster.worker.state import WorkerState
 from akv.errors import (
     DoublePushError,
@@ -17,14 +15,8 @@ from akv.errors import (
     ServerError,
     ShapeMismatchError,
 )
-from akv.limits import (
-    AHEAD_COPY_MAX_BYTES,
-    MAX_UNACKED_PUSHES,
-    RECONNECT_FIRST_S,
-    RECONNECT_MAX_S,
-    RECONNECT_SILENT_ATTEMPTS,
-)
-from akv_transport import AuthError, RemoteError, StreamSilentError, TransportError
+from akv.limits import AHEAD_COPY_MAX_BYTES, MAX_UNACKED_PUSHES
+from akv_transport import RemoteError
 from tests.akv.cluster.worker.servers import Servers, key_entry
 
 
@@ -382,130 +374,6 @@ def test_a_push_asked_ahead_may_wait_for_its_round_past_the_request_deadline():
     assert isinstance(pull.error, ServerError) and "pushpull request in time" in str(pull.error)
 
 
-# ---------------------------------------------------------------- reconnecting
-
-
-def test_a_cut_stream_is_opened_again_at_once_then_after_doubling_waits():
-    servers = Servers(request_s=10.0)
-    servers.cut(0, ConnectionResetError("reset"))
-    assert servers.reconnects == [(0, 0.0)]
-    now = 0.0
-    while not servers.blamed:
-        now += servers.reconnects[-1][1]
-        servers.connect_fails(0, TransportError("cannot open a stream"), now)
-    delays = [delay for _, delay in servers.reconnects]
-    assert delays[:3] == [0.0, RECONNECT_FIRST_S, 2 * RECONNECT_FIRST_S]
-    assert max(delays) == RECONNECT_MAX_S and delays[-2:] == [RECONNECT_MAX_S] * 2
-    assert now <= 10.0 and now + RECONNECT_MAX_S > 10.0 - RECONNECT_MAX_S
-    (blame,) = servers.blamed
-    assert blame.cut and "could not be reached again within AKV_REQUEST_TIMEOUT_S (10 s)" in str(
-        blame.error
-    )
-    assert servers.state.links[0].lost is blame.error
-
-
-@pytest.mark.parametrize(
-    ("error", "restartable", "kind", "gives_up"),
-    [
-        (AuthError("HTTP 401"), False, Refusal.AUTH, "refused to take the stream back"),
-        (RemoteError(409, "taken"), False, Refusal.REFUSED, "refused to take the stream back"),
-        (RemoteError(503, "stopping"), False, Refusal.STOPPING, "refused to take the stream"),
-        (RemoteError(503, "stopping"), True, Refusal.STOPPING, None),
-        (PeerLostError("the scheduler refused: job failed"), False, Refusal.JOB_FAILED, "job"),
-        (TransportError("no route"), False, Refusal.TRANSPORT, None),
-        ("refused", False, Refusal.GONE, "nothing listens at its address any more"),
-        ("refused", True, Refusal.GONE, None),
-        ("timeout", False, Refusal.SILENT, None),  # once: tried again
-        (StreamSilentError("no answer"), True, Refusal.SILENT, None),
-    ],
-)
-def test_a_failed_reconnect_is_classified_and_retried_or_given_up(
-    error, restartable, kind, gives_up
-):
-    if error in ("refused", "timeout"):
-        cause = ConnectionRefusedError() if error == "refused" else TimeoutError()
-        error = TransportError("cannot open a stream")
-        error.__cause__ = cause
-    assert classify(error) is kind
-    servers = Servers(restartable=restartable)
-    servers.cut(0)
-    servers.connect_fails(0, error)
-    if gives_up is None:
-        assert servers.reconnects[-1] == (0, RECONNECT_FIRST_S) and not servers.blamed
-        return
-    (blame,) = servers.blamed
-    assert blame.cut and gives_up in str(blame.error)
-    assert servers.reconnects == [(0, 0.0)]
-
-
-def test_a_reconnect_sends_exactly_the_unanswered_requests_again_in_order():
-    servers = Servers()
-    w, v = key_entry("w"), key_entry("v")
-    servers.push({w: f32(1, 1, 1, 1)})
-    servers.end_turn()
-    servers.answer(servers.take())  # answered: not sent again (no checkpoints)
-    servers.push({w: f32(2, 2, 2, 2)})
-    servers.end_turn()
-    out = zeros()
-    pull = servers.pull({v: out})
-    before = [(r.op, r.seq, r.tags) for r in servers.sent()]
-    servers.cut(0)
-    servers.open(0)
-    assert [(r.op, r.seq, r.tags) for r in servers.sent()] == before
-    assert before == [(Op.PUSH, 2, [2]), (Op.PULL, 3, [0])]
-    assert servers.state.links[0].reconnects == 1
-    servers.answer(servers.take())
-    servers.answer(servers.take(), [f32(8, 8, 8, 8)])
-    assert pull.done and pull.error is None and servers.state.unacked == 0
-
-
-def test_a_request_made_while_the_stream_is_cut_goes_once_it_is_open_again():
-    servers = Servers()
-    w = key_entry("w")
-    servers.cut(0)
-    pull = servers.pull({w: zeros()})
-    assert servers.sent() == [] and not pull.done
-    servers.open(0)
-    (request,) = servers.sent()
-    assert request.op == Op.PULL
-
-
-def test_a_replay_pulls_a_key_before_pushing_it_again():
-    servers = Servers(restartable=True)
-    w, v = key_entry("w"), key_entry("v")
-    for value in (1.0, 2.0):
-        servers.push({w: np.full(4, value, np.float32)})
-        servers.end_turn()
-        servers.answer(servers.take())  # kept: the server may be restored from before it
-    servers.cut(0)
-    servers.open(0)
-    first, settle = servers.take(), servers.take()
-    assert (first.op, first.seq, first.tags) == (Op.PUSH, 1, [1])
-    assert settle.op == Op.PULL and settle.keys == ["w"] and settle.seq == 3
-    assert servers.sent() == []  # the second push waits for that pull's answer
-    pull = servers.pull({v: zeros()})  # made during the replay: waits for it
-    assert servers.sent() == []
-    servers.answer(settle, [f32(1, 1, 1, 1)])
-    second, deferred = servers.take(), servers.take()
-    assert (second.op, second.seq, second.tags) == (Op.PUSH, 2, [2])
-    assert (deferred.op, deferred.keys) == (Op.PULL, ["v"])
-    servers.answer(deferred, [f32(5, 5, 5, 5)])
-    assert pull.done and not servers.state.links[0].replaying
-
-
-def test_a_pushpull_asked_ahead_and_counted_is_resent_once_as_itself():
-    servers = Servers(restartable=True, pull_ahead=True)
-    w = key_entry("w")
-    servers.push({w: f32(1, 1, 1, 1)})
-    request = servers.take()
-    servers.counted(request)  # kept from now on, and still waiting for its round
-    assert servers.state.links[0].retained_bytes == 16
-    servers.cut(0)
-    servers.open(0)
-    (again,) = servers.sent()
-    assert (again.op, again.seq, again.counted) == (Op.PUSHPULL, request.seq, True)
-
-
 # ---------------------------------------------------------------- kept until durable
 
 
@@ -656,26 +524,6 @@ def test_every_instruction_names_a_call_the_state_knew():
 # ---------------------------------------------------------------- more of the same rules
 
 
-def test_a_reconnect_resends_the_kept_and_the_unanswered_requests_by_number():
-    servers = Servers(restartable=True)
-    w = key_entry("w")
-    servers.push({w: f32(1, 1, 1, 1)})
-    servers.end_turn()
-    servers.answer(servers.take())  # seq 1: answered, kept
-    servers.pull({w: zeros()})  # seq 2: unanswered
-    servers.push({w: f32(2, 2, 2, 2)})
-    servers.end_turn()  # seq 3: unanswered
-    servers.cut(0)
-    servers.open(0)
-    # The resent pull is not waited for: push 3 waits for a pull of its own (seq 4).
-    assert [(r.op, r.seq) for r in servers.sent()] == [(Op.PUSH, 1), (Op.PULL, 2), (Op.PULL, 4)]
-    servers.answer(servers.take())  # the kept push's answer again: nobody waits for it
-    servers.answer(servers.take(), [f32(1, 1, 1, 1)])
-    servers.answer(servers.take(), [f32(1, 1, 1, 1)])
-    (push,) = servers.sent()
-    assert (push.op, push.seq, push.tags) == (Op.PUSH, 3, [2])
-
-
 def test_a_held_push_of_a_split_key_rides_with_the_pull_to_each_server():
     servers = Servers(2)
     w = key_entry("w", (4,), servers=(0, 1))
@@ -690,59 +538,6 @@ def test_a_held_push_of_a_split_key_rides_with_the_pull_to_each_server():
     assert servers.state.unacked == 0 and not pull.done
     servers.answer(first, [f32(5, 6)])
     np.testing.assert_array_equal(out, f32(5, 6, 7, 8))
-
-
-def test_an_answer_to_a_request_resent_after_a_cut_is_taken_once():
-    servers = Servers()
-    w = key_entry("w")
-    pull = servers.pull({w: zeros()})
-    request = servers.take()
-    servers.cut(0)
-    servers.open(0)
-    servers.answer(servers.take(), [f32(1, 1, 1, 1)])
-    servers.answer(request, [f32(2, 2, 2, 2)])  # a late answer to the first copy: ignored
-    assert pull.done and pull.error is None
-
-
-def test_a_cut_during_a_replay_starts_it_again_on_the_next_stream():
-    servers = Servers(restartable=True)
-    w = key_entry("w")
-    for value in (1.0, 2.0):
-        servers.push({w: np.full(4, value, np.float32)})
-        servers.end_turn()
-        servers.answer(servers.take())
-    servers.cut(0)
-    servers.open(0)  # sends push 1, then waits for the settle pull
-    servers.cut(0)
-    assert not servers.state.links[0].replaying
-    servers.open(0)
-    # Kept and unanswered, by number: push 1, push 2 (after a new pull), the first pull.
-    assert [(r.op, r.seq) for r in servers.sent()] == [(Op.PUSH, 1), (Op.PULL, 4)]
-    servers.answer(servers.take())
-    servers.answer(servers.take(), [f32(1, 1, 1, 1)])
-    assert [(r.op, r.seq) for r in servers.sent()] == [(Op.PUSH, 2), (Op.PULL, 3)]
-    assert not servers.state.links[0].replaying
-
-
-def test_a_request_deferred_by_a_replay_and_swept_meanwhile_is_not_sent():
-    servers = Servers(restartable=True, request_s=10.0)
-    w, v = key_entry("w"), key_entry("v")
-    for value in (1.0, 2.0):
-        servers.push({w: np.full(4, value, np.float32)})
-        servers.end_turn()
-        servers.answer(servers.take())
-    servers.cut(0)
-    servers.open(0)
-    servers.take()  # push 1
-    settle = servers.take()
-    servers.now = 5.0
-    pull = servers.pull({v: zeros()})  # deferred: the replay waits for the settle pull
-    servers.tick(15.5)  # the settle pull (deadline 10) and the deferred pull both time out
-    assert isinstance(pull.error, ServerError)
-    assert [(r.op, r.seq) for r in servers.sent()] == [(Op.PUSH, 2)]
-    servers.answer(settle, [f32(1, 1, 1, 1)])  # late: the replay went on without it
-    assert [(r.op, r.seq) for r in servers.sent()] == [(Op.PUSH, 2)]
-    assert not servers.state.links[0].replaying
 
 
 def test_a_request_to_a_stream_never_opened_fails_at_once():
@@ -772,17 +567,6 @@ def test_the_verdict_fails_the_requests_held_for_it_on_every_server():
     assert first.error is verdict and second.error is verdict
 
 
-def test_closing_while_a_stream_is_cut_fails_its_requests_and_stops_reconnecting():
-    servers = Servers()
-    w = key_entry("w")
-    pull = servers.pull({w: zeros()})
-    servers.cut(0)
-    servers.close()
-    assert isinstance(pull.error, PeerLostError) and "closed the connection" in str(pull.error)
-    servers.connect_fails(0, TransportError("no"))
-    assert servers.reconnects == [(0, 0.0)]  # the attempt in flight is the last
-
-
 def test_a_value_asked_ahead_for_a_split_key_is_never_lent():
     servers = Servers(2, pull_ahead=True, shares_memory=True)
     w = key_entry("w", (4,), servers=(0, 1))
@@ -793,52 +577,6 @@ def test_a_value_asked_ahead_for_a_split_key_is_never_lent():
     out = zeros()
     assert servers.pull({w: out}).done
     np.testing.assert_array_equal(out, f32(5, 6, 7, 8))
-
-
-@pytest.mark.parametrize("restartable", [False, True])
-def test_a_server_that_answers_no_attempt_is_given_up_on_after_a_few(restartable):
-    servers = Servers(restartable=restartable, request_s=300.0)
-    servers.cut(0, StreamSilentError("no answer for 20 s: the stream is silent"))
-    silent = TransportError("cannot open a stream")
-    silent.__cause__ = TimeoutError()
-    now = 0.0
-    while not servers.blamed and now < 300.0:
-        now += servers.reconnects[-1][1] + 20.0  # each attempt waits out its deadline
-        servers.connect_fails(0, silent, now)
-    if restartable:  # its restart is awaited for the whole window
-        assert len(servers.reconnects) > RECONNECT_SILENT_ATTEMPTS and now > 250.0
-        return
-    assert len(servers.reconnects) == RECONNECT_SILENT_ATTEMPTS  # the first, then 2 more
-    (blame,) = servers.blamed
-    assert str(blame.error).startswith(
-        "server 0 went silent (no answer for 20 s: the stream is silent) "
-        "and answered none of 3 attempts to open it again"
-    ), blame.error
-
-
-def test_an_attempt_that_is_answered_starts_the_count_of_silent_ones_again():
-    servers = Servers(request_s=300.0)
-    servers.cut(0)
-    silent = TransportError("cannot open a stream")
-    silent.__cause__ = TimeoutError()
-    for error in (silent, silent, TransportError("reset"), silent, silent):
-        servers.connect_fails(0, error, 1.0)
-    assert not servers.blamed and servers.state.links[0].silent_attempts == 2
-
-
-def test_a_stopping_server_that_writes_checkpoints_is_waited_for_until_the_window_ends():
-    servers = Servers(restartable=True, request_s=3.0)
-    servers.cut(0)
-    now = 0.0
-    stopping = RemoteError(503, "server 0 takes no stream: it is stopping")
-    while not servers.blamed:
-        now += servers.reconnects[-1][1]
-        servers.connect_fails(0, stopping, now)
-    assert len(servers.reconnects) > 4 and now <= 3.0
-    assert "could not be reached again" in str(servers.blamed[0].error)
-    servers.fail(servers.blamed[0].error)
-    servers.open(0)  # an attempt in flight that opened after the job failed
-    assert servers.sent() == []
 
 
 def test_a_pull_waiting_for_a_value_asked_ahead_fails_with_the_job_and_nothing_is_kept():
