@@ -33,6 +33,7 @@ from akv.errors import (
 from akv_transport import ArrayInfo, FrameHeader, parse_json
 
 __all__ = [
+    "CHANGING_OPS",
     "NO_ARRAY_OPS",
     "REQUEST_OPS",
     "check_admission",
@@ -46,6 +47,10 @@ __all__ = [
 
 #: The ops a worker may send a server.
 REQUEST_OPS = frozenset(op for op in Op if op not in (Op.REPLY, Op.DURABLE))
+#: The requests that may change keys, rounds or the optimizer (what a checkpoint holds).
+CHANGING_OPS = frozenset(
+    {Op.INIT, Op.PUSH, Op.PUSHPULL, Op.SET_OPTIMIZER, Op.LOAD_STATES, Op.ROW_INIT, Op.ROW_PUSH}
+)
 #: The requests that carry no arrays (their meaning is in ``text``).
 NO_ARRAY_OPS = frozenset({Op.INIT_CHECK, Op.SET_OPTIMIZER, Op.SAVE_STATES, Op.CLOSE, Op.CHECKPOINT})
 

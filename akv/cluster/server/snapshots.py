@@ -7,7 +7,7 @@ Both work on a :class:`~akv.cluster.server.state.ServerState` (its private parts
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,7 +15,14 @@ import numpy as np
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.server.checkpoint_header import RowRecord
-from akv.cluster.server.instructions import CheckpointPlan, RowEntry, ServerEntry
+from akv.cluster.server.checks import CHANGING_OPS
+from akv.cluster.server.instructions import (
+    CheckpointPlan,
+    LoadStates,
+    RowEntry,
+    ServerEntry,
+    StatesTicket,
+)
 
 if TYPE_CHECKING:
     from akv.cluster.server.state import ServerState
@@ -26,11 +33,13 @@ __all__ = ["plan", "restore"]
 def plan(state: ServerState) -> CheckpointPlan:
     """What a checkpoint asked for now holds (see :class:`CheckpointPlan`): every key's
     value after its closed rounds (read by a task that follows every write issued so
-    far), and per worker the number below which its requests are all in it: the first
-    of its pushes still in an open round, else the one after its latest request."""
+    far), and per worker the number below which its requests are all in it: the first of
+    its changes taken in and not in the values (a push in an open round, a frame parked
+    by bounded staleness, a states load waiting for rounds), else the one after its latest
+    change."""
     entries = []
     row_entries = []
-    open_seqs: dict[int, int] = {}
+    pending: dict[int, int] = {}
     for entry in state._all_keys():
         closed_round, tags, last = entry.rounds.durable()
         if isinstance(entry, RowEntry):
@@ -39,9 +48,11 @@ def plan(state: ServerState) -> CheckpointPlan:
             entries.append((entry, closed_round, tags, last))
         for worker, seq in entry.rounds.open_seqs().items():
             if seq:
-                open_seqs[worker] = min(open_seqs.get(worker, seq), seq)
+                pending[worker] = min(pending.get(worker, seq), seq)
+    for worker, seq in _unapplied(state):
+        pending[worker] = min(pending.get(worker, seq), seq)
     durable = {
-        worker: open_seqs.get(worker, received + 1) for worker, received in state._received.items()
+        worker: pending.get(worker, received + 1) for worker, received in state._received.items()
     }
     return CheckpointPlan(
         tuple(entries),
@@ -52,6 +63,20 @@ def plan(state: ServerState) -> CheckpointPlan:
         tuple(row_entries),
         dict(state._sessions),
     )
+
+
+def _unapplied(state: ServerState) -> Iterator[tuple[int, int]]:
+    """(worker, request number) of each change taken in whose effect waits: a push parked by
+    bounded staleness, and a states load waiting for rounds to be applied (a checkpoint
+    written now holds neither)."""
+    if state.waiting is not None:
+        for parked in state.waiting:
+            if parked.header.op in CHANGING_OPS:
+                yield parked.peer.worker, parked.header.seq
+    for entry in state._all_keys():
+        for ticket in entry.rounds.waiting_tickets():
+            if isinstance(ticket, StatesTicket) and isinstance(ticket.work, LoadStates):
+                yield ticket.peer.worker, ticket.seq
 
 
 def restore(

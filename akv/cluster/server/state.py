@@ -44,6 +44,7 @@ from akv.cluster.protocol import Note, Op, decode_meta, op_label
 from akv.cluster.server import snapshots
 from akv.cluster.server.buffers import Landing, ValueRegions
 from akv.cluster.server.checks import (
+    CHANGING_OPS,
     check_admission,
     check_frame,
     entry_of,
@@ -94,11 +95,6 @@ __all__ = ["ServerState"]
 
 #: The requests that wait behind a worker's held-back pushes under bounded staleness.
 _BOUNDED_OPS = frozenset({Op.PUSH, Op.PUSHPULL, Op.PULL, Op.ROW_PUSH, Op.ROW_PULL})
-
-#: The requests that may change keys, rounds or the optimizer (for the checkpoint timer).
-_CHANGING_OPS = frozenset(
-    {Op.INIT, Op.PUSH, Op.PUSHPULL, Op.SET_OPTIMIZER, Op.LOAD_STATES, Op.ROW_INIT, Op.ROW_PUSH}
-)
 
 
 class ServerState:
@@ -176,7 +172,7 @@ class ServerState:
         #: Workers whose stream was cut: when they count as lost, how they were cut, and
         #: the seconds they were given to come back.
         self._absent: dict[int, tuple[float, str, float]] = {}
-        #: Each worker's highest request number so far.
+        #: Each worker's highest number of a request that may change the server so far.
         self._received: dict[int, int] = {}
         self._goodbyes: set[int] = set()
         self._init_waits = InitWaits(init_timeout_s)
@@ -429,10 +425,12 @@ class ServerState:
         try:
             if landing.error is not None:
                 raise landing.error
-            if peer.stream:
+            if peer.stream and header.op in CHANGING_OPS:
+                # Changes only: a replay sends a pull (numbered after every request it
+                # resends) ahead of the changes still to come, which no checkpoint holds.
                 self._received[peer.worker] = max(self._received.get(peer.worker, 0), header.seq)
             out = self._dispatch(peer, header, buffers, landing, now)
-            if header.op in _CHANGING_OPS:
+            if header.op in CHANGING_OPS:
                 self.changes += 1
             return out
         except Exception as exc:

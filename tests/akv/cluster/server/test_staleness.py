@@ -37,6 +37,17 @@ def test_a_push_past_the_bound_waits_with_the_pull_behind_it_until_the_slow_work
     assert len(players.state.waiting) == 0
 
 
+def test_a_checkpoint_plan_holds_no_push_that_waits():
+    players = started(0)
+    first = players.push(0, one(1), tag=1)
+    second = players.push(0, one(2), tag=2)  # waits for worker 1's first push
+    assert players.waiting(0, second)
+    assert players.state.checkpoint_plan().durable_seqs[0] == second
+    players.push(1, one(1), tag=1)
+    assert players.reply(0, second) == OK
+    assert players.state.checkpoint_plan().durable_seqs[0] == second + 1 > first + 1
+
+
 def test_a_bound_of_zero_is_lock_step():
     """With k = 0 no worker starts step s + 1 of a key before every worker pushed step s."""
     players = started(0, workers=3)

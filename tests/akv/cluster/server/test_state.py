@@ -472,6 +472,38 @@ def test_a_checkpoint_plan_holds_closed_rounds_and_leaves_open_pushes_to_be_rese
     assert plan.durable_seqs[1] == max(seq for (w, seq) in players.replies if w == 1) + 1
 
 
+def test_a_checkpoint_plan_holds_no_push_numbered_below_a_pull_that_came_ahead_of_it():
+    """A worker's replay after a cut sends a pull (numbered after every request it resends)
+    ahead of the pushes it resends after that pull's answer: a checkpoint written between
+    holds none of them, so its plan must not tell the worker they are durable (the worker
+    would then drop their copies, and a second restart would lose them)."""
+    players = started(2)
+    players.push(0, {"w": f32(1, 1)}, tag=1, seq=20)
+    players.push(1, {"w": f32(2, 2)}, tag=1, seq=21)  # round 1 closes
+    pull = players.send(0, Op.PULL, [("w", np.empty(0, np.float32))], seq=40)
+    np.testing.assert_array_equal(players.reply(0, pull)["w"], f32(3, 3))
+    assert players.state.checkpoint_plan().durable_seqs[0] == 21
+    players.push(0, {"w": f32(5, 5)}, tag=2, seq=30)  # the resend the pull came ahead of
+    assert players.state.checkpoint_plan().durable_seqs[0] == 30  # in the open round
+
+
+def test_a_checkpoint_plan_holds_no_states_load_waiting_for_a_round_to_be_applied():
+    players = started(2)
+    players.hold_updates = True
+    for worker in range(2):
+        players.send(worker, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.1, momentum=0.9))
+    save = players.send(0, Op.SAVE_STATES, text='{"dump_optimizer": false}')
+    players.push(0, {"w": f32(1, 1)})
+    players.push(1, {"w": f32(1, 1)})  # round 1 closes; its update is not applied yet
+    states = np.frombuffer(players.reply(0, save), np.uint8)
+    load = players.send(0, Op.LOAD_STATES, [(None, states)])
+    assert players.waiting(0, load)
+    assert players.state.checkpoint_plan().durable_seqs[0] == load  # not loaded yet
+    players.finish_updates()
+    assert players.reply(0, load) == OK
+    assert players.state.checkpoint_plan().durable_seqs[0] == load + 1
+
+
 def test_a_restored_state_takes_resent_pushes_once_and_finishes_the_round():
     players = started(2)
     players.push(0, {"w": f32(1, 1)}, tag=1)
