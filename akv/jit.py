@@ -15,8 +15,10 @@ multiply-add: numba does not contract without ``fastmath``), which the tests che
 
 The kernels are made when a process first needs them (the stores ask when a row-sparse key
 is made), for float32 and float64, and cached on disk (numba's ``cache=True``): the first
-time on a machine takes a few seconds, later processes import numba and load them in about
-0.3 s (and about 125 MiB of RSS, 78 of them shared library pages).
+time on a machine takes a few seconds (3 s measured on a busy 2-core machine), later
+processes import numba and load them in 0.3-1.2 s (and about 125 MiB of RSS, 78 of them
+shared library pages). A server makes them on a thread (:func:`load_soon`): its event loop
+never stops for them, and it answers the key's init once they are made.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 
 from akv.errors import ConfigError
 
-__all__ = ["available", "describe", "enabled", "kernels"]
+__all__ = ["available", "describe", "enabled", "kernels", "load_soon", "settled"]
 
 #: The dtypes the kernels are compiled for (their signatures are given: other types are
 #: refused, and the callers fall back to NumPy for them).
@@ -41,6 +43,8 @@ DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _lock = threading.Lock()
 _kernels: SimpleNamespace | None = None
 _failed = False
+_loading: threading.Thread | None = None
+_start_lock = threading.Lock()
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -98,6 +102,25 @@ def kernels() -> SimpleNamespace | None:
                     exc,
                 )
     return _kernels
+
+
+def load_soon() -> None:
+    """Start making the kernels on a thread of their own (once), unless they are made,
+    failed or off; returns at once. A server calls it when a row-sparse key is made: its
+    event loop must not stop for the seconds a first compile takes (heartbeats, other
+    workers' frames); it answers the key's init once :func:`settled`."""
+    global _loading
+    if _kernels is not None or _failed or not enabled():
+        return
+    with _start_lock:
+        if _loading is None:
+            _loading = threading.Thread(target=kernels, name="akv-jit", daemon=True)
+            _loading.start()
+
+
+def settled() -> bool:
+    """Whether :func:`kernels` returns at once: made, failed, or off."""
+    return _kernels is not None or _failed or not enabled()
 
 
 def _compile() -> SimpleNamespace:

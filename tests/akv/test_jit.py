@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ def fresh_jit(monkeypatch: pytest.MonkeyPatch) -> None:
     """akv.jit as before its first use, restored afterwards."""
     monkeypatch.setattr(jit, "_kernels", None)
     monkeypatch.setattr(jit, "_failed", False)
+    monkeypatch.setattr(jit, "_loading", None)
 
 
 def _bits(array: np.ndarray) -> np.ndarray:
@@ -239,3 +241,27 @@ def test_describe_says_which_kernels_run_and_why(
     monkeypatch.setattr(jit, "_kernels", None)
     monkeypatch.setitem(sys.modules, "numba", None)
     assert jit.describe() == "NumPy (numba is not installed or cannot compile here)"
+
+
+def test_kernels_made_on_a_thread_never_keep_the_caller_waiting(
+    monkeypatch: pytest.MonkeyPatch, fresh_jit: None
+) -> None:
+    """:func:`jit.load_soon` (a server, when a row-sparse key is made) returns at once and
+    makes the kernels once, on a thread of their own; :func:`jit.settled` says when."""
+    monkeypatch.setenv("AKV_JIT", "1")
+    made = jit._compile()  # the real kernels, made beforehand
+    gate, compiles = threading.Event(), []
+
+    def slow_compile():
+        compiles.append(threading.current_thread().name)
+        assert gate.wait(10)
+        return made
+
+    monkeypatch.setattr(jit, "_compile", slow_compile)
+    assert not jit.settled()
+    jit.load_soon()
+    jit.load_soon()  # started once
+    assert not jit.settled()  # returned while it compiles
+    gate.set()
+    jit._loading.join(10)
+    assert jit.settled() and jit.kernels() is made and compiles == ["akv-jit"]

@@ -147,7 +147,9 @@ class RowEntry(Entry):
         super().__init__(key, shape, dtype, new_var(f"key {key!r}"))
         self.first, self.end = rows
         self.rows: RowTable = RowTable(shape, dtype)
-        jit.kernels()  # loaded (once a process) with the key, not in its first round
+        # Made (once a process) on a thread from now: a server's loop never waits for them
+        # (the service answers the key's init once they are made; see ParameterServer).
+        jit.load_soon()
         self.rounds: KeyRounds[RowPullTicket | StatesTicket] = KeyRounds(key, num_workers, sync)
         self.pending: list[RowPushed] = []
         self.made_by = made_by

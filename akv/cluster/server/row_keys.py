@@ -26,6 +26,7 @@ from typing import cast
 
 import numpy as np
 
+from akv import jit
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import Op, RowMeta, decode_row_meta, op_label
@@ -272,7 +273,11 @@ class RowKeys:
         return ticket
 
     def restore(self, records: Sequence[RowRecord], sync: bool) -> None:
-        """Start from a checkpoint's row-sparse keys (made by no init of this process)."""
+        """Start from a checkpoint's row-sparse keys (made by no init of this process).
+        The row kernels are made here, before the server serves: no init of these keys
+        will come to wait for them (see :func:`akv.jit.load_soon`)."""
+        if records:
+            jit.kernels()
         for record in records:
             entry = RowEntry(
                 record.key,

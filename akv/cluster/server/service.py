@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from akv import jit
 from akv.cluster.config import Config, format_address
 from akv.cluster.membership import Membership
 from akv.cluster.metrics import observe
@@ -421,6 +422,16 @@ class ParameterServer:
         instructions = self.state.message_completed(peer, header, message.buffers, landing, now)
         if landing.lent is not None:  # no task reads them (a refused or resent push)
             landing.lent.give_back()
+        if header.op == Op.ROW_INIT and not jit.settled():
+            # A row-sparse key's kernels are being made on a thread (the first compile takes
+            # seconds): its init is answered once they are, so that its rounds use them and
+            # their memory is the process's before any row; the loop goes on meanwhile.
+            self._spawn(self._after_kernels(instructions), "making the row kernels")
+            return
+        self.execute(instructions)
+
+    async def _after_kernels(self, instructions: Sequence[Instruction]) -> None:
+        await asyncio.to_thread(jit.kernels)
         self.execute(instructions)
 
     def lost(self, peer: Peer, exc: BaseException | None) -> None:

@@ -5,11 +5,13 @@ the refusals. A whole job on 127.0.0.1 (tests/akv/cluster/cluster.py)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
 
 import akv
+from akv import jit
 from akv.cluster.placement import row_parts
 from akv.cluster.protocol import Op
 from akv.cluster.worker.push_buffers import MAX_SPARE_PUSH_BUFFERS
@@ -531,3 +533,38 @@ async def test_which_servers_a_row_pull_asks_after_a_push(store_type):
             for first, again in results:
                 np.testing.assert_array_equal(first.data, [row(2)])
                 np.testing.assert_array_equal(again.data, [row(2)])
+
+
+async def test_a_servers_loop_goes_on_while_a_row_keys_kernels_are_made(monkeypatch):
+    """The first compile of the row kernels takes seconds: a server makes them on a thread
+    (its heartbeats and other requests go on) and answers the row key's init once they are
+    made, so that its rounds use them."""
+    pytest.importorskip("numba")
+    monkeypatch.setenv("AKV_JIT", "1")
+    made = jit.kernels()
+    assert made is not None
+    gate = threading.Event()
+
+    def slow_compile():
+        assert gate.wait(20)
+        return made
+
+    monkeypatch.setattr(jit, "_kernels", None)
+    monkeypatch.setattr(jit, "_loading", None)
+    monkeypatch.setattr(jit, "_compile", slow_compile)
+    with Cluster(1, 1) as cluster:
+        (kv,) = await cluster.workers()
+        try:
+            row_init = asyncio.ensure_future(kv.init("emb", rsp([1], [row(1)])))
+            await kv.init("dense", np.ones(3, np.float32))  # answered meanwhile
+            np.testing.assert_array_equal(await kv.pull("dense"), np.ones(3, np.float32))
+            assert not row_init.done() and not jit.settled()
+            gate.set()
+            await asyncio.wait_for(row_init, 20)
+            assert jit.settled() and jit.kernels() is made
+            await kv.push("emb", rsp([1, 2], [row(2), row(3)]))
+            pulled = await kv.row_sparse_pull("emb", row_ids=[1, 2])
+            np.testing.assert_array_equal(pulled.data, [row(2), row(3)])
+        finally:
+            gate.set()
+            await kv.close()
