@@ -260,6 +260,24 @@ class Membership:
         body = {"reporter": reporter, "role": role, "rank": rank, "detail": detail}
         await self.client.json("POST", "/v1/lost", body)
 
+    async def report_failed(self, detail: str) -> bool:
+        """Tell the scheduler that this node fails the job, ``detail`` saying why (it follows
+        the node's name in the job's verdict), before it exits; True when the scheduler
+        heard it (a node that cannot reach it leaves the verdict to what sees it exit)."""
+        body = {
+            "reporter": self.node_id,
+            "role": self.role,
+            "rank": self.rank,
+            "detail": detail,
+            "itself": True,
+        }
+        try:
+            await self.client.json("POST", "/v1/lost", body, timeout_s=GOODBYE_TIMEOUT_S)
+        except (TransportError, RemoteError, ValueError) as exc:
+            log.info("could not tell the scheduler why this %s fails: %r", self.role, exc)
+            return False
+        return True
+
     async def finish(self) -> None:
         """Say goodbye to the scheduler (this process is done with the job)."""
         await self.client.json(

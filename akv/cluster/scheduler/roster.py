@@ -454,11 +454,14 @@ class Roster:
                 )
         return dead
 
-    def lost(self, reporter: str, role: str, rank: int, detail: str) -> str | None:
+    def lost(
+        self, reporter: str, role: str, rank: int, detail: str, *, itself: bool = False
+    ) -> str | None:
         """A node saw a peer disconnect without closing, a node reports that it stops
         (``reporter`` is its own node id: a server stopped by a signal, a worker whose code
-        failed), or the launcher saw a process exit (``reporter`` is
-        :data:`LAUNCHER_REPORTER`): fail the job naming it.
+        failed; or ``itself``: a node that fails before it registered, such as a server
+        whose checkpoint cannot be used), or the launcher saw a process exit (``reporter``
+        is :data:`LAUNCHER_REPORTER`): fail the job naming it.
 
         Returns the failure this report caused, or None (the peer had finished, or the
         job had failed already).
@@ -469,7 +472,7 @@ class Roster:
         name = peer.describe() if peer else f"{role} {rank}"
         if peer is not None:
             peer.dead = True
-        if reporter == LAUNCHER_REPORTER or (peer is not None and peer.node_id == reporter):
+        if itself or reporter == LAUNCHER_REPORTER or (peer and peer.node_id == reporter):
             reason = f"{name} {detail}"
         else:
             # A worker reports by its node id (a session's random hex): named as a node.

@@ -302,7 +302,8 @@ class Scheduler:
             role = str(body["role"])
             rank = int(body["rank"])
             detail = str(body.get("detail", ""))
-        failure = self.roster.lost(reporter, role, rank, detail)
+            itself = body.get("itself") is True
+        failure = self.roster.lost(reporter, role, rank, detail, itself=itself)
         if failure is not None:
             log.error("job failed: %s", failure)
         await self._notify()

@@ -57,6 +57,8 @@ _HEADER_FIELDS = frozenset(
         "keys",
     }
 )
+#: The header's fields that files written before them lack.
+_OPTIONAL_FIELDS = frozenset({"row_keys", "sessions", "num_servers"})
 _KEY_FIELDS = frozenset(
     {"key", "kind", "dtype", "shape", "closed_round", "tags", "last_round", "offset", "nbytes"}
 )
@@ -139,6 +141,9 @@ class Snapshot:
     #: Each worker's session (its process) when the checkpoint was written: a worker of
     #: another session is of a new job, whose pushes are numbered afresh.
     sessions: dict[int, str] = field(default_factory=dict)
+    #: The job's servers (None: not known, a file written before it was kept): a job with
+    #: another number places its keys otherwise.
+    num_servers: int | None = None
 
 
 def encode_header(snapshot: Snapshot) -> bytes:
@@ -186,6 +191,8 @@ def encode_header(snapshot: Snapshot) -> bytes:
         header["row_keys"] = row_keys
     if snapshot.sessions:
         header["sessions"] = _rank_map_to_json(snapshot.sessions, "sessions", _session)
+    if snapshot.num_servers is not None:
+        header["num_servers"] = _count(snapshot.num_servers, "num_servers")
     # ASCII (every other character escaped) round-trips any str, lone surrogates included.
     text = json.dumps(header, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
     return text.encode("ascii")
@@ -316,10 +323,12 @@ def decode_header(
     """
     row_entries: object = []
     sessions: object = {}
-    if isinstance(header, dict) and ("row_keys" in header or "sessions" in header):
+    num_servers: object = None
+    if isinstance(header, dict) and not _OPTIONAL_FIELDS.isdisjoint(header):
         header = dict(header)
         row_entries = header.pop("row_keys", [])
         sessions = header.pop("sessions", {})
+        num_servers = header.pop("num_servers", None)
     fields = _fields(header, _HEADER_FIELDS, "the header")
     if _count(fields["rank"], "rank") != rank:
         raise ValueError(f"it holds server {fields['rank']}'s keys, not server {rank}'s")
@@ -378,6 +387,7 @@ def decode_header(
         durable_seqs=_rank_map_from_json(fields["durable_seqs"], "durable_seqs"),
         row_keys=row_records,
         sessions=_rank_map_from_json(sessions, "sessions", _session),
+        num_servers=None if num_servers is None else _count(num_servers, "num_servers"),
     )
     return snapshot, records, states_nbytes
 

@@ -185,12 +185,16 @@ class Checkpoints:
                 path,
             )
             return None
-        num_workers = self.num_workers
-        if snapshot.num_workers != num_workers:
-            raise UnusableCheckpointError(
-                f"the checkpoint of server {self.rank} in {self.directory} is of a job with "
-                f"{snapshot.num_workers} workers, this job has {num_workers}"
-            )
+        for what, theirs, ours in (
+            ("workers", snapshot.num_workers, self.num_workers),
+            ("servers", snapshot.num_servers, self.num_servers),
+        ):
+            if theirs is not None and ours is not None and theirs != ours:
+                raise UnusableCheckpointError(
+                    f"the checkpoint of server {self.rank} in {self.directory} is of a job "
+                    f"with {theirs} {what}, this job has {ours}: start it with another "
+                    "--checkpoint-dir"
+                )
         self._check_row_ranges(snapshot)
         snapshots.restore(
             self.state,
@@ -272,6 +276,7 @@ class Checkpoints:
             durable_seqs=plan.durable_seqs,
             row_keys=row_records,
             sessions=plan.sessions,
+            num_servers=self.num_servers,
         )
         nbytes = await asyncio.to_thread(_write_sized, self.directory, snapshot)
         self.generation = snapshot.generation

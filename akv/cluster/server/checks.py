@@ -66,11 +66,13 @@ def check_admission(
     failure: str | None,
     stopping: bool,
     name: str,
+    restored: str = "",
 ) -> None:
     """Whether server ``name`` takes a stream (``stream``) or single frame of ``worker``
     opening a ``store_type`` store with bound ``staleness``; ``job``: the job's store type
     (None before the first worker) and staleness bound, ``failure``: why the job failed,
-    if it did; ``stopping``: the server stops. Raises what
+    if it did; ``stopping``: the server stops; ``restored``: the checkpoint the server was
+    restored from (the job's store type is then the checkpoint's), if any. Raises what
     :meth:`~akv.cluster.server.state.ServerState.admit` documents, but for the checks of
     a worker's session and checkpoint note.
     """
@@ -79,6 +81,12 @@ def check_admission(
         raise InvalidArgumentError(f"unknown store type {store_type!r}")
     if not 0 <= worker < num_workers:
         raise MembershipError(f"worker rank {worker} is out of range for {num_workers} workers")
+    if job_type is not None and store_type != job_type and restored:
+        raise MembershipError(
+            f"worker {worker} opened a {store_type} store, but {name} was restored from "
+            f"{restored}, written by a {job_type} job: start a job of another store type "
+            "with another --checkpoint-dir"
+        )
     if job_type is not None and store_type != job_type:
         raise MembershipError(
             f"worker {worker} opened a {store_type} store, but this job's workers use "

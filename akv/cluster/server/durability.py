@@ -68,6 +68,14 @@ class Lineage:
         self.checkpoint, self.rounds = restored.checkpoint, restored.rounds
         self.unchecked = set(range(self.num_workers))
 
+    @property
+    def restored_from(self) -> str:
+        """The checkpoint this process started from, in words ("": none)."""
+        restored = self.restored
+        if restored is None or not restored.checkpoint:
+            return ""
+        return f"checkpoint {restored.checkpoint} of {restored.path}"
+
     def written(self, checkpoint: int, rounds: int) -> None:
         """This process wrote checkpoint ``checkpoint`` (rounds up to ``rounds``)."""
         self.checkpoint, self.rounds = checkpoint, rounds

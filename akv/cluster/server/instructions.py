@@ -45,7 +45,7 @@ from akv.cluster.protocol import Note
 from akv.cluster.server.buffers import Lent, RegionEntry
 from akv.cluster.server.rounds import KeyRounds
 from akv.compression import Compression
-from akv.errors import AKVError, MembershipError
+from akv.errors import AKVError, MembershipError, ServerError
 from akv.keys import Entry, VarFactory
 from akv.limits import INLINE_MAX_BYTES
 from akv.rows import RowTable
@@ -258,6 +258,16 @@ class ReplyError:
     seq: int
     error: AKVError
     cause: BaseException | None = None
+
+    @classmethod
+    def of(cls, peer: Peer, seq: int, what: str, exc: Exception, server: str = "") -> ReplyError:
+        """The answer to a request whose work raised ``exc``: an :class:`AKVError` as it
+        is, anything else as a :class:`ServerError` of ``what`` (``server``: the server's
+        name), its cause kept."""
+        if isinstance(exc, AKVError):
+            return cls(peer, seq, exc)
+        error = ServerError(f"{what}: {type(exc).__name__}: {exc}", server=server)
+        return cls(peer, seq, error, exc)
 
 
 @dataclass(frozen=True, slots=True)

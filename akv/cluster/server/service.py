@@ -88,7 +88,6 @@ from akv.errors import (
     InvalidArgumentError,
     MembershipError,
     PeerLostError,
-    ServerError,
 )
 from akv.limits import (
     DRAIN_S,
@@ -423,9 +422,8 @@ class ParameterServer:
         if landing.lent is not None:  # no task reads them (a refused or resent push)
             landing.lent.give_back()
         if header.op == Op.ROW_INIT and not jit.settled():
-            # A row-sparse key's kernels are being made on a thread (the first compile takes
-            # seconds): its init is answered once they are, so that its rounds use them and
-            # their memory is the process's before any row; the loop goes on meanwhile.
+            # Answered once the row kernels are made (on a thread: a first compile takes
+            # seconds), so that the key's rounds use them; the loop goes on meanwhile.
             self._spawn(self._after_kernels(instructions), "making the row kernels")
             return
         self.execute(instructions)
@@ -540,7 +538,7 @@ class ParameterServer:
     def _answer_failed(self, ticket: PullTicket | RowPullTicket, what: str, exc: Exception) -> None:
         """Answer ``ticket``'s pull with the error that making its answer raised (logged
         with its traceback), instead of leaving the worker to wait for its deadline."""
-        self._on_loop(self._reply_error, _failed_reply(ticket.peer, ticket.seq, what, exc))
+        self._on_loop(self._reply_error, ReplyError.of(ticket.peer, ticket.seq, what, exc))
 
     def _fail_job(self, instruction: FailJob) -> None:
         if instruction.blames_itself:
@@ -753,7 +751,7 @@ class ParameterServer:
                 await asyncio.to_thread(work.updater.load_states, work.data)
         except Exception as exc:
             what = _OPTIMIZER_WORK[type(work)].replace("_states", "_optimizer_states")
-            self.execute([_failed_reply(work.peer, work.seq, what, exc)])
+            self.execute([ReplyError.of(work.peer, work.seq, what, exc)])
             return
         if saved is None:
             self.execute([Reply(work.peer, work.seq)])
@@ -770,12 +768,6 @@ _OPTIMIZER_WORK = {
 }
 
 
-def _failed_reply(peer: Peer, seq: int, what: str, exc: Exception) -> ReplyError:
-    if isinstance(exc, AKVError):
-        return ReplyError(peer, seq, exc)
-    return ReplyError(peer, seq, ServerError(f"{what}: {type(exc).__name__}: {exc}"), exc)
-
-
 # ---------------------------------------------------------------------- command line
 
 
@@ -787,6 +779,8 @@ async def run_server(config: Config) -> int:
     except AKVError as exc:
         unusable = isinstance(exc, UnusableCheckpointError)
         log.error("%s%s", exc, "; no restart mends it" if unusable else "")
+        if unusable:  # the job's verdict names the file, not only the exit
+            await server.membership.report_failed(f"could not use its checkpoint: {exc}")
         await server.stop()
         return JOB_FAILED_EXIT if unusable else 1  # akv-launch restarts no server exiting 3
     except asyncio.CancelledError:  # SIGTERM while starting: close what was opened

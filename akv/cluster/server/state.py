@@ -262,6 +262,7 @@ class ServerState:
             failure=self.failure,
             stopping=self.stopping,
             name=self.name,
+            restored=self.lineage.restored_from,
         )
         current = [p for p in self.peers.values() if p.worker == worker]
         known = self._sessions.get(worker)
@@ -435,13 +436,8 @@ class ServerState:
             return out
         except Exception as exc:
             landing.give_back_buffers()
-            if isinstance(exc, AKVError):
-                return [ReplyError(peer, header.seq, exc)]
-            error = ServerError(
-                f"{op_label(header.op)} request failed on {self.name}: {type(exc).__name__}: {exc}",
-                server=self.name,
-            )
-            return [ReplyError(peer, header.seq, error, cause=exc)]
+            what = f"{op_label(header.op)} request failed on {self.name}"
+            return [ReplyError.of(peer, header.seq, what, exc, self.name)]
 
     def _dispatch(
         self,

@@ -25,6 +25,7 @@ import akv
 from akv import CheckpointError, ConfigError, InvalidArgumentError
 from akv.cluster import config as _config
 from akv.cluster.protocol import JOB_FAILED_EXIT, Op
+from akv.cluster.scheduler.service import Scheduler
 from akv.cluster.server.checkpoint import (
     KeyRecord,
     RowRecord,
@@ -373,7 +374,14 @@ async def test_a_checkpoint_of_a_job_with_other_workers_is_refused_at_restore(tm
 
 
 @pytest.mark.parametrize(
-    "damage", ["truncated", "a byte flipped", "of another job", "of another server count"]
+    "damage",
+    [
+        "truncated",
+        "a byte flipped",
+        "of another job",
+        "of another server count",
+        "of an older file of another server count",
+    ],
 )
 async def test_a_server_whose_checkpoint_cannot_be_used_exits_so_that_nobody_restarts_it(
     tmp_path, damage, caplog
@@ -396,7 +404,7 @@ async def test_a_server_whose_checkpoint_cannot_be_used_exits_so_that_nobody_res
                 "emb",
                 (10, 2),
                 0,
-                5 if damage == "of another server count" else 10,
+                5 if "server count" in damage else 10,
                 np.array([1], np.int64),
                 np.ones((1, 2), np.float32),
                 2,
@@ -404,6 +412,7 @@ async def test_a_server_whose_checkpoint_cannot_be_used_exits_so_that_nobody_res
                 {},
             )
         ],
+        num_servers=2 if damage == "of another server count" else None,
     )
     path = write_snapshot(tmp_path, snapshot)
     data = bytearray(path.read_bytes())
@@ -414,15 +423,26 @@ async def test_a_server_whose_checkpoint_cannot_be_used_exits_so_that_nobody_res
     path.write_bytes(bytes(data))
     env = job_env(2, 1, free_port(), AKV_CHECKPOINT_DIR=str(tmp_path))
     config = _config.from_env({**env, "AKV_ROLE": "server", "AKV_RANK": "0"})
-    assert await asyncio.wait_for(run_server(config), 30) == JOB_FAILED_EXIT
-    assert {
+    scheduler = Scheduler(_config.from_env({**env, "AKV_ROLE": "scheduler"}))
+    await scheduler.start()
+    try:
+        assert await asyncio.wait_for(run_server(config), 30) == JOB_FAILED_EXIT
+        verdict = scheduler.roster.failure
+    finally:
+        await scheduler.stop()
+    expected = {
         "truncated": "server-0.akvckpt",
         "a byte flipped": "server-0.akvckpt",
         "of another job": "workers, this job has 2",
-        "of another server count": "holds rows [0, 5) of key 'emb'; with 1 servers this "
-        "server holds [0, 10)",
-    }[damage] in caplog.text
+        "of another server count": "a job with 2 servers, this job has 1",
+        "of an older file of another server count": "holds rows [0, 5) of key 'emb'; with 1 "
+        "servers this server holds [0, 10)",
+    }[damage]
+    assert expected in caplog.text
     assert "no restart mends it" in caplog.text
+    # The job's verdict names the cause, not only the exit the launcher sees.
+    assert verdict is not None and verdict.startswith("server 0 could not use its checkpoint")
+    assert expected in verdict
 
 
 async def test_a_server_whose_checkpoint_is_locked_exits_1_and_may_be_restarted(tmp_path):

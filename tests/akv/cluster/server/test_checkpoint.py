@@ -67,6 +67,7 @@ def assert_same(got: Snapshot | None, expected: Snapshot) -> None:
         got.optimizer_states,
         got.durable_seqs,
         got.sessions,
+        got.num_servers,
     ) == (
         expected.rank,
         expected.num_workers,
@@ -76,6 +77,7 @@ def assert_same(got: Snapshot | None, expected: Snapshot) -> None:
         expected.optimizer_states,
         expected.durable_seqs,
         expected.sessions,
+        expected.num_servers,
     )
     assert [record.key for record in got.keys] == [record.key for record in expected.keys]
     for record, want in zip(got.keys, expected.keys, strict=True):
@@ -147,6 +149,7 @@ ALL_DTYPES = [
         ),
         pytest.param(snapshot(optimizer_config=None, optimizer_states=None), id="no-optimizer"),
         pytest.param(snapshot(sessions={0: "a" * 32, 2: ""}), id="worker-sessions"),
+        pytest.param(snapshot(num_servers=3), id="num-servers"),
         pytest.param(snapshot(optimizer_config={}, optimizer_states=b""), id="empty-optimizer"),
         pytest.param(
             snapshot(keys=[], durable_seqs={}, store_type="", generation=0), id="empty-store"
@@ -586,6 +589,8 @@ DELETE = object()
         ("sessions", {"0": "s" * 129}, r"sessions\[0\] is not a session id"),
         ("sessions", {"01": "s"}, "sessions: '01' is not a worker rank"),
         ("sessions", ["s"], "sessions is a list, not an object"),
+        ("num_servers", "2", "num_servers must be an int"),
+        ("num_servers", -1, "num_servers is -1"),
         ("extra", None, r"the header: fields missing \[\], unknown \['extra'\]"),
     ],
 )

@@ -27,7 +27,7 @@ from akv.cluster.server.instructions import (
     ReplyError,
 )
 from akv.cluster.server.state import ServerState
-from akv.errors import CheckpointError
+from akv.errors import CheckpointError, MembershipError
 from akv_engine import Var
 from akv_transport import decode_frame, frame_bytes
 from tests.akv.cluster.cluster import wait_until
@@ -84,7 +84,10 @@ def opened(tmp_path: Path) -> Iterator[Opener]:
     made: list[Checkpoints] = []
 
     def open_(
-        state: ServerState, num_workers: int = 2, interval_s: float = 3600.0
+        state: ServerState,
+        num_workers: int = 2,
+        interval_s: float = 3600.0,
+        num_servers: int | None = None,
     ) -> tuple[Checkpoints, FakeServer]:
         server = FakeServer(tmp_path)
         checkpoints = Checkpoints(
@@ -94,6 +97,7 @@ def opened(tmp_path: Path) -> Iterator[Opener]:
             rank=RANK,
             num_workers=num_workers,
             interval_s=interval_s,
+            num_servers=num_servers,
         )
         made.append(checkpoints)
         return checkpoints, server
@@ -262,7 +266,10 @@ async def test_durable_tells_each_connected_worker_which_of_its_requests_the_fil
 
 
 def stored_snapshot(
-    directory: Path, num_workers: int = 2, sessions: dict[int, str] | None = None
+    directory: Path,
+    num_workers: int = 2,
+    sessions: dict[int, str] | None = None,
+    num_servers: int | None = None,
 ) -> Snapshot:
     snapshot = Snapshot(
         rank=RANK,
@@ -274,6 +281,7 @@ def stored_snapshot(
         optimizer_states=None,
         durable_seqs={0: 12, 1: 9},
         sessions={0: "session0", 1: "session1"} if sessions is None else sessions,
+        num_servers=num_servers,
     )
     write_snapshot(directory, snapshot)
     return snapshot
@@ -364,6 +372,47 @@ async def test_a_checkpoint_of_a_job_with_another_number_of_workers_is_refused(o
     with pytest.raises(CheckpointError, match="3 workers, this job has 2"):
         checkpoints.restore()
     assert state.entries == {}
+
+
+async def test_a_checkpoint_keeps_the_jobs_servers_and_one_of_another_count_is_refused(
+    opened, tmp_path
+):
+    """Keys are placed by the number of servers: a job with another number would read
+    other keys' parts (a split key's part as the whole, a key another server holds)."""
+    players = Players(2)
+    players.init(0, {"w": f32(0, 0)})
+    checkpoints, _ = opened(players.state, num_servers=4)
+    await checkpoints.write()
+    assert read_snapshot(tmp_path, RANK).num_servers == 4
+    checkpoints.close()
+    state = fresh_state()
+    again, _ = opened(state, num_servers=3)
+    with pytest.raises(CheckpointError, match="a job with 4 servers, this job has 3"):
+        again.restore()
+    assert state.entries == {}
+    again.close()
+    same, _ = opened(fresh_state(), num_servers=4)
+    assert same.restore() is not None
+
+
+async def test_a_checkpoint_without_a_server_count_is_restored(opened, tmp_path):
+    """Files written before the count was kept (``num_servers`` None) are taken."""
+    stored_snapshot(tmp_path, num_servers=None)
+    checkpoints, _ = opened(fresh_state(), num_servers=2)
+    assert checkpoints.restore() is not None
+
+
+async def test_a_worker_of_another_store_type_is_told_of_the_restored_checkpoint(opened, tmp_path):
+    stored_snapshot(tmp_path)  # of a dist_sync job
+    state = fresh_state()
+    checkpoints, _ = opened(state)
+    checkpoints.restore()
+    with pytest.raises(
+        MembershipError,
+        match=r"restored from checkpoint 7 of .*server-3\.akvckpt, written by a dist_sync job",
+    ):
+        state.admit(0, "dist_async", stream=True, session="session0")
+    assert state.peers == {}
 
 
 def test_a_rank_is_restored_by_one_process_at_a_time(opened):
