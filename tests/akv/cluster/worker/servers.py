@@ -122,6 +122,16 @@ class Call:
         return f"<Call {self.name}>"
 
 
+def f32(*values: float) -> np.ndarray:
+    """A float32 array of ``values``."""
+    return np.array(values, np.float32)
+
+
+def zeros(size: int = 4) -> np.ndarray:
+    """A float32 array of ``size`` zeros (a pull's output)."""
+    return np.zeros(size, np.float32)
+
+
 def key_entry(key: Any, shape: tuple[int, ...] = (4,), servers: tuple[int, ...] = (0,)) -> Entry:
     """A float32 key of ``shape`` held by ``servers`` (split in equal parts over several)."""
     size = int(np.prod(shape))

@@ -12,16 +12,7 @@ from akv.cluster.worker.reconnect import Refusal, classify
 from akv.errors import PeerLostError, ServerError
 from akv.limits import RECONNECT_FIRST_S, RECONNECT_MAX_S, RECONNECT_SILENT_ATTEMPTS
 from akv_transport import AuthError, RemoteError, StreamSilentError, TransportError
-from tests.akv.cluster.worker.servers import Servers, key_entry
-
-
-def f32(*values: float) -> np.ndarray:
-    return np.array(values, np.float32)
-
-
-def zeros(size: int = 4) -> np.ndarray:
-    return np.zeros(size, np.float32)
-
+from tests.akv.cluster.worker.servers import Servers, f32, key_entry, zeros
 
 # ---------------------------------------------------------------- opening a cut stream again
 

@@ -17,16 +17,7 @@ from akv.errors import (
 )
 from akv.limits import AHEAD_COPY_MAX_BYTES, MAX_UNACKED_PUSHES
 from akv_transport import RemoteError
-from tests.akv.cluster.worker.servers import Servers, key_entry
-
-
-def f32(*values: float) -> np.ndarray:
-    return np.array(values, np.float32)
-
-
-def zeros(size: int = 4) -> np.ndarray:
-    return np.zeros(size, np.float32)
-
+from tests.akv.cluster.worker.servers import Servers, f32, key_entry, zeros
 
 # ---------------------------------------------------------------- pipelined pushes
 
