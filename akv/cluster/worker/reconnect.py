@@ -8,7 +8,9 @@ Plain records and rules, no I/O (the worker's state,
   refused, the stream refused, the server stopping, the job failed, nothing listening, or
   a transport failure worth another try).
 - :class:`Backoff`: when to try again: at once, then after :data:`~akv.limits.RECONNECT_FIRST_S`,
-  doubling up to :data:`~akv.limits.RECONNECT_MAX_S`, within the request deadline window.
+  doubling up to :data:`~akv.limits.RECONNECT_MAX_S`, within the request deadline window,
+  over a series of cuts (a stream opened again and cut before the requests resent on it
+  were answered does not start the waits from zero: see :meth:`Link.cut`).
 - :class:`Retained`: each acknowledged request that changed a server that writes
   checkpoints, copied and kept until the server's ``DURABLE`` note says a checkpoint holds
   it; a restored server gets them again.
@@ -84,9 +86,10 @@ def classify(error: BaseException) -> Refusal:
 
 
 class Backoff:
-    """The waits between attempts to open a cut stream: the first attempt at once, then
-    ``first_s``, doubling up to ``max_s``; no attempt past the window given to
-    :meth:`start`."""
+    """The waits between attempts to open a cut stream, over one series of cuts (see
+    :meth:`Link.cut`): the first attempt at once, then ``first_s``, doubling up to ``max_s``
+    with each failed attempt and each cut that repeats the series; no attempt past the
+    window given to :meth:`start` at the series' first cut."""
 
     __slots__ = ("deadline", "delay", "first_s", "max_s", "window_s")
 
@@ -111,6 +114,23 @@ class Backoff:
             return None
         self.delay = min(2 * delay, self.max_s)
         return delay
+
+    def again(self, now: float) -> float | None:
+        """A stream opened again in this series was cut again at ``now``, before it proved
+        itself: how long to wait before the next attempt (the series' next wait, no later
+        than the window's end), or None once the window has passed (give up).
+
+        A wait that would end past the window is cut short rather than given up on: the
+        requests the series' first cut caught have their deadlines within the window, and
+        such a request, failed at its deadline, ends the series (see :meth:`Link.cut`).
+        So a request whose answer cuts the stream each time fails alone, by its deadline,
+        instead of the series giving the server up before that deadline.
+        """
+        if now >= self.deadline:
+            return None
+        delay = self.delay
+        self.delay = min(2 * delay, self.max_s)
+        return min(delay, self.deadline - now)
 
 
 #: The requests kept for a restart (those that change a server), and the op each is
@@ -223,6 +243,9 @@ class Link:
     push held until the end of the loop turn (a pull of its keys may ride on it).
     ``verdict_held``: requests the server refused because the job failed, held for the
     scheduler's verdict.
+
+    Cuts come in series (:meth:`cut`): a stream opened again must carry the answers to the
+    requests sent again on it (``resent``) before a cut of it starts the waits from zero.
     """
 
     __slots__ = (
@@ -230,6 +253,7 @@ class Link:
         "backoff",
         "closing",
         "cut_cause",
+        "cuts",
         "durable_note",
         "held_push",
         "lost",
@@ -238,6 +262,7 @@ class Link:
         "reconnecting",
         "reconnects",
         "replay",
+        "resent",
         "restartable",
         "retained",
         "shares_memory",
@@ -261,6 +286,11 @@ class Link:
         self.reconnecting = False
         self.backoff = Backoff()
         self.cut_cause: BaseException | None = None
+        #: Cuts in the current series (see :meth:`cut`; 0 before the first).
+        self.cuts = 0
+        #: The requests sent again on the stream opened again, by number, whose answers
+        #: have not come on it yet.
+        self.resent: set[int] = set()
         #: Attempts in a row to open the stream again that connected and heard nothing.
         self.silent_attempts = 0
         self.held_push: Request | None = None
@@ -273,15 +303,35 @@ class Link:
         self.asked_checkpoint = False
         self.replay: Replay | None = None
 
-    def cut(self, error: BaseException | None) -> PeerLostError:
-        """The stream ended (``error``: why, when known): down until a new one opens; its
-        requests wait for that (none of them is on a stream any more)."""
+    def cut(self, error: BaseException | None, now: float) -> PeerLostError:
+        """The stream ended at ``now`` (``error``: why, when known): down until a new one
+        opens; its requests wait for that (none of them is on a stream any more).
+
+        The cut repeats the current series of cuts (``cuts`` counts them) when the stream
+        was opened again and one of the requests sent again on it still waits for its
+        answer there: its answer, or the request itself, may be what cut the stream, and
+        would cut the next one too, so the stream has not proved that it works again. Any
+        other cut (the first; one of a stream that carried the answers to what was sent
+        again on it, or that had nothing to send again) starts a series. A request whose
+        deadline is before ``now`` does not count: it fails now, and is not sent again.
+
+        Why not "before any answer came on it": the request whose answer cuts the stream
+        may be one of several sent again, and come after the others were answered. Why not
+        "within so many seconds": how soon such an answer comes depends on the server (a
+        pull waits for its round), so no span tells that cut from one by chance.
+        """
+        repeated = self._resent_waiting(now)
+        self.resent = set()
+        self.cuts = self.cuts + 1 if repeated else 1
+        self.cut_cause = error
         self.open = False
         self.stream = None
         self.shares_memory = False
         self.replay = None
         for request in self.table.unanswered():
-            request.written = False
+            if request.written:
+                request.cuts += 1
+                request.written = False
         if isinstance(error, StreamSilentError):  # cut by this worker: nothing came
             self.lost = PeerLostError(f"{self.name} went silent: {error}")
         else:
@@ -289,12 +339,56 @@ class Link:
             self.lost = PeerLostError(f"{self.name} closed the connection{detail} (did it die?)")
         return self.lost
 
-    def start_reconnecting(self, error: BaseException | None, now: float, window_s: float) -> None:
-        """Open the stream cut by ``error`` again, for up to ``window_s`` from ``now``."""
+    def start_reconnecting(self, now: float, window_s: float) -> float | AKVError:
+        """Open the stream cut at ``now`` (:meth:`cut`) again: the wait before the first
+        attempt, or the error to report when it gives up (the stream stays ``lost`` with
+        it).
+
+        A cut that starts a series is tried again at once, and attempts go on for up to
+        ``window_s`` from it. A cut that repeats the series waits the series' next wait
+        (:meth:`Backoff.again`: they keep doubling up to ``RECONNECT_MAX_S``), and gives up
+        once ``window_s`` from the series' first cut has passed.
+        """
         self.reconnecting = True
-        self.cut_cause = error
         self.silent_attempts = 0
-        self.backoff.start(now, window_s)
+        if self.cuts == 1:
+            self.backoff.start(now, window_s)
+            return 0.0
+        delay = self.backoff.again(now)
+        if delay is not None:
+            return delay
+        return self._give_up(
+            PeerLostError(
+                f"{self.name} {self._cut_text()}: its stream was cut {self.cuts} times in a "
+                "row, each time before the requests sent again on it were answered, for "
+                f"AKV_REQUEST_TIMEOUT_S ({self.backoff.window_s:g} s) (did it die?)"
+            )
+        )
+
+    def _resent_waiting(self, now: float) -> bool:
+        """Whether a request sent again on this stream still waits for its answer (kept,
+        or in the table with its deadline not before ``now``)."""
+        if not self.resent:
+            return False
+        table, kept = self.table, self.retained.requests
+        for seq in self.resent:
+            request = table.get(seq)
+            if seq in kept or (request is not None and request.deadline >= now):
+                return True
+        return False
+
+    def _cut_text(self) -> str:
+        """How the latest cut came about, for messages ("closed the connection (...)")."""
+        cause = self.cut_cause
+        if isinstance(cause, StreamSilentError):
+            return f"went silent ({cause})"
+        return "closed the connection" + (f" ({cause!r})" if cause is not None else "")
+
+    def _give_up(self, trouble: AKVError) -> AKVError:
+        """Stop opening the stream again: it stays ``lost`` with ``trouble``."""
+        self.reconnecting = False
+        self.lost = trouble
+        return trouble
 
     def attempt_failed(self, error: BaseException, now: float) -> float | AKVError:
         """An attempt to open the stream again failed with ``error``: the wait before the
@@ -328,16 +422,11 @@ class Link:
         delay = self.backoff.next_delay(now) if retry else None
         if delay is not None:
             return delay
-        self.reconnecting = False
         if trouble is None:
-            cause = self.cut_cause
-            if isinstance(cause, StreamSilentError):
-                cut = f"went silent ({cause})"
-            else:
-                cut = "closed the connection" + (f" ({cause!r})" if cause is not None else "")
-            trouble = PeerLostError(f"{self.name} {cut} and {reach}: {error!r} (did it die?)")
-        self.lost = trouble
-        return trouble
+            trouble = PeerLostError(
+                f"{self.name} {self._cut_text()} and {reach}: {error!r} (did it die?)"
+            )
+        return self._give_up(trouble)
 
     def opened(self, stream: object, shares_memory: bool) -> bool:
         """A stream is open (``stream``: the I/O side's handle of it); True when it replaces
@@ -351,6 +440,18 @@ class Link:
         self.lost = None
         self.reconnects += 1
         return True
+
+    def resend(self, server: int, deadline: float, out: list[Instruction]) -> None:
+        """The stream was opened again: send the kept and the unanswered requests again, in
+        their order (see :meth:`advance_replay`), each one ``resent`` until its answer comes
+        on this stream (:meth:`answered`)."""
+        replay = self.replay = Replay(self.retained, self.table.unanswered())
+        self.resent = {resend.seq for resend in replay.queue}
+        self.advance_replay(server, deadline, out)
+
+    def answered(self, seq: int) -> None:
+        """The answer to request ``seq`` came on the stream (a success or an error)."""
+        self.resent.discard(seq)
 
     def retain(self, request: Request, retain_bytes: int) -> bool:
         """Keep a copy of an acknowledged request that changed the server (see
@@ -432,6 +533,7 @@ class Link:
         assert retained.nbytes == sum(kept), f"{name}: {retained.nbytes} bytes kept, {sum(kept)}"
         assert all(seq >= retained.durable_below for seq in retained.requests), name
         assert not (self.open and self.reconnecting), f"{name}: open and reconnecting"
+        assert self.open or not self.resent, f"{name}: requests resent on no stream"
         if self.replay is not None:
             assert self.open and self.lost is None, f"{name}: replaying on no stream"
             for seq in self.replay.deferred:

@@ -157,14 +157,16 @@ class Request:
     or else by the answer, and told when the answer came. ``lend``: per array, the value
     asked ahead that may stay where it lies in the server's shared memory (see
     :class:`~akv.cluster.worker.pipeline.Ahead`). ``seq`` is 0 until the request is
-    numbered; ``written``: it went out on the current stream; ``sent_at``: when its frame
-    was last written, for the worker's metrics (0.0: not timed).
+    numbered; ``written``: it went out on the current stream; ``cuts``: how many streams
+    it went out on were cut before its answer came; ``sent_at``: when its frame was last
+    written, for the worker's metrics (0.0: not timed).
     """
 
     __slots__ = (
         "acked",
         "arrays",
         "call",
+        "cuts",
         "deadline",
         "destinations",
         "flags",
@@ -203,6 +205,7 @@ class Request:
         self.acked = False
         self.seq = 0
         self.written = False
+        self.cuts = 0
         self.sent_at = 0.0
 
     def ride(self, op: int, destinations: Sequence[Landing], call: Gather | None) -> None:
@@ -307,15 +310,22 @@ class RequestTable:
                 return Outcome(request, None, error)
         return _new_tuple(Outcome, (request, message, None))
 
-    def sweep(self, now: float) -> list[Outcome]:
-        """Fail the requests whose deadline is before ``now`` (one timer for all)."""
+    def sweep(self, now: float, cut_cause: BaseException | None = None) -> list[Outcome]:
+        """Fail the requests whose deadline is before ``now`` (one timer for all). The error
+        of one whose streams were cut before its answer came says how often, and
+        ``cut_cause``: why the stream was cut last."""
         late = [seq for seq, request in self._pending.items() if request.deadline < now]
         outcomes = []
         for seq in late:
             request = self._pending.pop(seq)
+            cuts = ""
+            if request.cuts:
+                times = "once" if request.cuts == 1 else f"{request.cuts} times"
+                last = f", the last time by {cut_cause!r}" if cut_cause is not None else ""
+                cuts = f": its stream was cut {times} before the answer came{last}"
             error = ServerError(
                 f"{self.server} did not answer a {op_label(request.op)} request in time "
-                "(AKV_REQUEST_TIMEOUT_S)",
+                f"(AKV_REQUEST_TIMEOUT_S){cuts}",
                 server=self.server,
             )
             outcomes.append(Outcome(request, None, error))

@@ -72,7 +72,7 @@ from akv.cluster.worker.pipeline import (
     Pipelined,
     late_error,
 )
-from akv.cluster.worker.reconnect import Link, Replay
+from akv.cluster.worker.reconnect import Link
 from akv.cluster.worker.requests import (
     Landing,
     Request,
@@ -446,6 +446,8 @@ class WorkerState:
                 if request.push is not None and not request.acked:
                     self._ack(request, None, out)
             return out
+        if link.resent:  # the stream opened again carried this answer (see Link.cut)
+            link.answered(header.seq)
         outcome = link.table.reply(message)
         if outcome is None:
             return out
@@ -646,27 +648,32 @@ class WorkerState:
         out: list[Instruction] = []
         again = link.opened(event.stream, event.shares_memory)
         if again and self.failure is None and not link.closing:
-            link.replay = Replay(link.retained, link.table.unanswered())
-            link.advance_replay(event.server, self._now + self.request_s, out)
+            link.resend(event.server, self._now + self.request_s, out)
         return out
 
     def _cut(self, event: StreamCut) -> list[Instruction]:
-        """The stream ended: open it again (within the request deadline window), unless the
-        store leaves (then its requests fail) or the job failed."""
-        self._now = event.now
+        """The stream ended: open it again (within the request deadline window, with the
+        waits of its series of cuts: see :meth:`Link.cut`), unless the store leaves (then
+        its requests fail) or the job failed. The requests whose deadline passed fail now
+        rather than being sent again."""
+        self._now = now = event.now
         server = event.server
         link = self.links[server]
         out: list[Instruction] = []
         if not link.open:
             return out  # (told twice)
-        lost = link.cut(event.error)
+        lost = link.cut(event.error, now)
         if link.closing:
             self._fail_link(server, lost, out)
         elif self.failure is not None:
             self._trouble(server, lost, True, out)
         else:
-            link.start_reconnecting(event.error, event.now, self.request_s)
-            out.append(Reconnect(server, 0.0))
+            self._sweep(server, now, out)
+            outcome = link.start_reconnecting(now, self.request_s)
+            if isinstance(outcome, AKVError):
+                self._trouble(server, outcome, True, out)
+            else:
+                out.append(Reconnect(server, outcome))
         return out
 
     def _connect_failed(self, event: ConnectFailed) -> list[Instruction]:
@@ -738,11 +745,16 @@ class WorkerState:
         """Fail the requests whose deadline passed."""
         self._now = now = event.now
         out: list[Instruction] = []
-        for server, link in enumerate(self.links):
-            if link.table:
-                for outcome in link.table.sweep(now):
-                    self._deliver(server, outcome.request, None, None, outcome.error, out)
+        for server in range(len(self.links)):
+            self._sweep(server, now, out)
         return out
+
+    def _sweep(self, server: int, now: float, out: list[Instruction]) -> None:
+        """Fail the requests to ``server`` whose deadline is before ``now``."""
+        link = self.links[server]
+        if link.table:
+            for outcome in link.table.sweep(now, link.cut_cause):
+                self._deliver(server, outcome.request, None, None, outcome.error, out)
 
     # ------------------------------------------------------------ checks
 

@@ -4,14 +4,16 @@ played against the worker's state without sockets (:class:`Servers`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
 from akv.cluster.protocol import Op
-from akv.cluster.worker.reconnect import Refusal, classify
+from akv.cluster.worker.reconnect import Backoff, Refusal, classify
 from akv.errors import PeerLostError, ServerError
 from akv.limits import RECONNECT_FIRST_S, RECONNECT_MAX_S, RECONNECT_SILENT_ATTEMPTS
-from akv_transport import AuthError, RemoteError, StreamSilentError, TransportError
+from akv_transport import AuthError, FrameError, RemoteError, StreamSilentError, TransportError
 from tests.akv.cluster.worker.servers import Servers, f32, key_entry, zeros
 
 # ---------------------------------------------------------------- opening a cut stream again
@@ -266,3 +268,133 @@ def test_a_stopping_server_that_writes_checkpoints_is_waited_for_until_the_windo
     servers.fail(servers.blamed[0].error)
     servers.open(0)  # an attempt in flight that opened after the job failed
     assert servers.sent() == []
+
+
+# ---------------------------------------------------------------- cut again and again
+
+
+def doubling(count: int) -> list[float]:
+    """The first ``count`` waits of a series of cuts: at once, then doubling to the longest."""
+    waits = [0.0]
+    while len(waits) < count:
+        waits.append(min(RECONNECT_FIRST_S * 2 ** (len(waits) - 1), RECONNECT_MAX_S))
+    return waits[:count]
+
+
+def cut_again_and_again(servers: Servers, error: BaseException, until: Callable[[], bool]) -> None:
+    """Cut the stream, open it again after the wait the state says (and 1 ms more, as the
+    resent requests go out), and cut it again before anything is answered, until
+    ``until()`` (at most 100 times)."""
+    for _ in range(100):
+        servers.cut(0, error)
+        if until():
+            return
+        servers.now += servers.reconnects[-1][1] + 0.001
+        servers.open(0)
+    raise AssertionError(f"not done after 100 cuts: {servers.reconnects}")
+
+
+def test_backoff_again_takes_the_series_next_wait_and_ends_with_the_window():
+    backoff = Backoff(first_s=0.1, max_s=0.4)
+    backoff.start(10.0, 1.0)
+    assert backoff.again(10.0) == 0.1
+    assert backoff.next_delay(10.1) == 0.2  # a failed attempt takes the same doubling
+    assert backoff.again(10.3) == 0.4
+    assert backoff.again(10.7) == pytest.approx(0.3)  # no later than the window's end
+    assert backoff.again(11.0) is None
+
+
+def test_a_stream_cut_again_before_its_resent_request_is_answered_waits_longer_each_time():
+    servers = Servers(request_s=100.0)
+    pull = servers.pull({key_entry("w"): zeros()})
+    cut_again_and_again(servers, FrameError("unreadable"), lambda: len(servers.reconnects) == 9)
+    assert [delay for _, delay in servers.reconnects] == doubling(9)
+    assert servers.state.links[0].cuts == 9 and not servers.blamed
+    servers.now += RECONNECT_MAX_S
+    servers.open(0)
+    (resent,) = servers.sent()  # sent again every time, once
+    servers.answer(resent, [f32(1, 2, 3, 4)])
+    assert pull.done and pull.error is None
+    servers.cut(0, ConnectionResetError("reset"))  # it carried its answer: a new series
+    assert servers.reconnects[-1] == (0, 0.0) and servers.state.links[0].cuts == 1
+
+
+def test_an_answer_to_another_resent_request_does_not_end_the_series():
+    servers = Servers(request_s=100.0)
+    w, v = key_entry("w"), key_entry("v")
+    servers.pull({w: zeros()})
+    later = servers.pull({v: zeros()})
+    servers.cut(0)
+    servers.open(0)
+    servers.take()  # the first pull: its answer will cut the stream
+    servers.answer(servers.take(), [f32(1, 1, 1, 1)])
+    assert later.done
+    servers.cut(0, FrameError("unreadable"))  # the first one's answer, say
+    assert [delay for _, delay in servers.reconnects] == [0.0, RECONNECT_FIRST_S]
+    servers.open(0)
+    servers.answer(servers.take(), [f32(2, 2, 2, 2)])
+    servers.cut(0)
+    assert servers.reconnects[-1] == (0, 0.0)  # every resent request was answered
+
+
+def test_a_cut_of_a_stream_with_nothing_resent_starts_a_new_series():
+    servers = Servers()
+    servers.cut(0)
+    servers.open(0)
+    servers.cut(0)
+    assert [delay for _, delay in servers.reconnects] == [0.0, 0.0]
+
+
+def test_a_request_whose_answer_cuts_its_stream_each_time_fails_alone_at_its_deadline():
+    servers = Servers(request_s=3.0)
+    pull = servers.pull({key_entry("w"): zeros()})
+    cause = FrameError("destination of array 0 (key 'w') is read-only")
+    cut_again_and_again(servers, cause, lambda: pull.done)
+    assert servers.now > 3.0 and not servers.blamed  # the job goes on
+    error = pull.error
+    assert isinstance(error, ServerError) and error.server == "server 0", error
+    cuts = len(servers.reconnects)  # the stream was cut before the answer each time
+    assert str(error) == (
+        "server 0 did not answer a pull request in time (AKV_REQUEST_TIMEOUT_S): its stream "
+        f"was cut {cuts} times before the answer came, the last time by {cause!r}"
+    )
+    # At once, then doubling, the last wait ending with the window (so their number is
+    # bounded); the cut at which it failed started a new series, at once.
+    *series, fresh = [delay for _, delay in servers.reconnects]
+    assert series[:-1] == doubling(len(series) - 1) and 0.0 < series[-1] < RECONNECT_MAX_S
+    assert len(series) < 2 + np.log2(RECONNECT_MAX_S / RECONNECT_FIRST_S) + 3.0
+    assert fresh == 0.0
+    # It is not sent again on the next stream.
+    servers.open(0)
+    assert servers.sent() == [] and servers.state.links[0].cuts == 1
+
+
+def test_the_window_of_a_series_of_cuts_runs_from_its_first_cut():
+    servers = Servers(request_s=10.0)
+    servers.pull({key_entry("w"): zeros()})
+    cut_again_and_again(servers, FrameError("unreadable"), lambda: servers.now > 2.0)
+    refused = TransportError("cannot open a stream")
+    while not servers.blamed:
+        servers.connect_fails(0, refused, servers.now + servers.reconnects[-1][1])
+    assert servers.now <= 10.0  # not 10 s from the latest cut
+    (blame,) = servers.blamed
+    assert "could not be reached again within AKV_REQUEST_TIMEOUT_S (10 s)" in str(blame.error)
+
+
+def test_a_kept_request_that_cuts_the_stream_each_time_gives_the_server_up_with_the_window():
+    servers = Servers(restartable=True, request_s=3.0)
+    w = key_entry("w")
+    servers.push({w: f32(1, 1, 1, 1)})
+    servers.end_turn()
+    servers.answer(servers.take())  # kept until a checkpoint holds it: no deadline
+    cause = FrameError("an array at offset 9 is outside the peer's arena")
+    cut_again_and_again(servers, cause, lambda: bool(servers.blamed))
+    assert 3.0 <= servers.now < 3.0 + RECONNECT_MAX_S
+    cuts = len(servers.reconnects) + 1  # the last one gave up
+    (blame,) = servers.blamed
+    assert blame.cut and str(blame.error) == (
+        f"server 0 closed the connection ({cause!r}): its stream was cut {cuts} times in a "
+        "row, each time before the requests sent again on it were answered, for "
+        "AKV_REQUEST_TIMEOUT_S (3 s) (did it die?)"
+    )
+    assert servers.state.links[0].lost is blame.error
