@@ -20,9 +20,11 @@ from tests.akv.cluster.test_jobs import JOBS
 pytestmark = pytest.mark.timeout(240)
 
 
-def job(mode: str, checkpoints: str, shm: str = "1") -> subprocess.CompletedProcess[str]:
+def job(
+    mode: str, checkpoints: str, shm: str = "1", restarts: int = 1
+) -> subprocess.CompletedProcess[str]:
     """``jobs/restart.py MODE CHECKPOINTS`` under ``akv-launch`` with server checkpoints
-    every 0.2 s and one restart per server."""
+    every 0.2 s and ``restarts`` restarts per server."""
     return launch(
         [
             "-n",
@@ -34,7 +36,7 @@ def job(mode: str, checkpoints: str, shm: str = "1") -> subprocess.CompletedProc
             "--checkpoint-interval-s",
             "0.2",
             "--max-restarts",
-            "1",
+            str(restarts),
             "--env",
             "AKV_BIGARRAY_BOUND=1024",
             "--",
@@ -48,8 +50,10 @@ def job(mode: str, checkpoints: str, shm: str = "1") -> subprocess.CompletedProc
     )
 
 
-def run(mode: str, checkpoints: str, shm: str = "1") -> tuple[int, str, list[dict]]:
-    done = job(mode, checkpoints, shm)
+def run(
+    mode: str, checkpoints: str, shm: str = "1", restarts: int = 1
+) -> tuple[int, str, list[dict]]:
+    done = job(mode, checkpoints, shm, restarts)
     output = done.stdout + done.stderr
     finals = [
         json.loads(line.split("] ", 1)[1])
@@ -92,9 +96,28 @@ def test_a_server_killed_or_stopped_is_restarted_from_its_checkpoint_with_exact_
     assert len(restarted) == 2
     for got, expected in zip(restarted, clean_run, strict=True):
         assert got["first"] == expected["first"] != 0
-        for key in ("w", "split", "bias"):
+        for key in ("w", "split", "bias", "emb"):
             assert got[key] == expected[key], f"worker {got['rank']}: {key} differs"
     assert (tmp_path / "server-1.akvckpt").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_server_killed_twice_is_restarted_twice_with_exact_weights(clean_run, tmp_path):
+    """The second restart restores a checkpoint the first restored server wrote while the
+    workers resent what the first lacked: it must hold every push it declared durable
+    (a checkpoint written during a replay once declared pushes still to come durable, and
+    the second restart lost them: wrong weights, exit 0)."""
+    code, output, restarted = run("kill_twice", str(tmp_path), restarts=2)
+    assert code == 0, output
+    for number in (1, 2):
+        assert re.search(
+            rf"akv-launch: server 1 \(pid \d+\) exited with signal SIGKILL; restarting it "
+            rf"from its checkpoint \(restart {number} of 2\)",
+            output,
+        ), output
+    assert len(restarted) == 2
+    for got, expected in zip(restarted, clean_run, strict=True):
+        for key in ("w", "split", "bias", "emb"):
+            assert got[key] == expected[key], f"worker {got['rank']}: {key} differs"
 
 
 # A restart that cannot be exact: the job fails at once, naming the server, its file and

@@ -6,7 +6,10 @@ rounds; it prints a digest of the final weights (their bytes' SHA-256) as JSON. 
 ``kill``, worker 0 sends SIGKILL to server 1 at round ``KILL_AT``; run under
 ``akv-launch --checkpoint-dir DIR --max-restarts 1`` the server is restarted from its
 checkpoint and the weights must come out the same. With ``term`` it sends SIGTERM instead:
-the server drains and writes a final checkpoint before it exits.
+the server drains and writes a final checkpoint before it exits. With ``kill_twice`` it
+kills server 1 again ``AGAIN_AFTER`` rounds after the first kill (``--max-restarts 2``):
+the second restart must hold the pushes resent to the first. A row-sparse key (``emb``,
+rows over both servers) is pushed and pulled each round too.
 
 ``restart.py rollback|delete DIR`` (``DIR``: the launcher's ``--checkpoint-dir``) break the
 restart on purpose: with ``rollback`` worker 0 keeps a copy of server 1's checkpoint at
@@ -32,6 +35,8 @@ import akv
 MODE = sys.argv[1]
 ROUNDS = 40
 KILL_AT = 17
+AGAIN_AFTER = 6
+ROWS = 500  # of "emb": rows [0, 250) on server 0, [250, 500) on server 1
 STASH_AT = 5
 SPLIT = 4096  # above AKV_BIGARRAY_BOUND=1024: split over both servers
 BROKEN = ("rollback", "delete")
@@ -61,10 +66,12 @@ with akv.create("dist_sync") as kv:
     kv.init("w", np.zeros(256, np.float32))
     kv.init("split", np.zeros(SPLIT, np.float32))
     kv.init("bias", np.zeros(3, np.float64))
+    kv.init("emb", akv.RowSparseArray.zeros((ROWS, 4), np.float32))
     kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.05, momentum=0.9))
+    kills = {"kill": (KILL_AT,), "term": (KILL_AT,), "kill_twice": (KILL_AT, KILL_AT + AGAIN_AFTER)}
     for step in range(ROUNDS):
-        if MODE in ("kill", "term") and kv.rank == 0 and step == KILL_AT:
-            os.kill(server_pids()[1], signal.SIGKILL if MODE == "kill" else signal.SIGTERM)
+        if kv.rank == 0 and step in kills.get(MODE, ()):
+            os.kill(server_pids()[1], signal.SIGTERM if MODE == "term" else signal.SIGKILL)
         if MODE in BROKEN and kv.rank == 0:
             if step == STASH_AT:
                 deadline = time.monotonic() + 30
@@ -82,10 +89,16 @@ with akv.create("dist_sync") as kv:
         kv.push("w", np.linspace(-1, 1, 256, dtype=np.float32) * scale)
         kv.push("split", np.arange(SPLIT, dtype=np.float32) * scale / 1000)
         kv.push("bias", np.array([kv.rank, step, 1.0]))
+        ids = np.unique(np.random.default_rng(100 * step + kv.rank).integers(0, ROWS, 40))
+        rows = np.outer(ids % 7 - 3, np.ones(4, np.float32)).astype(np.float32) * scale
+        kv.push("emb", akv.RowSparseArray(rows, ids, (ROWS, 4)))
         for key in ("w", "split", "bias"):
             kv.pull(key)
+        kv.row_sparse_pull("emb", row_ids=ids)
         time.sleep(0.01)  # a few checkpoints (every 0.2 s) happen during the run
     final = {
         key: hashlib.sha256(kv.pull(key).tobytes()).hexdigest() for key in ("w", "split", "bias")
     }
+    table = kv.row_sparse_pull("emb", row_ids=np.arange(ROWS)).data
+    final["emb"] = hashlib.sha256(table.tobytes()).hexdigest()
     print(json.dumps({"rank": kv.rank, "first": float(kv.pull("w")[0]), **final}), flush=True)
