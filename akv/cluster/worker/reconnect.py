@@ -267,6 +267,7 @@ class Link:
         "retained",
         "shares_memory",
         "silent_attempts",
+        "silent_since",
         "stream",
         "table",
         "verdict_held",
@@ -288,6 +289,9 @@ class Link:
         self.cut_cause: BaseException | None = None
         #: Cuts in the current series (see :meth:`cut`; 0 before the first).
         self.cuts = 0
+        #: When the stream was opened again with nothing to send again, until a frame
+        #: comes on it (else None).
+        self.silent_since: float | None = None
         #: The requests sent again on the stream opened again, by number, whose answers
         #: have not come on it yet.
         self.resent: set[int] = set()
@@ -312,16 +316,23 @@ class Link:
         answer there: its answer, or the request itself, may be what cut the stream, and
         would cut the next one too, so the stream has not proved that it works again. Any
         other cut (the first; one of a stream that carried the answers to what was sent
-        again on it, or that had nothing to send again) starts a series. A request whose
-        deadline is before ``now`` does not count: it fails now, and is not sent again.
+        again on it, or that had nothing to send again) starts a series, but for a stream
+        opened again with nothing to send again that carried no frame and was cut within
+        :data:`~akv.limits.RECONNECT_MAX_S`: a peer that takes streams and drops them at
+        once would otherwise be reconnected to in a tight loop. A request whose deadline is
+        before ``now`` does not count: it fails now, and is not sent again.
 
         Why not "before any answer came on it": the request whose answer cuts the stream
         may be one of several sent again, and come after the others were answered. Why not
         "within so many seconds": how soon such an answer comes depends on the server (a
         pull waits for its round), so no span tells that cut from one by chance.
         """
-        repeated = self._resent_waiting(now)
+        silent = self.silent_since
+        repeated = self._resent_waiting(now) or (
+            silent is not None and now - silent < RECONNECT_MAX_S
+        )
         self.resent = set()
+        self.silent_since = None
         self.cuts = self.cuts + 1 if repeated else 1
         self.cut_cause = error
         self.open = False
@@ -428,14 +439,15 @@ class Link:
             )
         return self._give_up(trouble)
 
-    def opened(self, stream: object, shares_memory: bool) -> bool:
-        """A stream is open (``stream``: the I/O side's handle of it); True when it replaces
-        a cut one, whose requests are to be sent again."""
+    def opened(self, stream: object, shares_memory: bool, now: float) -> bool:
+        """A stream is open at ``now`` (``stream``: the I/O side's handle of it); True when
+        it replaces a cut one, whose requests are to be sent again."""
         self.open = True
         self.stream = stream
         self.shares_memory = shares_memory
         if not self.reconnecting:
             return False
+        self.silent_since = now
         self.reconnecting = False
         self.lost = None
         self.reconnects += 1
@@ -447,6 +459,8 @@ class Link:
         on this stream (:meth:`answered`)."""
         replay = self.replay = Replay(self.retained, self.table.unanswered())
         self.resent = {resend.seq for resend in replay.queue}
+        if self.resent:  # then their answers tell whether it works (see cut)
+            self.silent_since = None
         self.advance_replay(server, deadline, out)
 
     def answered(self, seq: int) -> None:

@@ -433,6 +433,7 @@ class WorkerState:
         message = event.message
         header = message.header
         link = self.links[server]
+        link.silent_since = None  # (see Link.cut)
         out: list[Instruction] = []
         if header.op == _DURABLE:
             link.retained.durable(header.aux)
@@ -646,7 +647,7 @@ class WorkerState:
         self._now = event.now
         link = self.links[event.server]
         out: list[Instruction] = []
-        again = link.opened(event.stream, event.shares_memory)
+        again = link.opened(event.stream, event.shares_memory, event.now)
         if again and self.failure is None and not link.closing:
             link.resend(event.server, self._now + self.request_s, out)
         return out

@@ -337,12 +337,37 @@ def test_an_answer_to_another_resent_request_does_not_end_the_series():
     assert servers.reconnects[-1] == (0, 0.0)  # every resent request was answered
 
 
-def test_a_cut_of_a_stream_with_nothing_resent_starts_a_new_series():
+def test_a_cut_of_a_stream_with_nothing_resent_that_carried_a_frame_or_lasted_starts_a_series():
     servers = Servers()
     servers.cut(0)
     servers.open(0)
+    servers.durable(0, 1)  # a frame came on it: it works
     servers.cut(0)
-    assert [delay for _, delay in servers.reconnects] == [0.0, 0.0]
+    servers.open(0)
+    servers.now += RECONNECT_MAX_S  # none came, but it lasted
+    servers.cut(0)
+    assert [delay for _, delay in servers.reconnects] == [0.0, 0.0, 0.0]
+
+
+def test_a_peer_that_drops_each_stream_at_once_is_reconnected_to_with_growing_waits():
+    """Nothing to send again, and each stream opened again is cut before any frame comes
+    (a peer that takes connections and drops them): the waits double, and the server is
+    given up once the window from the first cut passed, instead of a reconnect every few
+    milliseconds for ever."""
+    servers = Servers(request_s=5.0)
+    for _ in range(100):
+        servers.cut(0, ConnectionResetError("reset by peer"))
+        if servers.blamed:
+            break
+        servers.now += servers.reconnects[-1][1] + 0.001
+        servers.open(0)
+    else:
+        raise AssertionError(f"not given up after 100 cuts: {servers.reconnects}")
+    delays = [delay for _, delay in servers.reconnects]
+    assert delays[:4] == doubling(4)
+    assert 5.0 <= servers.now < 5.0 + RECONNECT_MAX_S and len(delays) < 15
+    (blame,) = servers.blamed
+    assert blame.cut and "cut" in str(blame.error) and "server 0" in str(blame.error)
 
 
 def test_a_request_whose_answer_cuts_its_stream_each_time_fails_alone_at_its_deadline():
