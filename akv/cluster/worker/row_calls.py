@@ -264,24 +264,36 @@ class RowCalls:
         datas: list[np.ndarray],
         result: object,
     ) -> object:
-        failed = self.take_failed([entry.key for entry, _, _ in pulls])
+        keys = [entry.key for entry, _, _ in pulls]
+        failed = self.take_failed(keys)
         if failed is not None:  # refused while this pull waited for its turn
             raise failed
         links = self._links()
         timeout = self._timeouts.request_s
-        if len(wanted) == 1:  # no gather: its callbacks cost the pull loop turns
-            ((server, arrays, landings),) = wanted
-            await links[server].issue(Op.ROW_PULL, arrays, timeout_s=timeout, destinations=landings)
-        else:
-            await asyncio.gather(
-                *(
-                    links[server].request(
-                        Op.ROW_PULL, arrays, timeout_s=timeout, destinations=landings
-                    )
-                    for server, arrays, landings in wanted
-                )
-            )
-        late = await self.settle([entry.key for entry, _, _ in pulls])
+        answers = [
+            links[server].issue(Op.ROW_PULL, arrays, timeout_s=timeout, destinations=landings)
+            for server, arrays, landings in wanted
+        ]
+        # A push sent before this pull and refused after it was sent (a double push in
+        # dist_sync) leaves the pull waiting on the server for a round the push never
+        # joined, maybe for ever: the refusal ends the pull's wait instead.
+        for key in keys:
+            for push in self._unanswered.get(key, ()):
+                if not push.done():
+                    push.add_done_callback(partial(_end_on_refusal, answers))
+        try:
+            if len(answers) == 1:  # no gather: its callbacks cost the pull loop turns
+                await answers[0]
+            else:
+                await asyncio.gather(*answers)
+        except AKVError:
+            refused = self.take_failed(keys)
+            if refused is None:
+                raise
+            for answer in answers:  # its answer, whenever it comes, is nobody's
+                answer.add_done_callback(_retrieved)
+            raise refused from None
+        late = await self.settle(keys)
         if late is not None:
             raise late  # a push the pull follows failed: its rows may lack it
         for (entry, ids, out), data in zip(pulls, datas, strict=True):
@@ -323,6 +335,16 @@ def _outcome(answer: asyncio.Future[Message]) -> BaseException | None:
     """A settled answer's error (None for a reply), as ``gather(return_exceptions=True)``
     gives it."""
     return asyncio.CancelledError() if answer.cancelled() else answer.exception()
+
+
+def _end_on_refusal(answers: list[asyncio.Future[Message]], push: asyncio.Future[Message]) -> None:
+    """A push a pull followed was answered: if a server refused it, the pull's answers get
+    the refusal (the pull raises the push's error, named as an earlier push of its keys)."""
+    error = _outcome(push)
+    if isinstance(error, AKVError):
+        for answer in answers:
+            if not answer.done():
+                answer.set_exception(error)
 
 
 def _give_back(placed: list[tuple[Lender, np.ndarray]]) -> None:

@@ -335,6 +335,36 @@ async def test_a_refused_row_push_is_raised_by_the_next_call_and_the_round_is_ke
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
 
 
+async def test_a_pull_sent_before_its_push_is_refused_raises_the_refusal_without_waiting():
+    """A pull sent right after a push that the servers then refuse (a double push in
+    dist_sync) waits on them for the round of the worker's last counted push, which here
+    waits for worker 1 (say, at a barrier): the refusal ends the pull at once, raised as an
+    earlier push's error, once; the round is kept."""
+    with Cluster(2, 2) as cluster:
+        fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        try:
+            await asyncio.gather(
+                *(kv.init("emb", rsp([0, 9], [row(0), row(0)])) for kv in (fast, slow))
+            )
+            await fast.push("emb", rsp([0, 9], [row(1), row(1)]))
+            # Issued together: the pull goes out before the second push's refusal is read.
+            second = asyncio.ensure_future(fast.push("emb", rsp([0, 9], [row(5), row(5)])))
+            pull = asyncio.ensure_future(fast.row_sparse_pull("emb", row_ids=[0, 9]))
+            await second
+            refused = r"an earlier push of key 'emb' failed: worker 0 pushed key 'emb' twice"
+            with pytest.raises(akv.DoublePushError, match=refused):
+                await asyncio.wait_for(pull, 10)  # not the round's deadline (20 s)
+            assert fast._backend._rows.take_failed(["emb"]) is None  # told once
+            await slow.push("emb", rsp([0, 9], [row(2), row(2)]))
+            pulled = await asyncio.gather(
+                *(kv.row_sparse_pull("emb", row_ids=[0, 9]) for kv in (fast, slow))
+            )
+            for rows in pulled:  # the round of worker 0's first push and worker 1's
+                np.testing.assert_array_equal(rows.data, [row(3), row(3)])
+        finally:
+            await asyncio.gather(*(kv.close() for kv in (fast, slow)))
+
+
 async def test_pushes_over_tcp_wait_in_reused_buffers_and_each_is_applied_as_it_was_called():
     """Without shared memory a push's rows are copied at the call into a reusable buffer
     (not fresh pages each time) and wait there until both servers answered: pipelined
