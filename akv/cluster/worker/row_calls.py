@@ -28,7 +28,6 @@ from akv.cluster.worker.pipeline import late_error
 from akv.cluster.worker.push_buffers import PushBuffers
 from akv.cluster.worker.requests import WireArray
 from akv.cluster.worker.rows import (
-    PullRequest,
     init_check_text,
     init_requests,
     pull_requests,
@@ -100,21 +99,15 @@ class RowCalls:
         return self._requests(Op.INIT_CHECK, requests, writes, "init", timeout_s=timeout)
 
     def push(self, values: list[tuple[Entry, RowSparseArray]], priority: int) -> Task:
-        """Send each server the rows of its range, each key's push numbered (exactly once);
-        done once every server counted it."""
-        numbered = []
-        for entry, value in values:
-            entry.pushes += 1  # in call order, as the pushes of a key run
-            numbered.append((entry, value, entry.pushes))
-        requests, placed = push_requests(numbered, self._region)
-        keys = [entry.key for entry, _ in values]
-        if self._sync:
-            for key in keys:
-                self._unpulled.setdefault(key, set()).update(requests)
+        """Send each server the rows of its range (copied now), each key's push numbered
+        (exactly once) by its task, in the order the pushes of a key run; done once every
+        server counted it."""
+        requests, placed = push_requests([(e, v, 0) for e, v in values], self._region)
+        entries = [entry for entry, _ in values]
         task = self._engine.push(
             self._send_push,
             requests,
-            keys,
+            entries,
             placed,
             writes=[entry.var for entry, _ in values],
             priority=priority,
@@ -143,16 +136,31 @@ class RowCalls:
     async def _send_push(
         self,
         requests: dict[int, list[WireArray]],
-        keys: list[Any],
+        entries: list[Entry],
         placed: list[tuple[Lender, np.ndarray]],
     ) -> None:
-        """Send a push's requests now; their answers are awaited later (see the module).
-        Rows placed in a stream's arena or a push buffer (``placed``) go back once every
-        server answered (they are resent from there until then)."""
+        """Number a push (here, on the loop: a key's pushes run in the order of their
+        numbers, whichever threads called them; a server takes a push numbered at or
+        below one it counted for a resend) and send its requests now; their answers are
+        awaited later (see the module). Rows placed in a stream's arena or a push buffer
+        (``placed``) go back once every server answered (they are resent from there until
+        then)."""
+        numbers = {}
+        for entry in entries:
+            entry.pushes += 1
+            numbers[entry.key] = entry.pushes
+        keys = list(numbers)
+        if self._sync:
+            for key in keys:
+                self._unpulled.setdefault(key, set()).update(requests)
         links = self._links()
         timeout = self._timeouts.request_s
         answers = [
-            links[server].issue(Op.ROW_PUSH, arrays, timeout_s=timeout)
+            links[server].issue(
+                Op.ROW_PUSH,
+                [(key, array, numbers[key]) for key, array, _ in arrays],
+                timeout_s=timeout,
+            )
             for server, arrays in requests.items()
         ]
         for answer in answers:
@@ -233,21 +241,8 @@ class RowCalls:
         """Ask the servers that hold requested rows for them; each output is set to its ids
         and the rows that landed, and the task returns ``result``."""
         datas = [np.empty((len(ids), *entry.shape[1:]), entry.dtype) for entry, ids, _ in pulls]
-        # dist_sync: a pull waits for the round of this worker's last push on every server
-        # it went to, also those holding none of the rows asked for, so that a push after it
-        # never reaches a server whose previous round still waits (a DoublePushError).
-        waits = {
-            entry.key: self._unpulled.pop(entry.key)
-            for entry, _, _ in pulls
-            if entry.key in self._unpulled
-        }
-        wanted = pull_requests(
-            [(entry, ids, data) for (entry, ids, _), data in zip(pulls, datas, strict=True)],
-            waits,
-        )
         return self._engine.push(
             self._pull,
-            wanted,
             pulls,
             datas,
             result,
@@ -259,7 +254,6 @@ class RowCalls:
 
     async def _pull(
         self,
-        wanted: list[PullRequest],
         pulls: list[tuple[Entry, RowIds, RowSparseArray]],
         datas: list[np.ndarray],
         result: object,
@@ -268,6 +262,15 @@ class RowCalls:
         failed = self.take_failed(keys)
         if failed is not None:  # refused while this pull waited for its turn
             raise failed
+        # dist_sync: a pull waits for the round of this worker's last push on every server
+        # it went to, also those holding none of the rows asked for, so that a push after it
+        # never reaches a server whose previous round still waits (a DoublePushError).
+        # (Taken here, in the order the key's calls run, as the pushes' are noted.)
+        waits = {key: self._unpulled.pop(key) for key in keys if key in self._unpulled}
+        wanted = pull_requests(
+            [(entry, ids, data) for (entry, ids, _), data in zip(pulls, datas, strict=True)],
+            waits,
+        )
         links = self._links()
         timeout = self._timeouts.request_s
         answers = [

@@ -365,6 +365,42 @@ async def test_a_pull_sent_before_its_push_is_refused_raises_the_refusal_without
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
 
 
+@pytest.mark.parametrize("store_type", ["dist_async", "dist_sync"])
+def test_row_pushes_from_several_threads_are_each_counted_once(store_type):
+    """The blocking face from 4 threads at once, each pushing the same row key: a push is
+    numbered by its task, in the order the key's pushes run (numbered at the call, a later
+    number could run first, and the server took the earlier one for a resend and dropped
+    it: 3-43 of 200 pushes lost). dist_sync: one worker, so each push is a round."""
+    threads, each_pushes, rows = 4, 50, 20_000
+    with Cluster(1, 2) as cluster:
+        kv = akv.create(store_type, environ=cluster.worker_env(0))
+        try:
+            kv.init("emb", akv.RowSparseArray.zeros((rows, WIDTH), np.float32))
+            kv.set_optimizer(akv.optimizer.SGD(learning_rate=1.0))
+            grad = akv.RowSparseArray(
+                np.ones((rows, WIDTH), np.float32), np.arange(rows), (rows, WIDTH)
+            )
+            errors: list[BaseException] = []
+
+            def push_many() -> None:
+                try:
+                    for _ in range(each_pushes):
+                        kv.push("emb", grad)
+                except BaseException as exc:
+                    errors.append(exc)
+
+            workers = [threading.Thread(target=push_many) for _ in range(threads)]
+            for thread in workers:
+                thread.start()
+            for thread in workers:
+                thread.join(60)
+            assert errors == [] and not any(t.is_alive() for t in workers)
+            pulled = kv.row_sparse_pull("emb", row_ids=np.arange(rows))
+            np.testing.assert_array_equal(pulled.data, -float(threads * each_pushes))
+        finally:
+            kv.close()
+
+
 async def test_pushes_over_tcp_wait_in_reused_buffers_and_each_is_applied_as_it_was_called():
     """Without shared memory a push's rows are copied at the call into a reusable buffer
     (not fresh pages each time) and wait there until both servers answered: pipelined
