@@ -209,7 +209,6 @@ class AsyncKVStore:
         self._check_usable()
         if type(priority) is not int:
             priority = check_priority(priority, "push")
-        self._pushed = True
         if (
             type(value) is np.ndarray
             and (type(key) is int or type(key) is str)
@@ -223,6 +222,7 @@ class AsyncKVStore:
             ):
                 dense_only(entry, "push to")
                 entry.check(value, "push to")
+            self._pushed = True
             return self._backend.push([(entry, [value])], priority, self._caller_waits)
         if sparse_call(value if isinstance(key, (list, tuple)) else [value]):
             pushes = row_pushes(self._keys, key, value, copy=not self._backend.stages_rows)
@@ -231,8 +231,10 @@ class AsyncKVStore:
                     f"push to key {pushes[0][0].key!r}: gradient compression takes dense "
                     "values only (as MXNet); push row-sparse keys from a store without it"
                 )
+            self._pushed = True  # (once taken: a refused push leaves compression settable)
             return self._backend.push_rows(pushes, priority)
         values = self._compressed(self._values(group(key, value, "push")))
+        self._pushed = True
         return self._backend.push(values, priority, self._caller_waits)
 
     def set_gradient_compression(self, compression_params: Mapping[str, Any]) -> None:
@@ -326,11 +328,11 @@ class AsyncKVStore:
         self._check_usable()
         if type(priority) is not int:
             priority = check_priority(priority, "pushpull")
-        self._pushed = True
         no_row_pushpull(self._keys, key)
         values = self._compressed(self._values(group(key, value, "pushpull")))
         result = value if out is None else out
         targets = self._targets(key, result)
+        self._pushed = True
         return self._backend.pushpull(values, targets, result, priority, self._caller_waits)
 
     def row_sparse_pull(
