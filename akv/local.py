@@ -145,17 +145,16 @@ def _pull_many(targets: KeyArrays, result: object, after: list[Any]) -> object:
     return result
 
 
-def _store_initial(
-    entries: list[Entry], arrays: list[np.ndarray], owned: list[bool] | None = None
-) -> None:
-    """Store a copy of each initial value (or the value itself where ``owned`` says the
-    array is the store's already: a pinned buffer staged from a GPU)."""
-    for index, (entry, array) in enumerate(zip(entries, arrays, strict=True)):
-        if owned is not None and owned[index]:
-            entry.value = array
-            continue
-        value = np.empty(entry.shape, entry.dtype)
-        np.copyto(value, array)
+def _copy_of(entry: Entry, array: np.ndarray) -> np.ndarray:
+    """A new array of ``entry``'s shape and dtype holding ``array``."""
+    value = np.empty(entry.shape, entry.dtype)
+    np.copyto(value, array)
+    return value
+
+
+def _store_values(entries: list[Entry], values: list[np.ndarray]) -> None:
+    """Store each initial value (the store's own: copied at the call)."""
+    for entry, value in zip(entries, values, strict=True):
         entry.value = value
 
 
@@ -243,22 +242,20 @@ class LocalBackend:
         return self.barrier()
 
     def init(self, entries: list[Entry], arrays: list[np.ndarray]) -> Waitable:
-        """Copy the initial values (the store keeps no reference to the caller's arrays);
-        a GPU value is copied at the call into a pinned buffer, which is stored."""
-        owned = None
-        if any(type(a) is not np.ndarray and is_gpu(a) for a in arrays):
-            owned = [is_gpu(array) for array in arrays]
-            arrays = [
-                pinned_now(entry, [array]) if gpu else array
-                for entry, array, gpu in zip(entries, arrays, owned, strict=True)
-            ]
+        """Copy the initial values at the call (the store keeps no reference to the
+        caller's arrays, which the caller may change once this returns); a GPU value is
+        copied into a pinned buffer, which is stored."""
+        owned = [type(a) is not np.ndarray and is_gpu(a) for a in arrays]
+        arrays = [
+            pinned_now(entry, [array]) if gpu else _copy_of(entry, array)
+            for entry, array, gpu in zip(entries, arrays, owned, strict=True)
+        ]
         return self._engine.push(
-            _store_initial,
+            _store_values,
             entries,
             arrays,
-            owned,
             writes=[entry.var for entry in entries],
-            executor=self._executor([(e, [a]) for e, a in zip(entries, arrays, strict=True)]),
+            executor="inline",
             name="init",
         )
 
@@ -349,7 +346,17 @@ class LocalBackend:
         return self.pull(targets, result, priority)
 
     def init_rows(self, entries: list[Entry], values: list[RowSparseArray]) -> Waitable:
-        """Store each new row-sparse key's listed rows."""
+        """Store each new row-sparse key's listed rows, read at the call (one key's into
+        its table now; several keys' copied now and stored by a task)."""
+        if len(entries) == 1:
+            done = self._engine.run_now(
+                store_rows, entries, values, writes=(entries[0].var,), name="init"
+            )
+            if done is not None:
+                return done
+        values = [
+            RowSparseArray._trusted(v.data.copy(), v.indices.copy(), v.shape) for v in values
+        ]
         return self._engine.push(
             store_rows,
             entries,

@@ -489,6 +489,41 @@ async def test_priority_orders_work_that_piles_up():
     await kv.close()
 
 
+async def test_init_reads_its_values_at_the_call_even_when_its_work_waits():
+    """The store copies what it is given: values changed once init returned (its work
+    waiting behind a busy slot) do not reach the store, dense or row-sparse, one key or
+    several."""
+    kv = await akv.create_async("local", slots=1, inline_max_bytes=1 << 20)
+    gate = threading.Event()
+    big = np.zeros(1 << 19, np.float32)
+    await kv.init("blocker", big)
+    kv.set_updater(lambda key, recv, stored: gate.wait(5))
+    busy = kv.push("blocker", big)  # holds the only slot on a worker thread
+    dense = np.ones((4, 3), np.float32)
+    rows = akv.RowSparseArray(np.ones((2, 3), np.float32), [1, 7], (10, 3))
+    others = [akv.RowSparseArray(np.ones((1, 3), np.float32), [i], (10, 3)) for i in (2, 3)]
+    inits = [
+        kv.init("d", dense),
+        kv.init(["d2", "d3"], [dense, dense]),
+        kv.init("r", rows),
+        kv.init(["r2", "r3"], others),
+    ]
+    dense[...] = 666
+    rows.data[...] = 666
+    for other in others:
+        other.data[...] = 666
+    gate.set()
+    await busy
+    for init in inits:
+        await init
+    for key in ("d", "d2", "d3"):
+        np.testing.assert_array_equal(await kv.pull(key), np.ones((4, 3)), err_msg=key)
+    for key, ids in (("r", [1, 7]), ("r2", [2]), ("r3", [3])):
+        pulled = await kv.row_sparse_pull(key, row_ids=ids)
+        np.testing.assert_array_equal(pulled.data, np.ones((len(ids), 3)), err_msg=key)
+    await kv.close()
+
+
 def test_async_store_cannot_be_constructed_directly():
     with pytest.raises(TypeError, match="create_async"):
         akv.AsyncKVStore()

@@ -45,7 +45,8 @@ def init_requests(
     entries: list[Entry], values: list[RowSparseArray]
 ) -> dict[int, tuple[list[WireArray], str]]:
     """Rank 0's ``ROW_INIT`` to each server: every key, with its rows in the server's
-    range (the arrays) and its declared shape, dtype and range (the text)."""
+    range (the arrays, copied now: the caller may change its values once the call
+    returns) and its declared shape, dtype and range (the text)."""
     requests: dict[int, tuple[list[WireArray], list[RowMeta]]] = {}
     for entry, value in zip(entries, values, strict=True):
         ranges = slices(entry, value.indices)
@@ -53,8 +54,8 @@ def init_requests(
             arrays, metas = requests.setdefault(server, ([], []))
             meta = (entry.key, entry.shape, str(entry.dtype), part.start, part.stop)
             metas.append(meta)
-            arrays.append((entry.key, value.indices[first:end], 0))
-            arrays.append((entry.key, value.data[first:end], 0))
+            arrays.append((entry.key, value.indices[first:end].copy(), 0))
+            arrays.append((entry.key, value.data[first:end].copy(), 0))
     return {
         server: (arrays, encode_row_meta(metas)) for server, (arrays, metas) in requests.items()
     }

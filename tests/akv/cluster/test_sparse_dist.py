@@ -365,6 +365,24 @@ async def test_a_pull_sent_before_its_push_is_refused_raises_the_refusal_without
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
 
 
+@pytest.mark.parametrize("shm", ["1", "0"])
+async def test_a_row_init_reads_its_rows_at_the_call(shm):
+    """Rank 0's init is sent by a task on the loop, after the call returned: the rows it
+    sends are copied at the call (they were slices of the caller's arrays, which the
+    caller may change then)."""
+    with Cluster(1, 2, AKV_SHM=shm) as cluster:
+        (kv,) = await cluster.workers()
+        try:
+            value = rsp([0, 9], [row(1), row(1)])
+            init = kv.init("emb", value)
+            value.data[...] = 666
+            await init
+            pulled = await kv.row_sparse_pull("emb", row_ids=[0, 9])
+            np.testing.assert_array_equal(pulled.data, [row(1), row(1)])
+        finally:
+            await kv.close()
+
+
 @pytest.mark.parametrize("store_type", ["dist_async", "dist_sync"])
 def test_row_pushes_from_several_threads_are_each_counted_once(store_type):
     """The blocking face from 4 threads at once, each pushing the same row key: a push is
