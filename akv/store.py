@@ -453,7 +453,11 @@ class AsyncKVStore:
     def barrier(self) -> Waitable:
         """Wait for every worker to reach the barrier (at once in a local store).
 
-        Like MXNet's, it does not wait for pushes and pulls still in flight.
+        A distributed store first waits for the answers of this worker's pushes already
+        sent, so that after the barrier every worker's sent pushes have reached the servers
+        (applied, in dist_async). It waits for no other call: a push queued behind an
+        unawaited call of its key (a pull, say) is sent once that call is done, maybe
+        after the barrier (await that call, or :meth:`wait_all`, first).
         """
         self._check_usable()
         return self._backend.barrier()
