@@ -266,11 +266,13 @@ class RowCalls:
         # it went to, also those holding none of the rows asked for, so that a push after it
         # never reaches a server whose previous round still waits (a DoublePushError).
         # (Taken here, in the order the key's calls run, as the pushes' are noted.)
-        waits = {key: self._unpulled.pop(key) for key in keys if key in self._unpulled}
+        waits = {key: self._unpulled[key] for key in keys if key in self._unpulled}
         wanted = pull_requests(
             [(entry, ids, data) for (entry, ids, _), data in zip(pulls, datas, strict=True)],
             waits,
         )
+        for key in waits:  # (kept for the next pull when making the requests failed)
+            del self._unpulled[key]
         links = self._links()
         timeout = self._timeouts.request_s
         answers = [

@@ -137,7 +137,7 @@ def pull_requests(
                     server,
                     entry.key,
                     ids[first:end],
-                    memoryview(cast(Any, data[first:end])).cast("B"),
+                    memoryview(cast(Any, data[first:end].reshape(-1).view(np.uint8))),
                 )
                 asked.setdefault(entry.key, set()).add(server)
     for key, servers in (waits or {}).items():

@@ -365,6 +365,23 @@ async def test_a_pull_sent_before_its_push_is_refused_raises_the_refusal_without
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
 
 
+@pytest.mark.parametrize("store_type", ["dist_sync", "dist_async"])
+async def test_a_row_key_of_zero_width_works_as_in_the_local_store(store_type):
+    """Rows of no columns (a shape (10, 0)): a pull's landing of no bytes was refused by
+    memoryview with a TypeError."""
+
+    async def body(kv):
+        value = akv.RowSparseArray(np.ones((2, 0), np.float32), [1, 7], (10, 0))
+        await kv.init("z", value)
+        await kv.push("z", value)
+        return await kv.row_sparse_pull("z", row_ids=[1, 3, 7])
+
+    with Cluster(2, 2) as cluster:
+        for pulled in await on_every_worker(cluster, store_type, body):
+            assert pulled.shape == (10, 0) and pulled.indices.tolist() == [1, 3, 7]
+            assert pulled.data.shape == (3, 0)
+
+
 @pytest.mark.parametrize("shm", ["1", "0"])
 async def test_a_row_init_reads_its_rows_at_the_call(shm):
     """Rank 0's init is sent by a task on the loop, after the call returned: the rows it
