@@ -354,9 +354,7 @@ class LocalBackend:
             )
             if done is not None:
                 return done
-        values = [
-            RowSparseArray._trusted(v.data.copy(), v.indices.copy(), v.shape) for v in values
-        ]
+        values = [RowSparseArray._trusted(v.data.copy(), v.indices.copy(), v.shape) for v in values]
         return self._engine.push(
             store_rows,
             entries,

@@ -161,12 +161,15 @@ class Link:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.answers: list[asyncio.Future] = []
         self.sent: list[list] = []
+        #: The push numbers of each request's arrays.
+        self.tags: list[list[int]] = []
         self._loop = loop
 
     def issue(self, op, arrays, timeout_s=None):
         answer = self._loop.create_future()
         self.answers.append(answer)
         self.sent.append([np.array(array, copy=True) for _, array, _ in arrays])
+        self.tags.append([tag for _, _, tag in arrays])
         return answer
 
 
@@ -202,7 +205,9 @@ async def test_rows_wait_in_a_push_buffer_until_every_server_answered():
     rows = np.frombuffer(view, np.float32).reshape(1, 3)
     rows[...] = [1, 2, 3]
     requests = {0: [("emb", np.array([0]), 1), ("emb", rows, 1)], 1: [("emb", rows[:0], 1)]}
-    await calls._send_push(requests, ["emb"], [(owner, rows)])
+    emb = SimpleNamespace(key="emb", pushes=0)  # the key's entry: numbered by the push
+    await calls._send_push(requests, [emb], [(owner, rows)])
+    assert emb.pushes == 1 and links[0].tags == [[1, 1]] and links[1].tags == [[1]]
     np.testing.assert_array_equal(links[0].sent[0][1], [[1, 2, 3]])
     links[0].answers[0].set_result(None)
     await asyncio.sleep(0)
