@@ -484,13 +484,15 @@ class AsyncKVStore:
     def close(self) -> asyncio.Future[None]:
         """Stop taking calls, finish the work in flight, release the engine.
 
-        Returns a scheduled future; awaiting it raises the first failure of work nobody
-        awaited. Calling it again returns the same future.
+        Returns a future of the close, scheduled once; awaiting it raises the first failure
+        of work nobody awaited. Calling it again waits for the same close. Cancelling a wait
+        (``asyncio.wait_for(kv.close(), t)`` timing out) leaves the close going on: a later
+        ``close()`` waits for it (it raised ``CancelledError`` for ever).
         """
         if self._closing is None:
             self._closed = True
             self._closing = asyncio.ensure_future(self._shutdown(None))
-        return self._closing
+        return asyncio.shield(self._closing)
 
     def _leave_failed(self, exc: BaseException) -> asyncio.Future[None]:
         """Close because the caller's code failed with ``exc`` while the store was open.

@@ -430,6 +430,23 @@ async def test_an_unawaited_failing_push_fails_the_next_pull():
     await kv.close()
 
 
+async def test_a_wait_for_close_that_times_out_leaves_the_close_going_on():
+    """``asyncio.wait_for(kv.close(), t)`` cancels its wait, not the close: a later
+    ``close()`` waits for the same close and returns (it raised CancelledError)."""
+    kv = await akv.create_async("local", slots=1, inline_max_bytes=1 << 20)
+    gate = threading.Event()
+    big = np.zeros(1 << 19, np.float32)
+    await kv.init("w", big)
+    kv.set_updater(lambda key, recv, stored: gate.wait(5))
+    pushed = kv.push("w", big)  # the close waits for it
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(kv.close(), 0.01)
+    gate.set()
+    await asyncio.wait_for(kv.close(), 10)
+    await kv.close()  # and again
+    assert pushed.done()
+
+
 async def test_close_raises_a_failure_nobody_awaited():
     kv = await akv.create_async("local")
     kv.init(0, ones(1))
