@@ -19,6 +19,13 @@ time on a machine takes a few seconds (3 s measured on a busy 2-core machine), l
 processes import numba and load them in 0.3-1.2 s (and about 125 MiB of RSS, 78 of them
 shared library pages). A server makes them on a thread (:func:`load_soon`): its event loop
 never stops for them, and it answers the key's init once they are made.
+
+The cache is the user's (``$XDG_CACHE_HOME/akv/numba``, ``~/.cache/akv/numba``; numba's
+``NUMBA_CACHE_DIR`` wins when set), not numba's default beside akv's source: in a
+non-editable install that is site-packages, where pip does not know the files, and a later
+install leaves a folder holding only them, which Python then imports as an empty ``akv``
+that hides the installed one (found following the README: ``pip install .`` then ``pip
+install -e .``).
 """
 
 from __future__ import annotations
@@ -123,8 +130,36 @@ def settled() -> bool:
     return _kernels is not None or _failed or not enabled()
 
 
+def cache_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """Where the kernels are cached (see the module), made if missing; None when it
+    cannot be made (then numba's default)."""
+    environ = os.environ if environ is None else environ
+    given = environ.get("NUMBA_CACHE_DIR")
+    if given:
+        return given
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(base, "akv", "numba")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) else None
+
+
 def _compile() -> SimpleNamespace:
     # Imported here: optional, and 0.1-0.3 s to import, paid only where rows are summed.
+    from numba.core import config as numba_config
+
+    config: Any = numba_config  # (its settings are made at import: no stubs know them)
+    previous = config.CACHE_DIR
+    config.CACHE_DIR = cache_dir() or previous  # read as each kernel is decorated
+    try:
+        return _kernels_made()
+    finally:
+        config.CACHE_DIR = previous
+
+
+def _kernels_made() -> SimpleNamespace:
     import numba
     from numba import types
 

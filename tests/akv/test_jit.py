@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -265,3 +268,37 @@ def test_kernels_made_on_a_thread_never_keep_the_caller_waiting(
     gate.set()
     jit._loading.join(10)
     assert jit.settled() and jit.kernels() is made and compiles == ["akv-jit"]
+
+
+def test_the_kernels_are_cached_in_the_users_cache_not_beside_akvs_source(tmp_path) -> None:
+    """numba's default cache is beside the source: in a non-editable install that is
+    site-packages/akv, where pip knows none of the files, and a later install leaves a
+    folder holding only them, which hides akv (found following the README)."""
+    source = Path(jit.__file__).parent / "__pycache__"
+    before = {p.name: p.stat().st_mtime_ns for p in source.glob("*.nb*")}
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "AKV_JIT": "1"}
+    env.pop("NUMBA_CACHE_DIR", None)
+    code = "from akv import jit; assert jit.kernels() is not None"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    assert list((tmp_path / "akv" / "numba").glob("*/*.nbi")), "no kernel cached there"
+    after = {p.name: p.stat().st_mtime_ns for p in source.glob("*.nb*")}
+    assert after == before  # nothing written beside the source
+
+
+def test_making_the_kernels_leaves_numbas_cache_setting_as_it_was() -> None:
+    from numba.core import config
+
+    previous = config.CACHE_DIR
+    assert jit._compile() is not None
+    assert previous == config.CACHE_DIR  # the user's own functions cache where they did
+
+
+def test_the_kernel_cache_is_numbas_setting_else_the_users_cache(tmp_path) -> None:
+    given = str(tmp_path / "given")
+    assert jit.cache_dir({"NUMBA_CACHE_DIR": given}) == given
+    xdg = tmp_path / "xdg"
+    assert jit.cache_dir({"XDG_CACHE_HOME": str(xdg)}) == str(xdg / "akv" / "numba")
+    assert (xdg / "akv" / "numba").is_dir()
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    assert jit.cache_dir({"XDG_CACHE_HOME": str(blocked)}) is None  # numba's default then
