@@ -178,6 +178,7 @@ class Checkpoints:
         if snapshot is None:
             # Workers told of a checkpoint of this rank say so when they reconnect.
             self.state.lineage.restore(Restored(path, 0, 0, {}))
+            self._written_changes = 0  # a state that never changed needs no checkpoint
             log.info(
                 "server %d: no checkpoint at %s: starting empty (a worker told of an earlier "
                 "one fails the job when it connects)",
@@ -247,6 +248,12 @@ class Checkpoints:
             self._lock = asyncio.Lock()
         async with self._lock:
             started = time.monotonic()
+            lost = self.state.lineage.lost
+            if lost is not None:
+                raise CheckpointError(
+                    f"server {self.rank} writes no checkpoint: it {lost}; the file in "
+                    f"{self.directory} stays as it was"
+                )
             try:
                 generation, nbytes = await self._write()
             except CheckpointError:
@@ -363,8 +370,9 @@ class Checkpoints:
 
     async def final(self) -> None:
         """The checkpoint at a stop: everything applied so far, within
-        :data:`FINAL_CHECKPOINT_S` (a failure or a timeout is logged)."""
-        if self.state.changes == self._written_changes:
+        :data:`FINAL_CHECKPOINT_S` (a failure or a timeout is logged); none from a state
+        whose restore lost acknowledged pushes (see :meth:`write`)."""
+        if self.state.changes == self._written_changes or self.state.lineage.lost:
             return
         try:
             generation = await asyncio.wait_for(self.write(), FINAL_CHECKPOINT_S)

@@ -61,6 +61,10 @@ class Lineage:
         self.unchecked: set[int] = set()
         self.checkpoint = 0
         self.rounds = 0
+        #: What the restore lost, once a worker's note showed it (the job failed): no
+        #: checkpoint may be written from this state (it would replace the evidence with
+        #: a state that lacks acknowledged pushes).
+        self.lost: str | None = None
 
     def restore(self, restored: Restored) -> None:
         """The process started from ``restored`` (checkpoint 0: no file was there)."""
@@ -102,6 +106,8 @@ class Lineage:
         lost = self._lost(worker, note)
         if lost is None:
             self.unchecked.discard(worker)
+        else:
+            self.lost = lost
         return lost
 
     def _lost(self, worker: int, note: Note | None) -> str | None:
@@ -115,7 +121,8 @@ class Lineage:
             f"before its restart it had declared checkpoint {note.checkpoint} (rounds up to "
             f"{note.rounds}) durable to worker {worker}, which dropped its copies of its "
             f"requests numbered below {note.seq}: the acknowledged pushes between are lost. "
-            "Put the newest checkpoint back, or start the job again"
+            "Put the newest checkpoint back, or start the job again with another "
+            "--checkpoint-dir (this one's checkpoints are no longer of one point in time)"
         )
         if restored.checkpoint == 0:
             return f"started without a checkpoint ({restored.path} is missing), but {declared}"

@@ -248,7 +248,7 @@ class ParameterServer:
                 self._job_failed, gave_up.is_set, lambda: heartbeat_report(self.state, loop.time())
             )
             ok = stopped and self.state.failure is None and not gave_up.is_set()
-            if ok and self.checkpoints is not None:
+            if self.checkpoints is not None:  # a failed job too: a new one starts from it
                 await self.checkpoints.final()
             if ok:
                 log.info("%s: the job ended well; stopping", self.name)

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from akv.cluster.server.checkpoint import read_snapshot
 from tests.akv.cluster.cluster import launch
 from tests.akv.cluster.test_jobs import JOBS
 
@@ -146,6 +147,43 @@ def test_a_server_restarted_from_an_older_or_missing_checkpoint_fails_the_job(
     assert not re.search(r"^\[worker \d\] \{", done.stdout, re.M), output
     # Only the killed server is restarted: not server 0, which ends because the job failed.
     assert output.count("restarting it from its checkpoint") == 1, output
+    # The refusing server writes no checkpoint of the state that lacks the lost pushes (a
+    # new job on the directory would have started from it without a word).
+    path = tmp_path / "server-1.akvckpt"
+    if mode == "delete":
+        assert not path.exists(), output
+    else:
+        number = re.search(r"restored checkpoint (\d+) from", output)
+        assert number is not None and read_snapshot(tmp_path, 1).generation == int(number[1])
+
+
+def resume(directory, interval_s: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``jobs/resume.py ARGS`` under akv-launch, 2 workers and 2 servers, with checkpoints
+    in ``directory`` every ``interval_s``."""
+    return launch(
+        [
+            *("-n", "2", "-s", "2", "--checkpoint-dir", str(directory)),
+            *("--checkpoint-interval-s", interval_s, "--", sys.executable),
+            *(str(JOBS / "resume.py"), *args),
+        ],
+        timeout=150,
+    )
+
+
+def test_servers_of_a_failed_job_write_a_final_checkpoint_that_a_new_job_starts_from(tmp_path):
+    """A worker fails after its rounds (no interval checkpoint in the job: 1 h): the servers
+    still write a final checkpoint of what they applied, so the job started again goes on
+    from there (it started from the inits' checkpoint: -5, not -11)."""
+    failed = resume(tmp_path, "3600", "fail")
+    assert failed.returncode != 0 and "worker 1 fails after its rounds" in failed.stderr
+    done = resume(tmp_path, "3600")
+    assert done.returncode == 0, done.stdout + done.stderr
+    finals = [
+        json.loads(line.split("] ", 1)[1])
+        for line in done.stdout.splitlines()
+        if line.startswith("[worker") and line.split("] ", 1)[1].startswith("{")
+    ]
+    assert [(r["emb"], r["d"]) for r in finals] == [([-11.0], [-11.0])] * 2, done.stdout
 
 
 def test_a_new_job_with_the_same_checkpoint_directory_adds_its_rounds_to_the_restored_values(
@@ -157,22 +195,7 @@ def test_a_new_job_with_the_same_checkpoint_directory_adds_its_rounds_to_the_res
     them without a word (both runs ended at -5)."""
     finals = []
     for _ in range(2):
-        done = launch(
-            [
-                "-n",
-                "2",
-                "-s",
-                "2",
-                "--checkpoint-dir",
-                str(tmp_path),
-                "--checkpoint-interval-s",
-                "0.2",
-                "--",
-                sys.executable,
-                str(JOBS / "resume.py"),
-            ],
-            timeout=150,
-        )
+        done = resume(tmp_path, "0.2")
         assert done.returncode == 0, done.stdout + done.stderr
         finals.append(
             [

@@ -1,9 +1,11 @@
 """A job that a test runs twice with one ``--checkpoint-dir`` (tests/akv/cluster/test_restart.py):
 both runs init a row-sparse key and a dense key to ones and push three rounds of ones with
 SGD (learning rate 1); each worker prints the values it pulls at the end as JSON. The second
-run starts from the first's checkpoints, so its rounds add to the first's."""
+run starts from the first's checkpoints, so its rounds add to the first's. ``resume.py fail``:
+worker 1 raises once its rounds are done (the job fails)."""
 
 import json
+import sys
 
 import numpy as np
 
@@ -24,6 +26,8 @@ with akv.create("dist_sync") as kv:
         kv.pull("d")
     rows = kv.row_sparse_pull("emb", row_ids=np.arange(ROWS)).data
     dense = kv.pull("d")
+    if sys.argv[1:] == ["fail"] and kv.rank == 1:
+        raise RuntimeError("worker 1 fails after its rounds")
     print(
         json.dumps(
             {

@@ -25,6 +25,7 @@ from akv.cluster.server.instructions import (
     Instruction,
     Reply,
     ReplyError,
+    StaleCheckpointError,
 )
 from akv.cluster.server.state import ServerState
 from akv.errors import CheckpointError, MembershipError
@@ -229,6 +230,30 @@ async def test_a_failed_write_answers_each_request_with_its_error_and_keeps_the_
     assert "no space left" in str(answer.error)
     assert checkpoints.generation == 0 and read_snapshot(tmp_path, RANK) is None
     assert not players.state.entries["w"].durable  # still not answered for
+
+
+async def test_a_restore_that_lost_declared_pushes_writes_no_checkpoint(opened, tmp_path):
+    """Once a worker's note shows that the restored file lacks pushes it was told are
+    durable (the job fails), no checkpoint replaces the file: a new job on the directory
+    would start from that state without a word. Nor does a server that started without
+    a file and changed nothing write one at its stop."""
+    stored = stored_snapshot(tmp_path)
+    state = fresh_state()
+    checkpoints, server = opened(state)
+    checkpoints.restore()
+    newer = Note("an earlier process", stored.generation + 3, 9, stored.durable_seqs[0] + 5)
+    with pytest.raises(StaleCheckpointError):
+        state.admit(0, "dist_sync", stream=True, session="session0", note=newer)
+    with pytest.raises(CheckpointError, match="writes no checkpoint: it restored checkpoint 7"):
+        await checkpoints.write()
+    await checkpoints.final()
+    assert on_disk(tmp_path).generation == stored.generation and server.copies == 0
+    (tmp_path / f"server-{RANK}.akvckpt").unlink()
+    empty, other = opened(fresh_state())
+    checkpoints.close()
+    empty.restore()  # no file: it starts empty
+    await empty.final()
+    assert read_snapshot(tmp_path, RANK) is None and other.copies == 0
 
 
 # ---------------------------------------------------------------------- DURABLE

@@ -79,7 +79,8 @@ def test_an_older_checkpoint_names_the_file_its_rounds_and_the_rounds_declared()
         "but before its restart it had declared checkpoint 27 (rounds up to 300) durable to "
         "worker 0, which dropped its copies of its requests numbered below 520: the "
         "acknowledged pushes between are lost. Put the newest checkpoint back, or start the "
-        "job again"
+        "job again with another --checkpoint-dir (this one's checkpoints are no longer of one "
+        "point in time)"
     )
 
 
