@@ -118,7 +118,11 @@ class AsyncKVStore:
             self._backend = DistBackend(self._engine, kind.mode, config, device=kind.device)
             try:
                 await self._backend.connect()
-            except BaseException:
+            except BaseException as exc:
+                # Registered already, maybe: the job fails naming why (a refused stream, a
+                # cancelled create), not a worker that went silent later.
+                with contextlib.suppress(Exception):
+                    await self._backend.abandon(describe(exc))
                 await self._backend.close(barrier_before_exit=False)
                 await self._engine.aclose()
                 raise

@@ -18,6 +18,8 @@ as a reset would. The server's settings govern the pair: its upgrade answer name
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import re
 import ssl
@@ -541,6 +543,10 @@ def parse_keepalive(value: str | None) -> KeepAlive | None:
 
 def _refusal(status: int, reason: str, body: bytes) -> TransportError:
     text = body.decode("utf-8", "replace").strip()[:500]
+    with contextlib.suppress(ValueError):
+        said = json.loads(text)
+        if isinstance(said, dict) and isinstance(said.get("error"), str):
+            text = said["error"]  # the server's words, not its JSON
     message = f"HTTP {status} {reason}".strip() + (f": {text}" if text else "")
     if status == 401:
         return AuthError(message)

@@ -58,6 +58,8 @@ class Membership:
         self.rank: int | None = config.rank
         #: Whether the scheduler answered a registration (a goodbye before that is moot).
         self.registered = False
+        #: Whether the scheduler refused the registration (the rank is not this process's).
+        self.refused = False
         #: A server's way in for workers on its host: ``{"host": host identity, "path":
         #: its Unix socket}`` (None: TCP only).
         self.local: dict[str, str] | None = None
@@ -124,8 +126,10 @@ class Membership:
             try:
                 answer = await self.client.json("POST", "/v1/register", body)
             except AuthError as exc:
+                self.refused = True
                 raise AuthenticationError(f"the scheduler refused this job's token: {exc}") from exc
             except RemoteError as exc:
+                self.refused = True
                 raise scheduler_refusal(exc) from exc
             except TransportError as exc:
                 answer = None

@@ -693,9 +693,11 @@ class DistBackend:
         servers still see this worker's streams end without a goodbye), then fail every
         request in flight. :meth:`close` follows, without the barrier and without goodbyes.
         """
-        if self.rank < 0 or self._closed:
+        # Also while it joins (its registration sent, the job not assembled yet, its streams
+        # opening): not when the scheduler refused it (the rank is another process's).
+        rank = self.membership.rank
+        if self.membership.refused or rank is None or self._closed:
             return
-        rank = self.rank
         if self.state.failure is None:
             await report_failure(self.membership, rank, reason)
         self.fail(PeerLostError(f"worker {rank} left the job: {reason}"), quiet=True)

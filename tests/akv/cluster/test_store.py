@@ -8,6 +8,7 @@ test is a whole job on 127.0.0.1 without process start-up costs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import subprocess
@@ -88,6 +89,46 @@ async def test_mxnet_sync_semantics(workers, servers):
                 "pushpull": 100.0 * total,
             }
         await close_all(stores)
+
+
+async def test_a_worker_of_another_store_type_fails_the_job_naming_why():
+    """The servers refuse the second store type to open a stream: the refused worker's
+    error gives the server's words (not its JSON), and the job's verdict names the worker
+    and why (it was 'worker 1 exited with code 1' under akv-launch: the refused create
+    told nobody)."""
+    with Cluster(2, 1) as cluster:
+        made = await asyncio.gather(
+            akv.create_async("dist_sync", environ=cluster.worker_env(0)),
+            akv.create_async("dist_async", environ=cluster.worker_env(1)),
+            return_exceptions=True,
+        )
+        refused = [m for m in made if isinstance(m, akv.ServerError)]
+        assert len(refused) >= 1, made
+        said = str(refused[0])
+        assert re.search(r"opened a dist_\w+ store, but this job's workers use dist_\w+", said)
+        assert '{"error"' not in said
+        for store in made:
+            if isinstance(store, akv.AsyncKVStore):
+                with contextlib.suppress(akv.AKVError):
+                    await store.close()
+        failure = cluster.scheduler.roster.failure
+        assert failure is not None and "left the job" in failure, failure
+        assert "workers use dist_" in failure, failure
+
+
+async def test_a_cancelled_create_tells_the_scheduler_that_the_worker_left():
+    """A create cancelled while it waits for the other workers (registered already) fails
+    the job naming the cancel at once, not a missed heartbeat seconds later, and the rank
+    is not left taken by a worker that is gone."""
+    with Cluster(2, 1) as cluster:
+        create = asyncio.ensure_future(akv.create_async("dist_sync", environ=cluster.worker_env(0)))
+        roster = cluster.scheduler.roster
+        await wait_until(lambda: any(n.role == "worker" for n in roster.nodes.values()), "joined")
+        create.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await create
+        failure = roster.failure
+        assert failure is not None and "worker 0" in failure and "left the job" in failure
 
 
 async def test_sgd_on_the_servers():
