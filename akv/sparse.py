@@ -407,7 +407,8 @@ def host_rows(value: object, what: str) -> np.ndarray:
         raise
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(
-            f"{what}: expected a NumPy array, got {type(value).__name__}"
+            f"{what}: expected a NumPy array or a torch or JAX CPU tensor, got "
+            f"{type(value).__name__}"
         ) from exc
     if is_gpu(array):
         raise InvalidArgumentError(
