@@ -215,6 +215,8 @@ class ServerLink:
                 if entry is not None:
                     self.host, self.port = str(entry["host"]), int(entry["port"])
                     self.local = local_address(entry)
+                    # Messages from now on name where it is (a restart moves it).
+                    self.name = server_name(self.rank, self.host, self.port)
             if not wanted.reconnecting:  # the job failed meanwhile, or the store left
                 self._reopening = None
                 return
@@ -229,13 +231,16 @@ class ServerLink:
         if not wanted.reconnecting:
             protocol.close()
             return
+        moved = "" if self.name == self._state.name else f" to {self.name}"
         log.warning(
-            "worker %d: the stream to %s was cut (%r); reconnected, resending %d requests",
+            "worker %d: the stream to %s was cut (%r); reconnected%s, resending %d requests",
             self._opener[1],
-            self.name,
+            self._state.name,
             self._state.cut_cause,
+            moved,
             self._state.outstanding(),
         )
+        self._state.rename(self.name)
         self._opened(protocol, loop)
 
     # ------------------------------------------------------------ carrying out

@@ -307,6 +307,10 @@ class Link:
         self.asked_checkpoint = False
         self.replay: Replay | None = None
 
+    def rename(self, name: str) -> None:
+        """The server is now named ``name`` (restarted elsewhere: its address changed)."""
+        self.name = self.table.server = name
+
     def cut(self, error: BaseException | None, now: float) -> PeerLostError:
         """The stream ended at ``now`` (``error``: why, when known): down until a new one
         opens; its requests wait for that (none of them is on a stream any more).

@@ -90,6 +90,11 @@ def test_a_server_killed_or_stopped_is_restarted_from_its_checkpoint_with_exact_
         output,
     ), output
     assert re.search(r"\[server 1\] .*server 1 restored checkpoint \d+", output), output
+    # The workers name where the restarted server listens now, not where it was.
+    moved = re.search(
+        r"stream to (server 1 at \S+) was cut .*reconnected to (server 1 at \S+),", output
+    )
+    assert moved is not None and moved[1] != moved[2], output
     if mode == "term":  # it drained and wrote a final checkpoint before it exited
         assert re.search(r"\[server 1\] .*got SIGTERM: stopping", output), output
         before_restart = output.split("restarting it from its checkpoint")[0]
