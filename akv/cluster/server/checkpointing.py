@@ -218,8 +218,8 @@ class Checkpoints:
             Restored(path, snapshot.generation, rounds, dict(snapshot.durable_seqs))
         )
         log.warning(
-            "server %d restored checkpoint %d from %s: %d keys, rounds up to %d; the workers "
-            "resend what it does not hold",
+            "server %d restored checkpoint %d from %s: %d keys, rounds up to %d (the workers "
+            "of a restarted job resend what it does not hold; a new job's pushes add to it)",
             self.rank,
             snapshot.generation,
             self.directory,
@@ -324,7 +324,7 @@ class Checkpoints:
             log.warning(
                 "server %d: worker %d is of a new job (another process than the "
                 "checkpoint's): its pushes are counted from its first, on top of the "
-                "restored values",
+                "restored values (its inits of restored keys keep the restored values)",
                 self.rank,
                 worker,
             )
