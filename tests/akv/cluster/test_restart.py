@@ -191,6 +191,26 @@ def test_servers_of_a_failed_job_write_a_final_checkpoint_that_a_new_job_starts_
     assert [(r["emb"], r["d"]) for r in finals] == [([-11.0], [-11.0])] * 2, done.stdout
 
 
+def test_a_new_job_on_checkpoints_that_are_not_of_one_job_fails_naming_them(tmp_path):
+    """Server 1's checkpoint deleted between two jobs: the second job's server 0 would
+    restore the first job's values and server 1 none (its keys back to their inits), a mix
+    that no error told. The scheduler now fails the job as the servers register, naming
+    both; no worker prints values."""
+    first = resume(tmp_path, "0.2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    (tmp_path / "server-1.akvckpt").unlink()
+    done = resume(tmp_path, "0.2")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    verdict = (
+        r"the servers' checkpoints are not of one job: server 0 restored checkpoint \d+ from "
+        r"\S+server-0\.akvckpt, but server 1 started without a checkpoint"
+    )
+    assert re.search(r"akv-launch: .*" + verdict, output), output
+    assert not re.search(r"^\[worker \d\] \{", done.stdout, re.M), output
+    assert not (tmp_path / "server-1.akvckpt").exists()  # nothing written over the evidence
+
+
 def test_a_new_job_with_the_same_checkpoint_directory_adds_its_rounds_to_the_restored_values(
     tmp_path,
 ):

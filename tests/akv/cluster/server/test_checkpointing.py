@@ -235,8 +235,10 @@ async def test_a_failed_write_answers_each_request_with_its_error_and_keeps_the_
 async def test_a_restore_that_lost_declared_pushes_writes_no_checkpoint(opened, tmp_path):
     """Once a worker's note shows that the restored file lacks pushes it was told are
     durable (the job fails), no checkpoint replaces the file: a new job on the directory
-    would start from that state without a word. Nor does a server that started without
-    a file and changed nothing write one at its stop."""
+    would start from that state without a word. A server that started without a file and
+    saw no worker (its job failed as it started) writes none at its stop; one that saw a
+    worker writes one, even with no key (every server of a job that ran has one: see
+    akv.cluster.scheduler.restored)."""
     stored = stored_snapshot(tmp_path)
     state = fresh_state()
     checkpoints, server = opened(state)
@@ -249,11 +251,15 @@ async def test_a_restore_that_lost_declared_pushes_writes_no_checkpoint(opened, 
     await checkpoints.final()
     assert on_disk(tmp_path).generation == stored.generation and server.copies == 0
     (tmp_path / f"server-{RANK}.akvckpt").unlink()
-    empty, other = opened(fresh_state())
     checkpoints.close()
+    fresh = fresh_state()
+    empty, other = opened(fresh)
     empty.restore()  # no file: it starts empty
     await empty.final()
     assert read_snapshot(tmp_path, RANK) is None and other.copies == 0
+    admit(fresh, 0, "session0")
+    await empty.final()
+    assert on_disk(tmp_path).keys == [] and on_disk(tmp_path).sessions == {0: "session0"}
 
 
 # ---------------------------------------------------------------------- DURABLE
