@@ -2,16 +2,18 @@
 of one job (pure, no I/O).
 
 Each server restores its own file (``server-<rank>.akvckpt``), and nothing else ties the
-files together: after a failed job one may have been deleted or put back, or the directory
-may hold files of two jobs. A job started from such a directory would read keys of
-different points in time without a word. So each server tells the scheduler, when it
-registers, what it restored (:class:`~akv.cluster.protocol.RestoredCheckpoint`), and when
-the last server of the job registers the scheduler fails the job if they disagree
-(:func:`disagreement`): some
-restored a checkpoint and others none, or two were written by different jobs (a worker's
-session, the process it ran in, differs between them). Files of one job at different
-checkpoints (an older copy put back) are not told apart here: within a job, the workers'
-notes do that (:mod:`akv.cluster.server.durability`).
+files together: the directory may hold files of two jobs (one copied in from another
+run's). A job started from them would read keys of different jobs without a word. So each
+server tells the scheduler, when it registers, what it restored
+(:class:`~akv.cluster.protocol.RestoredCheckpoint`), and when the last server of the job
+registers the scheduler fails the job if two were written by different jobs (a worker's
+session, the process it ran in, differs between them): :func:`disagreement`.
+
+A server without a file is no disagreement: a server that never held a key writes none,
+so a missing file cannot be told from a deleted one here. A directory whose checkpoint a
+running job found lost is marked instead (``server-<rank>.lost``, see
+:mod:`akv.cluster.server.checkpointing`), and no server restores from it. Files of one job
+at different checkpoints are not told apart here either.
 """
 
 from __future__ import annotations
@@ -24,20 +26,9 @@ __all__ = ["disagreement"]
 
 
 def disagreement(servers: Mapping[int, RestoredCheckpoint]) -> str | None:
-    """Why the servers' checkpoints (by server rank) are not of one job, or None: none
-    restored one, or every one did and no worker has two sessions among them."""
+    """Why the servers' checkpoints (by server rank) are not of one job, or None: no worker
+    has two sessions among the checkpoints they restored."""
     restored = {rank: c for rank, c in sorted(servers.items()) if c.checkpoint}
-    if not restored:
-        return None
-    advice = ": start the job with another --checkpoint-dir, or put the checkpoints of one job back"
-    first, checkpoint = next(iter(restored.items()))
-    missing = [rank for rank in sorted(servers) if rank not in restored]
-    if missing:
-        rank = missing[0]
-        return (
-            f"the servers' checkpoints are not of one job: server {first} "
-            f"{checkpoint.describe()}, but server {rank} {servers[rank].describe()}{advice}"
-        )
     seen: dict[int, tuple[str, int]] = {}
     for rank, checkpoint in restored.items():
         for worker, session in sorted(checkpoint.sessions.items()):
@@ -47,6 +38,7 @@ def disagreement(servers: Mapping[int, RestoredCheckpoint]) -> str | None:
                     f"the servers' checkpoints are not of one job: server {other[1]} "
                     f"{restored[other[1]].describe()} and server {rank} "
                     f"{checkpoint.describe()}, written while worker {worker} was another "
-                    f"process{advice}"
+                    "process: start the job with another --checkpoint-dir, or put the "
+                    "checkpoints of one job back"
                 )
     return None

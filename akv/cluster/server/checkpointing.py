@@ -65,6 +65,9 @@ __all__ = ["CheckpointedServer", "Checkpoints", "Copied", "UnusableCheckpointErr
 
 log = logging.getLogger("akv.cluster.server")
 
+#: The end of the file that marks a directory whose checkpoints a job found lost.
+LOST_SUFFIX = ".lost"
+
 #: What a checkpoint copies of the keys: their records (dense, row-sparse), and the
 #: optimizer's states.
 Copied = tuple[list[KeyRecord], list[RowRecord], bytes | None]
@@ -173,6 +176,7 @@ class Checkpoints:
             ) from exc
         self._lock_fd = fd
         remove_leftovers(self.directory, self.rank)  # of a writer that died: none runs now
+        self._refuse_if_marked_lost()
         try:
             snapshot = read_snapshot(self.directory, self.rank)
         except CheckpointError as exc:
@@ -233,6 +237,36 @@ class Checkpoints:
             rounds,
         )
         return snapshot
+
+    def mark_lost(self, reason: str) -> None:
+        """This server's restore lost pushes it had declared durable (``reason``, the job's
+        failure): mark the directory (``server-<rank>.lost``) so that no later job starts
+        from its checkpoints, which are no longer of one point in time (best effort: a
+        failure to write it is logged)."""
+        marker = self.directory / f"server-{self.rank}{LOST_SUFFIX}"
+        try:
+            descriptor = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+                file.write(reason + "\n")
+        except OSError as exc:
+            log.error("server %d: could not mark %s: %s", self.rank, marker, exc)
+
+    def _refuse_if_marked_lost(self) -> None:
+        """Refuse a directory that a server of an earlier job marked (:meth:`mark_lost`)."""
+        try:
+            markers = sorted(self.directory.glob(f"server-*{LOST_SUFFIX}"))
+        except OSError:
+            return
+        if markers:
+            try:
+                said = markers[0].read_text(encoding="utf-8", errors="replace").strip()[:2000]
+            except OSError as exc:
+                said = f"(unreadable: {exc})"
+            raise UnusableCheckpointError(
+                f"{markers[0]} says that a job on this directory lost acknowledged pushes "
+                f"({said}): its checkpoints are not of one point in time. Start the job with "
+                f"another --checkpoint-dir, or remove {markers[0].name} once they are"
+            )
 
     def restored(self) -> RestoredCheckpoint:
         """What :meth:`restore` started from, as the scheduler is told at registration."""

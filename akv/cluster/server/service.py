@@ -372,6 +372,8 @@ class ParameterServer:
             raise RequestError(400, str(exc)) from None
         except StaleCheckpointError as exc:
             self.execute(exc.instructions)  # the job fails, named by this server
+            if self.checkpoints is not None:
+                self.checkpoints.mark_lost(str(exc))
             raise RequestError(409, str(exc)) from None
         except MembershipError as exc:
             raise RequestError(409, str(exc)) from None

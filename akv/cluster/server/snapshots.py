@@ -61,7 +61,9 @@ def plan(state: ServerState) -> CheckpointPlan:
         state.optimizer_config,
         state.updater,
         tuple(row_entries),
-        dict(state._sessions),
+        # The restored sessions of workers this process has not seen yet stay with their
+        # push numbers (else such a worker of a later job would be taken for this one's).
+        {**state._restored_sessions, **state._sessions},
     )
 
 

@@ -292,8 +292,6 @@ class ServerState:
                 restored = self._restored_sessions.pop(worker, None)
                 if restored is not None and restored != session:
                     self._new_job(worker)
-                if self._sessions.get(worker) != session:
-                    self.changes += 1  # a checkpoint keeps the job's workers' sessions
                 self._sessions[worker] = session
         return peer, [*replaced, *self._answers_let_go()]
 

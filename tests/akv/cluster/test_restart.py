@@ -160,6 +160,13 @@ def test_a_server_restarted_from_an_older_or_missing_checkpoint_fails_the_job(
     else:
         number = re.search(r"restored checkpoint (\d+) from", output)
         assert number is not None and read_snapshot(tmp_path, 1).generation == int(number[1])
+    # And the directory is marked: a new job on it (whose servers would restore files of
+    # different points in time) is refused, naming the mark and what it says.
+    assert (tmp_path / "server-1.lost").exists(), output
+    again = job("clean", str(tmp_path))
+    output = again.stdout + again.stderr
+    assert again.returncode != 0, output
+    assert re.search(r"could not use its checkpoint: \S+server-1\.lost says", output), output
 
 
 def resume(directory, interval_s: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -191,24 +198,25 @@ def test_servers_of_a_failed_job_write_a_final_checkpoint_that_a_new_job_starts_
     assert [(r["emb"], r["d"]) for r in finals] == [([-11.0], [-11.0])] * 2, done.stdout
 
 
-def test_a_new_job_on_checkpoints_that_are_not_of_one_job_fails_naming_them(tmp_path):
-    """Server 1's checkpoint deleted between two jobs: the second job's server 0 would
-    restore the first job's values and server 1 none (its keys back to their inits), a mix
-    that no error told. The scheduler now fails the job as the servers register, naming
-    both; no worker prints values."""
-    first = resume(tmp_path, "0.2")
-    assert first.returncode == 0, first.stdout + first.stderr
-    (tmp_path / "server-1.akvckpt").unlink()
-    done = resume(tmp_path, "0.2")
+def test_a_new_job_on_checkpoints_of_two_jobs_fails_naming_them(tmp_path):
+    """Server 1's checkpoint copied in from another job's directory: the new job's server
+    0 would restore one job's values and server 1 another's, a mix no error told. The
+    scheduler fails the job as the servers register, naming both; no worker prints values."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for directory in (ours, theirs):
+        first = resume(directory, "0.2")
+        assert first.returncode == 0, first.stdout + first.stderr
+    (ours / "server-1.akvckpt").write_bytes((theirs / "server-1.akvckpt").read_bytes())
+    done = resume(ours, "0.2")
     output = done.stdout + done.stderr
     assert done.returncode != 0, output
     verdict = (
         r"the servers' checkpoints are not of one job: server 0 restored checkpoint \d+ from "
-        r"\S+server-0\.akvckpt, but server 1 started without a checkpoint"
+        r"\S+server-0\.akvckpt and server 1 restored checkpoint \d+ from \S+server-1\.akvckpt, "
+        r"written while worker \d was another process"
     )
     assert re.search(r"akv-launch: .*" + verdict, output), output
     assert not re.search(r"^\[worker \d\] \{", done.stdout, re.M), output
-    assert not (tmp_path / "server-1.akvckpt").exists()  # nothing written over the evidence
 
 
 def test_a_new_job_with_the_same_checkpoint_directory_adds_its_rounds_to_the_restored_values(

@@ -235,10 +235,8 @@ async def test_a_failed_write_answers_each_request_with_its_error_and_keeps_the_
 async def test_a_restore_that_lost_declared_pushes_writes_no_checkpoint(opened, tmp_path):
     """Once a worker's note shows that the restored file lacks pushes it was told are
     durable (the job fails), no checkpoint replaces the file: a new job on the directory
-    would start from that state without a word. A server that started without a file and
-    saw no worker (its job failed as it started) writes none at its stop; one that saw a
-    worker writes one, even with no key (every server of a job that ran has one: see
-    akv.cluster.scheduler.restored)."""
+    would start from that state without a word. Nor does a server that started without a
+    file and changed nothing write one at its stop (a worker's stream is no change)."""
     stored = stored_snapshot(tmp_path)
     state = fresh_state()
     checkpoints, server = opened(state)
@@ -256,10 +254,49 @@ async def test_a_restore_that_lost_declared_pushes_writes_no_checkpoint(opened, 
     empty, other = opened(fresh)
     empty.restore()  # no file: it starts empty
     await empty.final()
-    assert read_snapshot(tmp_path, RANK) is None and other.copies == 0
     admit(fresh, 0, "session0")
     await empty.final()
-    assert on_disk(tmp_path).keys == [] and on_disk(tmp_path).sessions == {0: "session0"}
+    assert read_snapshot(tmp_path, RANK) is None and other.copies == 0
+
+
+async def test_a_checkpoint_keeps_the_restored_session_of_a_worker_not_seen_since(opened, tmp_path):
+    """A job of new workers in which worker 1 never reached this server (it failed while
+    connecting): its checkpoint keeps worker 1's session of the job that wrote the restored
+    values, with its push numbers, so that worker 1 of a later job is taken as new (its
+    pushes, numbered from 1, were dropped as resends: wrong values, exit 0)."""
+    stored_snapshot(tmp_path)  # sessions {0: session0, 1: session1}, worker 1 at push 4
+    state = fresh_state()
+    checkpoints, _ = opened(state)
+    checkpoints.restore()
+    admit(state, 0, "job-b-0")  # worker 0 of a new job; worker 1 never came
+    await checkpoints.write()
+    assert on_disk(tmp_path).sessions == {0: "job-b-0", 1: "session1"}
+    checkpoints.close()
+    later = fresh_state()
+    again, _ = opened(later)
+    again.restore()
+    admit(later, 1, "job-c-1")  # a later job's worker 1: new, its numbers forgotten
+    assert not later.entries["w"].rounds.is_duplicate(1, 1)
+
+
+async def test_a_directory_marked_lost_is_refused_by_every_later_restore(opened, tmp_path):
+    stored_snapshot(tmp_path)
+    checkpoints, _ = opened(fresh_state())
+    checkpoints.restore()
+    checkpoints.mark_lost("server 3 restored checkpoint 7 ..., but ... declared checkpoint 9")
+    checkpoints.close()
+    marker = tmp_path / f"server-{RANK}.lost"
+    assert marker.stat().st_mode & 0o777 == 0o600
+    later, _ = opened(fresh_state())
+    with pytest.raises(checkpointing.UnusableCheckpointError, match=r"server-3\.lost says") as got:
+        later.restore()
+    assert "declared checkpoint 9" in str(got.value) and "another --checkpoint-dir" in str(
+        got.value
+    )
+    later.close()
+    marker.unlink()  # the user put things right
+    fixed, _ = opened(fresh_state())
+    assert fixed.restore() is not None
 
 
 # ---------------------------------------------------------------------- DURABLE
