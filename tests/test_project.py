@@ -128,7 +128,6 @@ PURE_AKV_MODULES = [
     "akv.cluster.placement",
     "akv.cluster.protocol",
     "akv.cluster.states",
-    "akv.cluster.scheduler.restored",
     "akv.cluster.server.buffers",
     "akv.cluster.server.checkpoint_header",
     "akv.cluster.server.checks",

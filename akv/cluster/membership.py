@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from akv.cluster.config import Config
-from akv.cluster.protocol import JOB_FAILED_STATUS, REFUSED_STATUS, RestoredCheckpoint
+from akv.cluster.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
 from akv.cluster.roles import scheduler_client
 from akv.errors import (
     AKVError,
@@ -60,9 +60,6 @@ class Membership:
         self.registered = False
         #: Whether the scheduler refused the registration (the rank is not this process's).
         self.refused = False
-        #: A server with a checkpoint directory: what it restored, told at registration
-        #: (:class:`~akv.cluster.protocol.RestoredCheckpoint`; None: no directory).
-        self.restored: RestoredCheckpoint | None = None
         #: A server's way in for workers on its host: ``{"host": host identity, "path":
         #: its Unix socket}`` (None: TCP only).
         self.local: dict[str, str] | None = None
@@ -123,8 +120,6 @@ class Membership:
         }
         if self.local is not None:
             body["local"] = self.local
-        if self.restored is not None:
-            body["restored"] = self.restored.to_json()
         last_note = ""
         while True:
             answer: dict[str, Any] | None

@@ -54,10 +54,9 @@ it (``docs/architecture.md``). Pure: no I/O.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Final
+from typing import Final
 
 from akv import errors
 from akv_transport import parse_json
@@ -78,7 +77,6 @@ __all__ = [
     "STOPPING_STATUS",
     "Note",
     "Op",
-    "RestoredCheckpoint",
     "client_header",
     "decode_meta",
     "decode_row_meta",
@@ -89,7 +87,6 @@ __all__ = [
     "op_label",
     "parse_client_header",
     "parse_note",
-    "parse_restored",
     "parse_staleness",
     "status_of",
 ]
@@ -362,48 +359,3 @@ def parse_note(text: str) -> Note:
             f"{DURABLE_HEADER} must be '<server> <checkpoint> <rounds> <seq>', got {text[:80]!r}"
         ) from None
     return Note(server, checkpoint, rounds, seq)
-
-
-#: The longest session id a registration's ``restored`` field keeps (a worker's is 32).
-_MAX_RESTORED_SESSION = 128
-
-
-@dataclass(frozen=True)
-class RestoredCheckpoint:
-    """What a server started from: checkpoint ``checkpoint`` of ``path`` (0: no file
-    there), written while ``sessions`` (worker rank -> its process's session) were the
-    job's workers (empty: not known, a file written before sessions were kept)."""
-
-    checkpoint: int
-    path: str
-    sessions: Mapping[int, str] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        """The registration's ``restored`` field."""
-        sessions = {str(worker): session for worker, session in self.sessions.items()}
-        return {"checkpoint": self.checkpoint, "path": self.path, "sessions": sessions}
-
-    def describe(self) -> str:
-        if not self.checkpoint:
-            return f"started without a checkpoint ({self.path} is missing)"
-        return f"restored checkpoint {self.checkpoint} from {self.path}"
-
-
-def parse_restored(value: object) -> RestoredCheckpoint | None:
-    """A registration's ``restored`` field (None: absent, a server without a checkpoint
-    directory); ``ValueError`` when malformed."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ValueError("restored must be an object")
-    checkpoint, path, sessions = value.get("checkpoint"), value.get("path"), value.get("sessions")
-    if type(checkpoint) is not int or checkpoint < 0 or not isinstance(path, str):
-        raise ValueError("restored needs a checkpoint number >= 0 and a path")
-    if not isinstance(sessions, dict):
-        raise ValueError("restored.sessions must be an object")
-    parsed: dict[int, str] = {}
-    for worker, session in sessions.items():
-        if not (isinstance(worker, str) and worker.isdigit() and isinstance(session, str)):
-            raise ValueError("restored.sessions maps worker ranks to session ids")
-        parsed[int(worker)] = session[:_MAX_RESTORED_SESSION]
-    return RestoredCheckpoint(checkpoint, path[:4096], parsed)

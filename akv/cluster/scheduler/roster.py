@@ -27,8 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from akv.cluster.protocol import LAUNCHER_REPORTER, RestoredCheckpoint
-from akv.cluster.scheduler.restored import disagreement
+from akv.cluster.protocol import LAUNCHER_REPORTER
 from akv.errors import MembershipError, PeerLostError
 from akv.limits import HEARTBEAT_INTERVAL_S, RESTART_WINDOW_S, SCHEDULER_LINGER_S
 
@@ -72,8 +71,6 @@ class Node:
     restartable: bool = False
     #: A server's way in for workers on its host: (host identity, Unix socket path).
     local: tuple[str, str] | None = None
-    #: A server with a checkpoint directory: what it restored (None: no directory).
-    restored: RestoredCheckpoint | None = None
 
     def __post_init__(self) -> None:
         if self.bound_host is None:
@@ -226,7 +223,6 @@ class Roster:
         bound_port: int | None = None,
         restartable: bool = False,
         local: tuple[str, str] | None = None,
-        restored: RestoredCheckpoint | None = None,
     ) -> Node:
         """Add a node (or return it again for a retry).
 
@@ -292,23 +288,9 @@ class Roster:
             bound_port=bound_port,
             restartable=restartable and role == "server",
             local=local if role == "server" else None,
-            restored=restored if role == "server" else None,
         )
         self.nodes[node_id] = node
-        if role == "server" and not self.restarts:
-            self._check_restored()
         return node
-
-    def _check_restored(self) -> None:
-        """Once every server of a job starting registered: fail the job if the checkpoints
-        they restored are not of one job (:func:`~akv.cluster.scheduler.restored.disagreement`).
-        Restarts within the job are not checked here (the workers' notes are)."""
-        servers = [n for n in self.nodes.values() if n.role == "server"]
-        if len(servers) < self.num_servers or any(n.restored is None for n in servers):
-            return
-        why = disagreement({n.rank: n.restored for n in servers if n.restored is not None})
-        if why is not None:
-            self.fail(why)
 
     def registration(self, node_id: str) -> Registration:
         """What a registered node is told now (see :class:`Registration`).

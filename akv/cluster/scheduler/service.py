@@ -60,7 +60,7 @@ from aiohttp import web
 from akv.cluster import config as _config
 from akv.cluster.health import scheduler_readiness
 from akv.cluster.metrics import ProcessMetrics, observe
-from akv.cluster.protocol import JOB_FAILED_STATUS, REFUSED_STATUS, parse_restored
+from akv.cluster.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
 from akv.cluster.roles import listener_bounds, run_role, server_ssl, stopped_by_signal
 from akv.cluster.scheduler.metrics import roster_figures
 from akv.cluster.scheduler.roster import Roster, ServerAddress
@@ -227,7 +227,6 @@ class Scheduler:
             wait = bool(body.get("wait", True))
             restartable = bool(body.get("restartable", False))
             local = _local(body.get("local"))
-            restored = parse_restored(body.get("restored"))
         with _refusals():
             known = node_id in self.roster.nodes
             restarts = sum(self.roster.restarts.values())
@@ -243,10 +242,7 @@ class Scheduler:
                 bound_port=bound_port,
                 restartable=restartable,
                 local=local,
-                restored=restored,
             )
-        if self.roster.failure is not None and not known:
-            log.error("job failed: %s", self.roster.failure)  # (the servers' checkpoints)
         if not known and sum(self.roster.restarts.values()) > restarts:
             log.warning(
                 "server %s was restarted from its checkpoint (pid %d at %s:%d); the workers "

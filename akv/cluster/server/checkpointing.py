@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Protocol
 
 from akv.cluster.placement import row_parts
-from akv.cluster.protocol import RestoredCheckpoint
 from akv.cluster.server import snapshots
 from akv.cluster.server.checkpoint import (
     KeyRecord,
@@ -141,8 +140,6 @@ class Checkpoints:
         self._requests: list[Checkpoint] = []
         self._serving_requests = False
         self._lock_fd: int | None = None
-        #: The restored checkpoint's worker sessions (:meth:`restored`).
-        self._restored_sessions: dict[int, str] = {}
         #: Told of each checkpoint: the seconds it took and its size in bytes, or None
         #: when it failed (the server's metrics).
         self.on_written: Callable[[float, int | None], None] | None = None
@@ -185,8 +182,8 @@ class Checkpoints:
         if snapshot is None:
             # Workers told of a checkpoint of this rank say so when they reconnect.
             self.state.lineage.restore(Restored(path, 0, 0, {}))
-            # Nothing to write until something changes (a worker's first stream does: every
-            # server of a job that ran writes one, and one of a job that never ran none).
+            # Nothing to write until something changes (one that saw no change, say of a
+            # job that failed as it started, leaves the directory as it was).
             self._written_changes = 0
             log.info(
                 "server %d: no checkpoint at %s: starting empty (a worker told of an earlier "
@@ -218,7 +215,6 @@ class Checkpoints:
         )
         self.generation = snapshot.generation
         self.durable_seqs = dict(snapshot.durable_seqs)
-        self._restored_sessions = dict(snapshot.sessions)
         self._written_changes = self.state.changes
         closed = [r.closed_round for r in snapshot.keys] + [
             r.closed_round for r in snapshot.row_keys
@@ -267,14 +263,6 @@ class Checkpoints:
                 f"({said}): its checkpoints are not of one point in time. Start the job with "
                 f"another --checkpoint-dir, or remove {markers[0].name} once they are"
             )
-
-    def restored(self) -> RestoredCheckpoint:
-        """What :meth:`restore` started from, as the scheduler is told at registration."""
-        restored = self.state.lineage.restored
-        path = str(checkpoint_path(self.directory, self.rank))
-        if restored is None or not restored.checkpoint:
-            return RestoredCheckpoint(0, path)
-        return RestoredCheckpoint(restored.checkpoint, path, self._restored_sessions)
 
     def close(self) -> None:
         """Release the directory's lock (at the server's stop)."""

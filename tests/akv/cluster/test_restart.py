@@ -198,27 +198,6 @@ def test_servers_of_a_failed_job_write_a_final_checkpoint_that_a_new_job_starts_
     assert [(r["emb"], r["d"]) for r in finals] == [([-11.0], [-11.0])] * 2, done.stdout
 
 
-def test_a_new_job_on_checkpoints_of_two_jobs_fails_naming_them(tmp_path):
-    """Server 1's checkpoint copied in from another job's directory: the new job's server
-    0 would restore one job's values and server 1 another's, a mix no error told. The
-    scheduler fails the job as the servers register, naming both; no worker prints values."""
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    for directory in (ours, theirs):
-        first = resume(directory, "0.2")
-        assert first.returncode == 0, first.stdout + first.stderr
-    (ours / "server-1.akvckpt").write_bytes((theirs / "server-1.akvckpt").read_bytes())
-    done = resume(ours, "0.2")
-    output = done.stdout + done.stderr
-    assert done.returncode != 0, output
-    verdict = (
-        r"the servers' checkpoints are not of one job: server 0 restored checkpoint \d+ from "
-        r"\S+server-0\.akvckpt and server 1 restored checkpoint \d+ from \S+server-1\.akvckpt, "
-        r"written while worker \d was another process"
-    )
-    assert re.search(r"akv-launch: .*" + verdict, output), output
-    assert not re.search(r"^\[worker \d\] \{", done.stdout, re.M), output
-
-
 def test_a_new_job_with_the_same_checkpoint_directory_adds_its_rounds_to_the_restored_values(
     tmp_path,
 ):
