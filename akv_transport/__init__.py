@@ -74,6 +74,7 @@ from akv_transport.errors import (
     JSONError,
     PayloadTooLargeError,
     RemoteError,
+    StreamEndedError,
     StreamSilentError,
     TransportError,
 )
@@ -142,6 +143,7 @@ __all__ = [
     "ShmConnection",
     "ShmListener",
     "ShmMessage",
+    "StreamEndedError",
     "StreamProtocol",
     "StreamSilentError",
     "TransportError",

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, NamedTuple, TypeAlias
 
-from akv_transport.errors import FrameError
+from akv_transport.errors import FrameError, StreamEndedError
 from akv_transport.frame import (
     ARENA_REF_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -344,7 +344,7 @@ class FrameReader:
             self._raise_broken()
         if self.idle:
             return
-        self._broken = FrameError(f"stream ended inside a frame: {self._progress()}")
+        self._broken = StreamEndedError(f"stream ended inside a frame: {self._progress()}")
         raise self._broken
 
     @property

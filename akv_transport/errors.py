@@ -12,6 +12,7 @@ __all__ = [
     "JSONError",
     "PayloadTooLargeError",
     "RemoteError",
+    "StreamEndedError",
     "StreamSilentError",
     "TransportError",
 ]
@@ -28,6 +29,11 @@ class FrameError(TransportError, ValueError):
     ``"frame header: ndim 40 of array 2 exceeds MAX_NDIM 32"``. A connection that produced one
     cannot be trusted to be in step any more and should be closed.
     """
+
+
+class StreamEndedError(FrameError):
+    """The stream ended inside a frame (the peer, or the path to it, cut it): a truncation,
+    not a frame this side refused."""
 
 
 class StreamSilentError(TransportError):

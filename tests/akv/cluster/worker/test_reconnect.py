@@ -13,7 +13,14 @@ from akv.cluster.protocol import Op
 from akv.cluster.worker.reconnect import Backoff, Refusal, classify
 from akv.errors import PeerLostError, ServerError
 from akv.limits import RECONNECT_FIRST_S, RECONNECT_MAX_S, RECONNECT_SILENT_ATTEMPTS
-from akv_transport import AuthError, FrameError, RemoteError, StreamSilentError, TransportError
+from akv_transport import (
+    AuthError,
+    FrameError,
+    RemoteError,
+    StreamEndedError,
+    StreamSilentError,
+    TransportError,
+)
 from tests.akv.cluster.worker.servers import Servers, f32, key_entry, zeros
 
 # ---------------------------------------------------------------- opening a cut stream again
@@ -317,6 +324,24 @@ def test_a_stream_cut_again_before_its_resent_request_is_answered_waits_longer_e
     assert pull.done and pull.error is None
     servers.cut(0, ConnectionResetError("reset"))  # it carried its answer: a new series
     assert servers.reconnects[-1] == (0, 0.0) and servers.state.links[0].cuts == 1
+
+
+@pytest.mark.parametrize(
+    "cause",
+    [ConnectionResetError("reset by peer"), StreamEndedError("stream ended inside a frame")],
+)
+def test_a_stream_cut_by_the_path_before_its_resent_request_is_answered_starts_a_series(cause):
+    """Only a frame this worker's reader refused is evidence that the answer cuts every
+    stream: a reset or a truncation is the path's doing, and a flaky path is tried again at
+    once (with waits, a job whose every stream is cut now and then took 4.5 times as long)."""
+    servers = Servers(request_s=100.0)
+    servers.pull({key_entry("w"): zeros()})
+    servers.cut(0, cause)
+    servers.now += 0.001
+    servers.open(0)
+    servers.cut(0, cause)  # before the resent pull's answer
+    assert [delay for _, delay in servers.reconnects] == [0.0, 0.0]
+    assert servers.state.links[0].cuts == 1
 
 
 def test_an_answer_to_another_resent_request_does_not_end_the_series():
