@@ -71,6 +71,7 @@ __all__ = [
     "ArrayInfo",
     "FrameHeader",
     "as_array",
+    "byte_view",
     "decode_any_prefix",
     "decode_frame",
     "decode_header",
@@ -727,6 +728,16 @@ def decode_frame(
         buffers.append(view[offset : offset + info.nbytes])
         offset += info.nbytes
     return header, tuple(buffers)
+
+
+def byte_view(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's memory as flat bytes, without copying, writable exactly when
+    the array is: an empty array's too (``memoryview(array).cast("B")`` refuses a zero in
+    the shape: an array of no columns would be refused as a frame's payload or
+    destination). ``TypeError`` for an array that is not C-contiguous."""
+    if array.size:
+        return array.data.cast("B")
+    return array.reshape(-1).view(np.uint8).data
 
 
 def as_array(info: ArrayInfo, buffer: bytes | bytearray | memoryview) -> np.ndarray:

@@ -26,6 +26,7 @@ from akv_transport.frame import (
     ArrayInfo,
     FrameHeader,
     as_array,
+    byte_view,
     decode_frame,
     decode_header,
     decode_prefix,
@@ -245,6 +246,22 @@ def test_as_array_views_the_buffer_without_copying():
     array = as_array(info, buffer)
     array[0, 0] = 99
     assert np.frombuffer(buffer, dtype=np.int32)[0] == 99
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (), (3, 0), (0,)])
+def test_byte_view_is_the_arrays_memory_also_when_it_holds_no_element(shape):
+    """memoryview's cast refuses a zero in the shape: an array of no columns as a payload
+    or a destination (a dense or row-sparse key of width 0) failed with a TypeError."""
+    array = np.zeros(shape, np.float32)
+    view = byte_view(array)
+    assert view.format == "B" and view.nbytes == array.nbytes and not view.readonly
+    if array.size:
+        view[:4] = np.float32(7).tobytes()
+        assert array.reshape(-1)[0] == 7
+    array.flags.writeable = False
+    assert byte_view(array).readonly
+    with pytest.raises(TypeError):
+        byte_view(np.zeros((4, 4))[:, ::2])  # not C-contiguous: no copy made instead
 
 
 def test_decode_frame_returns_views_into_the_data():

@@ -39,9 +39,7 @@ import secrets
 import struct
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, cast
-
-import numpy as np
+from typing import TYPE_CHECKING, BinaryIO
 
 from akv.cluster.server.checkpoint_header import (
     HEADER_MAX_DEPTH,
@@ -54,10 +52,10 @@ from akv.cluster.server.checkpoint_header import (
     encode_header,
 )
 from akv.errors import CheckpointError
-from akv_transport import parse_json
+from akv_transport import byte_view, parse_json
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer
+    pass
 
 __all__ = [
     "CHUNK_BYTES",
@@ -218,21 +216,13 @@ def _write_file(file: BinaryIO, header: bytes, snapshot: Snapshot) -> None:
     write(_PREFIX.pack(MAGIC, len(header)))
     write(header)
     for record in snapshot.keys:
-        write(_bytes_of(record.value))
+        write(byte_view(record.value))
     for row_record in snapshot.row_keys:
-        write(_bytes_of(row_record.ids))
-        write(_bytes_of(row_record.rows))
+        write(byte_view(row_record.ids))
+        write(byte_view(row_record.rows))
     if snapshot.optimizer_states is not None:
         write(snapshot.optimizer_states)
     file.write(_TRAILER.pack(checksum))
-
-
-def _bytes_of(array: np.ndarray) -> memoryview:
-    """The memory of a C-contiguous array as bytes, without a copy (0-d and empty too).
-
-    (``memoryview(array).cast("B")`` refuses arrays with a zero in their shape.)
-    """
-    return memoryview(cast("Buffer", array.reshape(-1).view(np.uint8)))
 
 
 def _make_directory(directory: Path) -> None:
@@ -341,10 +331,10 @@ def _read_file(file: io.BufferedReader, rank: int) -> Snapshot:
     header = parse_json(read(header_nbytes, "header"), max_depth=HEADER_MAX_DEPTH)
     snapshot, slots, states_nbytes = decode_header(header, payload_nbytes, rank)
     for record in slots:
-        read_into(_bytes_of(record.value), f"array of key {record.key!r}")
+        read_into(byte_view(record.value), f"array of key {record.key!r}")
     for row_record in snapshot.row_keys:
-        read_into(_bytes_of(row_record.ids), f"row ids of key {row_record.key!r}")
-        read_into(_bytes_of(row_record.rows), f"rows of key {row_record.key!r}")
+        read_into(byte_view(row_record.ids), f"row ids of key {row_record.key!r}")
+        read_into(byte_view(row_record.rows), f"rows of key {row_record.key!r}")
     states = None if states_nbytes is None else read(states_nbytes, "optimizer states")
     data = file.read(_TRAILER.size)
     if len(data) != _TRAILER.size:

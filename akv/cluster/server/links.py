@@ -17,7 +17,15 @@ from akv.cluster.server.buffers import Landing
 from akv.cluster.server.instructions import Peer
 from akv.cluster.server.state import ServerState
 from akv.limits import MAX_PAYLOAD_BYTES
-from akv_transport import DISCARD, Destination, FrameHeader, InPlace, Message, StreamProtocol
+from akv_transport import (
+    DISCARD,
+    Destination,
+    FrameHeader,
+    InPlace,
+    Message,
+    StreamProtocol,
+    byte_view,
+)
 
 __all__ = ["Link", "LinkedServer", "OneShotLink", "StreamLink"]
 
@@ -85,7 +93,7 @@ class StreamLink:
         self._landings.append(landing)
         in_place = landing.read_in_place and self.protocol.shared is not None
         return [
-            DISCARD if b is None else InPlace(b.data.cast("B")) if in_place else b.data.cast("B")
+            DISCARD if b is None else InPlace(byte_view(b)) if in_place else byte_view(b)
             for b in landing.buffers
         ]
 

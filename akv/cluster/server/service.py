@@ -105,6 +105,7 @@ from akv_transport import (
     SharedMemory,
     StreamProtocol,
     TransportError,
+    byte_view,
     create_app,
     decode_frame,
     encode_frame,
@@ -406,7 +407,7 @@ class ParameterServer:
             landing = self.state.header_arrived(peer, header)
             for buffer, target in zip(buffers, landing.buffers, strict=True):
                 if target is not None:
-                    target.data.cast("B")[:] = buffer
+                    byte_view(target)[:] = buffer
             self.message(peer, Message(header, tuple(buffers)), landing)
             reply = await asyncio.wait_for(link.reply, self.config.timeouts.request_s)
         except asyncio.TimeoutError:

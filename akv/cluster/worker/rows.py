@@ -14,7 +14,7 @@ it asks for, and their answers land straight in the slices of the output that ar
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from akv.cluster.protocol import RowMeta, encode_meta, encode_row_meta
 from akv.cluster.worker.requests import WireArray
 from akv.keys import Entry
 from akv.sparse import RowIds, RowSparseArray
+from akv_transport import byte_view
 
 __all__ = [
     "PullRequest",
@@ -137,7 +138,7 @@ def pull_requests(
                     server,
                     entry.key,
                     ids[first:end],
-                    memoryview(cast(Any, data[first:end].reshape(-1).view(np.uint8))),
+                    byte_view(data[first:end]),
                 )
                 asked.setdefault(entry.key, set()).add(server)
     for key, servers in (waits or {}).items():

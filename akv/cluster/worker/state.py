@@ -85,7 +85,7 @@ from akv.compression import Compression
 from akv.errors import AKVError, PeerLostError
 from akv.keys import Entry
 from akv.limits import AHEAD_COPY_MAX_BYTES, MAX_UNACKED_PUSHES, RETAIN_BYTES
-from akv_transport import DTYPE_CODES, Destination, FrameHeader, InPlace, Message
+from akv_transport import DTYPE_CODES, Destination, FrameHeader, InPlace, Message, byte_view
 
 __all__ = ["WorkerState"]
 
@@ -276,7 +276,7 @@ class WorkerState:
                     batch = batches[part.server] = ([], [], [])
                 sent = push_view(entry, array, part, self.compression)
                 batch[0].append((entry.key, sent, entry.pushes))
-                batch[1].append(entry.wire_view(value.buffer, part).data.cast("B"))
+                batch[1].append(byte_view(entry.wire_view(value.buffer, part)))
                 batch[2].append(value if single else None)
         push = Pipelined(token, keys, len(batches), waits)
         push.aheads = aheads
@@ -351,7 +351,7 @@ class WorkerState:
                 else:
                     sent = push_view(entry, values[id(entry)], part, self.compression)
                     batch[0].append((entry.key, sent, entry.pushes))
-                batch[1].append(entry.wire_view(receive, part).data.cast("B"))
+                batch[1].append(byte_view(entry.wire_view(receive, part)))
         call.remaining = waiting + len(batches)
         if not call.remaining:
             self._finish(call, out)

@@ -382,6 +382,22 @@ async def test_a_row_key_of_zero_width_works_as_in_the_local_store(store_type):
             assert pulled.data.shape == (3, 0)
 
 
+@pytest.mark.parametrize("store_type", ["dist_sync", "dist_async"])
+@pytest.mark.parametrize("shm", ["1", "0"])
+async def test_a_dense_key_of_zero_width_works_too(store_type, shm):
+    """A dense (10, 0) key: the server refused its push's payload with a TypeError of
+    memoryview in its reader (the stream cut, the push resent for ever)."""
+
+    async def body(kv):
+        await kv.init("z", np.zeros((10, 0), np.float32))
+        await kv.push("z", np.ones((10, 0), np.float32))
+        return await kv.pull("z")
+
+    with Cluster(2, 1, AKV_SHM=shm) as cluster:
+        for pulled in await on_every_worker(cluster, store_type, body):
+            assert pulled.shape == (10, 0)
+
+
 @pytest.mark.parametrize("shm", ["1", "0"])
 async def test_a_row_init_reads_its_rows_at_the_call(shm):
     """Rank 0's init is sent by a task on the loop, after the call returned: the rows it
