@@ -81,17 +81,14 @@ def check_admission(
         raise InvalidArgumentError(f"unknown store type {store_type!r}")
     if not 0 <= worker < num_workers:
         raise MembershipError(f"worker rank {worker} is out of range for {num_workers} workers")
-    if job_type is not None and store_type != job_type and restored:
-        raise MembershipError(
-            f"worker {worker} opened a {store_type} store, but {name} was restored from "
-            f"{restored}, written by a {job_type} job: start a job of another store type "
-            "with another --checkpoint-dir"
-        )
     if job_type is not None and store_type != job_type:
-        raise MembershipError(
-            f"worker {worker} opened a {store_type} store, but this job's workers use "
-            f"{job_type}: every worker must create the same store type"
+        why = (
+            f"{name} was restored from {restored}, written by a {job_type} job: start a job "
+            "of another store type with another --checkpoint-dir"
+            if restored
+            else f"this job's workers use {job_type}: every worker must create the same store type"
         )
+        raise MembershipError(f"worker {worker} opened a {store_type} store, but {why}")
     if staleness is not None and store_type != "dist_async":
         raise MembershipError(f"worker {worker}: staleness bounds dist_async only")
     if stream and staleness != job_staleness and (job_type or staleness is None):

@@ -753,8 +753,7 @@ class ParameterServer:
             else:
                 await asyncio.to_thread(work.updater.load_states, work.data)
         except Exception as exc:
-            what = _OPTIMIZER_WORK[type(work)].replace("_states", "_optimizer_states")
-            self.execute([ReplyError.of(work.peer, work.seq, what, exc)])
+            self.execute([ReplyError.of(work.peer, work.seq, _OPTIMIZER_WORK[type(work)], exc)])
             return
         if saved is None:
             self.execute([Reply(work.peer, work.seq)])
@@ -763,11 +762,11 @@ class ParameterServer:
             self.send_to(work.peer, encode_frame(Op.REPLY, work.seq, arrays, aux=OK))
 
 
-#: The engine task's name of each piece of optimizer work.
+#: The call each piece of optimizer work serves (its engine task's name, and its errors').
 _OPTIMIZER_WORK = {
     InstallOptimizer: "set_optimizer",
-    SaveStates: "save_states",
-    LoadStates: "load_states",
+    SaveStates: "save_optimizer_states",
+    LoadStates: "load_optimizer_states",
 }
 
 
