@@ -259,25 +259,24 @@ class Membership:
             method, path, report = "GET", "/v1/status", False
             await asyncio.sleep(min(VERDICT_POLL_S, max(0.0, deadline - loop.time())))
 
-    async def report_lost(self, reporter: str, role: str, rank: int, detail: str) -> None:
-        """Tell the scheduler that ``role`` ``rank`` vanished (``reporter`` saw it)."""
+    async def report_lost(
+        self, reporter: str, role: str, rank: int | None, detail: str, itself: bool = False
+    ) -> None:
+        """Tell the scheduler that ``role`` ``rank`` vanished (``reporter`` saw it; or
+        ``itself``: the node reports its own failure, maybe before it registered)."""
         body = {"reporter": reporter, "role": role, "rank": rank, "detail": detail}
+        if itself:
+            body["itself"] = True
         await self.client.json("POST", "/v1/lost", body)
 
     async def report_failed(self, detail: str) -> bool:
         """Tell the scheduler that this node fails the job, ``detail`` saying why (it follows
         the node's name in the job's verdict), before it exits; True when the scheduler
         heard it (a node that cannot reach it leaves the verdict to what sees it exit)."""
-        body = {
-            "reporter": self.node_id,
-            "role": self.role,
-            "rank": self.rank,
-            "detail": detail,
-            "itself": True,
-        }
+        report = self.report_lost(self.node_id, self.role, self.rank, detail, itself=True)
         try:
-            await self.client.json("POST", "/v1/lost", body, timeout_s=GOODBYE_TIMEOUT_S)
-        except (TransportError, RemoteError, ValueError) as exc:
+            await asyncio.wait_for(report, GOODBYE_TIMEOUT_S)
+        except (asyncio.TimeoutError, TransportError, RemoteError, ValueError) as exc:
             log.info("could not tell the scheduler why this %s fails: %r", self.role, exc)
             return False
         return True

@@ -426,12 +426,13 @@ class ServerState:
         try:
             if landing.error is not None:
                 raise landing.error
-            if peer.stream and header.op in CHANGING_OPS:
+            changing = header.op in CHANGING_OPS
+            if changing and peer.stream:
                 # Changes only: a replay sends a pull (numbered after every request it
                 # resends) ahead of the changes still to come, which no checkpoint holds.
                 self._received[peer.worker] = max(self._received.get(peer.worker, 0), header.seq)
             out = self._dispatch(peer, header, buffers, landing, now)
-            if header.op in CHANGING_OPS:
+            if changing:
                 self.changes += 1
             return out
         except Exception as exc:
