@@ -6,7 +6,9 @@ eight passes over the round's rows, each a fancy-indexed gather, scatter or elem
 call on a fresh array, and on this memory-bound kind of work each pass costs about as much
 as the arithmetic. Compiled with numba, two pushes are summed in one merge over their rows,
 and SGD's update (with or without momentum) and Adam's read and write each stored row and
-state row once (no gather and scatter); see ``docs/benchmarks.md`` for what that saves.
+state row once (no gather and scatter); see ``docs/benchmarks.md`` for what that saves. A
+:class:`~akv.rows.RowIndex` (the hash index of a table of more than 2^24 rows) probes with
+one more kernel.
 
 numba is installed with akv where it has wheels and used when it imports; without it
 (:func:`available` False, or ``AKV_JIT=0``) the same work runs in NumPy. Both compute the
@@ -41,7 +43,7 @@ import numpy as np
 
 from akv.errors import ConfigError
 
-__all__ = ["available", "describe", "enabled", "kernels", "load_soon", "settled"]
+__all__ = ["available", "describe", "enabled", "kernels", "load_soon", "made", "settled"]
 
 #: The dtypes the kernels are compiled for (their signatures are given: other types are
 #: refused, and the callers fall back to NumPy for them).
@@ -88,7 +90,7 @@ def available() -> bool:
 
 def kernels() -> SimpleNamespace | None:
     """The compiled kernels (``merge_rows``, ``sgd_rows``, ``sgd_mom_rows``,
-    ``adam_rows``), made on the first call; None without a usable numba or with
+    ``adam_rows``, ``index_probe``), made on the first call; None without a usable numba or with
     ``AKV_JIT=0``."""
     global _kernels, _failed
     if not enabled():
@@ -108,6 +110,12 @@ def kernels() -> SimpleNamespace | None:
                     type(exc).__name__,
                     exc,
                 )
+    return _kernels
+
+
+def made() -> SimpleNamespace | None:
+    """The kernels if this process made them already (:func:`kernels`), else None; never
+    makes them, so a caller on an event loop or a hot path never waits for a compile."""
     return _kernels
 
 
@@ -195,7 +203,22 @@ def _kernels_made() -> SimpleNamespace:
     def jit(sigs: list[Any]) -> Any:
         return numba.njit(sigs, cache=True, nogil=True, boundscheck=False, error_model="numpy")
 
+    table = types.Array(types.int64, 2, "C")
     return SimpleNamespace(
+        index_probe=jit(
+            [
+                types.int64(
+                    table,
+                    ids_in(None),
+                    ids(None),
+                    types.uint64,
+                    types.uint64,
+                    types.int64,
+                    types.int64,
+                    types.int64,
+                )
+            ]
+        )(_index_probe),
         merge_rows=jit(
             signatures(ids_in, rows_in, ids_in, rows_in, ids, rows, returns=types.int64)
         )(_merge_rows),
@@ -228,6 +251,61 @@ def _kernels_made() -> SimpleNamespace:
 
 
 # The kernels, in the subset of Python that numba compiles (they run compiled only).
+
+#: :func:`_index_probe`'s modes.
+INDEX_FIND, INDEX_CLAIM, INDEX_PLACE = 0, 1, 2
+_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)
+_HALF = np.uint64(32)
+
+
+def _index_probe(
+    table: Any,
+    ids: Any,
+    slots: Any,
+    multiplier: Any,
+    shift: Any,
+    mask: int,
+    next_slot: int,
+    mode: int,
+) -> int:  # pragma: no cover - compiled
+    """:class:`akv.rows.RowIndex`'s open addressing, one id after the other: ``table``
+    holds an (id, slot) pair per position (-1: free), an id's probe starts at its home
+    (the same hash as ``RowIndex._home``) and goes on to the next position until it meets
+    the id or a free position.
+
+    ``INDEX_FIND``: ``slots[i]`` is ``ids[i]``'s slot or -1; returns ``next_slot`` plus
+    how many are -1 (given 0: the count).
+    ``INDEX_CLAIM`` (room made for every id): each id whose ``slots[i]`` is -1 is placed
+    at its free position with slot ``next_slot``, the next one, ... (an id repeated takes
+    the slot of its first placing); returns the next free slot. ``INDEX_PLACE`` (ids
+    unique and absent, room made): each id is placed with slot ``slots[i]``; returns 0.
+    """
+    for i in range(ids.size):
+        if mode == INDEX_CLAIM and slots[i] >= 0:
+            continue
+        wanted = ids[i]
+        hashed = np.uint64(wanted) * multiplier
+        hashed ^= hashed >> _HALF
+        hashed *= _FIBONACCI
+        position = np.int64(hashed >> shift)
+        while True:
+            held = table[position, 0]
+            if held == wanted:
+                slots[i] = table[position, 1]
+                break
+            if held == -1:
+                if mode == INDEX_FIND:
+                    slots[i] = -1
+                    next_slot += 1  # counts the missing ids
+                else:
+                    table[position, 0] = wanted
+                    if mode == INDEX_CLAIM:
+                        slots[i] = next_slot
+                        next_slot += 1
+                    table[position, 1] = slots[i]
+                break
+            position = (position + 1) & mask
+    return 0 if mode == INDEX_PLACE else next_slot
 
 
 def _merge_rows(

@@ -8,10 +8,11 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import akv
+from akv import jit
 from akv import rows as rows_module
 from akv.rows import (
     DIRECT_MAX_ROWS,
@@ -38,9 +39,11 @@ def _mix(h: int) -> int:
     return h ^ (h >> 32)
 
 
-def colliding_ids(count: int) -> np.ndarray:
-    """``count`` distinct ids that all hash to position 0 at any capacity below 2**40."""
-    ids = [(_mix((k * INVERSE) % 2**64) * INVERSE) % 2**64 for k in range(1, 40 * count)]
+def colliding_ids(count: int, last: bool = False) -> np.ndarray:
+    """``count`` distinct ids that all hash to position 0 (``last``: to the last position)
+    at any capacity below 2**40."""
+    keys = range(2**64 - 1, 2**64 - 1 - 40 * count, -1) if last else range(1, 40 * count)
+    ids = [(_mix((k * INVERSE) % 2**64) * INVERSE) % 2**64 for k in keys]
     return np.array([i for i in ids if i <= INT64_MAX][:count], np.int64)
 
 
@@ -70,6 +73,18 @@ def check_against(index: RowIndex, reference: DictIndex, ids: np.ndarray) -> Non
 # ---------------------------------------------------------------- RowIndex
 
 
+@pytest.fixture(params=["numpy", "compiled"])
+def probing(request, monkeypatch):
+    """Each RowIndex test twice: probing in NumPy (a window of positions for every id at
+    once) and compiled (numba, one id after the other); both must give the same slots."""
+    if request.param == "numpy":
+        monkeypatch.setattr(jit, "made", lambda: None)
+    elif jit.kernels() is None:
+        pytest.skip("the compiled kernels are not available here (numba, AKV_JIT)")
+    return request.param
+
+
+@pytest.mark.usefixtures("probing")
 def test_index_agrees_with_a_dict_on_random_ids():
     rng = np.random.default_rng(25)
     index, reference = RowIndex(), DictIndex()
@@ -84,7 +99,10 @@ def test_index_agrees_with_a_dict_on_random_ids():
     assert slots.tolist() == [reference.slots[i] for i in ids.tolist()]
 
 
-@settings(max_examples=80, deadline=None)
+@pytest.mark.usefixtures("probing")
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     batches=st.lists(
         st.lists(st.one_of(st.integers(0, 64), st.integers(0, INT64_MAX)), max_size=50),
@@ -104,12 +122,14 @@ def fibonacci() -> RowIndex:
     return RowIndex(multiplier=FIBONACCI_MULTIPLIER)
 
 
+@pytest.mark.usefixtures("probing")
 def test_colliding_ids_all_share_a_home():
     ids = colliding_ids(50)
     for capacity in (8, 1024, 2**20):
         assert set(RowIndex(capacity, FIBONACCI_MULTIPLIER)._home(ids).tolist()) == {0}
 
 
+@pytest.mark.usefixtures("probing")
 def test_each_index_hashes_with_its_own_multiplier_so_no_ids_collide_everywhere():
     ids = colliding_ids(50)
     homes = [set(RowIndex(2**20)._home(ids).tolist()) for _ in range(3)]
@@ -117,6 +137,7 @@ def test_each_index_hashes_with_its_own_multiplier_so_no_ids_collide_everywhere(
     assert len({RowIndex()._multiplier for _ in range(8)}) == 8
 
 
+@pytest.mark.usefixtures("probing")
 def test_consecutive_ids_spread_for_every_multiplier():
     """A run of consecutive ids (an embedding table's) lands at its home positions as
     random ids would, whatever the multiplier: with the multiplier alone, this one put 77%
@@ -130,6 +151,7 @@ def test_consecutive_ids_spread_for_every_multiplier():
     assert index.lookup(ids).tolist() == list(range(100_000))
 
 
+@pytest.mark.usefixtures("probing")
 def test_ids_that_hash_alike_are_all_found():
     ids = colliding_ids(700)[:600]
     index, reference = fibonacci(), DictIndex()
@@ -141,6 +163,38 @@ def test_ids_that_hash_alike_are_all_found():
     assert index.lookup(absent).tolist() == [-1] * 100
 
 
+@pytest.mark.usefixtures("probing")
+def test_ids_that_hash_to_the_last_position_wrap_around():
+    ids = colliding_ids(5, last=True)
+    index = RowIndex(8, FIBONACCI_MULTIPLIER)
+    assert set(index._home(ids).tolist()) == {7}
+    assert index.insert(ids[:3]).tolist() == [0, 1, 2]
+    assert sorted(index._table[:, 0].tolist())[-3:] == sorted(ids[:3].tolist())
+    assert index._table[0, 0] in ids  # the probe went on from the end to the start
+    assert index.lookup(ids).tolist() == [0, 1, 2, -1, -1]
+    assert index.insert(ids).tolist() == [0, 1, 2, 3, 4]  # and past a doubling
+
+
+def test_an_index_probed_both_ways_in_turn():
+    """An index filled partly in NumPy and partly compiled (a process whose kernels were
+    made after its first rows) finds every id either way."""
+    if jit.kernels() is None:
+        pytest.skip("the compiled kernels are not available here (numba, AKV_JIT)")
+    rng = np.random.default_rng(7)
+    index, reference = RowIndex(), DictIndex()
+    with pytest.MonkeyPatch.context() as patch:
+        for step in range(40):
+            if step % 2:
+                patch.setattr(jit, "made", lambda: None)
+            else:
+                patch.undo()
+            ids = np.concatenate([rng.integers(0, 3000, 200), colliding_ids(60)[step : step + 3]])
+            check_against(index, reference, ids)
+            probe = np.concatenate([ids, rng.integers(0, 4000, 300)])
+            assert index.lookup(probe).tolist() == reference.lookup(probe)
+
+
+@pytest.mark.usefixtures("probing")
 def test_colliding_and_equal_ids_in_one_insert():
     ids = np.repeat(colliding_ids(20), 3)
     np.random.default_rng(1).shuffle(ids)
@@ -151,6 +205,7 @@ def test_colliding_and_equal_ids_in_one_insert():
     assert index.lookup(ids).tolist() == slots.tolist()
 
 
+@pytest.mark.usefixtures("probing")
 def test_growth_across_many_doublings_keeps_every_slot():
     index = RowIndex()
     assert index.capacity == MIN_INDEX_CAPACITY
@@ -164,6 +219,7 @@ def test_growth_across_many_doublings_keeps_every_slot():
     assert index.nbytes == 16 * index.capacity
 
 
+@pytest.mark.usefixtures("probing")
 def test_one_large_insert_grows_at_once():
     index = RowIndex()
     slots = index.insert(np.arange(10_000, dtype=np.int64)[::-1])
@@ -171,6 +227,7 @@ def test_one_large_insert_grows_at_once():
     assert index.capacity == 32768
 
 
+@pytest.mark.usefixtures("probing")
 def test_present_ids_do_not_grow_the_index():
     index = RowIndex()
     index.insert(np.arange(4))
@@ -180,12 +237,14 @@ def test_present_ids_do_not_grow_the_index():
     assert (len(index), index.capacity) == (4, capacity)
 
 
+@pytest.mark.usefixtures("probing")
 def test_the_largest_id_and_zero():
     index = RowIndex()
     assert index.insert([INT64_MAX, 0]).tolist() == [0, 1]
     assert index.lookup(np.array([0, INT64_MAX, 1], np.uint64)).tolist() == [1, 0, -1]
 
 
+@pytest.mark.usefixtures("probing")
 def test_an_empty_index_and_no_ids():
     index = RowIndex()
     assert index.lookup([5, 6]).tolist() == [-1, -1]
@@ -195,6 +254,7 @@ def test_an_empty_index_and_no_ids():
     assert index.items()[0].tolist() == []
 
 
+@pytest.mark.usefixtures("probing")
 def test_negative_ids_are_refused():
     index = RowIndex()
     with pytest.raises(akv.RowIdError, match=r"RowIndex.insert: row id -1 at position 1"):
@@ -206,6 +266,7 @@ def test_negative_ids_are_refused():
     assert len(index) == 0
 
 
+@pytest.mark.usefixtures("probing")
 def test_capacity_is_a_power_of_two():
     assert RowIndex(1000).capacity == 1024
     assert RowIndex(0).capacity == MIN_INDEX_CAPACITY
