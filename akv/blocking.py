@@ -54,6 +54,11 @@ class KVStore(KVStoreBase):
         return self._inner.type
 
     @property
+    def updates_on_push(self) -> bool:
+        """See :attr:`AsyncKVStore.updates_on_push`."""
+        return self._inner.updates_on_push
+
+    @property
     def rank(self) -> int:
         """This worker's rank (0 in a local store)."""
         return self._inner.rank

@@ -108,6 +108,7 @@ class AsyncKVStore:
         self._compression = None
         self._residuals = None
         self._pushed = False
+        self._updates_on_push = False
         if config is None and kind.device:
             self._backend = DeviceBackend(self._engine, self, inline_max_bytes, devices)
         elif config is None:
@@ -134,6 +135,14 @@ class AsyncKVStore:
     def type(self) -> str:
         """The store type name as it was given to ``create`` (MXNet reports it so too)."""
         return self._type
+
+    @property
+    def updates_on_push(self) -> bool:
+        """Whether this process gave the store an optimizer (:meth:`set_optimizer`) or an
+        updater (:meth:`set_updater`, not cleared since): a push then updates the stored
+        value with the round's sum instead of replacing it. In a distributed store an
+        optimizer that another worker set applies too; this says what this worker did."""
+        return self._updates_on_push
 
     @property
     def rank(self) -> int:
@@ -403,6 +412,7 @@ class AsyncKVStore:
         if updater is not None and not callable(updater):
             raise InvalidArgumentError(f"updater must be callable, got {type(updater).__name__}")
         self._backend.set_updater(updater)
+        self._updates_on_push = updater is not None
 
     def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Waitable:
         """Apply ``optimizer`` to later pushes where the weights live.
@@ -415,6 +425,7 @@ class AsyncKVStore:
             raise InvalidArgumentError(
                 f"set_optimizer takes an akv.optimizer.Optimizer, got {type(optimizer).__name__}"
             )
+        self._updates_on_push = True
         return self._backend.set_optimizer(optimizer)
 
     def save_optimizer_states(

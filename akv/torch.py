@@ -37,6 +37,7 @@ from akv.args import Key
 from akv.errors import (
     DoublePushError,
     InvalidArgumentError,
+    OptimizerError,
 )
 from akv.store import KVStore
 from akv_engine import Waitable
@@ -129,6 +130,17 @@ def _trainable(items: list[tuple[Key, torch.Tensor]]) -> list[tuple[Key, torch.T
             )
         kept.append((key, tensor))
     return kept
+
+
+#: Why a torch optimizer cannot share a store that applies an optimizer: the store's
+#: optimizer would update the gradient sums it pulls (wrong gradients, silently).
+_SUMS_UPDATED = (
+    "DistributedOptimizer: with a torch optimizer the store only sums the gradients, but "
+    "this store applies an optimizer or updater to every push (set_optimizer or set_updater "
+    "was called): the sums pulled into .grad would be the optimizer's updated values. Give "
+    "DistributedOptimizer an akv optimizer instead (it then updates these parameters and any "
+    "akv.torch.Embedding table of the store alike), or use a store without one"
+)
 
 
 class DistributedOptimizer:
@@ -225,6 +237,8 @@ class DistributedOptimizer:
             )
         if local:
             _check_torch_params(cast(torch.optim.Optimizer, optimizer), trainable)
+            if kv.updates_on_push:
+                raise InvalidArgumentError(_SUMS_UPDATED)
         self._kv = kv
         self._optimizer = optimizer
         #: A torch optimizer steps here on the summed gradients (None: akv's, in the store).
@@ -363,9 +377,15 @@ class DistributedOptimizer:
         ------
         InvalidArgumentError
             The optimizer is akv's: the store pulls weights, not gradients, in :meth:`step`.
+        OptimizerError
+            The store applies an optimizer or updater (``set_optimizer`` or ``set_updater``
+            was called after this optimizer was made): the pushes of this step were
+            updated, not summed.
         """
         self._torch_optimizer("synchronize")
         pushed = self._finish_pushes()
+        if self._kv.updates_on_push:  # set after this optimizer was made
+            raise OptimizerError(f"{_SUMS_UPDATED} (it was set after this optimizer was made)")
         targets = []
         for b in pushed:
             grads = []

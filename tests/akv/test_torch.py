@@ -441,6 +441,43 @@ def test_an_akv_optimizer_has_no_torch_state_dict(kv):
     opt.close()
 
 
+@pytest.mark.parametrize("setup", ["set_optimizer", "set_updater", "an akv DistributedOptimizer"])
+def test_a_torch_optimizer_refuses_a_store_that_updates_pushes(kv, setup):
+    """The store's optimizer would update the gradient sums the torch optimizer pulls into
+    .grad (they came back as updated values, silently): refused before anything is put in
+    the store."""
+    if setup == "set_optimizer":
+        kv.set_optimizer(sgd())
+    elif setup == "set_updater":
+        kv.set_updater(lambda key, recv, stored: None)
+    else:
+        DistributedOptimizer({"other": torch.nn.Parameter(torch.ones(2))}, kv, sgd())
+    model = mlp()
+    torch_sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InvalidArgumentError, match="the store only sums the gradients, but"):
+        DistributedOptimizer(model.named_parameters(), kv, torch_sgd)
+    name, param = next(iter(model.named_parameters()))
+    with pytest.raises(akv.KeyNotInitializedError):  # nothing was put in the store
+        kv.pull(name, out=np.zeros(param.shape, np.float32))
+
+
+def test_an_optimizer_set_after_a_torch_optimizer_fails_its_step(kv):
+    model = mlp()
+    opt = DistributedOptimizer(model.parameters(), kv, torch.optim.SGD(model.parameters(), lr=0.1))
+    (x, y), *_ = batches(1)
+    train_step(model, opt, x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    kv.set_optimizer(sgd())
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(akv.OptimizerError, match="it was set after this optimizer was made"):
+        opt.step()
+    for got, want in zip(model.parameters(), before, strict=True):
+        assert torch.equal(got, want)  # the torch optimizer did not step on them
+    kv.set_updater(None)  # a store without an updater again: steps as before
+    assert not kv.updates_on_push
+
+
 def test_a_torch_optimizer_is_refused_with_dist_async():
     model = mlp()
     store = akv.create("local")
