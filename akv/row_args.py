@@ -35,12 +35,37 @@ __all__ = [
 ]
 
 
-def sparse_call(values: object) -> bool:
-    """Whether a push or init's values are row-sparse (the first one decides; a mix is
-    refused by the checks that follow)."""
-    if _is_list(values):
-        return bool(values) and sparse_call(values[0])
-    return is_row_sparse(values)
+def sparse_call(key: object, value: object, what: str) -> bool:
+    """Whether the values of a call (``init``, ``push``, ...) of ``key`` are row-sparse (a
+    key's list of values: its first one decides, the checks that follow refuse a mix).
+
+    Raises
+    ------
+    StorageTypeError
+        A call of several keys gives dense values to some and row-sparse ones to others
+        (MXNet takes both in one call; akv takes each kind in a call of its own, so that a
+        call is one kind of work, checked whole before any key changes).
+    """
+    if not isinstance(key, (list, tuple)) or not _is_list(value):
+        return _row_sparse_value(value)
+    kinds = [_row_sparse_value(item) for item in value]
+    if all(kinds) or not any(kinds):
+        return bool(kinds) and kinds[0]
+    keys = list(key)
+    rows = [k for k, sparse in zip(keys, kinds, strict=False) if sparse]
+    dense = [k for k, sparse in zip(keys, kinds, strict=False) if not sparse]
+    raise StorageTypeError(
+        f"{what} keys {keys!r}: one call gives row-sparse values to {rows!r} and dense ones "
+        f"to {dense!r}; akv takes each kind in a call of its own: {what.split()[0]} the "
+        "row-sparse keys and the dense keys in two calls"
+    )
+
+
+def _row_sparse_value(value: object) -> bool:
+    """Whether one key's value (or its first, in a list of values) is row-sparse."""
+    if _is_list(value):
+        return bool(value) and _row_sparse_value(value[0])
+    return is_row_sparse(value)
 
 
 def check_rows_fit(entry: Entry, value: RowSparseArray, what: str) -> None:

@@ -173,7 +173,7 @@ class AsyncKVStore:
         DuplicateInitError, MixedKeyKindsError, InvalidArgumentError
         """
         self._check_usable()
-        if sparse_call(value if isinstance(key, (list, tuple)) else [value]):
+        if sparse_call(key, value, "init"):
             return self._init_rows(key, value)
         items = []
         origins: dict[Key, Origin] = {}
@@ -237,7 +237,7 @@ class AsyncKVStore:
                 entry.check(value, "push to")
             self._pushed = True
             return self._backend.push([(entry, [value])], priority, self._caller_waits)
-        if sparse_call(value if isinstance(key, (list, tuple)) else [value]):
+        if sparse_call(key, value, "push to"):
             pushes = row_pushes(self._keys, key, value, copy=not self._backend.stages_rows)
             if self._compression is not None:
                 raise CompressionError(
@@ -380,7 +380,7 @@ class AsyncKVStore:
         Like ``init``, it can be called once per key. Dense values only: a row-sparse key
         is initialized with ``init`` and read with ``row_sparse_pull``.
         """
-        if sparse_call(value if isinstance(key, (list, tuple)) else [value]):
+        if sparse_call(key, value, "broadcast"):
             raise StorageTypeError(
                 f"broadcast key {key!r}: the value is row-sparse; init the key, then read its "
                 "rows with row_sparse_pull(key, row_ids=...)"

@@ -4,6 +4,8 @@ everything stored as it was."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -182,16 +184,34 @@ def test_a_huge_declared_table_costs_only_its_rows():
             StorageTypeError,
             "then read its rows",
         ),
+        # A call mixing the kinds: named as such, whichever key comes first.
+        (
+            lambda kv: kv.push(["w", "emb"], [np.ones(SHAPE, F32), rows([0], [[1, 1, 1]])]),
+            StorageTypeError,
+            "push to keys ['w', 'emb']: one call gives row-sparse values to ['emb'] and dense "
+            "ones to ['w']; akv takes each kind in a call of its own",
+        ),
+        (
+            lambda kv: kv.push(["emb", "w"], [[rows([0], [[1, 1, 1]])], [np.ones(SHAPE, F32)]]),
+            StorageTypeError,
+            "row-sparse values to ['emb'] and dense ones to ['w']",
+        ),
+        (
+            lambda kv: kv.init(["d", "e"], [np.ones(SHAPE, F32), rows([0], [[1, 1, 1]])]),
+            StorageTypeError,
+            "init keys ['d', 'e']: one call gives row-sparse values to ['e'] and dense ones",
+        ),
     ],
 )
 def test_bad_calls_are_refused_typed_and_change_nothing(kv, call, error, message):
     kv.init("emb", rows([3], [[3, 3, 3]]))
     kv.init("w", np.zeros(SHAPE, F32))
     before = all_rows(kv)
-    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(error, match=re.escape(message)):
         call(kv)
     np.testing.assert_array_equal(all_rows(kv), before)
     np.testing.assert_array_equal(kv.pull("w"), 0)
+    assert sorted(kv.keys()) == ["emb", "w"]
     assert "new" not in list(kv.keys())
 
 
