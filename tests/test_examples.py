@@ -45,4 +45,23 @@ def test_recommend_trains_its_tables_in_a_local_store():
     assert "store local, keys ['users', 'items', 'head.weight', 'head.bias']" in out
     losses = [float(x) for x in re.findall(r"step +\d+/60 loss ([0-9.]+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0]
-    assert re.search(r"loss [0-9.]+ -> [0-9.]+, held-out loss [0-9.]+ .* steps/s", out)
+    before, after = re.search(r"held-out loss ([0-9.]+) -> ([0-9.]+) .* steps/s", out).groups()
+    assert float(after) < float(before)
+
+
+def test_recommend_judges_a_run_shorter_than_its_print_interval_by_the_held_out_loss():
+    """One loss window printed (steps <= every) is no reason to fail: the exit status says
+    whether the held-out loss fell."""
+    pytest.importorskip("torch", reason="the example needs torch")
+    out = run("recommend.py", "--steps", "30", "--every", "50")
+    assert len(re.findall(r"step +\d+/30 loss", out)) == 1
+    before, after = re.search(r"held-out loss ([0-9.]+) -> ([0-9.]+)", out).groups()
+    assert float(after) < float(before)
+    done = subprocess.run(
+        [sys.executable, "examples/recommend.py", "--steps", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2 and "--steps must be at least 1, got 0" in done.stderr

@@ -19,7 +19,7 @@ pytest.importorskip("torch", reason="torch is not installed (pip install torch)"
 pytestmark = pytest.mark.timeout(180)
 
 FINAL = re.compile(
-    r"\[worker (\d)\] worker \d: loss ([0-9.]+) -> ([0-9.]+), held-out loss ([0-9.]+)"
+    r"\[worker (\d)\] worker \d: loss ([0-9.]+) -> ([0-9.]+), held-out loss ([0-9.]+) -> ([0-9.]+)"
 )
 JOB = ["-n", "2", "-s", "2", "--", sys.executable, "examples/recommend.py"]
 
@@ -30,6 +30,7 @@ def test_two_workers_train_the_same_tables_and_the_loss_falls():
     assert done.stdout.count("store dist_sync") == 2, done.stdout
     finals = sorted(FINAL.findall(done.stdout))
     assert [rank for rank, *_ in finals] == ["0", "1"], done.stdout
-    for _, first, last, _ in finals:
+    for _, first, last, before, after in finals:
         assert float(last) < float(first)
-    assert finals[0][3] == finals[1][3]  # the same tables on both workers
+        assert float(after) < float(before)
+    assert finals[0][3:] == finals[1][3:]  # the same tables on both workers
