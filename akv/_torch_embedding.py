@@ -157,6 +157,31 @@ class Embedding(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"key={self._key!r}, {self._shape[0]}, {self._shape[1]}, dtype={self._dtype}"
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``.to()``, ``.half()``, ``.double()``...: a device move changes nothing (the
+        output is on the ids' device); a dtype change is refused, loudly, since the rows'
+        dtype is the store key's (``InvalidArgumentError``)."""
+        try:
+            converted = fn(torch.zeros((), dtype=self._dtype))
+        except Exception:  # a move this machine cannot make: torch says so for the others
+            converted = None
+        if isinstance(converted, torch.Tensor) and converted.dtype != self._dtype:
+            raise InvalidArgumentError(
+                f"{self._what}: the table's rows are {self._dtype} (the store key's dtype), "
+                f"and a module conversion cannot make them {converted.dtype}: make the "
+                "Embedding with the dtype you want (dtype=...), or convert only the other "
+                "layers"
+            )
+        return super()._apply(fn, recurse)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise InvalidArgumentError(
+            f"{self._what}: the module cannot be pickled or copied (torch.save(module), "
+            "copy.deepcopy): its table lives in the store, a live connection. Save the other "
+            "layers with torch.save(model.state_dict()) (the table is not in it), and the "
+            "table's rows from the store (emb.rows(ids), or the servers' checkpoints)"
+        )
+
     # ------------------------------------------------------------------ internals
 
     def _unique(self, ids: object, call: str) -> tuple[np.ndarray, torch.Tensor]:

@@ -17,7 +17,7 @@ from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.backend import Updater
 from akv.custom import KVStoreBase
-from akv.errors import AKVError, WaitTimeoutError
+from akv.errors import AKVError, InvalidArgumentError, WaitTimeoutError
 from akv.exits import Terminated, closed, describe, second_signal_exits, sigterm_released
 from akv_engine import Engine, LoopThread, Waitable
 
@@ -257,6 +257,19 @@ class KVStore(KVStoreBase):
 
     def __repr__(self) -> str:
         return repr(self._inner).replace("AsyncKVStore", "KVStore", 1)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise not_copyable(self)
+
+
+def not_copyable(store: object) -> InvalidArgumentError:
+    """The error of pickling or copying a store (both faces refuse it: ``copy.copy``,
+    ``copy.deepcopy``, ``pickle``)."""
+    return InvalidArgumentError(
+        f"{store!r} cannot be pickled or copied: a store is a live connection (its event "
+        "loop, threads and, in a distributed store, its streams to the servers). Create a "
+        "store in each process with akv.create(type)"
+    )
 
 
 async def _await(make: Callable[[], Any]) -> Any:

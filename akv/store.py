@@ -21,7 +21,7 @@ from akv import optimizer as _optimizer
 from akv.args import Key, check_priority, group, normalize_key, pairs
 from akv.arrays import Array, Origin, finisher, is_gpu, read, to_host, write_view
 from akv.backend import Backend, KeyArrays, Updater
-from akv.blocking import KVStore
+from akv.blocking import KVStore, not_copyable
 from akv.cluster.config import Config
 from akv.compression import Compression, Residuals, parse_compression
 from akv.custom import check_capability
@@ -543,6 +543,9 @@ class AsyncKVStore:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._keys)} keys"
         return f"<{type(self).__name__} {self._type!r} rank={self.rank} {state}>"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise not_copyable(self)
 
     # ---------------------------------------------------------------- internals
 

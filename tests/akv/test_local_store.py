@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import pickle
 import threading
 
 import numpy as np
@@ -682,3 +684,15 @@ def test_a_store_type_name_means_what_mxnet_means(name, mode, device):
 def test_names_mxnet_would_silently_accept_are_refused(name):
     with pytest.raises(UnknownStoreTypeError, match="akv knows: local, local_allreduce_cpu"):
         akv.create(name)
+
+
+@pytest.mark.parametrize(
+    "copy_it", [copy.copy, copy.deepcopy, pickle.dumps], ids=["copy", "deepcopy", "pickle"]
+)
+def test_a_store_refuses_to_be_copied_or_pickled_naming_why(kv, copy_it):
+    """A copy would share (or try to copy) the store's loop, threads and streams."""
+    kv.init(3, ones())
+    for store in (kv, kv._inner):
+        with pytest.raises(InvalidArgumentError, match="cannot be pickled or copied: a store is"):
+            copy_it(store)
+    np.testing.assert_array_equal(kv.pull(3), ones())  # the store goes on

@@ -7,6 +7,9 @@ out: MXNet's lazy update), the reference is MXNet's formula, written out in NumP
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -323,6 +326,33 @@ def test_the_module_has_no_parameters_and_says_what_it_is(kv):
     assert list(emb.parameters()) == [] and emb.state_dict() == {}
     assert (emb.kv, emb.key, emb.num_embeddings, emb.embedding_dim) == (kv, "emb", ROWS, DIM)
     assert repr(emb) == "Embedding(key='emb', 12, 4, dtype=torch.float32)"
+
+
+def test_moves_change_nothing_and_dtype_conversions_are_refused(kv):
+    """The rows' dtype is the store key's: .half() or .double() would silently keep it, so
+    they are refused; a device move is a no-op (the output is on the ids' device)."""
+    emb = Embedding(kv, "emb", ROWS, DIM, init=torch.ones(ROWS, DIM))
+    model = torch.nn.Sequential(emb, torch.nn.Linear(DIM, 1))
+    assert emb.to("cpu") is emb and emb.float() is emb
+    convert = [lambda m: m.half(), lambda m: m.double(), lambda m: m.to(torch.float64)]
+    for call in convert:
+        with pytest.raises(InvalidArgumentError, match="a module conversion cannot make them"):
+            call(model)
+    assert model[1].weight.dtype == torch.float32  # refused before any layer was converted
+    assert emb(torch.tensor([1])).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "copy_it",
+    [copy.copy, copy.deepcopy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())],
+    ids=["copy", "deepcopy", "pickle", "torch.save"],
+)
+def test_the_module_refuses_to_be_copied_or_pickled_saying_what_to_save(kv, copy_it):
+    model = torch.nn.Sequential(Embedding(kv, "emb", ROWS, DIM), torch.nn.Linear(DIM, 1))
+    for module in (model[0], model) if copy_it is not copy.copy else (model[0],):
+        with pytest.raises(InvalidArgumentError, match=r"Embedding key 'emb': the module cannot"):
+            copy_it(module)
+    torch.save(model.state_dict(), io.BytesIO())  # the other layers are saved this way
 
 
 # ---------------------------------------------------------------- errors
