@@ -172,7 +172,9 @@ class Embedding(torch.nn.Module):
                 "Embedding with the dtype you want (dtype=...), or convert only the other "
                 "layers"
             )
-        return super()._apply(fn, recurse)
+        # torch leaves _apply unannotated: typed here, where it is called.
+        apply = cast(Callable[..., Any], super()._apply)
+        return apply(fn, recurse)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise InvalidArgumentError(
