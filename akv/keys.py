@@ -261,6 +261,17 @@ class KeyTable:
             self.kind = kind
         return entries
 
+    def discard(self, entries: list[Entry]) -> None:
+        """Forget the keys of ``entries`` (an ``init`` that failed: the key may be
+        initialized again), each only while it is still that entry; a table left empty
+        takes keys of either kind again."""
+        with self._lock:
+            for entry in entries:
+                if self._entries.get(entry.key) is entry:
+                    del self._entries[entry.key]
+            if not self._entries:
+                self.kind = None
+
 
 def merge_into(buffer: Array, arrays: list[Array]) -> Array:
     """Write the sum of ``arrays`` (all of ``buffer``'s shape and dtype) into ``buffer``.

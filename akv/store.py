@@ -194,7 +194,7 @@ class AsyncKVStore:
 
         entries = self._keys.add(items, new_entry)
         arrays = [array for _, array in items]
-        return self._backend.init(entries, arrays)
+        return self._forget_if_refused(entries, self._backend.init(entries, arrays))
 
     def _init_rows(self, key: Key | list[Key], value: Any) -> Waitable:
         """``init`` of row-sparse keys: each stores the rows its value lists."""
@@ -205,7 +205,21 @@ class AsyncKVStore:
             return backend.new_row_entry(k, rows.shape, rows.dtype)
 
         entries = self._keys.add(items, new_entry)
-        return backend.init_rows(entries, [rows for _, rows in items])
+        return self._forget_if_refused(
+            entries, backend.init_rows(entries, [rows for _, rows in items])
+        )
+
+    def _forget_if_refused(self, entries: list[Entry], init: Waitable) -> Waitable:
+        """``init``'s keys are forgotten if it fails (a dist store's servers refuse a value
+        of another shape, dtype or kind than rank 0's, after the call returned): the keys
+        may be initialized again, and no later call takes the refused shape for theirs."""
+
+        def forget(done: Waitable) -> None:
+            if done.failed():
+                self._keys.discard(entries)
+
+        init.on_done(forget)
+        return init
 
     def push(self, key: Key | list[Key], value: Any, priority: int = 0) -> Waitable:
         """Push values; the values given for one key (a list, or a repeated key) are summed.

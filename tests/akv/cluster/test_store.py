@@ -25,6 +25,7 @@ from akv import (
     DTypeMismatchError,
     InvalidArgumentError,
     KeyNotInitializedError,
+    RowSparseArray,
     ShapeMismatchError,
     UnsupportedDTypeError,
 )
@@ -650,6 +651,21 @@ async def test_workers_whose_init_shapes_differ_get_an_error():
         assert results[0] is None
         assert isinstance(results[1], ShapeMismatchError)
         assert "differ from worker 0's (2, 3)" in str(results[1])
+        # The refused key is not kept with the refused shape: a retry with the right one
+        # works, and the rows of a refused row-sparse init are not taken for the key's.
+        assert second.keys() == []
+        await second.init(0, full(7.0))
+        assert second.keys() == [0]
+        np.testing.assert_array_equal(await second.pull(0), full(0.0))
+        table = RowSparseArray(np.ones((1, 3), np.float32), [1], (10, 3))
+        wrong = RowSparseArray(np.ones((1, 3), np.float32), [1], (11, 3))
+        results = await asyncio.gather(
+            first.init(5, table), second.init(5, wrong), return_exceptions=True
+        )
+        assert results[0] is None and isinstance(results[1], ShapeMismatchError), results
+        assert second.keys() == [0]
+        await second.init(5, table)
+        assert (await second.row_sparse_pull(5, row_ids=[1])).data.tolist() == [[1.0] * 3]
         await close_all([first, second])
 
 
