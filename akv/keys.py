@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,7 +111,7 @@ class Entry:
         self.key = key
         self.shape = shape
         self.dtype = dtype
-        self.size = int(np.prod(shape, dtype=np.int64))
+        self.size = math.prod(shape)  # exact: a row-sparse key's declared size may pass 2**63
         self.nbytes = self.size * dtype.itemsize
         self.var = var
         self.parts = parts if parts is not None else (Part(0, 0, self.size),)

@@ -14,6 +14,7 @@ tensor if the caller imported torch (akv looks it up in ``sys.modules``).
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 from collections.abc import Sequence
@@ -163,7 +164,7 @@ class RowSparseArray:
             )
         check_dtype(dense.dtype, what)
         rows = dense.shape[0]
-        flat = dense.reshape(rows, -1)
+        flat = dense.reshape(rows, math.prod(dense.shape[1:]))  # -1 fails for 0 rows
         present = flat.any(axis=1) if flat.shape[1] else np.zeros(rows, bool)
         ids = np.flatnonzero(present).astype(np.int64, copy=False)
         return cls._trusted(np.ascontiguousarray(dense[ids]), ids, tuple(dense.shape))
@@ -328,6 +329,11 @@ def check_shape(shape: object, what: str) -> tuple[int, ...]:
             ) from exc
         if size < 0:
             raise InvalidArgumentError(f"{what}: shape {tuple(shape)} has a negative dimension")
+        if size > _INT64_MAX:  # row ids are int64: a row past it could not be named
+            raise InvalidArgumentError(
+                f"{what}: shape {tuple(shape)} has a dimension past 2**63 - 1, the most "
+                "rows int64 row ids can name"
+            )
         dims.append(size)
     return tuple(dims)
 

@@ -152,6 +152,23 @@ def test_from_dense_of_zero_width_rows_lists_none():
     assert akv.RowSparseArray.from_dense(np.zeros((4, 0), F32)).nnz == 0
 
 
+@pytest.mark.parametrize("shape", [(0,), (0, 4), (0, 2, 3)])
+def test_from_dense_of_no_rows_is_empty(shape):
+    value = akv.RowSparseArray.from_dense(np.zeros(shape, F32))
+    assert (value.shape, value.nnz, value.data.shape) == (shape, 0, shape)
+
+
+def test_the_largest_declared_table_has_an_exact_size_in_a_store():
+    """A declared size past int64 (2**62 x 8 elements) is kept exact, not wrapped."""
+    with akv.create("local") as kv:
+        for rows_, width in ((2**62, 8), (2**63 - 1, 2)):
+            key = f"k{width}"
+            kv.init(key, akv.RowSparseArray.zeros((rows_, width), F32))
+            assert kv.placement(key) == {key: [(0, 0, rows_ * width)]}
+        kv.push("k2", akv.RowSparseArray(np.ones((1, 2), F32), [2**63 - 2], (2**63 - 1, 2)))
+        assert kv.row_sparse_pull("k2", row_ids=[2**63 - 2]).data.tolist() == [[1.0, 1.0]]
+
+
 def test_zeros_lists_no_row():
     value = akv.RowSparseArray.zeros((10**9, 8), np.float16)
     assert (value.nnz, value.shape, value.dtype) == (0, (10**9, 8), np.float16)
@@ -246,6 +263,9 @@ def test_data_must_hold_one_row_per_index(data, shape, message):
         ((4, -2), r"\(4, -2\) has a negative dimension"),
         ((4.0, 2), "holds 4.0, a float, not an int"),
         ((True, 2), "holds a bool"),
+        # Ids past int64 would be cast to negative ones (2**63 + 5 became -2**63 + 5).
+        ((2**64, 2), r"\(18446744073709551616, 2\) has a dimension past 2\*\*63 - 1"),
+        ((2**63, 2), "has a dimension past 2"),
     ],
 )
 def test_the_shape_must_be_non_negative_ints(shape, message):
