@@ -23,7 +23,7 @@ A table of at most :data:`DIRECT_MAX_ROWS` declared rows of at least
 :data:`DIRECT_MIN_ROW_BYTES` each uses a :class:`DirectIndex` instead: one int32 per
 declared row (at most 1/16 of the dense table, 64 MiB), allocated zeroed and so resident
 only where ids were written, whose lookup is one NumPy ``take`` (a step's 1,950 ids in
-about 2 us, where probing takes about 50 us).
+about 2 us, where probing takes 35 us compiled, 110 in NumPy).
 """
 
 from __future__ import annotations
