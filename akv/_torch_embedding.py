@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -11,6 +12,7 @@ import torch
 
 from akv._torch_common import blocking_store, describe
 from akv.args import Key
+from akv.blocking import shallow_copy
 from akv.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
@@ -159,18 +161,20 @@ class Embedding(torch.nn.Module):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``.to()``, ``.half()``, ``.double()``...: a device move changes nothing (the
-        output is on the ids' device); a dtype change is refused, loudly, since the rows'
-        dtype is the store key's (``InvalidArgumentError``)."""
+        output is on the ids' device), nor does a dtype conversion, since the rows' dtype
+        is the store key's; the latter warns, so that it is not silent (raising would leave
+        the model's other layers half converted)."""
         try:
             converted = fn(torch.zeros((), dtype=self._dtype))
         except Exception:  # a move this machine cannot make: torch says so for the others
             converted = None
         if isinstance(converted, torch.Tensor) and converted.dtype != self._dtype:
-            raise InvalidArgumentError(
-                f"{self._what}: the table's rows are {self._dtype} (the store key's dtype), "
-                f"and a module conversion cannot make them {converted.dtype}: make the "
-                "Embedding with the dtype you want (dtype=...), or convert only the other "
-                "layers"
+            warnings.warn(
+                f"{self._what}: the table's rows stay {self._dtype} (the store key's dtype): a "
+                f"module conversion to {converted.dtype} changes neither them nor the output; "
+                "make the Embedding with dtype=... for rows of another dtype",
+                UserWarning,
+                stacklevel=4,
             )
         # torch leaves _apply unannotated: typed here, where it is called.
         apply = cast(Callable[..., Any], super()._apply)
@@ -178,11 +182,14 @@ class Embedding(torch.nn.Module):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise InvalidArgumentError(
-            f"{self._what}: the module cannot be pickled or copied (torch.save(module), "
+            f"{self._what}: the module cannot be pickled or deep-copied (torch.save(module), "
             "copy.deepcopy): its table lives in the store, a live connection. Save the other "
             "layers with torch.save(model.state_dict()) (the table is not in it), and the "
             "table's rows from the store (emb.rows(ids), or the servers' checkpoints)"
         )
+
+    def __copy__(self) -> Embedding:
+        return shallow_copy(self)  # another module on the same store key, as before
 
     # ------------------------------------------------------------------ internals
 

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from akv import limits
 from akv import optimizer as _optimizer
@@ -261,15 +261,29 @@ class KVStore(KVStoreBase):
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise not_copyable(self)
 
+    def __copy__(self) -> KVStore:
+        return shallow_copy(self)
+
 
 def not_copyable(store: object) -> InvalidArgumentError:
-    """The error of pickling or copying a store (both faces refuse it: ``copy.copy``,
-    ``copy.deepcopy``, ``pickle``)."""
+    """The error of pickling or deep-copying a store (both faces refuse it: ``pickle``,
+    ``copy.deepcopy``; ``copy.copy`` shares the store, as it always did)."""
     return InvalidArgumentError(
-        f"{store!r} cannot be pickled or copied: a store is a live connection (its event "
-        "loop, threads and, in a distributed store, its streams to the servers). Create a "
-        "store in each process with akv.create(type)"
+        f"{store!r} cannot be pickled or deep-copied: a store is a live connection (its "
+        "event loop, threads and, in a distributed store, its streams to the servers). "
+        "Create a store in each process with akv.create(type)"
     )
+
+
+_T = TypeVar("_T")
+
+
+def shallow_copy(value: _T) -> _T:
+    """``copy.copy`` of an object whose ``__reduce_ex__`` refuses: a new object sharing
+    the attributes' values."""
+    copied = object.__new__(type(value))
+    copied.__dict__.update(value.__dict__)
+    return copied
 
 
 async def _await(make: Callable[[], Any]) -> Any:

@@ -54,10 +54,15 @@ def sparse_call(key: object, value: object, what: str) -> bool:
     keys = list(key)
     rows = [k for k, sparse in zip(keys, kinds, strict=False) if sparse]
     dense = [k for k, sparse in zip(keys, kinds, strict=False) if not sparse]
+    verb = what.split()[0]
+    advice = (
+        "init the row-sparse keys (read them with row_sparse_pull) and broadcast the dense ones"
+        if verb == "broadcast"
+        else f"{verb} the row-sparse keys and the dense keys in two calls"
+    )
     raise StorageTypeError(
         f"{what} keys {keys!r}: one call gives row-sparse values to {rows!r} and dense ones "
-        f"to {dense!r}; akv takes each kind in a call of its own: {what.split()[0]} the "
-        "row-sparse keys and the dense keys in two calls"
+        f"to {dense!r}; akv takes each kind in a call of its own: {advice}"
     )
 
 

@@ -21,7 +21,7 @@ from akv import optimizer as _optimizer
 from akv.args import Key, check_priority, group, normalize_key, pairs
 from akv.arrays import Array, Origin, finisher, is_gpu, read, to_host, write_view
 from akv.backend import Backend, KeyArrays, Updater
-from akv.blocking import KVStore, not_copyable
+from akv.blocking import KVStore, not_copyable, shallow_copy
 from akv.cluster.config import Config
 from akv.compression import Compression, Residuals, parse_compression
 from akv.custom import check_capability
@@ -439,8 +439,9 @@ class AsyncKVStore:
             raise InvalidArgumentError(
                 f"set_optimizer takes an akv.optimizer.Optimizer, got {type(optimizer).__name__}"
             )
-        self._updates_on_push = True
-        return self._backend.set_optimizer(optimizer)
+        done = self._backend.set_optimizer(optimizer)
+        self._updates_on_push = True  # once asked (a refusal by the servers comes later)
+        return done
 
     def save_optimizer_states(
         self, fname: str | os.PathLike[str], dump_optimizer: bool = False
@@ -560,6 +561,9 @@ class AsyncKVStore:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise not_copyable(self)
+
+    def __copy__(self) -> AsyncKVStore:
+        return shallow_copy(self)
 
     # ---------------------------------------------------------------- internals
 

@@ -257,6 +257,7 @@ class DistributedOptimizer:
         }
         self._filled = [0] * len(self._buckets)  # gradients copied into each bucket
         self._pushes: dict[int, Waitable] = {}  # bucket -> push in flight this step
+        self._updated_pushes = False  # a push of this step met a store that updates pushes
 
         store_keys = [bucket.key for bucket in self._buckets]
         kv.init(store_keys, [self._weights(bucket) for bucket in self._buckets])
@@ -384,7 +385,8 @@ class DistributedOptimizer:
         """
         self._torch_optimizer("synchronize")
         pushed = self._finish_pushes()
-        if self._kv.updates_on_push:  # set after this optimizer was made
+        updated, self._updated_pushes = self._updated_pushes, False
+        if updated or self._kv.updates_on_push:  # set after this optimizer was made
             raise OptimizerError(f"{_SUMS_UPDATED} (it was set after this optimizer was made)")
         targets = []
         for b in pushed:
@@ -467,16 +469,19 @@ class DistributedOptimizer:
         grad = self._params[slot].grad
         assert grad is not None
         if bucket.flat is None:
-            self._pushes[b] = self._kv._inner.push(
-                bucket.key, grad.detach(), priority=bucket.priority
-            )
+            self._push_bucket(b, grad.detach())
             return
         bucket.fill(slot, grad.detach())
         self._filled[b] += 1
         if self._filled[b] == len(bucket.slots):
-            self._pushes[b] = self._kv._inner.push(
-                bucket.key, bucket.flat, priority=bucket.priority
-            )
+            self._push_bucket(b, bucket.flat)
+
+    def _push_bucket(self, b: int, value: torch.Tensor) -> None:
+        """Push bucket ``b``'s gradients (holding the lock), noting whether the store
+        updates pushes now: a torch optimizer's step then refuses the sums it pulls."""
+        bucket = self._buckets[b]
+        self._updated_pushes |= self._kv.updates_on_push
+        self._pushes[b] = self._kv._inner.push(bucket.key, value, priority=bucket.priority)
 
     def _finish_pushes(self) -> list[int]:
         """Push what the hooks did not (a bucket's missing gradients as zeros), wait for every
@@ -493,9 +498,7 @@ class DistributedOptimizer:
                     for slot, grad in zip(bucket.slots, grads, strict=True):
                         if grad is not None:
                             bucket.fill(slot, grad.detach())
-                    self._pushes[b] = self._kv._inner.push(
-                        bucket.key, bucket.flat, priority=bucket.priority
-                    )
+                    self._push_bucket(b, bucket.flat)
                 else:
                     self._push(bucket.slots[0])
         pending = self._take_pushes()

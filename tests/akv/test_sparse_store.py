@@ -197,6 +197,11 @@ def test_a_huge_declared_table_costs_only_its_rows():
             "row-sparse values to ['emb'] and dense ones to ['w']",
         ),
         (
+            lambda kv: kv.broadcast(["d", "e"], [np.ones(SHAPE, F32), rows([0], [[1, 1, 1]])]),
+            StorageTypeError,
+            "init the row-sparse keys (read them with row_sparse_pull) and broadcast the dense",
+        ),
+        (
             lambda kv: kv.init(["d", "e"], [np.ones(SHAPE, F32), rows([0], [[1, 1, 1]])]),
             StorageTypeError,
             "init keys ['d', 'e']: one call gives row-sparse values to ['e'] and dense ones",

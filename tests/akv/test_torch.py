@@ -461,7 +461,10 @@ def test_a_torch_optimizer_refuses_a_store_that_updates_pushes(kv, setup):
         kv.pull(name, out=np.zeros(param.shape, np.float32))
 
 
-def test_an_optimizer_set_after_a_torch_optimizer_fails_its_step(kv):
+@pytest.mark.parametrize("cleared", [False, True], ids=["still set", "cleared before step"])
+def test_an_optimizer_set_after_a_torch_optimizer_fails_its_step(kv, cleared):
+    """The pushes of a step the store's optimizer updated are refused by that step, also
+    when the optimizer was cleared again before it (the sums are the updated values)."""
     model = mlp()
     opt = DistributedOptimizer(model.parameters(), kv, torch.optim.SGD(model.parameters(), lr=0.1))
     (x, y), *_ = batches(1)
@@ -470,12 +473,13 @@ def test_an_optimizer_set_after_a_torch_optimizer_fails_its_step(kv):
     kv.set_optimizer(sgd())
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
+    if cleared:
+        kv.set_updater(None)
+        assert not kv.updates_on_push
     with pytest.raises(akv.OptimizerError, match="it was set after this optimizer was made"):
         opt.step()
     for got, want in zip(model.parameters(), before, strict=True):
         assert torch.equal(got, want)  # the torch optimizer did not step on them
-    kv.set_updater(None)  # a store without an updater again: steps as before
-    assert not kv.updates_on_push
 
 
 def test_a_torch_optimizer_is_refused_with_dist_async():

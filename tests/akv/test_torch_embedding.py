@@ -328,31 +328,39 @@ def test_the_module_has_no_parameters_and_says_what_it_is(kv):
     assert repr(emb) == "Embedding(key='emb', 12, 4, dtype=torch.float32)"
 
 
-def test_moves_change_nothing_and_dtype_conversions_are_refused(kv):
-    """The rows' dtype is the store key's: .half() or .double() would silently keep it, so
-    they are refused; a device move is a no-op (the output is on the ids' device)."""
+def test_moves_and_dtype_conversions_leave_the_rows_as_the_store_keeps_them(kv):
+    """The rows' dtype is the store key's: .half() or .double() of a model holding the module
+    converts the other layers and warns that the table's rows stay as they are (refusing
+    would leave the layers before it converted, the others not); a device move is a no-op
+    (the output is on the ids' device)."""
     emb = Embedding(kv, "emb", ROWS, DIM, init=torch.ones(ROWS, DIM))
-    model = torch.nn.Sequential(emb, torch.nn.Linear(DIM, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), emb, torch.nn.Linear(DIM, 1))
     assert emb.to("cpu") is emb and emb.float() is emb
-    convert = [lambda m: m.half(), lambda m: m.double(), lambda m: m.to(torch.float64)]
-    for call in convert:
-        with pytest.raises(InvalidArgumentError, match="a module conversion cannot make them"):
+    for call, dtype in ((lambda m: m.half(), torch.float16), (lambda m: m.double(), torch.float64)):
+        with pytest.warns(UserWarning, match=f"rows stay torch.float32 .* to {dtype}"):
             call(model)
-    assert model[1].weight.dtype == torch.float32  # refused before any layer was converted
-    assert emb(torch.tensor([1])).dtype == torch.float32
+        assert model[0].weight.dtype == model[2].weight.dtype == dtype  # all the others
+        assert emb(torch.tensor([1])).dtype == torch.float32
 
 
 @pytest.mark.parametrize(
     "copy_it",
-    [copy.copy, copy.deepcopy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())],
-    ids=["copy", "deepcopy", "pickle", "torch.save"],
+    [copy.deepcopy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())],
+    ids=["deepcopy", "pickle", "torch.save"],
 )
-def test_the_module_refuses_to_be_copied_or_pickled_saying_what_to_save(kv, copy_it):
+def test_the_module_refuses_to_be_pickled_saying_what_to_save(kv, copy_it):
     model = torch.nn.Sequential(Embedding(kv, "emb", ROWS, DIM), torch.nn.Linear(DIM, 1))
-    for module in (model[0], model) if copy_it is not copy.copy else (model[0],):
+    for module in (model[0], model):
         with pytest.raises(InvalidArgumentError, match=r"Embedding key 'emb': the module cannot"):
             copy_it(module)
     torch.save(model.state_dict(), io.BytesIO())  # the other layers are saved this way
+
+
+def test_a_shallow_copy_is_another_module_on_the_same_key(kv):
+    emb = Embedding(kv, "emb", ROWS, DIM, init=torch.ones(ROWS, DIM))
+    twin = copy.copy(emb)
+    assert twin is not emb and (twin.kv, twin.key) == (kv, "emb")
+    assert torch.equal(twin(torch.tensor([2])), emb(torch.tensor([2])))
 
 
 # ---------------------------------------------------------------- errors
