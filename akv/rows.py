@@ -77,6 +77,8 @@ DIRECT_MIN_ROW_BYTES = 64
 
 #: Marks a free position (row ids are never negative).
 _EMPTY = -1
+#: The largest opaque item NumPy makes (``np.dtype((np.void, n))``).
+_VOID_MAX_BYTES = 2**31 - 1
 #: Positions one probing step reads for each pending id (128 bytes of the table).
 _PROBE_WINDOW = 8
 _WINDOW_STEPS = np.arange(_PROBE_WINDOW, dtype=np.int64)
@@ -673,7 +675,11 @@ class RowTable:
     def _write(self, slots: RowIds, rows: np.ndarray) -> None:
         """Set arena rows ``slots`` (unique) to ``rows``."""
         size = math.prod(self.row_shape)
-        if size == 0:
+        if size == 0 or not slots.size:
+            return
+        if size * self._dtype.itemsize > _VOID_MAX_BYTES:  # no such item: rows of elements
+            arena_rows = self._rows.array.reshape(self._rows.array.shape[0], size)
+            arena_rows[slots] = np.ascontiguousarray(rows).reshape(slots.size, size)
             return
         # Each row as one opaque item: NumPy copies rows so about 1.5x faster than as
         # rows of elements.

@@ -616,3 +616,16 @@ def test_values_may_be_strided():
     table.scatter([3, 1, 2], values)
     table.add([9, 3], values[1:][::-1])
     assert table.gather([1, 2, 3, 9]).tolist() == [[4, 6], [8, 10], [4, 8], [8, 10]]
+
+
+def test_rows_wider_than_numpys_largest_item_are_written_element_by_element(monkeypatch):
+    """A row of 2 GiB or more is no NumPy void item: an init of such a key failed with a
+    raw 'invalid itemsize' ValueError, even with no rows."""
+    wide = RowTable((10, 2**29), np.float32)  # 2 GiB rows: none written, none allocated
+    wide.scatter(np.zeros(0, np.int64), np.zeros((0, 2**29), np.float32))
+    assert len(wide) == 0
+    monkeypatch.setattr(rows_module, "_VOID_MAX_BYTES", 8)  # rows of 12 bytes take that path
+    table = RowTable((10, 3), np.float32)
+    table.scatter([4, 1], np.arange(6, dtype=np.float32).reshape(2, 3))
+    table.scatter([1], np.full((1, 3), 9, np.float32))
+    np.testing.assert_array_equal(table.gather([1, 4, 5]), [[9, 9, 9], [0, 1, 2], [0, 0, 0]])

@@ -11,7 +11,7 @@ and the state looks its keys and its optimizer up with :func:`entry_of` and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import numpy as np
@@ -109,6 +109,7 @@ def check_frame(
     entries: Mapping[Key, ServerEntry],
     updater: _optimizer.Updater | None,
     server: str,
+    row_keys: Container[Key] = (),
 ) -> None:
     """Raise the error that refuses a frame whose header does not fit its op.
 
@@ -116,7 +117,8 @@ def check_frame(
     and a request without arrays, declare no payload); each pushed key initialized, with
     its shape and dtype, so that no declared size exceeds the key's; an init only of keys
     not held yet, unless it is the init that made them, resent; a load_states only with an
-    optimizer set. ``entries`` are the keys the server holds, ``updater`` its optimizer's,
+    optimizer set. ``entries`` are the dense keys the server holds, ``row_keys`` its
+    row-sparse ones (a dense init of one is refused too), ``updater`` its optimizer's,
     ``server`` its name in messages.
     """
     op, arrays = header.op, header.arrays
@@ -161,6 +163,10 @@ def check_frame(
                 "a job's keys are all int or all str"
             )
         if op == Op.INIT:
+            if key in row_keys:
+                raise DuplicateInitError(
+                    f"init key {key!r}: {server} already holds it as a row-sparse key", key=key
+                )
             held = entries.get(key)
             if held is not None and not _resent_init(peer, header.seq, held, info):
                 raise DuplicateInitError(f"init key {key!r}: {server} already holds it", key=key)

@@ -402,7 +402,7 @@ class ServerState:
                 # answered, and a parked frame is answered before it is read.
                 landing.read_in_place = header.op == Op.ROW_PUSH and self.waiting is None
                 return landing
-            check_frame(peer, header, self.entries, self.updater, self.name)
+            check_frame(peer, header, self.entries, self.updater, self.name, self.rows.entries)
         except AKVError as exc:
             landing.error = exc
             return landing

@@ -16,6 +16,7 @@ from akv.cluster.server import instructions
 from akv.cluster.server.instructions import RowPullTicket, SendRows
 from akv.errors import (
     DoublePushError,
+    DuplicateInitError,
     InvalidArgumentError,
     PeerLostError,
     RoundTimeoutError,
@@ -182,6 +183,21 @@ def test_a_row_request_for_a_dense_key_and_malformed_frames_are_refused():
         0, Op.ROW_PUSH, [("emb", ids), ("emb", np.ones((1, 3), np.float32))], tags=[1, 1]
     )
     assert "expected (1, 2)" in str(players.reply(0, wide))
+
+
+def test_a_dense_init_of_a_row_sparse_key_is_refused_and_the_key_keeps_training():
+    """A dense INIT naming a row-sparse key was taken: the server held both, and every
+    later row push failed with a StateFormatError about states never loaded."""
+    players = started()
+    seq = players.init(0, {"emb": np.zeros(4, np.float32)})
+    refused = players.reply(0, seq)
+    assert isinstance(refused, DuplicateInitError), refused
+    assert "already holds it as a row-sparse key" in str(refused)
+    assert "emb" not in players.state.entries
+    for worker in (0, 1):
+        players.row_push(worker, "emb", [600], ones(1), tag=1)
+    pull = players.row_pull(0, "emb", [600])
+    np.testing.assert_array_equal(players.reply(0, pull)["emb"], ones(1, 2.0))  # no optimizer
 
 
 def test_dist_async_applies_each_push_before_answering_it():
