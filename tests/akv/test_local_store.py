@@ -703,3 +703,17 @@ def test_a_shallow_copy_shares_the_store():
         twin.push(3, ones(2.0))
         np.testing.assert_array_equal(kv.pull(3), ones(2.0))
         assert copy.copy(kv._inner)._keys is kv._inner._keys
+
+
+def test_updates_on_push_says_whether_this_process_set_an_optimizer_or_updater():
+    with akv.create("local") as kv:
+        assert not kv.updates_on_push
+        kv.set_updater(add_twice)
+        assert kv.updates_on_push and kv._inner.updates_on_push
+        kv.set_updater(None)  # plain assignment again
+        assert not kv.updates_on_push
+        with pytest.raises(InvalidArgumentError):
+            kv.set_optimizer("sgd")  # refused: nothing set
+        assert not kv.updates_on_push
+        kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.1))
+        assert kv.updates_on_push
