@@ -19,6 +19,7 @@ import numpy as np
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import DIST_STORE_TYPES, Op, op_label
+from akv.cluster.server.inits import restored_key_differs
 from akv.cluster.server.instructions import Peer, ServerEntry
 from akv.compression import Compression, compressed_nbytes, parse_wire
 from akv.errors import (
@@ -169,6 +170,10 @@ def check_frame(
                 )
             held = entries.get(key)
             if held is not None and not _resent_init(peer, header.seq, held, info):
+                if held.made_by is None:
+                    raise restored_key_differs(
+                        key, f"{held.shape} {held.dtype}", f"{tuple(info.shape)} {info.dtype}"
+                    )
                 raise DuplicateInitError(f"init key {key!r}: {server} already holds it", key=key)
         elif op == Op.PULL:
             entry_of(entries, key, "pull from")

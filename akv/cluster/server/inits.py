@@ -23,7 +23,7 @@ from akv.cluster.server.instructions import (
 )
 from akv.errors import AKVError, PeerLostError, ShapeMismatchError, WaitTimeoutError
 
-__all__ = ["InitWaits", "check_init_agrees"]
+__all__ = ["InitWaits", "check_init_agrees", "restored_key_differs"]
 
 #: An init check's keys: (key, shape, dtype name; ``"<dtype> row_sparse"`` for a
 #: row-sparse key).
@@ -32,11 +32,30 @@ Items = list[tuple[Key, tuple[int, ...], str]]
 Held = ServerEntry | RowEntry
 
 
+def restored_key_differs(
+    key: Key, held: str, given: str, worker: int | None = None
+) -> ShapeMismatchError:
+    """The error of an init (by ``worker``, if named) that declares ``key`` as ``given``
+    (shape and dtype, in words) where the server restored it from its checkpoint as
+    ``held``: a new job on an old job's checkpoint directory, with another model."""
+    who = "this job" if worker is None else f"worker {worker}"
+    return ShapeMismatchError(
+        f"init key {key!r}: the server restored it from its checkpoint as {held}, and "
+        f"{who} declares {given}: a job started on a checkpoint directory resumes the keys "
+        "saved there (start a job with another model on another --checkpoint-dir)",
+        key=key,
+    )
+
+
 def check_init_agrees(
     peer: Peer, key: Key, shape: tuple[int, ...], dtype: str, entry: Held
 ) -> None:
     """Raise :class:`~akv.errors.ShapeMismatchError` when worker ``peer``'s init of ``key``
-    differs from rank 0's (held in ``entry``)."""
+    differs from rank 0's (held in ``entry``), or from what the server restored."""
+    if entry.made_by is None and (entry.shape != shape or entry.init_dtype != dtype):
+        raise restored_key_differs(
+            key, f"{entry.shape} {entry.init_dtype}", f"{shape} {dtype}", peer.worker
+        )
     if entry.shape != shape or entry.init_dtype != dtype:
         raise ShapeMismatchError(
             f"init key {key!r} on worker {peer.worker}: shape {shape} and dtype {dtype} "

@@ -32,6 +32,7 @@ from akv.args import Key
 from akv.cluster.protocol import Op, RowMeta, decode_row_meta, op_label
 from akv.cluster.server.buffers import Lent
 from akv.cluster.server.checkpoint_header import RowRecord
+from akv.cluster.server.inits import restored_key_differs
 from akv.cluster.server.instructions import (
     Instruction,
     LandRows,
@@ -158,6 +159,12 @@ class RowKeys:
                 end,
             )
         )
+        if held.made_by is None and not same:
+            raise restored_key_differs(
+                key,
+                f"{held.shape} {held.rows.dtype} rows {held.first}-{held.end}",
+                f"{shape} {dtype} rows {first}-{end}",
+            )
         if not (resent and same):
             raise DuplicateInitError(f"init key {key!r}: {self.name} already holds it", key=key)
 

@@ -28,7 +28,7 @@ from akv.cluster.server.instructions import (
     StaleCheckpointError,
 )
 from akv.cluster.server.state import ServerState
-from akv.errors import CheckpointError, MembershipError
+from akv.errors import CheckpointError, MembershipError, ShapeMismatchError
 from akv_engine import Var
 from akv_transport import decode_frame, frame_bytes
 from tests.akv.cluster.cluster import wait_until
@@ -491,3 +491,20 @@ def test_a_rank_is_restored_by_one_process_at_a_time(opened):
         second.restore()
     first.close()  # as when the first server stopped
     assert second.restore() is None
+
+
+async def test_a_new_job_that_declares_a_restored_key_otherwise_is_told_so(opened, tmp_path):
+    """A new job on an old job's directory with another model: each worker's init names
+    the restored shape and the declared one (rank 0 got 'already holds it', the others a
+    mismatch with 'worker 0's' shape, which was the checkpoint's)."""
+    stored_snapshot(tmp_path)  # holds "w": (2,) float32
+    players = Players(2, checkpoints=True)
+    checkpoints, _ = opened(players.state)
+    checkpoints.restore()
+    told = "the server restored it from its checkpoint as (2,) float32, and {} declares (5,)"
+    init = players.init(0, {"w": np.zeros(5, np.float32)})
+    assert isinstance(players.reply(0, init), ShapeMismatchError)
+    assert told.format("this job") in str(players.reply(0, init))
+    check = players.send(1, Op.INIT_CHECK, text=encode_meta([("w", (5,), "float32")]))
+    assert told.format("worker 1") in str(players.reply(1, check))
+    np.testing.assert_array_equal(players.state.entries["w"].value, f32(3, 4))  # kept

@@ -13,6 +13,7 @@ import pytest
 from akv import optimizer
 from akv.cluster.protocol import Op
 from akv.cluster.server import instructions
+from akv.cluster.server.checkpoint_header import RowRecord
 from akv.cluster.server.instructions import RowPullTicket, SendRows
 from akv.errors import (
     DoublePushError,
@@ -22,6 +23,7 @@ from akv.errors import (
     RoundTimeoutError,
     RowIdError,
     ServerError,
+    ShapeMismatchError,
     StorageTypeError,
 )
 from tests.akv.cluster.server.players import OK, Players
@@ -259,3 +261,20 @@ def test_a_failed_row_update_is_told_to_each_worker_by_its_next_row_pull():
         rows = players.reply(worker, players.row_pull(worker, "emb", [500, 600]))["emb"]
         np.testing.assert_array_equal(rows[:, 0], [2, 0])
     assert players.unexpected == []
+
+
+def test_a_row_init_that_declares_a_restored_key_otherwise_names_both():
+    players = Players(2)
+    ids, rows = np.array([600], np.int64), ones(1, 5.0)
+    record = RowRecord("emb", SHAPE, *RANGE, ids, rows, 0, {}, {})
+    players.state.rows.restore([record], sync=True)
+    seq = players.row_init(0, "emb", (10**8, 2), (50_000_000, 100_000_000))
+    refused = players.reply(0, seq)
+    assert isinstance(refused, ShapeMismatchError), refused
+    assert (
+        "restored it from its checkpoint as (1000000000, 2) float32 rows 500-1000, and this "
+        "job declares (100000000, 2) float32 rows 50000000-100000000" in str(refused)
+    )
+    assert players.reply(0, players.row_init(0, "emb", SHAPE, RANGE)) == OK  # resumes
+    pull = players.row_pull(0, "emb", [600])
+    np.testing.assert_array_equal(players.reply(0, pull)["emb"], rows)
