@@ -50,6 +50,12 @@ class Described(Protocol):
     def dtype(self) -> np.dtype: ...
 
 
+class Failable(Protocol):
+    """What :class:`KeyTable` reads of a key's init call (an engine waitable)."""
+
+    def failed(self) -> bool: ...
+
+
 #: Staging buffers kept per key for reuse (fresh pages cost about twice a warm copy).
 MAX_SPARE_BUFFERS = 2
 
@@ -85,6 +91,7 @@ class Entry:
         "device",
         "dtype",
         "gpu_after",
+        "init",
         "key",
         "nbytes",
         "origin",
@@ -128,6 +135,9 @@ class Entry:
         #: the latest write first (or a placeholder), then the reads since
         #: (:mod:`akv.gpu_stream`).
         self.gpu_after: list[tuple[tuple[int, int], Any]] = []
+        #: The ``init`` call that made the key, until it is done and seen to (a key whose
+        #: init failed is not held: see :meth:`KeyTable.add`).
+        self.init: Failable | None = None
         self._spares: list[Array] = []
 
     def wire_view(self, array: np.ndarray, part: Part) -> np.ndarray:
@@ -249,7 +259,11 @@ class KeyTable:
             kind = check_one_kind(keys, self.kind)
             seen: set[Key] = set()
             for key in keys:
-                if key in self._entries or key in seen:
+                held = self._entries.get(key)
+                if held is not None and held.init is not None and held.init.failed():
+                    del self._entries[key]  # its init failed: forgotten (see discard)
+                    held = None
+                if held is not None or key in seen:
                     raise DuplicateInitError(
                         f"init key {key!r}: the key is already initialized (init and "
                         "broadcast may be called once per key)",
@@ -265,7 +279,8 @@ class KeyTable:
     def discard(self, entries: list[Entry]) -> None:
         """Forget the keys of ``entries`` (an ``init`` that failed: the key may be
         initialized again), each only while it is still that entry; a table left empty
-        takes keys of either kind again."""
+        takes keys of either kind again. (Run once the init's waiters are woken: an
+        ``add`` meanwhile already takes a key whose init failed as free.)"""
         with self._lock:
             for entry in entries:
                 if self._entries.get(entry.key) is entry:

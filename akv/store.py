@@ -217,7 +217,11 @@ class AsyncKVStore:
         def forget(done: Waitable) -> None:
             if done.failed():
                 self._keys.discard(entries)
+            for entry in entries:
+                entry.init = None  # the task holds its arguments (the init's copies)
 
+        for entry in entries:
+            entry.init = init  # read by a new init of the key until forget() has run
         init.on_done(forget)
         return init
 

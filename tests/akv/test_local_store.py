@@ -717,3 +717,31 @@ def test_updates_on_push_says_whether_this_process_set_an_optimizer_or_updater()
         assert not kv.updates_on_push
         kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.1))
         assert kv.updates_on_push
+
+
+def test_a_key_whose_init_failed_is_free_before_its_failure_is_seen_to():
+    """The init's waiters wake before its done-callbacks run: a retry in between finds the
+    key free already (the failed init's entry is read as not held)."""
+    from akv.keys import Entry, KeyTable
+    from akv_engine import Var
+
+    class Outcome:
+        def __init__(self, failed: bool) -> None:
+            self._failed = failed
+
+        def failed(self) -> bool:
+            return self._failed
+
+    def make(key, value):
+        return Entry(key, (2,), np.dtype(np.float32), Var(None, 0, str(key)))
+
+    table = KeyTable()
+    (first,) = table.add([("k", None)], make)
+    first.init = Outcome(failed=False)  # still running, or done well
+    with pytest.raises(DuplicateInitError):
+        table.add([("k", None)], make)
+    first.init = Outcome(failed=True)  # failed; discard() not run yet
+    (second,) = table.add([("k", None)], make)
+    assert second is not first and table.keys() == ["k"]
+    table.discard([first])  # the late discard of the failed one leaves the new entry
+    assert table.keys() == ["k"] and table.get("k", "pull") is second
