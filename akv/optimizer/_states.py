@@ -31,7 +31,7 @@ import numbers
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
@@ -46,6 +46,7 @@ __all__ = [
     "STRUCTURE_MEMBER",
     "RowStates",
     "SavedStates",
+    "StoredRows",
     "decode_states",
     "encode_states",
 ]
@@ -62,9 +63,55 @@ _NPY_HEADER_SLACK_BYTES = 64 << 10
 
 _ARRAY_KINDS = "biufc"
 
+#: Rows gathered at a time when :class:`StoredRows` are saved (a few MiB each).
+_GATHER_ROWS = 1 << 16
+
 # What zipfile raises for malformed, truncated or unsupported archives (its error for an
 # unknown compression method is a RuntimeError subclass).
 _ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError)
+
+
+class RowSource(Protocol):
+    """A table of rows (:class:`akv.rows.RowTable`), as :class:`StoredRows` reads it."""
+
+    @property
+    def row_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    def gather(self, ids: Any) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class StoredRows:
+    """A leaf of :class:`RowStates` still in its table: the rows ``ids`` of ``table``,
+    which :func:`encode_states` gathers a slice at a time as it writes them (a whole leaf is
+    never copied at once: a checkpoint of a big table's states holds one archive of them,
+    not also a gathered copy). It saves as the gathered array would, byte for byte."""
+
+    table: RowSource
+    ids: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (int(self.ids.size), *self.table.row_shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.table.dtype
+
+    def write_npy(self, file: BinaryIO) -> None:
+        """Write the rows as ``np.lib.format.write_array`` writes the gathered array."""
+        header = {
+            "descr": np.lib.format.dtype_to_descr(self.dtype),
+            "fortran_order": False,
+            "shape": self.shape,
+        }
+        np.lib.format.write_array_header_1_0(file, header)
+        for first in range(0, self.ids.size, _GATHER_ROWS):
+            rows = self.table.gather(self.ids[first : first + _GATHER_ROWS])
+            file.write(np.ascontiguousarray(rows).data)
 
 
 @dataclass(frozen=True)
@@ -76,14 +123,15 @@ class RowStates:
 
     shape: tuple[int, ...]
     ids: np.ndarray
-    leaves: tuple[np.ndarray, ...]
+    #: Arrays; or, in states being saved, rows still in their tables (:class:`StoredRows`).
+    leaves: tuple[np.ndarray | StoredRows, ...]
 
     def rows(self, first: int, end: int) -> RowStates:
-        """The states of rows ``[first, end)`` only."""
+        """The states of rows ``[first, end)`` only (of states read back: arrays)."""
         low, high = np.searchsorted(self.ids, [first, end])
-        return RowStates(
-            self.shape, self.ids[low:high], tuple(leaf[low:high] for leaf in self.leaves)
-        )
+        leaves = [leaf for leaf in self.leaves if isinstance(leaf, np.ndarray)]
+        assert len(leaves) == len(self.leaves), "rows of states still in their tables"
+        return RowStates(self.shape, self.ids[low:high], tuple(leaf[low:high] for leaf in leaves))
 
     @staticmethod
     def join(parts: list[RowStates]) -> RowStates:
@@ -171,7 +219,7 @@ def encode_states(
     if len(kinds) > 1:
         raise MixedKeyKindsError("cannot encode states whose keys mix int and str")
     key_kind = "str" if kinds == {str} else "int"
-    members: dict[str, np.ndarray] = {}
+    members: dict[str, np.ndarray | StoredRows] = {}
     trees = [
         _encode_tree(key, state, members, "state")
         for key, state in zip(keys, states.values(), strict=True)
@@ -203,7 +251,10 @@ def encode_states(
         archive.writestr(_member(STRUCTURE_MEMBER), text.encode("utf-8"))
         for name, array in members.items():
             with archive.open(_member(f"{name}.npy"), "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, array, allow_pickle=False)
+                if isinstance(array, StoredRows):
+                    array.write_npy(member)
+                else:
+                    np.lib.format.write_array(member, array, allow_pickle=False)
     return buffer.getvalue()
 
 
@@ -271,9 +322,15 @@ def _normalise_key(key: object) -> Index:
     return key if isinstance(key, str) else int(key)
 
 
-def _encode_tree(key: Index, state: object, members: dict[str, np.ndarray], path: str) -> Any:
+def _encode_tree(
+    key: Index, state: object, members: dict[str, np.ndarray | StoredRows], path: str
+) -> Any:
     if state is None:
         return None
+    if isinstance(state, StoredRows):
+        name = f"a{len(members)}"
+        members[name] = state
+        return {"array": name, "shape": list(state.shape), "dtype": state.dtype.str}
     if isinstance(state, RowStates):
         return {
             "rows": {

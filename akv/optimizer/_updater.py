@@ -20,7 +20,7 @@ from akv.optimizer._base import (
 from akv.optimizer._kernels import (
     zeros_like,
 )
-from akv.optimizer._states import RowStates, decode_states, encode_states
+from akv.optimizer._states import RowStates, StoredRows, decode_states, encode_states
 from akv.rows import RowTable
 from akv.sparse import RowSparseArray
 
@@ -314,11 +314,12 @@ def _placed_like(state: State, expected: State) -> State:
 
 
 def _row_states(tables: list[RowTable]) -> RowStates:
-    """Row tables of one key's state leaves (one set of ids) as saved."""
+    """Row tables of one key's state leaves (one set of ids) as saved: the rows stay in
+    their tables until the encoder writes them (:class:`StoredRows`)."""
     if not tables:
         return RowStates((0,), np.zeros(0, np.int64), ())
     ids = tables[0].ids()
-    return RowStates(tables[0].shape, ids, tuple(table.gather(ids) for table in tables))
+    return RowStates(tables[0].shape, ids, tuple(StoredRows(table, ids) for table in tables))
 
 
 def _row_tables(state: RowStates) -> list[RowTable]:

@@ -197,6 +197,45 @@ def test_row_states_round_trip_through_dump_and_load():
     assert restored.optimizer.index_update_counts == {"emb": 3}
 
 
+def test_row_states_are_saved_from_their_tables_a_slice_at_a_time_as_gathered_arrays(
+    monkeypatch,
+):
+    """The leaves stay in their tables until written (no gathered copy of a big table's
+    states beside the archive), in slices, and the archive is the same bytes as that of
+    the gathered arrays."""
+    from akv.optimizer import _states
+
+    table = RowTable((10**9, 2), np.float32)
+    updater = opt.get_updater(opt.Adam(learning_rate=0.1))
+    _adam_steps(updater, table, [[1, 5, 9, 10**9 - 1], [5, 7]])
+    monkeypatch.setattr(_states, "_GATHER_ROWS", 2)  # 5 rows: three slices a leaf
+    gathered: list[int] = []
+    gather = RowTable.gather
+
+    def counted(self, ids, out=None):
+        gathered.append(len(np.atleast_1d(ids)))
+        return gather(self, ids, out)
+
+    monkeypatch.setattr(RowTable, "gather", counted)
+    data = updater.dump_states(dump_optimizer=True)
+    assert max(gathered) == 2 and sum(gathered) == 2 * 5  # two leaves of 5 rows, by 2
+    saved = opt.decode_states(data).states["emb"]
+    tables = updater.row_states["emb"]
+    ids = tables[0].ids()
+    eager = opt.RowStates(saved.shape, ids, tuple(gather(t, ids) for t in tables))
+    monkeypatch.setattr(RowTable, "gather", gather)
+    by_arrays = opt.encode_states(
+        {"emb": eager},
+        index_update_counts=updater.optimizer.index_update_counts,
+        num_update=updater.optimizer.num_update,
+        optimizer_config=updater.optimizer.get_config(),
+        shared_state=updater.optimizer.shared_state(),
+    )
+    assert data == by_arrays
+    for leaf, table_ in zip(saved.leaves, tables, strict=True):
+        np.testing.assert_array_equal(leaf, gather(table_, ids))
+
+
 def test_loaded_row_states_that_do_not_fit_the_optimizer_are_refused():
     table = RowTable((4, 2), np.float32)
     momentum = opt.get_updater(opt.SGD(momentum=0.9))
