@@ -180,8 +180,10 @@ def encode_states(
     num_update: int = 0,
     optimizer_config: Mapping[str, Any] | None = None,
     shared_state: Mapping[str, float | None] | None = None,
+    file: BinaryIO | None = None,
 ) -> bytes:
-    """Encode optimizer states (and optionally the optimizer's config) as bytes.
+    """Encode optimizer states (and optionally the optimizer's config) as bytes (or into
+    ``file``, a seekable binary file, from where it is: then ``b""`` is returned).
 
     Parameters
     ----------
@@ -246,8 +248,9 @@ def encode_states(
         text = json.dumps(structure, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"the optimizer config is not JSON-serialisable: {exc}") from exc
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as archive:
+    memory = io.BytesIO() if file is None else None
+    target = memory if file is None else file
+    with zipfile.ZipFile(target, "w", compression=zipfile.ZIP_STORED) as archive:
         archive.writestr(_member(STRUCTURE_MEMBER), text.encode("utf-8"))
         for name, array in members.items():
             with archive.open(_member(f"{name}.npy"), "w", force_zip64=True) as member:
@@ -255,7 +258,7 @@ def encode_states(
                     array.write_npy(member)
                 else:
                     np.lib.format.write_array(member, array, allow_pickle=False)
-    return buffer.getvalue()
+    return b"" if memory is None else memory.getvalue()
 
 
 def _member(name: str) -> zipfile.ZipInfo:

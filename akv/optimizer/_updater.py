@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import numpy as np
 
@@ -196,9 +196,10 @@ class Updater:
         self.row_states[index] = tables
         return True
 
-    def dump_states(self, dump_optimizer: bool = False) -> bytes:
+    def dump_states(self, dump_optimizer: bool = False, file: BinaryIO | None = None) -> bytes:
         """Encode the states, the update counts and, if ``dump_optimizer``, the optimizer's
-        config, in akv's portable format (see ``encode_states``; no pickle).
+        config, in akv's portable format (see ``encode_states``; no pickle); into ``file``
+        (a seekable binary file: ``b""`` is returned) when given.
 
         Raises
         ------
@@ -214,6 +215,7 @@ class Updater:
             num_update=self.optimizer.num_update,
             optimizer_config=self.optimizer.get_config() if dump_optimizer else None,
             shared_state=self.optimizer.shared_state(),
+            file=file,
         )
 
     def load_states(self, data: bytes) -> None:

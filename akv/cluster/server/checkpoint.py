@@ -46,6 +46,7 @@ from akv.cluster.server.checkpoint_header import (
     KeyRecord,
     RowRecord,
     Snapshot,
+    SpilledStates,
     check_bools,
     check_row_ids,
     decode_header,
@@ -65,6 +66,7 @@ __all__ = [
     "KeyRecord",
     "RowRecord",
     "Snapshot",
+    "SpilledStates",
     "checkpoint_path",
     "read_snapshot",
     "remove_leftovers",
@@ -220,7 +222,10 @@ def _write_file(file: BinaryIO, header: bytes, snapshot: Snapshot) -> None:
     for row_record in snapshot.row_keys:
         write(byte_view(row_record.ids))
         write(byte_view(row_record.rows))
-    if snapshot.optimizer_states is not None:
+    if isinstance(snapshot.optimizer_states, SpilledStates):
+        for chunk in snapshot.optimizer_states.chunks(CHUNK_BYTES):
+            write(chunk)
+    elif snapshot.optimizer_states is not None:
         write(snapshot.optimizer_states)
     file.write(_TRAILER.pack(checksum))
 

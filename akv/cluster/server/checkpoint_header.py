@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -118,15 +118,40 @@ class RowRecord:
     last_round: dict[int, int]
 
 
+class SpilledStates:
+    """Encoded optimizer states kept in a temporary file (``file``, read from its start)
+    instead of memory until a checkpoint writes them: a big table's states are not held
+    twice (the tables and their archive). :meth:`close` removes the file."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.nbytes = file.seek(0, 2)
+
+    def chunks(self, size: int) -> Iterator[bytes]:
+        """The bytes, ``size`` at a time."""
+        self.file.seek(0)
+        left = self.nbytes
+        while left:
+            data = self.file.read(min(size, left))
+            if not data:
+                raise ValueError(f"the spilled optimizer states end {left} bytes early")
+            left -= len(data)
+            yield data
+
+    def close(self) -> None:
+        self.file.close()
+
+
 @dataclass
 class Snapshot:
     """Everything a server needs to carry on after a restart.
 
     ``generation`` increases with every checkpoint a server writes (the caller's to count).
     ``optimizer_config`` is a JSON object (or ``None``), ``optimizer_states`` opaque bytes
-    (or ``None``); ``durable_seqs`` maps a worker rank to a sequence number below which every
-    request of that worker is reflected. ``store_type`` is kept as given
-    (``"dist_sync"``, ``"dist_async"``). Counters and ranks are non-negative ints.
+    (or ``None``; when writing, also :class:`SpilledStates`); ``durable_seqs`` maps a worker
+    rank to a sequence number below which every request of that worker is reflected.
+    ``store_type`` is kept as given (``"dist_sync"``, ``"dist_async"``). Counters and ranks
+    are non-negative ints.
     """
 
     rank: int
@@ -135,7 +160,7 @@ class Snapshot:
     generation: int
     keys: list[KeyRecord]
     optimizer_config: dict[str, Any] | None
-    optimizer_states: bytes | None
+    optimizer_states: bytes | SpilledStates | None
     durable_seqs: dict[int, int]
     row_keys: list[RowRecord] = field(default_factory=list)
     #: Each worker's session (its process) when the checkpoint was written: a worker of
@@ -171,11 +196,16 @@ def encode_header(snapshot: Snapshot) -> bytes:
     keys, row_keys = encoded[: len(snapshot.keys)], encoded[len(snapshot.keys) :]
     states: dict[str, int] | None = None
     if snapshot.optimizer_states is not None:
-        if not isinstance(snapshot.optimizer_states, bytes):
-            kind = type(snapshot.optimizer_states).__name__
-            raise ValueError(f"optimizer_states must be bytes or None, not {kind}")
-        states = {"offset": offset, "nbytes": len(snapshot.optimizer_states)}
-        offset += len(snapshot.optimizer_states)
+        saved = snapshot.optimizer_states
+        if isinstance(saved, bytes):
+            nbytes = len(saved)
+        elif isinstance(saved, SpilledStates):
+            nbytes = saved.nbytes
+        else:
+            kind = type(saved).__name__
+            raise ValueError(f"optimizer_states must be bytes, spilled or None, not {kind}")
+        states = {"offset": offset, "nbytes": nbytes}
+        offset += nbytes
     header = {
         "rank": snapshot.rank,
         "num_workers": snapshot.num_workers,

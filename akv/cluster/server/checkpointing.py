@@ -30,6 +30,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -41,6 +42,7 @@ from akv.cluster.server.checkpoint import (
     KeyRecord,
     RowRecord,
     Snapshot,
+    SpilledStates,
     checkpoint_path,
     read_snapshot,
     remove_leftovers,
@@ -68,16 +70,16 @@ log = logging.getLogger("akv.cluster.server")
 LOST_SUFFIX = ".lost"
 
 #: What a checkpoint copies of the keys: their records (dense, row-sparse), and the
-#: optimizer's states.
-Copied = tuple[list[KeyRecord], list[RowRecord], bytes | None]
+#: optimizer's states (encoded into a temporary file of the checkpoint directory).
+Copied = tuple[list[KeyRecord], list[RowRecord], SpilledStates | None]
 
 
 class CheckpointedServer(Protocol):
     """What :class:`Checkpoints` asks of its server
     (:class:`~akv.cluster.server.service.ParameterServer` implements it)."""
 
-    def copy_values(self, plan: CheckpointPlan) -> Awaitable[Copied]:
-        """``copy_plan(plan)``, run once every write issued so far to the plan's keys
+    def copy_values(self, plan: CheckpointPlan, spill: Path) -> Awaitable[Copied]:
+        """``copy_plan(plan, spill)``, run once every write issued so far to the plan's keys
         finished, with no update of them running meanwhile."""
         ...
 
@@ -203,6 +205,7 @@ class Checkpoints:
                     "--checkpoint-dir"
                 )
         self._check_row_ranges(snapshot)
+        assert not isinstance(snapshot.optimizer_states, SpilledStates)  # read: bytes
         snapshots.restore(
             self.state,
             snapshot.store_type,
@@ -307,7 +310,7 @@ class Checkpoints:
         state = self.state
         changes = state.changes
         plan = state.checkpoint_plan()
-        records, row_records, states = await self.server.copy_values(plan)
+        records, row_records, states = await self.server.copy_values(plan, self.directory)
         snapshot = Snapshot(
             rank=self.rank,
             num_workers=self.num_workers,
@@ -321,7 +324,11 @@ class Checkpoints:
             sessions=plan.sessions,
             num_servers=self.num_servers,
         )
-        nbytes = await asyncio.to_thread(_write_sized, self.directory, snapshot)
+        try:
+            nbytes = await asyncio.to_thread(_write_sized, self.directory, snapshot)
+        finally:
+            if states is not None:
+                states.close()  # the temporary file goes
         self.generation = snapshot.generation
         self.durable_seqs = plan.durable_seqs
         rounds = max((closed for _, closed, _, _ in (*plan.entries, *plan.row_entries)), default=0)
@@ -426,9 +433,11 @@ def _write_sized(directory: Path, snapshot: Snapshot) -> int:
         return 0
 
 
-def copy_plan(plan: CheckpointPlan) -> Copied:
+def copy_plan(plan: CheckpointPlan, spill: Path) -> Copied:
     """The keys' values and the optimizer's states that ``plan`` names, copied (run it where
-    no update of them runs meanwhile: :meth:`CheckpointedServer.copy_values`)."""
+    no update of them runs meanwhile: :meth:`CheckpointedServer.copy_values`); the states
+    are encoded into a temporary file of directory ``spill`` (gone once closed), not into
+    memory: a big table's states are then not held twice."""
     records = [
         KeyRecord(entry.key, entry.value.copy(), closed_round, tags, last)
         for entry, closed_round, tags, last in plan.entries
@@ -439,5 +448,12 @@ def copy_plan(plan: CheckpointPlan) -> Copied:
         rows = entry.rows.gather(ids)
         shape, span = entry.shape, (entry.first, entry.end)
         row_records.append(RowRecord(entry.key, shape, *span, ids, rows, closed_round, tags, last))
-    states = plan.updater.dump_states(False) if plan.updater is not None else None
-    return records, row_records, states
+    if plan.updater is None:
+        return records, row_records, None
+    file = tempfile.TemporaryFile(dir=spill)  # noqa: SIM115 (SpilledStates closes it)
+    try:
+        plan.updater.dump_states(False, file=file)
+    except BaseException:
+        file.close()
+        raise
+    return records, row_records, SpilledStates(file)

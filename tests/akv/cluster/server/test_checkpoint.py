@@ -428,7 +428,7 @@ def one_key(value: Any = None, key: Any = 0, **fields: Any) -> list[KeyRecord]:
         ({"optimizer_config": {"lr": float("nan")}}, "not JSON"),
         ({"optimizer_config": {"lr": {1, 2}}}, "not JSON"),
         ({"optimizer_config": ["sgd"]}, "dict or None"),
-        ({"optimizer_states": bytearray(b"x")}, "bytes or None, not bytearray"),
+        ({"optimizer_states": bytearray(b"x")}, "bytes, spilled or None, not bytearray"),
     ],
 )
 def test_the_writer_refuses_what_it_could_not_give_back_and_touches_nothing(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 
 from akv import optimizer
 from akv.cluster.protocol import Note, Op, encode_meta
+from akv.cluster.server import checkpoint as checkpoint_module
 from akv.cluster.server import checkpointing
 from akv.cluster.server.checkpoint import KeyRecord, Snapshot, read_snapshot, write_snapshot
 from akv.cluster.server.checkpointing import Checkpoints, Copied, copy_plan
@@ -55,11 +57,11 @@ class FakeServer:
         self.copies = 0
         self.gate: asyncio.Event | None = None
 
-    async def copy_values(self, plan: CheckpointPlan) -> Copied:
+    async def copy_values(self, plan: CheckpointPlan, spill: Path) -> Copied:
         self.copies += 1
         if self.gate is not None:
             await self.gate.wait()
-        return copy_plan(plan)
+        return copy_plan(plan, spill)
 
     def execute(self, instructions: Sequence[Instruction]) -> None:
         for instruction in instructions:
@@ -508,3 +510,42 @@ async def test_a_new_job_that_declares_a_restored_key_otherwise_is_told_so(opene
     check = players.send(1, Op.INIT_CHECK, text=encode_meta([("w", (5,), "float32")]))
     assert told.format("worker 1") in str(players.reply(1, check))
     np.testing.assert_array_equal(players.state.entries["w"].value, f32(3, 4))  # kept
+
+
+async def test_a_checkpoints_optimizer_states_go_through_a_temporary_file(
+    opened, tmp_path, monkeypatch
+):
+    """The states are encoded into an unnamed temporary file of the checkpoint directory,
+    not memory (a big table's states are not held twice), copied into the checkpoint, and
+    the file is closed (gone) after the write, also when the write fails."""
+    players = Players(2, checkpoints=True)
+    players.init(0, {"w": f32(1, 2)})
+    text = json.dumps(optimizer.SGD(learning_rate=0.5, momentum=0.9).get_config())
+    for worker in range(2):
+        players.send(worker, Op.SET_OPTIMIZER, text=text)
+    for worker in range(2):
+        players.push(worker, {"w": f32(1, 1)}, tag=1)
+    closed: list[int] = []
+    close = checkpoint_module.SpilledStates.close
+
+    def noted(self):
+        closed.append(self.nbytes)
+        close(self)
+
+    monkeypatch.setattr(checkpoint_module.SpilledStates, "close", noted)
+    checkpoints, _ = opened(players.state)
+    checkpoints.restore()
+    await checkpoints.write()
+    expected = players.state.updater.dump_states(False)
+    assert read_snapshot(tmp_path, RANK).optimizer_states == expected
+    assert closed == [len(expected)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["server-3.akvckpt", "server-3.lock"]
+
+    def failing(directory, snapshot):
+        raise CheckpointError("the disk is full")
+
+    monkeypatch.setattr(checkpointing, "_write_sized", failing)
+    players.push(0, {"w": f32(1, 1)}, tag=2)
+    with pytest.raises(CheckpointError, match="the disk is full"):
+        await checkpoints.write()
+    assert closed == [len(expected)] * 2
