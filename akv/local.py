@@ -16,6 +16,8 @@ from the blocking face, whose caller waits, is summed straight into the stored a
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -416,14 +418,22 @@ class LocalBackend:
         updater = self._require_optimizer("save_optimizer_states")
 
         def write() -> None:
+            # Encoded straight into a file beside ``path`` (not memory: a big table's
+            # states are not held twice), which replaces ``path`` once whole.
             self._settle(entries)
-            data = updater.dump_states(dump_optimizer)
+            temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             try:
-                path.write_bytes(data)
-            except OSError as exc:
-                raise StateFileError(
-                    f"save_optimizer_states: cannot write {str(path)!r}: {exc}"
-                ) from exc
+                with open(temporary, "wb") as file:
+                    updater.dump_states(dump_optimizer, file=file)
+                os.replace(temporary, path)
+            except BaseException as exc:
+                with contextlib.suppress(OSError):
+                    temporary.unlink()
+                if isinstance(exc, OSError):
+                    raise StateFileError(
+                        f"save_optimizer_states: cannot write {str(path)!r}: {exc}"
+                    ) from exc
+                raise
 
         return self._engine.push(
             write, reads=[entry.var for entry in entries], name="save_optimizer_states"

@@ -617,6 +617,31 @@ def test_saving_states_needs_an_optimizer_and_loading_checks_the_file(kv, tmp_pa
         kv.set_optimizer("sgd")
 
 
+def test_saved_states_replace_the_file_whole_or_not_at_all(kv, tmp_path, monkeypatch):
+    """States are encoded straight into a file beside the target, which replaces it once
+    whole: a save that fails leaves the old file and no leftover."""
+    from akv import optimizer as optimizer_module
+
+    kv.init(0, ones())
+    kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+    kv.push(0, ones())
+    path = tmp_path / "states.npz"
+    kv.save_optimizer_states(path)
+    saved = path.read_bytes()
+    assert optimizer_module.decode_states(saved).states.keys() == {0}
+    kv.push(0, ones())
+
+    def broken(*args, **kwargs):
+        raise akv.InvalidArgumentError("cannot encode this state")
+
+    monkeypatch.setattr(optimizer_module.Updater, "dump_states", broken)
+    with pytest.raises(akv.InvalidArgumentError, match="cannot encode this state"):
+        kv.save_optimizer_states(path)
+    assert path.read_bytes() == saved and sorted(tmp_path.iterdir()) == [path]
+    with pytest.raises(akv.StateFileError, match="cannot write"):
+        kv.save_optimizer_states(tmp_path / "missing" / "states.npz")
+
+
 @pytest.mark.parametrize(
     ("variable", "value"),
     [("AKV_ENGINE_SLOTS", "many"), ("AKV_ENGINE_SLOTS", "0"), ("AKV_INLINE_MAX_BYTES", "-1")],
