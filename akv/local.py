@@ -16,8 +16,8 @@ from the blocking face, whose caller waits, is summed straight into the stored a
 
 from __future__ import annotations
 
-import contextlib
-import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +40,9 @@ from akv.sparse import RowSparseArray
 from akv_engine import Engine, GPUExecutor, Task, Waitable
 
 __all__ = ["LocalBackend", "UpdaterGuard"]
+
+#: Bytes copied at a time from saved states' temporary file into the file asked for.
+_COPY_BYTES = 16 << 20
 
 
 class UpdaterGuard(threading.local):
@@ -418,22 +421,20 @@ class LocalBackend:
         updater = self._require_optimizer("save_optimizer_states")
 
         def write() -> None:
-            # Encoded straight into a file beside ``path`` (not memory: a big table's
-            # states are not held twice), which replaces ``path`` once whole.
+            # Encoded into an unnamed temporary file beside ``path`` (not memory: a big
+            # table's states are not held twice), then copied into ``path`` (written through
+            # as before: a link, the file's mode): a failed encoding leaves ``path`` as it was.
             self._settle(entries)
-            temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             try:
-                with open(temporary, "wb") as file:
-                    updater.dump_states(dump_optimizer, file=file)
-                os.replace(temporary, path)
-            except BaseException as exc:
-                with contextlib.suppress(OSError):
-                    temporary.unlink()
-                if isinstance(exc, OSError):
-                    raise StateFileError(
-                        f"save_optimizer_states: cannot write {str(path)!r}: {exc}"
-                    ) from exc
-                raise
+                with tempfile.TemporaryFile(dir=path.parent) as spilled:
+                    updater.dump_states(dump_optimizer, file=spilled)
+                    spilled.seek(0)
+                    with open(path, "wb") as file:
+                        shutil.copyfileobj(spilled, file, _COPY_BYTES)
+            except OSError as exc:
+                raise StateFileError(
+                    f"save_optimizer_states: cannot write {str(path)!r}: {exc}"
+                ) from exc
 
         return self._engine.push(
             write, reads=[entry.var for entry in entries], name="save_optimizer_states"

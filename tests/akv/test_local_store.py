@@ -617,18 +617,24 @@ def test_saving_states_needs_an_optimizer_and_loading_checks_the_file(kv, tmp_pa
         kv.set_optimizer("sgd")
 
 
-def test_saved_states_replace_the_file_whole_or_not_at_all(kv, tmp_path, monkeypatch):
-    """States are encoded straight into a file beside the target, which replaces it once
-    whole: a save that fails leaves the old file and no leftover."""
+def test_saved_states_leave_the_file_as_it_was_when_the_encoding_fails(kv, tmp_path, monkeypatch):
+    """States are encoded into an unnamed temporary file first (not memory), then written
+    through the path asked for (a link stays a link, the file keeps its mode): a save whose
+    encoding fails leaves the old file and no leftover."""
     from akv import optimizer as optimizer_module
 
     kv.init(0, ones())
     kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.1, momentum=0.9))
     kv.push(0, ones())
-    path = tmp_path / "states.npz"
+    target = tmp_path / "states.npz"
+    target.write_bytes(b"old")
+    target.chmod(0o640)
+    path = tmp_path / "link.npz"
+    path.symlink_to(target)
     kv.save_optimizer_states(path)
-    saved = path.read_bytes()
+    saved = target.read_bytes()
     assert optimizer_module.decode_states(saved).states.keys() == {0}
+    assert path.is_symlink() and (target.stat().st_mode & 0o777) == 0o640
     kv.push(0, ones())
 
     def broken(*args, **kwargs):
@@ -637,9 +643,13 @@ def test_saved_states_replace_the_file_whole_or_not_at_all(kv, tmp_path, monkeyp
     monkeypatch.setattr(optimizer_module.Updater, "dump_states", broken)
     with pytest.raises(akv.InvalidArgumentError, match="cannot encode this state"):
         kv.save_optimizer_states(path)
-    assert path.read_bytes() == saved and sorted(tmp_path.iterdir()) == [path]
+    assert target.read_bytes() == saved and sorted(tmp_path.iterdir()) == [path, target]
     with pytest.raises(akv.StateFileError, match="cannot write"):
         kv.save_optimizer_states(tmp_path / "missing" / "states.npz")
+    monkeypatch.undo()
+    long = tmp_path / ("s" * 240 + ".npz")  # a temporary name beside it must fit too
+    kv.save_optimizer_states(long)
+    assert optimizer_module.decode_states(long.read_bytes()).states.keys() == {0}
 
 
 @pytest.mark.parametrize(

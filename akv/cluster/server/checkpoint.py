@@ -68,6 +68,7 @@ __all__ = [
     "Snapshot",
     "SpilledStates",
     "checkpoint_path",
+    "make_directory",
     "read_snapshot",
     "remove_leftovers",
     "write_snapshot",
@@ -128,7 +129,7 @@ def write_snapshot(directory: Path, snapshot: Snapshot) -> Path:
     except ValueError as exc:
         raise CheckpointError(f"cannot write checkpoint {str(path)!r}: {exc}") from None
     try:
-        _make_directory(directory)
+        make_directory(directory)
     except OSError as exc:
         raise CheckpointError(
             f"cannot write checkpoint {str(path)!r}: cannot create the directory: {exc}"
@@ -230,7 +231,7 @@ def _write_file(file: BinaryIO, header: bytes, snapshot: Snapshot) -> None:
     file.write(_TRAILER.pack(checksum))
 
 
-def _make_directory(directory: Path) -> None:
+def make_directory(directory: Path) -> None:
     """Create ``directory`` and its missing parents, each with :data:`DIRECTORY_MODE`.
 
     (``os.makedirs`` gives missing parents the default mode, whatever its ``mode`` says.)

@@ -44,6 +44,7 @@ from akv.cluster.server.checkpoint import (
     Snapshot,
     SpilledStates,
     checkpoint_path,
+    make_directory,
     read_snapshot,
     remove_leftovers,
     write_snapshot,
@@ -324,11 +325,7 @@ class Checkpoints:
             sessions=plan.sessions,
             num_servers=self.num_servers,
         )
-        try:
-            nbytes = await asyncio.to_thread(_write_sized, self.directory, snapshot)
-        finally:
-            if states is not None:
-                states.close()  # the temporary file goes
+        nbytes = await asyncio.to_thread(_write_sized, self.directory, snapshot)
         self.generation = snapshot.generation
         self.durable_seqs = plan.durable_seqs
         rounds = max((closed for _, closed, _, _ in (*plan.entries, *plan.row_entries)), default=0)
@@ -425,8 +422,14 @@ class Checkpoints:
 
 
 def _write_sized(directory: Path, snapshot: Snapshot) -> int:
-    """:func:`write_snapshot`, then the file's size in bytes (0 when it cannot be read)."""
-    path = write_snapshot(directory, snapshot)
+    """:func:`write_snapshot`, then the file's size in bytes (0 when it cannot be read).
+    Closes the snapshot's spilled states, whatever happens: the thread that writes them owns
+    them (a caller cancelled meanwhile leaves the write to finish)."""
+    try:
+        path = write_snapshot(directory, snapshot)
+    finally:
+        if isinstance(snapshot.optimizer_states, SpilledStates):
+            snapshot.optimizer_states.close()  # the temporary file goes
     try:
         return path.stat().st_size
     except OSError:
@@ -450,10 +453,22 @@ def copy_plan(plan: CheckpointPlan, spill: Path) -> Copied:
         row_records.append(RowRecord(entry.key, shape, *span, ids, rows, closed_round, tags, last))
     if plan.updater is None:
         return records, row_records, None
-    file = tempfile.TemporaryFile(dir=spill)  # noqa: SIM115 (SpilledStates closes it)
+    try:
+        make_directory(spill)
+        file = tempfile.TemporaryFile(dir=spill)  # noqa: SIM115 (SpilledStates closes it)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write a checkpoint in {str(spill)!r}: no temporary file for the "
+            f"optimizer states there: {exc}"
+        ) from exc
     try:
         plan.updater.dump_states(False, file=file)
-    except BaseException:
+    except BaseException as exc:
         file.close()
+        if isinstance(exc, OSError):  # a full disk, say: retried at the next interval
+            raise CheckpointError(
+                f"cannot write a checkpoint in {str(spill)!r}: writing the optimizer states "
+                f"to a temporary file failed: {exc}"
+            ) from exc
         raise
     return records, row_records, SpilledStates(file)

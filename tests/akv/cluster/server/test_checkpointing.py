@@ -5,8 +5,12 @@ of the two things it asks of the server, and real files in ``tmp_path``."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import json
+import shutil
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -512,12 +516,8 @@ async def test_a_new_job_that_declares_a_restored_key_otherwise_is_told_so(opene
     np.testing.assert_array_equal(players.state.entries["w"].value, f32(3, 4))  # kept
 
 
-async def test_a_checkpoints_optimizer_states_go_through_a_temporary_file(
-    opened, tmp_path, monkeypatch
-):
-    """The states are encoded into an unnamed temporary file of the checkpoint directory,
-    not memory (a big table's states are not held twice), copied into the checkpoint, and
-    the file is closed (gone) after the write, also when the write fails."""
+def players_with_states() -> Players:
+    """Two workers of a job whose server has an optimizer with a state (momentum)."""
     players = Players(2, checkpoints=True)
     players.init(0, {"w": f32(1, 2)})
     text = json.dumps(optimizer.SGD(learning_rate=0.5, momentum=0.9).get_config())
@@ -525,6 +525,16 @@ async def test_a_checkpoints_optimizer_states_go_through_a_temporary_file(
         players.send(worker, Op.SET_OPTIMIZER, text=text)
     for worker in range(2):
         players.push(worker, {"w": f32(1, 1)}, tag=1)
+    return players
+
+
+async def test_a_checkpoints_optimizer_states_go_through_a_temporary_file(
+    opened, tmp_path, monkeypatch
+):
+    """The states are encoded into an unnamed temporary file of the checkpoint directory,
+    not memory (a big table's states are not held twice), copied into the checkpoint, and
+    the file is closed (gone) after the write, also when the write fails."""
+    players = players_with_states()
     closed: list[int] = []
     close = checkpoint_module.SpilledStates.close
 
@@ -544,8 +554,58 @@ async def test_a_checkpoints_optimizer_states_go_through_a_temporary_file(
     def failing(directory, snapshot):
         raise CheckpointError("the disk is full")
 
-    monkeypatch.setattr(checkpointing, "_write_sized", failing)
+    monkeypatch.setattr(checkpointing, "write_snapshot", failing)
     players.push(0, {"w": f32(1, 1)}, tag=2)
     with pytest.raises(CheckpointError, match="the disk is full"):
         await checkpoints.write()
     assert closed == [len(expected)] * 2
+
+
+async def test_a_checkpoint_whose_states_cannot_be_spilled_fails_as_a_checkpoint(
+    opened, tmp_path, monkeypatch
+):
+    """A full disk while the states are written aside is a CheckpointError (answered to the
+    asking worker, retried at the next interval), not a raw OSError that ended the timer and
+    failed the job; a removed directory is made again."""
+    players = players_with_states()
+    checkpoints, server = opened(players.state)
+    checkpoints.restore()
+    checkpoints.close()  # the lock's file goes with the directory below
+    shutil.rmtree(tmp_path)
+    await checkpoints.on_request(players.checkpoints[0])
+    assert read_snapshot(tmp_path, RANK).optimizer_states is not None
+    assert server.told(Reply)  # answered once it holds the key
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(optimizer.Updater, "dump_states", full)
+    with pytest.raises(CheckpointError, match="writing the optimizer states to a temporary"):
+        await checkpoints.write()
+    monkeypatch.setattr(checkpointing.tempfile, "TemporaryFile", full)
+    with pytest.raises(CheckpointError, match="no temporary file for the optimizer states"):
+        await checkpoints.write()
+
+
+async def test_a_write_whose_caller_gave_up_still_finishes(opened, tmp_path, monkeypatch):
+    """A cancelled write (the final checkpoint's deadline) leaves its thread to finish with
+    the states it spilled: the checkpoint is written."""
+    players = players_with_states()
+    checkpoints, _ = opened(players.state)
+    checkpoints.restore()
+    write = checkpointing.write_snapshot
+    started = threading.Event()
+
+    def slow(directory, snapshot):
+        started.set()
+        time.sleep(0.3)
+        return write(directory, snapshot)
+
+    monkeypatch.setattr(checkpointing, "write_snapshot", slow)
+    task = asyncio.ensure_future(checkpoints.write())
+    await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: read_snapshot(tmp_path, RANK) is not None, 5)
+    assert read_snapshot(tmp_path, RANK).optimizer_states is not None
