@@ -52,16 +52,17 @@ def check_init_agrees(
 ) -> None:
     """Raise :class:`~akv.errors.ShapeMismatchError` when worker ``peer``'s init of ``key``
     differs from rank 0's (held in ``entry``), or from what the server restored."""
-    if entry.made_by is None and (entry.shape != shape or entry.init_dtype != dtype):
+    if entry.shape == shape and entry.init_dtype == dtype:
+        return
+    if entry.made_by is None:
         raise restored_key_differs(
             key, f"{entry.shape} {entry.init_dtype}", f"{shape} {dtype}", peer.worker
         )
-    if entry.shape != shape or entry.init_dtype != dtype:
-        raise ShapeMismatchError(
-            f"init key {key!r} on worker {peer.worker}: shape {shape} and dtype {dtype} "
-            f"differ from worker 0's {entry.shape} {entry.init_dtype}",
-            key=key,
-        )
+    raise ShapeMismatchError(
+        f"init key {key!r} on worker {peer.worker}: shape {shape} and dtype {dtype} "
+        f"differ from worker 0's {entry.shape} {entry.init_dtype}",
+        key=key,
+    )
 
 
 class InitWaits:
