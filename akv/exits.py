@@ -43,6 +43,7 @@ __all__ = [
     "Closable",
     "Terminated",
     "close_at_exit",
+    "close_open_stores",
     "closed",
     "describe",
     "off_loop",
@@ -204,10 +205,13 @@ class _AtExit:
         self.previous_hook(kind, exc, tb)
 
     def close_all(self) -> None:
+        self.close(self.uncaught)
+
+    def close(self, failure: BaseException | None) -> None:
         for store in list(self.stores):
             with contextlib.suppress(Exception):  # the exit goes on: say nothing more
-                if self.uncaught is not None:
-                    store._leave_failed(self.uncaught)
+                if failure is not None:
+                    store._leave_failed(failure)
                 else:
                     store.close()
 
@@ -220,6 +224,13 @@ def close_at_exit(store: Closable) -> None:
     module docstring); a store forgets itself when closed (:func:`closed`)."""
     _AT_EXIT.install()
     _AT_EXIT.stores.add(store)
+
+
+def close_open_stores(failure: BaseException | None) -> None:
+    """Close every store still open, as at the interpreter's exit: leaving as after a
+    failure when ``failure`` is given, else with the exit barrier. For a process that
+    outlives the code that opened them (a Ray actor whose function returned or raised)."""
+    _AT_EXIT.close(failure)
 
 
 def closed(store: Closable) -> None:

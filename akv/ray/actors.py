@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, NoReturn
 
+from akv.exits import close_open_stores
 from akv.launch.args import OWNED_VARIABLES
 from akv.launch.limits import MAX_LINE_BYTES, OUTPUT_SETTLE_S, POLL_INTERVAL_S
 from akv.launch.spec import ACTOR_PYTHON
@@ -264,15 +265,23 @@ class FunctionWorker:
     ) -> WorkerResult:
         """``fn(*args, **kwargs)``: its value, or the exception it raised, formatted here
         (with its traceback), so that an exception that cannot be pickled still arrives.
-        ``SystemExit`` with status 0 or None counts as a return of None."""
+        ``SystemExit`` with status 0 or None counts as a return of None.
+
+        A blocking store ``fn`` left open is then closed as at a process's exit (the actor
+        outlives ``fn``): with the exit barrier after a return, or leaving the job as failed
+        after a raise, so that the other workers fail at once naming this one rather than
+        wait for it until the driver stops the job."""
         try:
-            return WorkerResult(value=fn(*args, **kwargs))
+            result = WorkerResult(value=fn(*args, **kwargs))
         except SystemExit as exc:
-            if exc.code in (0, None):
-                return WorkerResult()
-            return self._failed(exc)
+            result = WorkerResult() if exc.code in (0, None) else self._failed(exc)
+            failure = None if result.error is None else exc
         except BaseException as exc:
-            return self._failed(exc)
+            result, failure = self._failed(exc), exc
+        else:
+            failure = None
+        close_open_stores(failure)
+        return result
 
     @staticmethod
     def _failed(exc: BaseException) -> WorkerResult:

@@ -23,6 +23,24 @@ def fail_on_rank_1() -> str:
     return "rank 0 returned"
 
 
+def fail_with_a_store_open(report: str) -> str:
+    """Rank 1 opens a store without ``with`` and raises; rank 0 waits in a barrier and
+    writes what the barrier did to the file ``report``."""
+    kv = akv.create("dist_sync")
+    kv.init("w", np.zeros(4, np.float32))
+    if kv.rank == 1:
+        raise ValueError("rank 1 fails with its store open")
+    try:
+        kv.barrier()
+    except akv.AKVError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    else:
+        outcome = "the barrier passed"
+    with open(report, "w") as file:
+        file.write(outcome)
+    return outcome
+
+
 def sum_through_a_restart(rounds: int, kill_at: int) -> dict[str, object]:
     """dist_sync rounds in which every worker pushes ``rank + 1`` under SGD with learning
     rate 1 (so the value is ``-3 * rounds`` with two workers, exactly); worker 0 kills

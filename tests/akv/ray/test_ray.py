@@ -111,6 +111,22 @@ def test_a_worker_exception_fails_the_launch_with_its_traceback_and_no_actor_sur
     assert akv_actors() == []
 
 
+def test_a_worker_raising_with_its_store_open_fails_the_others_at_once(tmp_path):
+    # The actor outlives the function: the store it left open leaves the job as failed,
+    # as at a process's exit, so worker 0's barrier fails naming worker 1 (it waited there
+    # until the driver stopped the job).
+    report = tmp_path / "rank0.txt"
+    with pytest.raises(akv.JobFailedError) as caught:
+        akv.ray.launch(
+            jobs.fail_with_a_store_open, num_workers=2, num_servers=1, args=(str(report),)
+        )
+    assert (caught.value.role, caught.value.rank) == ("worker", 1)
+    outcome = report.read_text()
+    assert "worker 1" in outcome and "left the job" in outcome, outcome
+    assert "ValueError: rank 1 fails with its store open" in outcome, outcome
+    assert akv_actors() == []
+
+
 def test_a_server_killed_by_pid_restarts_from_its_checkpoint_and_the_job_completes(
     tmp_path, capsys
 ):
