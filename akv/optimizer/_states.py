@@ -85,10 +85,10 @@ class RowSource(Protocol):
 
 @dataclass(frozen=True)
 class StoredRows:
-    """A leaf of :class:`RowStates` still in its table: the rows ``ids`` of ``table``,
-    which :func:`encode_states` gathers a slice at a time as it writes them (a whole leaf is
-    never copied at once: a checkpoint of a big table's states holds one archive of them,
-    not also a gathered copy). It saves as the gathered array would, byte for byte."""
+    """The rows ``ids`` of ``table``, still in it, gathered a slice at a time as they are
+    written (never copied whole: a checkpoint of a big table does not hold it twice). As a
+    leaf of :class:`RowStates`, it saves as the gathered array would, byte for byte; a
+    server's checkpoint spills its tables' rows with :meth:`write_rows`."""
 
     table: RowSource
     ids: np.ndarray
@@ -109,6 +109,10 @@ class StoredRows:
             "shape": self.shape,
         }
         np.lib.format.write_array_header_1_0(file, header)
+        self.write_rows(file)
+
+    def write_rows(self, file: BinaryIO) -> None:
+        """Write the rows' bytes (C order), :data:`_GATHER_ROWS` rows gathered at a time."""
         for first in range(0, self.ids.size, _GATHER_ROWS):
             rows = self.table.gather(self.ids[first : first + _GATHER_ROWS])
             file.write(np.ascontiguousarray(rows).data)

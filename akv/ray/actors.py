@@ -271,6 +271,7 @@ class FunctionWorker:
         outlives ``fn``): with the exit barrier after a return, or leaving the job as failed
         after a raise, so that the other workers fail at once naming this one rather than
         wait for it until the driver stops the job."""
+        failure: BaseException | None = None
         try:
             result = WorkerResult(value=fn(*args, **kwargs))
         except SystemExit as exc:
@@ -278,8 +279,6 @@ class FunctionWorker:
             failure = None if result.error is None else exc
         except BaseException as exc:
             result, failure = self._failed(exc), exc
-        else:
-            failure = None
         close_open_stores(failure)
         return result
 

@@ -37,6 +37,7 @@ import io
 import os
 import secrets
 import struct
+import tempfile
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -46,17 +47,20 @@ from akv.cluster.server.checkpoint_header import (
     KeyRecord,
     RowRecord,
     Snapshot,
+    Spill,
+    SpilledArray,
     SpilledStates,
     check_bools,
     check_row_ids,
     decode_header,
     encode_header,
+    in_memory,
 )
 from akv.errors import CheckpointError
 from akv_transport import byte_view, parse_json
 
 if TYPE_CHECKING:
-    pass
+    import numpy as np
 
 __all__ = [
     "CHUNK_BYTES",
@@ -66,9 +70,13 @@ __all__ = [
     "KeyRecord",
     "RowRecord",
     "Snapshot",
+    "Spill",
+    "SpilledArray",
     "SpilledStates",
     "checkpoint_path",
+    "in_memory",
     "make_directory",
+    "open_spill",
     "read_snapshot",
     "remove_leftovers",
     "write_snapshot",
@@ -216,19 +224,30 @@ def _write_file(file: BinaryIO, header: bytes, snapshot: Snapshot) -> None:
             file.write(chunk)
             checksum = zlib.crc32(chunk, checksum)
 
+    def write_part(part: np.ndarray | bytes | SpilledArray | SpilledStates) -> None:
+        if isinstance(part, SpilledArray | SpilledStates):
+            for chunk in part.chunks(CHUNK_BYTES):
+                write(chunk)
+        else:
+            write(part if isinstance(part, bytes) else byte_view(part))
+
     write(_PREFIX.pack(MAGIC, len(header)))
     write(header)
     for record in snapshot.keys:
-        write(byte_view(record.value))
+        write_part(record.value)
     for row_record in snapshot.row_keys:
-        write(byte_view(row_record.ids))
-        write(byte_view(row_record.rows))
-    if isinstance(snapshot.optimizer_states, SpilledStates):
-        for chunk in snapshot.optimizer_states.chunks(CHUNK_BYTES):
-            write(chunk)
-    elif snapshot.optimizer_states is not None:
-        write(snapshot.optimizer_states)
+        write_part(row_record.ids)
+        write_part(row_record.rows)
+    if snapshot.optimizer_states is not None:
+        write_part(snapshot.optimizer_states)
     file.write(_TRAILER.pack(checksum))
+
+
+def open_spill(directory: Path) -> Spill:
+    """A :class:`Spill` in ``directory`` (made, as :func:`make_directory` makes it, when
+    missing): an unnamed temporary file, gone once closed or once the process ends."""
+    make_directory(directory)
+    return Spill(tempfile.TemporaryFile(dir=directory))
 
 
 def make_directory(directory: Path) -> None:
@@ -337,10 +356,10 @@ def _read_file(file: io.BufferedReader, rank: int) -> Snapshot:
     header = parse_json(read(header_nbytes, "header"), max_depth=HEADER_MAX_DEPTH)
     snapshot, slots, states_nbytes = decode_header(header, payload_nbytes, rank)
     for record in slots:
-        read_into(byte_view(record.value), f"array of key {record.key!r}")
+        read_into(byte_view(in_memory(record.value)), f"array of key {record.key!r}")
     for row_record in snapshot.row_keys:
         read_into(byte_view(row_record.ids), f"row ids of key {row_record.key!r}")
-        read_into(byte_view(row_record.rows), f"rows of key {row_record.key!r}")
+        read_into(byte_view(in_memory(row_record.rows)), f"rows of key {row_record.key!r}")
     states = None if states_nbytes is None else read(states_nbytes, "optimizer states")
     data = file.read(_TRAILER.size)
     if len(data) != _TRAILER.size:
@@ -351,11 +370,11 @@ def _read_file(file: io.BufferedReader, rank: int) -> Snapshot:
             f"checksum mismatch: the file says {stored:#010x}, its bytes give {checksum:#010x}"
         )
     for record in slots:
-        check_bools(record.key, record.value)
+        check_bools(record.key, in_memory(record.value))
     for row_record in snapshot.row_keys:
         where = f"row-sparse key {row_record.key!r}"
         check_row_ids(row_record.ids, row_record.first, row_record.end, row_record.shape, where)
-        check_bools(row_record.key, row_record.rows)
+        check_bools(row_record.key, in_memory(row_record.rows))
     snapshot.keys = slots
     snapshot.optimizer_states = states
     return snapshot

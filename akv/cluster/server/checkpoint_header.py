@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from akv_transport import DEFAULT_JSON_MAX_DEPTH, DTYPE_CODES, parse_json
+from akv_transport import DEFAULT_JSON_MAX_DEPTH, DTYPE_CODES, byte_view, parse_json
 from akv_transport.frame import MAX_NDIM
 
 __all__ = [
@@ -27,10 +27,14 @@ __all__ = [
     "KeyRecord",
     "RowRecord",
     "Snapshot",
+    "Spill",
+    "SpilledArray",
+    "SpilledStates",
     "check_bools",
     "check_row_ids",
     "decode_header",
     "encode_header",
+    "in_memory",
 ]
 
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -94,7 +98,7 @@ class KeyRecord:
     """
 
     key: int | str
-    value: np.ndarray
+    value: np.ndarray | SpilledArray
     closed_round: int
     tags: dict[int, int]
     last_round: dict[int, int]
@@ -112,34 +116,82 @@ class RowRecord:
     first: int
     end: int
     ids: np.ndarray
-    rows: np.ndarray
+    rows: np.ndarray | SpilledArray
     closed_round: int
     tags: dict[int, int]
     last_round: dict[int, int]
 
 
-class SpilledStates:
-    """Encoded optimizer states kept in a temporary file (``file``, read from its start)
-    instead of memory until a checkpoint writes them: a big table's states are not held
-    twice (the tables and their archive). :meth:`close` removes the file."""
+class Spill:
+    """What a checkpoint copied of a server's keys, in an unnamed temporary file (``file``)
+    of the checkpoint directory instead of memory, from the copy (made while the keys are
+    held) until the checkpoint is written from it: a big table is never held twice, as it
+    and a copy. Each part is appended and read back by its offset; :meth:`close` removes
+    the file."""
 
     def __init__(self, file: BinaryIO) -> None:
         self.file = file
-        self.nbytes = file.seek(0, 2)
 
-    def chunks(self, size: int) -> Iterator[bytes]:
-        """The bytes, ``size`` at a time."""
-        self.file.seek(0)
-        left = self.nbytes
+    def append(self, write: Callable[[BinaryIO], object]) -> tuple[int, int]:
+        """``write(file)`` at the file's end; where what it wrote starts, and its bytes."""
+        offset = self.file.seek(0, 2)
+        write(self.file)
+        return offset, self.file.seek(0, 2) - offset
+
+    def array(self, value: np.ndarray) -> SpilledArray:
+        """``value`` appended (in C order)."""
+        offset, _ = self.append(lambda file: file.write(byte_view(np.ascontiguousarray(value))))
+        return SpilledArray(self, offset, value.dtype, value.shape)
+
+    def chunks(self, offset: int, nbytes: int, size: int) -> Iterator[bytes]:
+        """The ``nbytes`` bytes from ``offset``, ``size`` at a time."""
+        self.file.seek(offset)
+        left = nbytes
         while left:
             data = self.file.read(min(size, left))
             if not data:
-                raise ValueError(f"the spilled optimizer states end {left} bytes early")
+                raise ValueError(f"the checkpoint's spilled copy ends {left} bytes early")
             left -= len(data)
             yield data
 
     def close(self) -> None:
         self.file.close()
+
+
+@dataclass(frozen=True)
+class SpilledArray:
+    """An array a :class:`Spill` holds from ``offset``: C order, of ``dtype`` and ``shape``
+    (what a checkpoint writes of it is those bytes)."""
+
+    spill: Spill
+    offset: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def chunks(self, size: int) -> Iterator[bytes]:
+        return self.spill.chunks(self.offset, self.nbytes, size)
+
+
+@dataclass(frozen=True)
+class SpilledStates:
+    """Encoded optimizer states a :class:`Spill` holds: ``nbytes`` from ``offset``."""
+
+    spill: Spill
+    offset: int
+    nbytes: int
+
+    def chunks(self, size: int) -> Iterator[bytes]:
+        return self.spill.chunks(self.offset, self.nbytes, size)
+
+
+def in_memory(array: np.ndarray | SpilledArray) -> np.ndarray:
+    """An array of a record that was read (reading never spills)."""
+    assert isinstance(array, np.ndarray), "a checkpoint read holds its arrays in memory"
+    return array
 
 
 @dataclass
@@ -148,7 +200,8 @@ class Snapshot:
 
     ``generation`` increases with every checkpoint a server writes (the caller's to count).
     ``optimizer_config`` is a JSON object (or ``None``), ``optimizer_states`` opaque bytes
-    (or ``None``; when writing, also :class:`SpilledStates`); ``durable_seqs`` maps a worker
+    (or ``None``); when writing, the arrays and the states may also be in a :class:`Spill`
+    (:class:`SpilledArray`, :class:`SpilledStates`). ``durable_seqs`` maps a worker
     rank to a sequence number below which every request of that worker is reflected.
     ``store_type`` is kept as given (``"dist_sync"``, ``"dist_async"``). Counters and ranks
     are non-negative ints.
@@ -169,6 +222,9 @@ class Snapshot:
     #: The job's servers (None: not known, a file written before it was kept): a job with
     #: another number places its keys otherwise.
     num_servers: int | None = None
+    #: When writing: the temporary file that holds the spilled parts (whoever writes the
+    #: snapshot closes it).
+    spill: Spill | None = None
 
 
 def encode_header(snapshot: Snapshot) -> bytes:
@@ -242,16 +298,17 @@ def _encode_record(record: KeyRecord, offset: int) -> dict[str, Any]:
     key = record.key
     kind = _key_kind(key)
     value = record.value
-    if not isinstance(value, np.ndarray):
+    if not isinstance(value, np.ndarray | SpilledArray):
         kind_name = type(value).__name__
         raise ValueError(f"key {key!r}: the value must be a NumPy array, not {kind_name}")
     if value.dtype not in DTYPE_CODES:
         known = ", ".join(sorted(_DTYPES_BY_STR))
         raise ValueError(f"key {key!r}: dtype {value.dtype.str} is not one of {known}")
-    if not value.flags.c_contiguous:
+    if isinstance(value, np.ndarray) and not value.flags.c_contiguous:
         raise ValueError(f"key {key!r}: the value must be C-contiguous")
-    if value.ndim > MAX_NDIM:
-        raise ValueError(f"key {key!r}: {value.ndim} dimensions; at most {MAX_NDIM} are kept")
+    if len(value.shape) > MAX_NDIM:
+        ndim = len(value.shape)
+        raise ValueError(f"key {key!r}: {ndim} dimensions; at most {MAX_NDIM} are kept")
     where = f"key {key!r}"
     _count(record.closed_round, f"{where}: closed_round")
     return {
@@ -274,12 +331,13 @@ def _encode_row_record(record: RowRecord, offset: int) -> dict[str, Any]:
     ids, rows = record.ids, record.rows
     if not isinstance(ids, np.ndarray) or ids.dtype != _IDS or ids.ndim != 1:
         raise ValueError(f"{where}: ids must be a 1-D int64 NumPy array")
-    if not isinstance(rows, np.ndarray) or rows.dtype not in DTYPE_CODES:
+    if not isinstance(rows, np.ndarray | SpilledArray) or rows.dtype not in DTYPE_CODES:
         raise ValueError(f"{where}: rows must be a NumPy array of a dtype in DTYPE_CODES")
     shape = tuple(record.shape)
     if not shape or len(shape) > MAX_NDIM or rows.shape != (ids.size, *shape[1:]):
         raise ValueError(f"{where}: rows of shape {rows.shape} for {ids.size} ids of {shape}")
-    if not (ids.flags.c_contiguous and rows.flags.c_contiguous):
+    contiguous = not isinstance(rows, np.ndarray) or rows.flags.c_contiguous
+    if not (ids.flags.c_contiguous and contiguous):
         raise ValueError(f"{where}: ids and rows must be C-contiguous")
     check_row_ids(ids, record.first, record.end, shape, where)
     _count(record.closed_round, f"{where}: closed_round")

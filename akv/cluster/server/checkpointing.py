@@ -30,7 +30,6 @@ import asyncio
 import fcntl
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -42,9 +41,12 @@ from akv.cluster.server.checkpoint import (
     KeyRecord,
     RowRecord,
     Snapshot,
+    Spill,
+    SpilledArray,
     SpilledStates,
     checkpoint_path,
-    make_directory,
+    in_memory,
+    open_spill,
     read_snapshot,
     remove_leftovers,
     write_snapshot,
@@ -62,6 +64,7 @@ from akv.cluster.server.instructions import (
 from akv.cluster.server.state import ServerState
 from akv.errors import AKVError, CheckpointError
 from akv.limits import FINAL_CHECKPOINT_S
+from akv.optimizer._states import StoredRows
 
 __all__ = ["CheckpointedServer", "Checkpoints", "Copied", "UnusableCheckpointError", "copy_plan"]
 
@@ -70,17 +73,17 @@ log = logging.getLogger("akv.cluster.server")
 #: The end of the file that marks a directory whose checkpoints a job found lost.
 LOST_SUFFIX = ".lost"
 
-#: What a checkpoint copies of the keys: their records (dense, row-sparse), and the
-#: optimizer's states (encoded into a temporary file of the checkpoint directory).
-Copied = tuple[list[KeyRecord], list[RowRecord], SpilledStates | None]
+#: What a checkpoint copies of the keys: their records (dense, row-sparse) and the
+#: optimizer's states, all in the spill (a temporary file of the checkpoint directory).
+Copied = tuple[list[KeyRecord], list[RowRecord], SpilledStates | None, Spill]
 
 
 class CheckpointedServer(Protocol):
     """What :class:`Checkpoints` asks of its server
     (:class:`~akv.cluster.server.service.ParameterServer` implements it)."""
 
-    def copy_values(self, plan: CheckpointPlan, spill: Path) -> Awaitable[Copied]:
-        """``copy_plan(plan, spill)``, run once every write issued so far to the plan's keys
+    def copy_values(self, plan: CheckpointPlan, directory: Path) -> Awaitable[Copied]:
+        """``copy_plan(plan, directory)``, run once every write issued so far to the plan's keys
         finished, with no update of them running meanwhile."""
         ...
 
@@ -210,7 +213,10 @@ class Checkpoints:
         snapshots.restore(
             self.state,
             snapshot.store_type,
-            [(r.key, r.value, r.closed_round, r.tags, r.last_round) for r in snapshot.keys],
+            [
+                (r.key, in_memory(r.value), r.closed_round, r.tags, r.last_round)
+                for r in snapshot.keys
+            ],
             snapshot.optimizer_config,
             snapshot.optimizer_states,
             snapshot.durable_seqs,
@@ -311,7 +317,7 @@ class Checkpoints:
         state = self.state
         changes = state.changes
         plan = state.checkpoint_plan()
-        records, row_records, states = await self.server.copy_values(plan, self.directory)
+        records, row_records, states, spill = await self.server.copy_values(plan, self.directory)
         snapshot = Snapshot(
             rank=self.rank,
             num_workers=self.num_workers,
@@ -324,6 +330,7 @@ class Checkpoints:
             row_keys=row_records,
             sessions=plan.sessions,
             num_servers=self.num_servers,
+            spill=spill,
         )
         nbytes = await asyncio.to_thread(_write_sized, self.directory, snapshot)
         self.generation = snapshot.generation
@@ -423,52 +430,59 @@ class Checkpoints:
 
 def _write_sized(directory: Path, snapshot: Snapshot) -> int:
     """:func:`write_snapshot`, then the file's size in bytes (0 when it cannot be read).
-    Closes the snapshot's spilled states, whatever happens: the thread that writes them owns
-    them (a caller cancelled meanwhile leaves the write to finish)."""
+    Closes the snapshot's spill, whatever happens: the thread that writes from it owns it
+    (a caller cancelled meanwhile leaves the write to finish)."""
     try:
         path = write_snapshot(directory, snapshot)
     finally:
-        if isinstance(snapshot.optimizer_states, SpilledStates):
-            snapshot.optimizer_states.close()  # the temporary file goes
+        if snapshot.spill is not None:
+            snapshot.spill.close()  # the temporary file goes
     try:
         return path.stat().st_size
     except OSError:
         return 0
 
 
-def copy_plan(plan: CheckpointPlan, spill: Path) -> Copied:
-    """The keys' values and the optimizer's states that ``plan`` names, copied (run it where
-    no update of them runs meanwhile: :meth:`CheckpointedServer.copy_values`); the states
-    are encoded into a temporary file of directory ``spill`` (gone once closed), not into
-    memory: a big table's states are then not held twice."""
+def copy_plan(plan: CheckpointPlan, directory: Path) -> Copied:
+    """The keys' values, rows and optimizer states that ``plan`` names, copied (run it where
+    no update of them runs meanwhile: :meth:`CheckpointedServer.copy_values`) into a
+    :class:`Spill` of ``directory``, not memory: a big table is then never held twice. The
+    rows are gathered a slice at a time. A failure to write there (a full disk) is a
+    :class:`CheckpointError`, tried again at the next checkpoint."""
+    try:
+        spill = open_spill(directory)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write a checkpoint in {str(directory)!r}: no temporary file for the "
+            f"copy of the keys there: {exc}"
+        ) from exc
+    try:
+        return _copy_into(plan, spill)
+    except BaseException as exc:
+        spill.close()
+        if isinstance(exc, OSError):
+            raise CheckpointError(
+                f"cannot write a checkpoint in {str(directory)!r}: writing the copy of the "
+                f"keys to a temporary file failed: {exc}"
+            ) from exc
+        raise
+
+
+def _copy_into(plan: CheckpointPlan, spill: Spill) -> Copied:
+    states = None
+    if plan.updater is not None:  # first: a zip archive's offsets count from the file's start
+        updater = plan.updater
+        states = SpilledStates(spill, *spill.append(lambda f: updater.dump_states(False, file=f)))
     records = [
-        KeyRecord(entry.key, entry.value.copy(), closed_round, tags, last)
+        KeyRecord(entry.key, spill.array(entry.value), closed_round, tags, last)
         for entry, closed_round, tags, last in plan.entries
     ]
     row_records = []
     for entry, closed_round, tags, last in plan.row_entries:
         ids = entry.rows.ids()
-        rows = entry.rows.gather(ids)
+        stored = StoredRows(entry.rows, ids)
+        offset, _ = spill.append(stored.write_rows)
+        rows = SpilledArray(spill, offset, stored.dtype, stored.shape)
         shape, span = entry.shape, (entry.first, entry.end)
         row_records.append(RowRecord(entry.key, shape, *span, ids, rows, closed_round, tags, last))
-    if plan.updater is None:
-        return records, row_records, None
-    try:
-        make_directory(spill)
-        file = tempfile.TemporaryFile(dir=spill)  # noqa: SIM115 (SpilledStates closes it)
-    except OSError as exc:
-        raise CheckpointError(
-            f"cannot write a checkpoint in {str(spill)!r}: no temporary file for the "
-            f"optimizer states there: {exc}"
-        ) from exc
-    try:
-        plan.updater.dump_states(False, file=file)
-    except BaseException as exc:
-        file.close()
-        if isinstance(exc, OSError):  # a full disk, say: retried at the next interval
-            raise CheckpointError(
-                f"cannot write a checkpoint in {str(spill)!r}: writing the optimizer states "
-                f"to a temporary file failed: {exc}"
-            ) from exc
-        raise
-    return records, row_records, SpilledStates(file)
+    return records, row_records, states, spill

@@ -509,12 +509,12 @@ class ParameterServer:
                 frame = encode_frame(Op.DURABLE, 0, aux=note.seq, text=format_note(note))
                 self.send_to(instruction.peer, frame)
 
-    def copy_values(self, plan: CheckpointPlan, spill: Path) -> Awaitable[Copied]:
+    def copy_values(self, plan: CheckpointPlan, directory: Path) -> Awaitable[Copied]:
         """A checkpoint's copy of ``plan``'s keys: an engine task that reads every one of
         them (after every earlier write; holding them only while it copies)."""
         reads = [entry.var for entry, _, _, _ in (*plan.entries, *plan.row_entries)]
         task: Awaitable[Copied] = self.engine.push(
-            copy_plan, plan, spill, reads=reads, executor="thread", name="checkpoint"
+            copy_plan, plan, directory, reads=reads, executor="thread", name="checkpoint"
         )
         return task
 

@@ -35,6 +35,7 @@ from akv.cluster.server.instructions import (
 )
 from akv.cluster.server.state import ServerState
 from akv.errors import CheckpointError, MembershipError, ShapeMismatchError
+from akv.optimizer._states import StoredRows
 from akv_engine import Var
 from akv_transport import decode_frame, frame_bytes
 from tests.akv.cluster.cluster import wait_until
@@ -61,11 +62,11 @@ class FakeServer:
         self.copies = 0
         self.gate: asyncio.Event | None = None
 
-    async def copy_values(self, plan: CheckpointPlan, spill: Path) -> Copied:
+    async def copy_values(self, plan: CheckpointPlan, directory: Path) -> Copied:
         self.copies += 1
         if self.gate is not None:
             await self.gate.wait()
-        return copy_plan(plan, spill)
+        return copy_plan(plan, directory)
 
     def execute(self, instructions: Sequence[Instruction]) -> None:
         for instruction in instructions:
@@ -517,38 +518,60 @@ async def test_a_new_job_that_declares_a_restored_key_otherwise_is_told_so(opene
 
 
 def players_with_states() -> Players:
-    """Two workers of a job whose server has an optimizer with a state (momentum)."""
+    """Two workers of a job whose server has an optimizer with a state (momentum), a dense
+    key "w" and a row-sparse key "emb" (rows [500, 1000) of 10**9 x 2), both pushed."""
     players = Players(2, checkpoints=True)
     players.init(0, {"w": f32(1, 2)})
+    players.row_init(0, "emb", (10**9, 2), (500, 1000))  # answered once a checkpoint holds it
     text = json.dumps(optimizer.SGD(learning_rate=0.5, momentum=0.9).get_config())
     for worker in range(2):
         players.send(worker, Op.SET_OPTIMIZER, text=text)
     for worker in range(2):
         players.push(worker, {"w": f32(1, 1)}, tag=1)
+        rows = np.arange(6, dtype=np.float32).reshape(3, 2) + worker
+        players.row_push(worker, "emb", [500 + worker, 700, 999], rows, tag=1)
     return players
 
 
-async def test_a_checkpoints_optimizer_states_go_through_a_temporary_file(
-    opened, tmp_path, monkeypatch
-):
-    """The states are encoded into an unnamed temporary file of the checkpoint directory,
-    not memory (a big table's states are not held twice), copied into the checkpoint, and
-    the file is closed (gone) after the write, also when the write fails."""
+async def test_a_checkpoints_copy_goes_through_a_temporary_file(opened, tmp_path, monkeypatch):
+    """The keys' values, the tables' rows and the optimizer states are copied into one
+    unnamed temporary file of the checkpoint directory, not memory (a big table is not held
+    twice), and written from there: the checkpoint holds what the server holds; the file is
+    closed (gone) after the write, also when the write fails."""
     players = players_with_states()
-    closed: list[int] = []
-    close = checkpoint_module.SpilledStates.close
+    copies: list[Copied] = []
+    closed: list[checkpoint_module.Spill] = []
+    copy, close = checkpointing.copy_plan, checkpoint_module.Spill.close
 
-    def noted(self):
-        closed.append(self.nbytes)
+    async def noted_copy(plan, directory):
+        copies.append(copy(plan, directory))
+        return copies[-1]
+
+    def noted_close(self):
+        closed.append(self)
         close(self)
 
-    monkeypatch.setattr(checkpoint_module.SpilledStates, "close", noted)
-    checkpoints, _ = opened(players.state)
+    monkeypatch.setattr(checkpoint_module.Spill, "close", noted_close)
+    checkpoints, server = opened(players.state)
+    monkeypatch.setattr(server, "copy_values", noted_copy)
     checkpoints.restore()
     await checkpoints.write()
-    expected = players.state.updater.dump_states(False)
-    assert read_snapshot(tmp_path, RANK).optimizer_states == expected
-    assert closed == [len(expected)]
+    ((records, row_records, states, spill),) = copies
+    spilled = [records[0].value, row_records[0].rows, states]
+    assert [type(part).__name__ for part in spilled] == [
+        "SpilledArray",
+        "SpilledArray",
+        "SpilledStates",
+    ]
+    assert {part.spill for part in spilled} == {spill} and closed == [spill]
+    snapshot = read_snapshot(tmp_path, RANK)
+    np.testing.assert_array_equal(snapshot.keys[0].value, players.state.entries["w"].value)
+    table = players.state.rows.entries["emb"].rows
+    (row_record,) = snapshot.row_keys
+    np.testing.assert_array_equal(row_record.ids, [500, 501, 700, 999])
+    np.testing.assert_array_equal(row_record.rows, table.gather(row_record.ids))
+    assert row_record.rows[:, 0].tolist() == [0.0, -0.5, -2.5, -4.5]  # -0.5 x the sums
+    assert snapshot.optimizer_states == players.state.updater.dump_states(False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["server-3.akvckpt", "server-3.lock"]
 
     def failing(directory, snapshot):
@@ -558,15 +581,16 @@ async def test_a_checkpoints_optimizer_states_go_through_a_temporary_file(
     players.push(0, {"w": f32(1, 1)}, tag=2)
     with pytest.raises(CheckpointError, match="the disk is full"):
         await checkpoints.write()
-    assert closed == [len(expected)] * 2
+    assert len(closed) == 2 and closed[1] is copies[1][3]
 
 
-async def test_a_checkpoint_whose_states_cannot_be_spilled_fails_as_a_checkpoint(
-    opened, tmp_path, monkeypatch
+@pytest.mark.parametrize("part", ["states", "rows"])
+async def test_a_checkpoint_whose_copy_cannot_be_spilled_fails_as_a_checkpoint(
+    opened, tmp_path, monkeypatch, part
 ):
-    """A full disk while the states are written aside is a CheckpointError (answered to the
+    """A full disk while the copy is written aside is a CheckpointError (answered to the
     asking worker, retried at the next interval), not a raw OSError that ended the timer and
-    failed the job; a removed directory is made again."""
+    failed the job, and the temporary file is closed; a removed directory is made again."""
     players = players_with_states()
     checkpoints, server = opened(players.state)
     checkpoints.restore()
@@ -579,11 +603,20 @@ async def test_a_checkpoint_whose_states_cannot_be_spilled_fails_as_a_checkpoint
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(optimizer.Updater, "dump_states", full)
-    with pytest.raises(CheckpointError, match="writing the optimizer states to a temporary"):
+    closed: list[checkpoint_module.Spill] = []
+    close = checkpoint_module.Spill.close
+    monkeypatch.setattr(
+        checkpoint_module.Spill, "close", lambda self: closed.append(self) or close(self)
+    )
+    if part == "states":
+        monkeypatch.setattr(optimizer.Updater, "dump_states", full)
+    else:
+        monkeypatch.setattr(StoredRows, "write_rows", full)
+    with pytest.raises(CheckpointError, match="writing the copy of the keys to a temporary"):
         await checkpoints.write()
-    monkeypatch.setattr(checkpointing.tempfile, "TemporaryFile", full)
-    with pytest.raises(CheckpointError, match="no temporary file for the optimizer states"):
+    assert len(closed) == 1 and closed[0].file.closed
+    monkeypatch.setattr(checkpoint_module.tempfile, "TemporaryFile", full)
+    with pytest.raises(CheckpointError, match="no temporary file for the copy of the keys"):
         await checkpoints.write()
 
 
