@@ -136,7 +136,7 @@ def apply_row_push(updater: _optimizer.Updater | None, pushed: list[RowPush]) ->
     changes."""
     if updater is not None and len(pushed) > 1:  # one key: update_rows checks it first
         for entry, _ in pushed:
-            updater.check_rows(entry.key)
+            updater.check_rows(entry.key, table_of(entry))
     for entry, grad in pushed:
         table = table_of(entry)
         if updater is None:

@@ -253,8 +253,9 @@ class AsyncKVStore:
             ):
                 dense_only(entry, "push to")
                 entry.check(value, "push to")
-            self._pushed = True
-            return self._backend.push([(entry, [value])], priority, self._caller_waits)
+            taken = self._backend.push([(entry, [value])], priority, self._caller_waits)
+            self._pushed = True  # (once taken: a refused push leaves compression settable)
+            return taken
         if sparse_call(key, value, "push to"):
             pushes = row_pushes(self._keys, key, value, copy=not self._backend.stages_rows)
             if self._compression is not None:
@@ -262,11 +263,13 @@ class AsyncKVStore:
                     f"push to key {pushes[0][0].key!r}: gradient compression takes dense "
                     "values only (as MXNet); push row-sparse keys from a store without it"
                 )
-            self._pushed = True  # (once taken: a refused push leaves compression settable)
-            return self._backend.push_rows(pushes, priority)
+            taken = self._backend.push_rows(pushes, priority)
+            self._pushed = True
+            return taken
         values = self._compressed(self._values(group(key, value, "push")))
+        taken = self._backend.push(values, priority, self._caller_waits)
         self._pushed = True
-        return self._backend.push(values, priority, self._caller_waits)
+        return taken
 
     def set_gradient_compression(self, compression_params: Mapping[str, Any]) -> None:
         """Compress every later push: ``{"type": "2bit" | "1bit", "threshold": t}``
@@ -363,8 +366,9 @@ class AsyncKVStore:
         values = self._compressed(self._values(group(key, value, "pushpull")))
         result = value if out is None else out
         targets = self._targets(key, result)
+        taken = self._backend.pushpull(values, targets, result, priority, self._caller_waits)
         self._pushed = True
-        return self._backend.pushpull(values, targets, result, priority, self._caller_waits)
+        return taken
 
     def row_sparse_pull(
         self,

@@ -103,13 +103,11 @@ class Updater:
 
         Raises
         ------
-        OptimizerError
-            The optimizer has no row-sparse update (nothing changes).
-        StateFormatError
-            The states loaded for ``index`` were saved for a dense key (nothing changes).
+        OptimizerError, InvalidArgumentError, StateFormatError
+            :meth:`check_rows`' refusals (nothing changes).
         """
         optimizer = self.optimizer
-        how = self.check_rows(index)  # refuses before anything changes
+        how = self.check_rows(index, table)  # refuses before anything changes
         if how == "lazy":
             ids, grad_rows = grad.indices, grad.data
         else:
@@ -142,21 +140,29 @@ class Updater:
             leaf_table.scatter(ids, leaf)
         self.row_states[index] = tables
 
-    def check_rows(self, index: Index) -> Literal["lazy", "standard"]:
-        """How :meth:`update_rows` would apply a row-sparse gradient of ``index``
-        (:meth:`Optimizer.row_sparse_update`), or its refusal; changes nothing (a push of
-        several keys is checked for every key before any is updated).
+    def check_rows(self, index: Index, table: RowTable) -> Literal["lazy", "standard"]:
+        """How :meth:`update_rows` would apply a row-sparse gradient of ``index`` to the
+        rows of ``table`` (:meth:`Optimizer.row_sparse_update`), or its refusal; changes
+        nothing (a push of several keys is checked for every key before any is updated,
+        and an update refused here stores no row).
 
         Raises
         ------
         OptimizerError
-            The optimizer has no row-sparse update of ``index``.
+            The optimizer has no row-sparse update of ``index``, or refuses rows of this
+            shape (``create_state``: GroupAdaGrad's rows are 1-D).
+        InvalidArgumentError
+            The rows are not floating-point.
         StateFormatError
             The states loaded for ``index`` were saved for a dense key.
         """
         how = self.optimizer.row_sparse_update(index)
         if index in self.states:
             raise _other_kind(index, "dense", "row-sparse")
+        # What the update itself would refuse, asked of no rows (nothing is counted).
+        probe = np.zeros((0, *table.row_shape), table.dtype)
+        check_update_arrays(index, probe, probe)
+        self.optimizer.create_state(index, probe)  # (the float16 warning comes once, later)
         return how
 
     def _update_in_place(

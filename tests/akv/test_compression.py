@@ -169,9 +169,10 @@ def test_what_compression_refuses_changes_nothing():
         np.testing.assert_array_equal(kv.pull("w"), np.ones(4))
 
 
-@pytest.mark.parametrize("call", ["push", "pushpull", "row push"])
+@pytest.mark.parametrize("call", ["push", "pushpull", "row push", "row push to an updater"])
 def test_a_refused_push_leaves_compression_settable(call):
-    """Compression is set before the first push: one the store refused was no push."""
+    """Compression is set before the first push: one the store refused was no push (also
+    one its backend refused at the call: a row push to a store with a custom updater)."""
     with akv.create("local") as kv:
         kv.init("w", np.zeros(4, np.float32))
         kv.init("e", akv.RowSparseArray.zeros((10, 2)))
@@ -180,8 +181,12 @@ def test_a_refused_push_leaves_compression_settable(call):
                 kv.push("nope", np.ones(4, np.float32))
             elif call == "pushpull":
                 kv.pushpull("w", np.ones(5, np.float32))
-            else:
+            elif call == "row push":
                 kv.push("e", akv.RowSparseArray(np.ones((1, 2), np.float32), [30], (40, 2)))
+            else:
+                kv.set_updater(lambda key, recv, stored: None)
+                kv.push("e", akv.RowSparseArray(np.ones((1, 2), np.float32), [3], (10, 2)))
+        kv.set_updater(None)
         kv.set_gradient_compression({"type": "2bit", "threshold": 1.0})
         kv.push("w", np.full(4, 1.5, np.float32))
         np.testing.assert_array_equal(kv.pull("w"), np.ones(4))  # compressed: +threshold

@@ -245,6 +245,43 @@ def test_a_push_of_several_keys_the_optimizer_refuses_for_one_changes_none(kv):
     assert all_rows(kv, "a")[1][0] < 1
 
 
+@pytest.mark.parametrize(
+    ("optimizer", "refused", "error", "message"),
+    [
+        (
+            lambda: akv.optimizer.SGD(learning_rate=0.1),
+            rows([1], [[1, 1, 1]]).data.astype(np.int32),
+            akv.InvalidArgumentError,
+            "index 'b': the weight must be floating-point, got int32",
+        ),
+        (
+            lambda: akv.optimizer.GroupAdaGrad(learning_rate=0.1),
+            np.ones((1, 3, 2), F32),
+            OptimizerError,
+            "index 'b': the weight must be 2-D",
+        ),
+    ],
+)
+def test_a_push_the_update_itself_would_refuse_changes_no_key_and_stores_no_row(
+    kv, optimizer, refused, error, message
+):
+    """What the optimizer's update refuses of a key's rows (not floating-point, not 2-D for
+    GroupAdaGrad) is refused before any key of the push changes: ``a`` was updated, and
+    ``b``'s pushed row was stored (as zeros, read later by an update of every stored row)."""
+    kv.init("a", rows([1], [[1, 1, 1]]))
+    shape = (SHAPE[0], *refused.shape[1:])
+    kv.init("b", akv.RowSparseArray(refused, [1], shape))
+    kv.set_optimizer(optimizer())
+    grad_b = akv.RowSparseArray(refused, [5], shape)
+    with pytest.raises(error, match=re.escape(message)):
+        kv.push(["a", "b"], [rows([1], [[1, 1, 1]]), grad_b])
+    with pytest.raises(error, match=re.escape(message)):
+        kv.push("b", grad_b)
+    np.testing.assert_array_equal(all_rows(kv, "a")[1], [1, 1, 1])
+    table = kv._inner._keys.get("b", "test").rows
+    assert table is not None and table.ids().tolist() == [1]  # row 5 was not stored
+
+
 async def test_the_async_face():
     kv = await akv.create_async("local")
     try:
