@@ -34,7 +34,7 @@ import math
 import mmap
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 import numpy as np
@@ -651,6 +651,29 @@ class RowTable:
             self._write(slots, summed)
         else:
             np.add.at(self._rows.array, slots, rows)
+
+    def load(self, ids: npt.ArrayLike, fill: Callable[[np.ndarray], object]) -> None:
+        """Store the rows ``ids`` (sorted, unique) in this empty table, and let ``fill``
+        write their values in place: it gets the rows, in ``ids``' order, as a writable
+        view of the table's own (a restore reads them from a file straight into the
+        table, never holding them twice). Rows ``fill`` leaves alone are zero.
+
+        Raises
+        ------
+        InvalidArgumentError
+            The table stores rows already, or ``ids`` are not sorted and unique.
+        RowIdError
+        """
+        what = "RowTable.load"
+        checked = self._ids(ids, what)
+        if len(self._index):
+            raise InvalidArgumentError(f"{what}: the table stores {len(self)} rows already")
+        if checked.size > 1 and bool(np.any(checked[1:] <= checked[:-1])):
+            raise InvalidArgumentError(f"{what}: the ids are not sorted and unique")
+        slots = self._rows_for(checked)
+        # An empty index numbers new ids in order of appearance: the rows are 0, 1, ...
+        assert not slots.size or (slots[0] == 0 and slots[-1] == slots.size - 1), slots
+        fill(self._rows.array[: slots.size])
 
     def ids(self) -> RowIds:
         """The ids of the rows stored, sorted (a new array)."""

@@ -485,6 +485,45 @@ def test_a_mapping_that_cannot_be_resized_is_copied_into_a_new_one(monkeypatch):
     assert len(table) == 29000
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "hashed"])
+@pytest.mark.parametrize("count", [0, 5, 40_000])  # 40,000 rows of WIDE: a mapped arena
+def test_a_table_is_loaded_in_place_from_sorted_ids(probing, direct, count):
+    """``load`` hands ``fill`` the new rows in the ids' order as the table's own memory:
+    what it writes there is what the table stores; the table then grows as any other."""
+    ids = np.sort(np.random.default_rng(count).choice(10**6, count, replace=False))
+    values = np.arange(count * WIDE, dtype=F32).reshape(count, WIDE)
+    table = RowTable((10**6, WIDE), F32, direct=direct)
+    handed: list[np.ndarray] = []
+
+    def fill(rows: np.ndarray) -> None:
+        handed.append(rows)
+        rows[:] = values
+
+    table.load(ids, fill)
+    assert handed[0].shape == (count, WIDE) and handed[0].flags.writeable
+    assert count == 0 or np.shares_memory(handed[0], table.rows)
+    assert len(table) == count and np.array_equal(table.ids(), ids)
+    assert np.array_equal(table.gather(ids), values)
+    handed.clear()  # the view goes: the arena may grow in place again
+    more = np.setdiff1d(np.arange(1000), ids)[:300]
+    table.scatter(more, np.ones((300, WIDE), F32))
+    assert np.array_equal(table.gather(ids), values) and table.gather(more).min() == 1
+
+
+def test_a_load_refuses_a_table_with_rows_and_ids_not_sorted_and_unique():
+    table = RowTable((10, 2), F32)
+    for ids, message in [([3, 1], "not sorted and unique"), ([1, 1], "not sorted and unique")]:
+        with pytest.raises(akv.InvalidArgumentError, match=message):
+            table.load(ids, lambda rows: None)
+    with pytest.raises(akv.RowIdError):
+        table.load([1, 10], lambda rows: None)
+    assert len(table) == 0
+    table.load([1, 4], lambda rows: None)  # rows left alone are zeros
+    assert len(table) == 2 and not table.gather([1, 4]).any()
+    with pytest.raises(akv.InvalidArgumentError, match="stores 2 rows already"):
+        table.load([5], lambda rows: None)
+
+
 def test_a_table_of_one_row():
     table = RowTable((1, 3), F32)
     table.add([0], np.ones((1, 3), F32))

@@ -56,7 +56,8 @@ from akv.cluster.server.checkpoint_header import (
     encode_header,
     in_memory,
 )
-from akv.errors import CheckpointError
+from akv.errors import AKVError, CheckpointError
+from akv.rows import RowTable
 from akv_transport import byte_view, parse_json
 
 if TYPE_CHECKING:
@@ -176,13 +177,14 @@ def write_snapshot(directory: Path, snapshot: Snapshot) -> Path:
     return path
 
 
-def read_snapshot(directory: Path, rank: int) -> Snapshot | None:
+def read_snapshot(directory: Path, rank: int, *, row_tables: bool = False) -> Snapshot | None:
     """Read server ``rank``'s checkpoint in ``directory``; ``None`` if there is none.
 
     It touches nothing in ``directory`` (a server may be writing meanwhile: reading is
     safe at any time). The whole file is read and its checksum checked before anything
     is returned. The arrays it returns are new: writable, C-contiguous, owning their
-    memory.
+    memory. With ``row_tables``, each row-sparse key's rows are read straight into a
+    new :class:`~akv.rows.RowTable` (its ``rows``), never held as an array beside it.
 
     Raises
     ------
@@ -202,7 +204,7 @@ def read_snapshot(directory: Path, rank: int) -> Snapshot | None:
         raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {exc}") from exc
     try:
         with file:
-            return _read_file(file, rank)
+            return _read_file(file, rank, row_tables)
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {str(path)!r} is unreadable: {exc}") from None
     except OSError as exc:
@@ -237,6 +239,7 @@ def _write_file(file: BinaryIO, header: bytes, snapshot: Snapshot) -> None:
         write_part(record.value)
     for row_record in snapshot.row_keys:
         write_part(row_record.ids)
+        assert not isinstance(row_record.rows, RowTable), "encode_header refuses tables"
         write_part(row_record.rows)
     if snapshot.optimizer_states is not None:
         write_part(snapshot.optimizer_states)
@@ -314,10 +317,23 @@ def _remove_leftovers(directory: Path, name: str) -> None:
 
 
 # --- reading -----------------------------------------------------------------------------
+
+
+def _empty_table(record: RowRecord) -> RowTable | None:
+    """A table for ``record``'s rows, whose ids were read: None where they are not ones a
+    table takes (a damaged file: its rows are read as an array, and the checksum or the
+    ids' check after it says what is wrong)."""
+    try:
+        check_row_ids(record.ids, record.first, record.end, record.shape, "")
+        return RowTable(record.shape, record.rows.dtype)
+    except (ValueError, AKVError):
+        return None
+
+
 # A ValueError here means the file is malformed; read_snapshot adds the path.
 
 
-def _read_file(file: io.BufferedReader, rank: int) -> Snapshot:
+def _read_file(file: io.BufferedReader, rank: int, row_tables: bool) -> Snapshot:
     """Read and check server ``rank``'s whole checkpoint; return it once the checksum matched."""
     size = os.fstat(file.fileno()).st_size
     least = _PREFIX.size + _TRAILER.size
@@ -359,7 +375,13 @@ def _read_file(file: io.BufferedReader, rank: int) -> Snapshot:
         read_into(byte_view(in_memory(record.value)), f"array of key {record.key!r}")
     for row_record in snapshot.row_keys:
         read_into(byte_view(row_record.ids), f"row ids of key {row_record.key!r}")
-        read_into(byte_view(in_memory(row_record.rows)), f"rows of key {row_record.key!r}")
+        what = f"rows of key {row_record.key!r}"
+        table = _empty_table(row_record) if row_tables else None
+        if table is None:
+            read_into(byte_view(in_memory(row_record.rows)), what)
+        else:
+            table.load(row_record.ids, lambda rows: read_into(byte_view(rows), what))  # noqa: B023
+            row_record.rows = table
     states = None if states_nbytes is None else read(states_nbytes, "optimizer states")
     data = file.read(_TRAILER.size)
     if len(data) != _TRAILER.size:
@@ -374,7 +396,8 @@ def _read_file(file: io.BufferedReader, rank: int) -> Snapshot:
     for row_record in snapshot.row_keys:
         where = f"row-sparse key {row_record.key!r}"
         check_row_ids(row_record.ids, row_record.first, row_record.end, row_record.shape, where)
-        check_bools(row_record.key, in_memory(row_record.rows))
+        rows = row_record.rows
+        check_bools(row_record.key, rows.rows if isinstance(rows, RowTable) else in_memory(rows))
     snapshot.keys = slots
     snapshot.optimizer_states = states
     return snapshot

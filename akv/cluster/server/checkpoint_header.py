@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from akv.rows import RowTable
 from akv_transport import DEFAULT_JSON_MAX_DEPTH, DTYPE_CODES, byte_view, parse_json
 from akv_transport.frame import MAX_NDIM
 
@@ -108,15 +109,15 @@ class KeyRecord:
 class RowRecord:
     """One row-sparse key as a server holds it: the declared ``shape``, the server's rows
     ``[first, end)``, the rows it stores (``ids``: int64, sorted, unique, in the range;
-    ``rows``: one row of ``shape[1:]`` per id, C-contiguous) and its rounds as
-    :class:`KeyRecord`'s."""
+    ``rows``: one row of ``shape[1:]`` per id, C-contiguous; read with ``row_tables``, a
+    table of them) and its rounds as :class:`KeyRecord`'s."""
 
     key: int | str
     shape: tuple[int, ...]
     first: int
     end: int
     ids: np.ndarray
-    rows: np.ndarray | SpilledArray
+    rows: np.ndarray | SpilledArray | RowTable
     closed_round: int
     tags: dict[int, int]
     last_round: dict[int, int]
@@ -188,8 +189,8 @@ class SpilledStates:
         return self.spill.chunks(self.offset, self.nbytes, size)
 
 
-def in_memory(array: np.ndarray | SpilledArray) -> np.ndarray:
-    """An array of a record that was read (reading never spills)."""
+def in_memory(array: np.ndarray | SpilledArray | RowTable) -> np.ndarray:
+    """An array of a record that was read (reading never spills) as an array."""
     assert isinstance(array, np.ndarray), "a checkpoint read holds its arrays in memory"
     return array
 

@@ -181,7 +181,7 @@ class Checkpoints:
         remove_leftovers(self.directory, self.rank)  # of a writer that died: none runs now
         self._refuse_if_marked_lost()
         try:
-            snapshot = read_snapshot(self.directory, self.rank)
+            snapshot = read_snapshot(self.directory, self.rank, row_tables=True)
         except CheckpointError as exc:
             raise UnusableCheckpointError(str(exc)) from exc
         path = str(checkpoint_path(self.directory, self.rank))

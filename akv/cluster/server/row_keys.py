@@ -31,7 +31,7 @@ from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import Op, RowMeta, decode_row_meta, op_label
 from akv.cluster.server.buffers import Lent
-from akv.cluster.server.checkpoint_header import RowRecord
+from akv.cluster.server.checkpoint_header import RowRecord, SpilledArray
 from akv.cluster.server.inits import restored_key_differs
 from akv.cluster.server.instructions import (
     Instruction,
@@ -54,6 +54,7 @@ from akv.errors import (
 )
 from akv.keys import VarFactory
 from akv.local_rows import apply_row_push, sum_rows
+from akv.rows import RowTable
 from akv.sparse import RowSparseArray
 from akv_transport import ArrayInfo, FrameHeader
 
@@ -286,17 +287,22 @@ class RowKeys:
         if records:
             jit.kernels()
         for record in records:
+            rows = record.rows
+            assert not isinstance(rows, SpilledArray), "a restore reads its rows"
             entry = RowEntry(
                 record.key,
                 record.shape,
-                record.rows.dtype,
+                rows.dtype,
                 (record.first, record.end),
                 self._new_var,
                 sync,
                 self.num_workers,
                 None,
             )
-            entry.rows.scatter(record.ids, record.rows)
+            if isinstance(rows, RowTable):  # read into a table of its own: taken as it is
+                entry.rows = rows
+            else:
+                entry.rows.scatter(record.ids, rows)
             entry.rounds.restore(record.closed_round, record.tags, record.last_round)
             self.entries[record.key] = entry
 

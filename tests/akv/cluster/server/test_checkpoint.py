@@ -31,6 +31,7 @@ from akv.cluster.server.checkpoint import (
     write_snapshot,
 )
 from akv.errors import AKVError, CheckpointError
+from akv.rows import RowTable
 from akv_transport import DTYPE_CODES
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -769,6 +770,38 @@ def test_row_sparse_keys_come_back_as_written_after_the_dense_ones(tmp_path):
         assert record.rows.dtype == want.rows.dtype and record.rows.shape == want.rows.shape
     header, _ = split(checkpoint_path(tmp_path, 1).read_bytes())
     assert [entry["rows"] for entry in header["row_keys"]] == [2, 0]
+
+
+def test_row_sparse_keys_can_be_read_straight_into_tables(tmp_path):
+    written = snapshot(row_keys=[row_record(), row_record(11, ids=[], first=5, end=9)])
+    write_snapshot(tmp_path, written)
+    got = read_snapshot(tmp_path, 1, row_tables=True)
+    assert got is not None
+    for record, want in zip(got.row_keys, written.row_keys, strict=True):
+        table = record.rows
+        assert isinstance(table, RowTable)
+        assert (table.shape, table.dtype) == (want.shape, want.rows.dtype)
+        np.testing.assert_array_equal(table.ids(), want.ids)
+        np.testing.assert_array_equal(table.gather(want.ids), want.rows)
+
+
+@pytest.mark.parametrize("row_tables", [False, True])
+def test_a_damaged_row_key_is_named_whether_read_into_tables_or_not(tmp_path, row_tables):
+    """Ids a table would refuse are read as arrays: the checksum or the ids' check says
+    what is wrong, not the table."""
+    write_snapshot(tmp_path, snapshot(keys=[], optimizer_states=None, row_keys=[row_record()]))
+    path = checkpoint_path(tmp_path, 1)
+    data = bytearray(path.read_bytes())
+    header, payload = split(bytes(data))
+    unsorted = np.array([7, 2], np.int64).tobytes() + payload[16:]
+    forge(path, header, unsorted)
+    with pytest.raises(CheckpointError, match="not sorted, unique"):
+        read_snapshot(tmp_path, 1, row_tables=row_tables)
+    at = len(data) - 4 - len(payload) + 8  # the second id's first byte
+    data[at] ^= 0xFF  # an id past the table's rows, and a checksum that no longer fits
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        read_snapshot(tmp_path, 1, row_tables=row_tables)
 
 
 def test_a_snapshot_without_row_sparse_keys_has_no_row_keys_field(tmp_path):
