@@ -447,12 +447,13 @@ class LocalBackend:
         def read() -> None:
             self._settle(entries)
             try:
-                data = path.read_bytes()
+                file = open(path, "rb")  # noqa: SIM115 (closed below)
             except OSError as exc:
                 raise StateFileError(
                     f"load_optimizer_states: cannot read {str(path)!r}: {exc}"
                 ) from exc
-            updater.load_states(data)
+            with file:  # decoded from the file: a big table's states are not read whole
+                updater.load_states(file)
 
         return self._engine.push(
             read, writes=[entry.var for entry in entries], name="load_optimizer_states"

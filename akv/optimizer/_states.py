@@ -36,9 +36,10 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 
 from akv.arrays import is_cupy, to_host
-from akv.errors import InvalidArgumentError, MixedKeyKindsError, StateFormatError
+from akv.errors import AKVError, InvalidArgumentError, MixedKeyKindsError, StateFormatError
 from akv.optimizer._base import Index, State
-from akv_transport import parse_json
+from akv.rows import RowTable
+from akv_transport import byte_view, parse_json
 
 __all__ = [
     "STATE_FORMAT_NAME",
@@ -65,6 +66,8 @@ _ARRAY_KINDS = "biufc"
 
 #: Rows gathered at a time when :class:`StoredRows` are saved (a few MiB each).
 _GATHER_ROWS = 1 << 16
+#: Bytes of a member read at a time into a table's rows.
+_READ_BYTES = 8 << 20
 
 # What zipfile raises for malformed, truncated or unsupported archives (its error for an
 # unknown compression method is a RuntimeError subclass).
@@ -127,8 +130,9 @@ class RowStates:
 
     shape: tuple[int, ...]
     ids: np.ndarray
-    #: Arrays; or, in states being saved, rows still in their tables (:class:`StoredRows`).
-    leaves: tuple[np.ndarray | StoredRows, ...]
+    #: Arrays; or, in states being saved, rows still in their tables (:class:`StoredRows`);
+    #: or, decoded with ``row_tables``, tables of the rows (:class:`~akv.rows.RowTable`).
+    leaves: tuple[np.ndarray | StoredRows | RowTable, ...]
 
     def rows(self, first: int, end: int) -> RowStates:
         """The states of rows ``[first, end)`` only (of states read back: arrays)."""
@@ -274,22 +278,31 @@ def _member(name: str) -> zipfile.ZipInfo:
     return info
 
 
-def decode_states(data: bytes | bytearray | memoryview) -> SavedStates:
-    """Decode what :func:`encode_states` wrote.
+def decode_states(
+    data: bytes | bytearray | memoryview | BinaryIO, *, row_tables: bool = False
+) -> SavedStates:
+    """Decode what :func:`encode_states` wrote: ``data``, or a seekable binary file that
+    holds it (from its start). With ``row_tables``, each row-sparse state's leaves are read
+    straight into tables of their rows (:class:`~akv.rows.RowTable`), never held as arrays
+    beside them.
 
     Raises
     ------
     InvalidArgumentError
-        ``data`` is not bytes-like.
+        ``data`` is neither bytes-like nor a binary file.
     StateFormatError
         ``data`` is not an archive of this format (corrupt, another format name, another
         version), or its structure is inconsistent (an array whose shape or dtype differs
         from its declaration, a missing member, bad keys or counts); the message says what.
     """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        source: BinaryIO = io.BytesIO(data)
+    elif callable(getattr(data, "read", None)) and callable(getattr(data, "seek", None)):
+        source = data
+    else:
         raise InvalidArgumentError(f"optimizer states must be bytes, got {type(data).__name__}")
     try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
+        archive = zipfile.ZipFile(source)
     except _ZIP_ERRORS as exc:
         raise StateFormatError(f"optimizer states are not an akv state archive: {exc}") from exc
     with archive:
@@ -306,7 +319,7 @@ def decode_states(data: bytes | bytearray | memoryview) -> SavedStates:
             raise StateFormatError("optimizer states: a key appears twice")
         used: set[str] = set()
         states = {
-            key: _decode_tree(archive, key, tree, used, "state")
+            key: _decode_tree(archive, key, tree, used, "state", row_tables)
             for key, tree in zip(keys, trees, strict=True)
         }
         counts = _decode_counts(structure["index_update_counts"], key_kind)
@@ -482,12 +495,17 @@ def _decode_counts(pairs: object, key_kind: str) -> dict[Index, int]:
 
 
 def _decode_tree(
-    archive: zipfile.ZipFile, key: Index, tree: object, used: set[str], path: str
+    archive: zipfile.ZipFile,
+    key: Index,
+    tree: object,
+    used: set[str],
+    path: str,
+    row_tables: bool = False,
 ) -> State | RowStates:
     if tree is None:
         return None
     if isinstance(tree, dict) and set(tree) == {"rows"} and path == "state":
-        return _decode_rows(archive, key, tree["rows"], used)
+        return _decode_rows(archive, key, tree["rows"], used, row_tables)
     if isinstance(tree, dict) and len(tree) == 1:
         ((kind, members),) = tree.items()
         if kind in ("tuple", "list") and isinstance(members, list):
@@ -510,7 +528,9 @@ def _decode_state(
     return state
 
 
-def _decode_rows(archive: zipfile.ZipFile, key: Index, rows: object, used: set[str]) -> RowStates:
+def _decode_rows(
+    archive: zipfile.ZipFile, key: Index, rows: object, used: set[str], row_tables: bool
+) -> RowStates:
     where = f"optimizer states: the row-sparse state of key {key!r}"
     if not isinstance(rows, dict) or set(rows) != {"shape", "ids", "leaves"}:
         raise StateFormatError(f"{where} is malformed: {rows!r}")
@@ -529,9 +549,13 @@ def _decode_rows(archive: zipfile.ZipFile, key: Index, rows: object, used: set[s
         raise StateFormatError(f"{where}: ids are not sorted, unique and in [0, {shape[0]})")
     if not isinstance(leaves, list):
         raise StateFormatError(f"{where}: leaves are not a list")
-    arrays = []
+    arrays: list[np.ndarray | RowTable] = []
     for i, leaf in enumerate(leaves):
-        array = _decode_state(archive, key, leaf, used, f"state.leaves[{i}]")
+        path = f"state.leaves[{i}]"
+        if row_tables and isinstance(leaf, dict) and set(leaf) == {"array", "shape", "dtype"}:
+            arrays.append(_read_table(archive, key, leaf, used, path, ids, shape[0]))
+            continue
+        array = _decode_state(archive, key, leaf, used, path)
         if not isinstance(array, np.ndarray) or array.shape[:1] != ids.shape:
             raise StateFormatError(f"{where}: leaf {i} does not hold one row per id")
         arrays.append(array)
@@ -541,6 +565,75 @@ def _decode_rows(archive: zipfile.ZipFile, key: Index, rows: object, used: set[s
 def _read_array(
     archive: zipfile.ZipFile, key: Index, ref: dict[str, Any], used: set[str], path: str
 ) -> np.ndarray:
+    info, shape, declared = _member_of(archive, key, ref, used, path)
+    where = f"optimizer states: {path} of key {key!r}"
+    try:
+        with archive.open(info) as member:
+            array = np.lib.format.read_array(member, allow_pickle=False)
+    except _ZIP_ERRORS as exc:
+        raise StateFormatError(f"{where}: member {info.filename} is unreadable: {exc}") from exc
+    if array.shape != shape or array.dtype != declared:
+        raise StateFormatError(
+            f"{where}: member {info.filename} holds shape {array.shape} dtype {array.dtype}, "
+            f"declared shape {shape} dtype {declared}"
+        )
+    if not (array.flags.c_contiguous and array.flags.writeable):
+        array = np.ascontiguousarray(array).copy()
+    return array
+
+
+def _read_table(
+    archive: zipfile.ZipFile,
+    key: Index,
+    ref: dict[str, Any],
+    used: set[str],
+    path: str,
+    ids: np.ndarray,
+    rows: int,
+) -> RowTable:
+    """The rows ``ids`` of a table of ``rows`` rows, read from the member ``ref`` names
+    straight into the table (:meth:`RowTable.load`)."""
+    info, shape, declared = _member_of(archive, key, ref, used, path)
+    where = f"optimizer states: {path} of key {key!r}"
+    if shape[:1] != ids.shape:
+        raise StateFormatError(f"{where} does not hold one row per id")
+    try:
+        table = RowTable((rows, *shape[1:]), declared)
+    except AKVError as exc:
+        raise StateFormatError(f"{where}: {exc}") from exc
+
+    def fill(target: np.ndarray) -> None:
+        with archive.open(info) as member:
+            version = np.lib.format.read_magic(member)
+            if version == (1, 0):
+                held, fortran, dtype = np.lib.format.read_array_header_1_0(member)
+            else:
+                held, fortran, dtype = np.lib.format.read_array_header_2_0(member)
+            if held != shape or dtype != declared or (fortran and len(shape) > 1):
+                raise StateFormatError(
+                    f"{where}: member {info.filename} holds shape {held} dtype {dtype}, "
+                    f"declared shape {shape} dtype {declared} in C order"
+                )
+            view, done = byte_view(target), 0
+            while done < view.nbytes:  # a slice at a time: a member's read is a copy
+                data = member.read(min(_READ_BYTES, view.nbytes - done))
+                if not data:
+                    raise StateFormatError(f"{where}: member {info.filename} ends early")
+                view[done : done + len(data)] = data
+                done += len(data)
+
+    try:
+        table.load(ids, fill)
+    except _ZIP_ERRORS as exc:
+        raise StateFormatError(f"{where}: member {info.filename} is unreadable: {exc}") from exc
+    return table
+
+
+def _member_of(
+    archive: zipfile.ZipFile, key: Index, ref: dict[str, Any], used: set[str], path: str
+) -> tuple[zipfile.ZipInfo, tuple[int, ...], np.dtype]:
+    """The member an array reference names (used once), with its declared shape and dtype,
+    checked against its size."""
     where = f"optimizer states: {path} of key {key!r}"
     name, shape, dtype = ref["array"], ref["shape"], ref["dtype"]
     if not isinstance(name, str) or name in used:
@@ -567,16 +660,4 @@ def _read_array(
             f"{where}: member {name}.npy is {info.file_size} bytes, too large for shape "
             f"{tuple(shape)} and dtype {declared}"
         )
-    try:
-        with archive.open(info) as member:
-            array = np.lib.format.read_array(member, allow_pickle=False)
-    except _ZIP_ERRORS as exc:
-        raise StateFormatError(f"{where}: member {name}.npy is unreadable: {exc}") from exc
-    if array.shape != tuple(shape) or array.dtype != declared:
-        raise StateFormatError(
-            f"{where}: member {name}.npy holds shape {array.shape} dtype {array.dtype}, "
-            f"declared shape {tuple(shape)} dtype {declared}"
-        )
-    if not (array.flags.c_contiguous and array.flags.writeable):
-        array = np.ascontiguousarray(array).copy()
-    return array
+    return info, tuple(shape), declared

@@ -224,9 +224,11 @@ class Updater:
             file=file,
         )
 
-    def load_states(self, data: bytes) -> None:
+    def load_states(self, data: bytes | BinaryIO) -> None:
         """Replace the states, update counts and the optimizer's shared state
-        (:meth:`Optimizer.shared_state`) with those encoded in ``data``.
+        (:meth:`Optimizer.shared_state`) with those encoded in ``data`` (or in the seekable
+        binary file ``data``, read from its start). Row-sparse states are read straight
+        into their tables.
 
         If ``data`` holds an optimizer config, the optimizer is replaced by one rebuilt from
         it. Nothing changes when an error is raised. After a load, the next update of every
@@ -239,7 +241,7 @@ class Updater:
             ``data`` is not in akv's format, its optimizer config cannot be rebuilt, or its
             shared state is not one the optimizer keeps.
         """
-        saved = decode_states(data)
+        saved = decode_states(data, row_tables=True)
         optimizer = self.optimizer
         if saved.optimizer_config is not None:
             try:
@@ -331,9 +333,13 @@ def _row_states(tables: list[RowTable]) -> RowStates:
 
 
 def _row_tables(state: RowStates) -> list[RowTable]:
-    """The inverse of :func:`_row_states`."""
+    """The inverse of :func:`_row_states` (leaves decoded as tables are taken as they are)."""
     tables = []
     for leaf in state.leaves:
+        if isinstance(leaf, RowTable):
+            tables.append(leaf)
+            continue
+        assert isinstance(leaf, np.ndarray), "decoded states hold arrays or tables"
         table = RowTable((state.shape[0], *leaf.shape[1:]), leaf.dtype)
         table.scatter(state.ids, leaf)
         tables.append(table)

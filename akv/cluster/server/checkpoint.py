@@ -40,7 +40,7 @@ import struct
 import tempfile
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from akv.cluster.server.checkpoint_header import (
     HEADER_MAX_DEPTH,
@@ -95,6 +95,9 @@ DIRECTORY_MODE = 0o700
 _PREFIX = struct.Struct("<8sQ")
 _TRAILER = struct.Struct("<I")
 _WRITE_BUFFER_BYTES = 1 << 20
+#: Bytes of the optimizer states checksummed at a time by a lean read (not kept).
+_SKIM_BYTES = 8 << 20
+_WINDOW_BUFFER_BYTES = 1 << 16
 
 
 def checkpoint_path(directory: Path, rank: int) -> Path:
@@ -177,13 +180,13 @@ def write_snapshot(directory: Path, snapshot: Snapshot) -> Path:
     return path
 
 
-def read_snapshot(directory: Path, rank: int, *, row_tables: bool = False) -> Snapshot | None:
+def read_snapshot(directory: Path, rank: int, *, lean: bool = False) -> Snapshot | None:
     """Read server ``rank``'s checkpoint in ``directory``; ``None`` if there is none.
 
     It touches nothing in ``directory`` (a server may be writing meanwhile: reading is
     safe at any time). The whole file is read and its checksum checked before anything
     is returned. The arrays it returns are new: writable, C-contiguous, owning their
-    memory. With ``row_tables``, each row-sparse key's rows are read straight into a
+    memory. With ``lean``, each row-sparse key's rows are read straight into a
     new :class:`~akv.rows.RowTable` (its ``rows``), never held as an array beside it.
 
     Raises
@@ -204,7 +207,7 @@ def read_snapshot(directory: Path, rank: int, *, row_tables: bool = False) -> Sn
         raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {exc}") from exc
     try:
         with file:
-            return _read_file(file, rank, row_tables)
+            return _read_file(file, rank, lean)
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {str(path)!r} is unreadable: {exc}") from None
     except OSError as exc:
@@ -241,8 +244,10 @@ def _write_file(file: BinaryIO, header: bytes, snapshot: Snapshot) -> None:
         write_part(row_record.ids)
         assert not isinstance(row_record.rows, RowTable), "encode_header refuses tables"
         write_part(row_record.rows)
-    if snapshot.optimizer_states is not None:
-        write_part(snapshot.optimizer_states)
+    states = snapshot.optimizer_states
+    if states is not None:
+        assert isinstance(states, bytes | SpilledStates), "encode_header refuses a file"
+        write_part(states)
     file.write(_TRAILER.pack(checksum))
 
 
@@ -333,7 +338,7 @@ def _empty_table(record: RowRecord) -> RowTable | None:
 # A ValueError here means the file is malformed; read_snapshot adds the path.
 
 
-def _read_file(file: io.BufferedReader, rank: int, row_tables: bool) -> Snapshot:
+def _read_file(file: io.BufferedReader, rank: int, lean: bool) -> Snapshot:
     """Read and check server ``rank``'s whole checkpoint; return it once the checksum matched."""
     size = os.fstat(file.fileno()).st_size
     least = _PREFIX.size + _TRAILER.size
@@ -376,21 +381,45 @@ def _read_file(file: io.BufferedReader, rank: int, row_tables: bool) -> Snapshot
     for row_record in snapshot.row_keys:
         read_into(byte_view(row_record.ids), f"row ids of key {row_record.key!r}")
         what = f"rows of key {row_record.key!r}"
-        table = _empty_table(row_record) if row_tables else None
+        table = _empty_table(row_record) if lean else None
         if table is None:
             read_into(byte_view(in_memory(row_record.rows)), what)
         else:
             table.load(row_record.ids, lambda rows: read_into(byte_view(rows), what))  # noqa: B023
             row_record.rows = table
-    states = None if states_nbytes is None else read(states_nbytes, "optimizer states")
+    states: bytes | BinaryIO | None = None
+    if states_nbytes is not None and lean:  # checksummed here, decoded from the file later
+        states = _window(file.fileno(), file.tell(), states_nbytes)
+        scratch = memoryview(bytearray(min(states_nbytes, _SKIM_BYTES)))
+        try:
+            for start in range(0, states_nbytes, _SKIM_BYTES):
+                read_into(scratch[: min(_SKIM_BYTES, states_nbytes - start)], "optimizer states")
+        except BaseException:
+            states.close()
+            raise
+    elif states_nbytes is not None:
+        states = read(states_nbytes, "optimizer states")
     data = file.read(_TRAILER.size)
-    if len(data) != _TRAILER.size:
-        raise ValueError("truncated in the checksum")
-    (stored,) = _TRAILER.unpack(data)
-    if stored != checksum:
-        raise ValueError(
-            f"checksum mismatch: the file says {stored:#010x}, its bytes give {checksum:#010x}"
-        )
+    try:
+        if len(data) != _TRAILER.size:
+            raise ValueError("truncated in the checksum")
+        (stored,) = _TRAILER.unpack(data)
+        if stored != checksum:
+            raise ValueError(
+                f"checksum mismatch: the file says {stored:#010x}, its bytes give {checksum:#010x}"
+            )
+        _check_arrays(snapshot, slots)
+    except BaseException:
+        if states is not None and not isinstance(states, bytes):
+            states.close()
+        raise
+    snapshot.keys = slots
+    snapshot.optimizer_states = states
+    return snapshot
+
+
+def _check_arrays(snapshot: Snapshot, slots: list[KeyRecord]) -> None:
+    """What a checksum cannot vouch for: bools of 0 or 1, row ids in order and range."""
     for record in slots:
         check_bools(record.key, in_memory(record.value))
     for row_record in snapshot.row_keys:
@@ -398,6 +427,49 @@ def _read_file(file: io.BufferedReader, rank: int, row_tables: bool) -> Snapshot
         check_row_ids(row_record.ids, row_record.first, row_record.end, row_record.shape, where)
         rows = row_record.rows
         check_bools(row_record.key, rows.rows if isinstance(rows, RowTable) else in_memory(rows))
-    snapshot.keys = slots
-    snapshot.optimizer_states = states
-    return snapshot
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[offset, offset + nbytes)`` of an open file, as a read-only file of their
+    own (on a duplicate of its descriptor: closing one leaves the other open)."""
+
+    def __init__(self, fd: int, offset: int, nbytes: int) -> None:
+        super().__init__()
+        self._fd = os.dup(fd)
+        self._offset, self._nbytes, self._position = offset, nbytes, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        count = min(view.nbytes, self._nbytes - self._position)
+        if count <= 0:
+            return 0
+        data = os.pread(self._fd, count, self._offset + self._position)
+        view[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._nbytes}[whence]
+        if base + offset < 0:
+            raise OSError(errno.EINVAL, "negative seek position")
+        self._position = base + offset
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+def _window(fd: int, offset: int, nbytes: int) -> BinaryIO:
+    """:class:`_Window`, buffered."""
+    return cast(BinaryIO, io.BufferedReader(_Window(fd, offset, nbytes), _WINDOW_BUFFER_BYTES))

@@ -109,7 +109,7 @@ class KeyRecord:
 class RowRecord:
     """One row-sparse key as a server holds it: the declared ``shape``, the server's rows
     ``[first, end)``, the rows it stores (``ids``: int64, sorted, unique, in the range;
-    ``rows``: one row of ``shape[1:]`` per id, C-contiguous; read with ``row_tables``, a
+    ``rows``: one row of ``shape[1:]`` per id, C-contiguous; read with ``lean``, a
     table of them) and its rounds as :class:`KeyRecord`'s."""
 
     key: int | str
@@ -202,7 +202,8 @@ class Snapshot:
     ``generation`` increases with every checkpoint a server writes (the caller's to count).
     ``optimizer_config`` is a JSON object (or ``None``), ``optimizer_states`` opaque bytes
     (or ``None``); when writing, the arrays and the states may also be in a :class:`Spill`
-    (:class:`SpilledArray`, :class:`SpilledStates`). ``durable_seqs`` maps a worker
+    (:class:`SpilledArray`, :class:`SpilledStates`); read ``lean``, the states are a file
+    to read them from (its reader closes it). ``durable_seqs`` maps a worker
     rank to a sequence number below which every request of that worker is reflected.
     ``store_type`` is kept as given (``"dist_sync"``, ``"dist_async"``). Counters and ranks
     are non-negative ints.
@@ -214,7 +215,7 @@ class Snapshot:
     generation: int
     keys: list[KeyRecord]
     optimizer_config: dict[str, Any] | None
-    optimizer_states: bytes | SpilledStates | None
+    optimizer_states: bytes | SpilledStates | BinaryIO | None
     durable_seqs: dict[int, int]
     row_keys: list[RowRecord] = field(default_factory=list)
     #: Each worker's session (its process) when the checkpoint was written: a worker of

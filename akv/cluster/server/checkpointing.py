@@ -181,7 +181,7 @@ class Checkpoints:
         remove_leftovers(self.directory, self.rank)  # of a writer that died: none runs now
         self._refuse_if_marked_lost()
         try:
-            snapshot = read_snapshot(self.directory, self.rank, row_tables=True)
+            snapshot = read_snapshot(self.directory, self.rank, lean=True)
         except CheckpointError as exc:
             raise UnusableCheckpointError(str(exc)) from exc
         path = str(checkpoint_path(self.directory, self.rank))
@@ -198,6 +198,16 @@ class Checkpoints:
                 path,
             )
             return None
+        try:
+            self._restore(snapshot, path)
+        finally:
+            states = snapshot.optimizer_states
+            if states is not None and not isinstance(states, bytes | SpilledStates):
+                states.close()  # read from the checkpoint's file, as it restored them
+        return snapshot
+
+    def _restore(self, snapshot: Snapshot, path: str) -> None:
+        """:meth:`restore` of the snapshot read (optimizer states still in the file)."""
         for what, theirs, ours in (
             ("workers", snapshot.num_workers, self.num_workers),
             ("servers", snapshot.num_servers, self.num_servers),
@@ -209,7 +219,7 @@ class Checkpoints:
                     "--checkpoint-dir"
                 )
         self._check_row_ranges(snapshot)
-        assert not isinstance(snapshot.optimizer_states, SpilledStates)  # read: bytes
+        assert not isinstance(snapshot.optimizer_states, SpilledStates)  # read, not written
         snapshots.restore(
             self.state,
             snapshot.store_type,
@@ -242,7 +252,6 @@ class Checkpoints:
             len(snapshot.keys) + len(snapshot.row_keys),
             rounds,
         )
-        return snapshot
 
     def mark_lost(self, reason: str) -> None:
         """This server's restore lost pushes it had declared durable (``reason``, the job's

@@ -8,7 +8,7 @@ Both work on a :class:`~akv.cluster.server.state.ServerState` (its private parts
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -86,13 +86,14 @@ def restore(
     store_type: str,
     keys: Sequence[tuple[Key, np.ndarray, int, dict[int, int], dict[int, int]]],
     optimizer_config: dict[str, Any] | None,
-    optimizer_states: bytes | None,
+    optimizer_states: bytes | BinaryIO | None,
     durable_seqs: dict[int, int],
     row_keys: Sequence[RowRecord] = (),
     sessions: dict[int, str] | None = None,
 ) -> None:
     """Start from a checkpoint: the keys (key, value, closed round, each worker's last
-    push number and last push round), the optimizer and its states, and the request
+    push number and last push round), the optimizer and its states (encoded: bytes, or a
+    file to read them from), and the request
     numbers the checkpoint holds. Workers resend what it does not hold. ``sessions``:
     the workers' sessions when it was written; a worker that comes with another one is
     of a new job started from the checkpoint (workers are never restarted within a

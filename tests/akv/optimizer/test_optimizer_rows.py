@@ -236,6 +236,56 @@ def test_row_states_are_saved_from_their_tables_a_slice_at_a_time_as_gathered_ar
         np.testing.assert_array_equal(leaf, gather(table_, ids))
 
 
+def test_row_states_are_decoded_from_a_file_straight_into_tables(tmp_path):
+    """``row_tables``: each leaf is read from its member into a table of its rows, in
+    slices (no array of the leaf is ever made: tracemalloc sees the 8 MiB slices, not the
+    32 MiB leaves); from bytes or from a file, the tables hold the arrays' rows."""
+    import io
+    import tracemalloc
+
+    ids = np.arange(0, 2 * 10**6, 4)  # 500,000 rows of 16 float32: 32 MiB a leaf
+    leaves = tuple(np.full((ids.size, 16), value, np.float32) for value in (1.0, 2.0))
+    data = opt.encode_states({"emb": opt.RowStates((2 * 10**6, 16), ids, leaves)})
+    del leaves
+    path = tmp_path / "states"
+    path.write_bytes(data)
+    tracemalloc.start()
+    try:
+        with open(path, "rb") as file:
+            saved = opt.decode_states(file, row_tables=True).states["emb"]
+        held, peak = tracemalloc.get_traced_memory()  # held: the tables' indexes
+    finally:
+        tracemalloc.stop()
+    assert peak - held < 24 * 2**20, (peak, held)  # less than a leaf beyond what is kept
+    for from_bytes in (False, True):
+        if from_bytes:
+            saved = opt.decode_states(io.BytesIO(data), row_tables=True).states["emb"]
+        assert all(isinstance(leaf, RowTable) for leaf in saved.leaves)
+        for value, table in zip((1.0, 2.0), saved.leaves, strict=True):
+            assert table.shape == (2 * 10**6, 16) and np.array_equal(table.ids(), ids)
+            assert (table.gather(ids[::997]) == value).all()
+
+
+@pytest.mark.parametrize("row_tables", [False, True])
+def test_a_row_leaf_whose_member_differs_from_its_declaration_is_refused(row_tables):
+    import io
+    import zipfile
+
+    data = opt.encode_states({0: opt.RowStates((4, 2), np.array([1, 3]), (np.ones((2, 2)),))})
+    # The leaf's member holds 2 x 1 where the structure declares 2 x 2 (same byte count).
+    forged = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as old, zipfile.ZipFile(forged, "w") as new:
+        for info in old.infolist():
+            member = old.read(info)
+            if info.filename == "a1.npy":
+                member_file = io.BytesIO()
+                np.save(member_file, np.ones((2, 1), np.float64).astype(np.complex128))
+                member = member_file.getvalue()
+            new.writestr(info, member)
+    with pytest.raises(StateFormatError, match="holds shape"):
+        opt.decode_states(forged.getvalue(), row_tables=row_tables)
+
+
 def test_loaded_row_states_that_do_not_fit_the_optimizer_are_refused():
     table = RowTable((4, 2), np.float32)
     momentum = opt.get_updater(opt.SGD(momentum=0.9))

@@ -775,7 +775,7 @@ def test_row_sparse_keys_come_back_as_written_after_the_dense_ones(tmp_path):
 def test_row_sparse_keys_can_be_read_straight_into_tables(tmp_path):
     written = snapshot(row_keys=[row_record(), row_record(11, ids=[], first=5, end=9)])
     write_snapshot(tmp_path, written)
-    got = read_snapshot(tmp_path, 1, row_tables=True)
+    got = read_snapshot(tmp_path, 1, lean=True)
     assert got is not None
     for record, want in zip(got.row_keys, written.row_keys, strict=True):
         table = record.rows
@@ -785,8 +785,36 @@ def test_row_sparse_keys_can_be_read_straight_into_tables(tmp_path):
         np.testing.assert_array_equal(table.gather(want.ids), want.rows)
 
 
-@pytest.mark.parametrize("row_tables", [False, True])
-def test_a_damaged_row_key_is_named_whether_read_into_tables_or_not(tmp_path, row_tables):
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_a_lean_read_leaves_the_optimizer_states_in_the_file_once_checksummed(tmp_path):
+    """Read lean, the states are a file of their own over the checkpoint's bytes (not held
+    in memory), which the reader closes; a checksum that does not fit closes it too."""
+    states = bytes(range(256)) * 1000
+    write_snapshot(tmp_path, snapshot(optimizer_states=states))
+    before = open_fds()
+    got = read_snapshot(tmp_path, 1, lean=True)
+    assert got is not None and not isinstance(got.optimizer_states, bytes)
+    file = got.optimizer_states
+    assert file.read() == states and file.seek(-256, 2) == len(states) - 256
+    assert file.read(1000) == bytes(range(256)) and file.seek(0) == 0
+    assert file.read(3) == b"\x00\x01\x02"
+    file.close()
+    assert open_fds() == before
+    path = checkpoint_path(tmp_path, 1)
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF  # a byte of the states
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        read_snapshot(tmp_path, 1, lean=True)
+    assert open_fds() == before
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_damaged_row_key_is_named_whether_read_into_tables_or_not(tmp_path, lean):
     """Ids a table would refuse are read as arrays: the checksum or the ids' check says
     what is wrong, not the table."""
     write_snapshot(tmp_path, snapshot(keys=[], optimizer_states=None, row_keys=[row_record()]))
@@ -796,12 +824,12 @@ def test_a_damaged_row_key_is_named_whether_read_into_tables_or_not(tmp_path, ro
     unsorted = np.array([7, 2], np.int64).tobytes() + payload[16:]
     forge(path, header, unsorted)
     with pytest.raises(CheckpointError, match="not sorted, unique"):
-        read_snapshot(tmp_path, 1, row_tables=row_tables)
+        read_snapshot(tmp_path, 1, lean=lean)
     at = len(data) - 4 - len(payload) + 8  # the second id's first byte
     data[at] ^= 0xFF  # an id past the table's rows, and a checksum that no longer fits
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
-        read_snapshot(tmp_path, 1, row_tables=row_tables)
+        read_snapshot(tmp_path, 1, lean=lean)
 
 
 def test_a_snapshot_without_row_sparse_keys_has_no_row_keys_field(tmp_path):

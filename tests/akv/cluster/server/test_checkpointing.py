@@ -8,6 +8,7 @@ import asyncio
 import errno
 import itertools
 import json
+import os
 import shutil
 import threading
 import time
@@ -36,6 +37,7 @@ from akv.cluster.server.instructions import (
 from akv.cluster.server.state import ServerState
 from akv.errors import CheckpointError, MembershipError, ShapeMismatchError
 from akv.optimizer._states import StoredRows
+from akv.rows import RowTable
 from akv_engine import Var
 from akv_transport import decode_frame, frame_bytes
 from tests.akv.cluster.cluster import wait_until
@@ -582,6 +584,33 @@ async def test_a_checkpoints_copy_goes_through_a_temporary_file(opened, tmp_path
     with pytest.raises(CheckpointError, match="the disk is full"):
         await checkpoints.write()
     assert len(closed) == 2 and closed[1] is copies[1][3]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+async def test_a_restore_reads_rows_and_row_states_into_tables_and_closes_the_file(
+    opened, tmp_path
+):
+    """A server restored from a checkpoint of row-sparse keys and their optimizer states
+    holds what the written one held (rows read into the key's table, the states decoded
+    from the checkpoint's file into theirs), and leaves no descriptor open but its lock."""
+    players = players_with_states()
+    checkpoints, _ = opened(players.state)
+    checkpoints.restore()
+    await checkpoints.write()
+    written_states = players.state.updater.dump_states(False)
+    written_rows = players.state.rows.entries["emb"].rows
+    checkpoints.close()
+    state = fresh_state()
+    again, _ = opened(state)
+    before = len(os.listdir("/proc/self/fd"))
+    restored = again.restore()  # held: its states' file is closed all the same
+    assert restored is not None
+    assert len(os.listdir("/proc/self/fd")) == before + 1  # the lock's
+    table = state.rows.entries["emb"].rows
+    np.testing.assert_array_equal(table.ids(), written_rows.ids())
+    np.testing.assert_array_equal(table.gather(table.ids()), written_rows.gather(table.ids()))
+    assert state.updater.dump_states(False) == written_states
+    assert all(isinstance(t, RowTable) for t in state.updater.row_states["emb"])
 
 
 @pytest.mark.parametrize("part", ["states", "rows"])
