@@ -16,12 +16,10 @@ from the blocking face, whose caller waits, is summed straight into the stored a
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -34,15 +32,13 @@ from akv.compression import Compression
 from akv.errors import AKVError, OptimizerNotSetError, StateFileError
 from akv.keys import Entry, merge_into
 from akv.local_rows import RowPull, RowPush, apply_row_push, check_updater, pull_rows, store_rows
+from akv.optimizer._states import write_encoded
 from akv.pinned import gpu_only, pinned_now, register_gpu_executor
 from akv.rows import RowTable
 from akv.sparse import RowSparseArray
 from akv_engine import Engine, GPUExecutor, Task, Waitable
 
 __all__ = ["LocalBackend", "UpdaterGuard"]
-
-#: Bytes copied at a time from saved states' temporary file into the file asked for.
-_COPY_BYTES = 16 << 20
 
 
 class UpdaterGuard(threading.local):
@@ -421,20 +417,12 @@ class LocalBackend:
         updater = self._require_optimizer("save_optimizer_states")
 
         def write() -> None:
-            # Encoded into an unnamed temporary file beside ``path`` (not memory: a big
-            # table's states are not held twice), then copied into ``path`` (written through
-            # as before: a link, the file's mode): a failed encoding leaves ``path`` as it was.
             self._settle(entries)
-            try:
-                with tempfile.TemporaryFile(dir=path.parent) as spilled:
-                    updater.dump_states(dump_optimizer, file=spilled)
-                    spilled.seek(0)
-                    with open(path, "wb") as file:
-                        shutil.copyfileobj(spilled, file, _COPY_BYTES)
-            except OSError as exc:
-                raise StateFileError(
-                    f"save_optimizer_states: cannot write {str(path)!r}: {exc}"
-                ) from exc
+
+            def encode(file: BinaryIO) -> None:
+                updater.dump_states(dump_optimizer, file=file)
+
+            write_encoded(path, encode, "save_optimizer_states")
 
         return self._engine.push(
             write, reads=[entry.var for entry in entries], name="save_optimizer_states"

@@ -12,7 +12,7 @@ its range (``Layout``'s pieces then count rows).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -51,8 +51,12 @@ def _cut(tree: Any, shape: tuple[int, ...], size: int, start: int, stop: int) ->
     return array
 
 
-def merge_server_states(parts: Sequence[bytes], layout: Layout) -> bytes:
-    """One states file from the servers' files (``parts[i]`` from server ``i``)."""
+def merge_server_states(
+    parts: Sequence[bytes | memoryview], layout: Layout, file: BinaryIO | None = None
+) -> bytes:
+    """One states file from the servers' files (``parts[i]`` from server ``i``): its bytes,
+    or written to ``file`` (then ``b""``). A row-sparse key's states from several servers
+    are joined as they are written, never into arrays of their own."""
     saved = [decode_states(part) for part in parts]
     states: dict[Any, Any] = {}
     counts: dict[Any, int] = {}
@@ -82,6 +86,7 @@ def merge_server_states(parts: Sequence[bytes], layout: Layout) -> bytes:
         num_update=max((s.num_update for s in saved), default=0),
         optimizer_config=config,
         shared_state=shared,
+        file=file,
     )
 
 

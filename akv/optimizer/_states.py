@@ -25,18 +25,28 @@ written before it existed lack it, and readers that predate it ignore it.
 
 from __future__ import annotations
 
+import abc
 import io
 import json
 import numbers
+import shutil
+import tempfile
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Protocol
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol, cast
 
 import numpy as np
 
 from akv.arrays import is_cupy, to_host
-from akv.errors import AKVError, InvalidArgumentError, MixedKeyKindsError, StateFormatError
+from akv.errors import (
+    AKVError,
+    InvalidArgumentError,
+    MixedKeyKindsError,
+    StateFileError,
+    StateFormatError,
+)
 from akv.optimizer._base import Index, State
 from akv.rows import RowTable
 from akv_transport import byte_view, parse_json
@@ -45,11 +55,15 @@ __all__ = [
     "STATE_FORMAT_NAME",
     "STATE_FORMAT_VERSION",
     "STRUCTURE_MEMBER",
+    "JoinedRows",
+    "LazyRows",
+    "ReadOnlyFile",
     "RowStates",
     "SavedStates",
     "StoredRows",
     "decode_states",
     "encode_states",
+    "write_encoded",
 ]
 
 STATE_FORMAT_NAME = "akv.optimizer-states"
@@ -66,6 +80,8 @@ _ARRAY_KINDS = "biufc"
 
 #: Rows gathered at a time when :class:`StoredRows` are saved (a few MiB each).
 _GATHER_ROWS = 1 << 16
+#: Bytes copied at a time from an encoded states file into its target.
+_COPY_BYTES = 16 << 20
 #: Bytes of a member read at a time into a table's rows.
 _READ_BYTES = 8 << 20
 
@@ -86,11 +102,37 @@ class RowSource(Protocol):
     def gather(self, ids: Any) -> np.ndarray: ...
 
 
+class LazyRows(abc.ABC):
+    """A leaf of :class:`RowStates` being saved whose array is never made: it is written
+    as ``np.lib.format.write_array`` writes that array, byte for byte, a piece at a time."""
+
+    @property
+    @abc.abstractmethod
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    @abc.abstractmethod
+    def dtype(self) -> np.dtype: ...
+
+    def write_npy(self, file: BinaryIO) -> None:
+        """Write the rows as ``np.lib.format.write_array`` writes the array."""
+        header = {
+            "descr": np.lib.format.dtype_to_descr(self.dtype),
+            "fortran_order": False,
+            "shape": self.shape,
+        }
+        np.lib.format.write_array_header_1_0(file, header)
+        self.write_rows(file)
+
+    @abc.abstractmethod
+    def write_rows(self, file: BinaryIO) -> None:
+        """Write the rows' bytes (C order)."""
+
+
 @dataclass(frozen=True)
-class StoredRows:
+class StoredRows(LazyRows):
     """The rows ``ids`` of ``table``, still in it, gathered a slice at a time as they are
-    written (never copied whole: a checkpoint of a big table does not hold it twice). As a
-    leaf of :class:`RowStates`, it saves as the gathered array would, byte for byte; a
+    written (never copied whole: a checkpoint of a big table does not hold it twice). A
     server's checkpoint spills its tables' rows with :meth:`write_rows`."""
 
     table: RowSource
@@ -104,21 +146,32 @@ class StoredRows:
     def dtype(self) -> np.dtype:
         return self.table.dtype
 
-    def write_npy(self, file: BinaryIO) -> None:
-        """Write the rows as ``np.lib.format.write_array`` writes the gathered array."""
-        header = {
-            "descr": np.lib.format.dtype_to_descr(self.dtype),
-            "fortran_order": False,
-            "shape": self.shape,
-        }
-        np.lib.format.write_array_header_1_0(file, header)
-        self.write_rows(file)
-
     def write_rows(self, file: BinaryIO) -> None:
         """Write the rows' bytes (C order), :data:`_GATHER_ROWS` rows gathered at a time."""
         for first in range(0, self.ids.size, _GATHER_ROWS):
             rows = self.table.gather(self.ids[first : first + _GATHER_ROWS])
             file.write(np.ascontiguousarray(rows).data)
+
+
+@dataclass(frozen=True)
+class JoinedRows(LazyRows):
+    """The rows of ``parts`` (arrays of the same row shape and dtype) one after the other,
+    written as their concatenation would be, never concatenated: a table's states gathered
+    from the servers of its row ranges are not held twice."""
+
+    parts: tuple[np.ndarray, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(part.shape[0] for part in self.parts), *self.parts[0].shape[1:])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parts[0].dtype
+
+    def write_rows(self, file: BinaryIO) -> None:
+        for part in self.parts:
+            file.write(np.ascontiguousarray(part).data)
 
 
 @dataclass(frozen=True)
@@ -130,9 +183,9 @@ class RowStates:
 
     shape: tuple[int, ...]
     ids: np.ndarray
-    #: Arrays; or, in states being saved, rows still in their tables (:class:`StoredRows`);
+    #: Arrays; or, in states being saved, rows never gathered into one (:class:`LazyRows`);
     #: or, decoded with ``row_tables``, tables of the rows (:class:`~akv.rows.RowTable`).
-    leaves: tuple[np.ndarray | StoredRows | RowTable, ...]
+    leaves: tuple[np.ndarray | LazyRows | RowTable, ...]
 
     def rows(self, first: int, end: int) -> RowStates:
         """The states of rows ``[first, end)`` only (of states read back: arrays)."""
@@ -143,15 +196,15 @@ class RowStates:
 
     @staticmethod
     def join(parts: list[RowStates]) -> RowStates:
-        """The states of parts holding disjoint rows, given in row order, as one."""
+        """The states of parts holding disjoint rows, given in row order, as one to save
+        (the parts' leaves, arrays, are joined as they are written: :class:`JoinedRows`)."""
         first = parts[0]
-        return RowStates(
-            first.shape,
-            np.concatenate([part.ids for part in parts]),
-            tuple(
-                np.concatenate([part.leaves[i] for part in parts]) for i in range(len(first.leaves))
-            ),
-        )
+        leaves: list[np.ndarray | LazyRows | RowTable] = []
+        for i in range(len(first.leaves)):
+            arrays = [leaf for part in parts if isinstance(leaf := part.leaves[i], np.ndarray)]
+            assert len(arrays) == len(parts), "states read back hold arrays"
+            leaves.append(arrays[0] if len(arrays) == 1 else JoinedRows(tuple(arrays)))
+        return RowStates(first.shape, np.concatenate([part.ids for part in parts]), tuple(leaves))
 
 
 @dataclass(frozen=True)
@@ -229,7 +282,7 @@ def encode_states(
     if len(kinds) > 1:
         raise MixedKeyKindsError("cannot encode states whose keys mix int and str")
     key_kind = "str" if kinds == {str} else "int"
-    members: dict[str, np.ndarray | StoredRows] = {}
+    members: dict[str, np.ndarray | LazyRows] = {}
     trees = [
         _encode_tree(key, state, members, "state")
         for key, state in zip(keys, states.values(), strict=True)
@@ -262,7 +315,7 @@ def encode_states(
         archive.writestr(_member(STRUCTURE_MEMBER), text.encode("utf-8"))
         for name, array in members.items():
             with archive.open(_member(f"{name}.npy"), "w", force_zip64=True) as member:
-                if isinstance(array, StoredRows):
+                if isinstance(array, LazyRows):
                     array.write_npy(member)
                 else:
                     np.lib.format.write_array(member, array, allow_pickle=False)
@@ -276,6 +329,27 @@ def _member(name: str) -> zipfile.ZipInfo:
     info.compress_type = zipfile.ZIP_STORED
     info.external_attr = 0o600 << 16  # -rw-------, as zipfile gives a member named by str
     return info
+
+
+def write_encoded(path: Path, encode: Callable[[BinaryIO], object], what: str) -> None:
+    """``encode(file)`` into an unnamed temporary file beside ``path`` (not memory: a big
+    table's states are not held twice), then copied into ``path``, written through as
+    before (a link, the file's mode): a failed encoding leaves ``path`` as it was.
+
+    Raises
+    ------
+    StateFileError
+        ``path`` (or the temporary file beside it) cannot be written; ``what`` names the
+        call (``"save_optimizer_states"``).
+    """
+    try:
+        with tempfile.TemporaryFile(dir=path.parent) as spilled:
+            encode(spilled)
+            spilled.seek(0)
+            with open(path, "wb") as file:
+                shutil.copyfileobj(spilled, file, _COPY_BYTES)
+    except OSError as exc:
+        raise StateFileError(f"{what}: cannot write {str(path)!r}: {exc}") from exc
 
 
 def decode_states(
@@ -295,8 +369,10 @@ def decode_states(
         version), or its structure is inconsistent (an array whose shape or dtype differs
         from its declaration, a missing member, bad keys or counts); the message says what.
     """
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        source: BinaryIO = io.BytesIO(data)
+    if isinstance(data, bytes):
+        source: BinaryIO = io.BytesIO(data)  # shares the bytes
+    elif isinstance(data, (bytearray, memoryview)):
+        source = cast(BinaryIO, _ViewFile(data))  # io.BytesIO would copy them
     elif callable(getattr(data, "read", None)) and callable(getattr(data, "seek", None)):
         source = data
     else:
@@ -336,6 +412,57 @@ def decode_states(
 # -- encoding helpers ----------------------------------------------------------------------
 
 
+class ReadOnlyFile(io.RawIOBase, abc.ABC):
+    """A read-only, seekable file of ``size`` bytes whose subclass says how to read the
+    bytes at a position (:meth:`_read_at`): memory, or part of another file."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self._size, self._position = size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        count = min(target.nbytes, self._size - self._position)
+        if count <= 0:
+            return 0
+        got = self._read_at(self._position, target[:count])
+        self._position += got
+        return got
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}
+        position = base[whence] + offset
+        if position < 0:
+            raise ValueError(f"negative seek position {position}")
+        self._position = position
+        return position
+
+    def tell(self) -> int:
+        return self._position
+
+    @abc.abstractmethod
+    def _read_at(self, position: int, target: memoryview) -> int:
+        """Fill ``target`` (or its start) with the bytes from ``position``; how many."""
+
+
+class _ViewFile(ReadOnlyFile):
+    """Bytes in memory as a file, never copied whole (a memoryview, a bytearray)."""
+
+    def __init__(self, data: bytearray | memoryview) -> None:
+        self._view = memoryview(data).cast("B")
+        super().__init__(self._view.nbytes)
+
+    def _read_at(self, position: int, target: memoryview) -> int:
+        target[:] = self._view[position : position + target.nbytes]
+        return target.nbytes
+
+
 def _normalise_key(key: object) -> Index:
     if isinstance(key, (bool, np.bool_)) or not isinstance(key, (numbers.Integral, str)):
         raise InvalidArgumentError(f"state key {key!r} is neither an int nor a str")
@@ -343,11 +470,11 @@ def _normalise_key(key: object) -> Index:
 
 
 def _encode_tree(
-    key: Index, state: object, members: dict[str, np.ndarray | StoredRows], path: str
+    key: Index, state: object, members: dict[str, np.ndarray | LazyRows], path: str
 ) -> Any:
     if state is None:
         return None
-    if isinstance(state, StoredRows):
+    if isinstance(state, LazyRows):
         name = f"a{len(members)}"
         members[name] = state
         return {"array": name, "shape": list(state.shape), "dtype": state.dtype.str}

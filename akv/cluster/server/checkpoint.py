@@ -40,7 +40,7 @@ import struct
 import tempfile
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, cast
+from typing import TYPE_CHECKING, BinaryIO, cast
 
 from akv.cluster.server.checkpoint_header import (
     HEADER_MAX_DEPTH,
@@ -57,6 +57,7 @@ from akv.cluster.server.checkpoint_header import (
     in_memory,
 )
 from akv.errors import AKVError, CheckpointError
+from akv.optimizer._states import ReadOnlyFile
 from akv.rows import RowTable
 from akv_transport import byte_view, parse_json
 
@@ -429,40 +430,18 @@ def _check_arrays(snapshot: Snapshot, slots: list[KeyRecord]) -> None:
         check_bools(row_record.key, rows.rows if isinstance(rows, RowTable) else in_memory(rows))
 
 
-class _Window(io.RawIOBase):
+class _Window(ReadOnlyFile):
     """Bytes ``[offset, offset + nbytes)`` of an open file, as a read-only file of their
     own (on a duplicate of its descriptor: closing one leaves the other open)."""
 
     def __init__(self, fd: int, offset: int, nbytes: int) -> None:
-        super().__init__()
-        self._fd = os.dup(fd)
-        self._offset, self._nbytes, self._position = offset, nbytes, 0
+        super().__init__(nbytes)
+        self._fd, self._offset = os.dup(fd), offset
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        count = min(view.nbytes, self._nbytes - self._position)
-        if count <= 0:
-            return 0
-        data = os.pread(self._fd, count, self._offset + self._position)
-        view[: len(data)] = data
-        self._position += len(data)
+    def _read_at(self, position: int, target: memoryview) -> int:
+        data = os.pread(self._fd, target.nbytes, self._offset + position)
+        target[: len(data)] = data
         return len(data)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._nbytes}[whence]
-        if base + offset < 0:
-            raise OSError(errno.EINVAL, "negative seek position")
-        self._position = base + offset
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
 
     def close(self) -> None:
         if not self.closed:

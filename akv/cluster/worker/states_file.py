@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from akv.cluster.states import merge_server_states, split_server_states
 from akv.cluster.worker.link import ServerLink
 from akv.errors import StateFileError
 from akv.keys import Entry
+from akv.optimizer._states import write_encoded
 from akv_transport import Message
 
 __all__ = ["send_states_file", "write_states_file"]
@@ -28,12 +30,13 @@ async def write_states_file(replies: Sequence[Message], entries: list[Entry], pa
     StateFileError
         The file cannot be written.
     """
-    parts = [bytes(reply.buffers[0]) for reply in replies]
-    data = merge_server_states(parts, {e.key: e.layout() for e in entries})
-    try:
-        await asyncio.to_thread(path.write_bytes, data)
-    except OSError as exc:
-        raise StateFileError(f"save_optimizer_states: cannot write {str(path)!r}: {exc}") from exc
+    parts = [memoryview(reply.buffers[0]).cast("B") for reply in replies]
+    layout = {e.key: e.layout() for e in entries}
+
+    def encode(file: BinaryIO) -> None:
+        merge_server_states(parts, layout, file)
+
+    await asyncio.to_thread(write_encoded, path, encode, "save_optimizer_states")
 
 
 async def send_states_file(
