@@ -342,14 +342,15 @@ class LoadStates:
 
 @dataclass(eq=False)
 class StatesTicket:
-    """A save or load of optimizer states (``work``) waiting, as a pull does, for the rounds
-    its sender's last pushes went into to be applied (dist_sync: a push answered once
-    counted may wait for the other workers; the states saved must hold its update, and
-    states loaded must not be overwritten by it)."""
+    """A save or load of optimizer states, or a new optimizer (``work``), waiting, as a pull
+    does, for the rounds its sender's last pushes went into to be applied (dist_sync: a
+    push answered once counted may wait for the other workers; the states saved must hold
+    its update, states loaded must not be overwritten by it, and a new optimizer must not
+    apply it)."""
 
     peer: Peer
     seq: int
-    work: SaveStates | LoadStates
+    work: InstallOptimizer | SaveStates | LoadStates
     remaining: int = 0
     answered: bool = False
 

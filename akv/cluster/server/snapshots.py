@@ -18,8 +18,8 @@ from akv.cluster.server.checkpoint_header import RowRecord
 from akv.cluster.server.checks import CHANGING_OPS
 from akv.cluster.server.instructions import (
     CheckpointPlan,
-    LoadStates,
     RowEntry,
+    SaveStates,
     ServerEntry,
     StatesTicket,
 )
@@ -69,15 +69,15 @@ def plan(state: ServerState) -> CheckpointPlan:
 
 def _unapplied(state: ServerState) -> Iterator[tuple[int, int]]:
     """(worker, request number) of each change taken in whose effect waits: a push parked by
-    bounded staleness, and a states load waiting for rounds to be applied (a checkpoint
-    written now holds neither)."""
+    bounded staleness, and a states load or a new optimizer waiting for rounds to be applied
+    (a checkpoint written now holds neither)."""
     if state.waiting is not None:
         for parked in state.waiting:
             if parked.header.op in CHANGING_OPS:
                 yield parked.peer.worker, parked.header.seq
     for entry in state._all_keys():
         for ticket in entry.rounds.waiting_tickets():
-            if isinstance(ticket, StatesTicket) and isinstance(ticket.work, LoadStates):
+            if isinstance(ticket, StatesTicket) and not isinstance(ticket.work, SaveStates):
                 yield ticket.peer.worker, ticket.seq
 
 

@@ -617,7 +617,12 @@ class ServerState:
         optimizer, config = optimizer_request(text)
         if self.optimizer_config == config:
             return [Reply(peer, seq)]  # every worker sends it; the same again changes nothing
-        return [InstallOptimizer(peer, seq, optimizer, config, self._all_keys())]
+        # Not before the rounds its sender pushed into are applied (as its pull waited for
+        # them): a restarted server gets it resent right behind those pushes, maybe before
+        # another worker's push closes the round, which the old optimizer must apply.
+        return self._after_own_rounds(
+            InstallOptimizer(peer, seq, optimizer, config, self._all_keys())
+        )
 
     def install_optimizer(self, optimizer: _optimizer.Optimizer, config: dict[str, Any]) -> None:
         """Use ``optimizer`` from now on (the service calls this once every earlier write
@@ -645,9 +650,12 @@ class ServerState:
         updater = self._require_updater("load_optimizer_states")
         return self._after_own_rounds(LoadStates(peer, seq, updater, data, self._all_keys()))
 
-    def _after_own_rounds(self, work: SaveStates | LoadStates) -> list[Instruction]:
+    def _after_own_rounds(
+        self, work: InstallOptimizer | SaveStates | LoadStates
+    ) -> list[Instruction]:
         """``work`` now, or once the round of its sender's last push of each key is applied
-        (as a pull waits: a save holds, and a load follows, every push sent before it)."""
+        (as a pull waits: a save holds, and a load or a new optimizer follows, every push
+        sent before it)."""
         ticket = StatesTicket(work.peer, work.seq, work)
         for entry in self._all_keys():
             rounds = entry.rounds

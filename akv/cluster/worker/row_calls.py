@@ -290,7 +290,12 @@ class RowCalls:
             if len(answers) == 1:  # no gather: its callbacks cost the pull loop turns
                 await answers[0]
             else:
-                await asyncio.gather(*answers)
+                # Every server's answer first: a failed round on one server must not let a
+                # later call (set_optimizer) reach another whose round still waits.
+                outcomes = await asyncio.gather(*answers, return_exceptions=True)
+                error = next((o for o in outcomes if isinstance(o, BaseException)), None)
+                if error is not None:
+                    raise error
         except AKVError:
             refused = self.take_failed(keys)
             if refused is None:

@@ -638,6 +638,30 @@ def test_new_hyper_parameters_keep_the_optimizers_states():
     assert updater.optimizer.learning_rate == pytest.approx(0.01)
 
 
+def test_a_new_optimizer_waits_for_the_rounds_its_sender_pushed_into():
+    """A worker's push counted, then its new optimizer (as a restarted server gets them,
+    resent back to back, before the other worker's push of that round): the round is
+    applied with the optimizer it was pushed under, and the new one answered after it; a
+    checkpoint written meanwhile does not hold the waiting request."""
+    players = started(2)
+    players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.1))
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    change = players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=1.0))
+    assert players.waiting(0, change)
+    players.hold_updates = True
+    players.push(1, {"w": f32(1, 1)}, tag=1)  # the round closes; its update is held
+    assert players.waiting(0, change)
+    assert players.state.checkpoint_plan().durable_seqs[0] == change  # the push is in
+    players.hold_updates = False
+    players.finish_updates()
+    np.testing.assert_allclose(players.state.entries["w"].value, f32(-0.2, -0.2))
+    assert players.reply(0, change) == OK
+    assert players.state.updater.optimizer.learning_rate == pytest.approx(1.0)
+    players.push(0, {"w": f32(1, 1)}, tag=2)
+    players.push(1, {"w": f32(1, 1)}, tag=2)
+    np.testing.assert_allclose(players.state.entries["w"].value, f32(-2.2, -2.2))
+
+
 def test_a_bad_optimizer_configuration_is_refused_and_changes_nothing():
     players = started(2)
     not_json = players.reply(0, players.send(0, Op.SET_OPTIMIZER, text="{"))

@@ -22,6 +22,7 @@ from akv.cluster.worker.push_buffers import (
     PushBuffers,
 )
 from akv.cluster.worker.row_calls import RowCalls
+from akv.errors import ServerError
 from akv.sparse import RowSparseArray
 from akv_engine import Engine
 
@@ -165,7 +166,7 @@ class Link:
         self.tags: list[list[int]] = []
         self._loop = loop
 
-    def issue(self, op, arrays, timeout_s=None):
+    def issue(self, op, arrays, timeout_s=None, destinations=()):
         answer = self._loop.create_future()
         self.answers.append(answer)
         self.sent.append([np.array(array, copy=True) for _, array, _ in arrays])
@@ -254,5 +255,32 @@ async def test_a_push_the_engine_skips_gives_its_buffer_back_at_once():
         sent = calls.push([(entry, value)], priority=0)  # the failure was raised: runs
         await asyncio.wait_for(sent, 10)
         assert len(links[0].sent) == 1 and len(calls.push_buffers._lent) == 1  # answer due
+    finally:
+        engine.close(timeout=10)
+
+
+async def test_a_pull_one_server_refused_raises_once_every_server_answered():
+    """A failed round's error from one server ends the pull only once the others answered:
+    their rounds may still wait for other workers' pushes, and a call made after the error
+    (a new optimizer) must not reach them first."""
+    loop = asyncio.get_running_loop()
+    engine = Engine(loop=loop)
+    try:
+        links = [Link(loop), Link(loop)]
+        calls = row_calls(links, [SimpleNamespace(shared=None)] * 2, engine)
+        entry = calls.new_entry("emb", (10, 3), np.dtype(np.float32))  # rows 0-4 | 5-9
+        out = RowSparseArray.zeros((10, 3), np.float32)
+        pulling = calls.pull([(entry, np.array([1, 7]), out)], "pulled", priority=0)
+        for _ in range(100):
+            if links[0].answers and links[1].answers:
+                break
+            await asyncio.sleep(0)
+        links[0].answers[0].set_exception(ServerError("round 1 failed on server 0"))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not pulling.done()  # server 1 has not answered yet
+        links[1].answers[0].set_result(None)
+        with pytest.raises(ServerError, match="round 1 failed on server 0"):
+            await asyncio.wait_for(pulling, 10)
     finally:
         engine.close(timeout=10)
