@@ -16,10 +16,11 @@ from the blocking face, whose caller waits, is summed straight into the stored a
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from akv.compression import Compression
 from akv.errors import AKVError, OptimizerNotSetError, StateFileError
 from akv.keys import Entry, merge_into
 from akv.local_rows import RowPull, RowPush, apply_row_push, check_updater, pull_rows, store_rows
-from akv.optimizer._states import write_encoded
+from akv.optimizer._states import FileWindow, write_encoded
 from akv.pinned import gpu_only, pinned_now, register_gpu_executor
 from akv.rows import RowTable
 from akv.sparse import RowSparseArray
@@ -435,13 +436,19 @@ class LocalBackend:
         def read() -> None:
             self._settle(entries)
             try:
-                file = open(path, "rb")  # noqa: SIM115 (closed below)
+                with open(path, "rb") as file:
+                    # Decoded from the file (a big table's states are not read whole into
+                    # memory), but for a pipe, which cannot seek.
+                    if file.seekable():
+                        size = os.fstat(file.fileno()).st_size
+                        with FileWindow(file.fileno(), 0, size) as window:
+                            updater.load_states(cast(BinaryIO, window))
+                    else:
+                        updater.load_states(file.read())
             except OSError as exc:
                 raise StateFileError(
                     f"load_optimizer_states: cannot read {str(path)!r}: {exc}"
                 ) from exc
-            with file:  # decoded from the file: a big table's states are not read whole
-                updater.load_states(file)
 
         return self._engine.push(
             read, writes=[entry.var for entry in entries], name="load_optimizer_states"

@@ -29,6 +29,7 @@ import abc
 import io
 import json
 import numbers
+import os
 import shutil
 import tempfile
 import zipfile
@@ -55,6 +56,7 @@ __all__ = [
     "STATE_FORMAT_NAME",
     "STATE_FORMAT_VERSION",
     "STRUCTURE_MEMBER",
+    "FileWindow",
     "JoinedRows",
     "LazyRows",
     "ReadOnlyFile",
@@ -368,6 +370,9 @@ def decode_states(
         ``data`` is not an archive of this format (corrupt, another format name, another
         version), or its structure is inconsistent (an array whose shape or dtype differs
         from its declaration, a missing member, bad keys or counts); the message says what.
+    OSError
+        ``data`` is a :class:`ReadOnlyFile` that could not be read (zipfile would have
+        called that a damaged archive).
     """
     if isinstance(data, bytes):
         source: BinaryIO = io.BytesIO(data)  # shares the bytes
@@ -377,6 +382,15 @@ def decode_states(
         source = data
     else:
         raise InvalidArgumentError(f"optimizer states must be bytes, got {type(data).__name__}")
+    try:
+        return _decode(source, row_tables)
+    except StateFormatError:
+        if isinstance(source, ReadOnlyFile) and source.error is not None:
+            raise source.error from None
+        raise
+
+
+def _decode(source: BinaryIO, row_tables: bool) -> SavedStates:
     try:
         archive = zipfile.ZipFile(source)
     except _ZIP_ERRORS as exc:
@@ -414,11 +428,14 @@ def decode_states(
 
 class ReadOnlyFile(io.RawIOBase, abc.ABC):
     """A read-only, seekable file of ``size`` bytes whose subclass says how to read the
-    bytes at a position (:meth:`_read_at`): memory, or part of another file."""
+    bytes at a position (:meth:`_read_at`): memory, or part of another file. The first
+    error a read raised is kept (:attr:`error`): a reader that turns errors into others
+    (zipfile: a damaged archive) can then be told apart from one that could not read."""
 
     def __init__(self, size: int) -> None:
         super().__init__()
         self._size, self._position = size, 0
+        self.error: OSError | None = None
 
     def readable(self) -> bool:
         return True
@@ -431,7 +448,11 @@ class ReadOnlyFile(io.RawIOBase, abc.ABC):
         count = min(target.nbytes, self._size - self._position)
         if count <= 0:
             return 0
-        got = self._read_at(self._position, target[:count])
+        try:
+            got = self._read_at(self._position, target[:count])
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
         self._position += got
         return got
 
@@ -449,6 +470,26 @@ class ReadOnlyFile(io.RawIOBase, abc.ABC):
     @abc.abstractmethod
     def _read_at(self, position: int, target: memoryview) -> int:
         """Fill ``target`` (or its start) with the bytes from ``position``; how many."""
+
+
+class FileWindow(ReadOnlyFile):
+    """Bytes ``[offset, offset + nbytes)`` of an open file (descriptor ``fd``), as a file of
+    their own, read with ``pread`` on a duplicate of the descriptor (closing one leaves the
+    other open)."""
+
+    def __init__(self, fd: int, offset: int, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self._fd, self._offset = os.dup(fd), offset
+
+    def _read_at(self, position: int, target: memoryview) -> int:
+        data = os.pread(self._fd, target.nbytes, self._offset + position)
+        target[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
 
 
 class _ViewFile(ReadOnlyFile):

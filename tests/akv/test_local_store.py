@@ -652,6 +652,35 @@ def test_saved_states_leave_the_file_as_it_was_when_the_encoding_fails(kv, tmp_p
     assert optimizer_module.decode_states(long.read_bytes()).states.keys() == {0}
 
 
+def test_states_load_from_a_pipe_and_a_file_that_fails_to_read_names_it(kv, tmp_path, monkeypatch):
+    """States are decoded from their file (not read whole), a pipe's read first (it cannot
+    seek); a read that fails part way is a StateFileError naming the file, not a damaged
+    archive."""
+    import errno
+    import os
+
+    from akv.optimizer import _states
+
+    kv.init(0, ones())
+    kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+    kv.push(0, ones())
+    saved = tmp_path / "states.npz"
+    kv.save_optimizer_states(saved)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    feeder = threading.Thread(target=lambda: fifo.write_bytes(saved.read_bytes()))
+    feeder.start()
+    kv.load_optimizer_states(fifo)
+    feeder.join(10)
+
+    def failing(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_states.os, "pread", failing)
+    with pytest.raises(akv.StateFileError, match=r"cannot read .*states\.npz.*Input/output"):
+        kv.load_optimizer_states(saved)
+
+
 @pytest.mark.parametrize(
     ("variable", "value"),
     [("AKV_ENGINE_SLOTS", "many"), ("AKV_ENGINE_SLOTS", "0"), ("AKV_INLINE_MAX_BYTES", "-1")],

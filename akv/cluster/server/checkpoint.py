@@ -57,7 +57,7 @@ from akv.cluster.server.checkpoint_header import (
     in_memory,
 )
 from akv.errors import AKVError, CheckpointError
-from akv.optimizer._states import ReadOnlyFile
+from akv.optimizer._states import FileWindow
 from akv.rows import RowTable
 from akv_transport import byte_view, parse_json
 
@@ -98,7 +98,6 @@ _TRAILER = struct.Struct("<I")
 _WRITE_BUFFER_BYTES = 1 << 20
 #: Bytes of the optimizer states checksummed at a time by a lean read (not kept).
 _SKIM_BYTES = 8 << 20
-_WINDOW_BUFFER_BYTES = 1 << 16
 
 
 def checkpoint_path(directory: Path, rank: int) -> Path:
@@ -390,7 +389,7 @@ def _read_file(file: io.BufferedReader, rank: int, lean: bool) -> Snapshot:
             row_record.rows = table
     states: bytes | BinaryIO | None = None
     if states_nbytes is not None and lean:  # checksummed here, decoded from the file later
-        states = _window(file.fileno(), file.tell(), states_nbytes)
+        states = cast(BinaryIO, FileWindow(file.fileno(), file.tell(), states_nbytes))
         scratch = memoryview(bytearray(min(states_nbytes, _SKIM_BYTES)))
         try:
             for start in range(0, states_nbytes, _SKIM_BYTES):
@@ -428,27 +427,3 @@ def _check_arrays(snapshot: Snapshot, slots: list[KeyRecord]) -> None:
         check_row_ids(row_record.ids, row_record.first, row_record.end, row_record.shape, where)
         rows = row_record.rows
         check_bools(row_record.key, rows.rows if isinstance(rows, RowTable) else in_memory(rows))
-
-
-class _Window(ReadOnlyFile):
-    """Bytes ``[offset, offset + nbytes)`` of an open file, as a read-only file of their
-    own (on a duplicate of its descriptor: closing one leaves the other open)."""
-
-    def __init__(self, fd: int, offset: int, nbytes: int) -> None:
-        super().__init__(nbytes)
-        self._fd, self._offset = os.dup(fd), offset
-
-    def _read_at(self, position: int, target: memoryview) -> int:
-        data = os.pread(self._fd, target.nbytes, self._offset + position)
-        target[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            os.close(self._fd)
-        super().close()
-
-
-def _window(fd: int, offset: int, nbytes: int) -> BinaryIO:
-    """:class:`_Window`, buffered."""
-    return cast(BinaryIO, io.BufferedReader(_Window(fd, offset, nbytes), _WINDOW_BUFFER_BYTES))

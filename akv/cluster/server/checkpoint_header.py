@@ -10,6 +10,7 @@ A ``ValueError`` from here names the field that cannot be kept (encoding) or is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -156,7 +157,10 @@ class Spill:
             yield data
 
     def close(self) -> None:
-        self.file.close()
+        """Close (and so remove) the file. Bytes still buffered are not needed: a failure to
+        write them (the full disk that failed the copy, again) is not raised."""
+        with contextlib.suppress(OSError):
+            self.file.close()
 
 
 @dataclass(frozen=True)

@@ -220,19 +220,22 @@ class Checkpoints:
                 )
         self._check_row_ranges(snapshot)
         assert not isinstance(snapshot.optimizer_states, SpilledStates)  # read, not written
-        snapshots.restore(
-            self.state,
-            snapshot.store_type,
-            [
-                (r.key, in_memory(r.value), r.closed_round, r.tags, r.last_round)
-                for r in snapshot.keys
-            ],
-            snapshot.optimizer_config,
-            snapshot.optimizer_states,
-            snapshot.durable_seqs,
-            snapshot.row_keys,
-            snapshot.sessions,
-        )
+        try:
+            snapshots.restore(
+                self.state,
+                snapshot.store_type,
+                [
+                    (r.key, in_memory(r.value), r.closed_round, r.tags, r.last_round)
+                    for r in snapshot.keys
+                ],
+                snapshot.optimizer_config,
+                snapshot.optimizer_states,
+                snapshot.durable_seqs,
+                snapshot.row_keys,
+                snapshot.sessions,
+            )
+        except OSError as exc:  # its optimizer states, decoded from the file, were unreadable
+            raise UnusableCheckpointError(f"cannot read checkpoint {path!r}: {exc}") from exc
         self.generation = snapshot.generation
         self.durable_seqs = dict(snapshot.durable_seqs)
         self._written_changes = self.state.changes

@@ -789,6 +789,21 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def test_bools_read_straight_into_a_table_are_checked(tmp_path):
+    """A forged row key of bools holding 2 (its checksum made to fit) is refused read lean
+    as read into arrays."""
+    ids = np.array([2, 7], np.int64)
+    rows = np.ones((2, 3), np.bool_)
+    record = RowRecord("flags", (10, 3), 0, 10, ids, rows, 5, {0: 5}, {0: 5})
+    write_snapshot(tmp_path, snapshot(keys=[], optimizer_states=None, row_keys=[record]))
+    path = checkpoint_path(tmp_path, 1)
+    header, payload = split(path.read_bytes())
+    forge(path, header, payload[:-1] + b"\x02")
+    for lean in (False, True):
+        with pytest.raises(CheckpointError, match="flags"):
+            read_snapshot(tmp_path, 1, lean=lean)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
 def test_a_lean_read_leaves_the_optimizer_states_in_the_file_once_checksummed(tmp_path):
     """Read lean, the states are a file of their own over the checkpoint's bytes (not held

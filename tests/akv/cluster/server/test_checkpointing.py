@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import io
 import itertools
 import json
 import os
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -613,7 +615,51 @@ async def test_a_restore_reads_rows_and_row_states_into_tables_and_closes_the_fi
     assert all(isinstance(t, RowTable) for t in state.updater.row_states["emb"])
 
 
-@pytest.mark.parametrize("part", ["states", "rows"])
+async def test_a_restore_whose_states_cannot_be_read_names_the_checkpoint(
+    opened, tmp_path, monkeypatch
+):
+    """The optimizer states are decoded from the checkpoint's file after its checksum: a
+    read that fails then is an unusable checkpoint naming the file, not a damaged archive."""
+    from akv.optimizer import _states
+
+    players = players_with_states()
+    checkpoints, _ = opened(players.state)
+    checkpoints.restore()
+    await checkpoints.write()
+    checkpoints.close()
+
+    def failing(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_states.os, "pread", failing)
+    again, _ = opened(fresh_state())
+    with pytest.raises(
+        checkpointing.UnusableCheckpointError,
+        match=r"cannot read checkpoint .*server-3\.akvckpt.*Input/output error",
+    ):
+        again.restore()
+
+
+class FullDisk(io.FileIO):
+    """A file on a disk with ``FREE`` bytes left."""
+
+    FREE = 200
+
+    def write(self, data: Any) -> int:
+        if self.tell() + memoryview(data).nbytes > self.FREE:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)
+
+
+def on_a_full_disk(dir: Any = None) -> io.BufferedRandom:
+    """``tempfile.TemporaryFile`` on a nearly full disk: writes are buffered first, so one
+    fails when the buffer goes to the disk (at a seek, a flush, or the close)."""
+    fd, name = tempfile.mkstemp(dir=dir)
+    os.unlink(name)
+    return io.BufferedRandom(FullDisk(fd, "r+b"))
+
+
+@pytest.mark.parametrize("part", ["states", "rows", "buffered"])
 async def test_a_checkpoint_whose_copy_cannot_be_spilled_fails_as_a_checkpoint(
     opened, tmp_path, monkeypatch, part
 ):
@@ -639,8 +685,10 @@ async def test_a_checkpoint_whose_copy_cannot_be_spilled_fails_as_a_checkpoint(
     )
     if part == "states":
         monkeypatch.setattr(optimizer.Updater, "dump_states", full)
-    else:
+    elif part == "rows":
         monkeypatch.setattr(StoredRows, "write_rows", full)
+    else:  # the close, flushing what the failed write left buffered, fails again
+        monkeypatch.setattr(checkpoint_module.tempfile, "TemporaryFile", on_a_full_disk)
     with pytest.raises(CheckpointError, match="writing the copy of the keys to a temporary"):
         await checkpoints.write()
     assert len(closed) == 1 and closed[0].file.closed
