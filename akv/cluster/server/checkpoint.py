@@ -18,13 +18,15 @@ The header holds ``rank``, ``num_workers``, ``store_type``, ``generation``,
 or ``{"offset", "nbytes"}``) and ``keys``: per key ``key``, ``kind`` (``"int"`` or
 ``"str"``), ``dtype`` (``np.dtype.str`` of a dtype in :data:`akv_transport.DTYPE_CODES`, such as
 ``"<f4"``), ``shape``, ``closed_round``, ``tags``, ``last_round``, ``offset`` and ``nbytes``
-(offsets count from the payload's first byte). A server that holds row-sparse keys adds
-``row_keys`` (absent otherwise, so that such a file is what an older akv wrote): per key
-``key``, ``kind``, ``dtype``, ``shape`` (the declared shape), ``first`` and ``end`` (the
-server's rows), ``rows`` (how many it stores), ``closed_round``, ``tags``, ``last_round``,
-``offset`` and ``nbytes``; its payload is the stored rows' ids (int64, sorted, unique, in
-the range) then the rows. Worker ranks, the keys of ``tags``, ``last_round`` and
-``durable_seqs``, are decimal strings in JSON and ints in Python. The arrays (the dense
+(offsets count from the payload's first byte), and ``untold`` where a failed round's error
+waits to be told to some workers (worker rank to its message; absent otherwise). A server
+that holds row-sparse keys adds ``row_keys`` (absent otherwise, so that such a file is what
+an older akv wrote): per key ``key``, ``kind``, ``dtype``, ``shape`` (the declared shape),
+``first`` and ``end`` (the server's rows), ``rows`` (how many it stores), ``closed_round``,
+``tags``, ``last_round``, ``offset``, ``nbytes`` and maybe ``untold``; its payload is the
+stored rows' ids (int64, sorted, unique, in the range) then the rows. Worker ranks, the keys
+of ``tags``, ``last_round``, ``untold`` and ``durable_seqs``, are decimal strings in JSON
+and ints in Python. The arrays (the dense
 keys', then the row-sparse keys') and the optimizer states lie back to back in header
 order, without gaps, so that a reader streams the file once, checksumming as it goes.
 """

@@ -49,6 +49,8 @@ HEADER_MAX_DEPTH = DEFAULT_JSON_MAX_DEPTH + 1
 _RANK_TEXT = re.compile(r"0|[1-9][0-9]{0,19}")
 #: The longest worker session id kept (a worker's is a uuid4 hex: 32).
 MAX_SESSION_CHARS = 128
+#: The longest message kept of a failed round's error.
+MAX_MESSAGE_CHARS = 4096
 _DTYPES_BY_STR = {dtype.str: dtype for dtype in DTYPE_CODES}
 _HEADER_FIELDS = frozenset(
     {
@@ -68,6 +70,8 @@ _OPTIONAL_FIELDS = frozenset({"row_keys", "sessions", "num_servers"})
 _KEY_FIELDS = frozenset(
     {"key", "kind", "dtype", "shape", "closed_round", "tags", "last_round", "offset", "nbytes"}
 )
+#: The fields of a key's entry that files written before them lack.
+_RECORD_OPTIONAL = frozenset({"untold"})
 _STATES_FIELDS = frozenset({"offset", "nbytes"})
 _ROW_KEY_FIELDS = frozenset(
     {
@@ -96,7 +100,8 @@ class KeyRecord:
     ``str``). ``value`` is C-contiguous, of a dtype in :data:`akv_transport.DTYPE_CODES`.
     ``closed_round`` counts the rounds applied into ``value``; ``tags`` maps a worker rank
     to the number of that worker's last push reflected in ``value``, ``last_round`` to the
-    round of that push.
+    round of that push; ``untold`` to the message of a failed round's error that worker was
+    not told of yet (its next pull of the key raises it).
     """
 
     key: int | str
@@ -104,6 +109,8 @@ class KeyRecord:
     closed_round: int
     tags: dict[int, int]
     last_round: dict[int, int]
+    #: Workers not told yet of a round of the key that failed, with its error's message.
+    untold: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -122,6 +129,7 @@ class RowRecord:
     closed_round: int
     tags: dict[int, int]
     last_round: dict[int, int]
+    untold: dict[int, str] = field(default_factory=dict)
 
 
 class Spill:
@@ -327,6 +335,7 @@ def _encode_record(record: KeyRecord, offset: int) -> dict[str, Any]:
         "last_round": _rank_map_to_json(record.last_round, f"{where}: last_round"),
         "offset": offset,
         "nbytes": value.nbytes,
+        **_untold_to_json(record.untold, where),
     }
 
 
@@ -360,6 +369,7 @@ def _encode_row_record(record: RowRecord, offset: int) -> dict[str, Any]:
         "last_round": _rank_map_to_json(record.last_round, f"{where}: last_round"),
         "offset": offset,
         "nbytes": ids.nbytes + rows.nbytes,
+        **_untold_to_json(record.untold, where),
     }
 
 
@@ -391,6 +401,12 @@ def _checked_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
             "optimizer_config does not come back from JSON unchanged (a tuple, a non-str key?)"
         )
     return config
+
+
+def _untold_to_json(untold: dict[int, str], where: str) -> dict[str, Any]:
+    """The ``untold`` field of a key's entry: absent when no failure waits to be told (a
+    file an older akv wrote has none)."""
+    return {"untold": _rank_map_to_json(untold, f"{where}: untold", _message)} if untold else {}
 
 
 def _rank_map_to_json(
@@ -507,7 +523,7 @@ def _decode_key(fields: dict[str, Any], what: str) -> tuple[int | str, np.dtype,
 
 
 def _decode_row_record(entry: object, index: int, offset: int, payload_nbytes: int) -> RowRecord:
-    fields = _fields(entry, _ROW_KEY_FIELDS, f"row_keys[{index}]")
+    fields = _fields(entry, _ROW_KEY_FIELDS, f"row_keys[{index}]", _RECORD_OPTIONAL)
     key, dtype, shape = _decode_key(fields, f"row_keys[{index}]")
     where = f"row-sparse key {key!r}"
     if not shape:
@@ -527,11 +543,12 @@ def _decode_row_record(entry: object, index: int, offset: int, payload_nbytes: i
         closed_round=_count(fields["closed_round"], f"{where}: closed_round"),
         tags=_rank_map_from_json(fields["tags"], f"{where}: tags"),
         last_round=_rank_map_from_json(fields["last_round"], f"{where}: last_round"),
+        untold=_rank_map_from_json(fields.get("untold", {}), f"{where}: untold", _message),
     )
 
 
 def _decode_record(entry: object, index: int, offset: int, payload_nbytes: int) -> KeyRecord:
-    fields = _fields(entry, _KEY_FIELDS, f"keys[{index}]")
+    fields = _fields(entry, _KEY_FIELDS, f"keys[{index}]", _RECORD_OPTIONAL)
     key, dtype, dims = _decode_key(fields, f"keys[{index}]")
     where = f"key {key!r}"
     if math.prod(size for size in dims if size) * dtype.itemsize > _MAX_ARRAY_BYTES:
@@ -547,6 +564,7 @@ def _decode_record(entry: object, index: int, offset: int, payload_nbytes: int) 
         closed_round=_count(fields["closed_round"], f"{where}: closed_round"),
         tags=_rank_map_from_json(fields["tags"], f"{where}: tags"),
         last_round=_rank_map_from_json(fields["last_round"], f"{where}: last_round"),
+        untold=_rank_map_from_json(fields.get("untold", {}), f"{where}: untold", _message),
     )
 
 
@@ -568,12 +586,23 @@ def check_bools(key: int | str, value: np.ndarray) -> None:
         raise ValueError(f"key {key!r}: a bool array holds a byte other than 0 and 1")
 
 
-def _fields(value: object, names: frozenset[str], what: str) -> dict[str, Any]:
+def _fields(
+    value: object, names: frozenset[str], what: str, optional: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """``value``, a JSON object with the fields ``names`` and maybe some of ``optional``."""
     if not isinstance(value, dict):
         raise ValueError(f"{what} is a {type(value).__name__}, not an object")
-    if value.keys() != names:
-        missing, unknown = sorted(names - value.keys()), sorted(value.keys() - names)
+    if value.keys() - optional != names:
+        present = value.keys() - optional
+        missing, unknown = sorted(names - present), sorted(present - names)
         raise ValueError(f"{what}: fields missing {missing}, unknown {unknown}")
+    return value
+
+
+def _message(value: object, what: str) -> str:
+    """``value`` if it is an error's message (a str of at most MAX_MESSAGE_CHARS)."""
+    if not isinstance(value, str) or len(value) > MAX_MESSAGE_CHARS:
+        raise ValueError(f"{what} is not an error message")
     return value
 
 

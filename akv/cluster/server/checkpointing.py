@@ -225,7 +225,7 @@ class Checkpoints:
                 self.state,
                 snapshot.store_type,
                 [
-                    (r.key, in_memory(r.value), r.closed_round, r.tags, r.last_round)
+                    (r.key, in_memory(r.value), r.closed_round, r.tags, r.last_round, r.untold)
                     for r in snapshot.keys
                 ],
                 snapshot.optimizer_config,
@@ -486,7 +486,9 @@ def _copy_into(plan: CheckpointPlan, spill: Spill) -> Copied:
         updater = plan.updater
         states = SpilledStates(spill, *spill.append(lambda f: updater.dump_states(False, file=f)))
     records = [
-        KeyRecord(entry.key, spill.array(entry.value), closed_round, tags, last)
+        KeyRecord(
+            entry.key, spill.array(entry.value), closed_round, tags, last, entry.rounds.untold()
+        )
         for entry, closed_round, tags, last in plan.entries
     ]
     row_records = []
@@ -496,5 +498,8 @@ def _copy_into(plan: CheckpointPlan, spill: Spill) -> Copied:
         offset, _ = spill.append(stored.write_rows)
         rows = SpilledArray(spill, offset, stored.dtype, stored.shape)
         shape, span = entry.shape, (entry.first, entry.end)
-        row_records.append(RowRecord(entry.key, shape, *span, ids, rows, closed_round, tags, last))
+        untold = entry.rounds.untold()
+        row_records.append(
+            RowRecord(entry.key, shape, *span, ids, rows, closed_round, tags, last, untold)
+        )
     return records, row_records, states, spill

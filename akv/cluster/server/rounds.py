@@ -29,7 +29,7 @@ key's rounds, and :meth:`KeyRounds.restore` what a restored server starts from.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -38,7 +38,7 @@ from akv.errors import DoublePushError, ServerError
 #: What a parked pull is remembered by (the server's pull ticket).
 T = TypeVar("T")
 
-__all__ = ["KeyRounds", "PushDecision", "longest_wait"]
+__all__ = ["KeyRounds", "PushDecision", "longest_wait", "untold_errors"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,13 +187,27 @@ class KeyRounds(Generic[T]):
         last = {worker: round_no for worker, round_no in last.items() if round_no}
         return self.closed_round, tags, last
 
-    def restore(self, closed_round: int, tags: dict[int, int], last: dict[int, int]) -> None:
-        """Start from a checkpoint (:meth:`durable`'s values), with no open round."""
+    def restore(
+        self,
+        closed_round: int,
+        tags: dict[int, int],
+        last: dict[int, int],
+        untold: Mapping[int, ServerError] | None = None,
+    ) -> None:
+        """Start from a checkpoint (:meth:`durable`'s values, and :meth:`untold`'s errors),
+        with no open round."""
         self.closed_round = self.applied_round = closed_round
         self._tags = dict(tags)
         self._last = dict(last)
+        self._untold = dict(untold or {})
         self._open.clear()
         self.opened_at = None
+
+    def untold(self) -> dict[int, str]:
+        """The message of each failed round's error not told yet, by worker: what a
+        checkpoint keeps of them. (Read by a checkpoint's copy, off the server's loop: one
+        dict copy, which the GIL makes whole.)"""
+        return {worker: str(error) for worker, error in dict(self._untold).items()}
 
     def forget_worker(self, worker: int) -> None:
         """Forget ``worker``'s push numbers and rounds (a worker of a new job started from a
@@ -279,3 +293,9 @@ class KeyRounds(Generic[T]):
     def overdue(self, now: float, timeout_s: float) -> bool:
         """True when the open round has waited for its last pushes longer than ``timeout_s``."""
         return self.opened_at is not None and now - self.opened_at > timeout_s
+
+
+def untold_errors(untold: Mapping[int, str], server: str) -> dict[int, ServerError]:
+    """The failed rounds' errors a checkpoint kept (:meth:`KeyRounds.untold`) for workers
+    not told of them yet, as ``server`` raises them."""
+    return {worker: ServerError(message, server=server) for worker, message in untold.items()}

@@ -42,7 +42,7 @@ from akv.cluster.server.instructions import (
     RowPullTicket,
     ServerEntry,
 )
-from akv.cluster.server.rounds import longest_wait
+from akv.cluster.server.rounds import longest_wait, untold_errors
 from akv.errors import (
     DTypeMismatchError,
     DuplicateInitError,
@@ -303,7 +303,8 @@ class RowKeys:
                 entry.rows = rows
             else:
                 entry.rows.scatter(record.ids, rows)
-            entry.rounds.restore(record.closed_round, record.tags, record.last_round)
+            untold = untold_errors(record.untold, self.name)
+            entry.rounds.restore(record.closed_round, record.tags, record.last_round, untold)
             self.entries[record.key] = entry
 
     def validate(self) -> None:

@@ -23,6 +23,7 @@ from akv.cluster.server.instructions import (
     ServerEntry,
     StatesTicket,
 )
+from akv.cluster.server.rounds import untold_errors
 
 if TYPE_CHECKING:
     from akv.cluster.server.state import ServerState
@@ -84,7 +85,7 @@ def _unapplied(state: ServerState) -> Iterator[tuple[int, int]]:
 def restore(
     state: ServerState,
     store_type: str,
-    keys: Sequence[tuple[Key, np.ndarray, int, dict[int, int], dict[int, int]]],
+    keys: Sequence[tuple[Key, np.ndarray, int, dict[int, int], dict[int, int], dict[int, str]]],
     optimizer_config: dict[str, Any] | None,
     optimizer_states: bytes | BinaryIO | None,
     durable_seqs: dict[int, int],
@@ -92,9 +93,9 @@ def restore(
     sessions: dict[int, str] | None = None,
 ) -> None:
     """Start from a checkpoint: the keys (key, value, closed round, each worker's last
-    push number and last push round), the optimizer and its states (encoded: bytes, or a
-    file to read them from), and the request
-    numbers the checkpoint holds. Workers resend what it does not hold. ``sessions``:
+    push number, last push round, and failed rounds' errors not told yet), the optimizer
+    and its states (encoded: bytes, or a file to read them from), and the request numbers
+    the checkpoint holds. Workers resend what it does not hold. ``sessions``:
     the workers' sessions when it was written; a worker that comes with another one is
     of a new job started from the checkpoint (workers are never restarted within a
     job), whose pushes are numbered from 1 again (see :meth:`ServerState.admit`).
@@ -105,9 +106,9 @@ def restore(
         The optimizer configuration or states cannot be loaded.
     """
     state.store_type = store_type
-    for key, value, closed_round, tags, last in keys:
+    for key, value, closed_round, tags, last, untold in keys:
         entry = ServerEntry(key, value, state._new_var, state.sync, state.num_workers, None)
-        entry.rounds.restore(closed_round, tags, last)
+        entry.rounds.restore(closed_round, tags, last, untold_errors(untold, state.name))
         entry.regions = state.value_regions
         state.entries[key] = entry
     state.rows.restore(row_keys, state.sync)

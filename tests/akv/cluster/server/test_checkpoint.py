@@ -847,6 +847,34 @@ def test_a_damaged_row_key_is_named_whether_read_into_tables_or_not(tmp_path, le
         read_snapshot(tmp_path, 1, lean=lean)
 
 
+def test_failed_rounds_not_told_yet_come_back_and_files_without_them_read(tmp_path):
+    told = {0: "the update of key 3 in round 4 failed on server 1: OptimizerError: no"}
+    dense = KeyRecord(3, np.ones(2, np.float32), 4, {0: 4}, {0: 4}, dict(told))
+    rows = row_record()
+    rows.untold = {1: "round 5 failed"}
+    write_snapshot(tmp_path, snapshot(keys=[dense], row_keys=[rows]))
+    got = read_snapshot(tmp_path, 1)
+    assert got is not None
+    assert got.keys[0].untold == told and got.row_keys[0].untold == {1: "round 5 failed"}
+    path = checkpoint_path(tmp_path, 1)
+    header, payload = split(path.read_bytes())
+    assert "untold" in header["keys"][0]
+    for entry in (header["keys"][0], header["row_keys"][0]):
+        del entry["untold"]  # as an older akv wrote it
+    forge(path, header, payload)
+    got = read_snapshot(tmp_path, 1)
+    assert got is not None and got.keys[0].untold == {} and got.row_keys[0].untold == {}
+    header["keys"][0]["untold"] = {"0": 7}
+    forge(path, header, payload)
+    with pytest.raises(CheckpointError, match=r"untold\[0\] is not an error message"):
+        read_snapshot(tmp_path, 1)
+    header["keys"][0]["untold"] = {"0": "x"}
+    header["keys"][0]["extra"] = 1
+    forge(path, header, payload)
+    with pytest.raises(CheckpointError, match=r"unknown \['extra'\]"):
+        read_snapshot(tmp_path, 1)
+
+
 def test_a_snapshot_without_row_sparse_keys_has_no_row_keys_field(tmp_path):
     write_snapshot(tmp_path, snapshot())
     header, _ = split(checkpoint_path(tmp_path, 1).read_bytes())

@@ -37,7 +37,7 @@ from akv.cluster.server.instructions import (
     StaleCheckpointError,
 )
 from akv.cluster.server.state import ServerState
-from akv.errors import CheckpointError, MembershipError, ShapeMismatchError
+from akv.errors import CheckpointError, MembershipError, ServerError, ShapeMismatchError
 from akv.optimizer._states import StoredRows
 from akv.rows import RowTable
 from akv_engine import Var
@@ -613,6 +613,33 @@ async def test_a_restore_reads_rows_and_row_states_into_tables_and_closes_the_fi
     np.testing.assert_array_equal(table.gather(table.ids()), written_rows.gather(table.ids()))
     assert state.updater.dump_states(False) == written_states
     assert all(isinstance(t, RowTable) for t in state.updater.row_states["emb"])
+
+
+async def test_a_failed_rounds_error_not_told_yet_survives_a_restart(opened, tmp_path):
+    """A round the optimizer refused, which no worker has pulled since: a server restored
+    from a checkpoint written after it tells each worker at its next pull of the key, as
+    the one that failed would have (it read as if the round had never been pushed)."""
+    players = Players(2, checkpoints=True)
+    players.row_init(0, "emb", (10**9, 2), (500, 1000))
+    text = json.dumps(optimizer.AdaGrad(learning_rate=0.5, wd=0.1).get_config())
+    for worker in range(2):
+        players.send(worker, Op.SET_OPTIMIZER, text=text)
+    checkpoints, _ = opened(players.state)
+    checkpoints.restore()
+    for worker in range(2):
+        players.row_push(worker, "emb", [700], np.ones((1, 2), np.float32), tag=1)
+    told = players.reply(1, players.row_pull(1, "emb", [700]))  # worker 1 hears of it
+    assert isinstance(told, ServerError) and "round 1" in str(told)
+    await checkpoints.write()
+    checkpoints.close()
+    restarted = Players(2, checkpoints=True)
+    again, _ = opened(restarted.state)
+    again.restore()
+    error = restarted.reply(0, restarted.row_pull(0, "emb", [700]))
+    assert isinstance(error, ServerError) and str(error) == str(told)
+    assert error.server == "server 0"
+    assert restarted.reply(1, restarted.row_pull(1, "emb", [700]))["emb"].tolist() == [[0, 0]]
+    assert restarted.reply(0, restarted.row_pull(0, "emb", [700]))["emb"].tolist() == [[0, 0]]
 
 
 async def test_a_restore_whose_states_cannot_be_read_names_the_checkpoint(

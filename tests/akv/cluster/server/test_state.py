@@ -509,7 +509,7 @@ def test_a_restored_state_takes_resent_pushes_once_and_finishes_the_round():
     players.push(0, {"w": f32(1, 1)}, tag=1)
     players.push(1, {"w": f32(2, 2)}, tag=1)
     plan = players.state.checkpoint_plan()
-    keys = [(e.key, e.value.copy(), c, t, last) for e, c, t, last in plan.entries]
+    keys = [(e.key, e.value.copy(), c, t, last, {}) for e, c, t, last in plan.entries]
     players.push(0, {"w": f32(5, 5)}, tag=2)  # lost with the server
 
     restored = Players(2)
