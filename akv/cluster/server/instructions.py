@@ -354,6 +354,12 @@ class StatesTicket:
     remaining: int = 0
     answered: bool = False
 
+    @property
+    def installs(self) -> bool:
+        """Whether the work is a new optimizer (it goes on after a failed round: the
+        optimizer may be what its caller changes because of it)."""
+        return isinstance(self.work, InstallOptimizer)
+
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:

@@ -38,7 +38,7 @@ from akv.errors import DoublePushError, ServerError
 #: What a parked pull is remembered by (the server's pull ticket).
 T = TypeVar("T")
 
-__all__ = ["KeyRounds", "PushDecision", "longest_wait", "untold_errors"]
+__all__ = ["KeyRounds", "PushDecision", "longest_wait", "untold_errors", "update_error"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,3 +299,13 @@ def untold_errors(untold: Mapping[int, str], server: str) -> dict[int, ServerErr
     """The failed rounds' errors a checkpoint kept (:meth:`KeyRounds.untold`) for workers
     not told of them yet, as ``server`` raises them."""
     return {worker: ServerError(message, server=server) for worker, message in untold.items()}
+
+
+def update_error(key: Hashable, round_no: int, exc: BaseException, server: str) -> ServerError:
+    """The error of round ``round_no`` of ``key``, whose update raised ``exc`` on
+    ``server``: what every worker that pushed into it is told."""
+    return ServerError(
+        f"the update of key {key!r} in round {round_no} failed on {server}: "
+        f"{type(exc).__name__}: {exc}",
+        server=server,
+    )

@@ -76,8 +76,10 @@ from akv.cluster.server.instructions import (
     StaleCheckpointError,
     StatesTicket,
 )
+from akv.cluster.server.rounds import update_error
 from akv.cluster.server.row_keys import ROW_OPS, RowKeys, shaped
 from akv.cluster.server.staleness import Parked, Waiting
+from akv.cluster.server.updates import updater_with
 from akv.cluster.server.views import check_invariants, status
 from akv.errors import (
     AKVError,
@@ -85,7 +87,6 @@ from akv.errors import (
     MembershipError,
     PeerLostError,
     RoundTimeoutError,
-    ServerError,
 )
 from akv.keys import VarFactory
 from akv.limits import RECONNECT_GRACE_S, SMALL_REPLY_BYTES
@@ -626,16 +627,8 @@ class ServerState:
 
     def install_optimizer(self, optimizer: _optimizer.Optimizer, config: dict[str, Any]) -> None:
         """Use ``optimizer`` from now on (the service calls this once every earlier write
-        finished). The same optimizer with new hyper-parameters keeps states, counts and
-        shared state."""
-        previous = self.updater
-        if previous is not None and previous.optimizer.get_config()["name"] == config.get("name"):
-            current = previous.optimizer
-            optimizer.restore_update_counts(current.index_update_counts, current.num_update)
-            optimizer.restore_shared_state(current.shared_state())
-            previous.optimizer = optimizer
-        else:
-            self.updater = _optimizer.get_updater(optimizer)
+        finished); see :func:`~akv.cluster.server.updates.updater_with`."""
+        self.updater = updater_with(self.updater, optimizer, config)
         self.optimizer_config = config
 
     def _require_updater(self, what: str) -> _optimizer.Updater:
@@ -702,10 +695,13 @@ class ServerState:
         out: list[Instruction] = []
         for entry, round_no in done:
             for ticket in entry.rounds.applied(round_no):
-                ticket.remaining -= 1
-                if ticket.remaining == 0 and not ticket.answered:
-                    out.extend(self._ready(ticket))
+                out.extend(self._round_over(ticket))
         return out
+
+    def _round_over(self, ticket: PullTicket | RowPullTicket | StatesTicket) -> list[Instruction]:
+        """One of the rounds ``ticket`` waits for is over: its work, if it was the last."""
+        ticket.remaining -= 1
+        return self._ready(ticket) if ticket.remaining == 0 and not ticket.answered else []
 
     def push_applied(
         self,
@@ -718,27 +714,26 @@ class ServerState:
         server) instead; in dist_sync the pulls of a failed round get that error."""
         if not failed or self.sync:
             return reply
-        return ReplyError(reply.peer, reply.seq, self._update_error(*failed[0]))
+        entry, round_no, exc = failed[0]
+        return ReplyError(reply.peer, reply.seq, update_error(entry.key, round_no, exc, self.name))
 
     def update_failed(
         self, entry: ServerEntry | RowEntry, round_no: int, exc: BaseException
     ) -> list[Instruction]:
         """Applying round ``round_no`` of ``entry`` raised ``exc``: the pulls waiting for it
-        get a :class:`~akv.errors.ServerError` naming the key, the round and the server."""
-        error = self._update_error(entry, round_no, exc)
-        tickets = entry.rounds.applied(round_no)
+        get a :class:`~akv.errors.ServerError` naming the key, the round and the server. A
+        new optimizer waiting for it goes on (the round is over: the optimizer may be what
+        its caller changes because of it), and its caller is told by its next pull."""
+        error = update_error(entry.key, round_no, exc, self.name)
+        waiting = entry.rounds.applied(round_no)
+        tickets = [t for t in waiting if not (isinstance(t, StatesTicket) and t.installs)]
         told = {ticket.peer.worker for ticket in tickets if not ticket.answered}
         entry.rounds.failed(round_no, error, told)
-        return self._fail_tickets(tickets, error)
-
-    def _update_error(
-        self, entry: ServerEntry | RowEntry, round_no: int, exc: BaseException
-    ) -> ServerError:
-        return ServerError(
-            f"the update of key {entry.key!r} in round {round_no} failed on "
-            f"{self.name}: {type(exc).__name__}: {exc}",
-            server=self.name,
-        )
+        out = self._fail_tickets(tickets, error)
+        for ticket in waiting:
+            if ticket not in tickets:
+                out.extend(self._round_over(ticket))
+        return out
 
     def _fail_tickets(
         self, tickets: Sequence[PullTicket | RowPullTicket | StatesTicket], error: AKVError

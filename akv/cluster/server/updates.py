@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -18,11 +19,26 @@ from akv.cluster.server.instructions import Land, ServerEntry
 from akv.compression import decode
 from akv.limits import SPLIT_ADD_MIN_BYTES
 
-__all__ = ["Add", "land"]
+__all__ = ["Add", "land", "updater_with"]
 
 #: ``add(a, b, out)``: ``out = a + b`` (the arrays are C-contiguous, of one shape and
 #: dtype; ``out`` may be ``a``).
 Add = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def updater_with(
+    updater: _optimizer.Updater | None, optimizer: _optimizer.Optimizer, config: dict[str, Any]
+) -> _optimizer.Updater:
+    """The updater that applies ``optimizer`` (of ``config``) from now on: ``updater``
+    itself, keeping its states, update counts and shared state, where it holds the same
+    optimizer (new hyper-parameters); else a new one."""
+    if updater is None or updater.optimizer.get_config()["name"] != config.get("name"):
+        return _optimizer.get_updater(optimizer)
+    current = updater.optimizer
+    optimizer.restore_update_counts(current.index_update_counts, current.num_update)
+    optimizer.restore_shared_state(current.shared_state())
+    updater.optimizer = optimizer
+    return updater
 
 
 def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

@@ -662,6 +662,31 @@ def test_a_new_optimizer_waits_for_the_rounds_its_sender_pushed_into():
     np.testing.assert_allclose(players.state.entries["w"].value, f32(-2.2, -2.2))
 
 
+def test_a_new_optimizer_waiting_for_a_round_that_fails_is_installed_all_the_same():
+    """The round fails (AdaGrad refuses weight decay for this key's rows): the new
+    optimizer its sender sent behind its push (a fix, say) is installed and answered, and
+    the sender hears of the failure at its next pull of the key; the next round uses the
+    new optimizer."""
+    players = Players(2)
+    assert players.reply(0, players.row_init(0, "emb", (10, 2), (0, 10))) == OK
+    adagrad = json.dumps(optimizer.AdaGrad(learning_rate=0.5, wd=0.1).get_config())
+    players.send(0, Op.SET_OPTIMIZER, text=adagrad)
+    rows = np.ones((1, 2), np.float32)
+    players.row_push(0, "emb", [3], rows, tag=1)
+    change = players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=1.0))
+    assert players.waiting(0, change)
+    players.row_push(1, "emb", [3], rows, tag=1)  # the round closes, and fails
+    assert players.reply(0, change) == OK
+    assert players.state.optimizer_config["name"] == "sgd"
+    failed = players.reply(0, players.row_pull(0, "emb", [3]))
+    assert isinstance(failed, ServerError) and "round 1" in str(failed)
+    players.row_push(0, "emb", [3], rows, tag=2)
+    players.row_push(1, "emb", [3], rows, tag=2)
+    assert isinstance(players.reply(1, players.row_pull(1, "emb", [3])), ServerError)  # once
+    pulled = players.reply(1, players.row_pull(1, "emb", [3]))["emb"]
+    assert pulled.tolist() == [[-2.0, -2.0]]  # round 2 alone, by SGD
+
+
 def test_a_bad_optimizer_configuration_is_refused_and_changes_nothing():
     players = started(2)
     not_json = players.reply(0, players.send(0, Op.SET_OPTIMIZER, text="{"))
