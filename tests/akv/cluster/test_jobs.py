@@ -107,6 +107,25 @@ def test_the_training_example_runs_and_the_loss_falls():
     assert len(EPOCH.findall(done.stdout)) == 8
 
 
+def test_the_restore_memory_script_measures_a_restore_of_its_own_checkpoint():
+    done = subprocess.run(
+        [sys.executable, "docs/profiling/restore_memory.py", "--rows", "30000", "--width", "4"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = re.fullmatch(
+        r"30000 rows of 4 float32 with adam: checkpoint \d+ MiB; restore: RSS (\d+) -> (\d+) "
+        r"MiB, peak (\d+) MiB: \d+ MiB above the start for \d+ MiB held \([0-9.]+x\)\n",
+        done.stdout,
+    )
+    assert found, done.stdout
+    before, after, peak = map(int, found.groups())
+    assert before <= after <= peak
+
+
 def test_the_small_round_profiling_script_times_rounds_that_sum_both_workers():
     done = launch(
         ["-n", "2", "-s", "1", "--", sys.executable, "docs/profiling/small_round.py"],
