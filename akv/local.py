@@ -16,11 +16,10 @@ from the blocking face, whose caller waits, is summed straight into the stored a
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -30,10 +29,10 @@ from akv.args import Key
 from akv.arrays import Array, copy_into, has_gpu, is_gpu, to_host
 from akv.backend import KeyArrays, Updater, caller_events
 from akv.compression import Compression
-from akv.errors import AKVError, OptimizerNotSetError, StateFileError
+from akv.errors import AKVError, OptimizerNotSetError
 from akv.keys import Entry, merge_into
 from akv.local_rows import RowPull, RowPush, apply_row_push, check_updater, pull_rows, store_rows
-from akv.optimizer._states import FileWindow, write_encoded
+from akv.optimizer._states import read_encoded, write_encoded
 from akv.pinned import gpu_only, pinned_now, register_gpu_executor
 from akv.rows import RowTable
 from akv.sparse import RowSparseArray
@@ -435,20 +434,7 @@ class LocalBackend:
 
         def read() -> None:
             self._settle(entries)
-            try:
-                with open(path, "rb") as file:
-                    # Decoded from the file (a big table's states are not read whole into
-                    # memory), but for a pipe, which cannot seek.
-                    if file.seekable():
-                        size = os.fstat(file.fileno()).st_size
-                        with FileWindow(file.fileno(), 0, size) as window:
-                            updater.load_states(cast(BinaryIO, window))
-                    else:
-                        updater.load_states(file.read())
-            except OSError as exc:
-                raise StateFileError(
-                    f"load_optimizer_states: cannot read {str(path)!r}: {exc}"
-                ) from exc
+            read_encoded(path, updater.load_states, "load_optimizer_states")
 
         return self._engine.push(
             read, writes=[entry.var for entry in entries], name="load_optimizer_states"

@@ -90,7 +90,7 @@ def merge_server_states(
     )
 
 
-def split_server_states(data: bytes, num_servers: int, layout: Layout) -> list[bytes]:
+def split_server_states(data: bytes | BinaryIO, num_servers: int, layout: Layout) -> list[bytes]:
     """Each server's share of a states file.
 
     Raises

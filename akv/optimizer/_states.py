@@ -36,7 +36,7 @@ import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, cast
+from typing import Any, BinaryIO, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -65,6 +65,7 @@ __all__ = [
     "StoredRows",
     "decode_states",
     "encode_states",
+    "read_encoded",
     "write_encoded",
 ]
 
@@ -82,6 +83,8 @@ _ARRAY_KINDS = "biufc"
 
 #: Rows gathered at a time when :class:`StoredRows` are saved (a few MiB each).
 _GATHER_ROWS = 1 << 16
+T = TypeVar("T")
+
 #: Bytes copied at a time from an encoded states file into its target.
 _COPY_BYTES = 16 << 20
 #: Bytes of a member read at a time into a table's rows.
@@ -352,6 +355,27 @@ def write_encoded(path: Path, encode: Callable[[BinaryIO], object], what: str) -
                 shutil.copyfileobj(spilled, file, _COPY_BYTES)
     except OSError as exc:
         raise StateFileError(f"{what}: cannot write {str(path)!r}: {exc}") from exc
+
+
+def read_encoded(path: Path, decode: Callable[[bytes | BinaryIO], T], what: str) -> T:
+    """``decode`` of the states file at ``path``, given the file itself (through a
+    :class:`FileWindow`: a big table's states are not read whole into memory), or, for a
+    pipe, which cannot seek, its bytes.
+
+    Raises
+    ------
+    StateFileError
+        ``path`` cannot be opened or read; ``what`` names the call.
+    """
+    try:
+        with open(path, "rb") as file:
+            if not file.seekable():
+                return decode(file.read())
+            size = os.fstat(file.fileno()).st_size
+            with FileWindow(file.fileno(), 0, size) as window:
+                return decode(cast(BinaryIO, window))
+    except OSError as exc:
+        raise StateFileError(f"{what}: cannot read {str(path)!r}: {exc}") from exc
 
 
 def decode_states(

@@ -14,9 +14,8 @@ import numpy as np
 from akv.cluster.protocol import Op
 from akv.cluster.states import merge_server_states, split_server_states
 from akv.cluster.worker.link import ServerLink
-from akv.errors import StateFileError
 from akv.keys import Entry
-from akv.optimizer._states import write_encoded
+from akv.optimizer._states import read_encoded, write_encoded
 from akv_transport import Message
 
 __all__ = ["send_states_file", "write_states_file"]
@@ -49,11 +48,12 @@ async def send_states_file(
     StateFileError
         The file cannot be read, or does not fit the keys.
     """
-    try:
-        data = await asyncio.to_thread(path.read_bytes)
-    except OSError as exc:
-        raise StateFileError(f"load_optimizer_states: cannot read {str(path)!r}: {exc}") from exc
-    shares = split_server_states(data, len(links), {e.key: e.layout() for e in entries})
+    layout = {e.key: e.layout() for e in entries}
+
+    def split(data: bytes | BinaryIO) -> list[bytes]:
+        return split_server_states(data, len(links), layout)
+
+    shares = await asyncio.to_thread(read_encoded, path, split, "load_optimizer_states")
     await asyncio.gather(
         *(
             link.request(
