@@ -32,7 +32,7 @@ from akv.compression import Compression
 from akv.errors import AKVError, OptimizerNotSetError
 from akv.keys import Entry, merge_into
 from akv.local_rows import RowPull, RowPush, apply_row_push, check_updater, pull_rows, store_rows
-from akv.optimizer._states import read_encoded, write_encoded
+from akv.optimizer._files import read_encoded, write_encoded
 from akv.pinned import gpu_only, pinned_now, register_gpu_executor
 from akv.rows import RowTable
 from akv.sparse import RowSparseArray

@@ -29,14 +29,10 @@ import abc
 import io
 import json
 import numbers
-import os
-import shutil
-import tempfile
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, BinaryIO, Protocol, TypeVar, cast
+from typing import Any, BinaryIO, Protocol, cast
 
 import numpy as np
 
@@ -45,10 +41,10 @@ from akv.errors import (
     AKVError,
     InvalidArgumentError,
     MixedKeyKindsError,
-    StateFileError,
     StateFormatError,
 )
 from akv.optimizer._base import Index, State
+from akv.optimizer._files import ReadOnlyFile, ViewFile
 from akv.rows import RowTable
 from akv_transport import byte_view, parse_json
 
@@ -56,17 +52,13 @@ __all__ = [
     "STATE_FORMAT_NAME",
     "STATE_FORMAT_VERSION",
     "STRUCTURE_MEMBER",
-    "FileWindow",
     "JoinedRows",
     "LazyRows",
-    "ReadOnlyFile",
     "RowStates",
     "SavedStates",
     "StoredRows",
     "decode_states",
     "encode_states",
-    "read_encoded",
-    "write_encoded",
 ]
 
 STATE_FORMAT_NAME = "akv.optimizer-states"
@@ -83,10 +75,6 @@ _ARRAY_KINDS = "biufc"
 
 #: Rows gathered at a time when :class:`StoredRows` are saved (a few MiB each).
 _GATHER_ROWS = 1 << 16
-T = TypeVar("T")
-
-#: Bytes copied at a time from an encoded states file into its target.
-_COPY_BYTES = 16 << 20
 #: Bytes of a member read at a time into a table's rows.
 _READ_BYTES = 8 << 20
 
@@ -336,48 +324,6 @@ def _member(name: str) -> zipfile.ZipInfo:
     return info
 
 
-def write_encoded(path: Path, encode: Callable[[BinaryIO], object], what: str) -> None:
-    """``encode(file)`` into an unnamed temporary file beside ``path`` (not memory: a big
-    table's states are not held twice), then copied into ``path``, written through as
-    before (a link, the file's mode): a failed encoding leaves ``path`` as it was.
-
-    Raises
-    ------
-    StateFileError
-        ``path`` (or the temporary file beside it) cannot be written; ``what`` names the
-        call (``"save_optimizer_states"``).
-    """
-    try:
-        with tempfile.TemporaryFile(dir=path.parent) as spilled:
-            encode(spilled)
-            spilled.seek(0)
-            with open(path, "wb") as file:
-                shutil.copyfileobj(spilled, file, _COPY_BYTES)
-    except OSError as exc:
-        raise StateFileError(f"{what}: cannot write {str(path)!r}: {exc}") from exc
-
-
-def read_encoded(path: Path, decode: Callable[[bytes | BinaryIO], T], what: str) -> T:
-    """``decode`` of the states file at ``path``, given the file itself (through a
-    :class:`FileWindow`: a big table's states are not read whole into memory), or, for a
-    pipe, which cannot seek, its bytes.
-
-    Raises
-    ------
-    StateFileError
-        ``path`` cannot be opened or read; ``what`` names the call.
-    """
-    try:
-        with open(path, "rb") as file:
-            if not file.seekable():
-                return decode(file.read())
-            size = os.fstat(file.fileno()).st_size
-            with FileWindow(file.fileno(), 0, size) as window:
-                return decode(cast(BinaryIO, window))
-    except OSError as exc:
-        raise StateFileError(f"{what}: cannot read {str(path)!r}: {exc}") from exc
-
-
 def decode_states(
     data: bytes | bytearray | memoryview | BinaryIO, *, row_tables: bool = False
 ) -> SavedStates:
@@ -401,7 +347,7 @@ def decode_states(
     if isinstance(data, bytes):
         source: BinaryIO = io.BytesIO(data)  # shares the bytes
     elif isinstance(data, (bytearray, memoryview)):
-        source = cast(BinaryIO, _ViewFile(data))  # io.BytesIO would copy them
+        source = cast(BinaryIO, ViewFile(data))  # io.BytesIO would copy them
     elif callable(getattr(data, "read", None)) and callable(getattr(data, "seek", None)):
         source = data
     else:
@@ -448,84 +394,6 @@ def _decode(source: BinaryIO, row_tables: bool) -> SavedStates:
 
 
 # -- encoding helpers ----------------------------------------------------------------------
-
-
-class ReadOnlyFile(io.RawIOBase, abc.ABC):
-    """A read-only, seekable file of ``size`` bytes whose subclass says how to read the
-    bytes at a position (:meth:`_read_at`): memory, or part of another file. The first
-    error a read raised is kept (:attr:`error`): a reader that turns errors into others
-    (zipfile: a damaged archive) can then be told apart from one that could not read."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self._size, self._position = size, 0
-        self.error: OSError | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        target = memoryview(buffer).cast("B")
-        count = min(target.nbytes, self._size - self._position)
-        if count <= 0:
-            return 0
-        try:
-            got = self._read_at(self._position, target[:count])
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-        self._position += got
-        return got
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}
-        position = base[whence] + offset
-        if position < 0:
-            raise ValueError(f"negative seek position {position}")
-        self._position = position
-        return position
-
-    def tell(self) -> int:
-        return self._position
-
-    @abc.abstractmethod
-    def _read_at(self, position: int, target: memoryview) -> int:
-        """Fill ``target`` (or its start) with the bytes from ``position``; how many."""
-
-
-class FileWindow(ReadOnlyFile):
-    """Bytes ``[offset, offset + nbytes)`` of an open file (descriptor ``fd``), as a file of
-    their own, read with ``pread`` on a duplicate of the descriptor (closing one leaves the
-    other open)."""
-
-    def __init__(self, fd: int, offset: int, nbytes: int) -> None:
-        super().__init__(nbytes)
-        self._fd, self._offset = os.dup(fd), offset
-
-    def _read_at(self, position: int, target: memoryview) -> int:
-        data = os.pread(self._fd, target.nbytes, self._offset + position)
-        target[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            os.close(self._fd)
-        super().close()
-
-
-class _ViewFile(ReadOnlyFile):
-    """Bytes in memory as a file, never copied whole (a memoryview, a bytearray)."""
-
-    def __init__(self, data: bytearray | memoryview) -> None:
-        self._view = memoryview(data).cast("B")
-        super().__init__(self._view.nbytes)
-
-    def _read_at(self, position: int, target: memoryview) -> int:
-        target[:] = self._view[position : position + target.nbytes]
-        return target.nbytes
 
 
 def _normalise_key(key: object) -> Index:

@@ -659,7 +659,7 @@ def test_states_load_from_a_pipe_and_a_file_that_fails_to_read_names_it(kv, tmp_
     import errno
     import os
 
-    from akv.optimizer import _states
+    from akv.optimizer import _files
 
     kv.init(0, ones())
     kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.1, momentum=0.9))
@@ -676,7 +676,7 @@ def test_states_load_from_a_pipe_and_a_file_that_fails_to_read_names_it(kv, tmp_
     def failing(*args):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(_states.os, "pread", failing)
+    monkeypatch.setattr(_files.os, "pread", failing)
     with pytest.raises(akv.StateFileError, match=r"cannot read .*states\.npz.*Input/output"):
         kv.load_optimizer_states(saved)
 

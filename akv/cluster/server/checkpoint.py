@@ -59,7 +59,7 @@ from akv.cluster.server.checkpoint_header import (
     in_memory,
 )
 from akv.errors import AKVError, CheckpointError
-from akv.optimizer._states import FileWindow
+from akv.optimizer._files import FileWindow
 from akv.rows import RowTable
 from akv_transport import byte_view, parse_json
 

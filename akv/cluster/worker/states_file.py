@@ -15,7 +15,7 @@ from akv.cluster.protocol import Op
 from akv.cluster.states import merge_server_states, split_server_states
 from akv.cluster.worker.link import ServerLink
 from akv.keys import Entry
-from akv.optimizer._states import read_encoded, write_encoded
+from akv.optimizer._files import read_encoded, write_encoded
 from akv_transport import Message
 
 __all__ = ["send_states_file", "write_states_file"]

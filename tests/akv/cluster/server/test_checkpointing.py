@@ -647,7 +647,7 @@ async def test_a_restore_whose_states_cannot_be_read_names_the_checkpoint(
 ):
     """The optimizer states are decoded from the checkpoint's file after its checksum: a
     read that fails then is an unusable checkpoint naming the file, not a damaged archive."""
-    from akv.optimizer import _states
+    from akv.optimizer import _files
 
     players = players_with_states()
     checkpoints, _ = opened(players.state)
@@ -658,7 +658,7 @@ async def test_a_restore_whose_states_cannot_be_read_names_the_checkpoint(
     def failing(*args):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(_states.os, "pread", failing)
+    monkeypatch.setattr(_files.os, "pread", failing)
     again, _ = opened(fresh_state())
     with pytest.raises(
         checkpointing.UnusableCheckpointError,
