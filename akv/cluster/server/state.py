@@ -48,9 +48,6 @@ from akv.cluster.server.checks import (
     check_admission,
     check_frame,
     entry_of,
-    optimizer_request,
-    require_updater,
-    save_states_request,
 )
 from akv.cluster.server.dense_keys import count_push, init_keys, land, pull_ticket
 from akv.cluster.server.durability import Lineage
@@ -60,26 +57,23 @@ from akv.cluster.server.instructions import (
     CheckpointPlan,
     CloseStream,
     FailJob,
-    InstallOptimizer,
     Instruction,
-    LoadStates,
     Peer,
     PullTicket,
     Reply,
     ReplyError,
     RowEntry,
     RowPullTicket,
-    SaveStates,
     SendRows,
     SendValues,
     ServerEntry,
     StaleCheckpointError,
     StatesTicket,
 )
+from akv.cluster.server.optimizer_requests import OptimizerRequests
 from akv.cluster.server.rounds import update_error
 from akv.cluster.server.row_keys import ROW_OPS, RowKeys, shaped
 from akv.cluster.server.staleness import Parked, Waiting
-from akv.cluster.server.updates import updater_with
 from akv.cluster.server.views import check_invariants, status
 from akv.errors import (
     AKVError,
@@ -96,9 +90,12 @@ __all__ = ["ServerState"]
 
 #: The requests that wait behind a worker's held-back pushes under bounded staleness.
 _BOUNDED_OPS = frozenset({Op.PUSH, Op.PUSHPULL, Op.PULL, Op.ROW_PUSH, Op.ROW_PULL})
+#: Changes that a stream's resend must not make twice, and whose requests are not numbered
+#: per key as pushes are (inits are known by the worker that made the key).
+_TAKEN_ONCE = frozenset({Op.SET_OPTIMIZER, Op.LOAD_STATES})
 
 
-class ServerState:
+class ServerState(OptimizerRequests):
     """Everything one server decides (see the module docstring).
 
     Parameters
@@ -151,6 +148,9 @@ class ServerState:
         self.store_type: str | None = None
         self.updater: _optimizer.Updater | None = None
         self.optimizer_config: dict[str, Any] | None = None
+        #: The configuration in force once every new optimizer asked for so far is
+        #: installed (some may wait for rounds).
+        self.requested_config: dict[str, Any] | None = None
         #: Where the keys keep their sums (:attr:`ServerEntry.regions`); None: in buffers
         #: of their own.
         self.value_regions: ValueRegions | None = None
@@ -428,10 +428,13 @@ class ServerState:
             if landing.error is not None:
                 raise landing.error
             changing = header.op in CHANGING_OPS
+            received = self._received.get(peer.worker, 0)
             if changing and peer.stream:
                 # Changes only: a replay sends a pull (numbered after every request it
                 # resends) ahead of the changes still to come, which no checkpoint holds.
-                self._received[peer.worker] = max(self._received.get(peer.worker, 0), header.seq)
+                self._received[peer.worker] = max(received, header.seq)
+            if header.op in _TAKEN_ONCE and peer.stream and header.seq <= received:
+                return self._resent(peer, header.seq)  # a cut stream's resend: taken already
             out = self._dispatch(peer, header, buffers, landing, now)
             if changing:
                 self.changes += 1
@@ -611,50 +614,6 @@ class ServerState:
         if not self.checkpoints:
             out.extend(self._init_waits.release(self._held()))
         return out
-
-    # ------------------------------------------------------------ the optimizer
-
-    def _set_optimizer(self, peer: Peer, seq: int, text: str) -> list[Instruction]:
-        optimizer, config = optimizer_request(text)
-        if self.optimizer_config == config:
-            return [Reply(peer, seq)]  # every worker sends it; the same again changes nothing
-        # Not before the rounds its sender pushed into are applied (as its pull waited for
-        # them): a restarted server gets it resent right behind those pushes, maybe before
-        # another worker's push closes the round, which the old optimizer must apply.
-        return self._after_own_rounds(
-            InstallOptimizer(peer, seq, optimizer, config, self._all_keys())
-        )
-
-    def install_optimizer(self, optimizer: _optimizer.Optimizer, config: dict[str, Any]) -> None:
-        """Use ``optimizer`` from now on (the service calls this once every earlier write
-        finished); see :func:`~akv.cluster.server.updates.updater_with`."""
-        self.updater = updater_with(self.updater, optimizer, config)
-        self.optimizer_config = config
-
-    def _require_updater(self, what: str) -> _optimizer.Updater:
-        return require_updater(self.updater, what, self.name)
-
-    def _save_states(self, peer: Peer, seq: int, text: str) -> list[Instruction]:
-        dump = save_states_request(text)
-        updater = self._require_updater("save_optimizer_states")
-        return self._after_own_rounds(SaveStates(peer, seq, updater, dump, self._all_keys()))
-
-    def _load_states(self, peer: Peer, seq: int, data: bytes) -> list[Instruction]:
-        updater = self._require_updater("load_optimizer_states")
-        return self._after_own_rounds(LoadStates(peer, seq, updater, data, self._all_keys()))
-
-    def _after_own_rounds(
-        self, work: InstallOptimizer | SaveStates | LoadStates
-    ) -> list[Instruction]:
-        """``work`` now, or once the round of its sender's last push of each key is applied
-        (as a pull waits: a save holds, and a load or a new optimizer follows, every push
-        sent before it)."""
-        ticket = StatesTicket(work.peer, work.seq, work)
-        for entry in self._all_keys():
-            rounds = entry.rounds
-            if not rounds.pull(rounds.last_push_round(work.peer.worker), ticket):
-                ticket.remaining += 1
-        return [] if ticket.remaining else self._ready(ticket)
 
     # ------------------------------------------------------------ checkpoints
 

@@ -687,6 +687,58 @@ def test_a_new_optimizer_waiting_for_a_round_that_fails_is_installed_all_the_sam
     assert pulled.tolist() == [[-2.0, -2.0]]  # round 2 alone, by SGD
 
 
+def test_an_optimizer_or_states_load_resent_after_a_cut_is_not_applied_again():
+    """A cut stream's resend of a new optimizer (or a states load) the server took already
+    is answered and changes nothing: an optimizer set since stays, and loaded states are
+    not put back (a cut alone re-applied them, silently)."""
+    players = started(2)
+    first = players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.1, momentum=0.9))
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    players.push(1, {"w": f32(1, 1)}, tag=1)
+    saved = players.reply(0, players.send(0, Op.SAVE_STATES, text="{}"))
+    load = players.send(0, Op.LOAD_STATES, [(None, np.frombuffer(saved, np.uint8))])
+    players.push(0, {"w": f32(1, 1)}, tag=2)
+    players.push(1, {"w": f32(1, 1)}, tag=2)
+    players.send(1, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.01, momentum=0.9))
+    states = players.state.updater.dump_states(False)
+    players.lose(0, ConnectionResetError("cut"))
+    players.reconnect(0)
+    text = sgd_text(learning_rate=0.1, momentum=0.9)
+    assert players.reply(0, players.send(0, Op.SET_OPTIMIZER, text=text, seq=first)) == OK
+    resent = [(None, np.frombuffer(saved, np.uint8))]
+    assert players.reply(0, players.send(0, Op.LOAD_STATES, resent, seq=load)) == OK
+    assert players.state.updater.optimizer.learning_rate == pytest.approx(0.01)
+    assert players.state.updater.dump_states(False) == states
+
+
+def test_a_waiting_optimizer_resent_after_a_cut_is_answered_on_the_new_stream():
+    players = started(2)
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    change = players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=1.0))
+    players.lose(0, ConnectionResetError("cut"))
+    players.reconnect(0)
+    assert players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=1.0), seq=change)
+    assert players.waiting(0, change)
+    players.push(1, {"w": f32(1, 1)}, tag=1)
+    assert players.reply(0, change) == OK
+    assert players.state.updater.optimizer.learning_rate == pytest.approx(1.0)
+
+
+def test_optimizers_asked_for_back_to_back_are_installed_in_turn():
+    """A second new optimizer, sent while the first waits for its rounds, is compared with
+    the first, not with the one in force (it was taken for no change, and the first then
+    installed)."""
+    players = started(2)
+    players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.1))
+    players.push(0, {"w": f32(1, 1)}, tag=1)
+    faster = players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=1.0))
+    back = players.send(0, Op.SET_OPTIMIZER, text=sgd_text(learning_rate=0.1))
+    assert players.waiting(0, faster) and players.waiting(0, back)
+    players.push(1, {"w": f32(1, 1)}, tag=1)
+    assert (players.reply(0, faster), players.reply(0, back)) == (OK, OK)
+    assert players.state.updater.optimizer.learning_rate == pytest.approx(0.1)
+
+
 def test_a_bad_optimizer_configuration_is_refused_and_changes_nothing():
     players = started(2)
     not_json = players.reply(0, players.send(0, Op.SET_OPTIMIZER, text="{"))
