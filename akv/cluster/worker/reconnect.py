@@ -200,6 +200,10 @@ class Resend(NamedTuple):
     settled: bool = False
 
 
+#: Requests a replay sends again and waits for, before it goes on (as their calls did).
+_WAIT_AFTER = frozenset({Op.SET_OPTIMIZER, Op.LOAD_STATES})
+
+
 class Replay:
     """Sending a link's requests again on a new stream: ``queue`` in their order (the kept
     ones and the unanswered ones, by number), then the requests made meanwhile
@@ -519,6 +523,18 @@ class Link:
                     request.written = True
                     out.append(Send(server, op, seq, settle, "", 0))
                     return
+            if resend.request is None and resend.op in _WAIT_AFTER:
+                # Its call returned once it was applied, before the program sent more (a
+                # new optimizer waits on the server for its sender's rounds): the replay
+                # waits for its answer too (a SETTLE call) before it goes on.
+                call = Gather(None, SETTLE, server)
+                call.replay = replay
+                call.remaining = 1
+                request = Request(resend.op, resend.arrays, deadline, call, text=resend.text)
+                table.put(resend.seq, request)
+                request.written = True
+                out.append(Send(server, resend.op, resend.seq, resend.arrays, resend.text, 0))
+                return
             if resend.request is not None:
                 resend.request.written = True
             out.append(

@@ -264,6 +264,13 @@ class RequestTable:
         on a new stream)."""
         return list(self._pending.values())  # numbered in order, and never added twice
 
+    def put(self, seq: int, request: Request) -> None:
+        """Wait for the answer to ``request`` sent again under its own number ``seq`` (a
+        request answered before, resent by a replay)."""
+        assert seq <= self._seq and seq not in self._pending, seq
+        request.seq = seq
+        self._pending[seq] = request
+
     def get(self, seq: int) -> Request | None:
         """Request ``seq`` while it waits for its reply (None otherwise)."""
         return self._pending.get(seq)

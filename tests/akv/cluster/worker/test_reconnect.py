@@ -134,6 +134,33 @@ def test_a_replay_pulls_a_key_before_pushing_it_again():
     assert pull.done and not servers.state.links[0].replaying
 
 
+@pytest.mark.parametrize("op", [Op.SET_OPTIMIZER, Op.LOAD_STATES])
+def test_a_replay_waits_for_the_answer_to_a_new_optimizer_or_states_load(op):
+    """Their calls returned once the server applied them (a new optimizer waits there for
+    its sender's rounds) before the program sent more: resent, the requests after them wait
+    for their answers too (a push of another key went ahead and its round took the old
+    optimizer)."""
+    servers = Servers(restartable=True)
+    w, v = key_entry("w"), key_entry("v")
+    servers.push({w: f32(1, 1, 1, 1)})
+    servers.end_turn()
+    servers.answer(servers.take())  # seq 1, kept
+    changed = servers.request(0, op, text='{"name": "sgd"}')
+    servers.answer(servers.take())  # seq 2, kept
+    servers.push({v: f32(2, 2, 2, 2)})
+    servers.end_turn()
+    servers.answer(servers.take())  # seq 3, kept
+    assert changed.done
+    servers.cut(0)
+    servers.open(0)
+    push, again = servers.take(), servers.take()
+    assert [(r.op, r.seq) for r in (push, again)] == [(Op.PUSH, 1), (op, 2)]
+    assert servers.sent() == []  # push 3 waits for that answer
+    servers.answer(again)
+    (last,) = servers.sent()
+    assert (last.op, last.seq, last.keys) == (Op.PUSH, 3, ["v"])
+
+
 def test_a_pushpull_asked_ahead_and_counted_is_resent_once_as_itself():
     servers = Servers(restartable=True, pull_ahead=True)
     w = key_entry("w")
