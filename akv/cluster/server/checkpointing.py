@@ -391,9 +391,10 @@ class Checkpoints:
         return None if seq is None else Durable(peer, self.state.lineage.note(seq))
 
     async def on_request(self, instruction: Checkpoint) -> None:
-        """A worker asked for a checkpoint (or sent an init, answered once a checkpoint
-        holds it): write one, then answer. Requests that come while one is written are
-        answered together by the next one."""
+        """A worker asked for a checkpoint (or sent an init or its goodbye, answered once a
+        checkpoint holds them): write one, then answer. Requests that come while one is
+        written are answered together by the next one; goodbyes alone, when nothing changed
+        since the last one, without writing."""
         self._requests.append(instruction)
         if self._serving_requests:
             return
@@ -402,8 +403,10 @@ class Checkpoints:
             while self._requests:
                 batch, self._requests = self._requests, []
                 error: AKVError | None = None
+                unchanged = self.state.changes == self._written_changes
                 try:
-                    await self.write()
+                    if not (unchanged and all(r.if_changed for r in batch)):
+                        await self.write()
                 except AKVError as exc:
                     log.error("server %d: %s", self.rank, exc)
                     error = exc

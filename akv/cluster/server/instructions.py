@@ -364,10 +364,12 @@ class StatesTicket:
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     """Write a checkpoint now, and answer request ``seq`` of ``peer`` (a checkpoint request,
-    or an init) once it holds everything so far."""
+    an init, or a goodbye) once it holds everything so far. ``if_changed``: none is written
+    when nothing changed since the last one (a goodbye: that one holds it all already)."""
 
     peer: Peer
     seq: int
+    if_changed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -478,8 +478,14 @@ class ServerState(OptimizerRequests):
             self._goodbyes.add(peer.id)
             untold = [e.rounds.take_untold(peer.worker) for e in self._all_keys()]
             failed = next((error for error in untold if error is not None), None)
-            # A failed update this worker never pulled after is raised by its close.
-            return [Reply(peer, seq) if failed is None else ReplyError(peer, seq, failed)]
+            if failed is not None:  # a failed update it never pulled after: its close raises
+                return [ReplyError(peer, seq, failed)]
+            if self.checkpoints:
+                # A worker that left resends nothing to a restart: its goodbye is answered
+                # once a checkpoint holds what it changed (all but pushes of rounds still
+                # open), else a restart before the final checkpoint would lose it.
+                return [Checkpoint(peer, seq, if_changed=True)]
+            return [Reply(peer, seq)]
         if op == Op.CHECKPOINT:
             if not self.checkpoints:
                 raise InvalidArgumentError(

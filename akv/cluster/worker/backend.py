@@ -724,9 +724,9 @@ class DistBackend:
             if self.broken is None:
                 goodbyes = await asyncio.gather(
                     *(
-                        link.request(Op.CLOSE, timeout_s=GOODBYE_TIMEOUT_S)
+                        link.request(Op.CLOSE, timeout_s=self._goodbye_s(link))
                         for link in self.links
-                        if link.lost is None
+                        if link.lost is None or link.reconnecting
                     ),
                     return_exceptions=True,
                 )
@@ -752,6 +752,12 @@ class DistBackend:
                 await self.metrics.stop()
         if late is not None:
             raise late
+
+    def _goodbye_s(self, link: ServerLink) -> float:
+        """How long a goodbye to ``link``'s server may take. One that writes checkpoints
+        answers once one holds this worker's changes; one cut meanwhile (a restart) gets the
+        goodbye after the kept requests, on its new stream: a request's deadline."""
+        return self.config.timeouts.request_s if link.restartable else GOODBYE_TIMEOUT_S
 
 
 #: What :meth:`DistBackend._copy_arrived` returns when the value was not there after all.

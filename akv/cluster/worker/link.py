@@ -121,6 +121,11 @@ class ServerLink:
         return self._state.lost
 
     @property
+    def reconnecting(self) -> bool:
+        """Whether the stream is cut and being opened again (to a restarted server, say)."""
+        return self._state.reconnecting
+
+    @property
     def reconnects(self) -> int:
         """How many times the stream was cut and opened again."""
         return self._state.reconnects

@@ -221,3 +221,54 @@ def test_a_new_job_with_the_same_checkpoint_directory_adds_its_rounds_to_the_res
         [([-5.0], [-5.0])] * 2,
         [([-11.0], [-11.0])] * 2,
     ]
+
+
+def end_kill(mode: str, directory) -> subprocess.CompletedProcess[str]:
+    """``jobs/end_kill.py MODE`` under akv-launch, 2 workers and 2 servers writing
+    checkpoints in ``directory`` (no interval checkpoint within the job)."""
+    return launch(
+        [
+            *("-n", "2", "-s", "2", "--checkpoint-dir", str(directory)),
+            *("--checkpoint-interval-s", "3600", "--max-restarts", "1"),
+            *("--env", "AKV_BIGARRAY_BOUND=1024", "--", sys.executable),
+            *(str(JOBS / "end_kill.py"), mode),
+        ],
+        timeout=120,
+    )
+
+
+def read_back(directory) -> list[dict]:
+    """What a later job on ``directory`` restores (digests of every key, per worker)."""
+    done = end_kill("read", directory)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return sorted(
+        (json.loads(line.split("] ", 1)[1]) for line in done.stdout.splitlines() if "w0" in line),
+        key=lambda r: r["rank"],
+    )
+
+
+@pytest.fixture(scope="module")
+def left_clean(tmp_path_factory) -> list[dict]:
+    directory = tmp_path_factory.mktemp("left")
+    done = end_kill("none", directory)
+    assert done.returncode == 0, done.stdout + done.stderr
+    values = read_back(directory)
+    assert len(values) == 2 and values[0]["w0"] != 0
+    return values
+
+
+@pytest.mark.parametrize("mode", ["at_close", "after_goodbye"])
+def test_a_server_killed_as_the_workers_leave_keeps_what_they_pushed(left_clean, tmp_path, mode):
+    """Server 1 is killed while the workers leave (``at_close``), or after one of them left
+    (``after_goodbye``), and restarted from a checkpoint without their rounds. The workers
+    resend to it before their goodbyes, and a goodbye is answered once a checkpoint holds
+    the worker's pushes: a later job restores every round. Before, the job ended well and
+    the later job restored none of server 1's rounds (``at_close``), or it failed after 10 s
+    on a goodbye the restarted server could not answer (``after_goodbye``)."""
+    done = end_kill(mode, tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert re.search(
+        r"akv-launch: server 1 \(pid \d+\) exited with signal SIGKILL; restarting it", output
+    ), output
+    assert read_back(tmp_path) == left_clean

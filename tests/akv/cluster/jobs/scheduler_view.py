@@ -5,13 +5,21 @@ import os
 import urllib.request
 
 
-def server_pids() -> list[int]:
-    """The servers' pids, in rank order."""
+def _nodes() -> list[dict]:
     url = f"http://{os.environ['AKV_SCHEDULER_HOST']}:{os.environ['AKV_SCHEDULER_PORT']}/v1/status"
     request = urllib.request.Request(
         url, headers={"Authorization": f"Bearer {os.environ['AKV_TOKEN']}"}
     )
     with urllib.request.urlopen(request, timeout=10) as answer:
-        nodes = json.load(answer)["nodes"]
-    servers = sorted((n for n in nodes if n["role"] == "server"), key=lambda n: n["rank"])
+        return json.load(answer)["nodes"]
+
+
+def server_pids() -> list[int]:
+    """The servers' pids, in rank order."""
+    servers = sorted((n for n in _nodes() if n["role"] == "server"), key=lambda n: n["rank"])
     return [n["pid"] for n in servers]
+
+
+def finished_workers() -> list[int]:
+    """The ranks of the workers that closed their stores."""
+    return sorted(n["rank"] for n in _nodes() if n["role"] == "worker" and n["finished"])

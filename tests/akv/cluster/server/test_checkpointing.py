@@ -223,6 +223,44 @@ async def test_requests_that_come_during_a_write_are_answered_by_the_next_one(op
     assert server.copies == 2
 
 
+async def test_a_goodbye_is_answered_once_a_checkpoint_holds_what_its_worker_changed(
+    opened, tmp_path
+):
+    """A worker that left resends nothing to a restarted server: its goodbye waits for a
+    checkpoint of its pushes (answered at once, before, and a restart before the final
+    checkpoint lost them without a word). With nothing changed since, none is written."""
+    players = Players(2, checkpoints=True)
+    players.init(0, {"w": f32(0, 0)})
+    checkpoints, server = opened(players.state)
+    checkpoints.restore()
+    await checkpoints.on_request(players.checkpoints.pop())  # the init's
+    for worker in (0, 1):
+        players.push(worker, {"w": f32(1, 2)}, tag=1)
+    goodbye = players.send(0, Op.CLOSE)
+    assert players.waiting(0, goodbye)
+    (asked,) = players.checkpoints
+    assert asked == Checkpoint(players.peers[0], goodbye, if_changed=True)
+    await checkpoints.on_request(asked)
+    answer = Reply(players.peers[0], goodbye)
+    assert server.told(Reply)[-1] == answer and server.disk_when(answer) == 2
+    (record,) = on_disk(tmp_path).keys
+    np.testing.assert_array_equal(record.value, f32(2, 4))
+    # The other worker's goodbye: nothing changed since, so none is written for it.
+    other = players.send(1, Op.CLOSE)
+    await checkpoints.on_request(players.checkpoints[-1])
+    assert server.told(Reply)[-1] == Reply(players.peers[1], other)
+    assert server.copies == 2 and checkpoints.generation == 2
+    await checkpoints.final()  # and the final one has nothing to add
+    assert server.copies == 2
+
+
+def test_a_goodbye_to_a_server_without_checkpoints_is_answered_at_once():
+    players = Players(2)
+    players.init(0, {"w": f32(0, 0)})
+    goodbye = players.send(0, Op.CLOSE)
+    assert players.reply(0, goodbye) == "ok" and players.checkpoints == []
+
+
 async def test_a_failed_write_answers_each_request_with_its_error_and_keeps_the_last(
     opened, tmp_path, monkeypatch
 ):
