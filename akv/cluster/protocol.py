@@ -72,6 +72,7 @@ __all__ = [
     "MAX_SERVER_ID_CHARS",
     "OK",
     "REFUSED_STATUS",
+    "REPLAY_HEADER",
     "STALENESS_HEADER",
     "STATUS_CLASSES",
     "STOPPING_STATUS",
@@ -87,7 +88,10 @@ __all__ = [
     "op_label",
     "parse_client_header",
     "parse_note",
+    "parse_replay",
+    "parse_replay_barrier",
     "parse_staleness",
+    "replay_barrier_text",
     "status_of",
 ]
 
@@ -108,6 +112,7 @@ class Op(IntEnum):
     ROW_INIT = 11
     ROW_PUSH = 12
     ROW_PULL = 13
+    REPLAY_BARRIER = 14
     REPLY = 100
     DURABLE = 101
 
@@ -170,6 +175,10 @@ CLIENT_HEADER: Final = "X-AKV-Client"
 #: Header a ``dist_async`` worker sends when it opens a stream with a staleness bound: the
 #: most pushes of a key it may be ahead of the slowest worker (a whole number from 0).
 STALENESS_HEADER: Final = "X-AKV-Staleness"
+#: Header a ``dist_async`` worker sends when it opens a stream again and will send
+#: requests again on it: how many barriers it had passed before the first of them (its
+#: replay's barrier, see :data:`Op.REPLAY_BARRIER`), a whole number from 0.
+REPLAY_HEADER: Final = "X-AKV-Replay"
 #: The store types whose workers talk to servers.
 DIST_STORE_TYPES: Final = ("dist_sync", "dist_async")
 
@@ -234,13 +243,53 @@ def parse_staleness(text: str | None) -> int | None:
     InvalidArgumentError
         Not a whole number from 0 (at most 18 digits).
     """
+    return _whole_number(text, STALENESS_HEADER)
+
+
+def parse_replay(text: str | None) -> int | None:
+    """The barriers a :data:`REPLAY_HEADER` value says its worker had passed (None: no
+    header, the worker sends nothing again).
+
+    Raises
+    ------
+    InvalidArgumentError
+        Not a whole number from 0 (at most 18 digits).
+    """
+    return _whole_number(text, REPLAY_HEADER)
+
+
+def _whole_number(text: str | None, header: str) -> int | None:
     if text is None:
         return None
     if not text.isdigit() or len(text) > 18:
         raise errors.InvalidArgumentError(
-            f"{STALENESS_HEADER} must be a whole number from 0, got {text[:32]!r}"
+            f"{header} must be a whole number from 0, got {text[:32]!r}"
         )
     return int(text)
+
+
+def replay_barrier_text(barriers: int, last: bool) -> str:
+    """A ``REPLAY_BARRIER`` request's text: the barriers its worker had passed before the
+    requests it sends again after it, and whether it ends the replay (``last``)."""
+    return f"{barriers} last" if last else str(barriers)
+
+
+def parse_replay_barrier(text: str) -> tuple[int, bool]:
+    """What :func:`replay_barrier_text` made: ``(barriers, last)``.
+
+    Raises
+    ------
+    InvalidArgumentError
+        Anything else.
+    """
+    fields = text.split()
+    if not 1 <= len(fields) <= 2 or (len(fields) == 2 and fields[1] != "last"):
+        raise errors.InvalidArgumentError(
+            f"a replay barrier's text must be '<barriers> [last]', got {text[:64]!r}"
+        )
+    barriers = _whole_number(fields[0], "a replay barrier's count")
+    assert barriers is not None
+    return barriers, len(fields) == 2
 
 
 def encode_meta(items: list[tuple[int | str, tuple[int, ...], str]]) -> str:

@@ -53,7 +53,9 @@ CHANGING_OPS = frozenset(
     {Op.INIT, Op.PUSH, Op.PUSHPULL, Op.SET_OPTIMIZER, Op.LOAD_STATES, Op.ROW_INIT, Op.ROW_PUSH}
 )
 #: The requests that carry no arrays (their meaning is in ``text``).
-NO_ARRAY_OPS = frozenset({Op.INIT_CHECK, Op.SET_OPTIMIZER, Op.SAVE_STATES, Op.CLOSE, Op.CHECKPOINT})
+NO_ARRAY_OPS = frozenset(
+    {Op.INIT_CHECK, Op.SET_OPTIMIZER, Op.SAVE_STATES, Op.CLOSE, Op.CHECKPOINT, Op.REPLAY_BARRIER}
+)
 
 
 def check_admission(

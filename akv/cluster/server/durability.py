@@ -22,15 +22,37 @@ whether this server holds every request that worker was told is durable:
 Until every worker that may still talk to a restored server has been checked, no pull is
 answered (:meth:`Lineage.answers_held`): a worker that lost nothing could otherwise read a
 value that lacks another worker's lost pushes (in ``dist_async``, where no round waits).
+
+The workers then send their unsaved requests again, each on its own stream. In
+``dist_async`` no round orders them, but the barriers did: what every worker pushed
+before a barrier was applied before anything pushed after it (a learning rate set
+between two barriers applied to the pushes between them). A ``dist_async`` worker
+that sends requests again says how many barriers it had passed before the first of them
+(``X-AKV-Replay``), and sends a ``REPLAY_BARRIER`` first, one where each later barrier
+was, and one (``last``) at its replay's end. A replay barrier is answered, and its worker
+goes on, once every worker that may still send requests again has sent those from before
+that barrier (:meth:`Lineage.replay_barrier`). So a request sent again, and every request
+after a replay, sees what every worker sent before the barriers its sender had passed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from akv.cluster.protocol import Note
 
-__all__ = ["Lineage", "Restored"]
+__all__ = ["Lineage", "ReplayBarrier", "Restored"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayBarrier:
+    """Request ``seq`` of ``peer``: a replay barrier at ``barriers`` (see the module
+    docstring)."""
+
+    peer: Any
+    seq: int
+    barriers: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +87,11 @@ class Lineage:
         #: checkpoint may be written from this state (it would replace the evidence with
         #: a state that lacks acknowledged pushes).
         self.lost: str | None = None
+        #: Checked workers sending requests again, and how many barriers each had passed
+        #: before the requests it is sending now.
+        self.replaying: dict[int, int] = {}
+        #: Replay barriers not answered yet.
+        self.barriers: list[ReplayBarrier] = []
 
     def restore(self, restored: Restored) -> None:
         """The process started from ``restored`` (checkpoint 0: no file was there)."""
@@ -95,20 +122,58 @@ class Lineage:
         every worker yet."""
         return bool(self.unchecked)
 
-    def finished(self, workers: list[int]) -> None:
-        """These workers closed their stores (the scheduler says): none will come back."""
+    def finished(self, workers: list[int]) -> list[ReplayBarrier]:
+        """These workers closed their stores (the scheduler says): none will come back.
+        Returns the replay barriers that waited for them only."""
         self.unchecked.difference_update(workers)
+        for worker in workers:
+            self.replaying.pop(worker, None)
+        return self._passed()
 
-    def check(self, worker: int, note: Note | None) -> str | None:
+    def check(self, worker: int, note: Note | None, replay: int | None = None) -> str | None:
         """Worker ``worker`` opens a stream, having last been told ``note`` (None: no note
-        yet). Returns what this server lost of what it told that worker is durable (a
+        yet), and sends requests again on it, the first after ``replay`` barriers (None:
+        none). Returns what this server lost of what it told that worker is durable (a
         phrase that follows the server's name), or None: the worker is checked."""
         lost = self._lost(worker, note)
-        if lost is None:
-            self.unchecked.discard(worker)
-        else:
+        if lost is not None:
             self.lost = lost
-        return lost
+            return lost
+        awaited = worker in self.unchecked or worker in self.replaying
+        self.unchecked.discard(worker)
+        if replay is None or not awaited:
+            self.replaying.pop(worker, None)  # (a worker a restored server never waits for)
+        else:
+            self.replaying[worker] = replay
+        return None
+
+    def replay_barrier(self, barrier: ReplayBarrier, last: bool) -> list[ReplayBarrier]:
+        """``barrier`` arrived (``last``: its worker's replay ends with it). Returns the
+        replay barriers to answer now: it, once every worker that may still send requests
+        again sent those from before it (at once when none is awaited), and those that
+        waited for it."""
+        worker = barrier.peer.worker
+        if worker in self.replaying:
+            if last:
+                del self.replaying[worker]  # everything it sends again has arrived
+            else:
+                self.replaying[worker] = max(self.replaying[worker], barrier.barriers)
+        self.barriers.append(barrier)
+        return self._passed()
+
+    def take_barriers(self) -> list[ReplayBarrier]:
+        """The replay barriers still waiting (the job failed: each gets its error)."""
+        waiting, self.barriers = self.barriers, []
+        return waiting
+
+    def _passed(self) -> list[ReplayBarrier]:
+        if self.unchecked:
+            return []
+        reached = min(self.replaying.values(), default=None)
+        passed = [b for b in self.barriers if reached is None or b.barriers <= reached]
+        if passed:
+            self.barriers = [b for b in self.barriers if b not in passed]
+        return passed
 
     def _lost(self, worker: int, note: Note | None) -> str | None:
         restored = self.restored

@@ -37,12 +37,14 @@ from akv.cluster.protocol import (
     DURABLE_HEADER,
     JOB_FAILED_EXIT,
     OK,
+    REPLAY_HEADER,
     STALENESS_HEADER,
     STOPPING_STATUS,
     Op,
     format_note,
     parse_client_header,
     parse_note,
+    parse_replay,
     parse_staleness,
     status_of,
 )
@@ -365,8 +367,9 @@ class ParameterServer:
             durable = request.headers.get(DURABLE_HEADER)
             note = parse_note(durable) if durable is not None else None
             staleness = parse_staleness(request.headers.get(STALENESS_HEADER))
+            replay = parse_replay(request.headers.get(REPLAY_HEADER))
             peer, instructions = self.state.admit(
-                worker, store_type, stream, session, note, staleness
+                worker, store_type, stream, session, note, staleness, replay
             )
         except InvalidArgumentError as exc:
             raise RequestError(400, str(exc)) from None

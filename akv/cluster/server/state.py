@@ -40,7 +40,7 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
-from akv.cluster.protocol import Note, Op, decode_meta, op_label
+from akv.cluster.protocol import Note, Op, decode_meta, op_label, parse_replay_barrier
 from akv.cluster.server import snapshots
 from akv.cluster.server.buffers import Landing, ValueRegions
 from akv.cluster.server.checks import (
@@ -50,7 +50,7 @@ from akv.cluster.server.checks import (
     entry_of,
 )
 from akv.cluster.server.dense_keys import count_push, init_keys, land, pull_ticket
-from akv.cluster.server.durability import Lineage
+from akv.cluster.server.durability import Lineage, ReplayBarrier
 from akv.cluster.server.inits import InitWaits
 from akv.cluster.server.instructions import (
     Checkpoint,
@@ -223,9 +223,12 @@ class ServerState(OptimizerRequests):
         session: str = "",
         note: Note | None = None,
         staleness: int | None = None,
+        replay: int | None = None,
     ) -> tuple[Peer, list[Instruction]]:
         """A worker opens its stream (``stream``) or sends a single frame; ``session``
-        names its process, ``note`` is the last ``DURABLE`` note it acted on. Returns the
+        names its process, ``note`` is the last ``DURABLE`` note it acted on, ``replay``
+        the barriers it had passed before the requests it sends again (``dist_async``;
+        see :mod:`~akv.cluster.server.durability`). Returns the
         new peer, and what to do first: a :class:`CloseStream` for each stream it replaces,
         and the pulls it lets be answered (the last worker a restored server waited for).
 
@@ -270,7 +273,7 @@ class ServerState(OptimizerRequests):
         if stream and (current or known is not None) and not (session and session == known):
             raise MembershipError(f"worker {worker} is already connected to {self.name}")
         if stream:  # checked once the stream is known to be the worker's own
-            lost = self.lineage.check(worker, note)
+            lost = self.lineage.check(worker, note, replay)
             if lost is not None:
                 self.failure = f"{self.name} {lost}"
                 failing = [FailJob(self.failure, detail=lost, blames_itself=True)]
@@ -300,8 +303,8 @@ class ServerState(OptimizerRequests):
         """These workers closed their stores (the scheduler says, when a restarted server
         joins): a restored server waits for none of them; returns the pulls it lets be
         answered."""
-        self.lineage.finished(workers)
-        return self._answers_let_go()
+        passed = self.lineage.finished(workers)
+        return [*(Reply(b.peer, b.seq) for b in passed), *self._answers_let_go()]
 
     def _answers_let_go(self) -> list[Instruction]:
         """The held pulls, once the lineage holds answers no more."""
@@ -366,6 +369,7 @@ class ServerState(OptimizerRequests):
             out.extend(self._fail_tickets(row_entry.rounds.take_waiting(), error))
         held, self._held_answers = self._held_answers, []
         out.extend(self._fail_tickets(held, error))
+        out.extend(ReplyError(b.peer, b.seq, error) for b in self.lineage.take_barriers())
         if self.waiting is not None:
             for parked in self.waiting.take():
                 out.extend(self._drop_parked(parked, error))
@@ -486,6 +490,10 @@ class ServerState(OptimizerRequests):
                 # open), else a restart before the final checkpoint would lose it.
                 return [Checkpoint(peer, seq, if_changed=True)]
             return [Reply(peer, seq)]
+        if op == Op.REPLAY_BARRIER:
+            barriers, last = parse_replay_barrier(header.text)
+            passed = self.lineage.replay_barrier(ReplayBarrier(peer, seq, barriers), last)
+            return [*(Reply(b.peer, b.seq) for b in passed), *self._answers_let_go()]
         if op == Op.CHECKPOINT:
             if not self.checkpoints:
                 raise InvalidArgumentError(

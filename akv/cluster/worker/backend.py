@@ -45,6 +45,7 @@ from akv.cluster.worker.calls import Answer, Done, PullCall, PushCall, give_back
 from akv.cluster.worker.control import ControlCalls
 from akv.cluster.worker.events import (
     AcksWanted,
+    BarrierPassed,
     Closing,
     Event,
     JobFailed,
@@ -209,6 +210,7 @@ class DistBackend:
             request_s=config.timeouts.request_s,
             round_s=config.timeouts.round_s,
             retain_bytes=config.retain_bytes,
+            ordered_replays=self.type == "dist_async",
         )
         self._read_state()
         self.links = [
@@ -668,6 +670,7 @@ class DistBackend:
             raise late  # before it is numbered: the next barrier takes its number
         self._barriers += 1
         await pass_barrier(self.membership, self._barriers, self._check)
+        self.handle(BarrierPassed())
 
     def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Task:
         """Send the optimizer's name and hyper-parameters (JSON) to every server."""

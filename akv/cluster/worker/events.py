@@ -21,6 +21,7 @@ event                   when
 :class:`JobFailed`      the job failed (the scheduler's verdict, the worker's own code,
                         a lost scheduler)
 :class:`Closing`        the store leaves: the streams' ends are no loss from now on
+:class:`BarrierPassed`  the worker passed a barrier
 :class:`Tick`           the clock, for the requests' deadlines
 ======================  ===============================================================
 
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AcksWanted",
+    "BarrierPassed",
     "Closing",
     "ConnectFailed",
     "Event",
@@ -227,6 +229,13 @@ class JobFailed(Event):
 
 class Closing(Event):
     """The store leaves: held pushes go now, and a stream's end is no loss any more."""
+
+    __slots__ = ()
+
+
+class BarrierPassed(Event):
+    """The worker passed a barrier (a ``dist_async`` replay keeps it: see
+    :class:`~akv.cluster.worker.reconnect.Barriers`)."""
 
     __slots__ = ()
 

@@ -18,7 +18,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from akv.cluster.config import Config, format_address
-from akv.cluster.protocol import CLIENT_HEADER, DURABLE_HEADER, STALENESS_HEADER, client_header
+from akv.cluster.protocol import (
+    CLIENT_HEADER,
+    DURABLE_HEADER,
+    REPLAY_HEADER,
+    STALENESS_HEADER,
+    client_header,
+)
 from akv.cluster.roles import client_ssl
 from akv.cluster.worker.calls import Answer
 from akv.cluster.worker.events import (
@@ -165,6 +171,9 @@ class ServerLink:
             headers[STALENESS_HEADER] = str(config.staleness)
         if self._state.durable_note:
             headers[DURABLE_HEADER] = self._state.durable_note
+        replay = self._state.replay_barriers() if self._state.reconnecting else None
+        if replay is not None:
+            headers[REPLAY_HEADER] = str(replay)
         options: dict[str, Any] = {
             "timeout_s": config.timeouts.connect_s,
             "max_payload_bytes": MAX_PAYLOAD_BYTES,

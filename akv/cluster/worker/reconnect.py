@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from akv.cluster.protocol import STOPPING_STATUS, Op
+from akv.cluster.protocol import STOPPING_STATUS, Op, replay_barrier_text
 from akv.cluster.worker.instructions import Instruction, Send
 from akv.cluster.worker.pipeline import CHECKPOINT, SETTLE, Gather
 from akv.cluster.worker.requests import (
@@ -48,7 +48,7 @@ from akv_transport import (
     TransportError,
 )
 
-__all__ = ["Backoff", "Link", "Refusal", "Replay", "Resend", "Retained", "classify"]
+__all__ = ["Backoff", "Barriers", "Link", "Refusal", "Replay", "Resend", "Retained", "classify"]
 
 
 class Refusal(enum.Enum):
@@ -204,15 +204,64 @@ class Resend(NamedTuple):
 _WAIT_AFTER = frozenset({Op.SET_OPTIMIZER, Op.LOAD_STATES})
 
 
+class Barriers:
+    """The barriers a ``dist_async`` worker passed, as one link numbers its requests:
+    ``passed`` in all, and for the later ones, the number of the first request after each
+    (``bounds``: ``(barrier, seq)``; those before every request a replay could send again
+    are dropped). A replay puts a ``REPLAY_BARRIER`` where each was (see
+    :mod:`akv.cluster.server.durability`)."""
+
+    __slots__ = ("bounds", "passed")
+
+    def __init__(self) -> None:
+        self.passed = 0
+        self.bounds: deque[tuple[int, int]] = deque()
+
+    def passed_one(self, next_seq: int, oldest: int) -> None:
+        """A barrier was passed: the link's next request is numbered ``next_seq``, and no
+        replay sends again a request numbered below ``oldest``."""
+        self.passed += 1
+        self.bounds.append((self.passed, next_seq))
+        while self.bounds and self.bounds[0][1] <= oldest:
+            self.bounds.popleft()
+
+    def before(self, seq: int | None) -> int:
+        """How many barriers were passed before request ``seq`` (None: from now on)."""
+        return self.passed - sum(1 for _, bound in self.bounds if seq is not None and bound > seq)
+
+
+def _with_barriers(resends: list[Resend], barriers: Barriers) -> list[Resend]:
+    """``resends`` (by number) after a replay barrier, with one before the first request
+    after each barrier passed since the first of them, and one (``last``) at the end."""
+    if not resends:
+        return [_replay_barrier(barriers.passed, True)]
+    first = resends[0].seq
+    bounds = deque(b for b in barriers.bounds if b[1] > first)
+    out = [_replay_barrier(barriers.before(first), False)]
+    for resend in resends:
+        while bounds and bounds[0][1] <= resend.seq:
+            out.append(_replay_barrier(bounds.popleft()[0], False))
+        out.append(resend)
+    out.append(_replay_barrier(barriers.passed, True))  # (those after the last request too)
+    return out
+
+
+def _replay_barrier(passed: int, last: bool) -> Resend:
+    return Resend(0, Op.REPLAY_BARRIER, (), replay_barrier_text(passed, last), 0, None)
+
+
 class Replay:
     """Sending a link's requests again on a new stream: ``queue`` in their order (the kept
-    ones and the unanswered ones, by number), then the requests made meanwhile
-    (``deferred``, numbers of requests in the table), in theirs. ``pushed``: the keys
-    pushed so far (a second push of a key waits for a pull of it first)."""
+    ones and the unanswered ones, by number; with ``barriers``, the replay barriers of
+    ``dist_async`` between them), then the requests made meanwhile (``deferred``, numbers
+    of requests in the table), in theirs. ``pushed``: the keys pushed so far (a second push
+    of a key waits for a pull of it first)."""
 
     __slots__ = ("deferred", "pushed", "queue")
 
-    def __init__(self, retained: Retained, unanswered: list[Request]) -> None:
+    def __init__(
+        self, retained: Retained, unanswered: list[Request], barriers: Barriers | None = None
+    ) -> None:
         by_seq: dict[int, Resend] = {
             seq: Resend(seq, op, arrays, text, 0, None)
             for seq, (op, arrays, text) in retained.requests.items()
@@ -223,7 +272,10 @@ class Replay:
             by_seq[request.seq] = Resend(
                 request.seq, request.op, request.arrays, request.text, request.flags, request
             )
-        self.queue: deque[Resend] = deque(by_seq[seq] for seq in sorted(by_seq))
+        resends = [by_seq[seq] for seq in sorted(by_seq)]
+        if barriers is not None:
+            resends = _with_barriers(resends, barriers)
+        self.queue: deque[Resend] = deque(resends)
         self.deferred: deque[int] = deque()
         self.pushed: set[Any] = set()
 
@@ -262,6 +314,7 @@ class Link:
     __slots__ = (
         "asked_checkpoint",
         "backoff",
+        "barriers",
         "closing",
         "cut_cause",
         "cuts",
@@ -284,9 +337,11 @@ class Link:
         "verdict_held",
     )
 
-    def __init__(self, name: str, restartable: bool) -> None:
+    def __init__(self, name: str, restartable: bool, ordered: bool = False) -> None:
+        """``ordered``: a ``dist_async`` worker's replays keep its barriers (:class:`Barriers`)."""
         self.name = name
         self.restartable = restartable
+        self.barriers = Barriers() if ordered else None
         self.table = RequestTable(name)
         self.open = False
         self.stream: object = None
@@ -476,11 +531,31 @@ class Link:
         """The stream was opened again: send the kept and the unanswered requests again, in
         their order (see :meth:`advance_replay`), each one ``resent`` until its answer comes
         on this stream (:meth:`answered`)."""
-        replay = self.replay = Replay(self.retained, self.table.unanswered())
-        self.resent = {resend.seq for resend in replay.queue}
+        replay = self.replay = Replay(self.retained, self.table.unanswered(), self.barriers)
+        self.resent = {resend.seq for resend in replay.queue if resend.seq}
         if self.resent:  # then their answers tell whether it works (see cut)
             self.silent_since = None
         self.advance_replay(server, deadline, out)
+
+    def barrier_passed(self) -> None:
+        """The worker passed a barrier (``dist_async``: see :class:`Barriers`)."""
+        if self.barriers is not None:
+            next_seq, oldest = self.table.next_seq, self._oldest()
+            self.barriers.passed_one(next_seq, next_seq if oldest is None else oldest)
+
+    def replay_barriers(self) -> int | None:
+        """For a stream about to be opened again (``dist_async``): how many barriers were
+        passed before the first request it will send again (``X-AKV-Replay``); None when
+        replays are not ordered by barriers."""
+        return None if self.barriers is None else self.barriers.before(self._oldest())
+
+    def _oldest(self) -> int | None:
+        """The number of the first request a replay would send again now (None: none)."""
+        kept = min(self.retained.requests, default=None)
+        waiting = self.table.first_seq()
+        if kept is None or waiting is None:
+            return waiting if kept is None else kept
+        return min(kept, waiting)
 
     def answered(self, seq: int) -> None:
         """The answer to request ``seq`` came on the stream (a success or an error)."""
@@ -523,6 +598,17 @@ class Link:
                     request.written = True
                     out.append(Send(server, op, seq, settle, "", 0))
                     return
+            if resend.op == Op.REPLAY_BARRIER:
+                # The server answers once every worker sent what it had pushed before that
+                # barrier: the replay waits (a SETTLE call) before it goes on.
+                call = Gather(None, SETTLE, server)
+                call.replay = replay
+                call.remaining = 1
+                request = Request(resend.op, (), deadline, call, text=resend.text)
+                seq = table.add(request)
+                request.written = True
+                out.append(Send(server, resend.op, seq, (), resend.text, 0))
+                return
             if resend.request is None and resend.op in _WAIT_AFTER:
                 # Its call returned once it was applied, before the program sent more (a
                 # new optimizer waits on the server for its sender's rounds): the replay

@@ -259,6 +259,15 @@ class RequestTable:
         self._pending[seq] = request
         return seq
 
+    @property
+    def next_seq(self) -> int:
+        """The number the next request gets."""
+        return self._seq + 1
+
+    def first_seq(self) -> int | None:
+        """The number of the oldest request waiting for its reply (None: none)."""
+        return min(self._pending, default=None)  # (a replay puts old numbers back: see put)
+
     def unanswered(self) -> list[Request]:
         """Every request still waiting for its reply, by sequence number (to send again
         on a new stream)."""

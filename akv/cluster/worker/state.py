@@ -32,8 +32,10 @@ import numpy as np
 from akv.args import Key
 from akv.arrays import is_gpu
 from akv.cluster.protocol import COUNTED, Op
+from akv.cluster.worker import invariants
 from akv.cluster.worker.events import (
     AcksWanted,
+    BarrierPassed,
     Closing,
     ConnectFailed,
     Event,
@@ -116,6 +118,9 @@ class WorkerState:
         A request's deadline, and how much longer one waiting for a round may take.
     retain_bytes:
         Past this many bytes kept for one server, ask it for a checkpoint.
+    ordered_replays:
+        Replays to a restarted server keep the barriers between the requests
+        (``dist_async``: :class:`~akv.cluster.worker.reconnect.Barriers`).
     """
 
     def __init__(
@@ -127,8 +132,9 @@ class WorkerState:
         request_s: float,
         round_s: float = 0.0,
         retain_bytes: int = RETAIN_BYTES,
+        ordered_replays: bool = False,
     ) -> None:
-        self.links = [Link(name, restartable) for name, restartable in servers]
+        self.links = [Link(name, r, ordered_replays and r) for name, r in servers]
         self.strict_push = strict_push
         self.pull_ahead = pull_ahead
         self.request_s = request_s
@@ -164,6 +170,7 @@ class WorkerState:
             ConnectFailed: self._connect_failed,
             JobFailed: self._job_failed,
             Closing: self._closing,
+            BarrierPassed: self._barrier_passed,
         }
 
     def compress(self, compression: Compression) -> None:
@@ -742,6 +749,11 @@ class WorkerState:
                 self._fail_link(server, link.lost, out)
         return out
 
+    def _barrier_passed(self, _: BarrierPassed) -> list[Instruction]:
+        for link in self.links:
+            link.barrier_passed()
+        return []
+
     def _tick(self, event: Tick) -> list[Instruction]:
         """Fail the requests whose deadline passed."""
         self._now = now = event.now
@@ -761,39 +773,4 @@ class WorkerState:
 
     def validate(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant (for tests)."""
-        unacked: dict[int, int] = {}
-        unanswered: dict[int, int] = {}
-        pushes: dict[int, Pipelined] = {}
-        waiting: dict[int, int] = {}
-        calls: dict[int, Gather] = {}
-        for link in self.links:
-            requests = link.validate(self.failure is not None)
-            for request in requests:
-                push = request.push
-                if push is not None:
-                    pushes[id(push)] = push
-                    unanswered[id(push)] = unanswered.get(id(push), 0) + 1
-                    if not request.acked:
-                        unacked[id(push)] = unacked.get(id(push), 0) + 1
-                if request.call is not None:
-                    calls[id(request.call)] = request.call
-                    waiting[id(request.call)] = waiting.get(id(request.call), 0) + 1
-        for push_id, push in pushes.items():
-            assert push.unanswered == unanswered[push_id], f"{push}: answers counted wrong"
-            assert push.unacked == unacked.get(push_id, 0), f"{push}: acks counted wrong"
-        assert self.unacked == len(unacked), f"unacked {self.unacked} != {len(unacked)} pushes"
-        assert self.unacked or not self._acks_waiters, "waiting for acknowledgements of none"
-        values = {id(value): value for push in pushes.values() for value in push.aheads or ()}
-        for key, value in self.ahead.values.items():
-            entry = value.entry
-            assert entry.key == key and value.pushes == entry.pushes, f"stale ahead of {key!r}"
-            assert not value.stale and not value.released, value
-            values[id(value)] = value
-        for value in values.values():
-            assert value.readers >= 0 and not (value.arrived and value.waiters), value
-            assert not value.released or value.lent is None, f"{value}: released, still lent"
-            for call in value.waiters:
-                calls[id(call)] = call
-                waiting[id(call)] = waiting.get(id(call), 0) + 1
-        for call_id, call in calls.items():
-            assert call.remaining == waiting[call_id], f"{call}: waits for {waiting[call_id]}"
+        invariants.check(self)

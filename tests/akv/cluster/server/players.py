@@ -180,12 +180,13 @@ class Players:
     def lose(self, worker: int, exc: BaseException | None = None) -> None:
         self.run(self.state.peer_lost(self.peers[worker], exc, self.now))
 
-    def reconnect(self, worker: int, note: Note | None = None) -> None:
+    def reconnect(self, worker: int, note: Note | None = None, replay: int | None = None) -> None:
         """Worker ``worker`` opens a new stream of its session (after a cut), having last
-        been told ``note`` (a ``DURABLE`` note)."""
-        self.peers[worker] = self._open(worker, note)
+        been told ``note`` (a ``DURABLE`` note), to send requests again from after
+        ``replay`` barriers (``X-AKV-Replay``; None: no header)."""
+        self.peers[worker] = self._open(worker, note, replay)
 
-    def _open(self, worker: int, note: Note | None = None) -> Peer:
+    def _open(self, worker: int, note: Note | None = None, replay: int | None = None) -> Peer:
         peer, instructions = self.state.admit(
             worker,
             self.store_type,
@@ -193,6 +194,7 @@ class Players:
             session=f"session{worker}",
             note=note,
             staleness=self.staleness,
+            replay=replay,
         )
         self.run(instructions)
         return peer

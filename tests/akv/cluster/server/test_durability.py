@@ -9,11 +9,13 @@ worker was checked). The whole-job checks are in ``tests/akv/cluster/test_restar
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from akv.cluster.protocol import Note, format_note, parse_note
-from akv.cluster.server.durability import Lineage, Restored
+from akv.cluster.protocol import Note, Op, format_note, parse_note, replay_barrier_text
+from akv.cluster.server.durability import Lineage, ReplayBarrier, Restored
 from akv.cluster.server.instructions import FailJob, StaleCheckpointError
 from akv.errors import InvalidArgumentError, MembershipError, PeerLostError
 from tests.akv.cluster.server.players import OK, Players
@@ -164,3 +166,89 @@ def test_a_restored_dist_sync_server_holds_nothing_back():
     players.push(0, {"w": f32(1, 1)}, tag=1)
     players.push(1, {"w": f32(2, 2)}, tag=1)  # worker 1 not checked: its round still closes
     np.testing.assert_array_equal(players.reply(0, players.pull(0, ["w"]))["w"], f32(3, 3))
+
+
+# ---------------------------------------------------------------- dist_async replays
+
+
+def barrier(worker: int, seq: int, barriers: int) -> ReplayBarrier:
+    return ReplayBarrier(SimpleNamespace(worker=worker), seq, barriers)
+
+
+def test_a_replay_barrier_waits_until_every_worker_sent_what_it_had_before_that_barrier():
+    """Worker 0 sends again from after barrier 1, worker 1 from before it: worker 0's
+    replay barrier 1 waits for worker 1's; its barrier 0 and its last pass it."""
+    lineage = restored()
+    lineage.check(0, None, replay=1)
+    first = barrier(0, 1, 1)
+    assert lineage.replay_barrier(first, last=False) == []  # worker 1 not even back
+    lineage.check(1, None, replay=0)
+    assert lineage.replay_barrier(barrier(1, 1, 0), last=False) == [barrier(1, 1, 0)]
+    assert lineage.barriers == [first]
+    lineage.replay_barrier(barrier(1, 2, 1), last=False)  # worker 1 reached barrier 1 ...
+    assert first not in lineage.barriers  # ... which let worker 0's go
+    passed = lineage.replay_barrier(barrier(0, 2, 3), last=True)  # worker 0's replay ends
+    assert passed == []  # at barrier 3: worker 1 is still at 1
+    both = [barrier(0, 2, 3), barrier(1, 3, 3)]
+    assert lineage.replay_barrier(barrier(1, 3, 3), last=True) == both
+    assert lineage.replaying == {} and lineage.barriers == []
+    # After the replays (a later cut of the same process): answered at once.
+    assert lineage.replay_barrier(barrier(0, 9, 5), last=True) == [barrier(0, 9, 5)]
+
+
+def test_a_replay_barrier_waits_for_no_finished_worker():
+    lineage = restored()
+    lineage.check(0, None, replay=2)
+    assert lineage.replay_barrier(barrier(0, 1, 2), last=True) == []
+    assert lineage.finished([1]) == [barrier(0, 1, 2)]
+
+
+def test_a_worker_a_restored_server_does_not_wait_for_is_not_waited_for_by_its_replay():
+    """A cut after the restore's replays: the worker's replay barriers pass at once, and
+    the others' do not wait for it; without a restore, nobody waits."""
+    lineage = restored()
+    lineage.check(0, None, replay=0)
+    lineage.check(1, None)  # nothing to send again
+    lineage.replay_barrier(barrier(0, 1, 0), last=True)
+    lineage.check(0, None, replay=4)  # cut again later
+    assert lineage.replaying == {}
+    assert lineage.replay_barrier(barrier(0, 2, 4), last=False) == [barrier(0, 2, 4)]
+    fresh = Lineage("now", num_workers=2)
+    fresh.check(1, None, replay=3)
+    assert fresh.replay_barrier(barrier(1, 1, 3), last=False) == [barrier(1, 1, 3)]
+
+
+def test_replays_of_a_restored_dist_async_server_keep_the_order_of_the_barriers():
+    """Without an optimizer a push replaces the value: the order the replays apply pushes
+    in is what the value says. Worker 1 pushed 1 before the barrier, worker 0 pushed 2
+    after it: whatever order their replays come in, 2 is applied last."""
+    players = players_restored("dist_async")
+    players.reconnect(0, None, replay=1)
+    players.reconnect(1, None, replay=0)
+    text = replay_barrier_text
+    zero = players.send(0, Op.REPLAY_BARRIER, text=text(1, False))
+    assert players.waiting(0, zero)  # worker 1 has not sent what it pushed before barrier 1
+    assert players.reply(1, players.send(1, Op.REPLAY_BARRIER, text=text(0, False))) == OK
+    players.push(1, {"w": f32(1, 1)}, tag=1)
+    assert players.waiting(0, zero)
+    last = players.send(1, Op.REPLAY_BARRIER, text=text(1, True))
+    assert players.reply(0, zero) == OK and players.reply(1, last) == OK
+    players.push(0, {"w": f32(2, 2)}, tag=1)
+    assert players.reply(0, players.send(0, Op.REPLAY_BARRIER, text=text(1, True))) == OK
+    np.testing.assert_array_equal(players.reply(1, players.pull(1, ["w"]))["w"], f32(2, 2))
+
+
+def test_a_replay_barrier_waiting_when_the_job_fails_gets_the_failure():
+    players = players_restored("dist_async")
+    players.reconnect(0, None, replay=2)
+    waiting = players.send(0, Op.REPLAY_BARRIER, text=replay_barrier_text(2, True))
+    assert players.waiting(0, waiting)
+    players.run(players.state.job_failed("worker 1 died"))
+    assert isinstance(players.reply(0, waiting), PeerLostError)
+
+
+@pytest.mark.parametrize("text", ["", "x", "1 first", "1 last 2", "-1", "1.5"])
+def test_a_malformed_replay_barrier_is_refused(text):
+    players = players_restored("dist_async")
+    answer = players.reply(0, players.send(0, Op.REPLAY_BARRIER, text=text))
+    assert isinstance(answer, InvalidArgumentError) and "replay barrier" in str(answer)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from akv.cluster.protocol import Op
+from akv.cluster.worker.events import BarrierPassed
 from akv.cluster.worker.reconnect import Backoff, Refusal, classify
 from akv.errors import PeerLostError, ServerError
 from akv.limits import RECONNECT_FIRST_S, RECONNECT_MAX_S, RECONNECT_SILENT_ATTEMPTS
@@ -159,6 +160,58 @@ def test_a_replay_waits_for_the_answer_to_a_new_optimizer_or_states_load(op):
     servers.answer(again)
     (last,) = servers.sent()
     assert (last.op, last.seq, last.keys) == (Op.PUSH, 3, ["v"])
+
+
+def test_a_dist_async_replay_keeps_the_barriers_between_its_requests():
+    """A restarted dist_async server must apply what every worker pushed before a barrier
+    before anything pushed after it (a learning rate set between barriers took other
+    pushes, and a pull after a barrier missed pushes still to be resent). The replay says
+    how many barriers came before its first request (the header), then waits at a replay
+    barrier before it, one where each later barrier was, and one (last) at its end."""
+    servers = Servers(restartable=True, ordered_replays=True)
+    link = servers.state.links[0]
+    for value in (1, 2, 3):  # a key each: no pull before a push of it again
+        servers.push({key_entry(f"w{value}"): f32(value, value, value, value)})
+        servers.end_turn()
+        servers.answer(servers.take())  # seqs 1 to 3: kept
+        servers.feed(BarrierPassed())  # barriers 1 to 3
+        servers.durable(0, below=2)  # push 1 is in a checkpoint: replays start at push 2
+    assert list(link.barriers.bounds) == [(2, 3), (3, 4)]  # barrier 1 came before push 2
+    assert link.replay_barriers() == 1
+    servers.cut(0)
+    servers.open(0)
+    first = servers.take()
+    assert (first.op, first.text) == (Op.REPLAY_BARRIER, "1")
+    assert servers.sent() == []  # push 2 waits for every worker to reach barrier 1
+    servers.answer(first)
+    push, middle = servers.take(), servers.take()
+    assert (push.op, push.seq, middle.op, middle.text) == (Op.PUSH, 2, Op.REPLAY_BARRIER, "2")
+    servers.answer(push)
+    assert servers.sent() == []  # push 3 waits for every worker to reach barrier 2
+    servers.answer(middle)
+    push, last = servers.take(), servers.take()
+    assert (push.op, push.seq, last.op, last.text) == (Op.PUSH, 3, Op.REPLAY_BARRIER, "3 last")
+    servers.answer(push)
+    servers.answer(last)
+    assert not link.replaying
+    servers.durable(0, below=last.seq + 1)
+    assert link.replay_barriers() == 3  # nothing to send again: from after barrier 3
+    servers.cut(0)
+    servers.open(0)
+    (only,) = servers.sent()
+    assert (only.op, only.text) == (Op.REPLAY_BARRIER, "3 last")
+
+
+def test_a_dist_sync_replay_has_no_replay_barriers():
+    servers = Servers(restartable=True)
+    servers.push({key_entry("w"): f32(1, 1, 1, 1)})
+    servers.end_turn()
+    servers.answer(servers.take())
+    servers.feed(BarrierPassed())
+    assert servers.state.links[0].replay_barriers() is None
+    servers.cut(0)
+    servers.open(0)
+    assert [r.op for r in servers.sent()] == [Op.PUSH]
 
 
 def test_a_pushpull_asked_ahead_and_counted_is_resent_once_as_itself():
