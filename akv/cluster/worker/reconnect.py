@@ -531,7 +531,11 @@ class Link:
         """The stream was opened again: send the kept and the unanswered requests again, in
         their order (see :meth:`advance_replay`), each one ``resent`` until its answer comes
         on this stream (:meth:`answered`)."""
-        replay = self.replay = Replay(self.retained, self.table.unanswered(), self.barriers)
+        table = self.table
+        for request in table.unanswered():
+            if request.op == Op.REPLAY_BARRIER:
+                table.pop(request.seq)  # an earlier replay's: this one sends its own
+        replay = self.replay = Replay(self.retained, table.unanswered(), self.barriers)
         self.resent = {resend.seq for resend in replay.queue if resend.seq}
         if self.resent:  # then their answers tell whether it works (see cut)
             self.silent_since = None

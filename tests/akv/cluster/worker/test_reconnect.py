@@ -279,6 +279,32 @@ def test_a_cut_during_a_replay_starts_it_again_on_the_next_stream():
     assert not servers.state.links[0].replaying
 
 
+def test_a_cut_during_a_dist_async_replay_sends_its_replay_barriers_anew():
+    """The replay barriers of a replay cut short are not sent again as they were (the
+    last one would tell the server that the replay ended before the requests after it)."""
+    servers = Servers(restartable=True, ordered_replays=True)
+    servers.push({key_entry("w"): f32(1, 1, 1, 1)})
+    servers.end_turn()
+    servers.answer(servers.take())  # kept
+    servers.feed(BarrierPassed())
+    servers.cut(0)
+    servers.open(0)
+    first = servers.take()
+    servers.answer(first)
+    push, last = servers.take(), servers.take()
+    assert (push.op, last.op, last.text) == (Op.PUSH, Op.REPLAY_BARRIER, "1 last")
+    servers.cut(0)  # before the last replay barrier's answer
+    servers.open(0)
+    again = servers.take()
+    assert (again.op, again.text) == (Op.REPLAY_BARRIER, "0")
+    servers.answer(again)
+    assert [(r.op, r.text) for r in servers.sent()] == [
+        (Op.PUSH, ""),
+        (Op.REPLAY_BARRIER, "1 last"),
+    ]
+    assert len(servers.state.links[0].table) == 1  # the new last one only
+
+
 def test_a_request_deferred_by_a_replay_and_swept_meanwhile_is_not_sent():
     servers = Servers(restartable=True, request_s=10.0)
     w, v = key_entry("w"), key_entry("v")
