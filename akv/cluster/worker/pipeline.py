@@ -74,6 +74,7 @@ class Gather:
         "buffers",
         "copies",
         "error",
+        "keys",
         "kind",
         "remaining",
         "replay",
@@ -95,6 +96,8 @@ class Gather:
         self.buffers: list[tuple[Entry, Any]] = []
         self.aheads: list[tuple[Sequence[Any], Ahead]] = []
         self.replay: object = None
+        #: The keys a :data:`SETTLE` pull asks for.
+        self.keys: Sequence[Any] = ()
 
     def __repr__(self) -> str:
         return f"<Gather {self.token!r} remaining={self.remaining} error={self.error!r}>"

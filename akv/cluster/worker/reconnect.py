@@ -24,18 +24,20 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from akv.cluster.protocol import STOPPING_STATUS, Op, replay_barrier_text
 from akv.cluster.worker.instructions import Instruction, Send
 from akv.cluster.worker.pipeline import CHECKPOINT, SETTLE, Gather
 from akv.cluster.worker.requests import (
     Outcome,
+    Pushed,
     Request,
     RequestTable,
     WireArray,
     settle_before_resend,
     settle_op,
+    settle_unsettled,
 )
 from akv.errors import AKVError, MembershipError, PeerLostError
 from akv.limits import RECONNECT_FIRST_S, RECONNECT_MAX_S, RECONNECT_SILENT_ATTEMPTS
@@ -255,9 +257,10 @@ class Replay:
     ones and the unanswered ones, by number; with ``barriers``, the replay barriers of
     ``dist_async`` between them), then the requests made meanwhile (``deferred``, numbers
     of requests in the table), in theirs. ``pushed``: the keys pushed so far (a second push
-    of a key waits for a pull of it first)."""
+    of a key waits for a pull of it first); ``resent``: once the queue is sent, those of
+    its keys not pulled since (see :attr:`Link.unsettled`)."""
 
-    __slots__ = ("deferred", "pushed", "queue")
+    __slots__ = ("deferred", "pushed", "queue", "resent")
 
     def __init__(
         self, retained: Retained, unanswered: list[Request], barriers: Barriers | None = None
@@ -277,12 +280,15 @@ class Replay:
             resends = _with_barriers(resends, barriers)
         self.queue: deque[Resend] = deque(resends)
         self.deferred: deque[int] = deque()
-        self.pushed: set[Any] = set()
+        self.pushed: Pushed = {}
+        self.resent: Pushed | None = None
 
     def next(self, table: RequestTable) -> Resend | None:
         """The next request to send again (None: the replay is done)."""
         if self.queue:
             return self.queue.popleft()
+        if self.resent is None:
+            self.resent = dict(self.pushed)
         while self.deferred:
             request = table.get(self.deferred.popleft())
             if request is not None:  # (one failed meanwhile is not sent)
@@ -334,6 +340,7 @@ class Link:
         "silent_since",
         "stream",
         "table",
+        "unsettled",
         "verdict_held",
     )
 
@@ -342,6 +349,11 @@ class Link:
         self.name = name
         self.restartable = restartable
         self.barriers = Barriers() if ordered else None
+        #: dist_sync: keys whose push the last replay sent again with no pull since; its
+        #: round may wait for the other workers' on the server, while the program pulled
+        #: it before the server's restart and may push the key again
+        #: (:meth:`settle_first`).
+        self.unsettled: Pushed = {}
         self.table = RequestTable(name)
         self.open = False
         self.stream: object = None
@@ -535,6 +547,7 @@ class Link:
         for request in table.unanswered():
             if request.op == Op.REPLAY_BARRIER:
                 table.pop(request.seq)  # an earlier replay's: this one sends its own
+        self.unsettled.clear()  # (those still kept are sent again; the rest are durable)
         replay = self.replay = Replay(self.retained, table.unanswered(), self.barriers)
         self.resent = {resend.seq for resend in replay.queue if resend.seq}
         if self.resent:  # then their answers tell whether it works (see cut)
@@ -588,19 +601,17 @@ class Link:
             resend = replay.next(table)
             if resend is None:
                 self.replay = None
+                if self.barriers is None and replay.resent:
+                    self.unsettled.update(replay.resent)
                 return
             if not resend.settled:
                 settle = settle_before_resend(resend.op, resend.arrays, replay.pushed)
                 if settle:
                     replay.put_back(resend)
-                    call = Gather(None, SETTLE, server)
-                    call.replay = replay
-                    call.remaining = 1
-                    op = settle_op(resend.op)
-                    request = Request(op, settle, deadline, call)
-                    seq = table.add(request)
-                    request.written = True
-                    out.append(Send(server, op, seq, settle, "", 0))
+                    if replay.resent is not None:
+                        for key, _, _ in settle:
+                            replay.resent.pop(key, None)
+                    self._settle(server, replay, settle_op(resend.op), settle, deadline, out)
                     return
             if resend.op == Op.REPLAY_BARRIER:
                 # The server answers once every worker sent what it had pushed before that
@@ -630,6 +641,43 @@ class Link:
             out.append(
                 Send(server, resend.op, resend.seq, resend.arrays, resend.text, resend.flags)
             )
+
+    def settle_first(
+        self, server: int, request: Request, deadline: float, out: list[Instruction]
+    ) -> bool:
+        """Before ``request``, a new push, pull the keys it names whose push a replay sent
+        again and whose round may still wait for the other workers' (:attr:`unsettled`):
+        True when it waits for that pull's answer (numbered, as a replay's last request);
+        False when it may go now."""
+        settle = settle_unsettled(request.op, request.arrays, self.unsettled)
+        if not settle:
+            return False
+        replay = self.replay = Replay(Retained(), [])
+        replay.resent = {}
+        replay.deferred.append(self.table.add(request))
+        self._settle(server, replay, settle_op(request.op), settle, deadline, out)
+        return True
+
+    def _settle(
+        self,
+        server: int,
+        replay: Replay,
+        op: Op,
+        settle: list[WireArray],
+        deadline: float,
+        out: list[Instruction],
+    ) -> None:
+        """Send the pull ``settle`` (of ``op``) that ``replay`` waits for before it goes on
+        (a :data:`~akv.cluster.worker.pipeline.SETTLE` call; an error it gets is the
+        program's, for its next call on those keys)."""
+        call = Gather(None, SETTLE, server)
+        call.replay = replay
+        call.remaining = 1
+        call.keys = [key for key, _, _ in settle]
+        request = Request(op, settle, deadline, call)
+        seq = self.table.add(request)
+        request.written = True
+        out.append(Send(server, op, seq, settle, "", 0))
 
     @property
     def replaying(self) -> bool:

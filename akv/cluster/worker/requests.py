@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Landing",
     "Outcome",
+    "Pushed",
     "Request",
     "RequestTable",
     "WireArray",
@@ -38,6 +39,7 @@ __all__ = [
     "push_view",
     "settle_before_resend",
     "settle_op",
+    "settle_unsettled",
 ]
 
 #: One array of a request: (key, the array or its part, tag).
@@ -118,7 +120,12 @@ def pull_rides_on_push(push: Sequence[WireArray], pull: Sequence[WireArray]) -> 
     )
 
 
-def settle_before_resend(op: int, arrays: Sequence[WireArray], pushed: set[Any]) -> list[WireArray]:
+#: Keys pushed, each with the dtype a pull of it carries (int64 for a row-sparse key,
+#: whose pull names its row ids).
+Pushed = dict[Any, np.dtype]
+
+
+def settle_before_resend(op: int, arrays: Sequence[WireArray], pushed: Pushed) -> list[WireArray]:
     """When a worker resends its requests on a new stream (a replay), the pull to send and
     wait for before this one: a pull of the keys this push names that the replay pushed
     already, or nothing. ``pushed`` (the keys pushed so far in the replay) is updated.
@@ -128,18 +135,30 @@ def settle_before_resend(op: int, arrays: Sequence[WireArray], pushed: set[Any])
     pull in between is answered once the earlier push's round is applied, as in the run
     that was cut, where a pull (or the round's end) came between them.
     """
-    if op == _ROW_PUSH:  # each key's ids and rows: the pull asks for no row
-        keys = [key for key, _, _ in arrays[::2]]
-        dtypes = {key: np.dtype(np.int64) for key in keys}
-    elif op in (_PUSH, _PUSHPULL):
-        keys = [key for key, _, _ in arrays]
-        dtypes = {key: array.dtype for key, array, _ in arrays}
-    else:
-        return []
+    keys = _pushed_keys(op, arrays)
     again = [key for key in keys if key in pushed]
-    pushed.difference_update(again)
     pushed.update(keys)
-    return [(key, np.empty(0, dtypes[key]), 0) for key in again]
+    return [(key, np.empty(0, keys[key]), 0) for key in again]
+
+
+def settle_unsettled(op: int, arrays: Sequence[WireArray], unsettled: Pushed) -> list[WireArray]:
+    """After a replay, the pull to send and wait for before a new push (``op``,
+    ``arrays``): of the keys it names whose push the replay sent again, and whose round may
+    still wait for the other workers' (``unsettled``, from which they are taken), or
+    nothing. (The program's own pull between them was answered before the server's
+    restart, by the server that died.)"""
+    keys = [key for key in _pushed_keys(op, arrays) if key in unsettled]
+    return [(key, np.empty(0, unsettled.pop(key)), 0) for key in keys]
+
+
+def _pushed_keys(op: int, arrays: Sequence[WireArray]) -> Pushed:
+    """The keys a request of ``op`` pushes, with what a pull of each carries (none for a
+    request that pushes nothing)."""
+    if op == _ROW_PUSH:  # each key's ids and rows: the pull asks for no row
+        return {key: np.dtype(np.int64) for key, _, _ in arrays[::2]}
+    if op in (_PUSH, _PUSHPULL):
+        return {key: array.dtype for key, array, _ in arrays}
+    return {}
 
 
 def settle_op(op: int) -> Op:

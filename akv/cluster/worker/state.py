@@ -427,6 +427,8 @@ class WorkerState:
             error = PeerLostError(f"{link.name}: the stream was never opened")
             self._deliver(server, request, None, None, error, out)
             return
+        if link.unsettled and link.settle_first(server, request, self._now + self.request_s, out):
+            return
         seq = link.table.add(request)
         request.written = True
         out.append(Send(server, request.op, seq, request.arrays, request.text, request.flags))
@@ -609,6 +611,9 @@ class WorkerState:
                 self._trouble(call.server, call.error, False, out)
         elif kind == SETTLE:
             link = self.links[call.server]
+            if call.error is not None and call.keys and not link.closing and self.failure is None:
+                # The round of a push sent again failed: that is the program's to hear.
+                self.late.keep(call.keys, call.error)
             if link.replay is call.replay:
                 link.advance_replay(call.server, self._now + self.request_s, out)
         else:

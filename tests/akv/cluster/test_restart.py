@@ -305,3 +305,30 @@ def test_a_restarted_dist_async_server_applies_the_resent_pushes_in_the_barriers
     for final in finals:
         for key in ("w", "emb"):
             assert final[key] == pytest.approx([final["expected"]] * 2, abs=1e-5), (final, output)
+
+
+def test_a_workers_next_round_after_a_restart_waits_for_its_resent_one(tmp_path):
+    """Worker 1's replay sent its round-6 pushes again; on the restarted server that round
+    waits for worker 0's resends (held back by its GIL-bound compute), while worker 1's own
+    pulls of round 6 were answered before the kill. Its round-7 pushes wait for a pull of
+    their keys first. Before, they met round 6 still open: a DoublePushError that failed
+    the job (2 of 3 runs of a review's script)."""
+    done = launch(
+        [
+            *("-n", "2", "-s", "1", "--checkpoint-dir", str(tmp_path)),
+            *("--checkpoint-interval-s", "3600", "--max-restarts", "1", "--"),
+            *(sys.executable, str(JOBS / "runs_ahead.py")),
+        ],
+        timeout=120,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "restarting it from its checkpoint" in output, output
+    finals = [
+        json.loads(line.split("] ", 1)[1])
+        for line in done.stdout.splitlines()
+        if line.startswith("[worker") and '"a"' in line
+    ]
+    assert len(finals) == 2, output
+    for final in finals:  # 7 rounds of two pushes of ones at 0.1
+        assert final["a"] == pytest.approx([-1.4] * 2)

@@ -214,6 +214,59 @@ def test_a_dist_sync_replay_has_no_replay_barriers():
     assert [r.op for r in servers.sent()] == [Op.PUSH]
 
 
+def test_a_new_push_of_a_key_the_replay_pushed_again_waits_for_a_pull_of_it_first():
+    """The program pulled w after its push, from the server that then died; the replay
+    sends that push again, and on the restarted server its round may wait for the other
+    workers' resends. The program's next push of w waits for a pull of w (else: a spurious
+    DoublePushError, 2 of 3 runs of a review's script); other keys go at once, and only
+    the first push of w after the replay waits."""
+    servers = Servers(restartable=True)
+    w, v = key_entry("w"), key_entry("v")
+    servers.push({w: f32(1, 1, 1, 1)})
+    servers.end_turn()
+    servers.answer(servers.take())  # kept
+    servers.cut(0)
+    servers.open(0)
+    servers.answer(servers.take())  # the push sent again: the replay is over
+    link = servers.state.links[0]
+    assert not link.replaying and list(link.unsettled) == ["w"]
+    servers.push({v: f32(3, 3, 3, 3)})
+    servers.end_turn()
+    other = servers.take()
+    assert (other.op, other.keys) == (Op.PUSH, ["v"])
+    servers.push({w: f32(2, 2, 2, 2)})
+    servers.end_turn()
+    settle = servers.take()
+    assert (settle.op, settle.keys) == (Op.PULL, ["w"]) and servers.sent() == []
+    servers.answer(settle, [f32(9, 9, 9, 9)])  # the resent push's round is applied
+    push = servers.take()
+    assert (push.op, push.keys, push.tags) == (Op.PUSH, ["w"], [2])
+    assert not link.replaying and not link.unsettled and servers.sent() == []
+    servers.push({w: f32(3, 3, 3, 3)})
+    servers.end_turn()
+    assert [r.op for r in servers.sent()] == [Op.PUSH]
+
+
+def test_an_error_of_a_pull_a_replay_waits_for_is_the_programs_next_call_on_the_key():
+    """A replay's pull of a key answered with the error of a failed round (the round of a
+    push sent again): the program's next call on the key raises it (it was dropped)."""
+    servers = Servers(restartable=True)
+    w = key_entry("w")
+    servers.push({w: f32(1, 1, 1, 1)})
+    servers.end_turn()
+    servers.answer(servers.take())  # kept
+    servers.cut(0)
+    servers.open(0)
+    servers.answer(servers.take())
+    servers.push({w: f32(2, 2, 2, 2)})
+    servers.end_turn()
+    failed = ServerError("server 0: the update of round 1 of key 'w' failed")
+    servers.answer(servers.take(), error=failed)
+    late = servers.state.take_late(["w"])
+    assert isinstance(late, ServerError) and "the update of round 1" in str(late)
+    assert [r.op for r in servers.sent()] == [Op.PUSH]  # the push still goes
+
+
 def test_a_pushpull_asked_ahead_and_counted_is_resent_once_as_itself():
     servers = Servers(restartable=True, pull_ahead=True)
     w = key_entry("w")
