@@ -71,11 +71,11 @@ class Terminated(SystemExit):
         return f"stopped by {signal.Signals(self.signo).name}"
 
 
-def describe(exc: BaseException) -> str:
+def describe(exc: BaseException, raiser: str = "its code") -> str:
     """Why a worker leaves its store, in one line that follows "left the job: ": ``its
     code raised ValueError: boom``, ``it was interrupted (Ctrl-C)``, ``it was stopped by
     SIGTERM``, ``its code exited with status 4``, ``its task was cancelled``; at most
-    :data:`MAX_REASON_CHARS`."""
+    :data:`MAX_REASON_CHARS`. ``raiser``: what raised an exception (``its close``)."""
     if isinstance(exc, KeyboardInterrupt):
         text = "it was interrupted (Ctrl-C)"
     elif isinstance(exc, Terminated):
@@ -87,7 +87,7 @@ def describe(exc: BaseException) -> str:
     else:
         message = " ".join(str(exc).split())
         name = type(exc).__name__
-        text = f"its code raised {name}: {message}" if message else f"its code raised {name}"
+        text = f"{raiser} raised {name}: {message}" if message else f"{raiser} raised {name}"
     if len(text) > MAX_REASON_CHARS:
         text = text[: MAX_REASON_CHARS - 3] + "..."
     return text

@@ -85,7 +85,7 @@ from akv.errors import (
     ServerError,
     UnsupportedDTypeError,
 )
-from akv.exits import off_loop
+from akv.exits import describe, off_loop
 from akv.keys import Entry, Part
 from akv.limits import CONNECT_RETRY_S, GOODBYE_TIMEOUT_S, INIT_CHECK_MARGIN_S, SWEEP_INTERVAL_S
 from akv.sparse import RowIds, RowSparseArray
@@ -740,7 +740,10 @@ class DistBackend:
                         late = late or goodbye
                     elif isinstance(goodbye, BaseException):
                         raise goodbye
-                await self.membership.finish()
+                if late is None:
+                    await self.membership.finish()
+                else:  # the job fails naming why (not "stopped" once this process exits 1)
+                    await report_failure(self.membership, self.rank, describe(late, "its close"))
         finally:
             if self._sweeper is not None:
                 self._sweeper.cancel()

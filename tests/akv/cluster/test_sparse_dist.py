@@ -5,6 +5,7 @@ the refusals. A whole job on 127.0.0.1 (tests/akv/cluster/cluster.py)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import numpy as np
@@ -546,7 +547,9 @@ async def test_one_key_pulled_with_several_id_arrays_or_outputs_as_in_mxnet():
 
 async def test_a_failed_row_update_no_pull_told_is_raised_by_close():
     """A worker that pushes and never pulls the key again still hears that the servers'
-    update failed: its close raises it (after its goodbyes: the job ends in order)."""
+    update failed: its close raises it, after its goodbyes, and tells the scheduler why it
+    leaves (so the job's verdict names it, not "stopped by a signal" once the launcher sees
+    the process exit with 1)."""
     with Cluster(2, 2) as cluster:
         stores = await cluster.workers()
 
@@ -560,7 +563,10 @@ async def test_a_failed_row_update_no_pull_told_is_raised_by_close():
             assert await each(stores, body) == [True, True]
         finally:  # closed already where the test passes (a close raises its error again)
             await asyncio.gather(*(kv.close() for kv in stores), return_exceptions=True)
-        assert cluster.scheduler is not None and cluster.scheduler.roster.failure is None
+        assert cluster.scheduler is not None
+        failure = cluster.scheduler.roster.failure or ""
+        assert re.search(r"worker \d .*left the job: its close raised ServerError: ", failure)
+        assert re.search(FAILED_ROUND, failure), failure
 
 
 async def test_states_saved_right_after_a_push_hold_its_rounds_update(tmp_path):
