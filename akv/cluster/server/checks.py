@@ -70,12 +70,14 @@ def check_admission(
     stopping: bool,
     name: str,
     restored: str = "",
+    bound_set: bool = True,
 ) -> None:
     """Whether server ``name`` takes a stream (``stream``) or single frame of ``worker``
     opening a ``store_type`` store with bound ``staleness``; ``job``: the job's store type
     (None before the first worker) and staleness bound, ``failure``: why the job failed,
     if it did; ``stopping``: the server stops; ``restored``: the checkpoint the server was
-    restored from (the job's store type is then the checkpoint's), if any. Raises what
+    restored from (the job's store type is then the checkpoint's), if any; ``bound_set``: a
+    stream fixed the staleness bound already (a checkpoint does not keep it). Raises what
     :meth:`~akv.cluster.server.state.ServerState.admit` documents, but for the checks of
     a worker's session and checkpoint note.
     """
@@ -94,7 +96,7 @@ def check_admission(
         raise MembershipError(f"worker {worker} opened a {store_type} store, but {why}")
     if staleness is not None and store_type != "dist_async":
         raise MembershipError(f"worker {worker}: staleness bounds dist_async only")
-    if stream and staleness != job_staleness and (job_type or staleness is None):
+    if stream and staleness != job_staleness and bound_set and (job_type or staleness is None):
         bound = "none" if job_staleness is None else job_staleness
         raise MembershipError(
             f"worker {worker} opened its store with staleness {staleness}, but this "

@@ -183,6 +183,8 @@ class ServerState(OptimizerRequests):
         #: dist_async's bounded staleness (the first worker's bound; None: no bound), and
         #: the frames that wait for slower workers (:mod:`akv.cluster.server.staleness`).
         self.staleness: int | None = None
+        #: A worker's stream fixed :attr:`staleness` (a restored server's first one does).
+        self._bound_set = False
         self.waiting: Waiting | None = None
         #: Pulls ready to be answered while the lineage holds answers (a restored server
         #: has not checked every worker yet).
@@ -267,6 +269,7 @@ class ServerState(OptimizerRequests):
             stopping=self.stopping,
             name=self.name,
             restored=self.lineage.restored_from,
+            bound_set=self._bound_set,
         )
         current = [p for p in self.peers.values() if p.worker == worker]
         known = self._sessions.get(worker)
@@ -287,6 +290,7 @@ class ServerState(OptimizerRequests):
         self.store_type = store_type
         if stream and staleness is not None and self.waiting is None:
             self.staleness, self.waiting = staleness, Waiting(staleness)
+        self._bound_set = self._bound_set or stream
         self._next_peer += 1
         peer = Peer(worker, self._next_peer, stream, session)
         if stream:

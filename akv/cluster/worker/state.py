@@ -84,7 +84,7 @@ from akv.cluster.worker.requests import (
     push_view,
 )
 from akv.compression import Compression
-from akv.errors import AKVError, PeerLostError
+from akv.errors import AKVError, PeerLostError, ServerError
 from akv.keys import Entry
 from akv.limits import AHEAD_COPY_MAX_BYTES, MAX_UNACKED_PUSHES, RETAIN_BYTES
 from akv_transport import DTYPE_CODES, Destination, FrameHeader, InPlace, Message, byte_view
@@ -611,9 +611,16 @@ class WorkerState:
                 self._trouble(call.server, call.error, False, out)
         elif kind == SETTLE:
             link = self.links[call.server]
-            if call.error is not None and call.keys and not link.closing and self.failure is None:
-                # The round of a push sent again failed: that is the program's to hear.
-                self.late.keep(call.keys, call.error)
+            error = call.error
+            if error is not None and not link.closing and self.failure is None:
+                if call.keys:  # the round of a push sent again failed: the program's to hear
+                    self.late.keep(call.keys, error)
+                elif link.replay is call.replay:
+                    # Going on would apply requests out of order: the replay stays where it
+                    # is (the requests after it wait) until the job fails.
+                    stop = ServerError(f"{link.name}: a replay after a cut stopped: {error}")
+                    self._trouble(call.server, stop, False, out)
+                    return
             if link.replay is call.replay:
                 link.advance_replay(call.server, self._now + self.request_s, out)
         else:

@@ -274,15 +274,18 @@ def test_a_server_killed_as_the_workers_leave_keeps_what_they_pushed(left_clean,
     assert read_back(tmp_path) == left_clean
 
 
-@pytest.mark.parametrize("shm", ["1", "0"])
+@pytest.mark.parametrize(
+    ("shm", "staleness"), [("1", None), ("0", None), ("1", "1")], ids=["shm", "tcp", "bounded"]
+)
 def test_a_restarted_dist_async_server_applies_the_resent_pushes_in_the_barriers_order(
-    tmp_path, shm
+    tmp_path, shm, staleness
 ):
     """Worker 0 lowers the learning rate between two barriers, and server 1 is killed after
     both workers pushed at each rate. Every push is sent again to its restart; the pushes
     before the rate change must take the old rate and those after it the new one, and a pull
     after the next barrier must see them all. Before, a replay sent a worker's pushes of both
-    rates and its optimizer back to back: 3 of 3 runs ended well with wrong weights."""
+    rates and its optimizer back to back: 3 of 3 runs ended well with wrong weights. With a
+    staleness bound, the restarted server refused every worker (the bound was not restored)."""
     done = launch(
         [
             *("-n", "2", "-s", "2", "--checkpoint-dir", str(tmp_path)),
@@ -291,7 +294,7 @@ def test_a_restarted_dist_async_server_applies_the_resent_pushes_in_the_barriers
             str(JOBS / "async_restart.py"),
         ],
         timeout=120,
-        env={"AKV_SHM": shm},
+        env={"AKV_SHM": shm, **({} if staleness is None else {"AKV_STALENESS": staleness})},
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output

@@ -17,7 +17,9 @@ import pytest
 from akv.cluster.protocol import Note, Op, format_note, parse_note, replay_barrier_text
 from akv.cluster.server.durability import Lineage, ReplayBarrier, Restored
 from akv.cluster.server.instructions import FailJob, StaleCheckpointError
+from akv.cluster.server.state import ServerState
 from akv.errors import InvalidArgumentError, MembershipError, PeerLostError
+from akv_engine import Var
 from tests.akv.cluster.server.players import OK, Players
 
 PATH = "/ck/server-0.akvckpt"
@@ -252,3 +254,18 @@ def test_a_malformed_replay_barrier_is_refused(text):
     players = players_restored("dist_async")
     answer = players.reply(0, players.send(0, Op.REPLAY_BARRIER, text=text))
     assert isinstance(answer, InvalidArgumentError) and "replay barrier" in str(answer)
+
+
+def test_a_restored_dist_async_server_takes_the_staleness_bound_of_its_first_worker():
+    """A checkpoint keeps the store type, not the staleness bound: the first worker to
+    open a stream fixes it, as in a new server (before, every worker of a job with
+    AKV_STALENESS was refused by a restarted server: the job failed)."""
+    state = ServerState("server 0", 2, 5.0, lambda name: Var(None, 0, name), checkpoints=True)
+    state.store_type = "dist_async"  # as a restore from a dist_async checkpoint sets it
+    state.lineage.restore(Restored(PATH, 9, 92, {}))
+    state.admit(0, "dist_async", True, "session0", None, staleness=0)
+    assert state.staleness == 0 and state.waiting is not None
+    with pytest.raises(MembershipError, match="staleness 1, but this job's workers use 0"):
+        state.admit(1, "dist_async", True, "session1", None, staleness=1)
+    with pytest.raises(MembershipError, match="opened a dist_sync store, but server 0 was"):
+        state.admit(1, "dist_sync", True, "session1", None)

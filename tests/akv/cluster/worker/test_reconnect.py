@@ -202,6 +202,28 @@ def test_a_dist_async_replay_keeps_the_barriers_between_its_requests():
     assert (only.op, only.text) == (Op.REPLAY_BARRIER, "3 last")
 
 
+def test_a_replay_barrier_not_answered_in_time_stops_the_replay_and_fails_the_job():
+    """Another worker did not send its requests again within AKV_REQUEST_TIMEOUT_S: the
+    replay must not go on (its pushes would be applied out of order: a review's job ended
+    well with a push taken at the old learning rate); the job fails naming why."""
+    servers = Servers(restartable=True, ordered_replays=True, request_s=10.0)
+    servers.push({key_entry("w"): f32(1, 1, 1, 1)})
+    servers.end_turn()
+    servers.answer(servers.take())  # kept
+    servers.feed(BarrierPassed())
+    servers.cut(0)
+    servers.open(0)
+    first = servers.take()
+    assert first.op == Op.REPLAY_BARRIER
+    servers.tick(11.0)  # its deadline passed
+    assert servers.sent() == []  # the push is not sent
+    (blame,) = servers.blamed
+    assert "a replay after a cut stopped" in str(blame.error) and "in time" in str(blame.error)
+    assert servers.state.links[0].replaying  # the requests after it wait for the verdict
+    servers.fail(blame.error)
+    assert not servers.state.links[0].replaying and servers.sent() == []
+
+
 def test_a_dist_sync_replay_has_no_replay_barriers():
     servers = Servers(restartable=True)
     servers.push({key_entry("w"): f32(1, 1, 1, 1)})
