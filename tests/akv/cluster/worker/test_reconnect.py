@@ -5,6 +5,7 @@ played against the worker's state without sockets (:class:`Servers`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from akv_transport import (
     StreamSilentError,
     TransportError,
 )
-from tests.akv.cluster.worker.servers import Servers, f32, key_entry, zeros
+from tests.akv.cluster.worker.servers import Request, Servers, f32, key_entry, zeros
 
 # ---------------------------------------------------------------- opening a cut stream again
 
@@ -202,18 +203,24 @@ def test_a_dist_async_replay_keeps_the_barriers_between_its_requests():
     assert (only.op, only.text) == (Op.REPLAY_BARRIER, "3 last")
 
 
-def test_a_replay_barrier_not_answered_in_time_stops_the_replay_and_fails_the_job():
-    """Another worker did not send its requests again within AKV_REQUEST_TIMEOUT_S: the
-    replay must not go on (its pushes would be applied out of order: a review's job ended
-    well with a push taken at the old learning rate); the job fails naming why."""
-    servers = Servers(restartable=True, ordered_replays=True, request_s=10.0)
+def replaying_a_push_after_a_barrier(**options: Any) -> tuple[Servers, Request]:
+    """A dist_async worker that pushed (kept), passed a barrier, and whose stream was cut
+    and opened again: its servers, and the first request of its replay."""
+    servers = Servers(restartable=True, ordered_replays=True, **options)
     servers.push({key_entry("w"): f32(1, 1, 1, 1)})
     servers.end_turn()
     servers.answer(servers.take())  # kept
     servers.feed(BarrierPassed())
     servers.cut(0)
     servers.open(0)
-    first = servers.take()
+    return servers, servers.take()
+
+
+def test_a_replay_barrier_not_answered_in_time_stops_the_replay_and_fails_the_job():
+    """Another worker did not send its requests again within AKV_REQUEST_TIMEOUT_S: the
+    replay must not go on (its pushes would be applied out of order: a review's job ended
+    well with a push taken at the old learning rate); the job fails naming why."""
+    servers, first = replaying_a_push_after_a_barrier(request_s=10.0)
     assert first.op == Op.REPLAY_BARRIER
     servers.tick(11.0)  # its deadline passed
     assert servers.sent() == []  # the push is not sent
@@ -357,14 +364,7 @@ def test_a_cut_during_a_replay_starts_it_again_on_the_next_stream():
 def test_a_cut_during_a_dist_async_replay_sends_its_replay_barriers_anew():
     """The replay barriers of a replay cut short are not sent again as they were (the
     last one would tell the server that the replay ended before the requests after it)."""
-    servers = Servers(restartable=True, ordered_replays=True)
-    servers.push({key_entry("w"): f32(1, 1, 1, 1)})
-    servers.end_turn()
-    servers.answer(servers.take())  # kept
-    servers.feed(BarrierPassed())
-    servers.cut(0)
-    servers.open(0)
-    first = servers.take()
+    servers, first = replaying_a_push_after_a_barrier()
     servers.answer(first)
     push, last = servers.take(), servers.take()
     assert (push.op, last.op, last.text) == (Op.PUSH, Op.REPLAY_BARRIER, "1 last")
