@@ -170,9 +170,11 @@ class Lineage:
         if self.unchecked:
             return []
         reached = min(self.replaying.values(), default=None)
-        passed = [b for b in self.barriers if reached is None or b.barriers <= reached]
-        if passed:
-            self.barriers = [b for b in self.barriers if b not in passed]
+        passed: list[ReplayBarrier] = []
+        waiting: list[ReplayBarrier] = []
+        for barrier in self.barriers:
+            (passed if reached is None or barrier.barriers <= reached else waiting).append(barrier)
+        self.barriers = waiting
         return passed
 
     def _lost(self, worker: int, note: Note | None) -> str | None:

@@ -615,14 +615,8 @@ class Link:
                     return
             if resend.op == Op.REPLAY_BARRIER:
                 # The server answers once every worker sent what it had pushed before that
-                # barrier: the replay waits (a SETTLE call) before it goes on.
-                call = Gather(None, SETTLE, server)
-                call.replay = replay
-                call.remaining = 1
-                request = Request(resend.op, (), deadline, call, text=resend.text)
-                seq = table.add(request)
-                request.written = True
-                out.append(Send(server, resend.op, seq, (), resend.text, 0))
+                # barrier: the replay waits before it goes on.
+                self._settle(server, replay, Op.REPLAY_BARRIER, (), deadline, out, resend.text)
                 return
             if resend.request is None and resend.op in _WAIT_AFTER:
                 # Its call returned once it was applied, before the program sent more (a
@@ -663,21 +657,22 @@ class Link:
         server: int,
         replay: Replay,
         op: Op,
-        settle: list[WireArray],
+        arrays: Sequence[WireArray],
         deadline: float,
         out: list[Instruction],
+        text: str = "",
     ) -> None:
-        """Send the pull ``settle`` (of ``op``) that ``replay`` waits for before it goes on
-        (a :data:`~akv.cluster.worker.pipeline.SETTLE` call; an error it gets is the
-        program's, for its next call on those keys)."""
+        """Send the request ``replay`` waits for before it goes on (a
+        :data:`~akv.cluster.worker.pipeline.SETTLE` call): a pull of ``arrays``' keys (an
+        error it gets is the program's, for its next call on them), or a replay barrier."""
         call = Gather(None, SETTLE, server)
         call.replay = replay
         call.remaining = 1
-        call.keys = [key for key, _, _ in settle]
-        request = Request(op, settle, deadline, call)
+        call.keys = [key for key, _, _ in arrays]
+        request = Request(op, arrays, deadline, call, text=text)
         seq = self.table.add(request)
         request.written = True
-        out.append(Send(server, op, seq, settle, "", 0))
+        out.append(Send(server, op, seq, arrays, text, 0))
 
     @property
     def replaying(self) -> bool:
