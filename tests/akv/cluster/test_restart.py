@@ -312,10 +312,10 @@ def test_a_restarted_dist_async_server_applies_the_resent_pushes_in_the_barriers
 
 def test_a_workers_next_round_after_a_restart_waits_for_its_resent_one(tmp_path):
     """Worker 1's replay sent its round-6 pushes again; on the restarted server that round
-    waits for worker 0's resends (held back by its GIL-bound compute), while worker 1's own
-    pulls of round 6 were answered before the kill. Its round-7 pushes wait for a pull of
-    their keys first. Before, they met round 6 still open: a DoublePushError that failed
-    the job (2 of 3 runs of a review's script)."""
+    waits for worker 0's resends (held back 2 s after its round-5 push), while worker 1's
+    own pulls of round 6 were answered before the kill. Its round-7 pushes wait for a pull
+    of their keys first. Before, they met round 6 still open: a DoublePushError that
+    failed the job (every run of this test)."""
     done = launch(
         [
             *("-n", "2", "-s", "1", "--checkpoint-dir", str(tmp_path)),
