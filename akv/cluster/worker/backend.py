@@ -70,7 +70,7 @@ from akv.cluster.worker.instructions import (
 from akv.cluster.worker.job import Heartbeat, pass_barrier, report_failure, who_failed
 from akv.cluster.worker.link import ServerLink, local_address, server_name
 from akv.cluster.worker.metrics import WorkerMetrics
-from akv.cluster.worker.requests import WireArray, by_server
+from akv.cluster.worker.requests import WireArray, by_server, check_wire_key
 from akv.cluster.worker.row_calls import RowCalls
 from akv.cluster.worker.staging import Staging, land_in_pinned
 from akv.cluster.worker.state import WorkerState
@@ -83,15 +83,20 @@ from akv.errors import (
     InvalidArgumentError,
     PeerLostError,
     ServerError,
-    UnsupportedDTypeError,
 )
 from akv.exits import describe, off_loop
 from akv.keys import Entry, Part
-from akv.limits import CONNECT_RETRY_S, GOODBYE_TIMEOUT_S, INIT_CHECK_MARGIN_S, SWEEP_INTERVAL_S
+from akv.limits import (
+    BLAME_TIMEOUT_S,
+    CONNECT_RETRY_S,
+    GOODBYE_TIMEOUT_S,
+    INIT_CHECK_MARGIN_S,
+    REPORT_FAILURE_S,
+    SWEEP_INTERVAL_S,
+)
 from akv.sparse import RowIds, RowSparseArray
 from akv_engine import Completed, Engine, GPUExecutor, Task, Waitable
 from akv_transport import (
-    DTYPE_CODES,
     AuthError,
     RemoteError,
     StreamProtocol,
@@ -101,8 +106,6 @@ from akv_transport import (
 __all__ = ["DistBackend"]
 
 log = logging.getLogger("akv.cluster")
-
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class DistBackend:
@@ -343,12 +346,19 @@ class DistBackend:
             return
         link = self.links[blame.server]
         verdict = who_failed(self.membership, link.name, link.rank, blame.error, blame.cut)
-        task = self._loop.create_task(self._fail_with(verdict))
+        task = self._loop.create_task(self._fail_with(verdict, blame.error))
         self._blames.add(task)
         task.add_done_callback(self._blames.discard)
 
-    async def _fail_with(self, verdict: Coroutine[Any, Any, AKVError]) -> None:
-        self.fail(await verdict)
+    async def _fail_with(self, verdict: Coroutine[Any, Any, AKVError], seen: AKVError) -> None:
+        """Fail with the scheduler's verdict, or with ``seen`` (what this worker saw) when
+        the scheduler knows of no failure: that is then told to it, so that the job's
+        verdict says why, not only that this worker exited."""
+        failure = await verdict
+        first = self.state.failure is None
+        self.fail(failure)
+        if first and failure is seen and self.rank >= 0:
+            await report_failure(self.membership, self.rank, str(seen), left=False)
 
     def _stream_for_staging(self, server: int) -> StreamProtocol | None:
         """The stream to ``server`` when a push's staging buffer may be a region of its
@@ -363,7 +373,7 @@ class DistBackend:
 
     def new_entry(self, key: Key, array: np.ndarray) -> Entry:
         """A key's entry: its engine var and where its parts live."""
-        _check_wire_key(key, array.dtype)
+        check_wire_key(key, array.dtype)
         parts = place(key, int(array.size), len(self.links), self.config.bigarray_bound)
         var = self._engine.new_var(f"key {key!r}")
         entry = Entry(key, tuple(array.shape), array.dtype, var, parts)
@@ -626,7 +636,7 @@ class DistBackend:
 
     def new_row_entry(self, key: Key, shape: tuple[int, ...], dtype: np.dtype) -> Entry:
         """A row-sparse key's entry (:meth:`RowCalls.new_entry`)."""
-        _check_wire_key(key, dtype)
+        check_wire_key(key, dtype)
         return self._rows.new_entry(key, shape, dtype)
 
     def init_rows(self, entries: list[Entry], values: list[RowSparseArray]) -> Task:
@@ -753,6 +763,8 @@ class DistBackend:
                 link.close()
             if self._heartbeat is not None:
                 await off_loop(self._heartbeat.stop)
+            if self._blames:  # failures still being told to the scheduler (_fail_with)
+                await asyncio.wait(set(self._blames), timeout=BLAME_TIMEOUT_S + REPORT_FAILURE_S)
             await self.membership.close()
             if self.metrics is not None:
                 await self.metrics.stop()
@@ -778,20 +790,6 @@ def _part_of(entry: Entry, part: Part, array: np.ndarray) -> WireArray:
 def _meta_of(entry: Entry, part: Part, _: None) -> tuple[Key, tuple[int, ...], str]:
     shape = entry.shape if len(entry.parts) == 1 else (part.size,)
     return (entry.key, shape, str(entry.dtype))
-
-
-def _check_wire_key(key: Key, dtype: np.dtype) -> None:
-    """Raise unless ``key`` and ``dtype`` can travel in a frame."""
-    if isinstance(key, int) and not INT64_MIN <= key <= INT64_MAX:
-        raise InvalidArgumentError(
-            f"init key {key}: int keys of a distributed store must fit in 64 bits"
-        )
-    if dtype not in DTYPE_CODES:
-        known = ", ".join(str(code) for code in DTYPE_CODES)
-        raise UnsupportedDTypeError(
-            f"init key {key!r}: dtype {dtype} cannot travel to the servers (the "
-            f"wire carries {known}); convert the value first (bfloat16: to float32)"
-        )
 
 
 def _nothing() -> None:

@@ -111,11 +111,14 @@ async def who_failed(
     return PeerLostError(f"the job failed: {failure} (this worker saw {server} {seen})")
 
 
-async def report_failure(membership: Membership, rank: int, reason: str) -> None:
-    """Tell the scheduler that this worker (``rank``) failed for ``reason``, within
-    :data:`~akv.limits.REPORT_FAILURE_S` (a scheduler that does not answer is only
-    logged: the servers still see this worker's streams end without a goodbye)."""
-    detail = f"left the job: {reason}"
+async def report_failure(
+    membership: Membership, rank: int, reason: str, *, left: bool = True
+) -> None:
+    """Tell the scheduler that this worker (``rank``) left the job (``left``; else: that it
+    failed, and is still there) for ``reason``, within :data:`~akv.limits.REPORT_FAILURE_S`
+    (a scheduler that does not answer is only logged: the servers still see this worker's
+    streams end without a goodbye)."""
+    detail = f"left the job: {reason}" if left else f"failed: {reason}"
     try:
         await asyncio.wait_for(
             membership.report_lost(membership.node_id, "worker", rank, detail), REPORT_FAILURE_S

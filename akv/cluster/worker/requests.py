@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
+from akv.args import Key
 from akv.cluster.protocol import COUNTED, OK, Op, error_from_status, op_label
 from akv.compression import Compression, Residuals, compressed_nbytes
-from akv.errors import AKVError, ServerError
+from akv.errors import AKVError, InvalidArgumentError, ServerError, UnsupportedDTypeError
 from akv.keys import Entry, Part
-from akv_transport import DISCARD, Destination, FrameHeader, InPlace, Message
+from akv_transport import DISCARD, DTYPE_CODES, Destination, FrameHeader, InPlace, Message
 
 if TYPE_CHECKING:
     from akv.cluster.worker.pipeline import Ahead, Gather, Pipelined
@@ -33,6 +34,7 @@ __all__ = [
     "RequestTable",
     "WireArray",
     "by_server",
+    "check_wire_key",
     "compress_parts",
     "pull_rides_on_push",
     "push_batches",
@@ -47,6 +49,7 @@ WireArray = tuple[Any, np.ndarray, int]
 #: Where one array of a request's reply lands: a buffer of its size, or one wrapped in
 #: ``InPlace`` (the answer may stay where it lies in the server's shared memory).
 Landing = memoryview | InPlace
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 # Looked up once: an enum member lookup is not free, and every reply asks.
 _SAVE_STATES, _PUSH, _PUSHPULL, _ROW_PUSH = Op.SAVE_STATES, Op.PUSH, Op.PUSHPULL, Op.ROW_PUSH
@@ -370,3 +373,17 @@ class RequestTable:
         """Fail every outstanding request with ``error``."""
         pending, self._pending = self._pending, {}
         return [Outcome(request, None, error) for request in pending.values()]
+
+
+def check_wire_key(key: Key, dtype: np.dtype) -> None:
+    """Raise unless ``key`` and ``dtype`` can travel in a frame."""
+    if isinstance(key, int) and not INT64_MIN <= key <= INT64_MAX:
+        raise InvalidArgumentError(
+            f"init key {key}: int keys of a distributed store must fit in 64 bits"
+        )
+    if dtype not in DTYPE_CODES:
+        known = ", ".join(str(code) for code in DTYPE_CODES)
+        raise UnsupportedDTypeError(
+            f"init key {key!r}: dtype {dtype} cannot travel to the servers (the "
+            f"wire carries {known}); convert the value first (bfloat16: to float32)"
+        )

@@ -31,8 +31,9 @@ from akv import (
 )
 from akv.cluster.protocol import Op, status_of
 from akv.cluster.worker.events import FrameArrived
+from akv.cluster.worker.instructions import Blame
 from akv.cluster.worker.link import ServerLink
-from akv.limits import AHEAD_COPY_MAX_BYTES
+from akv.limits import AHEAD_COPY_MAX_BYTES, BLAME_TIMEOUT_S
 from akv_engine import Completed
 from akv_transport import Message, decode_frame, frame_bytes
 from tests.akv.cluster.cluster import (
@@ -1072,6 +1073,29 @@ async def test_a_server_that_cuts_its_streams_is_blamed_when_it_is_the_one_that_
             await kv.pull(0)
         assert re.match(r"the job failed: server \d \(pid \d+ on 127\.0\.0\.1", str(info.value))
         await kv.close()
+
+
+async def test_a_failure_only_a_worker_saw_is_told_to_the_scheduler():
+    """A server refused a request for a reason the scheduler does not know (a replay
+    barrier not answered in time, say: ``Blame`` with no verdict to find): the worker fails
+    with what it saw and tells the scheduler, so that the job's verdict, and the other
+    worker, say why (before: the verdict only read "worker 0 exited with code 1", from
+    the launcher, once the process had exited)."""
+    with Cluster(2, 1) as cluster:
+        first, second = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        await asyncio.gather(first.init(0, full(0.0)), second.init(0, full(0.0)))
+        seen = akv.ServerError("server 0: a replay after a cut stopped: no answer in time")
+        first._backend._blame(Blame(0, seen, False))
+        roster = cluster.scheduler.roster
+        await wait_until(lambda: roster.failure is not None, "a verdict", WAIT_S + BLAME_TIMEOUT_S)
+        assert re.match(r"worker 0 \(pid \d+ on \S+\) failed: server 0: a replay", roster.failure)
+        with pytest.raises(akv.ServerError, match="a replay after a cut stopped") as info:
+            await first.pull(0)
+        assert info.value is seen
+        await wait_until(lambda: second._backend.broken is not None, "worker 1 hears", WAIT_S)
+        with pytest.raises(akv.PeerLostError, match=r"job failed: worker 0 .* failed: server 0"):
+            await second.pull(0)
+        await close_all([first, second])
 
 
 async def test_bounded_staleness_keeps_a_fast_worker_within_k_pushes_of_a_slow_one():
