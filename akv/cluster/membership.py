@@ -231,6 +231,19 @@ class Membership:
         finally:
             await client.close()
 
+    async def job_ended(self, timeout_s: float) -> bool:
+        """Whether the scheduler says that the job ended well (it tells this node to stop,
+        and knows no failure), asked once within ``timeout_s``; False when it cannot be
+        asked or does not know this node."""
+        body = {"node_id": self.node_id}
+        try:
+            answer = await asyncio.wait_for(
+                self.client.json("POST", "/v1/heartbeat", body), timeout_s
+            )
+        except (asyncio.TimeoutError, TransportError, RemoteError, ValueError):
+            return False
+        return isinstance(answer, dict) and bool(answer.get("stop")) and not answer.get("failure")
+
     async def verdict(
         self, role: str, rank: int, detail: str, report: bool, timeout_s: float
     ) -> str | None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import re
@@ -464,8 +466,10 @@ def serve_role(
         for signo in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signo, on_signal, signo)
             handled.append(signo)
+    status: int | None = None
     try:
-        return loop.run_until_complete(task)
+        status = loop.run_until_complete(task)
+        return status
     except asyncio.CancelledError:
         if not received:
             raise
@@ -473,4 +477,15 @@ def serve_role(
     finally:
         for signo in handled:
             loop.remove_signal_handler(signo)
+            if status is not None:
+                # The role ended and its process exits: a signal now (a job torn down as it
+                # ends) ends the exit at once, with the role's status, not as killed by it.
+                signal.signal(signo, functools.partial(_exit_now, status))
         loop.close()
+
+
+def _exit_now(status: int, signo: int, frame: object) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)

@@ -233,7 +233,8 @@ class Roster:
         A ``restartable`` server (one that writes checkpoints) asking for the rank of
         another restartable server takes it over: it holds that rank's checkpoint
         directory locked, so the server before it is gone (killed, even if its heartbeats
-        are not overdue yet). The workers find it at its new address.
+        are not overdue yet). The workers find it at its new address; when every worker
+        finished already, its heartbeats tell it to stop.
 
         Raises
         ------
@@ -268,8 +269,10 @@ class Roster:
             )
         elif rank in taken:
             holder = next(n for n in self.nodes.values() if n.role == role and n.rank == rank)
+            # (Also of a server that finished: killed as it stopped while a worker's process
+            # still ran, it is restarted; it is told to stop at once, and exits 0.)
             takeover = role == "server" and restartable and holder.restartable
-            if not takeover or holder.finished:
+            if not takeover:
                 raise MembershipError(
                     f"{role} rank {rank} is already taken by {holder.describe()}; a {role} "
                     f"from {host} (pid {pid}) asked for it too"

@@ -34,7 +34,7 @@ this server's range of its rows, in a :class:`~akv.rows.RowTable`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
 import numpy as np
 
@@ -310,6 +310,8 @@ class InstallOptimizer:
     """After every earlier write to ``entries``, call
     :meth:`ServerState.install_optimizer` with these, then reply."""
 
+    call: ClassVar[str] = "set_optimizer"  # the call it serves (its task's and errors' name)
+
     peer: Peer
     seq: int
     optimizer: _optimizer.Optimizer
@@ -322,6 +324,10 @@ class SaveStates:
     """After earlier writes to ``entries``, answer with ``updater``'s states as one uint8
     array (``dump``: with the optimizer's configuration)."""
 
+    call: ClassVar[str] = (
+        "save_optimizer_states"  # the call it serves (its task's and errors' name)
+    )
+
     peer: Peer
     seq: int
     updater: _optimizer.Updater
@@ -332,6 +338,10 @@ class SaveStates:
 @dataclass(frozen=True, slots=True)
 class LoadStates:
     """After earlier writes to ``entries``, load ``data`` into ``updater``, then reply."""
+
+    call: ClassVar[str] = (
+        "load_optimizer_states"  # the call it serves (its task's and errors' name)
+    )
 
     peer: Peer
     seq: int

@@ -253,38 +253,42 @@ class ParameterServer:
             ok = stopped and self.state.failure is None and not gave_up.is_set()
             if self.checkpoints is not None:  # a failed job too: a new one starts from it
                 await self.checkpoints.final()
-            if ok:
-                log.info("%s: the job ended well; stopping", self.name)
-            return 0 if ok else JOB_FAILED_EXIT
         except asyncio.CancelledError as exc:
-            if stopped_by_signal(exc):
-                await self._stopped_by_signal()
-            raise
+            if not (stopped_by_signal(exc) and await self._stopped_by_signal()):
+                raise
+            ok = True  # a signal once every worker finished fails nothing
         finally:
             ticker.cancel()
             assembly.cancel()
             if timer is not None:
                 timer.cancel()
             await self.stop()
+        if ok:
+            log.info("%s: the job ended well; stopping", self.name)
+        return 0 if ok else JOB_FAILED_EXIT
 
-    async def _stopped_by_signal(self) -> None:
-        """SIGTERM or Ctrl-C: the work in flight gets :data:`DRAIN_S` to finish, a final
-        checkpoint is written when this server writes them, and the scheduler is told, so
-        that the job fails naming this server and why (unless it can be restarted from
-        its checkpoint: then the scheduler waits for its restart)."""
-        rank = self.membership.rank if self.membership.rank is not None else -1
-        address = format_address(*self.advertised)
-        detail = f"at {address} was stopped by a signal (SIGTERM or Ctrl-C)"
+    async def _stopped_by_signal(self) -> bool:
+        """SIGTERM or Ctrl-C: the work in flight gets :data:`DRAIN_S` to finish, and a final
+        checkpoint is written (when this server writes them). True when the job had ended
+        well (the scheduler says stop); else it is told, and the job fails naming this
+        server and why (or, one that writes checkpoints, waits for its restart)."""
+        ended = self.state.failure is None and await self.membership.job_ended(DRAIN_S)
         with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError):
             await asyncio.wait_for(self.engine.wait_all(), DRAIN_S)
         if self.checkpoints is not None:
             await self.checkpoints.final()
-            self._awaits_restart = True  # no goodbye: the scheduler waits for its restart
-            return
+            self._awaits_restart = not ended  # no goodbye: the scheduler waits for its restart
+        if ended or self.checkpoints is not None:
+            return ended
+        rank = self.membership.rank if self.membership.rank is not None else -1
+        detail = (
+            f"at {format_address(*self.advertised)} was stopped by a signal (SIGTERM or Ctrl-C)"
+        )
         with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError, ValueError):
             # Reported by itself: the scheduler names it as stopping, not as lost.
             report = self.membership.report_lost(self.membership.node_id, "server", rank, detail)
             await asyncio.wait_for(report, DRAIN_S)
+        return False
 
     async def _await_job(self, gave_up: asyncio.Event) -> None:
         """Wait until every worker and server joined the job. The scheduler fails a job
@@ -496,7 +500,7 @@ class ParameterServer:
                     reads=keys if saves else (),
                     writes=() if saves else keys,
                     executor="loop",
-                    name=_OPTIMIZER_WORK[type(instruction)],
+                    name=instruction.call,
                 )
             elif isinstance(instruction, Checkpoint):
                 assert self.checkpoints is not None  # the state asks only then
@@ -756,21 +760,13 @@ class ParameterServer:
             else:
                 await asyncio.to_thread(work.updater.load_states, work.data)
         except Exception as exc:
-            self.execute([ReplyError.of(work.peer, work.seq, _OPTIMIZER_WORK[type(work)], exc)])
+            self.execute([ReplyError.of(work.peer, work.seq, work.call, exc)])
             return
         if saved is None:
             self.execute([Reply(work.peer, work.seq)])
         else:
             arrays = [(None, np.frombuffer(saved, np.uint8), 0)]
             self.send_to(work.peer, encode_frame(Op.REPLY, work.seq, arrays, aux=OK))
-
-
-#: The call each piece of optimizer work serves (its engine task's name, and its errors').
-_OPTIMIZER_WORK = {
-    InstallOptimizer: "set_optimizer",
-    SaveStates: "save_optimizer_states",
-    LoadStates: "load_optimizer_states",
-}
 
 
 # ---------------------------------------------------------------------- command line

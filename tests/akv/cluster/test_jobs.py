@@ -347,6 +347,26 @@ def test_a_hanging_server_is_blamed_by_the_workers_and_the_launcher():
     assert verdict.group(1).startswith("server 1 (pid"), verdict.group(1)
 
 
+def test_a_server_stopped_by_sigterm_once_every_worker_finished_ends_the_job_well():
+    """Its data is final then (a scheduler, a cluster manager tearing the job down): the
+    server stops as it would have at its next heartbeat and exits 0. Before, it exited 143,
+    and the launcher failed the job ("server 0 (pid N) exited with code 143 while 2 workers
+    still ran")."""
+    done = launch(
+        [
+            *("-n", "2", "-s", "1", "--env", "AKV_HEARTBEAT_INTERVAL_S=3"),
+            *("--env", "AKV_HEARTBEAT_TIMEOUT_S=20", "--"),
+            *(sys.executable, str(JOBS / "term_at_end.py")),
+        ],
+        timeout=90,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert re.search(r"\[server 0\] .*akv-server got SIGTERM: stopping", output), output
+    assert re.search(r"akv-launch: server 0 \(pid \d+\) exited with code 0", output), output
+    assert "the job ended well: 2 workers and 1 server finished" in output, output
+
+
 def test_a_server_stopped_by_sigterm_says_so_and_the_workers_name_it():
     done = launch(
         ["-n", "1", "-s", "1", "--", sys.executable, str(JOBS / "faults.py"), "term-server"],

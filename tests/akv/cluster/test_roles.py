@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -353,3 +354,33 @@ def test_akv_server_bound_to_a_wildcard_without_advertise_exits_2_with_one_line(
     )
     assert done.stderr.endswith("; or pass --advertise\n")
     assert done.stderr.count("\n") == 1
+
+
+def test_a_signal_after_the_role_ended_exits_at_once_with_the_roles_status():
+    """A job torn down as it ends may send SIGTERM while a role's process is exiting: it
+    exits with the role's status (a server's 0 after a job that ended well), not as killed
+    by the signal, which the launcher counted as a failure."""
+    script = textwrap.dedent(
+        """
+        import time
+        from types import SimpleNamespace
+        from akv.cluster.roles import serve_role
+
+        async def serve(_):
+            return 7
+
+        status = serve_role("server", SimpleNamespace(log_level="INFO"), serve)
+        print("ended", status, flush=True)
+        time.sleep(30)  # the interpreter's exit, as long as it may take
+        """
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    ) as process:
+        try:
+            assert process.stdout.readline() == "ended 7\n"
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=20) == 7
+        finally:
+            if process.poll() is None:
+                process.kill()

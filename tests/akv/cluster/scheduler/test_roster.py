@@ -285,6 +285,24 @@ def test_a_restarted_server_takes_over_its_rank_and_gives_workers_its_new_addres
     roster.validate_state()
 
 
+def test_a_server_restarted_after_the_job_ended_takes_over_and_is_told_to_stop():
+    """Killed as it stopped, while a worker's process still ran (its store closed): the
+    launcher restarts it. Before, the scheduler refused the restart its rank ("already
+    taken" by the server that had finished), which exited 1 and failed a job that had
+    ended well."""
+    roster = restartable_roster()
+    roster.finish("w")
+    roster.finish("s1")
+    assert roster.done()
+    roster.register("s2", "server", "127.0.0.1", 4100, 20, now=1.0, rank=0, restartable=True)
+    assert "s1" not in roster.nodes and roster.restarts == {0: 1}
+    assert roster.heartbeat("s2", 2.0) == HeartbeatAnswer(None, True)
+    assert not roster.done()  # until it finished too
+    roster.finish("s2")
+    assert roster.done() and roster.failure is None
+    roster.validate_state()
+
+
 def test_only_a_restartable_server_may_take_over_a_restartable_rank():
     roster = restartable_roster()
     with pytest.raises(MembershipError, match="already taken"):
