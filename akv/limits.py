@@ -120,8 +120,12 @@ ROUND_CHECK_INTERVAL_S = 0.5
 #: How long the scheduler holds a register or barrier request before it answers
 #: "still waiting".
 SCHEDULER_POLL_S = 2.0
-#: How often the scheduler looks for silent nodes.
+#: How often the scheduler looks for silent nodes (and sooner when a node finished or was
+#: lost: whether the job is over).
 SCHEDULER_CHECK_INTERVAL_S = 0.5
+#: Once the job ended well, how long the scheduler still answers (the last nodes' goodbyes)
+#: before it exits.
+SCHEDULER_END_CHECK_S = 0.05
 #: After the job failed or ended, how long the scheduler stays up so every node hears it.
 SCHEDULER_LINGER_S = 3.0
 

@@ -10,6 +10,7 @@ to a callback, once per cause.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -179,9 +180,12 @@ class Membership:
         on_failure: Callable[[str], None],
         should_stop: Callable[[], bool],
         report: Callable[[], dict[str, Any]] | None = None,
+        wake: asyncio.Event | None = None,
     ) -> bool:
         """Tell the scheduler every interval that this process lives, until
-        ``should_stop()`` or the scheduler says the job is over.
+        ``should_stop()`` or the scheduler says the job is over. ``wake``, when set, ends
+        the wait for the next heartbeat at once (``should_stop()`` is asked, and it is
+        cleared).
 
         ``report()``, when given, is called for each heartbeat and sent with it: what this
         process did so far, for the job's status page (a server's
@@ -226,7 +230,12 @@ class Membership:
                     on_failure(f"the job failed: {reported}")
                 if answer.get("stop"):
                     return True
-                await asyncio.sleep(timeouts.heartbeat_interval_s)
+                if wake is None:
+                    await asyncio.sleep(timeouts.heartbeat_interval_s)
+                else:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(wake.wait(), timeouts.heartbeat_interval_s)
+                    wake.clear()
             return False
         finally:
             await client.close()

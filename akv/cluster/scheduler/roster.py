@@ -523,6 +523,11 @@ class Roster:
             return None
         return 1 if self.failure is not None else 0
 
+    @property
+    def ended_well(self) -> bool:
+        """Whether :meth:`exit_status` saw the job end well (it returns 0 at its next call)."""
+        return self._ended_at is not None and self.failure is None
+
     def linger_s(self) -> float:
         """How long the scheduler stays up once the job is over: nothing after a good end,
         two heartbeat intervals (at least ``SCHEDULER_LINGER_S``) after a failure."""

@@ -70,6 +70,7 @@ from akv.errors import MembershipError, PeerLostError
 from akv.limits import (
     DRAIN_S,
     SCHEDULER_CHECK_INTERVAL_S,
+    SCHEDULER_END_CHECK_S,
     SCHEDULER_POLL_S,
     STARTUP_MARGIN_S,
 )
@@ -101,6 +102,7 @@ class Scheduler:
         self.status_page = StatusPage(config.token, self.status, secure=config.tls)
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
+        self._stopping: asyncio.Future[None] | None = None
         self.port = 0
         self.metrics = ProcessMetrics(
             "scheduler", lambda: None, lambda families: roster_figures(families, self.roster)
@@ -154,11 +156,12 @@ class Scheduler:
     async def run(self) -> int:
         """Serve until the job ended (0) or failed (1), then stop listening.
 
-        Every ``SCHEDULER_CHECK_INTERVAL_S`` the roster looks for silent nodes and says
-        whether the scheduler should exit (it lingers after a failure, so that every node
-        hears the reason). A job that has not assembled within the connect timeout plus
-        ``STARTUP_MARGIN_S`` of the start fails, naming the ranks that never registered.
-        Errors propagate to the caller; the listener stops either way.
+        Every ``SCHEDULER_CHECK_INTERVAL_S`` (and when a node comes or goes) the roster
+        looks for silent nodes and says whether the scheduler should exit (it lingers after
+        a failure, so that every node hears the reason). A job that has not assembled
+        within the connect timeout plus ``STARTUP_MARGIN_S`` of the start fails, naming the
+        ranks that never registered. Errors propagate to the caller; the listener stops
+        either way.
         """
         if self._runner is None:
             await self.start()
@@ -167,7 +170,7 @@ class Scheduler:
         deadline = started + assemble_s
         try:
             while True:
-                await asyncio.sleep(SCHEDULER_CHECK_INTERVAL_S)
+                await self._next_check()
                 now = time.monotonic()
                 if self.roster.check(now):
                     log.error("job failed: %s", self.roster.failure)
@@ -205,10 +208,13 @@ class Scheduler:
             await self.stop()
 
     async def stop(self) -> None:
-        """Stop listening. Idempotent."""
+        """Stop listening. Idempotent: a call while another runs waits for it (which goes on
+        if its caller is cancelled)."""
         if self._runner is not None:
             runner, self._runner = self._runner, None
-            await runner.cleanup()
+            self._stopping = asyncio.ensure_future(runner.cleanup())
+        if self._stopping is not None:
+            await asyncio.shield(self._stopping)
 
     # ------------------------------------------------------------ handlers
 
@@ -351,6 +357,17 @@ class Scheduler:
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+    async def _next_check(self) -> None:
+        """Wait ``SCHEDULER_CHECK_INTERVAL_S``, or less: until a node registered, finished
+        or was lost (the job may be over), or, once the job ended well,
+        ``SCHEDULER_END_CHECK_S`` (the last goodbyes are answered before it exits)."""
+        if self.roster.ended_well:
+            await asyncio.sleep(SCHEDULER_END_CHECK_S)
+            return
+        async with self._changed:
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), SCHEDULER_CHECK_INTERVAL_S)
 
     async def _wait_for(self, settled: Callable[[], bool]) -> None:
         """Wait until ``settled()`` or ``SCHEDULER_POLL_S`` passed (the caller answers

@@ -170,6 +170,8 @@ class ParameterServer:
         self._adder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="akv-add")
         #: Stopped by a signal with a checkpoint written: a restart takes its rank over.
         self._awaits_restart = False
+        self._every_worker_left = asyncio.Event()
+        self._stopping: asyncio.Future[None] | None = None
 
     @property
     def rank(self) -> int | None:
@@ -226,12 +228,9 @@ class ParameterServer:
         finished = joined.get("finished")
         if isinstance(finished, list) and all(type(rank) is int for rank in finished):
             self.execute(self.state.workers_finished(finished))
-        bound = format_address(config.host, self.port)
-        advertised = format_address(*self.advertised)
-        if advertised == bound:
-            log.info("%s listening on %s", self.name, bound)
-        else:
-            log.info("%s listening on %s, advertised as %s", self.name, bound, advertised)
+        bound, advertised = format_address(config.host, self.port), format_address(*self.advertised)
+        also = "" if advertised == bound else f", advertised as {advertised}"
+        log.info("%s listening on %s%s", self.name, bound, also)
         return self.port
 
     async def run(self) -> int:
@@ -239,16 +238,19 @@ class ParameterServer:
         the job failed (or never assembled: see :meth:`_await_job`)."""
         if self._runner is None:
             await self.start()
-        ticker = self._spawn(self._tick(), "the round deadline check")
         gave_up = asyncio.Event()
-        assembly = self._spawn(self._await_job(gave_up), "waiting for the job to assemble")
-        timer = None
+        background = [
+            self._spawn(self._tick(), "the round deadline check"),
+            self._spawn(self._await_job(gave_up), "waiting for the job to assemble"),
+        ]
         if self.checkpoints is not None:
-            timer = self._spawn(self.checkpoints.every_interval(), "the checkpoint timer")
+            timer = self.checkpoints.every_interval()
+            background.append(self._spawn(timer, "the checkpoint timer"))
         try:
             loop = asyncio.get_running_loop()
+            report = lambda: heartbeat_report(self.state, loop.time())  # noqa: E731
             stopped = await self.membership.heartbeats(
-                self._job_failed, gave_up.is_set, lambda: heartbeat_report(self.state, loop.time())
+                self._job_failed, gave_up.is_set, report, self._every_worker_left
             )
             ok = stopped and self.state.failure is None and not gave_up.is_set()
             if self.checkpoints is not None:  # a failed job too: a new one starts from it
@@ -258,10 +260,8 @@ class ParameterServer:
                 raise
             ok = True  # a signal once every worker finished fails nothing
         finally:
-            ticker.cancel()
-            assembly.cancel()
-            if timer is not None:
-                timer.cancel()
+            for task in background:
+                task.cancel()
             await self.stop()
         if ok:
             log.info("%s: the job ended well; stopping", self.name)
@@ -280,10 +280,9 @@ class ParameterServer:
             self._awaits_restart = not ended  # no goodbye: the scheduler waits for its restart
         if ended or self.checkpoints is not None:
             return ended
-        rank = self.membership.rank if self.membership.rank is not None else -1
-        detail = (
-            f"at {format_address(*self.advertised)} was stopped by a signal (SIGTERM or Ctrl-C)"
-        )
+        rank = self.rank if self.rank is not None else -1
+        where = format_address(*self.advertised)
+        detail = f"at {where} was stopped by a signal (SIGTERM or Ctrl-C)"
         with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError, ValueError):
             # Reported by itself: the scheduler names it as stopping, not as lost.
             report = self.membership.report_lost(self.membership.node_id, "server", rank, detail)
@@ -304,9 +303,13 @@ class ParameterServer:
             gave_up.set()
 
     async def stop(self) -> None:
-        """Close every stream, the engine and the listener; tell the scheduler. Idempotent."""
-        if self.state.stopping:
-            return
+        """Close every stream, the engine and the listener; tell the scheduler. Idempotent:
+        a call while another runs waits for it (which goes on if its caller is cancelled)."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
         self.state.stopping = True
         for link in list(self.links.values()):
             if isinstance(link, StreamLink):
@@ -445,8 +448,9 @@ class ParameterServer:
     def lost(self, peer: Peer, exc: BaseException | None) -> None:
         """``peer``'s stream ended."""
         self.links.pop(peer.id, None)
-        now = asyncio.get_running_loop().time()
-        self.execute(self.state.peer_lost(peer, exc, now))
+        self.execute(self.state.peer_lost(peer, exc, asyncio.get_running_loop().time()))
+        if len(self.state.left) == self.state.num_workers:
+            self._every_worker_left.set()  # the next heartbeat now: it hears stop at once
 
     # ------------------------------------------------------------ carrying out instructions
 

@@ -176,6 +176,9 @@ class ServerState(OptimizerRequests):
         #: Each worker's highest number of a request that may change the server so far.
         self._received: dict[int, int] = {}
         self._goodbyes: set[int] = set()
+        #: Workers whose stream ended after their goodbye (they told the scheduler first):
+        #: once every worker is here, the scheduler says stop at this server's next heartbeat.
+        self.left: set[int] = set()
         self._init_waits = InitWaits(init_timeout_s)
         self._next_peer = 0
         #: What this process holds of the checkpoints its rank declared durable.
@@ -331,6 +334,8 @@ class ServerState(OptimizerRequests):
         newest = self.peers.pop(peer.id, None) is not None
         said_goodbye = peer.id in self._goodbyes
         self._goodbyes.discard(peer.id)
+        if said_goodbye and newest:
+            self.left.add(peer.worker)
         if not newest or said_goodbye or self.stopping:
             return []
         detail = (

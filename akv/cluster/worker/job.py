@@ -8,6 +8,7 @@ and the worker's state's (:mod:`akv.cluster.worker.backend`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -41,6 +42,8 @@ class Heartbeat:
         self._on_failure = on_failure
         self._report = report
         self._stop = threading.Event()
+        self._wake = asyncio.Event()  # set on the heartbeat's loop: the stop is heard at once
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="akv-heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -48,8 +51,11 @@ class Heartbeat:
 
     def _run(self) -> None:
         loop_thread = LoopThread(name="akv-heartbeat-loop")
+        self._loop = loop_thread.loop
         try:
-            beats = self._membership.heartbeats(self._on_failure, self._stop.is_set, self._report)
+            beats = self._membership.heartbeats(
+                self._on_failure, self._stop.is_set, self._report, self._wake
+            )
             loop_thread.run(beats)
         except Exception as exc:  # reported, never swallowed: the store fails with it
             self._on_failure(f"the heartbeat to the scheduler failed: {exc!r}")
@@ -57,8 +63,12 @@ class Heartbeat:
             loop_thread.close()
 
     def stop(self) -> None:
-        """Stop beating and wait for the thread (at most one interval and a margin)."""
+        """Stop beating and wait for the thread (at most a heartbeat request's time)."""
         self._stop.set()
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # its loop closed: it stopped already
+                loop.call_soon_threadsafe(self._wake.set)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             interval = self._membership.config.timeouts.heartbeat_interval_s
             self._thread.join(interval + HEARTBEAT_STOP_S)

@@ -26,6 +26,7 @@ import pytest
 
 import akv
 import akv.exits
+from akv.cluster.scheduler import service as scheduler_service
 from akv.exits import (
     MAX_REASON_CHARS,
     Terminated,
@@ -35,7 +36,7 @@ from akv.exits import (
     sigterm_raises,
     sigterm_released,
 )
-from tests.akv.cluster.cluster import ROOT, Cluster, free_port, job_env, launch
+from tests.akv.cluster.cluster import ROOT, Cluster, free_port, job_env, launch, wait_until
 
 JOBS = ROOT / "tests" / "akv" / "cluster" / "jobs"
 pytestmark = pytest.mark.timeout(120)
@@ -368,3 +369,23 @@ def test_off_loop_works_while_the_interpreter_exits_where_to_thread_is_refused()
     assert done.returncode == 0, done.stderr
     assert "off_loop ran" in done.stdout, done.stdout
     assert "to_thread refused" in done.stdout, done.stdout  # the reason off_loop exists
+
+
+async def test_the_job_ends_once_the_workers_left_not_at_the_next_heartbeat(monkeypatch):
+    """With a heartbeat interval of 60 s (and the scheduler's check interval too), each
+    worker's close, the server's stop and the scheduler's exit do not wait for it. Before,
+    close waited for its heartbeat thread to wake (up to an interval: 1 s by default), the
+    server heard that the job ended at its next heartbeat, and the scheduler exited two
+    checks (0.5-1 s) after the end."""
+    monkeypatch.setattr(scheduler_service, "SCHEDULER_CHECK_INTERVAL_S", 60.0)
+    with Cluster(2, 1, AKV_HEARTBEAT_INTERVAL_S="60", AKV_HEARTBEAT_TIMEOUT_S="120") as cluster:
+        stores = await cluster.workers()
+        await asyncio.gather(*(kv.init("w", np.zeros(2, np.float32)) for kv in stores))
+        reports = cluster.scheduler.reports
+        nodes = [kv._backend.membership.node_id for kv in stores]
+        await wait_until(lambda: all(reports.of(n) for n in nodes), "their first heartbeats")
+        # (between their first and second heartbeats)
+        await asyncio.wait_for(asyncio.gather(*(kv.close() for kv in stores)), 20)
+        assert not any(kv._backend._heartbeat._thread.is_alive() for kv in stores)
+        await wait_until(lambda: all(task.done() for task in cluster._tasks), "the end", 20)
+        assert [task.result() for task in cluster._tasks] == [0, 0]  # scheduler, server

@@ -547,6 +547,17 @@ def test_a_worker_that_said_goodbye_may_leave():
     players.lose(1)
     assert players.failures == [] and players.state.failure is None
     assert players.state.workers_connected() == [0]
+    assert players.state.left == {1}  # said goodbye, then its stream ended
+
+
+def test_only_a_stream_ended_after_a_goodbye_counts_as_a_worker_that_left():
+    players = started(2)
+    players.send(0, Op.CLOSE)
+    assert players.state.left == set()  # (its stream is still open)
+    players.lose(1)  # no goodbye: it may come back
+    assert players.state.left == set()
+    players.lose(0)
+    assert players.state.left == {0}
 
 
 def test_a_job_failure_answers_every_waiter_once_and_keeps_the_first_reason():
