@@ -310,7 +310,8 @@ class InstallOptimizer:
     """After every earlier write to ``entries``, call
     :meth:`ServerState.install_optimizer` with these, then reply."""
 
-    call: ClassVar[str] = "set_optimizer"  # the call it serves (its task's and errors' name)
+    #: The call it serves (its engine task's name, and its errors').
+    call: ClassVar[str] = "set_optimizer"
 
     peer: Peer
     seq: int
@@ -324,9 +325,8 @@ class SaveStates:
     """After earlier writes to ``entries``, answer with ``updater``'s states as one uint8
     array (``dump``: with the optimizer's configuration)."""
 
-    call: ClassVar[str] = (
-        "save_optimizer_states"  # the call it serves (its task's and errors' name)
-    )
+    #: The call it serves (its engine task's name, and its errors').
+    call: ClassVar[str] = "save_optimizer_states"
 
     peer: Peer
     seq: int
@@ -339,9 +339,8 @@ class SaveStates:
 class LoadStates:
     """After earlier writes to ``entries``, load ``data`` into ``updater``, then reply."""
 
-    call: ClassVar[str] = (
-        "load_optimizer_states"  # the call it serves (its task's and errors' name)
-    )
+    #: The call it serves (its engine task's name, and its errors').
+    call: ClassVar[str] = "load_optimizer_states"
 
     peer: Peer
     seq: int
