@@ -89,6 +89,39 @@ class Updater:
             self._unchecked.discard(index)
         self.optimizer.update_multi_precision(index, weight, grad, self.states[index])
 
+    def reconfigure(
+        self, optimizer: Optimizer, weights: dict[Index, np.ndarray | RowTable]
+    ) -> None:
+        """Apply ``optimizer``, a new configuration of this updater's optimizer, from now
+        on, keeping the update counts, the shared state and each index's state where it
+        still fits: a state the new configuration makes otherwise (momentum turned on or
+        off, say), made for the index's weight in ``weights`` (a row-sparse key's rows: its
+        table), is made anew, as for a new index (at once for a dense key; at its next
+        update for a row-sparse one)."""
+        current = self.optimizer
+        optimizer.restore_update_counts(current.index_update_counts, current.num_update)
+        optimizer.restore_shared_state(current.shared_state())
+        self.optimizer = optimizer
+        for index, state in list(self.states.items()):
+            weight = weights.get(index)
+            if index in self._unchecked or not isinstance(weight, np.ndarray):
+                continue  # (a loaded state is checked at its next update)
+            expected = optimizer.create_state_multi_precision(index, weight)
+            try:
+                _check_state_fits(index, state, expected, "state")
+            except StateFormatError:
+                self.states[index] = expected
+        for index, tables in list(self.row_states.items()):
+            table = weights.get(index)
+            if index in self._unchecked_rows or not isinstance(table, RowTable):
+                continue
+            probe = optimizer.create_state_multi_precision(
+                index, np.zeros((1, *table.row_shape), table.dtype)
+            )
+            made = [(leaf.shape[1:], leaf.dtype) for leaf in _leaves(probe)]
+            if made != [(t.row_shape, t.dtype) for t in tables]:
+                del self.row_states[index]
+
     def update_rows(self, index: Index, table: RowTable, grad: RowSparseArray) -> None:
         """Apply the row-sparse gradient ``grad`` to the rows of ``table`` (a row-sparse
         key's stored rows) with their states, in place.

@@ -80,7 +80,7 @@ class OptimizerRequests:
     def install_optimizer(self, optimizer: _optimizer.Optimizer, config: dict[str, Any]) -> None:
         """Use ``optimizer`` from now on (the service calls this once every earlier write
         finished); see :func:`~akv.cluster.server.updates.updater_with`."""
-        self.updater = updater_with(self.updater, optimizer, config)
+        self.updater = updater_with(self.updater, optimizer, config, self._all_keys())
         self.optimizer_config = config
 
     def _require_updater(self, what: str) -> _optimizer.Updater:

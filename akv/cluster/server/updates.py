@@ -15,7 +15,7 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.cluster.server.buffers import Lent, give_back, own
-from akv.cluster.server.instructions import Land, ServerEntry
+from akv.cluster.server.instructions import Land, RowEntry, ServerEntry
 from akv.compression import decode
 from akv.limits import SPLIT_ADD_MIN_BYTES
 
@@ -27,17 +27,19 @@ Add = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
 def updater_with(
-    updater: _optimizer.Updater | None, optimizer: _optimizer.Optimizer, config: dict[str, Any]
+    updater: _optimizer.Updater | None,
+    optimizer: _optimizer.Optimizer,
+    config: dict[str, Any],
+    entries: Sequence[ServerEntry | RowEntry],
 ) -> _optimizer.Updater:
     """The updater that applies ``optimizer`` (of ``config``) from now on: ``updater``
-    itself, keeping its states, update counts and shared state, where it holds the same
-    optimizer (new hyper-parameters); else a new one."""
+    itself, keeping its states (those that still fit the keys' ``entries``: see
+    :meth:`~akv.optimizer.Updater.reconfigure`), update counts and shared state, where it
+    holds the same optimizer (new hyper-parameters); else a new one."""
     if updater is None or updater.optimizer.get_config()["name"] != config.get("name"):
         return _optimizer.get_updater(optimizer)
-    current = updater.optimizer
-    optimizer.restore_update_counts(current.index_update_counts, current.num_update)
-    optimizer.restore_shared_state(current.shared_state())
-    updater.optimizer = optimizer
+    weights = {e.key: e.rows if isinstance(e, RowEntry) else e.private_value() for e in entries}
+    updater.reconfigure(optimizer, weights)
     return updater
 
 

@@ -134,3 +134,34 @@ def test_signsgd_without_momentum_decays_then_steps_by_the_gradient_sign():
 def test_signum_defaults_are_mxnets():
     optimizer = Signum()
     assert (optimizer.learning_rate, optimizer.momentum, optimizer.wd_lh) == (0.01, 0.9, 0.0)
+
+
+def test_a_new_configuration_keeps_a_state_that_fits_and_remakes_one_that_does_not():
+    """``Updater.reconfigure`` (a distributed store's second ``set_optimizer`` of the same
+    optimizer): a new learning rate keeps the momentum; momentum turned off drops it, and
+    turned on again starts it from zeros, dense and row-sparse alike. Before, a row-sparse
+    update after momentum was turned off or on raised (``zip()`` of the new state's arrays
+    with the kept ones), and a dense key kept momentum off once it had been off."""
+    from akv.rows import RowTable
+    from akv.sparse import RowSparseArray
+
+    weight = np.zeros(2, np.float32)
+    table = RowTable((4, 2), np.float32)
+    updater = get_updater(SGD(learning_rate=0.1, momentum=0.9))
+    grad = np.ones(2, np.float32)
+    rows = RowSparseArray(np.ones((2, 2), np.float32), np.array([1, 3]), (4, 2))
+    phases = [(0.1, 0.9, 2), (0.2, 0.9, 1), (0.1, 0.0, 1), (0.1, 0.9, 2)]
+    expected, momentum = 0.0, 0.0
+    for number, (lr, mom, steps) in enumerate(phases):
+        if number:
+            updater.reconfigure(SGD(learning_rate=lr, momentum=mom), {"w": weight, "emb": table})
+            if mom == 0.0 or phases[number - 1][1] == 0.0:
+                momentum = 0.0  # another structure: made anew
+        for _ in range(steps):
+            updater("w", grad, weight)
+            updater.update_rows("emb", table, rows)
+            momentum = mom * momentum - lr
+            expected += momentum if mom else -lr
+    assert weight == pytest.approx([expected] * 2, abs=1e-6)
+    assert table.gather(np.array([1, 3])) == pytest.approx(np.full((2, 2), expected), abs=1e-6)
+    assert expected == pytest.approx(-0.1 - 0.19 - 0.371 - 0.1 - 0.1 - 0.19)
