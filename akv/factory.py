@@ -56,7 +56,7 @@ def _dist_config(
         )
     from akv.cluster.roles import serve_role
     from akv.cluster.scheduler.service import run_scheduler
-    from akv.cluster.server.service import run_server
+    from akv.cluster.server.command import run_server
 
     sys.exit(
         serve_role(config.role, config, run_server if config.role == "server" else run_scheduler)

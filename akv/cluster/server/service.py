@@ -1,7 +1,8 @@
 """A parameter server's I/O: the HTTP app, the workers' streams, the engine, the scheduler.
 
-Run it with ``akv-server`` (or ``python -m akv.cluster.server``), configured by the
-environment or by flags (see ``docs/distributed.md``); akv-launch starts servers for you.
+Run it with ``akv-server`` (or ``python -m akv.cluster.server``: :mod:`.command`),
+configured by the environment or by flags (see ``docs/distributed.md``); akv-launch starts
+servers for you.
 
 Every decision is :class:`~akv.cluster.server.state.ServerState`'s: this module feeds it
 events (a header or a whole frame arrived, a stream ended, array work finished, the clock
@@ -48,12 +49,11 @@ from akv.cluster.protocol import (
     parse_staleness,
     status_of,
 )
-from akv.cluster.roles import listener_bounds, run_role, server_ssl, stopped_by_signal
+from akv.cluster.roles import listener_bounds, server_ssl, stopped_by_signal
 from akv.cluster.server.buffers import Landing
 from akv.cluster.server.checkpointing import (
     Checkpoints,
     Copied,
-    UnusableCheckpointError,
     copy_plan,
 )
 from akv.cluster.server.instructions import (
@@ -118,7 +118,7 @@ from akv_transport import (
     stream_route,
 )
 
-__all__ = ["ParameterServer", "main", "run_server"]
+__all__ = ["ParameterServer"]
 
 log = logging.getLogger("akv.cluster.server")
 
@@ -262,7 +262,12 @@ class ParameterServer:
         finally:
             for task in background:
                 task.cancel()
-            await self.stop()
+            try:
+                await self.stop()
+            except asyncio.CancelledError as exc:  # a signal as it stops: the stop goes on
+                if not stopped_by_signal(exc):
+                    raise
+                await self.stop()
         if ok:
             log.info("%s: the job ended well; stopping", self.name)
         return 0 if ok else JOB_FAILED_EXIT
@@ -771,30 +776,3 @@ class ParameterServer:
         else:
             arrays = [(None, np.frombuffer(saved, np.uint8), 0)]
             self.send_to(work.peer, encode_frame(Op.REPLY, work.seq, arrays, aux=OK))
-
-
-# ---------------------------------------------------------------------- command line
-
-
-async def run_server(config: Config) -> int:
-    """Run one server until the job ends; return the exit status."""
-    server = ParameterServer(config)
-    try:
-        await server.start()
-    except AKVError as exc:
-        unusable = isinstance(exc, UnusableCheckpointError)
-        log.error("%s%s", exc, "; no restart mends it" if unusable else "")
-        if unusable:  # the job's verdict names the file, not only the exit
-            await server.membership.report_failed(f"could not use its checkpoint: {exc}")
-        await server.stop()
-        return JOB_FAILED_EXIT if unusable else 1  # akv-launch restarts no server exiting 3
-    except asyncio.CancelledError:  # SIGTERM while starting: close what was opened
-        await server.stop()
-        raise
-    return await server.run()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``akv-server``: run one parameter server; exit 0 when the job ended well, 3
-    (:data:`JOB_FAILED_EXIT`) when it failed, 2 when its configuration is wrong."""
-    return run_role("server", argv, "Run one parameter server of an akv job.", run_server)

@@ -33,7 +33,8 @@ from akv.cluster.server.checkpoint import (
     read_snapshot,
     write_snapshot,
 )
-from akv.cluster.server.service import ParameterServer, run_server
+from akv.cluster.server.command import run_server
+from akv.cluster.server.service import ParameterServer
 from tests.akv.cluster.cluster import Cluster, free_port, job_env, wait_until
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,12 +1,12 @@
 """A server stopped by SIGTERM once every worker finished ends the job well:
 ``term_at_end.py``.
 
-Run under ``akv-launch -n 2 -s 1`` with a heartbeat interval of seconds (a server hears
-that the job ended at its next heartbeat). Both workers push and pull a round and close
-their stores. While worker 0 closes, a thread of it sends server 0 SIGTERM as soon as the
-scheduler says both workers finished (before the server's next heartbeat tells it to
-stop); worker 0 then stays until the server exited, so that the launcher sees the
-server's exit while a worker still runs.
+Run under ``akv-launch -n 2 -s 1`` with a heartbeat interval of seconds. Both workers
+push and pull a round and close their stores. While worker 0 closes, a thread of it sends
+server 0 SIGTERM as soon as the scheduler says both workers finished: the signal lands as
+the server learns that the job ended and stops (before its stop, or during it); worker 0
+then stays until the server exited, so that the launcher sees the server's exit while a
+worker still runs.
 """
 
 import os
