@@ -184,18 +184,14 @@ class Scheduler:
                 status = self.roster.exit_status(now)
                 if status is not None:
                     if status == 0:
-                        log.info(
-                            "the job ended well: %d worker%s and %d server%s finished in %.1f s",
-                            self.config.num_workers,
-                            "" if self.config.num_workers == 1 else "s",
-                            self.config.num_servers,
-                            "" if self.config.num_servers == 1 else "s",
-                            now - started,
-                        )
+                        self._ended_well(now - started)
                     return status
         except asyncio.CancelledError as exc:
             if not stopped_by_signal(exc):
                 raise
+            if await self._servers_finish():  # every worker had finished: no failure
+                self._ended_well(time.monotonic() - started)
+                return 0
             # SIGTERM or Ctrl-C: the job cannot go on without its scheduler. Fail it and
             # answer for DRAIN_S more, so that every node hears the reason.
             if self.roster.fail("the scheduler was stopped by a signal (SIGTERM or Ctrl-C)"):
@@ -206,6 +202,25 @@ class Scheduler:
             raise
         finally:
             await self.stop()
+
+    def _ended_well(self, took_s: float) -> None:
+        workers, servers = self.config.num_workers, self.config.num_servers
+        log.info(
+            "the job ended well: %d worker%s and %d server%s finished in %.1f s",
+            *(workers, "" if workers == 1 else "s", servers, "" if servers == 1 else "s"),
+            took_s,
+        )
+
+    async def _servers_finish(self) -> bool:
+        """Stopped by a signal: once every worker finished, the job is over but for the
+        servers' goodbyes (they stop at once: a cluster manager tearing the job down), which
+        get :data:`DRAIN_S`. True when they came (the job ended well)."""
+        if not self.roster.servers_should_stop() or self.roster.failure is not None:
+            return False
+        async with self._changed:
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait_for(self.roster.done), DRAIN_S)
+        return self.roster.done() and self.roster.failure is None
 
     async def stop(self) -> None:
         """Stop listening. Idempotent: a call while another runs waits for it (which goes on

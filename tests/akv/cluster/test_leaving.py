@@ -26,6 +26,7 @@ import pytest
 
 import akv
 import akv.exits
+from akv.cluster.roles import SIGNAL_STOP
 from akv.cluster.scheduler import service as scheduler_service
 from akv.exits import (
     MAX_REASON_CHARS,
@@ -389,3 +390,26 @@ async def test_the_job_ends_once_the_workers_left_not_at_the_next_heartbeat(monk
         assert not any(kv._backend._heartbeat._thread.is_alive() for kv in stores)
         await wait_until(lambda: all(task.done() for task in cluster._tasks), "the end", 20)
         assert [task.result() for task in cluster._tasks] == [0, 0]  # scheduler, server
+
+
+async def test_a_scheduler_stopped_by_a_signal_once_every_worker_finished_ends_the_job_well():
+    """SIGTERM to the scheduler (a cluster manager tearing the job down) after every worker
+    finished and before the server said goodbye: it waits for the server's goodbye and
+    exits 0. Before, it failed the job ("the scheduler was stopped by a signal")."""
+    with Cluster(2, 1, AKV_HEARTBEAT_INTERVAL_S="60", AKV_HEARTBEAT_TIMEOUT_S="120") as cluster:
+        stores = await cluster.workers()
+        await asyncio.gather(*(kv.init("w", np.zeros(2, np.float32)) for kv in stores))
+        server, loop = cluster.servers[0], cluster.thread.loop
+        heartbeat_wake = server._every_worker_left  # the server's next heartbeat waits
+        server._every_worker_left = asyncio.Event()  # (for it, not for this test)
+        await asyncio.wait_for(asyncio.gather(*(kv.close() for kv in stores)), 20)
+        roster = cluster.scheduler.roster
+        await wait_until(roster.servers_should_stop, "every worker finished")
+        assert not roster.done()  # the server has not said goodbye
+        scheduler_task = cluster._tasks[0]
+        loop.call_soon_threadsafe(scheduler_task.cancel, SIGNAL_STOP)  # as on SIGTERM
+        # Then (the loop runs callbacks in order) the server's heartbeat hears stop.
+        loop.call_soon_threadsafe(heartbeat_wake.set)
+        await wait_until(lambda: all(task.done() for task in cluster._tasks), "the end", 20)
+        assert [task.result() for task in cluster._tasks] == [0, 0]  # scheduler, server
+        assert roster.failure is None
