@@ -104,23 +104,29 @@ class Updater:
         self.optimizer = optimizer
         for index, state in list(self.states.items()):
             weight = weights.get(index)
-            if index in self._unchecked or not isinstance(weight, np.ndarray):
-                continue  # (a loaded state is checked at its next update)
+            if not isinstance(weight, np.ndarray):
+                continue
             expected = optimizer.create_state_multi_precision(index, weight)
-            try:
-                _check_state_fits(index, state, expected, "state")
-            except StateFormatError:
-                self.states[index] = expected
+            if _fits(index, state, expected) or (
+                # A loaded state that fits neither configuration: its next update says so.
+                index in self._unchecked
+                and not _fits(index, state, current.create_state_multi_precision(index, weight))
+            ):
+                continue
+            self.states[index] = expected
+            self._unchecked.discard(index)
         for index, tables in list(self.row_states.items()):
             table = weights.get(index)
-            if index in self._unchecked_rows or not isinstance(table, RowTable):
+            if not isinstance(table, RowTable):
                 continue
-            probe = optimizer.create_state_multi_precision(
-                index, np.zeros((1, *table.row_shape), table.dtype)
-            )
-            made = [(leaf.shape[1:], leaf.dtype) for leaf in _leaves(probe)]
-            if made != [(t.row_shape, t.dtype) for t in tables]:
-                del self.row_states[index]
+            held = [(t.row_shape, t.dtype) for t in tables]
+            made = _row_leaves(optimizer, index, table)
+            if held == made or (
+                index in self._unchecked_rows and held != _row_leaves(current, index, table)
+            ):
+                continue
+            del self.row_states[index]
+            self._unchecked_rows.discard(index)
 
     def update_rows(self, index: Index, table: RowTable, grad: RowSparseArray) -> None:
         """Apply the row-sparse gradient ``grad`` to the rows of ``table`` (a row-sparse
@@ -330,6 +336,24 @@ def _check_state_fits(index: Index, state: State, expected: State, path: str) ->
         raise mismatch(f"expected {_describe(expected)}, got {_describe(state)}")
     for i, (member, expected_member) in enumerate(zip(state, expected, strict=True)):
         _check_state_fits(index, member, expected_member, f"{path}[{i}]")
+
+
+def _fits(index: Index, state: State, expected: State) -> bool:
+    try:
+        _check_state_fits(index, state, expected, "state")
+    except StateFormatError:
+        return False
+    return True
+
+
+def _row_leaves(
+    optimizer: Optimizer, index: Index, table: RowTable
+) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """The row shape and dtype of each array of the state ``optimizer`` makes for a row of
+    ``table``."""
+    probe = np.zeros((1, *table.row_shape), table.dtype)
+    leaves = _leaves(optimizer.create_state_multi_precision(index, probe))
+    return [(leaf.shape[1:], leaf.dtype) for leaf in leaves]
 
 
 def _other_kind(index: Index, saved: str, key: str) -> StateFormatError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from akv.errors import StateFormatError
 from akv.optimizer import NAG, SGD, Signum, get_updater
 
 
@@ -165,3 +166,23 @@ def test_a_new_configuration_keeps_a_state_that_fits_and_remakes_one_that_does_n
     assert weight == pytest.approx([expected] * 2, abs=1e-6)
     assert table.gather(np.array([1, 3])) == pytest.approx(np.full((2, 2), expected), abs=1e-6)
     assert expected == pytest.approx(-0.1 - 0.19 - 0.371 - 0.1 - 0.1 - 0.19)
+
+
+def test_a_new_configuration_remakes_a_loaded_state_of_the_old_one_and_keeps_a_wrong_one():
+    """States loaded for momentum 0.9, then momentum turned off before any update: the
+    loaded momentum goes (it fitted the old configuration). A loaded state that fits
+    neither configuration (another shape) is still refused at its next update."""
+    weight = np.zeros(2, np.float32)
+    saved = get_updater(SGD(learning_rate=0.1, momentum=0.9))
+    saved("w", np.ones(2, np.float32), weight)
+    updater = get_updater(SGD(learning_rate=0.1, momentum=0.9))
+    updater.load_states(saved.dump_states())
+    updater.reconfigure(SGD(learning_rate=0.1, momentum=0.0), {"w": weight})
+    updater("w", np.ones(2, np.float32), weight)
+    assert weight == pytest.approx([-0.2, -0.2]) and updater.states["w"] is None
+    wrong = np.zeros(3, np.float32)  # the states file is of a weight of 2
+    updater = get_updater(SGD(learning_rate=0.1, momentum=0.9))
+    updater.load_states(saved.dump_states())
+    updater.reconfigure(SGD(learning_rate=0.1, momentum=0.0), {"w": wrong})
+    with pytest.raises(StateFormatError, match="does not fit its weight"):
+        updater("w", np.ones(3, np.float32), wrong)
