@@ -346,7 +346,15 @@ class Checkpoints:
         )
         nbytes = await asyncio.to_thread(_write_sized, self.directory, snapshot)
         self.generation = snapshot.generation
-        self.durable_seqs = plan.durable_seqs
+        # A worker found to be of a new job while this checkpoint was written (its first
+        # stream came after the plan) has in the plan its old job's number, restored: its
+        # notes must not say it (its new requests below it would count as durable, and it
+        # would keep no copy of them for a restart). The file keeps it with the old session.
+        self.durable_seqs = {
+            worker: seq
+            for worker, seq in plan.durable_seqs.items()
+            if state.session_of(worker, plan.sessions.get(worker)) == plan.sessions.get(worker)
+        }
         rounds = max((closed for _, closed, _, _ in (*plan.entries, *plan.row_entries)), default=0)
         state.lineage.written(snapshot.generation, rounds)
         self._written_changes = changes

@@ -653,6 +653,10 @@ class ServerState(OptimizerRequests):
             row_entry.durable = True
         return self._init_waits.release(self._held())
 
+    def session_of(self, worker: int, default: str | None = None) -> str | None:
+        """The session of ``worker``'s streams to this process (``default``: none seen yet)."""
+        return self._sessions.get(worker, default)
+
     def take_renumbered(self) -> list[int]:
         """The workers found to be of a new job since the last call (their requests of the
         restored checkpoint's job are no longer theirs: no note may say they are durable)."""

@@ -471,6 +471,35 @@ async def test_a_new_job_from_a_checkpoint_counts_its_pushes_from_the_first(open
     state.validate()
 
 
+async def test_a_worker_of_a_new_job_that_comes_during_a_write_is_not_told_its_old_number(
+    opened, tmp_path
+):
+    """A new job on a directory: worker 0's first request starts a write whose plan still
+    holds worker 1's number of the old job (9), restored; worker 1's stream comes while the
+    file is written. Before, the write's end brought that number back, and worker 1 was
+    told its requests below 9 were durable: it kept no copy of its new job's first eight,
+    and a restart of this server lost them (a review: 2 of 21 pairs of jobs hung or failed
+    with DoublePushError)."""
+    stored_snapshot(tmp_path)
+    state = fresh_state()
+    checkpoints, server = opened(state)
+    checkpoints.restore()
+    first = admit(state, 0, "new-job-0")
+    checkpoints.tell(first)
+    push(state, first, 1, tag=1)
+    server.gate = asyncio.Event()
+    writing = asyncio.ensure_future(checkpoints.write())
+    await wait_until(lambda: server.copies == 1, "the plan taken, its copy held")
+    second = admit(state, 1, "new-job-1")
+    checkpoints.tell(second)
+    server.gate.set()
+    await writing
+    told = {d.peer.worker: d.note.seq for d in server.told(Durable)}
+    assert told.get(1) != 9 and 1 not in checkpoints.durable_seqs, told
+    assert on_disk(tmp_path).durable_seqs[1] == 9  # with the old job's session, as restored
+    assert on_disk(tmp_path).sessions[1] == "session1"
+
+
 async def test_a_checkpoint_without_sessions_renumbers_nobody(opened, tmp_path):
     """Checkpoints written before sessions were kept: every worker is taken as the job's."""
     stored_snapshot(tmp_path, sessions={})
