@@ -316,6 +316,7 @@ def test_a_plain_wheel_carries_every_package_and_py_typed(tmp_path):
     }
 
 
+@pytest.mark.timeout(360)  # the bound is mypy's own 300 s (a cold cache on a loaded machine)
 def test_types_are_checked():
     # No paths: mypy checks the `files` of pyproject's [tool.mypy], at the strictness set there.
     result = subprocess.run(
