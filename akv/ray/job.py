@@ -309,7 +309,7 @@ class RayJob:
                 if decision.action != "stop" and decision.message:
                     self._say(decision.message)
                 if decision.action == "restart":
-                    decision = self._restart(decision)
+                    decision = self._restart(decision, rules)
         except KeyboardInterrupt:
             self._say(rules.interrupted(signal.SIGINT).message)
             raise
@@ -411,12 +411,15 @@ class RayJob:
             self._say(f"Ray could not restart {member.spec.label}'s actor: {exc}")
             self._exits.append((member.index, -signal.SIGKILL))
 
-    def _restart(self, decision: Decision) -> Decision:
+    def _restart(self, decision: Decision, rules: ExitRules) -> Decision:
         """The rules restart a server: end its actor, unless it died already; either way
-        Ray starts it again, and its next poll names the new process."""
+        Ray starts it again, and its next poll names the new process. It runs from now on
+        for the rules (the job's end waits for its exit, as for a restart by akv-launch)."""
         assert decision.index is not None, "a restart decision names its process"
         member = self._members[decision.index]
         member.awaiting_restart = True
+        if member.pid is not None:
+            rules.started(decision.index, member.pid)
         if not member.unavailable:
             member.actor.die.remote()
             member.unavailable = True
