@@ -95,6 +95,9 @@ class ExitRules:
     * When every worker exited 0 the decision is ``drain``: the scheduler and servers get
       ``grace_s`` to stop on their own (:meth:`grace_expired` then says to stop with 0); one
       that fails meanwhile fails the job (it may have lost state it was saving).
+    * Once the scheduler exited 0 (every worker and server had finished: the job ended
+      well), a server's exit fails nothing and is not restarted: a server killed as it
+      stopped, whose restart had no job left to register with, say.
     * A signal to the launcher (:meth:`interrupted`) stops the job with 128+N.
 
     Parameters
@@ -125,6 +128,8 @@ class ExitRules:
         self._restarts: dict[int, int] = {}
         self._draining = False
         self._failed_first: int | None = None
+        #: The scheduler exited 0: every worker and server had finished (their data is final).
+        self._ended_well = False
 
     @property
     def running(self) -> frozenset[int]:
@@ -174,6 +179,14 @@ class ExitRules:
             return Decision(
                 "stop", self._failure.exit_code, f"{who} exited with {status}; stopping the job"
             )
+        if spec.role == "scheduler" and not failed:
+            self._ended_well = True
+        elif spec.role == "server" and self._ended_well and failed:
+            # (Killed as it stopped and restarted, say: it has no job to register with.)
+            what = f"{who} exited with {status} after the job ended well"
+            if self._draining and not self._running:
+                return Decision("stop", 0, f"{what}; every process finished")
+            return Decision("continue", 0, what)
         if spec.role == "worker":
             if failed:
                 self._failed_first = index

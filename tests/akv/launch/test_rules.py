@@ -286,3 +286,21 @@ def test_without_a_verdict_naming_a_process_the_culprit_is_the_first_that_failed
     rules.exited(3, 1)
     assert rules.culprit(None) == 2
     assert rules.culprit("the scheduler was stopped by a signal (SIGTERM or Ctrl-C)") == 2
+
+
+def test_once_the_scheduler_ended_well_a_servers_exit_fails_nothing():
+    """Server 0 is killed just after its goodbye, while worker 0's process still runs: it is
+    restarted, the scheduler then exits 0 (the job ended well), and the restart, with no
+    job to register with, exits 1. Before, that failed the job (exit 1)."""
+    rules = ExitRules(_specs(), grace_s=15, max_restarts=1)
+    for index, pid in enumerate([100, 101, 102, 103]):
+        rules.started(index, pid)
+    assert rules.exited(3, 0).action == "continue"  # worker 1
+    assert rules.exited(1, -signal.SIGKILL).action == "restart"
+    rules.started(1, 201)
+    assert rules.exited(0, 0).action == "continue"  # the scheduler: the job ended well
+    late = rules.exited(1, 1)
+    assert (late.action, late.exit_code) == ("continue", 0)
+    assert "exited with code 1 after the job ended well" in late.message
+    final = rules.exited(2, 0)  # worker 0, the last process
+    assert (final.action, final.exit_code) == ("stop", 0), final
