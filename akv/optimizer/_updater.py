@@ -97,11 +97,12 @@ class Updater:
         still fits: a state the new configuration makes otherwise (momentum turned on or
         off, say), made for the index's weight in ``weights`` (a row-sparse key's rows: its
         table), is made anew, as for a new index (at once for a dense key; at its next
-        update for a row-sparse one)."""
+        update for a row-sparse one), and its update count starts again (Adam's bias
+        correction with it); :attr:`Optimizer.num_update` goes on."""
         current = self.optimizer
-        optimizer.restore_update_counts(current.index_update_counts, current.num_update)
         optimizer.restore_shared_state(current.shared_state())
         self.optimizer = optimizer
+        remade: set[Index] = set()
         for index, state in list(self.states.items()):
             weight = weights.get(index)
             if not isinstance(weight, np.ndarray):
@@ -115,6 +116,7 @@ class Updater:
                 continue
             self.states[index] = expected
             self._unchecked.discard(index)
+            remade.add(index)
         for index, tables in list(self.row_states.items()):
             table = weights.get(index)
             if not isinstance(table, RowTable):
@@ -127,6 +129,10 @@ class Updater:
                 continue
             del self.row_states[index]
             self._unchecked_rows.discard(index)
+            remade.add(index)
+        counts = current.index_update_counts
+        kept = {index: count for index, count in counts.items() if index not in remade}
+        optimizer.restore_update_counts(kept, current.num_update)
 
     def update_rows(self, index: Index, table: RowTable, grad: RowSparseArray) -> None:
         """Apply the row-sparse gradient ``grad`` to the rows of ``table`` (a row-sparse
