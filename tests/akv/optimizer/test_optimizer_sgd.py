@@ -198,8 +198,9 @@ def test_a_remade_state_counts_its_updates_from_the_first_again():
     weight = np.linspace(-1, 1, 6).astype(np.float16)
     grad = np.linspace(0.5, -0.5, 6).astype(np.float16)
     updater = get_updater(Adam(learning_rate=0.1))
-    for _ in range(3):
-        updater("w", grad, weight)
+    with pytest.warns(UserWarning, match="consider multi_precision=True"):
+        for _ in range(3):
+            updater("w", grad, weight)
     assert updater.optimizer.num_update == 3
     fresh_weight = weight.copy()
     updater.reconfigure(Adam(learning_rate=0.1, multi_precision=True), {"w": weight})
