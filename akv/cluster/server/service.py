@@ -256,6 +256,8 @@ class ParameterServer:
             if self.checkpoints is not None:  # a failed job too: a new one starts from it
                 await self.checkpoints.final()
         except asyncio.CancelledError as exc:
+            for task in background:  # (no interval checkpoint competes with the final one)
+                task.cancel()
             if not (stopped_by_signal(exc) and await self._stopped_by_signal()):
                 raise
             ok = True  # a signal once every worker finished fails nothing
@@ -277,11 +279,12 @@ class ParameterServer:
         checkpoint is written (when this server writes them). True when the job had ended
         well (the scheduler says stop); else it is told, and the job fails naming this
         server and why (or, one that writes checkpoints, waits for its restart)."""
-        ended = self.state.failure is None and await self.membership.job_ended(DRAIN_S)
         with contextlib.suppress(asyncio.TimeoutError, TransportError, AKVError):
             await asyncio.wait_for(self.engine.wait_all(), DRAIN_S)
         if self.checkpoints is not None:
             await self.checkpoints.final()
+        ended = self.state.failure is None and await self.membership.job_ended(DRAIN_S)
+        if self.checkpoints is not None:
             self._awaits_restart = not ended  # no goodbye: the scheduler waits for its restart
         if ended or self.checkpoints is not None:
             return ended
