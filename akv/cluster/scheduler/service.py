@@ -217,9 +217,7 @@ class Scheduler:
         get :data:`DRAIN_S`. True when they came (the job ended well)."""
         if not self.roster.servers_should_stop() or self.roster.failure is not None:
             return False
-        async with self._changed:
-            with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait_for(self.roster.done), DRAIN_S)
+        await self._wait_for(self.roster.done, DRAIN_S)
         return self.roster.done() and self.roster.failure is None
 
     async def stop(self) -> None:
@@ -384,12 +382,15 @@ class Scheduler:
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), SCHEDULER_CHECK_INTERVAL_S)
 
-    async def _wait_for(self, settled: Callable[[], bool]) -> None:
-        """Wait until ``settled()`` or ``SCHEDULER_POLL_S`` passed (the caller answers
-        "still waiting" then, and the node asks again)."""
+    async def _wait_for(
+        self, settled: Callable[[], bool], timeout_s: float = SCHEDULER_POLL_S
+    ) -> None:
+        """Wait until ``settled()`` or ``timeout_s`` passed (by default
+        ``SCHEDULER_POLL_S``: the caller answers "still waiting" then, and the node asks
+        again)."""
         async with self._changed:
             with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait_for(settled), SCHEDULER_POLL_S)
+                await asyncio.wait_for(self._changed.wait_for(settled), timeout_s)
 
 
 def _addresses(servers: Sequence[ServerAddress]) -> list[dict[str, Any]]:
