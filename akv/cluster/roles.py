@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import functools
 import logging
 import os
 import re
@@ -478,14 +476,10 @@ def serve_role(
         for signo in handled:
             loop.remove_signal_handler(signo)
             if status is not None:
-                # The role ended and its process exits: a signal now (a job torn down as it
-                # ends) ends the exit at once, with the role's status, not as killed by it.
-                signal.signal(signo, functools.partial(_exit_now, status))
+                # The role ended and its process exits: a signal from now on (a job torn
+                # down as it ends) is ignored, so that the process exits with the role's
+                # status, not killed by it. (Python's exit resets a signal handled by a
+                # function to the default, which kills: a CI run saw that; it keeps an
+                # ignored one ignored.)
+                signal.signal(signo, signal.SIG_IGN)
         loop.close()
-
-
-def _exit_now(status: int, signo: int, frame: object) -> NoReturn:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(status)
