@@ -55,8 +55,8 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def serve(port: int) -> None:
-    listener = socket.create_server(("127.0.0.1", port))
+def serve(listener_fd: int) -> None:
+    listener = socket.socket(fileno=listener_fd)
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buffer = bytearray(8)
@@ -74,11 +74,11 @@ def serve(port: int) -> None:
         conn.sendall(view)
 
 
-def serve_round(port: int) -> None:
+def serve_round(listener_fd: int) -> None:
     """Serve sync rounds to two clients until one leaves: each round, a thread per client
     reads its N bytes of float32, the two threads add half of the sum each, and each sends
     the sum to its client."""
-    listener = socket.create_server(("127.0.0.1", port), backlog=2)
+    listener = socket.socket(fileno=listener_fd)
     conns = [listener.accept()[0] for _ in range(2)]
     received: list[np.ndarray] = [np.empty(0, np.float32), np.empty(0, np.float32)]
     total = [np.empty(0, np.float32)]
@@ -135,12 +135,6 @@ def _connect(port: int, server: subprocess.Popen[bytes] | None = None) -> socket
     return sock
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _end(process: subprocess.Popen[bytes]) -> None:
     try:
         process.wait(5)
@@ -156,10 +150,14 @@ class RawEcho:
     _SERVER: tuple[str, ...] = ()
 
     def __init__(self) -> None:
-        port = _free_port()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "akv.bench._raw", *self._SERVER, str(port)]
-        )
+        # The server process inherits a listening socket: a port it would bind itself
+        # could be taken meanwhile by another process's outgoing connection.
+        with socket.create_server(("127.0.0.1", 0), backlog=2) as listener:
+            port = listener.getsockname()[1]
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "akv.bench._raw", *self._SERVER, str(listener.fileno())],
+                pass_fds=(listener.fileno(),),
+            )
         self._started(port)
         try:
             self.sock = _connect(port, self.process)

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -24,10 +25,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
+from aiohttp import web
+
 from akv.cluster import config as _config
 from akv.errors import ConfigError
 from akv_engine import new_event_loop
-from akv_transport import HttpClient, client_ssl_context, server_ssl_context
+from akv_transport import HttpClient, client_ssl_context, serve, server_ssl_context
 
 __all__ = [
     "ROLE_FLAGS",
@@ -36,6 +39,7 @@ __all__ = [
     "config_from_args",
     "default_worker_logging",
     "flag_hint",
+    "listen",
     "listener_bounds",
     "role_parser",
     "run_role",
@@ -78,6 +82,38 @@ def listener_bounds(config: _config.Config) -> dict[str, Any]:
         "max_strangers_per_peer": config.max_strangers_per_peer,
         "max_strangers": config.max_strangers,
     }
+
+
+async def listen(
+    app: web.Application,
+    config: _config.Config,
+    host: str,
+    port: int,
+    *,
+    setting: str,
+    advice: str,
+    sock: socket.socket | None = None,
+) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``host:port`` (or the inherited ``sock``) with this process's TLS and
+    :func:`listener_bounds`; return its runner and the bound port.
+
+    Raises
+    ------
+    ConfigError
+        The address cannot be bound (the port taken by another process, or the host not
+        this machine's), naming ``setting``, the address and the system's reason, then
+        ``advice``.
+    """
+    try:
+        return await serve(
+            app, host, port, ssl_context=server_ssl(config), sock=sock, **listener_bounds(config)
+        )
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(
+            f"{setting}={port}: cannot listen on {_config.format_address(host, port)}: "
+            f"{reason}; {advice}"
+        ) from exc
 
 
 def scheduler_client(
@@ -441,8 +477,9 @@ def serve_role(
     role: str, config: _config.Config, serve: Callable[[_config.Config], Awaitable[int]]
 ) -> int:
     """Run ``serve(config)`` on a new event loop with ``role``'s logging set up; return its
-    exit status. (:func:`run_role` after the flags; also what ``akv.create`` runs in a
-    process whose role is server or scheduler.)"""
+    exit status, or :data:`CONFIG_ERROR_EXIT` (with one line on stderr) when it cannot start
+    as configured (a port it cannot listen on). (:func:`run_role` after the flags; also what
+    ``akv.create`` runs in a process whose role is server or scheduler.)"""
     setup_logging(f"akv-{role}", config.log_level)
     loop = new_event_loop()
     task = asyncio.ensure_future(serve(config), loop=loop)
@@ -467,6 +504,10 @@ def serve_role(
     status: int | None = None
     try:
         status = loop.run_until_complete(task)
+        return status
+    except ConfigError as exc:  # found as it starts: a port it cannot listen on
+        print(f"akv-{role}: {exc}", file=sys.stderr)
+        status = CONFIG_ERROR_EXIT
         return status
     except asyncio.CancelledError:
         if not received:

@@ -61,7 +61,7 @@ from akv.cluster import config as _config
 from akv.cluster.health import scheduler_readiness
 from akv.cluster.metrics import ProcessMetrics, observe
 from akv.cluster.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
-from akv.cluster.roles import listener_bounds, run_role, server_ssl, stopped_by_signal
+from akv.cluster.roles import listen, run_role, stopped_by_signal
 from akv.cluster.scheduler.metrics import roster_figures
 from akv.cluster.scheduler.roster import Roster, ServerAddress
 from akv.cluster.scheduler.status import Reports, job_status, parse_report
@@ -74,7 +74,7 @@ from akv.limits import (
     SCHEDULER_POLL_S,
     STARTUP_MARGIN_S,
 )
-from akv_transport import RequestError, create_app, parse_json, serve
+from akv_transport import RequestError, create_app, parse_json
 
 __all__ = ["Scheduler", "main", "run_scheduler"]
 
@@ -133,13 +133,14 @@ class Scheduler:
         sock = None
         if config.scheduler_fd is not None:
             sock = socket.socket(fileno=config.scheduler_fd)
-        self._runner, self.port = await serve(
+        self._runner, self.port = await listen(
             self.app(),
+            config,
             config.scheduler_host,
             config.scheduler_port,
-            ssl_context=server_ssl(config),
+            setting="AKV_SCHEDULER_PORT",
+            advice="pick a free port, on an address of this machine",
             sock=sock,
-            **listener_bounds(config),
         )
         log.info(
             "akv-scheduler listening on %s:%d for %d workers and %d servers",

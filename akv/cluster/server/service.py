@@ -49,7 +49,7 @@ from akv.cluster.protocol import (
     parse_staleness,
     status_of,
 )
-from akv.cluster.roles import listener_bounds, server_ssl, stopped_by_signal
+from akv.cluster.roles import listen, stopped_by_signal
 from akv.cluster.server.buffers import Landing
 from akv.cluster.server.checkpointing import (
     Checkpoints,
@@ -113,7 +113,6 @@ from akv_transport import (
     encode_frame,
     frame_bytes,
     remove_leftovers,
-    serve,
     serve_local,
     stream_route,
 )
@@ -200,12 +199,13 @@ class ParameterServer:
         address); return the bound port."""
         self._loop_thread = threading.get_ident()
         config = self.config
-        self._runner, self.port = await serve(
+        self._runner, self.port = await listen(
             self.app(),
+            config,
             config.host,
             config.port,
-            ssl_context=server_ssl(config),
-            **listener_bounds(config),
+            setting="AKV_PORT",
+            advice="give each server of a host its own port (or 0 for any free one)",
         )
         self.advertised = config.advertised(self.port)
         if config.shm:

@@ -34,12 +34,11 @@ from akv.cluster.metrics import (
     shared_memory_families,
 )
 from akv.cluster.protocol import COUNTED
-from akv.cluster.roles import listener_bounds, server_ssl
+from akv.cluster.roles import listen
 from akv.cluster.worker.instructions import Send
 from akv.cluster.worker.requests import RequestTable
-from akv.errors import ConfigError
 from akv_engine import Engine
-from akv_transport import Message, create_app, serve
+from akv_transport import Message, create_app
 
 if TYPE_CHECKING:
     from akv.cluster.worker.backend import DistBackend
@@ -118,20 +117,14 @@ class WorkerMetrics:
         assert config.metrics_port is not None  # the backend starts it only then
         app = create_app(config.token, max_body_bytes=config.max_body_bytes)
         observe(app, self.process, self.readiness)
-        try:
-            self._runner, self.port = await serve(
-                app,
-                config.host,
-                config.metrics_port,
-                ssl_context=server_ssl(config),
-                **listener_bounds(config),
-            )
-        except OSError as exc:
-            address = format_address(config.host, config.metrics_port)
-            raise ConfigError(
-                f"AKV_METRICS_PORT={config.metrics_port}: cannot listen on {address}: {exc}; "
-                "give each worker of a host its own port (or 0 for any free one)"
-            ) from exc
+        self._runner, self.port = await listen(
+            app,
+            config,
+            config.host,
+            config.metrics_port,
+            setting="AKV_METRICS_PORT",
+            advice="give each worker of a host its own port (or 0 for any free one)",
+        )
         log.info(
             "worker metrics on http%s://%s/metrics",
             "s" if config.tls else "",

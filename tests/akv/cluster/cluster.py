@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import secrets
 import signal
 import socket
@@ -39,10 +40,40 @@ FAST_TIMEOUTS = {
 }
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for ``bind(0)`` and outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free on 127.0.0.1 now, for a process started later to listen on.
+
+    It is drawn at random outside the kernel's ephemeral range. A port from that range
+    (what ``bind(0)`` gives) may be taken, between this check and that process's bind, as
+    the source port of any outgoing connection of the tests running beside it, and the
+    process could not listen. Never the same port twice in one test process."""
+    low, high = _ephemeral_range()
+    candidates = range(10_000, low) if low - 10_000 >= 1_000 else range(high + 1, 65_536)
+    draw = random.SystemRandom()
+    for _ in range(1_000):
+        port = draw.choice(candidates)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {candidates} after 1,000 draws")
 
 
 def job_env(num_workers: int, num_servers: int, port: int, **extra: str) -> dict[str, str]:

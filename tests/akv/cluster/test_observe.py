@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,20 @@ async def test_a_server_is_ready_once_registered_with_the_scheduler():
         await asyncio.gather(starting, return_exceptions=True)
         await server.stop()
         await scheduler.stop()
+
+
+async def test_a_worker_whose_metrics_port_another_process_holds_is_a_config_error_naming_it():
+    with Cluster(1, 1) as cluster, socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {**cluster.worker_env(0), "AKV_METRICS_PORT": str(port)}
+        with pytest.raises(akv.ConfigError) as info:
+            await asyncio.wait_for(akv.create_async("dist_sync", environ=env), WAIT_S)
+    message = str(info.value)
+    assert message.startswith(f"AKV_METRICS_PORT={port}: cannot listen on 127.0.0.1:{port}: ")
+    assert "address already in use" in message
+    assert message.endswith("; give each worker of a host its own port (or 0 for any free one)")
 
 
 async def test_a_worker_serves_metrics_and_probes_on_akv_metrics_port():

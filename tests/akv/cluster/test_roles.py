@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -354,6 +355,36 @@ def test_akv_server_bound_to_a_wildcard_without_advertise_exits_2_with_one_line(
     )
     assert done.stderr.endswith("; or pass --advertise\n")
     assert done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("role", "flags", "setting", "exit_code"),
+    [
+        ("scheduler", ["--scheduler-port", "{port}"], "AKV_SCHEDULER_PORT", 2),
+        ("server", ["--port", "{port}"], "AKV_PORT", 1),  # akv-launch may restart it
+    ],
+)
+def test_a_port_another_process_holds_is_one_line_naming_it_not_a_traceback(
+    role, flags, setting, exit_code
+):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = clean_env(**{**JOB, "PYTHONPATH": str(ROOT), "AKV_CONNECT_TIMEOUT_S": "5"})
+        done = subprocess.run(
+            [sys.executable, "-m", f"akv.cluster.{role}", *(f.format(port=port) for f in flags)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=60,
+        )
+    assert done.returncode == exit_code, done.stderr
+    assert f"{setting}={port}: cannot listen on 127.0.0.1:{port}: " in done.stderr
+    assert "address already in use" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
 
 
 def test_a_signal_after_the_role_ended_is_ignored_and_it_exits_with_the_roles_status():
