@@ -97,7 +97,8 @@ class ExitRules:
       that fails meanwhile fails the job (it may have lost state it was saving).
     * Once the scheduler exited 0 (every worker and server had finished: the job ended
       well), a server's exit fails nothing and is not restarted: a server killed as it
-      stopped, whose restart had no job left to register with, say.
+      stopped, whose restart had no job left to register with, say. When every worker
+      exited too and such a restart still runs, the decision is ``stop`` with 0 at once.
     * A signal to the launcher (:meth:`interrupted`) stops the job with 128+N.
 
     Parameters
@@ -181,6 +182,16 @@ class ExitRules:
             )
         if spec.role == "scheduler" and not failed:
             self._ended_well = True
+            restarted = [self._specs[i].label for i in sorted(self._running) if i in self._restarts]
+            if self._draining and restarted:
+                # (A server restarted as the job ended: it has no job left to register
+                # with, and would wait out its connect timeout or the grace.)
+                return Decision(
+                    "stop",
+                    0,
+                    f"{who} exited with {status}: the job ended well; stopping "
+                    f"{', '.join(restarted)}, restarted at its end",
+                )
         elif spec.role == "server" and self._ended_well and failed:
             # (Killed as it stopped and restarted, say: it has no job to register with.)
             what = f"{who} exited with {status} after the job ended well"

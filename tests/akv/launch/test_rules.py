@@ -304,3 +304,32 @@ def test_once_the_scheduler_ended_well_a_servers_exit_fails_nothing():
     assert "exited with code 1 after the job ended well" in late.message
     final = rules.exited(2, 0)  # worker 0, the last process
     assert (final.action, final.exit_code) == ("stop", 0), final
+
+
+def test_a_server_restarted_at_the_end_is_stopped_once_the_scheduler_and_workers_ended_well():
+    """Server 0 is killed just after its goodbye, while worker 0's process still runs: it is
+    restarted; worker 0 then exits, and the scheduler exits 0. The restart has no job to
+    register with: the job stops at once with 0, not after its connect timeout or the
+    grace."""
+    rules = ExitRules(_specs(), grace_s=15, max_restarts=1)
+    for index, pid in enumerate([100, 101, 102, 103]):
+        rules.started(index, pid)
+    assert rules.exited(3, 0).action == "continue"  # worker 1
+    assert rules.exited(1, -signal.SIGKILL).action == "restart"
+    rules.started(1, 201)
+    assert rules.exited(2, 0).action == "drain"  # worker 0: the scheduler and server 0 left
+    ended = rules.exited(0, 0)  # the scheduler: the job ended well
+    assert (ended.action, ended.exit_code) == ("stop", 0), ended
+    assert ended.message.endswith("the job ended well; stopping server 0, restarted at its end")
+
+
+def test_the_scheduler_ending_well_stops_nothing_that_was_not_restarted():
+    """Without a restart, the servers still running when the scheduler exits 0 finish their
+    own stop (the drain goes on)."""
+    rules = ExitRules(_specs(), grace_s=15, max_restarts=1)
+    for index, pid in enumerate([100, 101, 102, 103]):
+        rules.started(index, pid)
+    assert rules.exited(3, 0).action == "continue"
+    assert rules.exited(2, 0).action == "drain"
+    assert rules.exited(0, 0).action == "continue"
+    assert rules.exited(1, 0).action == "stop"
