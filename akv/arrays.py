@@ -68,6 +68,7 @@ Array = Any
 _DLPACK_CUDA = (2, 13)
 
 _REFUSED = (list, tuple, dict, str, bytes, int, float, complex, bool)
+_NUMBERS = (int, float, complex, bool)
 
 
 def cupy_module() -> Any:
@@ -128,6 +129,22 @@ def bfloat16(key: object, what: str) -> np.dtype:
         ) from exc
     bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
     return bfloat16
+
+
+def check_numeric(dtype: np.dtype, key: object, what: str) -> None:
+    """Refuse a dtype no store can sum or update (strings, objects, dates, records), in
+    every store alike (a distributed one could not send it either).
+
+    Raises
+    ------
+    UnsupportedDTypeError
+    """
+    if dtype.kind in "biufc" or dtype.name == "bfloat16":
+        return
+    raise UnsupportedDTypeError(
+        f"{what} for key {key!r}: dtype {dtype} is not a number type, which a store sums "
+        "and updates; convert the value to one first"
+    )
 
 
 def is_cupy(value: object) -> bool:
@@ -352,6 +369,12 @@ def read(value: object, key: object, what: str) -> tuple[Array, Origin]:
         return value, NUMPY
     if isinstance(value, np.ndarray):
         return np.asarray(value), NUMPY
+    if isinstance(value, _NUMBERS):
+        raise InvalidArgumentError(
+            f"{what} for key {key!r}: expected an array, got {type(value).__name__} "
+            f"{value!r}; a list given for one key holds its arrays (one per device, summed), "
+            "not the numbers of one array: pass np.asarray(...) of them"
+        )
     if isinstance(value, _REFUSED) or value is None:
         raise InvalidArgumentError(
             f"{what} for key {key!r}: expected an array, got {type(value).__name__}"

@@ -19,7 +19,7 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key, check_priority, group, normalize_key, pairs
-from akv.arrays import Array, Origin, finisher, is_gpu, read, to_host, write_view
+from akv.arrays import Array, Origin, check_numeric, finisher, is_gpu, read, to_host, write_view
 from akv.backend import Backend, KeyArrays, Updater
 from akv.blocking import KVStore, not_copyable, shallow_copy
 from akv.cluster.config import Config
@@ -184,6 +184,7 @@ class AsyncKVStore:
                 )
             check_dense(values[0], f"init key {k!r}")
             array, origins[k] = read(values[0], k, "init value")
+            check_numeric(array.dtype, k, "init value")
             items.append((k, self._placed(array)))
         backend = self._backend
 

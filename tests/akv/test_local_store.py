@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import pickle
+import re
 import threading
 
 import numpy as np
@@ -21,6 +22,7 @@ from akv import (
     ReentrantCallError,
     ShapeMismatchError,
     UnknownStoreTypeError,
+    UnsupportedDTypeError,
 )
 
 SHAPE = (2, 3)
@@ -279,6 +281,36 @@ def test_bad_arguments_are_typed_errors(kv):
         kv.init(2, [ones(), ones()])
     with pytest.raises(InvalidArgumentError, match="empty list"):
         kv.push(1, [])
+
+
+def test_a_list_of_numbers_for_one_key_says_a_list_holds_arrays(kv):
+    kv.init(1, ones(4))
+    with pytest.raises(InvalidArgumentError, match=r"got float 1\.0; a list given for one key"):
+        kv.push(1, [1.0, 2.0, 3.0, 4.0])
+    np.testing.assert_array_equal(kv.pull(1), ones(4))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.array(["ab", "cd"]),
+        np.array([object(), object()]),
+        np.array(["2020-01-01", "2020-01-02"], dtype="datetime64[D]"),
+        np.zeros(2, dtype=[("a", "f4")]),
+    ],
+    ids=["str", "object", "datetime", "record"],
+)
+def test_a_value_that_is_not_numbers_is_refused_at_init_as_every_store_refuses_it(kv, value):
+    """A local store summed strings by keeping the last one; a distributed store could not
+    send them: every store refuses them at init, and the key stays free."""
+    with pytest.raises(
+        UnsupportedDTypeError,
+        match=rf"key 'u': dtype {re.escape(str(value.dtype))} is not a number type",
+    ):
+        kv.init("u", value)
+    assert kv.keys() == []
+    kv.init("u", np.zeros(2, bool))  # booleans, integers and complex numbers are numbers
+    kv.init("v", np.zeros(2, np.complex64))
 
 
 def test_numpy_integer_keys_are_ints(kv):
