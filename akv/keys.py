@@ -214,6 +214,8 @@ class KeyTable:
     def __init__(self) -> None:
         self.kind: type | None = None
         self._entries: dict[Key, Entry] = {}
+        #: Why the last init of a key that is not initialized now was refused.
+        self._refused: dict[Key, str] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -241,14 +243,24 @@ class KeyTable:
         if entry is not None:
             return entry
         check_one_kind([key], self.kind)
+        refused = self._refused.get(key)
+        if refused is not None:
+            raise KeyNotInitializedError(
+                f"{what} key {key!r}: the key is not initialized in this store, whose init "
+                f"of it was refused ({refused}); init it again with a value that fits",
+                key=key,
+            )
         raise KeyNotInitializedError(
             f"{what} key {key!r}: the key was never initialized (call init first)", key=key
         )
 
-    def add(self, items: list[tuple[Key, V]], make_entry: Callable[[Key, V], Entry]) -> list[Entry]:
+    def add(
+        self, items: list[tuple[Key, V]], make_entry: Callable[[Key, V], Entry], what: str
+    ) -> list[Entry]:
         """Register new keys atomically: all of them, or (on any error) none.
 
-        ``make_entry(key, value)`` makes each key's entry (the backend's kind of entry).
+        ``make_entry(key, value)`` makes each key's entry (the backend's kind of entry);
+        ``what``: the call (init, broadcast), which the errors name.
 
         Raises
         ------
@@ -265,7 +277,7 @@ class KeyTable:
                     held = None
                 if held is not None or key in seen:
                     raise DuplicateInitError(
-                        f"init key {key!r}: the key is already initialized (init and "
+                        f"{what} key {key!r}: the key is already initialized (init and "
                         "broadcast may be called once per key)",
                         key=key,
                     )
@@ -273,18 +285,21 @@ class KeyTable:
             entries = [make_entry(key, array) for key, array in items]
             for entry in entries:
                 self._entries[entry.key] = entry
+                self._refused.pop(entry.key, None)
             self.kind = kind
         return entries
 
-    def discard(self, entries: list[Entry]) -> None:
-        """Forget the keys of ``entries`` (an ``init`` that failed: the key may be
-        initialized again), each only while it is still that entry; a table left empty
-        takes keys of either kind again. (Run once the init's waiters are woken: an
-        ``add`` meanwhile already takes a key whose init failed as free.)"""
+    def discard(self, entries: list[Entry], reason: str) -> None:
+        """Forget the keys of ``entries`` (an ``init`` that failed for ``reason``: the key
+        may be initialized again, and a call of it until then says why it is not), each only
+        while it is still that entry; a table left empty takes keys of either kind again.
+        (Run once the init's waiters are woken: an ``add`` meanwhile already takes a key
+        whose init failed as free.)"""
         with self._lock:
             for entry in entries:
                 if self._entries.get(entry.key) is entry:
                     del self._entries[entry.key]
+                    self._refused[entry.key] = reason
             if not self._entries:
                 self.kind = None
 

@@ -175,16 +175,20 @@ class AsyncKVStore:
         self._check_usable()
         if sparse_call(key, value, "init"):
             return self._init_rows(key, value)
+        return self._init_dense(key, value, "init")
+
+    def _init_dense(self, key: Key | list[Key], value: Any, what: str) -> Waitable:
+        """``init`` of dense keys (``what``: the call, which the errors name)."""
         items = []
         origins: dict[Key, Origin] = {}
-        for k, values in pairs(key, value, "init"):
+        for k, values in pairs(key, value, what):
             if len(values) != 1:
                 raise InvalidArgumentError(
-                    f"init key {k!r}: takes one value per key, got {len(values)}"
+                    f"{what} key {k!r}: takes one value per key, got {len(values)}"
                 )
-            check_dense(values[0], f"init key {k!r}")
-            array, origins[k] = read(values[0], k, "init value")
-            check_numeric(array.dtype, k, "init value")
+            check_dense(values[0], f"{what} key {k!r}")
+            array, origins[k] = read(values[0], k, f"{what} value")
+            check_numeric(array.dtype, k, f"{what} value")
             items.append((k, self._placed(array)))
         backend = self._backend
 
@@ -193,7 +197,7 @@ class AsyncKVStore:
             entry.origin = origins[k]
             return entry
 
-        entries = self._keys.add(items, new_entry)
+        entries = self._keys.add(items, new_entry, what)
         arrays = [array for _, array in items]
         return self._forget_if_refused(entries, self._backend.init(entries, arrays))
 
@@ -205,7 +209,7 @@ class AsyncKVStore:
         def new_entry(k: Key, rows: RowSparseArray) -> Entry:
             return backend.new_row_entry(k, rows.shape, rows.dtype)
 
-        entries = self._keys.add(items, new_entry)
+        entries = self._keys.add(items, new_entry, "init")
         return self._forget_if_refused(
             entries, backend.init_rows(entries, [rows for _, rows in items])
         )
@@ -216,8 +220,9 @@ class AsyncKVStore:
         may be initialized again, and no later call takes the refused shape for theirs."""
 
         def forget(done: Waitable) -> None:
-            if done.failed():
-                self._keys.discard(entries)
+            error = done.exception()
+            if error is not None:
+                self._keys.discard(entries, f"{type(error).__name__}: {error}")
             for entry in entries:
                 entry.init = None  # the task holds its arguments (the init's copies)
 
@@ -408,7 +413,8 @@ class AsyncKVStore:
                 f"broadcast key {key!r}: the value is row-sparse; init the key, then read its "
                 "rows with row_sparse_pull(key, row_ids=...)"
             )
-        self.init(key, value)
+        self._check_usable()
+        self._init_dense(key, value, "broadcast")
         return self.pull(key, out, priority)
 
     def is_capable(self, capability: str) -> bool:

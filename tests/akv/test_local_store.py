@@ -127,8 +127,10 @@ def test_broadcast_initializes_and_pulls_once_per_key(kv):
     out = np.zeros(SHAPE, np.float32)
     kv.broadcast("w", ones(5), out=out)
     np.testing.assert_array_equal(out, ones(5))
-    with pytest.raises(DuplicateInitError, match="'w'"):
+    with pytest.raises(DuplicateInitError, match=r"^broadcast key 'w': the key is already"):
         kv.broadcast("w", ones(6), out=out)
+    with pytest.raises(UnsupportedDTypeError, match=r"^broadcast value for key 's': dtype <U1"):
+        kv.broadcast("s", np.array(["a"]), out=out)
     np.testing.assert_array_equal(kv.pull("w"), ones(5))
 
 
@@ -832,12 +834,12 @@ def test_a_key_whose_init_failed_is_free_before_its_failure_is_seen_to():
         return Entry(key, (2,), np.dtype(np.float32), Var(None, 0, str(key)))
 
     table = KeyTable()
-    (first,) = table.add([("k", None)], make)
+    (first,) = table.add([("k", None)], make, "init")
     first.init = Outcome(failed=False)  # still running, or done well
     with pytest.raises(DuplicateInitError):
-        table.add([("k", None)], make)
+        table.add([("k", None)], make, "init")
     first.init = Outcome(failed=True)  # failed; discard() not run yet
-    (second,) = table.add([("k", None)], make)
+    (second,) = table.add([("k", None)], make, "init")
     assert second is not first and table.keys() == ["k"]
-    table.discard([first])  # the late discard of the failed one leaves the new entry
+    table.discard([first], "refused")  # the late discard of the failed one leaves the new entry
     assert table.keys() == ["k"] and table.get("k", "pull") is second

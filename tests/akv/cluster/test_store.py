@@ -655,6 +655,13 @@ async def test_workers_whose_init_shapes_differ_get_an_error():
         # The refused key is not kept with the refused shape: a retry with the right one
         # works, and the rows of a refused row-sparse init are not taken for the key's.
         assert second.keys() == []
+        # Until then, a call of the key says why it is not initialized.
+        with pytest.raises(KeyNotInitializedError) as info:
+            await second.pull(0)
+        assert str(info.value).startswith(
+            "pull from key 0: the key is not initialized in this store, whose init of it was "
+            "refused (ShapeMismatchError: init key 0 on worker 1: shape (5,)"
+        ), info.value
         await second.init(0, full(7.0))
         assert second.keys() == [0]
         np.testing.assert_array_equal(await second.pull(0), full(0.0))
