@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import ssl
 from collections.abc import Mapping
@@ -113,7 +114,7 @@ class HttpClient:
                     status = response.status
             except (aiohttp.ClientConnectionError, aiohttp.ClientOSError) as exc:
                 if attempt == self._retries:
-                    raise TransportError(f"{method} {url} failed: {exc!r}") from exc
+                    raise TransportError(f"{method} {url} failed: {_reason(exc)}") from exc
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, RETRY_BACKOFF_MAX_S)
                 continue
@@ -154,3 +155,15 @@ def _message(payload: bytes) -> str:
     except ValueError:
         pass
     return payload.decode("utf-8", "replace")[:500]
+
+
+def _reason(exc: aiohttp.ClientError) -> str:
+    """Why a connection failed, in the system's words where it gave some ("connection
+    refused"), not aiohttp's internal repr."""
+    os_error = getattr(exc, "os_error", None)
+    if isinstance(os_error, OSError):
+        if os_error.errno is not None and os_error.errno > 0:
+            return os.strerror(os_error.errno).lower()
+        if os_error.strerror:
+            return os_error.strerror.lower()
+    return str(exc) or type(exc).__name__

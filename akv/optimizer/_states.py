@@ -364,7 +364,11 @@ def _decode(source: BinaryIO, row_tables: bool) -> SavedStates:
     try:
         archive = zipfile.ZipFile(source)
     except _ZIP_ERRORS as exc:
-        raise StateFormatError(f"optimizer states are not an akv state archive: {exc}") from exc
+        # (A file too short for a zip file fails zipfile's seek before its start: that is
+        # zipfile's own "not a zip file" for bytes, said alike for a file.)
+        short = isinstance(exc, (ValueError, EOFError))
+        detail = "File is not a zip file" if short else str(exc)
+        raise StateFormatError(f"optimizer states are not an akv state archive: {detail}") from exc
     with archive:
         structure = _read_structure(archive)
         key_kind = structure["key_kind"]

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -335,6 +336,19 @@ async def test_the_http_client_survives_idle_pauses_longer_than_the_timeout(serv
             await asyncio.sleep(IDLE_S * 2)  # the server closes the kept-alive connection
     finally:
         await client.close()
+
+
+async def test_a_refused_connection_says_so_in_the_systems_words_not_aiohttps_repr():
+    with socket.socket() as holder:  # bound, not listening: connections to it are refused
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        client = HttpClient(f"http://127.0.0.1:{port}", TOKEN, timeout_s=10, retries=0)
+        try:
+            with pytest.raises(TransportError) as info:
+                await client.json("POST", "/echo", {"n": 1})
+        finally:
+            await client.close()
+    assert str(info.value) == f"POST http://127.0.0.1:{port}/echo failed: connection refused"
 
 
 async def test_a_closed_http_client_refuses_requests_and_opens_no_session(service):

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import akv
 from akv.errors import (
     InvalidArgumentError,
     MixedKeyKindsError,
@@ -294,8 +295,9 @@ def test_the_hand_built_archive_of_these_tests_decodes():
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        (b"not a zip at all", "not an akv state archive"),
-        (b"", "not an akv state archive"),
+        (b"not a zip at all", "not an akv state archive: File is not a zip file"),
+        (b"", "not an akv state archive: File is not a zip file"),
+        (b"x" * 1000, "not an akv state archive: File is not a zip file"),
         (archive(None, GOOD_MEMBERS), "no 'structure.json' member"),
         (archive({}, raw="{not json"), "unreadable structure.json"),
         (archive([1, 2]), "not a JSON object"),
@@ -342,6 +344,19 @@ def test_the_hand_built_archive_of_these_tests_decodes():
 def test_bad_archives_raise_state_format_error_saying_what_is_wrong(data, message):
     with pytest.raises(StateFormatError, match=re.escape(message)):
         decode_states(data)
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage", b"x" * 1000])
+def test_a_file_that_is_not_an_archive_says_so_as_bytes_do_not_how_zipfile_seeks(tmp_path, content):
+    path = tmp_path / "states"
+    path.write_bytes(content)
+    with akv.create("local") as kv:
+        kv.set_optimizer(SGD())
+        with pytest.raises(StateFormatError) as info:
+            kv.load_optimizer_states(path)
+    assert (
+        str(info.value) == "optimizer states are not an akv state archive: File is not a zip file"
+    )
 
 
 def test_a_member_larger_than_declared_is_refused_before_it_is_read():
