@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.epilog = (
         "akv bench sparse takes options of its own: --servers N [N ...], --shm {on,off} "
         "[...], --steps N, --rows N, --memory N [N ...], --memory-stores {local,dist} [...] "
-        "(akv bench sparse --help-sparse)"
+        "(akv bench sparse --help)"
     )
     return parser
 
@@ -92,6 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     returns 1.
     """
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    suite_help = _suite_help(argv)
+    if suite_help is not None:
+        print(suite_help, end="")
+        return 0
     args, extra = parser.parse_known_args(argv)
     if args.log_level is not None:
         try:
@@ -112,9 +117,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"unrecognized arguments: {' '.join(extra)} (akv bench {args.suite} takes no "
             "options of its own)"
         )
-    if options is not None and "--help-sparse" in extra:
-        options().print_help()
-        return 0
     configure(quick=args.quick)
     try:
         table = module.run(extra) if options is not None else module.run()
@@ -123,6 +125,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     table.write(sys.stdout, json_path=args.json)
     return 0
+
+
+def _suite_help(argv: list[str]) -> str | None:
+    """The help of ``akv bench SUITE --help`` (or ``-h``) for a suite with options of its own
+    (its options, then the common ones), or None when ``argv`` asks for no such help."""
+    if "bench" not in argv:
+        return None
+    rest = argv[argv.index("bench") + 1 :]
+    # (--help-sparse: its first spelling)
+    asks = {"-h", "--help", f"--help-{rest[0]}"} if rest else set()
+    if not rest or rest[0] not in BENCHMARKS or not asks & set(rest[1:]):
+        return None
+    options = getattr(importlib.import_module(BENCHMARKS[rest[0]]), "options_parser", None)
+    if options is None:
+        return None
+    common = (
+        "also: --quick (short rounds), --json PATH (the table as JSON too); see akv bench --help"
+    )
+    return f"{options().format_help()}\n{common}\n"
 
 
 if __name__ == "__main__":

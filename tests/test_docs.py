@@ -245,3 +245,21 @@ def test_the_migration_guide_names_every_mxnet_variable_akv_mentions():
     assert {"DMLC_ROLE", "MXNET_KVSTORE_BIGARRAY_BOUND"} <= names
     variables = section(GUIDE, "Environment variables")
     assert [name for name in sorted(names) if not _mentioned(variables, name)] == []
+
+
+def test_the_api_pages_error_table_names_every_error_akv_raises():
+    """Every subclass of ``akv.AKVError`` in ``akv.errors`` has a row of its own, or a
+    place in a row that names several, in docs/api.md's table of errors."""
+    import akv.errors
+
+    table = section(DOCS / "api.md", "Errors")
+    errors = [
+        name
+        for name, value in vars(akv.errors).items()
+        if isinstance(value, type)
+        and issubclass(value, akv.AKVError)
+        and not name.startswith("_")
+        and value is not akv.AKVError
+    ]
+    missing = [name for name in errors if not re.search(rf"^\|[^|]*`{name}`", table, re.M)]
+    assert not missing, f"docs/api.md's table of errors leaves out {missing}"

@@ -18,7 +18,7 @@ Memory: RSS against the bytes of the rows stored after touching 10^6 and 10^7 di
 of a table declared as 10^9 x 64 float32 (256 GB dense), in a local store (this process's
 growth) and in a ``dist_sync`` job over 2 servers (each server's growth, read from ``/proc``).
 
-Options (``akv bench sparse --help-sparse`` lists them): ``--servers``, ``--shm``,
+Options (``akv bench sparse --help`` lists them): ``--servers``, ``--shm``,
 ``--steps``, ``--rows``, ``--memory`` (touched-row counts, ``0`` for none) and
 ``--memory-stores``.
 """

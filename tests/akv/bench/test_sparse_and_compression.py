@@ -73,8 +73,11 @@ def test_the_sparse_options_are_parsed_and_refused_where_a_suite_has_none(capsys
     with pytest.raises(SystemExit):
         main(["bench", "local", "--servers", "1"])
     assert "takes no options of its own" in capsys.readouterr().err
-    assert main(["bench", "sparse", "--help-sparse"]) == 0
-    assert "--memory-stores" in capsys.readouterr().out
+    for asked in (["--help"], ["-h"], ["--quick", "--help"], ["--help-sparse"]):
+        assert main(["bench", "sparse", *asked]) == 0, asked
+        help_text = capsys.readouterr().out
+        assert help_text.startswith("usage: akv bench sparse"), asked
+        assert "--memory-stores" in help_text and "also: --quick" in help_text[-200:]
 
 
 def test_the_memory_of_touched_rows_is_measured_against_their_bytes():
