@@ -78,8 +78,6 @@ from akv.compression import Compression, Residuals
 from akv.device import register_gpu_executor
 from akv.errors import (
     AKVError,
-    AuthenticationError,
-    ConnectTimeoutError,
     InvalidArgumentError,
     PeerLostError,
     ServerError,
@@ -88,7 +86,6 @@ from akv.exits import describe, off_loop
 from akv.keys import Entry, Part
 from akv.limits import (
     BLAME_TIMEOUT_S,
-    CONNECT_RETRY_S,
     GOODBYE_TIMEOUT_S,
     INIT_CHECK_MARGIN_S,
     REPORT_FAILURE_S,
@@ -97,10 +94,7 @@ from akv.limits import (
 from akv.sparse import RowIds, RowSparseArray
 from akv_engine import Completed, Engine, GPUExecutor, Task, Waitable
 from akv_transport import (
-    AuthError,
-    RemoteError,
     StreamProtocol,
-    TransportError,
 )
 
 __all__ = ["DistBackend"]
@@ -231,32 +225,17 @@ class DistBackend:
             )
             for index, s in enumerate(servers)
         ]
-        for link in self.links:
-            await self._open(link, rank, deadline)
-        self._joined = True
+        # Heartbeats from now on: the scheduler counts a registered worker silent for the
+        # heartbeat timeout as dead, and opening the streams may take longer (a server
+        # killed meanwhile is waited for until its restart listens).
         self._heartbeat = Heartbeat(self.membership, self._failed_from_thread, self.activity.report)
         self._heartbeat.start()
+        for link in self.links:
+            opener = (self.config, rank, self.type, self.membership.node_id)
+            await link.join(opener, deadline, lambda: self.broken)
+        self._joined = True
         self._sweeper = self._loop.create_task(self._sweep())
         self._sweeper.add_done_callback(self._sweeper_ended)
-
-    async def _open(self, link: ServerLink, rank: int, deadline: float) -> None:
-        while True:
-            try:
-                await link.open(self.config, rank, self.type, self.membership.node_id)
-                return
-            except AuthError as exc:
-                raise AuthenticationError(f"{link.name} refused this job's token: {exc}") from exc
-            except RemoteError as exc:
-                raise ServerError(
-                    f"{link.name} refused the stream: {exc}", server=link.name
-                ) from exc
-            except TransportError as exc:
-                if time.monotonic() > deadline:
-                    raise ConnectTimeoutError(
-                        f"worker {rank} could not reach {link.name} within "
-                        f"{self.config.timeouts.connect_s:g} s: {exc}"
-                    ) from exc
-                await asyncio.sleep(CONNECT_RETRY_S)
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
@@ -277,7 +256,8 @@ class DistBackend:
         """The job failed: every waiting request and every later call raises ``error``
         (logged, unless ``quiet``: this worker's own code failed, and says so itself)."""
         if self.state.failure is None and not quiet:
-            log.error("worker %d: %s", self.rank, error)
+            rank = self.membership.rank  # (also while it joins)
+            log.error("worker %s: %s", "?" if rank is None else rank, error)
         self.handle(JobFailed(error))
 
     # ------------------------------------------------------------ carrying out

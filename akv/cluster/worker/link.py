@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,11 +39,12 @@ from akv.cluster.worker.events import (
 from akv.cluster.worker.instructions import Send
 from akv.cluster.worker.reconnect import Link
 from akv.cluster.worker.requests import WireArray
-from akv.errors import AKVError
-from akv.limits import MAX_PAYLOAD_BYTES
+from akv.errors import AKVError, AuthenticationError, ConnectTimeoutError, ServerError
+from akv.limits import CONNECT_RETRY_S, MAX_PAYLOAD_BYTES
 from akv_transport import (
     AuthError,
     Message,
+    RemoteError,
     StreamProtocol,
     TransportError,
     encode_frame,
@@ -163,6 +165,49 @@ class ServerLink:
         self._opener = (config, worker, store_type, session)
         self._opened(await self._connect(config, worker, store_type, session), loop)
 
+    async def join(
+        self,
+        opener: tuple[Config, int, str, str],
+        deadline: float,
+        failure: Callable[[], AKVError | None],
+    ) -> None:
+        """:meth:`open` the first stream (``opener``: its arguments), retrying until
+        ``deadline`` (a ``time.monotonic`` reading) while the server cannot be reached; a
+        restartable server is looked up again before each retry (killed since it
+        registered, its restart listens elsewhere). The job's failure (``failure()``),
+        heard meanwhile, ends the retries.
+
+        Raises
+        ------
+        AuthenticationError, ServerError
+            The server refused the token, or the stream.
+        ConnectTimeoutError
+            Not reached by ``deadline``.
+        """
+        config, worker = opener[0], opener[1]
+        while True:
+            try:
+                await self.open(*opener)
+                return
+            except AuthError as exc:
+                raise AuthenticationError(f"{self.name} refused this job's token: {exc}") from exc
+            except RemoteError as exc:
+                raise ServerError(
+                    f"{self.name} refused the stream: {exc}", server=self.name
+                ) from exc
+            except TransportError as exc:
+                failed = failure()
+                if failed is not None:
+                    raise failed from exc
+                if time.monotonic() > deadline:
+                    raise ConnectTimeoutError(
+                        f"worker {worker} could not reach {self.name} within "
+                        f"{config.timeouts.connect_s:g} s: {exc}"
+                    ) from exc
+                await asyncio.sleep(CONNECT_RETRY_S)
+                if self.restartable:
+                    await self.relocate(rename_state=True)
+
     async def _connect(
         self, config: Config, worker: int, store_type: str, session: str
     ) -> StreamProtocol:
@@ -211,6 +256,20 @@ class ServerLink:
         self.protocol = protocol
         self._handle(StreamOpened(self.index, protocol, protocol.shared is not None, loop.time()))
 
+    async def relocate(self, rename_state: bool = False) -> None:
+        """Ask the scheduler where the server is now (a restart moves it), and open streams
+        there from now on; messages name where it is (with ``rename_state``, the state's
+        too, at once). Unchanged when the scheduler does not say."""
+        if self._locate is None:
+            return
+        entry = await self._locate(self.rank)
+        if entry is not None:
+            self.host, self.port = str(entry["host"]), int(entry["port"])
+            self.local = local_address(entry)
+            self.name = server_name(self.rank, self.host, self.port)
+            if rename_state:
+                self._state.rename(self.name)
+
     def reconnect(self, delay_s: float) -> None:
         """In ``delay_s``, ask the scheduler where the server is and open the stream again
         (the state hears ``StreamOpened``, or ``ConnectFailed``)."""
@@ -224,13 +283,8 @@ class ServerLink:
         try:
             if delay_s:
                 await asyncio.sleep(delay_s)
-            if self._locate is not None and wanted.reconnecting:
-                entry = await self._locate(self.rank)
-                if entry is not None:
-                    self.host, self.port = str(entry["host"]), int(entry["port"])
-                    self.local = local_address(entry)
-                    # Messages from now on name where it is (a restart moves it).
-                    self.name = server_name(self.rank, self.host, self.port)
+            if wanted.reconnecting:
+                await self.relocate()
             if not wanted.reconnecting:  # the job failed meanwhile, or the store left
                 self._reopening = None
                 return

@@ -335,3 +335,30 @@ def test_a_workers_next_round_after_a_restart_waits_for_its_resent_one(tmp_path)
     assert len(finals) == 2, output
     for final in finals:  # 7 rounds of two pushes of ones at 0.1
         assert final["a"] == pytest.approx([-1.4] * 2)
+
+
+def test_a_server_killed_before_a_workers_first_stream_is_reached_at_its_restart(tmp_path):
+    """Worker 0 kills server 1 after registering, just before it opens its first stream to
+    it. Before, it retried the dead server's address until the scheduler, hearing no
+    heartbeat from it (they started once every stream was open), failed the job naming
+    worker 0 (every run of a review's script). Now a restartable server's address is
+    asked again before each retry, and the heartbeats start at registration."""
+    done = launch(
+        [
+            *("-n", "2", "-s", "2", "--checkpoint-dir", str(tmp_path), "--max-restarts", "1"),
+            *("--env", "AKV_BIGARRAY_BOUND=1024", "--", sys.executable),
+            str(JOBS / "first_stream_kill.py"),
+        ],
+        timeout=120,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert re.search(r"server 1 \(pid \d+\) exited with signal SIGKILL; restarting it", output)
+    finals = [
+        json.loads(line.split("] ", 1)[1])
+        for line in done.stdout.splitlines()
+        if line.startswith("[worker") and '"ends"' in line
+    ]
+    assert sorted(final["rank"] for final in finals) == [0, 1], output
+    for final in finals:  # no optimizer: each round's sum of two pushes of ones
+        assert final["ends"] == [2.0, 2.0], output
