@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from akv.cluster.server.state import ServerState
 
-__all__ = ["KEY_TEXT_CHARS", "heartbeat_report"]
+__all__ = ["KEY_TEXT_CHARS", "heartbeat_report", "unclosed_rounds"]
 
 #: A key is named on the status page by its ``repr``, cut to this many characters.
 KEY_TEXT_CHARS = 80
@@ -65,3 +65,25 @@ def heartbeat_report(state: ServerState, now: float) -> dict[str, Any]:
         "rounds": rounds,
         "waiting": waiting,
     }
+
+
+def unclosed_rounds(state: ServerState, listed: int = 5) -> str | None:
+    """What a server says of the dist_sync rounds still open when the job ends (pushes of
+    some workers came, others' never did), whose pushes are never applied: the first
+    ``listed`` of them by key and round, the workers that pushed and those it waited for;
+    None when none is open."""
+    every_key = [*state.entries.values(), *state.rows.entries.values()]
+    unclosed = [entry for entry in every_key if entry.rounds.open_seqs()]
+    if not unclosed:
+        return None
+    lines = [
+        f"round {entry.rounds.open_round} of key {repr(entry.key)[:KEY_TEXT_CHARS]} (pushed by "
+        f"workers {sorted(entry.rounds.open_seqs())}, not by {entry.rounds.missing()})"
+        for entry in unclosed[:listed]
+    ]
+    more = f"; and {len(unclosed) - listed} more" if len(unclosed) > listed else ""
+    return (
+        f"the job ended with {len(unclosed)} dist_sync round(s) never closed, whose pushes "
+        f"are not applied (a round is applied once every worker pushed it): "
+        f"{'; '.join(lines)}{more}"
+    )

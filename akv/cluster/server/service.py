@@ -81,7 +81,7 @@ from akv.cluster.server.instructions import (
 )
 from akv.cluster.server.links import Link, OneShotLink, StreamLink
 from akv.cluster.server.metrics import ServerMetrics
-from akv.cluster.server.report import heartbeat_report
+from akv.cluster.server.report import heartbeat_report, unclosed_rounds
 from akv.cluster.server.row_keys import gather_rows, land_rows
 from akv.cluster.server.state import ServerState
 from akv.cluster.server.updates import land, split_add
@@ -271,6 +271,9 @@ class ParameterServer:
                     raise
                 await self.stop()
         if ok:
+            unclosed = unclosed_rounds(self.state)
+            if unclosed is not None:  # (uneven pushes: MXNet drops them without a word)
+                log.warning("%s: %s", self.name, unclosed)
             log.info("%s: the job ended well; stopping", self.name)
         return 0 if ok else JOB_FAILED_EXIT
 

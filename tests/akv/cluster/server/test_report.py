@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from akv.cluster.scheduler.status import ServerReport, parse_report
-from akv.cluster.server.report import KEY_TEXT_CHARS, heartbeat_report
+from akv.cluster.server.report import KEY_TEXT_CHARS, heartbeat_report, unclosed_rounds
 from tests.akv.cluster.server.players import OK, Players
 
 
@@ -71,3 +71,24 @@ def test_a_long_key_is_cut_and_the_scheduler_takes_the_report():
     parsed = parse_report("server", report, num_workers=2)
     assert isinstance(parsed, ServerReport) and parsed.waiting is not None
     assert parsed.waiting.workers == (0,)
+
+
+def test_the_rounds_never_closed_are_named_dense_and_row_sparse_the_first_few_only():
+    players = Players(3)
+    assert players.reply(0, players.init(0, {f"k{i}": f32(0) for i in range(7)})) == OK
+    assert players.reply(0, players.row_init(0, "emb", (10, 2), (0, 10))) == OK
+    assert unclosed_rounds(players.state) is None
+    players.push(0, {"k0": f32(1)})
+    players.push(2, {"k0": f32(1)})
+    players.row_push(1, "emb", [5], np.ones((1, 2), np.float32), tag=1)
+    assert unclosed_rounds(players.state) == (
+        "the job ended with 2 dist_sync round(s) never closed, whose pushes are not applied "
+        "(a round is applied once every worker pushed it): round 1 of key 'k0' (pushed by "
+        "workers [0, 2], not by [1]); round 1 of key 'emb' (pushed by workers [1], not by "
+        "[0, 2])"
+    )
+    for i in range(1, 7):
+        players.push(0, {f"k{i}": f32(1)})
+    said = unclosed_rounds(players.state, listed=5)
+    assert said is not None and said.endswith("; and 3 more")
+    assert said.startswith("the job ended with 8 dist_sync round(s)") and said.count("round 1") == 5
