@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from akv.cluster.server.instructions import RowEntry, ServerEntry
     from akv.cluster.server.state import ServerState
 
 __all__ = ["KEY_TEXT_CHARS", "heartbeat_report", "unclosed_rounds"]
@@ -72,7 +73,8 @@ def unclosed_rounds(state: ServerState, listed: int = 5) -> str | None:
     some workers came, others' never did), whose pushes are never applied: the first
     ``listed`` of them by key and round, the workers that pushed and those it waited for;
     None when none is open."""
-    every_key = [*state.entries.values(), *state.rows.entries.values()]
+    every_key: list[ServerEntry | RowEntry] = [*state.entries.values()]
+    every_key.extend(state.rows.entries.values())
     unclosed = [entry for entry in every_key if entry.rounds.open_seqs()]
     if not unclosed:
         return None
