@@ -48,21 +48,23 @@ def launched() -> bool:
     return "AKV_ROLE" in os.environ or "DMLC_ROLE" in os.environ
 
 
-def zipf_ids(rng: np.random.Generator, count: int, size: int) -> np.ndarray:
-    """``size`` ids in ``[0, count)``, id ``k`` drawn with weight ``1 / (k + 1) ** s`` (a
-    shuffled popularity order, so hot ids are spread over the table)."""
-    weights = 1.0 / np.arange(1, count + 1) ** ZIPF_EXPONENT
-    order = rng.permutation(count)
-    return order[rng.choice(count, size=size, p=weights / weights.sum())]
+def zipf_ids(rng: np.random.Generator, order: np.ndarray, size: int) -> np.ndarray:
+    """``size`` ids of ``order`` (a popularity order, shuffled so that hot ids are spread
+    over the table), the ``k``-th drawn with weight ``1 / (k + 1) ** s``."""
+    weights = 1.0 / np.arange(1, len(order) + 1) ** ZIPF_EXPONENT
+    return order[rng.choice(len(order), size=size, p=weights / weights.sum())]
 
 
-def clicks(size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """``size`` (user, item, clicked, probability of the click) rows: a click is likelier
-    the closer the tastes."""
-    rng = np.random.default_rng(seed)
-    user_taste = rng.normal(size=(USERS, TASTE_DIM)) / np.sqrt(TASTE_DIM)
-    item_taste = rng.normal(size=(ITEMS, TASTE_DIM)) / np.sqrt(TASTE_DIM)
-    users, items = zipf_ids(rng, USERS, size), zipf_ids(rng, ITEMS, size)
+def clicks(size: int, draw: int) -> tuple[torch.Tensor, ...]:
+    """``size`` (user, item, clicked, probability of the click) rows of one world of tastes
+    (the same in every draw): a click is likelier the closer the tastes. ``draw`` seeds the
+    rows, so that the held-out rows do not depend on how many the training draws."""
+    world = np.random.default_rng(0)
+    user_taste = world.normal(size=(USERS, TASTE_DIM)) / np.sqrt(TASTE_DIM)
+    item_taste = world.normal(size=(ITEMS, TASTE_DIM)) / np.sqrt(TASTE_DIM)
+    popular_users, popular_items = world.permutation(USERS), world.permutation(ITEMS)
+    rng = np.random.default_rng(draw)
+    users, items = zipf_ids(rng, popular_users, size), zipf_ids(rng, popular_items, size)
     affinity = AFFINITY_SCALE * np.einsum("ij,ij->i", user_taste[users], item_taste[items])
     chance = 1.0 / (1.0 + np.exp(-affinity))
     clicked = rng.random(size) < chance
@@ -112,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with akv.create(store) as kv:
         rank, workers = kv.rank, kv.num_workers
-        users, items, clicked, chance = clicks(args.steps * args.batch * workers + TEST_SIZE)
-        test = slice(len(users) - TEST_SIZE, None)  # held out, the same on every worker
+        users, items, clicked, _ = clicks(args.steps * args.batch * workers, draw=1)
+        test = clicks(TEST_SIZE, draw=2)  # held out: the same for any number of workers
         model = MatrixFactorization(kv)  # every worker inits; rank 0's rows are kept
         opt = akv.torch.DistributedOptimizer(
             model.named_parameters(),  # the head only: the tables are the store's keys
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             akv.optimizer.Adam(learning_rate=args.lr, rescale_grad=1.0 / workers),
         )
         print(f"worker {rank}/{workers}: store {store}, keys {kv.keys()}", flush=True)
-        held_out_before = held_out_loss(model, users[test], items[test], clicked[test])
+        held_out_before = held_out_loss(model, *test[:3])
         start = time.perf_counter()
         first = last = None
         window: list[float] = []
@@ -141,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 window = []
                 print(f"worker {rank} step {step + 1:4d}/{args.steps} loss {last:.4f}", flush=True)
         elapsed = time.perf_counter() - start
-        held_out = held_out_loss(model, users[test], items[test], clicked[test])
-        floor = F.binary_cross_entropy(chance[test], chance[test]).item()
+        held_out = held_out_loss(model, *test[:3])
+        floor = F.binary_cross_entropy(test[3], test[3]).item()
         print(
             f"worker {rank}: loss {first:.4f} -> {last:.4f}, held-out loss "
             f"{held_out_before:.4f} -> {held_out:.4f} (the clicks' own entropy: {floor:.4f}), "
