@@ -61,6 +61,9 @@ class Membership:
         self.registered = False
         #: Whether the scheduler refused the registration (the rank is not this process's).
         self.refused = False
+        #: Whether the heartbeats found the scheduler silent past the heartbeat timeout (a
+        #: goodbye to it then is not waited for).
+        self.scheduler_lost = False
         #: A server's way in for workers on its host: ``{"host": host identity, "path":
         #: its Unix socket}`` (None: TCP only).
         self.local: dict[str, str] | None = None
@@ -216,6 +219,7 @@ class Membership:
                 except (TransportError, ValueError) as exc:
                     silent = time.monotonic() - answered
                     if silent > timeouts.heartbeat_timeout_s:
+                        self.scheduler_lost = True
                         on_failure(
                             f"the scheduler at {self.config.scheduler_url} has not answered "
                             f"for {silent:.1f} s ({exc})"
@@ -304,7 +308,10 @@ class Membership:
         return True
 
     async def finish(self) -> None:
-        """Say goodbye to the scheduler (this process is done with the job)."""
+        """Say goodbye to the scheduler (this process is done with the job); not to one
+        found silent (:attr:`scheduler_lost`)."""
+        if self.scheduler_lost:
+            return
         await self.client.json(
             "POST", "/v1/finish", {"node_id": self.node_id}, timeout_s=GOODBYE_TIMEOUT_S
         )

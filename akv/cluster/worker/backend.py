@@ -144,6 +144,8 @@ class DistBackend:
         self._sweeper: asyncio.Task[None] | None = None
         self._blames: set[asyncio.Task[None]] = set()
         self._closed = False
+        #: Set once the store broke (the job failed): see ``pass_barrier``.
+        self._broken = asyncio.Event()
         # Instructions met while carrying out others wait for them (see ``handle``).
         self._executing = False
         self._queued: list[Instruction] = []
@@ -268,6 +270,8 @@ class DistBackend:
         lets the next one on its key start): what those say waits until these are done,
         so that what is written keeps the order it was decided in."""
         instructions = self.state.handle(event)
+        if self.state.failure is not None:
+            self._broken.set()  # (ends a barrier's wait on a scheduler that stopped answering)
         if self._executing:
             self._queued.extend(instructions)
             return
@@ -659,7 +663,7 @@ class DistBackend:
         if late is not None:
             raise late  # before it is numbered: the next barrier takes its number
         self._barriers += 1
-        await pass_barrier(self.membership, self._barriers, self._check)
+        await pass_barrier(self.membership, self._barriers, self._check, self._broken)
         self.handle(BarrierPassed())
 
     def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Task:
@@ -713,7 +717,7 @@ class DistBackend:
             late = self.state.take_any_late() or await self._rows.settle()
             if barrier_before_exit and self.broken is None:
                 self._barriers += 1
-                await pass_barrier(self.membership, self._barriers, self._check)
+                await pass_barrier(self.membership, self._barriers, self._check, self._broken)
             if self.broken is None:
                 goodbyes = await asyncio.gather(
                     *(

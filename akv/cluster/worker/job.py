@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from akv.cluster.membership import Membership, scheduler_refusal
@@ -74,9 +74,12 @@ class Heartbeat:
             self._thread.join(interval + HEARTBEAT_STOP_S)
 
 
-async def pass_barrier(membership: Membership, number: int, check: Callable[[], None]) -> None:
+async def pass_barrier(
+    membership: Membership, number: int, check: Callable[[], None], broken: asyncio.Event
+) -> None:
     """Pass barrier ``number`` once every worker called it (``check()`` raises when the
-    store broke meanwhile).
+    store broke, which sets ``broken``: a wait on a scheduler that stopped answering ends
+    when the heartbeat finds it lost, not at the request's deadline).
 
     Raises
     ------
@@ -91,7 +94,10 @@ async def pass_barrier(membership: Membership, number: int, check: Callable[[], 
     while True:
         check()
         try:
-            answer = await membership.client.json("POST", "/v1/barrier", body)
+            answer = await _unless(broken, membership.client.json("POST", "/v1/barrier", body))
+            if answer is None:  # the store broke meanwhile
+                check()
+                raise PeerLostError("the store broke while it waited at a barrier")
         except RemoteError as exc:
             raise scheduler_refusal(exc) from exc
         except TransportError as exc:
@@ -105,6 +111,19 @@ async def pass_barrier(membership: Membership, number: int, check: Callable[[], 
                 f"workers {list(missing)} never arrived",
                 missing=missing,
             )
+
+
+async def _unless(broken: asyncio.Event, request: Awaitable[Any]) -> Any:
+    """``request``'s answer, or None (the request cancelled) once ``broken`` is set."""
+    answer = asyncio.ensure_future(request)
+    waiting = asyncio.ensure_future(broken.wait())
+    try:
+        done, _ = await asyncio.wait({answer, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+        if not answer.done():
+            answer.cancel()
+    return answer.result() if answer in done else None
 
 
 async def who_failed(

@@ -11,6 +11,7 @@ its PID.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -188,6 +189,30 @@ def test_an_exception_inside_with_fails_the_job_at_once_and_the_launcher_shows_i
     if got is not None:  # printed unless the launcher stopped it first
         assert float(got.group(1)) < FAILS_WITHIN_S
         assert got.group(2).startswith("the job failed: worker 1 "), got.group(2)
+
+
+def test_a_scheduler_that_hangs_as_the_workers_leave_fails_their_close_at_its_heartbeat():
+    """Worker 0 stops the scheduler (SIGSTOP); both workers then close, which waits at the
+    exit barrier. The heartbeats find the scheduler silent, and that ends the barrier's wait:
+    each close raises the heartbeat's finding. Before, the barrier's request waited out its
+    own deadline (AKV_REQUEST_TIMEOUT_S, 300 s by default), and a SIGTERM could not end
+    it either."""
+    done = launch(
+        ["-n", "2", "-s", "1", "--", sys.executable, str(JOBS / "scheduler_hangs.py")],
+        timeout=90,
+    )
+    output = done.stdout + done.stderr
+    said = [
+        json.loads(line.split("] ", 1)[1])
+        for line in done.stdout.splitlines()
+        if line.startswith("[worker") and '"error"' in line
+    ]
+    assert sorted(s["rank"] for s in said) == [0, 1], output
+    for each in said:
+        assert each["error"] == "PeerLostError", each
+        assert re.match(r"the scheduler at \S+ has not answered for [\d.]+ s", each["message"])
+        assert each["after_s"] < FAILS_WITHIN_S, each  # its request's deadline is 30 s here
+    assert re.search(r"server 0 \(pid \d+\) exited with code 3", output), output
 
 
 def test_a_store_never_closed_is_closed_at_exit_with_the_barrier_after_a_normal_end():

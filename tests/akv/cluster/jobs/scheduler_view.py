@@ -5,8 +5,8 @@ import os
 import urllib.request
 
 
-def _nodes() -> list[dict]:
-    url = f"http://{os.environ['AKV_SCHEDULER_HOST']}:{os.environ['AKV_SCHEDULER_PORT']}/v1/status"
+def _nodes(path: str = "/v1/status") -> list[dict]:
+    url = f"http://{os.environ['AKV_SCHEDULER_HOST']}:{os.environ['AKV_SCHEDULER_PORT']}{path}"
     request = urllib.request.Request(
         url, headers={"Authorization": f"Bearer {os.environ['AKV_TOKEN']}"}
     )
@@ -23,3 +23,9 @@ def server_pids() -> list[int]:
 def finished_workers() -> list[int]:
     """The ranks of the workers that closed their stores."""
     return sorted(n["rank"] for n in _nodes() if n["role"] == "worker" and n["finished"])
+
+
+def scheduler_pid() -> int:
+    """The scheduler's pid."""
+    (pid,) = [n["pid"] for n in _nodes("/status.json") if n["role"] == "scheduler"]
+    return pid
