@@ -123,7 +123,7 @@ class AsyncKVStore:
                 # Registered already, maybe: the job fails naming why (a refused stream, a
                 # cancelled create), not a worker that went silent later.
                 with contextlib.suppress(Exception):
-                    await self._backend.abandon(describe(exc))
+                    await self._backend.abandon(describe(exc, "akv.create"))
                 await self._backend.close(barrier_before_exit=False)
                 await self._engine.aclose()
                 raise

@@ -150,7 +150,9 @@ async def report_failure(
     detail = f"left the job: {reason}" if left else f"failed: {reason}"
     try:
         await asyncio.wait_for(
-            membership.report_lost(membership.node_id, "worker", rank, detail), REPORT_FAILURE_S
+            # (itself: also before it registered, when the scheduler does not know its id)
+            membership.report_lost(membership.node_id, "worker", rank, detail, itself=True),
+            REPORT_FAILURE_S,
         )
     except (asyncio.TimeoutError, TransportError, AKVError, ValueError) as exc:
         log.warning("worker %d: the scheduler did not take its failure report: %r", rank, exc)

@@ -159,7 +159,11 @@ async def test_a_worker_whose_metrics_port_another_process_holds_is_a_config_err
         env = {**cluster.worker_env(0), "AKV_METRICS_PORT": str(port)}
         with pytest.raises(akv.ConfigError) as info:
             await asyncio.wait_for(akv.create_async("dist_sync", environ=env), WAIT_S)
+        assert cluster.scheduler is not None
+        verdict = cluster.scheduler.roster.failure
     message = str(info.value)
+    # Named as itself, though it never registered (not "disconnected from <its session id>").
+    assert verdict == f"worker 0 left the job: akv.create raised ConfigError: {message}", verdict
     assert message.startswith(f"AKV_METRICS_PORT={port}: cannot listen on 127.0.0.1:{port}: ")
     assert "address already in use" in message
     assert message.endswith("; give each worker of a host its own port (or 0 for any free one)")
