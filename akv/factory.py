@@ -93,9 +93,11 @@ async def create_async(name: str = "local", **options: Any) -> AsyncKVStore:
         For the local device stores, the GPUs keys may be placed on (default: every GPU an
         init value came from so far).
     staleness : int
-        For ``dist_async``: a worker may be at most this many pushes of a key ahead of the
-        slowest worker; a push that would go further waits (default ``AKV_STALENESS``, else
-        no bound; see ``docs/distributed.md``). Every worker must give the same bound.
+        For ``dist_async``: a worker's push of a key is taken only while that worker is at
+        most this many pushes of the key ahead of the slowest worker (so the pushes taken
+        lead by at most one more; 0 gives lock-step rounds); else it waits (default
+        ``AKV_STALENESS``, else no bound; see ``docs/distributed.md``). Every worker must
+        give the same bound.
     inline_max_bytes : int
         Work on at most this many bytes runs on the calling thread, bigger work on the
         engine's worker threads (default ``AKV_INLINE_MAX_BYTES``, 16 MiB). The blocking

@@ -170,7 +170,7 @@ def launch(
             progress = parse_log_level(level) <= logging.INFO
         except AKVError:
             progress = True  # the processes refuse the level themselves, and say so
-        watch = AssemblyWatch(config, progress=progress)
+        watch = AssemblyWatch(config, progress=progress, token_made=not environ.get("AKV_TOKEN"))
     return supervise(
         specs,
         grace_s=options.grace_s,

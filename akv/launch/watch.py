@@ -37,19 +37,24 @@ class AssemblyWatch:
 
     ``config`` is how this machine reaches the job's scheduler (its address, token and
     TLS); ``progress``: whether to print the progress lines (the launcher's log level is
-    INFO or lower), besides the status page's address.
+    INFO or lower), besides the status page's address; ``token_made``: the launcher made the
+    job's token (none was exported), which the page's line then says how to know.
     """
 
-    def __init__(self, config: Config, *, progress: bool = True) -> None:
+    def __init__(self, config: Config, *, progress: bool = True, token_made: bool = False) -> None:
         self._config = config
         self._progress = progress
+        self._token_made = token_made
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self, say: Callable[[str], None]) -> None:
         """Print the status page's address with ``say``, and start watching (on a daemon
         thread); ``say`` must be safe to call from that thread."""
-        say(f"the job's status page: {status_url(self._config)} (it asks for the job's token)")
+        asks = "it asks for the job's token"
+        if self._token_made:  # (never printed: a secret in a log)
+            asks += ", made for this job only: export AKV_TOKEN before akv-launch to know it"
+        say(f"the job's status page: {status_url(self._config)} ({asks})")
         if not self._progress:
             return
         self._thread = threading.Thread(

@@ -82,7 +82,11 @@ def test_the_launcher_says_who_has_joined_and_sums_up_every_process(tmp_path):
     code = launch(options, env, stdout=out, stderr=err, terminate_grace_s=1.0)
     text = err.getvalue().decode()
     assert code == 0, text + out.getvalue().decode()
-    port = re.search(r"akv-launch: the job's status page: http://127\.0\.0\.1:(\d+)/status", text)
+    port = re.search(
+        r"akv-launch: the job's status page: http://127\.0\.0\.1:(\d+)/status \(it asks for "
+        r"the job's token\)\n",  # exported: the user knows it
+        text,
+    )
     assert port is not None, text
     assert "akv-launch: 1/2 workers joined; waiting for worker 1\n" in text
     assert re.search(r"akv-launch: every process joined: 1 server and 2 workers, in [\d.]+ s", text)
@@ -160,10 +164,14 @@ def test_above_info_the_watch_prints_only_the_status_pages_address():
         role="scheduler",
     )
     said: list[str] = []
-    watch = AssemblyWatch(config, progress=False)
-    watch.start(said.append)
-    watch.stop()
+    for token_made in (False, True):
+        watch = AssemblyWatch(config, progress=False, token_made=token_made)
+        watch.start(said.append)
+        watch.stop()
+    page = f"the job's status page: http://127.0.0.1:{config.scheduler_port}/status"
     assert said == [
-        f"the job's status page: http://127.0.0.1:{config.scheduler_port}/status "
-        "(it asks for the job's token)"
+        f"{page} (it asks for the job's token)",
+        # A token the launcher made is never printed: the line says how to know one.
+        f"{page} (it asks for the job's token, made for this job only: export AKV_TOKEN "
+        "before akv-launch to know it)",
     ]
