@@ -172,9 +172,9 @@ class DistributedOptimizer:
         many bytes, as DDP's buckets and Horovod's tensor fusion do: a model of many small
         tensors then sends few messages. A bucket is pushed once all its gradients are
         ready, with the priority of its first parameter; its store key is ``"bucket<i>"``
-        (str keys) or ``<number of parameters given> + i`` (int keys); a parameter larger
-        than the bound has a key of its own (its name). Default None: one key per
-        parameter. Not with optimizers that use each tensor's norm (LAMB, LARS).
+        (str keys) or ``<number of parameters given> + i`` (int keys); a bucket of one
+        parameter (one larger than the bound, say) keeps that parameter's key. Default None:
+        one key per parameter. Not with optimizers that use each tensor's norm (LAMB, LARS).
 
     Guarantees
     ----------

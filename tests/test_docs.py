@@ -263,3 +263,19 @@ def test_the_api_pages_error_table_names_every_error_akv_raises():
     ]
     missing = [name for name in errors if not re.search(rf"^\|[^|]*`{name}`", table, re.M)]
     assert not missing, f"docs/api.md's table of errors leaves out {missing}"
+
+
+def test_deployments_flag_table_names_every_flag_of_akv_scheduler_and_akv_server():
+    from akv.cluster.roles import role_parser
+
+    text = (DOCS / "deployment.md").read_text()
+    table = "\n".join(line for line in text.splitlines() if line.startswith("| `--"))
+    flags = {
+        option
+        for role in ("scheduler", "server")
+        for action in role_parser(role, "")._actions
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    }
+    missing = sorted(flag for flag in flags if f"`{flag}`" not in table)
+    assert not missing, f"docs/deployment.md's table of flags leaves out {missing}"

@@ -577,6 +577,28 @@ def test_fused_buckets_train_as_one_key_per_parameter(make):
     assert 1 < len(fused_keys) < 12 and any(str(k).startswith("bucket") for k in fused_keys)
 
 
+@pytest.mark.parametrize(
+    ("layers", "keys"),
+    [
+        ([(12, 12)], ["0.weight", "0.bias"]),  # one each: both keep their names
+        ([(12, 12), (12, 2)], ["0.weight", "bucket1"]),  # 48 + 96 + 8 bytes: one bucket
+    ],
+)
+def test_a_bucket_of_one_parameter_keeps_its_key(layers, keys):
+    """A 12 x 12 weight (576 bytes) is larger than a bound of 300 bytes: alone in its
+    bucket, it keeps its name, as does a bias alone in the next one."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(*shape) for shape in layers))
+    with akv.create("local") as store:
+        opt = DistributedOptimizer(
+            model.named_parameters(),
+            store,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            bucket_bytes=300,
+        )
+        assert opt.store_keys == keys
+        opt.close()
+
+
 def test_a_bucket_member_without_a_gradient_gets_the_sum_of_the_others(kv):
     model = deep()
     first = next(model.parameters())
