@@ -113,6 +113,8 @@ class ServerLink:
         self.protocol: StreamProtocol | None = None
         self._opener: tuple[Config, int, str, str] | None = None
         self._reopening: asyncio.Task[None] | None = None
+        #: The Unix socket whose failure was logged at INFO (its retries log at DEBUG).
+        self._said_unreachable: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------ what the state knows
@@ -241,7 +243,10 @@ class ServerLink:
             except AuthError:
                 raise
             except (TransportError, OSError) as exc:  # e.g. a server that died: try TCP
-                log.info("%s: no stream through %s (%r); trying TCP", self.name, self.local[1], exc)
+                path = self.local[1]
+                level = logging.DEBUG if path == self._said_unreachable else logging.INFO
+                self._said_unreachable = path  # (a restart's retries say it once)
+                log.log(level, "%s: no stream through %s (%r); trying TCP", self.name, path, exc)
         stream.protocol = await open_stream(
             self.host,
             self.port,

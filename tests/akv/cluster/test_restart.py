@@ -362,3 +362,6 @@ def test_a_server_killed_before_a_workers_first_stream_is_reached_at_its_restart
     assert sorted(final["rank"] for final in finals) == [0, 1], output
     for final in finals:  # no optimizer: each round's sum of two pushes of ones
         assert final["ends"] == [2.0, 2.0], output
+    # Retrying the dead server's Unix socket says so once, not at every retry.
+    tried = re.findall(r"\[(worker \d)\].* no stream through (\S+) ", output)
+    assert len(tried) == len(set(tried)), output
