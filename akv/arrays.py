@@ -139,8 +139,8 @@ def check_numeric(dtype: np.dtype, key: object, what: str) -> None:
     ------
     UnsupportedDTypeError
     """
-    if dtype.kind in "biufc" or dtype.name == "bfloat16":
-        return
+    if dtype.kind in "biufc" or dtype.type.__module__.startswith("ml_dtypes"):
+        return  # (ml_dtypes: bfloat16, the float8 types...)
     raise UnsupportedDTypeError(
         f"{what} for key {key!r}: dtype {dtype} is not a number type, which a store sums "
         "and updates; convert the value to one first"
@@ -372,8 +372,7 @@ def read(value: object, key: object, what: str) -> tuple[Array, Origin]:
     if isinstance(value, _NUMBERS):
         raise InvalidArgumentError(
             f"{what} for key {key!r}: expected an array, got {type(value).__name__} "
-            f"{value!r}; a list given for one key holds its arrays (one per device, summed), "
-            "not the numbers of one array: pass np.asarray(...) of them"
+            f"{value!r}: pass an array (np.asarray(...))"
         )
     if isinstance(value, _REFUSED) or value is None:
         raise InvalidArgumentError(

@@ -122,10 +122,14 @@ class AsyncKVStore:
             except BaseException as exc:
                 # Registered already, maybe: the job fails naming why (a refused stream, a
                 # cancelled create), not a worker that went silent later.
-                with contextlib.suppress(Exception):
-                    await self._backend.abandon(describe(exc, "akv.create"))
-                await self._backend.close(barrier_before_exit=False)
-                await self._engine.aclose()
+                try:
+                    with contextlib.suppress(Exception):
+                        await self._backend.abandon(describe(exc, "akv.create"))
+                finally:  # (also when cancelled again: the heartbeat thread is stopped)
+                    try:
+                        await self._backend.close(barrier_before_exit=False)
+                    finally:
+                        await self._engine.aclose()
                 raise
         return self
 

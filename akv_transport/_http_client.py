@@ -161,6 +161,8 @@ def _reason(exc: aiohttp.ClientError) -> str:
     """Why a connection failed, in the system's words where it gave some ("connection
     refused"), not aiohttp's internal repr."""
     os_error = getattr(exc, "os_error", None)
+    if isinstance(os_error, ssl.SSLError):  # (its errno is OpenSSL's, not the system's)
+        return str(os_error)
     if isinstance(os_error, OSError):
         if os_error.errno is not None and os_error.errno > 0:
             return os.strerror(os_error.errno).lower()

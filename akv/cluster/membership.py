@@ -68,11 +68,14 @@ class Membership:
         #: its Unix socket}`` (None: TCP only).
         self.local: dict[str, str] | None = None
         self._client: HttpClient | None = None
+        self._closed = False
 
     @property
     def client(self) -> HttpClient:
         """The HTTP client for the scheduler (made on first use)."""
         if self._client is None:
+            if self._closed:
+                raise TransportError(f"{self.config.scheduler_url}: the client is closed")
             self._client = scheduler_client(self.config, self.config.timeouts.request_s)
         return self._client
 
@@ -318,8 +321,11 @@ class Membership:
 
     async def close(self) -> None:
         """Close the HTTP client; a request after this raises
-        :class:`~akv_transport.TransportError` (none opens a new connection). Idempotent."""
-        await self.client.close()
+        :class:`~akv_transport.TransportError` (none opens a new connection). Idempotent;
+        makes no client when none was made."""
+        self._closed = True
+        if self._client is not None:
+            await self._client.close()
 
 
 def scheduler_refusal(exc: RemoteError) -> AKVError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -21,7 +22,7 @@ import socket
 import ssl
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
@@ -62,14 +63,27 @@ def client_ssl(config: _config.Config) -> ssl.SSLContext | None:
             "AKV_TLS_CERT is set but AKV_TLS_CA is not: set AKV_TLS_CA to the CA bundle "
             "that signed the job's certificates"
         )
-    return client_ssl_context(config.tls_ca, config.tls_cert, config.tls_key)
+    with _tls_files(config):
+        return client_ssl_context(config.tls_ca, config.tls_cert, config.tls_key)
 
 
 def server_ssl(config: _config.Config) -> ssl.SSLContext | None:
     """TLS for serving, when this process has a certificate and key."""
     if not (config.tls_cert and config.tls_key):
         return None
-    return server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca)
+    with _tls_files(config):
+        return server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca)
+
+
+@contextlib.contextmanager
+def _tls_files(config: _config.Config) -> Iterator[None]:
+    """A TLS file that cannot be read or used is a :class:`ConfigError` naming the files."""
+    try:
+        yield
+    except (OSError, ssl.SSLError) as exc:
+        files = f"AKV_TLS_CERT={config.tls_cert!r}, AKV_TLS_KEY={config.tls_key!r}, "
+        files += f"AKV_TLS_CA={config.tls_ca!r}"
+        raise ConfigError(f"TLS ({files}): {exc}") from exc
 
 
 def listener_bounds(config: _config.Config) -> dict[str, Any]:
@@ -104,12 +118,13 @@ async def listen(
         this machine's), naming ``setting``, the address and the system's reason, then
         ``advice``.
     """
+    context = server_ssl(config)  # (its own errors name the TLS files, not the port)
     try:
-        return await serve(
-            app, host, port, ssl_context=server_ssl(config), sock=sock, **listener_bounds(config)
-        )
+        bounds = listener_bounds(config)
+        return await serve(app, host, port, ssl_context=context, sock=sock, **bounds)
     except OSError as exc:
-        reason = exc.strerror or str(exc)
+        # The system's words: the loop's own strerror repeats the address.
+        reason = os.strerror(exc.errno) if exc.errno else (exc.strerror or str(exc))
         raise ConfigError(
             f"{setting}={port}: cannot listen on {_config.format_address(host, port)}: "
             f"{reason}; {advice}"

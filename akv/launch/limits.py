@@ -32,6 +32,11 @@ DEFAULT_GRACE_S = 15.0
 #: (seconds). akv's workers notice a dead server at once (its stream ends) and a dead
 #: scheduler within AKV_HEARTBEAT_TIMEOUT_S.
 REPORT_GRACE_S = 5.0
+#: How long the processes still running when the job ended well (every worker exited, the
+#: scheduler exited 0) get to stop, when one is a restarted server (seconds): a server ends
+#: its own stop within moments, and a restart with no job left to register with would
+#: wait out its connect timeout (or ``--grace-s``).
+ENDED_GRACE_S = 2.0
 #: How long akv-launch waits for the scheduler to take its report of a process that failed.
 REPORT_EXIT_S = 2.0
 #: How long a process group gets between SIGTERM and SIGKILL when the job is stopped, here

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from akv.cluster.protocol import JOB_FAILED_EXIT
-from akv.launch.limits import REPORT_GRACE_S
+from akv.launch.limits import ENDED_GRACE_S, REPORT_GRACE_S
 from akv.launch.spec import ProcessSpec
 
 __all__ = ["Decision", "ExitRules", "exit_code_of", "scheduler_verdict", "status_text"]
@@ -57,6 +57,8 @@ class Decision:
     message: str = ""
     #: The process to start again (``restart`` only).
     index: int | None = None
+    #: ``drain`` only: its grace, when not the launcher's ``grace_s`` (a shorter one).
+    grace_s: float | None = None
 
 
 def exit_code_of(returncode: int) -> int:
@@ -98,7 +100,10 @@ class ExitRules:
     * Once the scheduler exited 0 (every worker and server had finished: the job ended
       well), a server's exit fails nothing and is not restarted: a server killed as it
       stopped, whose restart had no job left to register with, say. When every worker
-      exited too and such a restart still runs, the decision is ``stop`` with 0 at once.
+      exited too (in either order) and a restarted server still runs, the drain's grace is
+      :data:`ENDED_GRACE_S` (or ``grace_s``, if shorter): every server had said goodbye
+      after its final checkpoint, so what still runs then only ends its own stop, or is a
+      restart with no job left to register with.
     * A signal to the launcher (:meth:`interrupted`) stops the job with 128+N.
 
     Parameters
@@ -121,6 +126,8 @@ class ExitRules:
     ) -> None:
         self._specs = list(specs)
         self._grace_s = grace_s
+        #: The grace of the drain under way (``grace_s``, or :data:`ENDED_GRACE_S`).
+        self._drain_s = grace_s
         self._report_grace_s = report_grace_s
         self._max_restarts = max_restarts
         self._failure: Decision | None = None
@@ -182,16 +189,10 @@ class ExitRules:
             )
         if spec.role == "scheduler" and not failed:
             self._ended_well = True
-            restarted = [self._specs[i].label for i in sorted(self._running) if i in self._restarts]
-            if self._draining and restarted:
-                # (A server restarted as the job ended: it has no job left to register
-                # with, and would wait out its connect timeout or the grace.)
-                return Decision(
-                    "stop",
-                    0,
-                    f"{who} exited with {status}: the job ended well; stopping "
-                    f"{', '.join(restarted)}, restarted at its end",
-                )
+            if self._draining:
+                ended = self._restart_left_over(f"{who} exited with {status}")
+                if ended is not None:
+                    return ended
         elif spec.role == "server" and self._ended_well and failed:
             # (Killed as it stopped and restarted, say: it has no job to register with.)
             what = f"{who} exited with {status} after the job ended well"
@@ -253,7 +254,7 @@ class ExitRules:
         return Decision(
             "stop",
             0,
-            f"{left} still running {self._grace_s:g} s after every worker finished; terminating",
+            f"{left} still running {self._drain_s:g} s after every worker finished; terminating",
         )
 
     def report_expired(self) -> Decision:
@@ -272,9 +273,30 @@ class ExitRules:
         name = signal.Signals(signo).name
         return Decision("stop", 128 + signo, f"interrupted by {name}; stopping the job")
 
+    def _restart_left_over(self, what: str) -> Decision | None:
+        """Once every worker exited and the scheduler exited 0 (every server had said
+        goodbye, after its final checkpoint), a restarted server that still runs either ends
+        its own stop within moments or has no job to register with (restarted as the job
+        ended): the drain's grace is :data:`ENDED_GRACE_S` (None when no restart runs)."""
+        restarted = [self._specs[i].label for i in sorted(self._running) if i in self._restarts]
+        if not (self._ended_well and restarted):
+            return None
+        self._draining = True
+        self._drain_s = min(self._grace_s, ENDED_GRACE_S)
+        left = ", ".join(self._running_labels())
+        return Decision(
+            "drain",
+            0,
+            f"{what}: the job ended well; waiting up to {self._drain_s:g} s for {left} to stop",
+            grace_s=self._drain_s,
+        )
+
     def _all_workers_done(self, what: str) -> Decision:
         if not self._running:
             return Decision("stop", 0, f"{what}; every process finished")
+        ended = self._restart_left_over(what)
+        if ended is not None:
+            return ended
         self._draining = True
         left = ", ".join(self._running_labels())
         if math.isinf(self._grace_s):  # the per-node mode: the job may go on elsewhere

@@ -81,6 +81,8 @@ _READ_BYTES = 8 << 20
 # What zipfile raises for malformed, truncated or unsupported archives (its error for an
 # unknown compression method is a RuntimeError subclass).
 _ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError)
+#: The size of a zip file's end-of-central-directory record: no zip file is shorter.
+_ZIP_END_BYTES = 22
 
 
 class RowSource(Protocol):
@@ -361,14 +363,16 @@ def decode_states(
 
 
 def _decode(source: BinaryIO, row_tables: bool) -> SavedStates:
+    not_ours = "optimizer states are not an akv state archive"
+    # Shorter than a zip file's end record: zipfile's own words for bytes, said alike for a
+    # file (whose seek before its start zipfile would report as a ValueError).
+    if source.seek(0, io.SEEK_END) < _ZIP_END_BYTES:
+        raise StateFormatError(f"{not_ours}: File is not a zip file")
+    source.seek(0)
     try:
         archive = zipfile.ZipFile(source)
     except _ZIP_ERRORS as exc:
-        # (A file too short for a zip file fails zipfile's seek before its start: that is
-        # zipfile's own "not a zip file" for bytes, said alike for a file.)
-        short = isinstance(exc, (ValueError, EOFError))
-        detail = "File is not a zip file" if short else str(exc)
-        raise StateFormatError(f"optimizer states are not an akv state archive: {detail}") from exc
+        raise StateFormatError(f"{not_ours}: {exc}") from exc
     with archive:
         structure = _read_structure(archive)
         key_kind = structure["key_kind"]

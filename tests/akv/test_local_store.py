@@ -287,8 +287,13 @@ def test_bad_arguments_are_typed_errors(kv):
 
 def test_a_list_of_numbers_for_one_key_says_a_list_holds_arrays(kv):
     kv.init(1, ones(4))
-    with pytest.raises(InvalidArgumentError, match=r"got float 1\.0; a list given for one key"):
+    listed = r"got a list of 4 numbers; a list given for one key holds its arrays"
+    with pytest.raises(InvalidArgumentError, match=r"^push for key 1: " + listed):
         kv.push(1, [1.0, 2.0, 3.0, 4.0])
+    with pytest.raises(InvalidArgumentError, match=r"^init for key 2: got a list of 2 numbers"):
+        kv.init(2, [1.0, 2.0])
+    with pytest.raises(InvalidArgumentError, match=r"got float 1\.0: pass an array \(np"):
+        kv.push(1, 1.0)  # no list: no word of lists
     np.testing.assert_array_equal(kv.pull(1), ones(4))
 
 
@@ -313,6 +318,8 @@ def test_a_value_that_is_not_numbers_is_refused_at_init_as_every_store_refuses_i
     assert kv.keys() == []
     kv.init("u", np.zeros(2, bool))  # booleans, integers and complex numbers are numbers
     kv.init("v", np.zeros(2, np.complex64))
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    kv.init("w", np.zeros(2, ml_dtypes.float8_e4m3fn))  # and ml_dtypes' floats
 
 
 def test_numpy_integer_keys_are_ints(kv):

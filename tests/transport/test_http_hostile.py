@@ -351,6 +351,21 @@ async def test_a_refused_connection_says_so_in_the_systems_words_not_aiohttps_re
     assert str(info.value) == f"POST http://127.0.0.1:{port}/echo failed: connection refused"
 
 
+async def test_a_tls_failure_says_tls_s_own_words(service):
+    """OpenSSL's error number is not the system's: a TLS client on a plain port must not
+    read it as "operation not permitted"."""
+    context = ssl.create_default_context()
+    client = HttpClient(
+        f"https://127.0.0.1:{service.port}", TOKEN, ssl_context=context, timeout_s=10, retries=0
+    )
+    try:
+        with pytest.raises(TransportError) as info:
+            await client.json("POST", "/echo", {"n": 1})
+    finally:
+        await client.close()
+    assert "SSL" in str(info.value) and "operation not permitted" not in str(info.value)
+
+
 async def test_a_closed_http_client_refuses_requests_and_opens_no_session(service):
     client = HttpClient(f"http://127.0.0.1:{service.port}", TOKEN, timeout_s=10)
     assert await client.json("POST", "/echo", {"n": 1}) == {"got": {"n": 1}}

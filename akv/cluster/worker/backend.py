@@ -189,6 +189,11 @@ class DistBackend:
             Naming what was still missing when the deadline passed.
         AuthenticationError
             When the scheduler or a server refused the token.
+        ServerError
+            When a server refused the stream.
+        PeerLostError
+            When the job failed meanwhile (heard by the heartbeats, which start at the
+            registration).
         """
         config = self.config
         default_worker_logging(config.log_level)  # "worker waiting: ..." reaches stderr

@@ -95,7 +95,7 @@ async def pass_barrier(
         check()
         try:
             answer = await _unless(broken, membership.client.json("POST", "/v1/barrier", body))
-            if answer is None:  # the store broke meanwhile
+            if answer is _BROKEN:  # the store broke meanwhile
                 check()
                 raise PeerLostError("the store broke while it waited at a barrier")
         except RemoteError as exc:
@@ -113,8 +113,13 @@ async def pass_barrier(
             )
 
 
+#: What :func:`_unless` returns when the store broke first.
+_BROKEN = object()
+
+
 async def _unless(broken: asyncio.Event, request: Awaitable[Any]) -> Any:
-    """``request``'s answer, or None (the request cancelled) once ``broken`` is set."""
+    """``request``'s answer, or :data:`_BROKEN` (the request cancelled) once ``broken`` is
+    set."""
     answer = asyncio.ensure_future(request)
     waiting = asyncio.ensure_future(broken.wait())
     try:
@@ -123,7 +128,7 @@ async def _unless(broken: asyncio.Event, request: Awaitable[Any]) -> Any:
         waiting.cancel()
         if not answer.done():
             answer.cancel()
-    return answer.result() if answer in done else None
+    return answer.result() if answer in done else _BROKEN
 
 
 async def who_failed(

@@ -13,6 +13,7 @@ module feeds it :class:`~akv.cluster.worker.events.StreamOpened`,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -185,6 +186,9 @@ class ServerLink:
             The server refused the token, or the stream.
         ConnectTimeoutError
             Not reached by ``deadline``.
+        AKVError
+            The job's failure (``failure()``), or the scheduler's refusal of a lookup
+            (``PeerLostError``: the job failed).
         """
         config, worker = opener[0], opener[1]
         while True:
@@ -207,8 +211,11 @@ class ServerLink:
                         f"{config.timeouts.connect_s:g} s: {exc}"
                     ) from exc
                 await asyncio.sleep(CONNECT_RETRY_S)
-                if self.restartable:
-                    await self.relocate(rename_state=True)
+                left_s = deadline - time.monotonic()
+                if self.restartable and left_s > 0 and failure() is None:
+                    # Bounded by the deadline: a scheduler that hangs answers no lookup.
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.relocate(rename_state=True), left_s)
 
     async def _connect(
         self, config: Config, worker: int, store_type: str, session: str
@@ -259,6 +266,7 @@ class ServerLink:
 
     def _opened(self, protocol: StreamProtocol, loop: asyncio.AbstractEventLoop) -> None:
         self.protocol = protocol
+        self._said_unreachable = None  # (a later failure of its socket is news again)
         self._handle(StreamOpened(self.index, protocol, protocol.shared is not None, loop.time()))
 
     async def relocate(self, rename_state: bool = False) -> None:

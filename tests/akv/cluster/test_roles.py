@@ -382,9 +382,36 @@ def test_a_port_another_process_holds_is_one_line_naming_it_not_a_traceback(
         )
     assert done.returncode == exit_code, done.stderr
     assert f"{setting}={port}: cannot listen on 127.0.0.1:{port}: " in done.stderr
-    assert "address already in use" in done.stderr
+    assert "address already in use" in done.stderr.lower()
     assert "Traceback" not in done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
+
+
+@pytest.mark.parametrize(("role", "exit_code"), [("scheduler", 2), ("server", 1)])
+def test_a_tls_file_that_cannot_be_read_is_named_not_taken_for_the_port(tmp_path, role, exit_code):
+    missing = tmp_path / "missing.pem"
+    env = clean_env(
+        **{
+            **JOB,
+            "PYTHONPATH": str(ROOT),
+            "AKV_TLS_CERT": str(missing),
+            "AKV_TLS_KEY": str(missing),
+            "AKV_TLS_CA": str(missing),
+        }
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", f"akv.cluster.{role}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == exit_code, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"TLS (AKV_TLS_CERT={str(missing)!r}, AKV_TLS_KEY=" in done.stderr, done.stderr
+    assert "No such file or directory" in done.stderr
+    assert "cannot listen" not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_signal_after_the_role_ended_is_ignored_and_it_exits_with_the_roles_status():

@@ -306,11 +306,12 @@ def test_once_the_scheduler_ended_well_a_servers_exit_fails_nothing():
     assert (final.action, final.exit_code) == ("stop", 0), final
 
 
-def test_a_server_restarted_at_the_end_is_stopped_once_the_scheduler_and_workers_ended_well():
+def test_a_restarted_server_gets_a_short_grace_once_the_scheduler_and_workers_ended_well():
     """Server 0 is killed just after its goodbye, while worker 0's process still runs: it is
     restarted; worker 0 then exits, and the scheduler exits 0. The restart has no job to
-    register with: the job stops at once with 0, not after its connect timeout or the
-    grace."""
+    register with: it gets 2 s to stop, not the 15 s grace (nor its connect timeout), and
+    the job's exit is 0. A server restarted earlier, that only ends its own stop, would stop
+    within those 2 s by itself."""
     rules = ExitRules(_specs(), grace_s=15, max_restarts=1)
     for index, pid in enumerate([100, 101, 102, 103]):
         rules.started(index, pid)
@@ -319,8 +320,28 @@ def test_a_server_restarted_at_the_end_is_stopped_once_the_scheduler_and_workers
     rules.started(1, 201)
     assert rules.exited(2, 0).action == "drain"  # worker 0: the scheduler and server 0 left
     ended = rules.exited(0, 0)  # the scheduler: the job ended well
-    assert (ended.action, ended.exit_code) == ("stop", 0), ended
-    assert ended.message.endswith("the job ended well; stopping server 0, restarted at its end")
+    assert (ended.action, ended.grace_s) == ("drain", 2.0), ended
+    assert ended.message.endswith("the job ended well; waiting up to 2 s for server 0 to stop")
+    expired = rules.grace_expired()
+    assert expired.message == "server 0 still running 2 s after every worker finished; terminating"
+    assert (expired.action, expired.exit_code) == ("stop", 0)
+
+
+def test_the_short_grace_holds_when_the_last_worker_exits_after_the_scheduler():
+    """The same, the scheduler exiting 0 before the last worker's process (a worker says
+    goodbye, then its process ends): the short grace starts at that exit."""
+    rules = ExitRules(_specs(), grace_s=15, max_restarts=1)
+    for index, pid in enumerate([100, 101, 102, 103]):
+        rules.started(index, pid)
+    assert rules.exited(3, 0).action == "continue"  # worker 1
+    assert rules.exited(1, -signal.SIGKILL).action == "restart"
+    rules.started(1, 201)
+    assert rules.exited(0, 0).action == "continue"  # the scheduler: the job ended well
+    ended = rules.exited(2, 0)  # worker 0, the last worker
+    assert (ended.action, ended.grace_s) == ("drain", 2.0), ended
+    assert ended.message.endswith("the job ended well; waiting up to 2 s for server 0 to stop")
+    done = rules.exited(1, 0)  # the restart ends its own stop within the grace
+    assert (done.action, done.exit_code) == ("stop", 0), done
 
 
 def test_the_scheduler_ending_well_stops_nothing_that_was_not_restarted():
