@@ -1,0 +1,88 @@
+"""A worker's link to one server, without a job: the first stream's retries (``join``)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import types
+
+import pytest
+
+from akv.cluster.config import from_env
+from akv.cluster.worker.link import ServerLink
+from akv.errors import ConnectTimeoutError, PeerLostError
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIG = from_env(
+    {
+        "AKV_TOKEN": "t" * 32,
+        "AKV_NUM_WORKERS": "1",
+        "AKV_NUM_SERVERS": "1",
+        "AKV_SCHEDULER_HOST": "127.0.0.1",
+        "AKV_SCHEDULER_PORT": "9",
+    },
+    role="worker",
+)
+
+
+class _State:
+    """What ``join`` reads of the link's state: a first stream, not a reconnect."""
+
+    durable_note = ""
+    reconnecting = False
+    table = types.SimpleNamespace(destinations=None)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def rename(self, name: str) -> None:
+        self.name = name
+
+
+async def _join_refused(locate, failure=lambda: None, deadline_s: float = 1.0):
+    """``join`` a restartable server whose port refuses connections (bound, not listening);
+    return the error and the seconds it took."""
+    with socket.socket() as refusing:
+        refusing.bind(("127.0.0.1", 0))
+        port = refusing.getsockname()[1]
+        link = ServerLink(
+            0,
+            0,
+            "127.0.0.1",
+            port,
+            _State(f"server 0 at 127.0.0.1:{port}"),
+            lambda event: None,
+            locate=locate,
+            restartable=True,
+        )
+        started = time.monotonic()
+        with pytest.raises(Exception) as info:
+            await link.join((CONFIG, 0, "dist_sync", "session"), started + deadline_s, failure)
+    return info.value, time.monotonic() - started
+
+
+async def test_a_hung_scheduler_does_not_hold_a_first_stream_past_its_deadline():
+    """Between retries a restartable server's address is asked of the scheduler; a lookup
+    that hangs (a scheduler that stopped answering) is cut at the connect deadline. Before,
+    it held the join for the lookup's own timeout (8 s here; 300 s by default)."""
+
+    async def hung(rank: int) -> None:
+        await asyncio.sleep(8)
+
+    error, took_s = await _join_refused(hung)
+    assert isinstance(error, ConnectTimeoutError), error
+    assert took_s < 6, took_s  # the lookup alone would take 8 s
+
+
+async def test_a_failed_job_ends_the_retries_and_skips_the_lookup():
+    looked: list[int] = []
+
+    async def locate(rank: int) -> None:
+        looked.append(rank)
+
+    failed = PeerLostError("the job failed: the scheduler has not answered")
+    error, _ = await _join_refused(locate, failure=lambda: failed, deadline_s=30)
+    assert error is failed
+    assert looked == []
