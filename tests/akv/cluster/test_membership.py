@@ -36,6 +36,6 @@ async def test_a_closed_membership_asks_the_scheduler_nothing_more():
     await membership.close()
     with pytest.raises(TransportError, match="the client is closed"):
         await membership.report_lost("node-1", "worker", 0, "gone")
-    assert membership.client._session is None  # nothing opened that nobody closes
+    assert membership._client is None  # nothing made, nothing opened that nobody closes
     assert await membership.verdict("worker", 0, "gone", True, 1.0) is None
     await membership.close()  # idempotent

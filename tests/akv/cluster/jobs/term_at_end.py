@@ -3,10 +3,11 @@
 
 Run under ``akv-launch -n 2 -s 1`` with a heartbeat interval of seconds. Both workers
 push and pull a round and close their stores. While worker 0 closes, a thread of it sends
-server 0 SIGTERM as soon as the scheduler says both workers finished: the signal lands as
-the server learns that the job ended and stops (before its stop, or during it); worker 0
-then stays until the server exited, so that the launcher sees the server's exit while a
-worker still runs.
+server 0 SIGTERM as soon as the scheduler says both workers finished; worker 0's stream to
+the server stays open until the signal was sent, so that the server has not learnt that the
+job ended (it learns it at once when every worker's stream ended after its goodbye, else at
+its next heartbeat): the signal lands before its stop. Worker 0 then stays until the
+server exited, so that the launcher sees the server's exit while a worker still runs.
 """
 
 import os
@@ -18,6 +19,15 @@ import numpy as np
 from scheduler_view import finished_workers, server_pids
 
 import akv
+from akv.cluster.worker import link as _link
+
+signalled = threading.Event()
+_close = _link.ServerLink.close
+
+
+def _close_once_signalled(self) -> None:
+    signalled.wait(30)  # (on worker 0's loop, in its close, once its goodbyes were said)
+    _close(self)
 
 
 def stop_once_both_finished(server: int) -> None:
@@ -26,6 +36,7 @@ def stop_once_both_finished(server: int) -> None:
         assert time.monotonic() < deadline, "the workers did not finish within 30 s"
         time.sleep(0.005)
     os.kill(server, signal.SIGTERM)
+    signalled.set()
 
 
 with akv.create("dist_sync") as kv:
@@ -35,6 +46,7 @@ with akv.create("dist_sync") as kv:
     rank, server = kv.rank, server_pids()[0]
     stopper = threading.Thread(target=stop_once_both_finished, args=(server,))
     if rank == 0:
+        _link.ServerLink.close = _close_once_signalled
         stopper.start()
 if rank == 0:
     stopper.join()
