@@ -95,7 +95,7 @@ def pairs(keys: object, values: object, what: str) -> list[tuple[Key, list[Any]]
                 raise InvalidArgumentError(f"{what} for key {key!r}: empty list of values")
             if all(isinstance(item, (int, float, complex)) for item in items):
                 raise InvalidArgumentError(
-                    f"{what} for key {key!r}: got a list of {len(items)} numbers; a list given "
+                    f"{what} for key {key!r}: got a list of numbers ({len(items)}); a list given "
                     "for one key holds its arrays (one per device), not the numbers "
                     "of one array: pass np.asarray(...) of them"
                 )

@@ -139,8 +139,10 @@ def check_numeric(dtype: np.dtype, key: object, what: str) -> None:
     ------
     UnsupportedDTypeError
     """
-    if dtype.kind in "biufc" or dtype.type.__module__.startswith("ml_dtypes"):
-        return  # (ml_dtypes: bfloat16, the float8 types...)
+    if dtype.kind in "biufc" or dtype.name == "bfloat16":
+        return
+    if dtype.type.__module__.startswith("ml_dtypes") and dtype.name.startswith("float"):
+        return  # (ml_dtypes' float8 types...)
     raise UnsupportedDTypeError(
         f"{what} for key {key!r}: dtype {dtype} is not a number type, which a store sums "
         "and updates; convert the value to one first"

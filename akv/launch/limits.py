@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "DEFAULT_GRACE_S",
+    "ENDED_GRACE_S",
     "MAX_LINE_BYTES",
     "MPI_VERSION_TIMEOUT_S",
     "NVIDIA_SMI_TIMEOUT_S",

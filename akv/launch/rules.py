@@ -126,8 +126,10 @@ class ExitRules:
     ) -> None:
         self._specs = list(specs)
         self._grace_s = grace_s
-        #: The grace of the drain under way (``grace_s``, or :data:`ENDED_GRACE_S`).
+        #: The grace of the drain under way (``grace_s``, or :data:`ENDED_GRACE_S`), and
+        #: since when it counts.
         self._drain_s = grace_s
+        self._drain_after = "every worker finished"
         self._report_grace_s = report_grace_s
         self._max_restarts = max_restarts
         self._failure: Decision | None = None
@@ -254,7 +256,7 @@ class ExitRules:
         return Decision(
             "stop",
             0,
-            f"{left} still running {self._drain_s:g} s after every worker finished; terminating",
+            f"{left} still running {self._drain_s:g} s after {self._drain_after}; terminating",
         )
 
     def report_expired(self) -> Decision:
@@ -283,6 +285,7 @@ class ExitRules:
             return None
         self._draining = True
         self._drain_s = min(self._grace_s, ENDED_GRACE_S)
+        self._drain_after = "the job ended well"
         left = ", ".join(self._running_labels())
         return Decision(
             "drain",

@@ -366,9 +366,14 @@ def _decode(source: BinaryIO, row_tables: bool) -> SavedStates:
     not_ours = "optimizer states are not an akv state archive"
     # Shorter than a zip file's end record: zipfile's own words for bytes, said alike for a
     # file (whose seek before its start zipfile would report as a ValueError).
-    if source.seek(0, io.SEEK_END) < _ZIP_END_BYTES:
+    try:
+        source.seek(0, io.SEEK_END)
+        size: int | None = source.tell()
+        source.seek(0)
+    except (OSError, ValueError):  # not seekable: zipfile says why below
+        size = None
+    if size is not None and size < _ZIP_END_BYTES:
         raise StateFormatError(f"{not_ours}: File is not a zip file")
-    source.seek(0)
     try:
         archive = zipfile.ZipFile(source)
     except _ZIP_ERRORS as exc:

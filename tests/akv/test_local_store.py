@@ -287,10 +287,10 @@ def test_bad_arguments_are_typed_errors(kv):
 
 def test_a_list_of_numbers_for_one_key_says_a_list_holds_arrays(kv):
     kv.init(1, ones(4))
-    listed = r"got a list of 4 numbers; a list given for one key holds its arrays"
+    listed = r"got a list of numbers \(4\); a list given for one key holds its arrays"
     with pytest.raises(InvalidArgumentError, match=r"^push for key 1: " + listed):
         kv.push(1, [1.0, 2.0, 3.0, 4.0])
-    with pytest.raises(InvalidArgumentError, match=r"^init for key 2: got a list of 2 numbers"):
+    with pytest.raises(InvalidArgumentError, match=r"^init for key 2: got a list of numbers \(2\)"):
         kv.init(2, [1.0, 2.0])
     with pytest.raises(InvalidArgumentError, match=r"got float 1\.0: pass an array \(np"):
         kv.push(1, 1.0)  # no list: no word of lists

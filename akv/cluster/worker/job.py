@@ -102,6 +102,8 @@ async def pass_barrier(
             raise scheduler_refusal(exc) from exc
         except TransportError as exc:
             raise PeerLostError(f"the scheduler did not answer a barrier: {exc}") from exc
+        if not isinstance(answer, dict):
+            raise PeerLostError(f"the scheduler answered a barrier with {answer!r}")
         if "passed" in answer:
             return
         if time.monotonic() > deadline:

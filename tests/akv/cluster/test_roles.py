@@ -387,6 +387,19 @@ def test_a_port_another_process_holds_is_one_line_naming_it_not_a_traceback(
     assert done.stderr.count("\n") == 1, done.stderr
 
 
+async def test_a_host_that_does_not_resolve_says_the_resolvers_words():
+    from aiohttp import web
+
+    from akv.cluster.roles import listen
+
+    config = _config.from_env({**JOB, "AKV_ROLE": "server"})
+    with pytest.raises(ConfigError) as info:
+        await listen(web.Application(), config, "no-such-host.invalid", 0, setting="X", advice="a")
+    message = str(info.value)
+    assert message.startswith("X=0: cannot listen on no-such-host.invalid:0: "), message
+    assert "Unknown error" not in message, message  # a resolver's errno is not the system's
+
+
 @pytest.mark.parametrize(("role", "exit_code"), [("scheduler", 2), ("server", 1)])
 def test_a_tls_file_that_cannot_be_read_is_named_not_taken_for_the_port(tmp_path, role, exit_code):
     missing = tmp_path / "missing.pem"

@@ -323,7 +323,7 @@ def test_a_restarted_server_gets_a_short_grace_once_the_scheduler_and_workers_en
     assert (ended.action, ended.grace_s) == ("drain", 2.0), ended
     assert ended.message.endswith("the job ended well; waiting up to 2 s for server 0 to stop")
     expired = rules.grace_expired()
-    assert expired.message == "server 0 still running 2 s after every worker finished; terminating"
+    assert expired.message == "server 0 still running 2 s after the job ended well; terminating"
     assert (expired.action, expired.exit_code) == ("stop", 0)
 
 

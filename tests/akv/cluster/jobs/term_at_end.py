@@ -31,12 +31,14 @@ def _close_once_signalled(self) -> None:
 
 
 def stop_once_both_finished(server: int) -> None:
-    deadline = time.monotonic() + 30
-    while len(finished_workers()) < 2:
-        assert time.monotonic() < deadline, "the workers did not finish within 30 s"
-        time.sleep(0.005)
-    os.kill(server, signal.SIGTERM)
-    signalled.set()
+    try:
+        deadline = time.monotonic() + 30
+        while len(finished_workers()) < 2:
+            assert time.monotonic() < deadline, "the workers did not finish within 30 s"
+            time.sleep(0.005)
+        os.kill(server, signal.SIGTERM)
+    finally:  # (a failure here must not hold worker 0's close)
+        signalled.set()
 
 
 with akv.create("dist_sync") as kv:

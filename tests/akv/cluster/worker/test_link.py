@@ -76,13 +76,19 @@ async def test_a_hung_scheduler_does_not_hold_a_first_stream_past_its_deadline()
     assert took_s < 6, took_s  # the lookup alone would take 8 s
 
 
-async def test_a_failed_job_ends_the_retries_and_skips_the_lookup():
+async def test_a_job_failed_during_the_retry_pause_skips_the_lookup_and_ends_the_retries():
     looked: list[int] = []
 
     async def locate(rank: int) -> None:
         looked.append(rank)
 
     failed = PeerLostError("the job failed: the scheduler has not answered")
-    error, _ = await _join_refused(locate, failure=lambda: failed, deadline_s=30)
+    asked: list[int] = []
+
+    def failure() -> PeerLostError | None:  # none at the first refusal, then failed
+        asked.append(1)
+        return None if len(asked) == 1 else failed
+
+    error, _ = await _join_refused(locate, failure=failure, deadline_s=30)
     assert error is failed
-    assert looked == []
+    assert looked == []  # no lookup once the job failed
