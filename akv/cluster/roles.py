@@ -124,8 +124,8 @@ async def listen(
         return await serve(app, host, port, ssl_context=context, sock=sock, **bounds)
     except OSError as exc:
         # The system's words: the loop's own strerror repeats the address.
-        known = exc.errno is not None and exc.errno > 0 and not isinstance(exc, socket.gaierror)
-        reason = os.strerror(exc.errno) if known else (exc.strerror or str(exc))
+        errno = None if isinstance(exc, socket.gaierror) else exc.errno  # (the resolver's)
+        reason = os.strerror(errno) if errno else (exc.strerror or str(exc))
         raise ConfigError(
             f"{setting}={port}: cannot listen on {_config.format_address(host, port)}: "
             f"{reason}; {advice}"
