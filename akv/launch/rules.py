@@ -46,8 +46,9 @@ class Decision:
 
     ``continue``: keep waiting. ``restart``: start process ``index`` (a server that failed)
     again from the same spec, then report it with :meth:`ExitRules.started`. ``drain``: every
-    worker finished; start the grace period for the scheduler and servers. ``report``: the
-    scheduler or a server failed; give the workers their report grace to say so and exit.
+    worker finished; start the grace period (``grace_s``) for the scheduler and servers.
+    ``report``: the scheduler or a server failed; give the workers their report grace to say
+    so and exit.
     ``stop``: end the job with ``exit_code``. ``message`` (may be empty) is printed by the
     launcher as ``akv-launch: <message>``.
     """
@@ -57,8 +58,8 @@ class Decision:
     message: str = ""
     #: The process to start again (``restart`` only).
     index: int | None = None
-    #: ``drain`` only: its grace, when not the launcher's ``grace_s`` (a shorter one).
-    grace_s: float | None = None
+    #: ``drain`` only: how long the processes left get to stop (seconds; inf: no bound).
+    grace_s: float = math.inf
 
 
 def exit_code_of(returncode: int) -> int:
@@ -307,7 +308,7 @@ class ExitRules:
             done += " (they stop when the whole job ended)"
         else:
             done = f"every worker finished: waiting up to {self._grace_s:g} s for {left} to stop"
-        return Decision("drain", 0, f"{what}; {done}")
+        return Decision("drain", 0, f"{what}; {done}", grace_s=self._grace_s)
 
     @staticmethod
     def _restartable(spec: ProcessSpec) -> bool:

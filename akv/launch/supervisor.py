@@ -248,8 +248,8 @@ class _Supervisor:
             expired = rules.grace_expired
             while decision.action != "stop":
                 if decision.action == "drain":
-                    grace_s = self._grace_s if decision.grace_s is None else decision.grace_s
-                    deadline, expired = time.monotonic() + grace_s, rules.grace_expired
+                    deadline = time.monotonic() + decision.grace_s
+                    expired = rules.grace_expired
                 elif decision.action == "report":
                     deadline = time.monotonic() + REPORT_GRACE_S
                     expired = rules.report_expired

@@ -299,10 +299,8 @@ class RayJob:
         try:
             while decision.action != "stop":
                 if decision.action == "drain":
-                    grace_s = decision.grace_s
-                    if grace_s is None:
-                        grace_s = self._options.grace_s
-                    deadline, expired = time.monotonic() + grace_s, rules.grace_expired
+                    deadline = time.monotonic() + decision.grace_s
+                    expired = rules.grace_expired
                 elif decision.action == "report":
                     deadline, expired = time.monotonic() + REPORT_GRACE_S, rules.report_expired
                 decision = self._next_decision(deadline, expired, rules)

@@ -144,7 +144,8 @@ class DistBackend:
         self._sweeper: asyncio.Task[None] | None = None
         self._blames: set[asyncio.Task[None]] = set()
         self._closed = False
-        #: Set once the store broke (the job failed): see ``pass_barrier``.
+        #: Set once the store broke (``fail``, the one way to the state's failure): see
+        #: ``pass_barrier``.
         self._broken = asyncio.Event()
         # Instructions met while carrying out others wait for them (see ``handle``).
         self._executing = False
@@ -266,6 +267,7 @@ class DistBackend:
             rank = self.membership.rank  # (also while it joins)
             log.error("worker %s: %s", "?" if rank is None else rank, error)
         self.handle(JobFailed(error))
+        self._broken.set()  # (ends a barrier's wait on a scheduler that stopped answering)
 
     # ------------------------------------------------------------ carrying out
 
@@ -275,8 +277,6 @@ class DistBackend:
         lets the next one on its key start): what those say waits until these are done,
         so that what is written keeps the order it was decided in."""
         instructions = self.state.handle(event)
-        if self.state.failure is not None:
-            self._broken.set()  # (ends a barrier's wait on a scheduler that stopped answering)
         if self._executing:
             self._queued.extend(instructions)
             return

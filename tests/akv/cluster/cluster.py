@@ -10,6 +10,7 @@ with shared memory on and off.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import secrets
@@ -182,6 +183,21 @@ def launch(
             f"akv-launch {list(args)} ran past {timeout} s:\n{stdout}\n{stderr}"
         ) from exc
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def printed(done: subprocess.CompletedProcess[str], field: str | None = None) -> list[dict]:
+    """The JSON objects a :func:`launch`-ed job's workers printed (``[worker N] {...}``
+    lines), in order; only those holding ``field`` when given."""
+    found = []
+    for line in done.stdout.splitlines():
+        if not line.startswith("[worker"):
+            continue
+        text = line.split("] ", 1)[1]
+        if text.startswith("{"):
+            value = json.loads(text)
+            if field is None or field in value:
+                found.append(value)
+    return found
 
 
 def launch_shm_on_and_off(

@@ -11,7 +11,6 @@ its PID.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -38,7 +37,15 @@ from akv.exits import (
     sigterm_raises,
     sigterm_released,
 )
-from tests.akv.cluster.cluster import ROOT, Cluster, free_port, job_env, launch, wait_until
+from tests.akv.cluster.cluster import (
+    ROOT,
+    Cluster,
+    free_port,
+    job_env,
+    launch,
+    printed,
+    wait_until,
+)
 
 JOBS = ROOT / "tests" / "akv" / "cluster" / "jobs"
 pytestmark = pytest.mark.timeout(120)
@@ -202,11 +209,7 @@ def test_a_scheduler_that_hangs_as_the_workers_leave_fails_their_close_at_its_he
         timeout=90,
     )
     output = done.stdout + done.stderr
-    said = [
-        json.loads(line.split("] ", 1)[1])
-        for line in done.stdout.splitlines()
-        if line.startswith("[worker") and '"error"' in line
-    ]
+    said = printed(done, "error")
     assert sorted(s["rank"] for s in said) == [0, 1], output
     for each in said:
         assert each["error"] == "PeerLostError", each

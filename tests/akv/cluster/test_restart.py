@@ -7,7 +7,6 @@ Each job runs under ``akv-launch`` in a process group of its own, bounded in tim
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import sys
 import pytest
 
 from akv.cluster.server.checkpoint import read_snapshot
-from tests.akv.cluster.cluster import launch
+from tests.akv.cluster.cluster import launch, printed
 from tests.akv.cluster.test_jobs import JOBS
 
 pytestmark = pytest.mark.timeout(240)
@@ -56,11 +55,7 @@ def run(
 ) -> tuple[int, str, list[dict]]:
     done = job(mode, checkpoints, shm, restarts)
     output = done.stdout + done.stderr
-    finals = [
-        json.loads(line.split("] ", 1)[1])
-        for line in done.stdout.splitlines()
-        if line.startswith("[worker") and line.split("] ", 1)[1].startswith("{")
-    ]
+    finals = printed(done)
     return done.returncode, output, sorted(finals, key=lambda r: r["rank"])
 
 
@@ -190,11 +185,7 @@ def test_servers_of_a_failed_job_write_a_final_checkpoint_that_a_new_job_starts_
     assert failed.returncode != 0 and "worker 1 fails after its rounds" in failed.stderr
     done = resume(tmp_path, "3600")
     assert done.returncode == 0, done.stdout + done.stderr
-    finals = [
-        json.loads(line.split("] ", 1)[1])
-        for line in done.stdout.splitlines()
-        if line.startswith("[worker") and line.split("] ", 1)[1].startswith("{")
-    ]
+    finals = printed(done)
     assert [(r["emb"], r["d"]) for r in finals] == [([-11.0], [-11.0])] * 2, done.stdout
 
 
@@ -209,13 +200,7 @@ def test_a_new_job_with_the_same_checkpoint_directory_adds_its_rounds_to_the_res
     for _ in range(2):
         done = resume(tmp_path, "0.2")
         assert done.returncode == 0, done.stdout + done.stderr
-        finals.append(
-            [
-                json.loads(line.split("] ", 1)[1])
-                for line in done.stdout.splitlines()
-                if line.startswith("[worker") and line.split("] ", 1)[1].startswith("{")
-            ]
-        )
+        finals.append(printed(done))
     # 1 - 3 rounds x 2 workers, then 3 more rounds on top.
     assert [[(r["emb"], r["d"]) for r in run] for run in finals] == [
         [([-5.0], [-5.0])] * 2,
@@ -241,10 +226,7 @@ def read_back(directory) -> list[dict]:
     """What a later job on ``directory`` restores (digests of every key, per worker)."""
     done = end_kill("read", directory)
     assert done.returncode == 0, done.stdout + done.stderr
-    return sorted(
-        (json.loads(line.split("] ", 1)[1]) for line in done.stdout.splitlines() if "w0" in line),
-        key=lambda r: r["rank"],
-    )
+    return sorted(printed(done, "w0"), key=lambda r: r["rank"])
 
 
 @pytest.fixture(scope="module")
@@ -299,11 +281,7 @@ def test_a_restarted_dist_async_server_applies_the_resent_pushes_in_the_barriers
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert re.search(r"server 1 \(pid \d+\) exited with signal SIGKILL; restarting it", output)
-    finals = [
-        json.loads(line.split("] ", 1)[1])
-        for line in done.stdout.splitlines()
-        if line.startswith("[worker") and '"expected"' in line
-    ]
+    finals = printed(done, "expected")
     assert len(finals) == 2, output
     for final in finals:
         for key in ("w", "emb"):
@@ -327,11 +305,7 @@ def test_a_workers_next_round_after_a_restart_waits_for_its_resent_one(tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "restarting it from its checkpoint" in output, output
-    finals = [
-        json.loads(line.split("] ", 1)[1])
-        for line in done.stdout.splitlines()
-        if line.startswith("[worker") and '"a"' in line
-    ]
+    finals = printed(done, "a")
     assert len(finals) == 2, output
     for final in finals:  # 7 rounds of two pushes of ones at 0.1
         assert final["a"] == pytest.approx([-1.4] * 2)
@@ -354,11 +328,7 @@ def test_a_server_killed_before_a_workers_first_stream_is_reached_at_its_restart
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert re.search(r"server 1 \(pid \d+\) exited with signal SIGKILL; restarting it", output)
-    finals = [
-        json.loads(line.split("] ", 1)[1])
-        for line in done.stdout.splitlines()
-        if line.startswith("[worker") and '"ends"' in line
-    ]
+    finals = printed(done, "ends")
     assert sorted(final["rank"] for final in finals) == [0, 1], output
     for final in finals:  # no optimizer: each round's sum of two pushes of ones
         assert final["ends"] == [2.0, 2.0], output

@@ -48,6 +48,19 @@ def run_python(code: str, env: dict[str, str], timeout: float = 60) -> subproces
     )
 
 
+def run_role_command(role: str, *args: str, **extra: str) -> subprocess.CompletedProcess:
+    """``python -m akv.cluster.ROLE ARGS`` in a clean environment with ``JOB`` and
+    ``extra`` (this checkout importable)."""
+    return subprocess.run(
+        [sys.executable, "-m", f"akv.cluster.{role}", *args],
+        capture_output=True,
+        text=True,
+        env=clean_env(**{**JOB, "PYTHONPATH": str(ROOT), **extra}),
+        cwd=ROOT,
+        timeout=60,
+    )
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without any job variable, plus ``extra``."""
     env = {
@@ -179,17 +192,7 @@ def test_a_hint_names_the_flag_of_the_variable_in_the_message_and_only_whole_nam
 
 
 def test_a_bad_log_level_is_one_line_and_exit_2_not_a_traceback():
-    env = clean_env(
-        **{**JOB, "DMLC_PS_ROOT_PORT": "1", "AKV_LOG_LEVEL": "verbose", "PYTHONPATH": str(ROOT)}
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "akv.cluster.scheduler"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=60,
-    )
+    done = run_role_command("scheduler", DMLC_PS_ROOT_PORT="1", AKV_LOG_LEVEL="verbose")
     assert done.returncode == 2
     assert done.stderr == (
         "akv-scheduler: AKV_LOG_LEVEL='verbose' is not a log level: set it to DEBUG, INFO, "
@@ -339,15 +342,7 @@ def test_only_the_server_lists_advertise_and_the_scheduler_explains_why(capsys):
 
 
 def test_akv_server_bound_to_a_wildcard_without_advertise_exits_2_with_one_line():
-    env = clean_env(**{**JOB, "PYTHONPATH": str(ROOT)})
-    done = subprocess.run(
-        [sys.executable, "-m", "akv.cluster.server", "--host", "0.0.0.0"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=60,
-    )
+    done = run_role_command("server", "--host", "0.0.0.0")
     assert done.returncode == 2
     assert done.stderr.startswith(
         "akv-server: AKV_ADVERTISE is not set, and this server binds the wildcard address "
@@ -371,15 +366,8 @@ def test_a_port_another_process_holds_is_one_line_naming_it_not_a_traceback(
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        env = clean_env(**{**JOB, "PYTHONPATH": str(ROOT), "AKV_CONNECT_TIMEOUT_S": "5"})
-        done = subprocess.run(
-            [sys.executable, "-m", f"akv.cluster.{role}", *(f.format(port=port) for f in flags)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            timeout=60,
-        )
+        args = (f.format(port=port) for f in flags)
+        done = run_role_command(role, *args, AKV_CONNECT_TIMEOUT_S="5")
     assert done.returncode == exit_code, done.stderr
     assert f"{setting}={port}: cannot listen on 127.0.0.1:{port}: " in done.stderr
     assert "address already in use" in done.stderr.lower()
@@ -402,27 +390,12 @@ async def test_a_host_that_does_not_resolve_says_the_resolvers_words():
 
 @pytest.mark.parametrize(("role", "exit_code"), [("scheduler", 2), ("server", 1)])
 def test_a_tls_file_that_cannot_be_read_is_named_not_taken_for_the_port(tmp_path, role, exit_code):
-    missing = tmp_path / "missing.pem"
-    env = clean_env(
-        **{
-            **JOB,
-            "PYTHONPATH": str(ROOT),
-            "AKV_TLS_CERT": str(missing),
-            "AKV_TLS_KEY": str(missing),
-            "AKV_TLS_CA": str(missing),
-        }
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", f"akv.cluster.{role}"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=60,
-    )
+    missing = str(tmp_path / "missing.pem")
+    tls = {"AKV_TLS_CERT": missing, "AKV_TLS_KEY": missing, "AKV_TLS_CA": missing}
+    done = run_role_command(role, **tls)
     assert done.returncode == exit_code, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
-    assert f"TLS (AKV_TLS_CERT={str(missing)!r}, AKV_TLS_KEY=" in done.stderr, done.stderr
+    assert f"TLS (AKV_TLS_CERT={missing!r}, AKV_TLS_KEY=" in done.stderr, done.stderr
     assert "No such file or directory" in done.stderr
     assert "cannot listen" not in done.stderr and "Traceback" not in done.stderr
 

@@ -288,16 +288,23 @@ def test_without_a_verdict_naming_a_process_the_culprit_is_the_first_that_failed
     assert rules.culprit("the scheduler was stopped by a signal (SIGTERM or Ctrl-C)") == 2
 
 
-def test_once_the_scheduler_ended_well_a_servers_exit_fails_nothing():
-    """Server 0 is killed just after its goodbye, while worker 0's process still runs: it is
-    restarted, the scheduler then exits 0 (the job ended well), and the restart, with no
-    job to register with, exits 1. Before, that failed the job (exit 1)."""
+def _server_restarted_after_its_goodbye() -> ExitRules:
+    """Every process started; worker 1 exited 0, and server 0, killed just after its
+    goodbye while worker 0's process still runs, was restarted (pid 201)."""
     rules = ExitRules(_specs(), grace_s=15, max_restarts=1)
     for index, pid in enumerate([100, 101, 102, 103]):
         rules.started(index, pid)
     assert rules.exited(3, 0).action == "continue"  # worker 1
     assert rules.exited(1, -signal.SIGKILL).action == "restart"
     rules.started(1, 201)
+    return rules
+
+
+def test_once_the_scheduler_ended_well_a_servers_exit_fails_nothing():
+    """Server 0 is killed just after its goodbye, while worker 0's process still runs: it is
+    restarted, the scheduler then exits 0 (the job ended well), and the restart, with no
+    job to register with, exits 1. Before, that failed the job (exit 1)."""
+    rules = _server_restarted_after_its_goodbye()
     assert rules.exited(0, 0).action == "continue"  # the scheduler: the job ended well
     late = rules.exited(1, 1)
     assert (late.action, late.exit_code) == ("continue", 0)
@@ -312,12 +319,7 @@ def test_a_restarted_server_gets_a_short_grace_once_the_scheduler_and_workers_en
     register with: it gets 2 s to stop, not the 15 s grace (nor its connect timeout), and
     the job's exit is 0. A server restarted earlier, that only ends its own stop, would stop
     within those 2 s by itself."""
-    rules = ExitRules(_specs(), grace_s=15, max_restarts=1)
-    for index, pid in enumerate([100, 101, 102, 103]):
-        rules.started(index, pid)
-    assert rules.exited(3, 0).action == "continue"  # worker 1
-    assert rules.exited(1, -signal.SIGKILL).action == "restart"
-    rules.started(1, 201)
+    rules = _server_restarted_after_its_goodbye()
     assert rules.exited(2, 0).action == "drain"  # worker 0: the scheduler and server 0 left
     ended = rules.exited(0, 0)  # the scheduler: the job ended well
     assert (ended.action, ended.grace_s) == ("drain", 2.0), ended
@@ -330,12 +332,7 @@ def test_a_restarted_server_gets_a_short_grace_once_the_scheduler_and_workers_en
 def test_the_short_grace_holds_when_the_last_worker_exits_after_the_scheduler():
     """The same, the scheduler exiting 0 before the last worker's process (a worker says
     goodbye, then its process ends): the short grace starts at that exit."""
-    rules = ExitRules(_specs(), grace_s=15, max_restarts=1)
-    for index, pid in enumerate([100, 101, 102, 103]):
-        rules.started(index, pid)
-    assert rules.exited(3, 0).action == "continue"  # worker 1
-    assert rules.exited(1, -signal.SIGKILL).action == "restart"
-    rules.started(1, 201)
+    rules = _server_restarted_after_its_goodbye()
     assert rules.exited(0, 0).action == "continue"  # the scheduler: the job ended well
     ended = rules.exited(2, 0)  # worker 0, the last worker
     assert (ended.action, ended.grace_s) == ("drain", 2.0), ended
@@ -351,6 +348,7 @@ def test_the_scheduler_ending_well_stops_nothing_that_was_not_restarted():
     for index, pid in enumerate([100, 101, 102, 103]):
         rules.started(index, pid)
     assert rules.exited(3, 0).action == "continue"
-    assert rules.exited(2, 0).action == "drain"
+    drain = rules.exited(2, 0)
+    assert (drain.action, drain.grace_s) == ("drain", 15)  # the launcher's grace
     assert rules.exited(0, 0).action == "continue"
     assert rules.exited(1, 0).action == "stop"
