@@ -10,22 +10,16 @@ Thin I/O around the pure parts: :func:`launch` reads the host file, looks for ``
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import os
 import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import BinaryIO
 
-from akv.cluster.config import Config, from_env, parse_log_level
-from akv.cluster.protocol import LAUNCHER_REPORTER
-from akv.cluster.roles import scheduler_client
-from akv.errors import AKVError, LaunchError
+from akv.errors import LaunchError
 from akv.launch.args import (
     LaunchOptions,
     parse_args,
@@ -38,7 +32,6 @@ from akv.launch.hosts import load_hostfile
 from akv.launch.limits import (
     MPI_VERSION_TIMEOUT_S,
     NVIDIA_SMI_TIMEOUT_S,
-    REPORT_EXIT_S,
     TERMINATE_GRACE_S,
 )
 from akv.launch.plans import (
@@ -49,9 +42,8 @@ from akv.launch.plans import (
     mpi_flavour_from_version,
     plan,
 )
-from akv.launch.spec import ProcessSpec
 from akv.launch.supervisor import supervise
-from akv.launch.watch import AssemblyWatch
+from akv.launch.watch import assembly_watch, client_config, failure_reporter
 
 __all__ = ["EXIT_USAGE", "launch", "main"]
 
@@ -162,15 +154,7 @@ def launch(
         for listener in listeners:
             listener.close()
         raise
-    config = _client_config(specs)
-    watch = None
-    if config is not None:
-        level = options.log_level or environ.get("AKV_LOG_LEVEL") or "INFO"
-        try:
-            progress = parse_log_level(level) <= logging.INFO
-        except AKVError:
-            progress = True  # the processes refuse the level themselves, and say so
-        watch = AssemblyWatch(config, progress=progress, token_made=not environ.get("AKV_TOKEN"))
+    config = client_config(specs)
     return supervise(
         specs,
         grace_s=options.grace_s,
@@ -179,54 +163,9 @@ def launch(
         stdout=out,
         stderr=stderr,
         inherited=listeners,
-        report_failure=_failure_reporter(config),
-        watch=watch,
+        report_failure=failure_reporter(config),
+        watch=assembly_watch(config, options, environ),
     )
-
-
-def _client_config(specs: Sequence[ProcessSpec]) -> Config | None:
-    """How this machine reaches the job's scheduler (the address the servers and workers
-    are given, the token, TLS), from a server's or worker's variables (for ``ssh``, those
-    of its remote script); None when they cannot be read here."""
-    member = next((spec for spec in specs if spec.role != "scheduler"), None)
-    if member is None:
-        return None
-    try:
-        return from_env({**member.env, **member.job_env}, role="scheduler")
-    except AKVError:
-        return None
-
-
-def _failure_reporter(config: Config | None) -> Callable[[ProcessSpec, str], None] | None:
-    """What tells the job's scheduler that akv-launch saw one of its processes fail (a
-    worker killed by a signal tells nobody itself; the servers give it
-    ``AKV_RECONNECT_GRACE_S`` to come back, and the job may be stopped before then), so that
-    the scheduler's verdict names it. None when the scheduler's configuration cannot be
-    read here. The report is best effort, bounded by :data:`REPORT_EXIT_S`."""
-    if config is None:
-        return None
-
-    def report(spec: ProcessSpec, what: str) -> None:
-        if spec.rank is None or spec.role == "scheduler":
-            return  # an mpirun/srun group: which rank failed is not known here
-        body = {
-            "reporter": LAUNCHER_REPORTER,
-            "role": spec.role,
-            "rank": spec.rank,
-            "detail": f"{what} (seen by akv-launch)",
-        }
-
-        async def post() -> None:
-            client = scheduler_client(config, REPORT_EXIT_S, retries=0)
-            try:
-                await client.json("POST", "/v1/lost", body)
-            finally:
-                await client.close()
-
-        with contextlib.suppress(Exception):  # the scheduler may be gone: nothing to tell
-            asyncio.run(asyncio.wait_for(post(), REPORT_EXIT_S))
-
-    return report
 
 
 def _make_log_dir(path: str) -> None:

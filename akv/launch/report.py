@@ -9,16 +9,21 @@ process at the end.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from akv.launch.limits import TRACEBACK_MAX_LINES
 from akv.launch.rules import status_text
+from akv.launch.spec import ProcessSpec
 
 __all__ = [
     "Assembly",
+    "Ledger",
     "ProcessRecord",
+    "Tracebacks",
     "assembled_line",
     "assembly",
     "progress_line",
@@ -28,6 +33,9 @@ __all__ = [
 
 #: How many of the processes not yet joined a progress line names; the rest are counted.
 MAX_NAMED = 8
+
+#: How a Python traceback starts on a process's stderr.
+_TRACEBACK_START = b"Traceback (most recent call last):"
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,64 @@ class ProcessRecord:
     restarts: int = 0
     stopped: bool = False
     count: int = 1
+
+
+@dataclass
+class Ledger:
+    """What the closing table shows of each process (by its spec's index): when it first
+    started and last exited, its last exit status (absent or None: not started, or still
+    running), and whether the launcher stopped it; kept by whoever runs the processes."""
+
+    started_at: dict[int, float] = field(default_factory=dict)
+    ended_at: dict[int, float] = field(default_factory=dict)
+    returncodes: dict[int, int | None] = field(default_factory=dict)
+    stopped: set[int] = field(default_factory=set)
+
+    def summary(
+        self, specs: Sequence[ProcessSpec], restarts: Mapping[int, int], now: float
+    ) -> list[str]:
+        """:func:`summary_lines` of every spec (run times of processes still running count
+        to ``now``); no line when no process was started."""
+        if not self.started_at:
+            return []
+        records = [
+            ProcessRecord(
+                spec.role,
+                spec.rank,
+                self.returncodes.get(index),
+                self.ended_at.get(index, now) - self.started_at.get(index, now),
+                restarts.get(index, 0),
+                index in self.stopped,
+                spec.count,
+            )
+            for index, spec in enumerate(specs)
+        ]
+        return summary_lines(records)
+
+
+class Tracebacks:
+    """Each process's latest Python traceback on its stderr, from its first line on (at
+    most :data:`~akv.launch.limits.TRACEBACK_MAX_LINES`, the last ones), for the job's
+    summary: fed every stderr line, by process index."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, collections.deque[bytes]] = {}
+
+    def note(self, index: int, line: bytes) -> None:
+        """Process ``index`` wrote ``line`` (ending in a newline) on its stderr."""
+        if line.startswith(_TRACEBACK_START):
+            self._kept[index] = collections.deque(maxlen=TRACEBACK_MAX_LINES)
+        kept = self._kept.get(index)
+        if kept is not None:
+            kept.append(line)
+
+    def message(self, index: int | None, label: str) -> str:
+        """``worker 1's traceback:`` and its lines, indented; empty when process ``index``
+        left none."""
+        if index is None or not self._kept.get(index):
+            return ""
+        lines = b"".join(b"    " + line for line in self._kept[index])
+        return f"{label}'s traceback:\n{lines.decode(errors='replace')}".rstrip()
 
 
 def summary_lines(records: Sequence[ProcessRecord]) -> list[str]:

@@ -14,7 +14,7 @@ import math
 import re
 import signal
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from akv.cluster.protocol import JOB_FAILED_EXIT
@@ -60,6 +60,9 @@ class Decision:
     index: int | None = None
     #: ``drain`` only: how long the processes left get to stop (seconds; inf: no bound).
     grace_s: float = math.inf
+    #: The exit decided on is the job's first failure: the launcher tells the scheduler
+    #: (:meth:`ExitRules.exited` only).
+    blames: bool = False
 
 
 def exit_code_of(returncode: int) -> int:
@@ -176,7 +179,15 @@ class ExitRules:
         return Decision("stop", code, f"could not start {who}: {error}; stopping the job")
 
     def exited(self, index: int, returncode: int) -> Decision:
-        """Process ``index`` exited with ``returncode`` (negative: killed by that signal)."""
+        """Process ``index`` exited with ``returncode`` (negative: killed by that signal);
+        the decision ``blames`` it when its exit is the job's first failure."""
+        blamed = self._failed_first
+        decision = self._exited(index, returncode)
+        if blamed is None and self._failed_first == index:
+            return replace(decision, blames=True)
+        return decision
+
+    def _exited(self, index: int, returncode: int) -> Decision:
         self._running.discard(index)
         spec = self._specs[index]
         who = spec.describe(self._pids.get(index))

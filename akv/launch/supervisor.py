@@ -10,7 +10,6 @@ end stops every process group it started, by PID: SIGTERM, a grace, then SIGKILL
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import os
@@ -33,9 +32,8 @@ from akv.launch.limits import (
     POLL_INTERVAL_S,
     REPORT_GRACE_S,
     TERMINATE_GRACE_S,
-    TRACEBACK_MAX_LINES,
 )
-from akv.launch.report import ProcessRecord, summary_lines
+from akv.launch.report import Ledger, Tracebacks
 from akv.launch.rules import Decision, ExitRules, scheduler_verdict, status_text
 from akv.launch.spec import ProcessSpec
 from akv_transport import remove_leftovers
@@ -48,9 +46,6 @@ _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers 
 
 #: The mode of the ``--log-dir`` files: the user's only.
 LOG_FILE_MODE = 0o600
-
-#: How a Python traceback starts on a process's stderr.
-_TRACEBACK_START = b"Traceback (most recent call last):"
 
 #: ``prctl`` option that sets the signal a process gets when its parent dies (Linux).
 PR_SET_PDEATHSIG = 1
@@ -196,10 +191,8 @@ class _Supervisor:
         self._report_failure = report_failure
         self._watch = watch
         #: When each spec was first started, and when its newest process exited.
-        self._started_at: dict[int, float] = {}
-        self._ended_at: dict[int, float] = {}
         #: The specs whose process still ran when the launcher stopped the job.
-        self._stopped: set[int] = set()
+        self._ledger = Ledger()
         self._rules: ExitRules | None = None
         self._grace_s = grace_s
         self._max_restarts = max_restarts
@@ -219,8 +212,8 @@ class _Supervisor:
         self._signo: int | None = None
         #: The scheduler's "job failed: ..." reason, the first one it logged.
         self._verdict: str | None = None
-        #: Each process's latest traceback on stderr (see :meth:`_note_traceback`).
-        self._tracebacks: dict[int, collections.deque[bytes]] = {}
+        #: Each process's latest traceback on stderr.
+        self._tracebacks = Tracebacks()
 
     def run(self, inherited: Sequence[socket.socket], handle_signals: bool) -> int:
         rules = self._rules = ExitRules(self._specs, self._grace_s, max_restarts=self._max_restarts)
@@ -298,9 +291,8 @@ class _Supervisor:
             if event.generation != self._generations.get(event.index):
                 continue  # the exit of a process that was since restarted: already judged
             self._let_output_settle(event.index)
-            blamed = rules.culprit(None)
             decision = rules.exited(event.index, event.value)
-            if blamed is None and rules.culprit(None) == event.index and self._report_failure:
+            if decision.blames and self._report_failure is not None:
                 spec = self._specs[event.index]
                 self._report_failure(spec, f"exited with {status_text(event.value)}")
             return decision
@@ -335,7 +327,7 @@ class _Supervisor:
             preexec_fn=_die_with_parent(),
         )
         self._procs[index] = proc
-        self._started_at.setdefault(index, time.monotonic())
+        self._ledger.started_at.setdefault(index, time.monotonic())
         generation = self._generations[index] = self._generations.get(index, 0) + 1
         if spec.stdin is not None and proc.stdin is not None:
             try:
@@ -362,7 +354,7 @@ class _Supervisor:
     def _wait(self, index: int, proc: subprocess.Popen[bytes], generation: int) -> None:
         returncode = proc.wait()
         if self._generations.get(index) == generation:
-            self._ended_at[index] = time.monotonic()
+            self._ledger.ended_at[index] = time.monotonic()
         self._events.put(_Event("exit", index, returncode, generation))
 
     def _restart(self, decision: Decision, rules: ExitRules) -> Decision:
@@ -403,28 +395,15 @@ class _Supervisor:
                 if self._verdict is None and self._specs[index].role == "scheduler":
                     self._verdict = scheduler_verdict(line.decode(errors="replace"))
                 if out is self._stderr:
-                    self._note_traceback(index, line)
+                    self._tracebacks.note(index, line)
                 self._emit(index, out, prefix + line)
-
-    def _note_traceback(self, index: int, line: bytes) -> None:
-        """Keep process ``index``'s latest Python traceback, from its first line on (at
-        most :data:`TRACEBACK_MAX_LINES`, the last ones), for the job's summary."""
-        if line.startswith(_TRACEBACK_START):
-            self._tracebacks[index] = collections.deque(maxlen=TRACEBACK_MAX_LINES)
-        kept = self._tracebacks.get(index)
-        if kept is not None:
-            kept.append(line)
 
     def _show_traceback(self, index: int | None) -> None:
         """Print the traceback of the process the job's failure is blamed on, if it left
         one (the first lines of the summary name it)."""
-        if index is None or not self._tracebacks.get(index):
-            return
-        self._let_output_settle(index)
-        lines = b"".join(b"    " + line for line in self._tracebacks[index])
-        self._say(
-            f"{self._specs[index].label}'s traceback:\n{lines.decode(errors='replace')}".rstrip()
-        )
+        if index is not None:
+            self._let_output_settle(index)
+            self._say(self._tracebacks.message(index, self._specs[index].label))
 
     def _emit(self, index: int, out: BinaryIO, line: bytes) -> None:
         """Write one prefixed line to ``out`` and to process ``index``'s log file."""
@@ -497,7 +476,7 @@ class _Supervisor:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()  # a remote script stops its command on EOF
         groups = {index: proc.pid for index, proc in self._procs.items()}
-        self._stopped = {index for index, proc in self._procs.items() if proc.poll() is None}
+        self._ledger.stopped = {index for index, proc in self._procs.items() if proc.poll() is None}
         for pgid in groups.values():
             _signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + self._terminate_grace_s
@@ -528,26 +507,11 @@ class _Supervisor:
 
     def _say_summary(self) -> None:
         """One line per process: role, rank, last exit, run time, restarts."""
-        if not self._procs:
-            return  # nothing was started (a log file could not be opened)
         restarts = self._rules.restarts if self._rules is not None else {}
-        now = time.monotonic()
-        records = []
-        for index, spec in enumerate(self._specs):
-            proc = self._procs.get(index)
-            started = self._started_at.get(index, now)
-            records.append(
-                ProcessRecord(
-                    spec.role,
-                    spec.rank,
-                    None if proc is None else proc.returncode,
-                    self._ended_at.get(index, now) - started,
-                    restarts.get(index, 0),
-                    index in self._stopped,
-                    spec.count,
-                )
-            )
-        for line in summary_lines(records):
+        self._ledger.returncodes.update(
+            (index, proc.returncode) for index, proc in self._procs.items()
+        )
+        for line in self._ledger.summary(self._specs, restarts, time.monotonic()):
             self._say(line)
 
     def _second_signal(self) -> bool:

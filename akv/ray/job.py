@@ -24,6 +24,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -39,9 +40,11 @@ from akv.errors import JobFailedError, LaunchError
 from akv.launch.args import LOCAL_SCHEDULER_HOST, LaunchOptions
 from akv.launch.limits import REPORT_GRACE_S, TERMINATE_GRACE_S
 from akv.launch.plans import JobContext, job_token, plan_local
-from akv.launch.rules import Decision, ExitRules, scheduler_verdict
+from akv.launch.report import Ledger, Tracebacks
+from akv.launch.rules import Decision, ExitRules, scheduler_verdict, status_text
 from akv.launch.spec import ACTOR_PYTHON, ProcessSpec
 from akv.launch.supervisor import LOG_FILE_MODE
+from akv.launch.watch import AssemblyWatch, assembly_watch, client_config, failure_reporter
 from akv.ray.actors import FunctionWorker, Poll, ProcessActor, WorkerResult
 
 __all__ = [
@@ -133,6 +136,7 @@ class RayJob:
         name: str = "akv-launch",
     ) -> None:
         self._options = options
+        self._environ = environ
         self._token = job_token(environ)
         self._fn = fn
         self._args = tuple(args)
@@ -150,6 +154,14 @@ class RayJob:
         self._start_failed: int | None = None
         self._logs: dict[int, BinaryIO] = {}
         self._group: Any = None
+        # What the closing table and the culprit's traceback need, as the supervisor keeps.
+        self._ledger = Ledger()
+        self._tracebacks = Tracebacks()
+        self._rules: ExitRules | None = None
+        self._watch: AssemblyWatch | None = None
+        self._report_failure: Callable[[ProcessSpec, str], None] | None = None
+        # The watch's thread says its lines beside the driver's.
+        self._write_lock = threading.Lock()
 
     @property
     def actor_names(self) -> list[str]:
@@ -162,12 +174,19 @@ class RayJob:
 
         Raises :class:`LaunchError` when the cluster cannot hold the job (the placement
         group or an actor not placed within their timeouts)."""
+        decision: Decision | None = None
         try:
             rules = self._start()
             decision = self._follow(rules)
             return self._outcome(rules, decision)
         finally:
+            if self._watch is not None:
+                self._watch.stop()
             self._stop_all()
+            self._say_summary()
+            if decision is not None and decision.exit_code != 0 and self._rules is not None:
+                self._say_failure(self._rules)
+            self._close_logs()
 
     # ---- starting
 
@@ -209,12 +228,18 @@ class RayJob:
         for spec in specs[1 + len(servers) :]:
             self._members.append(self._worker(len(self._members), spec))
         self._open_logs()
-        rules = ExitRules(
+        rules = self._rules = ExitRules(
             [m.spec for m in self._members],
             options.grace_s,
             max_restarts=options.max_restarts,
         )
         self._first_answers(rules)
+        config = client_config(specs)
+        self._report_failure = failure_reporter(config)
+        launcher = "akv-launch" if self._fn is None else "akv.ray.launch"
+        self._watch = assembly_watch(config, options, self._environ, launcher=launcher)
+        if self._watch is not None:
+            self._watch.start(self._say)
         return rules
 
     def _plan(self, port: int, fd: int) -> list[ProcessSpec]:
@@ -284,7 +309,7 @@ class RayJob:
                 member.pid = answer.pid
                 polls.append((member, answer))
             rules.started(member.index, member.pid or 0)
-            member.last_poll = time.monotonic()
+            member.last_poll = self._ledger.started_at[member.index] = time.monotonic()
         for member, answer in polls:
             self._take_poll(member, answer, rules)
 
@@ -312,8 +337,6 @@ class RayJob:
             self._say(rules.interrupted(signal.SIGINT).message)
             raise
         self._say(decision.message)
-        if decision.exit_code != 0 and self._verdict is not None:
-            self._say(f"the scheduler's verdict: the job failed: {self._verdict}")
         return decision
 
     def _next_decision(
@@ -322,7 +345,15 @@ class RayJob:
         while True:
             if self._exits:
                 index, returncode = self._exits.popleft()
-                return rules.exited(index, returncode)
+                self._ledger.returncodes[index] = returncode
+                self._ledger.ended_at[index] = time.monotonic()
+                decision = rules.exited(index, returncode)
+                if decision.blames and self._report_failure is not None:
+                    member = self._members[index]
+                    error = member.result.error if member.result is not None else None
+                    what = f"raised {error}" if error else f"exited with {status_text(returncode)}"
+                    self._report_failure(member.spec, what)
+                return decision
             if self._start_failed is not None:
                 member = self._members[self._start_failed]
                 return rules.start_failed(member.index, self._start_error(member))
@@ -377,6 +408,7 @@ class RayJob:
     def _take_poll(self, member: _Member, answer: Poll, rules: ExitRules) -> None:
         if answer.pid is not None and answer.pid != member.pid:  # restarted by Ray
             member.pid, member.reported, member.awaiting_restart = answer.pid, False, False
+            self._ledger.returncodes.pop(member.index, None)  # it runs again
             rules.started(member.index, answer.pid)
             self._say(f"{member.spec.describe(answer.pid)} started again by Ray")
         if answer.dropped:
@@ -470,16 +502,44 @@ class RayJob:
             )
             for ref in ready:
                 with contextlib.suppress(RayActorError):
-                    for stream, line in ray.get(ref).lines:
+                    last = ray.get(ref)
+                    for stream, line in last.lines:
                         self._emit(stopping[ref], stream, line)
+                    self._stopped_with(stopping[ref], last.returncode)
         for member in self._members:
+            self._stopped_with(member, -signal.SIGKILL)  # what ray.kill ends
             with contextlib.suppress(Exception):
                 ray.kill(member.actor, no_restart=True)
         if self._group is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(self._group)
-        self._close_logs()
         self._wait_gone()
+
+    def _stopped_with(self, member: _Member, returncode: int | None) -> None:
+        """Record that the stop ended ``member``'s process with ``returncode``, unless its
+        exit was reported before or it never started."""
+        ledger = self._ledger
+        if member.reported or member.pid is None or member.index in ledger.stopped:
+            return
+        ledger.stopped.add(member.index)
+        ledger.returncodes[member.index] = returncode
+        ledger.ended_at[member.index] = time.monotonic()
+
+    def _say_summary(self) -> None:
+        """The closing table: one line per process (as ``akv-launch --launcher local``)."""
+        restarts = self._rules.restarts if self._rules is not None else {}
+        specs = [member.spec for member in self._members]
+        for line in self._ledger.summary(specs, restarts, time.monotonic()):
+            self._say(line)
+
+    def _say_failure(self, rules: ExitRules) -> None:
+        """Last, where a person looks first: the scheduler's verdict, and the traceback of
+        the process it blames (a command's, from its stderr; a function's is raised)."""
+        if self._verdict is not None:
+            self._say(f"the scheduler's verdict: the job failed: {self._verdict}")
+        index = rules.culprit(self._verdict)
+        if index is not None and not self._members[index].function:
+            self._say(self._tracebacks.message(index, self._members[index].spec.label))
 
     def _wait_gone(self) -> None:
         names = set(self.actor_names)
@@ -497,8 +557,11 @@ class RayJob:
     def _emit(self, member: _Member, stream: int, line: bytes) -> None:
         if member.spec.role == "scheduler" and self._verdict is None:
             self._verdict = scheduler_verdict(line.decode(errors="replace"))
+        if stream == 2:
+            self._tracebacks.note(member.index, line)
         text = f"[{member.spec.label}] ".encode() + line
-        (self._stdout if stream == 1 else self._stderr)(text)
+        with self._write_lock:
+            (self._stdout if stream == 1 else self._stderr)(text)
         log = self._logs.get(member.index)
         if log is not None:
             with contextlib.suppress(OSError, ValueError):
@@ -506,9 +569,11 @@ class RayJob:
                 log.flush()
 
     def _say(self, message: str) -> None:
+        """Print ``{name}: message`` on stderr (from the driver's thread or the watch's)."""
         if not message:
             return
-        self._stderr(f"{self._name}: {message}\n".encode())
+        with self._write_lock:
+            self._stderr(f"{self._name}: {message}\n".encode())
 
     def _open_logs(self) -> None:
         """Create ``--log-dir`` (0700) and open each process's file in it (0600)."""

@@ -9,6 +9,7 @@ module and is shut down at its end. After each job, no actor of it may be left
 from __future__ import annotations
 
 import io
+import os
 import re
 import subprocess
 import sys
@@ -93,10 +94,38 @@ def test_the_training_example_runs_under_akv_launch_with_the_ray_launcher(ray_in
     for _, first, last, accuracy in finals:
         assert float(last) < float(first)
         assert in_band(float(accuracy)), output
-    assert re.search(r"\[scheduler\] .*akv-scheduler listening on 127\.0\.0\.1:\d+", output)
+    assert re.search(r"\[scheduler\] .*akv-scheduler listening on 127\.0\.0\.1:(\d+)", output)
     for rank in (0, 1):
         assert re.search(rf"akv-launch: worker {rank} \(pid \d+\) exited with code 0", output)
+    # What akv-launch says of a local job, it says of a job on Ray: the status page (the
+    # scheduler's own address), who joined, and the closing table of every process.
+    port = re.search(r"akv-scheduler listening on 127\.0\.0\.1:(\d+)", output).group(1)
+    assert f"akv-launch: the job's status page: http://127.0.0.1:{port}/status (" in output
+    assert re.search(r"akv-launch: every process joined: 1 server and 2 workers, in ", output)
+    assert table(done.stderr) == [
+        ["role", "rank", "exit", "run", "time", "restarts"],
+        ["scheduler", "-", "0", "0"],
+        ["server", "0", "0", "0"],
+        ["worker", "0", "0", "0"],
+        ["worker", "1", "0", "0"],
+    ]
     assert akv_actors() == []
+
+
+def table(messages: str, name: str = "akv-launch") -> list[list[str]]:
+    """The closing table in the launcher's ``messages`` (lines ``{name}: ...``): each
+    line's words, run times left out (``1.2 s``)."""
+    lines = messages.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{name}: role "))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith(f"{name}: "):
+            break
+        text = re.sub(r"\s\d+\.\d s\b|\s\d+ min \d\d s\b", "", line.removeprefix(f"{name}: "))
+        rows.append(text.split())
+        if len(rows) == 5:
+            break
+    return rows
 
 
 def test_a_worker_exception_fails_the_launch_with_its_traceback_and_no_actor_survives():
@@ -153,6 +182,13 @@ def test_a_server_killed_by_pid_restarts_from_its_checkpoint_and_the_job_complet
     ), messages
     assert re.search(r"akv\.ray: server 0 \(pid \d+\) started again by Ray", messages), messages
     assert re.search(r"\[server 0\] .*server 0 restored checkpoint \d+", messages), messages
+    page = re.search(
+        r"^akv\.ray: the job's status page: http://127\.0\.0\.1:\d+/status (.*)$", messages, re.M
+    )
+    assert page is not None, messages
+    if "AKV_TOKEN" not in os.environ:  # the token was made for the job: the line says so
+        assert "export AKV_TOKEN before akv.ray.launch to know it" in page.group(1)
+    assert ["server", "0", "0", "1"] in table(messages, "akv.ray"), messages
     assert akv_actors() == []
 
 
@@ -173,7 +209,35 @@ def test_a_failing_command_fails_akv_launch_naming_its_rank(tmp_path):
     assert code == 3, messages
     assert re.search(r"akv-launch: worker 1 \(pid \d+\) exited with code 3", messages), messages
     assert "[worker 1] rank 1\n" in out.getvalue().decode()
+    # The launcher told the scheduler (the workers never joined, so it saw nothing itself),
+    # and its verdict names worker 1, after the closing table.
+    assert ["worker", "1", "3", "0"] in table(messages), messages
+    assert messages.rstrip().endswith(
+        "akv-launch: the scheduler's verdict: the job failed: worker 1 exited with code 3 "
+        "(seen by akv-launch)"
+    ), messages
     log = tmp_path / "logs" / "worker-1.log"
     assert log.read_text() == "[worker 1] rank 1\n"
     assert log.stat().st_mode & 0o777 == 0o600
+    assert akv_actors() == []
+
+
+def test_a_command_that_raises_ends_akv_launch_with_its_traceback(tmp_path):
+    raises_on_rank_1 = (
+        "import os\n"
+        "if os.environ['AKV_RANK'] == '1':\n"
+        "    raise ValueError('rank 1 fails on purpose')"
+    )
+    options = parse_args(
+        ["--launcher", "ray", "-n", "2", "-s", "1", "--", sys.executable, "-c", raises_on_rank_1]
+    )
+    err = io.BytesIO()
+    code = akv_launch(options, stdout=io.BytesIO(), stderr=err)
+    messages = err.getvalue().decode()
+    assert code == 1, messages
+    assert ["worker", "1", "1", "0"] in table(messages), messages
+    # Last, where a person looks first: the failing worker's traceback, from its stderr.
+    traceback = messages[messages.rindex("akv-launch: worker 1's traceback:") :].splitlines()
+    assert traceback[1] == "    Traceback (most recent call last):", messages
+    assert traceback[-1] == "    ValueError: rank 1 fails on purpose", messages
     assert akv_actors() == []
