@@ -77,6 +77,7 @@ from akv_transport.errors import (
     StreamEndedError,
     StreamSilentError,
     TransportError,
+    UntrustedPeerError,
 )
 from akv_transport.frame import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -148,6 +149,7 @@ __all__ = [
     "StreamProtocol",
     "StreamSilentError",
     "TransportError",
+    "UntrustedPeerError",
     "as_array",
     "byte_view",
     "client_ssl_context",

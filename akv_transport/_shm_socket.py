@@ -32,21 +32,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
+from akv_transport._shm_trust import check_listener_path, check_peer
 from akv_transport._shm_wire import (
     DEFAULT_MAX_FDS_PER_MESSAGE,
     DEFAULT_MAX_MESSAGE_BYTES,
     HEADER_BYTES,
-    ExactReader,
     MessageParser,
     ShmMessage,
     check_limits,
     close_fds,
     encode_header,
-    recv_some,
+    recv_message,
     rights,
     take_fds,
 )
-from akv_transport.errors import AuthError, FrameError, TransportError
+from akv_transport.errors import AuthError, FrameError, TransportError, UntrustedPeerError
 
 __all__ = [
     "DEFAULT_MAX_PENDING_CONNECTIONS",
@@ -669,7 +669,7 @@ class ShmListener:
     async def _handshake(self, sock: socket.socket) -> None:
         try:
             hello = await asyncio.wait_for(
-                _recv_message(self._loop, sock, max_bytes=MAX_TOKEN_BYTES, max_fds=0),
+                recv_message(self._loop, sock, max_bytes=MAX_TOKEN_BYTES, max_fds=0),
                 self._handshake_timeout_s,
             )
             if not hmac.compare_digest(hello.data, self._token):
@@ -711,6 +711,9 @@ async def connect_shm(
         When the token is empty or longer than :data:`MAX_TOKEN_BYTES`.
     AuthError
         When the listener refused the token.
+    UntrustedPeerError
+        When the socket, its directory or the process listening is not this user's (the
+        token is not sent: :mod:`akv_transport._shm_trust`).
     TransportError
         When the connection failed, timed out or the answer was not the handshake's (the
         cause is attached).
@@ -721,11 +724,13 @@ async def connect_shm(
     sock.setblocking(False)
 
     async def handshake() -> None:
+        check_listener_path(path)
         await loop.sock_connect(sock, path)
+        check_peer(sock, path)
         await loop.sock_sendall(
             sock, encode_header(len(secret), 0, max_bytes=MAX_TOKEN_BYTES, max_fds=0) + secret
         )
-        answer = await _recv_message(loop, sock, max_bytes=_MAX_ANSWER_BYTES, max_fds=0)
+        answer = await recv_message(loop, sock, max_bytes=_MAX_ANSWER_BYTES, max_fds=0)
         if answer.data == _REFUSED:
             raise AuthError(f"the shm listener at {path!r} refused the token")
         if answer.data != _ACCEPTED:
@@ -741,7 +746,7 @@ async def connect_shm(
             max_fds_per_message=max_fds_per_message,
             max_queued_messages=max_queued_messages,
         )
-    except AuthError:
+    except (AuthError, UntrustedPeerError):
         sock.close()
         raise
     except (TransportError, OSError, asyncio.TimeoutError) as exc:
@@ -750,42 +755,6 @@ async def connect_shm(
     except BaseException:
         sock.close()
         raise
-
-
-async def _recv_message(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, *, max_bytes: int, max_fds: int
-) -> ShmMessage:
-    """Exactly one message from a non-blocking socket (nothing of the next is read)."""
-    reader = ExactReader(max_bytes=max_bytes, max_fds=max_fds)
-    try:
-        while True:
-            try:
-                data, fds = recv_some(sock, reader.wanted, max_fds)
-            except (BlockingIOError, InterruptedError):
-                await _readable(loop, sock)
-                continue
-            message = reader.add(data, fds)
-            if message is not None:
-                return message
-    except OSError as exc:
-        raise TransportError(f"cannot receive an shm message: {exc!r}") from exc
-    finally:
-        reader.close()
-
-
-async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    waiter = loop.create_future()
-    fileno = sock.fileno()
-    loop.add_reader(fileno, _wake, waiter)
-    try:
-        await waiter
-    finally:
-        loop.remove_reader(fileno)
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 def _answer(data: bytes) -> bytes:

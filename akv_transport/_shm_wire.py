@@ -1,5 +1,6 @@
-"""Messages with file descriptors over a Unix stream socket: the framing, without I/O, and
-blocking :func:`send_fds` / :func:`recv_fds`.
+"""Messages with file descriptors over a Unix stream socket: the framing, without I/O,
+blocking :func:`send_fds` / :func:`recv_fds`, and :func:`recv_message` (one message on an
+event loop, for a handshake).
 
 A message is an 8-byte header, then ``nbytes`` of data::
 
@@ -20,6 +21,7 @@ message closes what came with it.
 from __future__ import annotations
 
 import array
+import asyncio
 import contextlib
 import os
 import socket
@@ -40,7 +42,9 @@ __all__ = [
     "close_fds",
     "decode_header",
     "encode_header",
+    "readable",
     "recv_fds",
+    "recv_message",
     "send_fds",
 ]
 
@@ -399,3 +403,41 @@ def check_limits(max_bytes: int, max_fds: int) -> None:
             f"shm message: max_fds {max_fds} is outside [0, MAX_FDS_PER_MESSAGE "
             f"{MAX_FDS_PER_MESSAGE}]"
         )
+
+
+async def recv_message(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, *, max_bytes: int, max_fds: int
+) -> ShmMessage:
+    """Exactly one message from a non-blocking socket (nothing of the next is read), on
+    ``loop``: for a handshake, before a connection reads its stream on its own."""
+    reader = ExactReader(max_bytes=max_bytes, max_fds=max_fds)
+    try:
+        while True:
+            try:
+                data, fds = recv_some(sock, reader.wanted, max_fds)
+            except (BlockingIOError, InterruptedError):
+                await readable(loop, sock)
+                continue
+            message = reader.add(data, fds)
+            if message is not None:
+                return message
+    except OSError as exc:
+        raise TransportError(f"cannot receive an shm message: {exc!r}") from exc
+    finally:
+        reader.close()
+
+
+async def readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Wait until ``sock`` is readable, on ``loop``."""
+    waiter = loop.create_future()
+    fileno = sock.fileno()
+    loop.add_reader(fileno, _wake, waiter)
+    try:
+        await waiter
+    finally:
+        loop.remove_reader(fileno)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -15,6 +15,7 @@ __all__ = [
     "StreamEndedError",
     "StreamSilentError",
     "TransportError",
+    "UntrustedPeerError",
 ]
 
 
@@ -50,6 +51,12 @@ class JSONError(TransportError, ValueError):
 
 class AuthError(TransportError, PermissionError):
     """The peer refused the job's token (HTTP 401)."""
+
+
+class UntrustedPeerError(TransportError):
+    """A local listener is not this user's (its socket, its directory, or the process on
+    the other end belongs to another user, or the directory is open to others): the job's
+    token was not sent to it. Another local user may be posing as a server that is gone."""
 
 
 class RemoteError(TransportError):

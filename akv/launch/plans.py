@@ -478,7 +478,8 @@ def mpi_flavour_from_version(output: str) -> str:
 
 
 def format_dry_run(specs: Sequence[ProcessSpec], token: str) -> str:
-    """The exact commands of a plan as shell text, with ``token`` replaced by :data:`MASK`.
+    """The exact commands of a plan as shell text, with ``token`` replaced by :data:`MASK`
+    in every form the text holds it (as it is, and as quoted for the shell).
 
     A process that gets its variables through its environment is shown as
     ``env K=V ... CMD``; an ``ssh`` process as its command followed by the script it reads
@@ -496,7 +497,12 @@ def format_dry_run(specs: Sequence[ProcessSpec], token: str) -> str:
             assignments = [f"{name}={value}" for name, value in spec.job_env.items()]
             body = shlex.join(["env", *assignments, *spec.argv])
         blocks.append(f"{header}\n{body}")
-    return "\n".join(blocks).replace(token, MASK) + "\n"
+    text = "\n".join(blocks)
+    # shlex.quote leaves a token of safe characters as it is, else wraps it in '...' with
+    # each ' written '"'"': that inner form is masked first (it holds the token's pieces).
+    for form in (token.replace("'", "'\"'\"'"), token):
+        text = text.replace(form, MASK)
+    return text + "\n"
 
 
 # ------------------------------------------------------------------ shared by the plans

@@ -48,6 +48,7 @@ from akv_transport import (
     RemoteError,
     StreamProtocol,
     TransportError,
+    UntrustedPeerError,
     encode_frame,
     open_stream,
 )
@@ -252,6 +253,8 @@ class ServerLink:
             except (TransportError, OSError) as exc:  # e.g. a server that died: try TCP
                 path = self.local[1]
                 level = logging.DEBUG if path == self._said_unreachable else logging.INFO
+                if isinstance(exc, UntrustedPeerError):  # another user's socket: say so
+                    level = logging.WARNING
                 self._said_unreachable = path  # (a restart's retries say it once)
                 log.log(level, "%s: no stream through %s (%r); trying TCP", self.name, path, exc)
         stream.protocol = await open_stream(

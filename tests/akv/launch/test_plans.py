@@ -6,6 +6,7 @@ it on another host, reading ``mpirun --version``, and the ``--dry-run`` text.
 
 from __future__ import annotations
 
+import re
 import shlex
 import signal
 import subprocess
@@ -342,6 +343,20 @@ def test_dry_run_text_shows_exact_commands_and_masks_the_token():
     assert line.replace(TOKEN, MASK) in text
     ssh = "ssh -o BatchMode=yes -o StrictHostKeyChecking=accept-new"
     assert f"{ssh} n1 bash -s <<'AKV_SCRIPT'" in text
+
+
+@pytest.mark.parametrize(
+    "token", ["Zqw'Xvy-Tqx-0123456789abcdef", 'Wkx "Jhy" $Pqz `Rtw` Yuv\\Mnb ' * 3]
+)
+def test_dry_run_masks_a_token_that_the_shell_quotes(token):
+    specs = plan(LaunchOptions(1, 1, ("python", "train.py")), context(token=token))
+    hosts = context(hosts=[Host("n1")], token=token)
+    options = LaunchOptions(1, 1, ("python3", "t.py"), launcher="ssh", hostfile="h")
+    specs += plan(replace(options, scheduler_host="10.0.0.1"), hosts)[1:]
+    text = format_dry_run(specs, token)
+    pieces = [piece for piece in re.split(r"[^A-Za-z0-9]+", token) if len(piece) > 2]
+    assert not [piece for piece in pieces if piece in text], text
+    assert text.count(MASK) == len(specs), text  # each process gets the token once
 
 
 def test_plan_is_the_launchers_own_plan():

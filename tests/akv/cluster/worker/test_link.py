@@ -92,3 +92,34 @@ async def test_a_job_failed_during_the_retry_pause_skips_the_lookup_and_ends_the
     error, _ = await _join_refused(locate, failure=failure, deadline_s=30)
     assert error is failed
     assert looked == []  # no lookup once the job failed
+
+
+async def test_a_server_socket_open_to_others_gets_no_token_and_a_warning(tmp_path, caplog):
+    # Another local user's socket where the server's was (the server is gone): the worker
+    # neither connects to it nor stays quiet about it; it tries TCP, which refuses here.
+    directory = tmp_path / "akv-shm-1-x"
+    directory.mkdir(mode=0o755)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as impostor:
+        impostor.bind(str(directory / "socket"))
+        impostor.listen()
+        impostor.setblocking(False)
+        with socket.socket() as refusing:
+            refusing.bind(("127.0.0.1", 0))
+            port = refusing.getsockname()[1]
+            link = ServerLink(
+                0,
+                0,
+                "127.0.0.1",
+                port,
+                _State(f"server 0 at 127.0.0.1:{port}"),
+                lambda event: None,
+                local=(CONFIG.host_id, str(directory / "socket")),
+            )
+            with pytest.raises(ConnectTimeoutError), caplog.at_level("INFO", "akv.cluster"):
+                opener = (CONFIG, 0, "dist_sync", "session")
+                await link.join(opener, time.monotonic() + 1, lambda: None)
+        with pytest.raises(BlockingIOError):
+            impostor.accept()  # never connected to
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings and "open to other users (mode 755)" in warnings[0].getMessage()
+    assert "trying TCP" in warnings[0].getMessage()
