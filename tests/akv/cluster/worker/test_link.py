@@ -41,22 +41,20 @@ class _State:
         self.name = name
 
 
+def _link(port: int, **options) -> ServerLink:
+    """A link to server 0 at ``127.0.0.1:port``, as a worker makes it (``options``:
+    ``ServerLink``'s keywords)."""
+    state = _State(f"server 0 at 127.0.0.1:{port}")
+    return ServerLink(0, 0, "127.0.0.1", port, state, lambda event: None, **options)
+
+
 async def _join_refused(locate, failure=lambda: None, deadline_s: float = 1.0):
     """``join`` a restartable server whose port refuses connections (bound, not listening);
     return the error and the seconds it took."""
     with socket.socket() as refusing:
         refusing.bind(("127.0.0.1", 0))
         port = refusing.getsockname()[1]
-        link = ServerLink(
-            0,
-            0,
-            "127.0.0.1",
-            port,
-            _State(f"server 0 at 127.0.0.1:{port}"),
-            lambda event: None,
-            locate=locate,
-            restartable=True,
-        )
+        link = _link(port, locate=locate, restartable=True)
         started = time.monotonic()
         with pytest.raises(Exception) as info:
             await link.join((CONFIG, 0, "dist_sync", "session"), started + deadline_s, failure)
@@ -106,15 +104,7 @@ async def test_a_server_socket_open_to_others_gets_no_token_and_a_warning(tmp_pa
         with socket.socket() as refusing:
             refusing.bind(("127.0.0.1", 0))
             port = refusing.getsockname()[1]
-            link = ServerLink(
-                0,
-                0,
-                "127.0.0.1",
-                port,
-                _State(f"server 0 at 127.0.0.1:{port}"),
-                lambda event: None,
-                local=(CONFIG.host_id, str(directory / "socket")),
-            )
+            link = _link(port, local=(CONFIG.host_id, str(directory / "socket")))
             with pytest.raises(ConnectTimeoutError), caplog.at_level("INFO", "akv.cluster"):
                 opener = (CONFIG, 0, "dist_sync", "session")
                 await link.join(opener, time.monotonic() + 1, lambda: None)
