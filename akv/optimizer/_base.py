@@ -9,20 +9,17 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType, SimpleNamespace
-from typing import Any, ClassVar, Literal, TypeAlias, TypeGuard, cast, overload
+from typing import Any, ClassVar, Literal, TypeAlias, overload
 
 import numpy as np
 
 from akv import jit
-from akv.arrays import is_cupy
 from akv.errors import (
-    DTypeMismatchError,
     InvalidArgumentError,
     OptimizerError,
-    ShapeMismatchError,
 )
 from akv.optimizer import lr_scheduler as _lr_scheduler
-from akv.optimizer._kernels import rows_fit
+from akv.optimizer._kernels import check_update_arrays, is_array, rows_fit
 
 Index = int | str
 """A weight's index: the store's key, an ``int`` or a ``str`` as the caller gave it."""
@@ -591,8 +588,11 @@ class Optimizer:
         self._update_count(index)
         self._step(index, weight, grad, state, self._get_lr(index), self._get_wd(index))
 
-    def row_sparse_update(self, index: Index) -> Literal["lazy", "standard"]:
-        """How a row-sparse gradient of ``index`` is applied.
+    def row_sparse_update(
+        self, index: Index, dtype: np.dtype | None = None
+    ) -> Literal["lazy", "standard"]:
+        """How a row-sparse gradient of ``index`` is applied to rows of ``dtype`` (None:
+        whatever their dtype, where it matters: see :class:`SGD`'s).
 
         ``"lazy"`` (MXNet's ``lazy_update``): only the gradient's rows are updated, weight
         and states; rows it does not list keep their weight and state (no weight decay, no
@@ -742,55 +742,6 @@ class Optimizer:
             )
         update(index, master, grad.astype(np.float32), inner)
         np.copyto(weight, master, casting="same_kind")
-
-
-def is_array(value: object) -> TypeGuard[np.ndarray]:
-    """Whether ``value`` is a NumPy array, or a CuPy array (typed as NumPy's: CuPy has no
-    stubs, and the optimizers use only what both have)."""
-    return isinstance(value, np.ndarray) or is_cupy(value)
-
-
-def check_update_arrays(index: Index, weight: object, grad: object) -> np.ndarray:
-    """Check a weight and its gradient; return the gradient as an array.
-
-    The weight is a NumPy array, or a CuPy array whose gradient is on the same GPU.
-    """
-    if not is_array(weight):
-        raise InvalidArgumentError(
-            f"update of index {index!r}: the weight must be a numpy.ndarray (or a "
-            f"cupy.ndarray), got {type(weight).__name__}"
-        )
-    if weight.dtype.kind != "f":
-        raise InvalidArgumentError(
-            f"update of index {index!r}: the weight must be floating-point, got {weight.dtype}"
-        )
-    if isinstance(weight, np.ndarray):
-        if not weight.flags.writeable:
-            raise InvalidArgumentError(f"update of index {index!r}: the weight is read-only")
-        grad = np.asarray(grad)
-    elif not is_cupy(grad) or cast(Any, grad).device != cast(Any, weight).device:
-        raise InvalidArgumentError(
-            f"update of index {index!r}: the weight is on GPU {cast(Any, weight).device.id}, "
-            f"and its gradient must be a cupy.ndarray there too, got {type(grad).__name__}"
-        )
-    assert is_array(grad)
-    if grad.shape != weight.shape:
-        raise ShapeMismatchError(
-            f"update of index {index!r}: gradient shape {grad.shape} does not match the "
-            f"weight shape {weight.shape}",
-            key=index,
-            expected=weight.shape,
-            got=grad.shape,
-        )
-    if grad.dtype != weight.dtype:
-        raise DTypeMismatchError(
-            f"update of index {index!r}: gradient dtype {grad.dtype} does not match the "
-            f"weight dtype {weight.dtype}",
-            key=index,
-            expected=weight.dtype,
-            got=grad.dtype,
-        )
-    return grad
 
 
 def _describe_state(state: State) -> str:

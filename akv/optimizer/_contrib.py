@@ -11,11 +11,11 @@ from akv.optimizer._base import (
     Index,
     Optimizer,
     State,
-    check_update_arrays,
     register,
 )
 from akv.optimizer._kernels import (
     CHUNK_ELEMENTS,
+    check_update_arrays,
     scratch,
     zeros_like,
 )
@@ -80,7 +80,9 @@ class GroupAdaGrad(Optimizer):
             )
         return zeros_like(weight[:, :1])
 
-    def row_sparse_update(self, index: Index) -> Literal["lazy", "standard"]:
+    def row_sparse_update(
+        self, index: Index, dtype: np.dtype | None = None
+    ) -> Literal["lazy", "standard"]:
         """Lazy, as MXNet's.
 
         Raises

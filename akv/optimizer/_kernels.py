@@ -7,12 +7,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import numpy as np
 
-from akv.arrays import cupy_module
+from akv.arrays import cupy_module, is_cupy
+from akv.errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from akv.fused import fused_update
+
+if TYPE_CHECKING:
+    from akv.optimizer._base import Index
 
 CHUNK_ELEMENTS = 1 << 17
 """Elements per pass of the element-wise kernels (512 KiB of float32). An update makes
@@ -170,3 +174,52 @@ def rows_fit(
         if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.shape != slots.shape:
             return False
     return grad.shape[0] == slots.size and bool(table.flags.writeable)
+
+
+def is_array(value: object) -> TypeGuard[np.ndarray]:
+    """Whether ``value`` is a NumPy array, or a CuPy array (typed as NumPy's: CuPy has no
+    stubs, and the optimizers use only what both have)."""
+    return isinstance(value, np.ndarray) or is_cupy(value)
+
+
+def check_update_arrays(index: Index, weight: object, grad: object) -> np.ndarray:
+    """Check a weight and its gradient; return the gradient as an array.
+
+    The weight is a NumPy array, or a CuPy array whose gradient is on the same GPU.
+    """
+    if not is_array(weight):
+        raise InvalidArgumentError(
+            f"update of index {index!r}: the weight must be a numpy.ndarray (or a "
+            f"cupy.ndarray), got {type(weight).__name__}"
+        )
+    if weight.dtype.kind != "f":
+        raise InvalidArgumentError(
+            f"update of index {index!r}: the weight must be floating-point, got {weight.dtype}"
+        )
+    if isinstance(weight, np.ndarray):
+        if not weight.flags.writeable:
+            raise InvalidArgumentError(f"update of index {index!r}: the weight is read-only")
+        grad = np.asarray(grad)
+    elif not is_cupy(grad) or cast(Any, grad).device != cast(Any, weight).device:
+        raise InvalidArgumentError(
+            f"update of index {index!r}: the weight is on GPU {cast(Any, weight).device.id}, "
+            f"and its gradient must be a cupy.ndarray there too, got {type(grad).__name__}"
+        )
+    assert is_array(grad)
+    if grad.shape != weight.shape:
+        raise ShapeMismatchError(
+            f"update of index {index!r}: gradient shape {grad.shape} does not match the "
+            f"weight shape {weight.shape}",
+            key=index,
+            expected=weight.shape,
+            got=grad.shape,
+        )
+    if grad.dtype != weight.dtype:
+        raise DTypeMismatchError(
+            f"update of index {index!r}: gradient dtype {grad.dtype} does not match the "
+            f"weight dtype {weight.dtype}",
+            key=index,
+            expected=weight.dtype,
+            got=grad.dtype,
+        )
+    return grad

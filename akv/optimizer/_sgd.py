@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -11,10 +11,10 @@ from akv.optimizer._base import (
     Index,
     Optimizer,
     State,
-    check_update_arrays,
     register,
 )
 from akv.optimizer._kernels import (
+    check_update_arrays,
     chunk_slices,
     complement,
     product,
@@ -134,6 +134,18 @@ class SGD(Optimizer):
     def create_state(self, index: Index, weight: np.ndarray) -> State:
         return zeros_like(weight) if self.momentum != 0.0 else None
 
+    def row_sparse_update(
+        self, index: Index, dtype: np.dtype | None = None
+    ) -> Literal["lazy", "standard"]:
+        """Lazy with ``lazy_update`` (MXNet's row-sparse ``sgd_update`` and
+        ``sgd_mom_update``), but standard for float16 rows with ``multi_precision``:
+        MXNet's ``mp_sgd_update`` and ``mp_sgd_mom_update`` have no row-sparse form, and
+        its dense fallback updates every row (weight decay and momentum on rows the
+        gradient does not list)."""
+        if self.multi_precision and dtype is not None and np.dtype(dtype) == np.float16:
+            return "standard"
+        return super().row_sparse_update(index, dtype)
+
     def update_rows(self, index: Index, weight: np.ndarray, grad: np.ndarray, state: State) -> None:
         """As :meth:`Optimizer.update_rows`; without momentum, in the evaluation order of
         MXNet's row-sparse kernel, ``(1 - lr*wd) * weight - lr * g``."""
@@ -230,9 +242,24 @@ class NAG(Optimizer):
     def __init__(self, momentum: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.momentum = self._fraction("momentum", momentum)
+        #: Within :meth:`update_rows`: the momentum's weight decay reads the weight from
+        #: before the step.
+        self._rows = False
 
     def create_state(self, index: Index, weight: np.ndarray) -> State:
         return zeros_like(weight) if self.momentum != 0.0 else None
+
+    def update_rows(self, index: Index, weight: np.ndarray, grad: np.ndarray, state: State) -> None:
+        """As :meth:`Optimizer.update_rows`, as MXNet's NAG on a row-sparse key: its kernel
+        has no row-sparse form, and the dense copies MXNet falls back to give it a weight
+        apart from its output, so the momentum's weight-decay term reads the weight from
+        before the step (on a dense key it reads the updated one; with
+        ``multi_precision`` on float16 rows, the updated master copy either way)."""
+        self._rows = not (self.multi_precision and weight.dtype == np.float16)
+        try:
+            super().update_rows(index, weight, grad, state)
+        finally:
+            self._rows = False
 
     def _step(
         self,
@@ -248,6 +275,9 @@ class NAG(Optimizer):
             return
         rescale, clip, momentum = self.rescale_grad, self.clip_gradient, self.momentum
         momentum_plus_one = float(weight.dtype.type(momentum) + weight.dtype.type(1.0))
+        # The momentum's weight decay reads the new weight (see the class), but in
+        # update_rows.
+        decay_new_weight = wd and not self._rows
 
         # MXNet's order: mom *= momentum; weight = (weight - mom) + (momentum + 1) *
         # (mom - lr * total); mom -= lr * (g + wd * new weight).
@@ -267,7 +297,7 @@ class NAG(Optimizer):
             np.multiply(work, momentum_plus_one, out=work)
             np.subtract(w, mom, out=w)
             np.add(w, work, out=w)
-            if wd:
+            if decay_new_weight:
                 np.multiply(w, wd, out=total)
                 np.add(g, total, out=total)
             np.multiply(total, lr, out=work)

@@ -13,11 +13,11 @@ from akv.optimizer._base import (
     Index,
     Optimizer,
     State,
-    check_update_arrays,
     from_config,
-    is_array,
 )
 from akv.optimizer._kernels import (
+    check_update_arrays,
+    is_array,
     zeros_like,
 )
 from akv.optimizer._states import RowStates, StoredRows, decode_states, encode_states
@@ -201,7 +201,7 @@ class Updater:
         StateFormatError
             The states loaded for ``index`` were saved for a dense key.
         """
-        how = self.optimizer.row_sparse_update(index)
+        how = self.optimizer.row_sparse_update(index, table.dtype)
         if index in self.states:
             raise _other_kind(index, "dense", "row-sparse")
         # What the update itself would refuse, asked of no rows (nothing is counted).

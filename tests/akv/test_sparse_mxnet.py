@@ -73,3 +73,55 @@ def test_each_push_leaves_the_weight_mxnet_leaves(case, store):
                 atol=1e-6,
                 err_msg=f"{case}, after push {step + 1}",
             )
+
+
+# Two optimizers that MXNet 1.9.1 has no row-sparse kernel for: it runs their dense kernel on
+# dense copies of the weight and the gradient (its "storage fallback"). The numbers were made
+# with MXNet 1.9.1's local store and the same calls (mx.nd.sparse.row_sparse_array values,
+# kv.row_sparse_pull of every row).
+
+
+@pytest.mark.parametrize(
+    ("momentum", "column"),
+    [
+        (0.0, [0.880859375, 0.8798828125, 0.97998046875]),
+        (0.9, [0.7822265625, 0.87109375, 0.97119140625]),
+    ],
+)
+def test_float16_sgd_with_multi_precision_updates_every_row_as_mxnet(momentum, column):
+    # mp_sgd_update and mp_sgd_mom_update: row 2, never pushed, decays and moves too.
+    optimizer = akv.optimizer.SGD(
+        learning_rate=0.1, momentum=momentum, wd=0.1, multi_precision=True
+    )
+    with akv.create("local") as kv:
+        kv.init(0, RowSparseArray(np.ones((3, 2), np.float16), [0, 1, 2], (3, 2)))
+        kv.set_optimizer(optimizer)
+        for row in (0, 1):
+            kv.push(0, RowSparseArray(np.ones((1, 2), np.float16), [row], (3, 2)))
+        got = kv.row_sparse_pull(0, row_ids=np.arange(3)).to_dense()
+    np.testing.assert_array_equal(got, np.repeat(np.float16(column)[:, None], 2, axis=1))
+
+
+def test_nag_on_a_row_sparse_key_reads_the_old_weight_in_its_momentum_as_mxnet():
+    # nag_mom_update on dense copies: the momentum's weight decay reads the weight from before
+    # the step, where on a dense key (in place) it reads the new one.
+    rows = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    with akv.create("local") as kv:
+        kv.init(0, RowSparseArray(rows, [0, 1], (2, 2)))
+        kv.init(1, rows)
+        kv.set_optimizer(akv.optimizer.NAG(learning_rate=0.1, momentum=0.9, wd=0.5))
+        for _ in range(3):
+            kv.push(0, RowSparseArray(np.ones((1, 2), np.float32), [0], (2, 2)))
+            kv.push(1, np.array([[1.0, 1.0], [0.0, 0.0]], np.float32))
+        sparse = kv.row_sparse_pull(0, row_ids=np.arange(2)).to_dense()
+        dense = kv.pull(1)
+    mxnet_sparse = [
+        [-0.10561215877532959, 0.5258505344390869],
+        [1.8943877220153809, 2.525850296020508],
+    ]
+    mxnet_dense = [
+        [-0.06987869739532471, 0.5734952688217163],
+        [1.9301214218139648, 2.5734949111938477],
+    ]
+    np.testing.assert_array_equal(sparse, np.float32(mxnet_sparse))
+    np.testing.assert_array_equal(dense, np.float32(mxnet_dense))
