@@ -198,6 +198,7 @@ class KVStore(KVStoreBase):
         (Ctrl-C, SIGTERM) while it waits, say at the exit barrier, it leaves as
         ``__exit__`` does after an exception, then raises the interruption.
         """
+        self._inner._check_reentry()  # (the close itself runs on the loop's thread)
         if not self._loop_thread.running:
             return
         try:

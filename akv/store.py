@@ -373,9 +373,10 @@ class AsyncKVStore:
         if type(priority) is not int:
             priority = check_priority(priority, "pushpull")
         no_row_pushpull(self._keys, key)
-        values = self._compressed(self._values(group(key, value, "pushpull")))
+        values = self._values(group(key, value, "pushpull"))
         result = value if out is None else out
-        targets = self._targets(key, result)
+        targets = self._targets(key, result)  # (checked before compression changes residuals)
+        values = self._compressed(values)
         taken = self._backend.pushpull(values, targets, result, priority, self._caller_waits)
         self._pushed = True
         return taken
@@ -538,9 +539,10 @@ class AsyncKVStore:
         (``asyncio.wait_for(kv.close(), t)`` timing out) leaves the close going on: a later
         ``close()`` waits for it (it raised ``CancelledError`` for ever).
         """
+        self._check_reentry()
         if self._closing is None:
-            self._closed = True
             self._closing = asyncio.ensure_future(self._shutdown(None))
+            self._closed = True
         return asyncio.shield(self._closing)
 
     def _leave_failed(self, exc: BaseException) -> asyncio.Future[None]:
@@ -602,12 +604,16 @@ class AsyncKVStore:
                     self._holds_sigterm = False
                     sigterm_released()
 
-    def _check_usable(self) -> None:
+    def _check_reentry(self) -> None:
+        """Refuse a call from inside this store's own updater (it would wait for itself)."""
         if GUARD.store is self:
             raise ReentrantCallError(
                 "a store method was called from inside that store's updater; the updater "
                 "must only change `stored` in place"
             )
+
+    def _check_usable(self) -> None:
+        self._check_reentry()
         if self._closed:
             raise ClosedError(f"the {self._type!r} store is closed")
         if self._backend.broken is not None:

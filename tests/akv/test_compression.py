@@ -300,3 +300,15 @@ def test_a_local_store_equals_the_simulation_of_its_senders(name, compression):
         for step in range(grads.shape[0]):
             kv.push(3, list(grads[step]))
             np.testing.assert_array_equal(kv.pull(3), expected[step])
+
+
+def test_a_refused_pushpull_leaves_the_residuals_as_they_were():
+    # The out's shape is checked before the value is compressed: compressing first carried
+    # the refused push's residual into the next push.
+    with akv.create("local") as kv:
+        kv.init(0, np.zeros(4, np.float32))
+        kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+        with pytest.raises(akv.ShapeMismatchError):
+            kv.pushpull(0, f32([0.3] * 4), out=np.zeros(3, np.float32))
+        kv.push(0, f32([0.3] * 4))  # below the threshold: sends zeros, keeps 0.3
+        np.testing.assert_array_equal(kv.pull(0), np.zeros(4, np.float32))

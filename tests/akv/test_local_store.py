@@ -358,6 +358,32 @@ def test_calling_the_store_from_its_updater_raises(kv):
         kv.push(1, ones())
 
 
+@pytest.mark.parametrize("inline_max_bytes", [0, 1 << 20])  # on a worker thread, inline
+def test_closing_the_store_from_its_updater_raises_and_the_store_stays_open(inline_max_bytes):
+    # It waited for the very push that ran it (worker thread), or closed the store on the
+    # way to "no current event loop".
+    kv = akv.create("local", inline_max_bytes=inline_max_bytes)
+    kv.init(1, ones())
+    kv.set_updater(lambda key, recv, stored: kv.close())
+    with pytest.raises(ReentrantCallError, match="inside that store's updater"):
+        kv.push(1, ones())
+    kv.set_updater(None)
+    kv.push(1, ones() * 3)
+    np.testing.assert_array_equal(kv.pull(1), ones() * 3)
+    kv.close()
+
+
+async def test_closing_the_async_store_from_its_updater_raises_and_it_stays_open():
+    kv = await akv.create_async("local", inline_max_bytes=0)
+    kv.init(1, ones())
+    kv.set_updater(lambda key, recv, stored: kv.close())
+    with pytest.raises(ReentrantCallError, match="inside that store's updater"):
+        await kv.push(1, ones())
+    kv.set_updater(None)
+    np.testing.assert_array_equal(await kv.pull(1), ones())
+    await kv.close()
+
+
 def test_set_updater_rejects_non_callables(kv):
     with pytest.raises(InvalidArgumentError, match="callable"):
         kv.set_updater(3)
