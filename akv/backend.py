@@ -91,8 +91,9 @@ class Backend(Protocol):
         """Use ``updater`` for later pushes (None: assignment)."""
         ...
 
-    def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Waitable:
-        """Apply ``optimizer`` to later pushes, where the weights live."""
+    def set_optimizer(self, optimizer: _optimizer.Optimizer, entries: list[Entry]) -> Waitable:
+        """Apply ``optimizer`` to the pushes issued from now on, where the weights live
+        (ordered after the earlier calls on ``entries``, every key of the store)."""
         ...
 
     def init(self, entries: list[Entry], arrays: list[np.ndarray]) -> Waitable:

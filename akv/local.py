@@ -235,8 +235,24 @@ class LocalBackend:
         self.updater = updater
         self._optimizer_updater = None
 
-    def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Task:
-        """Apply ``optimizer`` (per-key state created on first use) to later pushes."""
+    def set_optimizer(self, optimizer: _optimizer.Optimizer, entries: list[Entry]) -> Task:
+        """Apply ``optimizer`` to the pushes issued from now on (each push takes the updater
+        in use at its call). A new configuration of the optimizer in use goes on with its
+        updater (:func:`~akv.optimizer.keeps_states`), reconfigured once the earlier pushes
+        to ``entries`` are applied, before later ones; another starts a new updater (per-key
+        state made at first use)."""
+        current = self._optimizer_updater
+        if self.updater is current and _optimizer.keeps_states(current, optimizer):
+            assert current is not None  # (keeps_states: there is one)
+
+            def reconfigure() -> None:
+                self._settle(entries)
+                held = ((e.key, e.value if e.rows is None else e.rows) for e in entries)
+                current.reconfigure(optimizer, {key: w for key, w in held if w is not None})
+
+            return self._engine.push(
+                reconfigure, writes=[entry.var for entry in entries], name="set_optimizer"
+            )
         updater = _optimizer.get_updater(optimizer)
         self.updater = updater
         self._optimizer_updater = updater

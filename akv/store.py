@@ -459,7 +459,7 @@ class AsyncKVStore:
             raise InvalidArgumentError(
                 f"set_optimizer takes an akv.optimizer.Optimizer, got {type(optimizer).__name__}"
             )
-        done = self._backend.set_optimizer(optimizer)
+        done = self._backend.set_optimizer(optimizer, self._keys.entries())
         self._updates_on_push = True  # once asked (a refusal by the servers comes later)
         return done
 

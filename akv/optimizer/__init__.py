@@ -42,7 +42,7 @@ from akv.optimizer._states import (
     decode_states,
     encode_states,
 )
-from akv.optimizer._updater import Updater, get_updater
+from akv.optimizer._updater import Updater, get_updater, keeps_states
 from akv.optimizer.lr_scheduler import (
     CosineScheduler,
     FactorScheduler,
@@ -87,6 +87,7 @@ __all__ = [
     "encode_states",
     "from_config",
     "get_updater",
+    "keeps_states",
     "lr_scheduler",
     "register",
 ]

@@ -24,7 +24,7 @@ from akv.optimizer._states import RowStates, StoredRows, decode_states, encode_s
 from akv.rows import RowTable
 from akv.sparse import RowSparseArray
 
-__all__ = ["Updater", "get_updater"]
+__all__ = ["Updater", "get_updater", "keeps_states"]
 
 
 class Updater:
@@ -105,7 +105,7 @@ class Updater:
         remade: set[Index] = set()
         for index, state in list(self.states.items()):
             weight = weights.get(index)
-            if not isinstance(weight, np.ndarray):
+            if not is_array(weight):
                 continue
             expected = optimizer.create_state_multi_precision(index, weight)
             if _fits(index, state, expected) or (
@@ -317,6 +317,16 @@ class Updater:
 def get_updater(optimizer: Optimizer) -> Updater:
     """An :class:`Updater` for ``optimizer`` (MXNet's ``get_updater``)."""
     return Updater(optimizer)
+
+
+def keeps_states(updater: Updater | None, optimizer: Optimizer) -> bool:
+    """Whether a store's ``set_optimizer(optimizer)`` goes on with ``updater`` (the same
+    optimizer, new hyper-parameters: :meth:`Updater.reconfigure` keeps the states that
+    still fit, the update counts and the shared state) rather than with a new one (another
+    optimizer, or none before). Every store decides so, local and distributed alike."""
+    return updater is not None and updater.optimizer.get_config()["name"] == (
+        optimizer.get_config()["name"]
+    )
 
 
 def _check_state_fits(index: Index, state: State, expected: State, path: str) -> None:

@@ -876,3 +876,33 @@ def test_a_key_whose_init_failed_is_free_before_its_failure_is_seen_to():
     assert second is not first and table.keys() == ["k"]
     table.discard([first], "refused")  # the late discard of the failed one leaves the new entry
     assert table.keys() == ["k"] and table.get("k", "pull") is second
+
+
+def test_set_optimizer_again_keeps_the_momentum_as_a_distributed_store_does(kv):
+    # The same optimizer with the same or new hyper-parameters goes on with its updater
+    # (states, counts); the local store started afresh (momentum lost) where the servers
+    # keep it, so the same program gave other numbers in the two (found by a review).
+    kv.init(0, np.zeros(2, np.float32))
+    for lr in (0.1, 0.1, 0.2):  # mom = 0.9 * mom - lr * 1; w += mom
+        kv.set_optimizer(akv.optimizer.SGD(learning_rate=lr, momentum=0.9))
+        kv.push(0, np.ones(2, np.float32))
+    np.testing.assert_allclose(kv.pull(0), [-0.661, -0.661], rtol=1e-6)  # not -0.2 - 0.2
+    kv.set_optimizer(akv.optimizer.Adam(learning_rate=0.1))  # another optimizer: fresh
+    kv.push(0, np.ones(2, np.float32))
+    np.testing.assert_allclose(kv.pull(0), [-0.761, -0.761], rtol=1e-5)  # Adam's first step
+
+
+async def test_a_set_optimizer_applies_to_the_pushes_after_it_not_those_queued_before():
+    kv = await akv.create_async("local")
+    kv.init(0, np.zeros(2, np.float32))
+    kv.set_optimizer(akv.optimizer.SGD(learning_rate=0.1))
+    gate = threading.Event()
+    var = kv._keys.get(0, "hold").var
+    held = kv.engine.push(lambda: gate.wait(10), writes=[var], name="hold key 0")
+    early = kv.push(0, np.ones(2, np.float32))  # queued behind the hold: under lr 0.1
+    again = kv.set_optimizer(akv.optimizer.SGD(learning_rate=1.0))
+    late = kv.push(0, np.ones(2, np.float32))  # under lr 1.0
+    gate.set()
+    await asyncio.gather(held, early, again, late)
+    np.testing.assert_allclose(await kv.pull(0), [-1.1, -1.1], rtol=1e-6)  # not -2
+    await kv.close()

@@ -36,7 +36,7 @@ def updater_with(
     itself, keeping its states (those that still fit the keys' ``entries``: see
     :meth:`~akv.optimizer.Updater.reconfigure`), update counts and shared state, where it
     holds the same optimizer (new hyper-parameters); else a new one."""
-    if updater is None or updater.optimizer.get_config()["name"] != config.get("name"):
+    if updater is None or not _optimizer.keeps_states(updater, optimizer):
         return _optimizer.get_updater(optimizer)
     weights = {e.key: e.rows if isinstance(e, RowEntry) else e.private_value() for e in entries}
     updater.reconfigure(optimizer, weights)

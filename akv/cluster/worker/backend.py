@@ -671,10 +671,11 @@ class DistBackend:
         await pass_barrier(self.membership, self._barriers, self._check, self._broken)
         self.handle(BarrierPassed())
 
-    def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Task:
-        """Send the optimizer's name and hyper-parameters (JSON) to every server."""
+    def set_optimizer(self, optimizer: _optimizer.Optimizer, entries: list[Entry]) -> Task:
+        """Send the optimizer's name and hyper-parameters (JSON) to every server, after the
+        earlier calls on ``entries``."""
         self._check()
-        return self._control.set_optimizer(optimizer)
+        return self._control.set_optimizer(optimizer, entries)
 
     def save_states(self, entries: list[Entry], path: Path, dump_optimizer: bool) -> Task:
         """Gather every server's optimizer states into one file (after earlier pushes)."""

@@ -36,11 +36,18 @@ class ControlCalls:
         self._links = links
         self._timeouts = timeouts
 
-    def set_optimizer(self, optimizer: _optimizer.Optimizer) -> Task:
-        """Send the optimizer's name and hyper-parameters (JSON) to every server."""
+    def set_optimizer(self, optimizer: _optimizer.Optimizer, entries: list[Entry]) -> Task:
+        """Send the optimizer's name and hyper-parameters (JSON) to every server, once the
+        earlier pushes to ``entries`` are sent (the servers apply them under the optimizer
+        they were pushed under), before later ones."""
         text = json.dumps(optimizer.get_config())
         return self._engine.push(
-            self._to_all, Op.SET_OPTIMIZER, text, executor="loop", name="set_optimizer"
+            self._to_all,
+            Op.SET_OPTIMIZER,
+            text,
+            writes=[e.var for e in entries],
+            executor="loop",
+            name="set_optimizer",
         )
 
     def save_states(self, entries: list[Entry], path: Path, dump_optimizer: bool) -> Task:
