@@ -324,9 +324,9 @@ def keeps_states(updater: Updater | None, optimizer: Optimizer) -> bool:
     optimizer, new hyper-parameters: :meth:`Updater.reconfigure` keeps the states that
     still fit, the update counts and the shared state) rather than with a new one (another
     optimizer, or none before). Every store decides so, local and distributed alike."""
-    return updater is not None and updater.optimizer.get_config()["name"] == (
-        optimizer.get_config()["name"]
-    )
+    if updater is None:
+        return False
+    return bool(updater.optimizer.get_config()["name"] == optimizer.get_config()["name"])
 
 
 def _check_state_fits(index: Index, state: State, expected: State, path: str) -> None:
