@@ -240,7 +240,7 @@ class DistBackend:
         self._heartbeat.start()
         for link in self.links:
             opener = (self.config, rank, self.type, self.membership.node_id)
-            await link.join(opener, deadline, lambda: self.broken)
+            await link.join(opener, deadline, lambda: self.broken, self._broken)
         self._joined = True
         self._sweeper = self._loop.create_task(self._sweep())
         self._sweeper.add_done_callback(self._sweeper_ended)

@@ -21,7 +21,7 @@ from akv.limits import BLAME_TIMEOUT_S, HEARTBEAT_STOP_S, REPORT_FAILURE_S
 from akv_engine import LoopThread
 from akv_transport import RemoteError, TransportError
 
-__all__ = ["Heartbeat", "pass_barrier", "report_failure", "who_failed"]
+__all__ = ["BROKEN", "Heartbeat", "pass_barrier", "report_failure", "unless", "who_failed"]
 
 log = logging.getLogger("akv.cluster")
 
@@ -94,8 +94,8 @@ async def pass_barrier(
     while True:
         check()
         try:
-            answer = await _unless(broken, membership.client.json("POST", "/v1/barrier", body))
-            if answer is _BROKEN:  # the store broke meanwhile
+            answer = await unless(broken, membership.client.json("POST", "/v1/barrier", body))
+            if answer is BROKEN:  # the store broke meanwhile
                 check()
                 raise PeerLostError("the store broke while it waited at a barrier")
         except RemoteError as exc:
@@ -115,12 +115,12 @@ async def pass_barrier(
             )
 
 
-#: What :func:`_unless` returns when the store broke first.
-_BROKEN = object()
+#: What :func:`unless` returns when the store broke first.
+BROKEN = object()
 
 
-async def _unless(broken: asyncio.Event, request: Awaitable[Any]) -> Any:
-    """``request``'s answer, or :data:`_BROKEN` (the request cancelled) once ``broken`` is
+async def unless(broken: asyncio.Event, request: Awaitable[Any]) -> Any:
+    """``request``'s answer, or :data:`BROKEN` (the request cancelled) once ``broken`` is
     set."""
     answer = asyncio.ensure_future(request)
     waiting = asyncio.ensure_future(broken.wait())
@@ -130,7 +130,7 @@ async def _unless(broken: asyncio.Event, request: Awaitable[Any]) -> Any:
         waiting.cancel()
         if not answer.done():
             answer.cancel()
-    return answer.result() if answer in done else _BROKEN
+    return answer.result() if answer in done else BROKEN
 
 
 async def who_failed(

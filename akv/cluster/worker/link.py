@@ -38,6 +38,7 @@ from akv.cluster.worker.events import (
     StreamOpened,
 )
 from akv.cluster.worker.instructions import Send
+from akv.cluster.worker.job import unless
 from akv.cluster.worker.reconnect import Link
 from akv.cluster.worker.requests import WireArray
 from akv.errors import AKVError, AuthenticationError, ConnectTimeoutError, ServerError
@@ -174,12 +175,14 @@ class ServerLink:
         opener: tuple[Config, int, str, str],
         deadline: float,
         failure: Callable[[], AKVError | None],
+        broken: asyncio.Event | None = None,
     ) -> None:
         """:meth:`open` the first stream (``opener``: its arguments), retrying until
         ``deadline`` (a ``time.monotonic`` reading) while the server cannot be reached; a
         restartable server is looked up again before each retry (killed since it
         registered, its restart listens elsewhere). The job's failure (``failure()``),
-        heard meanwhile, ends the retries.
+        heard meanwhile, ends the retries; ``broken``, set with it, also ends a lookup
+        under way (a scheduler that stopped answering would hold it to the deadline).
 
         Raises
         ------
@@ -215,8 +218,14 @@ class ServerLink:
                 left_s = deadline - time.monotonic()
                 if self.restartable and left_s > 0 and failure() is None:
                     # Bounded by the deadline: a scheduler that hangs answers no lookup.
+                    lookup = self.relocate(rename_state=True)
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self.relocate(rename_state=True), left_s)
+                        await asyncio.wait_for(
+                            lookup if broken is None else unless(broken, lookup), left_s
+                        )
+                    failed = failure()
+                    if failed is not None:
+                        raise failed from exc
 
     async def _connect(
         self, config: Config, worker: int, store_type: str, session: str

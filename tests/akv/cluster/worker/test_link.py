@@ -48,7 +48,7 @@ def _link(port: int, **options) -> ServerLink:
     return ServerLink(0, 0, "127.0.0.1", port, state, lambda event: None, **options)
 
 
-async def _join_refused(locate, failure=lambda: None, deadline_s: float = 1.0):
+async def _join_refused(locate, failure=lambda: None, deadline_s: float = 1.0, broken=None):
     """``join`` a restartable server whose port refuses connections (bound, not listening);
     return the error and the seconds it took."""
     with socket.socket() as refusing:
@@ -57,7 +57,8 @@ async def _join_refused(locate, failure=lambda: None, deadline_s: float = 1.0):
         link = _link(port, locate=locate, restartable=True)
         started = time.monotonic()
         with pytest.raises(Exception) as info:
-            await link.join((CONFIG, 0, "dist_sync", "session"), started + deadline_s, failure)
+            opener = (CONFIG, 0, "dist_sync", "session")
+            await link.join(opener, started + deadline_s, failure, broken)
     return info.value, time.monotonic() - started
 
 
@@ -72,6 +73,24 @@ async def test_a_hung_scheduler_does_not_hold_a_first_stream_past_its_deadline()
     error, took_s = await _join_refused(hung)
     assert isinstance(error, ConnectTimeoutError), error
     assert took_s < 6, took_s  # the lookup alone would take 8 s
+
+
+async def test_a_job_failed_during_a_lookup_ends_it_at_once_not_at_the_deadline():
+    """The job fails (the heartbeat's finding: ``broken`` set) while a lookup hangs: the
+    join raises the failure at once. Before, the lookup held it to the deadline (30 s)."""
+    failed = PeerLostError("the job failed: the scheduler has not answered")
+    broken = asyncio.Event()
+    state: list[PeerLostError] = []
+
+    async def hung(rank: int) -> None:
+        asyncio.get_running_loop().call_later(0.5, lambda: (state.append(failed), broken.set()))
+        await asyncio.sleep(60)
+
+    error, took_s = await _join_refused(
+        hung, failure=lambda: state[0] if state else None, deadline_s=30, broken=broken
+    )
+    assert error is failed
+    assert took_s < 10, took_s
 
 
 async def test_a_job_failed_during_the_retry_pause_skips_the_lookup_and_ends_the_retries():
