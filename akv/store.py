@@ -540,6 +540,10 @@ class AsyncKVStore:
         ``close()`` waits for it (it raised ``CancelledError`` for ever).
         """
         self._check_reentry()
+        broken = self._backend.broken
+        if self._closing is None and isinstance(broken, ClosedError):
+            self._closed = True  # (its loop has closed: nothing is left to say goodbye with)
+            raise broken
         if self._closing is None:
             self._closing = asyncio.ensure_future(self._shutdown(None))
             self._closed = True

@@ -14,6 +14,7 @@ from akv_engine._engine import (
     Engine,
     EngineClosedError,
     EngineError,
+    EngineLoopClosedError,
     EngineStatistics,
 )
 from akv_engine._executors import (
@@ -47,6 +48,7 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "EngineError",
+    "EngineLoopClosedError",
     "EngineStatistics",
     "Executor",
     "Failure",

@@ -18,6 +18,7 @@ from functools import partial
 from types import CoroutineType
 from typing import Any, NoReturn
 
+from akv_engine._errors import EngineClosedError, EngineError, EngineLoopClosedError
 from akv_engine._executors import CallbackExecutor, Executor, LoopExecutor, ThreadExecutor
 from akv_engine._graph import to_dot
 from akv_engine._task import (
@@ -36,7 +37,14 @@ from akv_engine._task import (
 )
 from akv_engine._var import Var
 
-__all__ = ["DEFAULT_SLOTS", "Engine", "EngineClosedError", "EngineError", "EngineStatistics"]
+__all__ = [
+    "DEFAULT_SLOTS",
+    "Engine",
+    "EngineClosedError",
+    "EngineError",
+    "EngineLoopClosedError",
+    "EngineStatistics",
+]
 
 #: Tasks that may run at once when ``Engine(slots=...)`` is not given.
 DEFAULT_SLOTS = 4
@@ -44,14 +52,6 @@ INLINE = "inline"
 THREAD = "thread"
 LOOP = "loop"
 CALLBACK = "callback"
-
-
-class EngineError(Exception):
-    """Base class of the errors the engine raises about its own use."""
-
-
-class EngineClosedError(EngineError, RuntimeError):
-    """A task was pushed after ``close()``."""
 
 
 @dataclass(frozen=True)
@@ -589,9 +589,16 @@ class Engine:
                     else:
                         work.extend(self._finish(task, result, None, None))
                 else:
-                    self._executors[task.executor].submit(
-                        task.fn, task.args, partial(self._on_done, task)
-                    )
+                    try:
+                        self._executors[task.executor].submit(
+                            task.fn, task.args, partial(self._on_done, task)
+                        )
+                    except Exception as exc:
+                        if task._state != RUNNING:  # done() came first: it is not ours
+                            raise
+                        # Never started (its loop has closed): it fails like one that
+                        # raised, so its vars, its slot and its waiters are not held.
+                        work.extend(self._finish(task, None, exc, None))
         finally:
             local.work = outer
             if index < len(work):  # a BaseException stopped the loop: start the rest
@@ -599,13 +606,16 @@ class Engine:
 
     def _on_done(self, task: Task, result: Any, exc: BaseException | None) -> None:
         more = self._finish(task, result, exc, None)
-        if not more:
-            return
+        if more:
+            self._start(more)
+
+    def _start(self, startable: list[Task]) -> None:
+        """Dispatch tasks taken from the ready heap, from a completion on this thread."""
         active = getattr(self._dispatching, "work", None)
         if active is not None:
-            active.extend(more)  # started by the dispatch loop this completion came from
+            active.extend(startable)  # started by the dispatch loop this completion came from
         else:
-            self._dispatch(more)
+            self._dispatch(startable)
 
     def _finish(
         self,
@@ -655,7 +665,15 @@ class Engine:
             event = task._event
             startable = self._take_startable_locked() if ready else []
         if event is not None or callbacks:
-            task._notify(task, event, callbacks or [])
+            try:
+                task._notify(task, event, callbacks or [])
+            except BaseException:
+                # A waiter's callback raised (after every one ran): that is the
+                # completing thread's to see, but the tasks this completion took off the
+                # ready heap (marked running) must still start.
+                if startable:
+                    self._start(startable)
+                raise
         return startable
 
     def _grant_locked(self, granted: list[Task]) -> None:

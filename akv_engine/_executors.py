@@ -19,23 +19,31 @@ from any thread, when the work is finished.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from akv_engine._errors import EngineLoopClosedError
 from akv_engine._loop import LoopThread
 
 __all__ = ["CallbackExecutor", "DoneCallback", "Executor", "LoopExecutor", "ThreadExecutor"]
 
 DoneCallback = Callable[[Any, "BaseException | None"], None]
 
+log = logging.getLogger("akv_engine.executors")
+
 
 class Executor(Protocol):
     """The seam for a new kind of work (registered with ``Engine.register_executor``)."""
 
     def submit(self, fn: Callable[..., Any], args: tuple[Any, ...], done: DoneCallback) -> None:
-        """Start ``fn(*args)``; call ``done(result, None)`` or ``done(None, exc)`` once."""
+        """Start ``fn(*args)``; call ``done(result, None)`` or ``done(None, exc)`` once.
+
+        Raising instead means nothing was started and ``done`` will not be called: the
+        engine then fails the task with that exception.
+        """
         ...
 
     def close(self) -> None:
@@ -85,9 +93,9 @@ class ThreadExecutor(Executor):
             try:
                 result = fn(*args)
             except BaseException as exc:
-                done(None, exc)
+                _call_done(done, None, exc)
             else:
-                done(result, None)
+                _call_done(done, result, None)
 
     def close(self) -> None:
         for _ in self._threads:
@@ -122,13 +130,29 @@ class LoopExecutor(Executor):
         return self._loop
 
     def call(self, callback: Callable[..., Any], *args: Any) -> None:
-        """``callback(*args)`` on the loop's thread: now if this is it, else soon."""
+        """``callback(*args)`` on the loop's thread: now if this is it, else soon.
+
+        Raises
+        ------
+        EngineLoopClosedError
+            When the loop has closed (nothing will ever run on it again).
+        """
         loop = self._loop or self.loop
         # get_running_loop() without the RuntimeError it raises off the loop's thread.
         if asyncio._get_running_loop() is loop:
             callback(*args)
-        else:
+            return
+        try:
             loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError as exc:
+            if not loop.is_closed():
+                raise
+            raise EngineLoopClosedError(
+                f"the event loop {loop!r} that runs this engine's coroutine and callback "
+                "tasks has closed (an engine made inside asyncio.run() serves that run "
+                "only): make the engine in the loop that uses it, or outside any loop "
+                "for a loop thread of its own"
+            ) from exc
 
     def submit(self, fn: Callable[..., Any], args: tuple[Any, ...], done: DoneCallback) -> None:
         self.call(self._start, fn, args, done)
@@ -180,3 +204,13 @@ class CallbackExecutor(Executor):
 
     def close(self) -> None:
         """Nothing of its own to release (the loop belongs to the LoopExecutor)."""
+
+
+def _call_done(done: DoneCallback, result: Any, exc: BaseException | None) -> None:
+    try:
+        done(result, exc)
+    except Exception:
+        # The engine's done completes the task and starts what it readied before it
+        # raises what a waiter's done callback raised; there is nobody to hand that to
+        # here, and raising would end this worker (the GPU executor does the same).
+        log.exception("akv_engine: a task's completion callback raised")

@@ -35,7 +35,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from akv_engine._engine import EngineClosedError, EngineError
+from akv_engine._errors import EngineClosedError, EngineError
 from akv_engine._executors import DoneCallback
 from akv_engine._gpu_events import EventWatcher
 from akv_engine._task import Waitable

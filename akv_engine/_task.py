@@ -64,15 +64,35 @@ def add_note(exception: BaseException, text: str) -> None:
 
 def _wake(loop: asyncio.AbstractEventLoop, thread_id: int, future: asyncio.Future[None]) -> None:
     if threading.get_ident() == thread_id:
-        if not future.done():
+        if not future.done() and not loop.is_closed():
             future.set_result(None)
     else:
-        loop.call_soon_threadsafe(_set_if_pending, future)
+        _call_soon_threadsafe(loop, _set_if_pending, future)
 
 
 def _set_if_pending(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _call_soon_threadsafe(
+    loop: asyncio.AbstractEventLoop,
+    callback: Callable[..., object],
+    *args: Any,
+    context: contextvars.Context | None = None,
+) -> None:
+    """``loop.call_soon_threadsafe(callback, *args)``, or nothing once ``loop`` has closed.
+
+    A waiter whose loop has closed is gone (``asyncio.run()`` cancels what still waits
+    before it closes its loop, and nothing runs on a closed loop again): completing the
+    waitable must not fail for it, since the completion is the engine's, on whatever
+    thread finished the work.
+    """
+    try:
+        loop.call_soon_threadsafe(callback, *args, context=context)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 FutureCallback = Callable[["Waitable"], object]
@@ -140,10 +160,11 @@ class Waitable:
     time they are called. Raising marks the failure as delivered (see :class:`Failure`).
 
     Once it has completed *successfully*, a waitable also passes for a done
-    ``asyncio.Future`` (asyncio's duck typing, ``asyncio.isfuture``), so that
-    ``asyncio.gather``, ``wait``, ``wait_for`` and ``shield`` take it as it is instead of
-    wrapping it in a new ``asyncio.Task``. A pending or failed one is wrapped as any
-    awaitable is (so cancelling the wait works, and raising a failure delivers it).
+    ``asyncio.Future`` (asyncio's duck typing, ``asyncio.isfuture``) on a thread where a
+    loop is running, so that ``asyncio.gather``, ``wait``, ``wait_for`` and ``shield``
+    take it as it is instead of wrapping it in a new ``asyncio.Task``. A pending or failed
+    one is wrapped as any awaitable is (so cancelling the wait works, and raising a
+    failure delivers it), and so is any one that ``loop.run_until_complete`` is given.
     """
 
     __slots__ = ("_callbacks", "_event", "_failure", "_lock", "_name", "_result", "_state")
@@ -234,8 +255,13 @@ class Waitable:
 
     @property
     def _asyncio_future_blocking(self) -> bool | None:
-        # asyncio.isfuture() is true when this is not None: only once completed successfully.
-        return False if self._state == DONE else None
+        # asyncio.isfuture() is true when this is not None: only once completed
+        # successfully, and only while a loop runs on this thread, the loop get_loop()
+        # names. loop.run_until_complete(w) asks before its loop runs: w is then wrapped
+        # as any awaitable (a pending one always is), instead of failing in get_loop().
+        if self._state == DONE and asyncio._get_running_loop() is not None:
+            return False
+        return None
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         """The running loop (asyncio's future protocol: a waitable serves any loop)."""
@@ -259,10 +285,10 @@ class Waitable:
         callback_context = context
 
         def completed(waitable: Waitable) -> None:
-            if threading.get_ident() == thread_id:
+            if threading.get_ident() != thread_id:
+                _call_soon_threadsafe(loop, fn, waitable, context=callback_context)
+            elif not loop.is_closed():  # else nobody is left to call back (see _wake)
                 _call_soon_batched(loop, fn, waitable, callback_context)
-            else:
-                loop.call_soon_threadsafe(fn, waitable, context=callback_context)
 
         self._add_callback(completed)
 
@@ -310,10 +336,21 @@ class Waitable:
         event: threading.Lock | None,
         callbacks: list[Callable[[Waitable], None]],
     ) -> None:
+        """Wake the waiting threads, then call every callback, even after one raised; then
+        raise the first exception a callback raised (noting any others)."""
         if event is not None:
             event.release()  # wakes the threads waiting in result()
+        error: BaseException | None = None
         for callback in callbacks:
-            callback(waitable)
+            try:
+                callback(waitable)
+            except BaseException as exc:  # the other waiters are owed their wake-up
+                if error is None:
+                    error = exc
+                else:
+                    add_note(error, f"another done callback of {waitable.name!r} raised {exc!r}")
+        if error is not None:
+            raise error
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.state}>"

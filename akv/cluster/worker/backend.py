@@ -78,6 +78,7 @@ from akv.compression import Compression, Residuals
 from akv.device import register_gpu_executor
 from akv.errors import (
     AKVError,
+    ClosedError,
     InvalidArgumentError,
     PeerLostError,
     ServerError,
@@ -176,7 +177,15 @@ class DistBackend:
 
     @property
     def broken(self) -> AKVError | None:
-        """The error that broke the store (every later call raises it), or None."""
+        """The error that broke the store (every later call raises it), or None; a
+        :class:`ClosedError` once the event loop the store was made on has closed."""
+        loop = self._loop
+        if self.state.failure is None and loop is not None and loop.is_closed():
+            return ClosedError(
+                f"this {self.type} store was made on an event loop that has closed (an "
+                "asyncio.run() that returned), which held its connections: make the store "
+                "in the loop that uses it, or with akv.create() (a loop thread of its own)"
+            )
         return self.state.failure
 
     # ------------------------------------------------------------ joining the job

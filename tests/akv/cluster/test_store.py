@@ -1166,3 +1166,30 @@ async def test_a_set_optimizer_waits_for_the_pushes_issued_before_it_as_a_local_
             np.testing.assert_array_equal(await program(kv), expected)
         finally:
             await kv.close()
+
+
+def test_a_distributed_store_used_after_its_loop_closed_raises_closed_error_not_a_hang():
+    """A store made inside one ``asyncio.run()`` and used from a later one: each call and
+    the close raise ``ClosedError`` saying why. Before, a push was left running for ever,
+    the close raised a bare ``RuntimeError`` or hung, and so did the second run (found by a
+    review of the async face)."""
+    with Cluster(1, 1) as cluster:
+        made: list[akv.AsyncKVStore] = []
+
+        async def first() -> None:
+            kv = await akv.create_async("dist_sync", environ=cluster.worker_env(0))
+            await kv.init(0, full(0.0))
+            made.append(kv)
+
+        asyncio.run(first())
+        (kv,) = made
+
+        async def second() -> None:
+            with pytest.raises(akv.ClosedError, match="made on an event loop that has closed"):
+                kv.push(0, full(1.0))
+            with pytest.raises(akv.ClosedError, match="made on an event loop that has closed"):
+                await asyncio.wait_for(kv.close(), WAIT_S)
+            with pytest.raises(akv.ClosedError, match="store is closed"):
+                kv.pull(0)
+
+        asyncio.run(asyncio.wait_for(second(), 3 * WAIT_S))
