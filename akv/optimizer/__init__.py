@@ -33,6 +33,7 @@ from akv.optimizer._contrib import GroupAdaGrad
 from akv.optimizer._kernels import (
     CHUNK_ELEMENTS,
 )
+from akv.optimizer._more import LBSGD, SGLD, Test, ccSGD
 from akv.optimizer._sgd import DCASGD, LARS, NAG, SGD, Signum
 from akv.optimizer._states import (
     STATE_FORMAT_NAME,
@@ -58,8 +59,10 @@ __all__ = [
     "FTRL",
     "LAMB",
     "LARS",
+    "LBSGD",
     "NAG",
     "SGD",
+    "SGLD",
     "STATE_FORMAT_NAME",
     "STATE_FORMAT_VERSION",
     "AdaDelta",
@@ -81,7 +84,9 @@ __all__ = [
     "SavedStates",
     "Signum",
     "State",
+    "Test",
     "Updater",
+    "ccSGD",
     "create",
     "decode_states",
     "encode_states",
