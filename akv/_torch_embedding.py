@@ -210,8 +210,11 @@ class Embedding(torch.nn.Module):
                 f"{what}: ids must be a dense tensor, got layout {ids.layout}"
             )
         unique, inverse = torch.unique(ids, return_inverse=True)
-        if unique.numel() and (unique[0] < 0 or unique[-1] >= self._shape[0]):
-            bad = ((ids < 0) | (ids >= self._shape[0])).nonzero()[0].tolist()
+        # Compared as int64: a bound beyond the ids' own dtype (1000 rows, int8 ids) wraps.
+        rows = self._shape[0]
+        if unique.numel() and (int(unique[0]) < 0 or int(unique[-1]) >= rows):
+            wide = ids.long()
+            bad = ((wide < 0) | (wide >= rows)).nonzero()[0].tolist()
             position = f"ids[{', '.join(str(i) for i in bad)}]" if bad else "ids"
             raise RowIdError(
                 f"{what}: id {int(ids[tuple(bad)])} at {position} is outside "

@@ -426,11 +426,28 @@ def write_view(out: object, key: object) -> Array:
             "pull without out= to get a new JAX array, or pass a NumPy array or torch tensor"
         )
     else:
+        if _framework(out, "torch", "Tensor") and (
+            cast(Any, out).is_conj() or cast(Any, out).is_neg()
+        ):
+            # Its storage does not hold its values: a view of it would be a copy.
+            raise InvalidArgumentError(
+                f"pull output for key {key!r} is a lazily conjugated or negated torch view, "
+                "whose storage does not hold its values: pull into the tensor it views, or "
+                "into out.resolve_conj() (a copy), and copy from there"
+            )
         array = read(out, key, "pull output")[0]
     if not is_gpu(array) and not array.flags.writeable:
         raise InvalidArgumentError(
             f"pull output for key {key!r} is read-only ({type(out).__name__}); "
             "pass a writable array"
+        )
+    if not array.flags.c_contiguous and any(
+        step == 0 and size > 1 for step, size in zip(array.strides, array.shape, strict=True)
+    ):
+        raise InvalidArgumentError(
+            f"pull output for key {key!r} has elements that share memory (a stride of 0: an "
+            f"expanded or broadcast view, shape {tuple(array.shape)}, strides "
+            f"{tuple(array.strides)}): pull into an array with one place per element"
         )
     return array
 

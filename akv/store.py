@@ -344,6 +344,7 @@ class AsyncKVStore:
                 type(out) is np.ndarray
                 and (type(key) is int or type(key) is str)
                 and out.flags.writeable
+                and out.flags.c_contiguous  # (others are checked: see write_view)
             ):
                 entry = self._keys.get(key, "pull from")  # the common call, kept cheap
                 if (
@@ -659,7 +660,8 @@ class AsyncKVStore:
             arrays = []
             for o in outs:
                 no_row_sparse_out(entry, o)
-                array = o if type(o) is np.ndarray and o.flags.writeable else write_view(o, k)
+                plain = type(o) is np.ndarray and o.flags.writeable and o.flags.c_contiguous
+                array = o if plain else write_view(o, k)
                 entry.check(array, "pull into")
                 arrays.append(array)
             targets.append((entry, arrays))

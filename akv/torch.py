@@ -239,6 +239,15 @@ class DistributedOptimizer:
             _check_torch_params(cast(torch.optim.Optimizer, optimizer), trainable)
             if kv.updates_on_push:
                 raise InvalidArgumentError(_SUMS_UPDATED)
+        else:
+            brain = [key for key, tensor in trainable if tensor.dtype is torch.bfloat16]
+            if brain:
+                raise InvalidArgumentError(
+                    f"DistributedOptimizer: parameters {brain} are bfloat16, which akv's "
+                    "optimizers do not update (float16, float32 and float64 weights): use a "
+                    "torch.optim optimizer (it steps in bfloat16 as torch does), or float32 "
+                    "parameters"
+                )
         self._kv = kv
         self._optimizer = optimizer
         #: A torch optimizer steps here on the summed gradients (None: akv's, in the store).

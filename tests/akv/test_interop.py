@@ -65,6 +65,25 @@ def test_non_contiguous_tensors_in_and_out(kv):
     assert torch.equal(out, 2 * base.t())
 
 
+def test_a_pull_into_a_view_that_cannot_hold_its_values_is_refused(kv):
+    # A lazily conjugated view (its storage holds the conjugate) was written through a
+    # copy, and an expanded tensor (elements sharing memory) got the last row everywhere;
+    # both returned normally (found by a review). torch's copy_ refuses the second too.
+    kv.init("c", torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64))
+    base = torch.zeros(2, dtype=torch.complex64)
+    with pytest.raises(akv.InvalidArgumentError, match="lazily conjugated or negated torch view"):
+        kv.pull("c", out=base.conj())
+    kv.init("w", torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    expanded = torch.zeros(3).expand(2, 3)
+    with pytest.raises(akv.InvalidArgumentError, match=r"share memory \(a stride of 0"):
+        kv.pull("w", out=expanded)
+    shared = np.lib.stride_tricks.as_strided(np.zeros(3, np.float32), (2, 3), (0, 4))
+    with pytest.raises(akv.InvalidArgumentError, match="share memory"):
+        kv.pull("w", out=shared)
+    assert torch.equal(base, torch.zeros(2, dtype=torch.complex64))
+    assert torch.equal(expanded, torch.zeros(2, 3))
+
+
 def test_float16_tensors(kv):
     kv.init(0, torch.ones(5, dtype=torch.float16))
     kv.push(0, [torch.full((5,), 0.5, dtype=torch.float16)] * 3)

@@ -252,7 +252,7 @@ def test_a_push_of_several_keys_the_optimizer_refuses_for_one_changes_none(kv):
             lambda: akv.optimizer.SGD(learning_rate=0.1),
             rows([1], [[1, 1, 1]]).data.astype(np.int32),
             akv.InvalidArgumentError,
-            "index 'b': the weight must be floating-point, got int32",
+            "index 'b': akv's optimizers update float16, float32 and float64 weights, got int32",
         ),
         (
             lambda: akv.optimizer.GroupAdaGrad(learning_rate=0.1),

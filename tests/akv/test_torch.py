@@ -482,6 +482,15 @@ def test_an_optimizer_set_after_a_torch_optimizer_fails_its_step(kv, cleared):
         assert torch.equal(got, want)  # the torch optimizer did not step on them
 
 
+def test_bfloat16_parameters_with_an_akv_optimizer_are_refused_at_once(kv):
+    # Every step raised "the weight must be floating-point, got bfloat16" (found by a
+    # review); a torch optimizer trains them (tested with the dtypes above).
+    layer = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    with pytest.raises(InvalidArgumentError, match=r"parameters \['weight', 'bias'\] are bfloat16"):
+        DistributedOptimizer(layer.named_parameters(), kv, akv.optimizer.SGD())
+    assert kv.keys() == []
+
+
 def test_a_torch_optimizer_is_refused_with_dist_async():
     model = mlp()
     store = akv.create("local")

@@ -246,6 +246,21 @@ def test_any_integer_ids(kv, dtype):
     assert torch.equal(emb(ids), table[ids.long()])
 
 
+@pytest.mark.parametrize(
+    ("dtype", "rows", "ids"),
+    [(torch.int8, 1000, [1, 2]), (torch.uint8, 300, [50]), (torch.int16, 70000, [5000])],
+)
+def test_small_integer_ids_of_a_table_beyond_their_range(dtype, rows, ids):
+    # The bound was compared in the ids' own dtype, where it wraps: int8 id 1 was "outside
+    # [0, 1000)" (found by a review).
+    with akv.create("local") as kv:
+        emb = Embedding(kv, "emb", rows, 2)
+        chosen = torch.tensor(ids, dtype=dtype)
+        assert torch.equal(emb(chosen), torch.zeros(len(ids), 2))
+        with pytest.raises(RowIdError, match=rf"id -1 at ids\[1\] is outside \[0, {rows}\)"):
+            emb(torch.tensor([0, -1], dtype=torch.int8))
+
+
 def test_no_init_reads_as_zeros_and_a_push_writes_only_its_rows():
     with akv.create("local") as kv:
         emb = Embedding(kv, 7, ROWS, DIM)
