@@ -143,12 +143,7 @@ class SGLD(Optimizer):
 class Test(Optimizer):
     """MXNet 1.9.1's ``Test`` optimizer: ``weight += rescale_grad * grad``, and the state
     becomes a copy of the new weight. The learning rate, ``wd`` and ``clip_gradient`` are
-    ignored, as in MXNet.
-
-    Parameters
-    ----------
-    **kwargs
-        The parameters of :class:`Optimizer`.
+    ignored, as in MXNet. It takes the parameters of :class:`Optimizer`.
 
     Notes
     -----
