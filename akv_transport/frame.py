@@ -54,6 +54,7 @@ __all__ = [
     "CODE_DTYPES",
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DTYPE_CODES",
+    "HEADER_FIXED_BYTES",
     "KEEPALIVE_FRAME",
     "MAGIC",
     "MAX_ARENA_ARRAYS",
@@ -77,6 +78,7 @@ __all__ = [
     "decode_header",
     "decode_prefix",
     "decode_release",
+    "descriptor_bytes",
     "encode_frame",
     "encode_header",
     "encode_release",
@@ -149,6 +151,8 @@ KEEPALIVE_FRAME = _PREFIX.pack(MAGIC, VERSION_KEEPALIVE, 0, 0)
 _ARENA_PREFIX_START = MAGIC + bytes([VERSION_ARENA])
 _FIXED = struct.Struct("<HHIQqI")
 _FIXED_BYTES = _FIXED.size
+#: A header's bytes before its descriptors (and its text after them).
+HEADER_FIXED_BYTES = _FIXED_BYTES
 _DESCRIPTOR = struct.Struct("<BBBBI")
 _INT_KEY_TAG_NBYTES = struct.Struct("<qqQ")
 _TAG_NBYTES = struct.Struct("<qQ")
@@ -413,6 +417,18 @@ def _encode_descriptor(
         f"encode: array {index}: key {key!r} is a {type(key).__name__}; "
         "a key is an int, a str or None"
     )
+
+
+def descriptor_bytes(key: int | str | None, ndim: int) -> int:
+    """How many header bytes the descriptor of one array of ``ndim`` dimensions and ``key``
+    takes (as :func:`encode_frame` writes it; a str key counts its UTF-8 bytes): with
+    :data:`HEADER_FIXED_BYTES`, what a caller needs to know whether a request fits
+    :data:`MAX_HEADER_BYTES` before it builds one."""
+    if isinstance(key, str):
+        return _DESCRIPTOR.size + len(key.encode("utf-8", "surrogatepass")) + _STR_TAILS[ndim].size
+    if key is None:
+        return _NONE_DESCRIPTORS[ndim].size
+    return _INT_DESCRIPTORS[ndim].size
 
 
 def _where(index: int, key: object) -> str:

@@ -15,6 +15,7 @@ from akv_transport.errors import FrameError, TransportError
 from akv_transport.frame import (
     CODE_DTYPES,
     DTYPE_CODES,
+    HEADER_FIXED_BYTES,
     MAGIC,
     MAX_ARRAYS,
     MAX_HEADER_BYTES,
@@ -30,6 +31,7 @@ from akv_transport.frame import (
     decode_frame,
     decode_header,
     decode_prefix,
+    descriptor_bytes,
     encode_frame,
     encode_header,
     frame_bytes,
@@ -646,3 +648,25 @@ def test_single_byte_corruptions_decode_or_raise_frame_error(case, data):
     value = data.draw(st.integers(0, 255).filter(lambda v: v != frame[index]))
     corrupted = frame[:index] + bytes([value]) + frame[index + 1 :]
     decodes_or_refuses(corrupted)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1), st.text(max_size=40)),
+            st.integers(0, 4),
+        ),
+        max_size=8,
+    ),
+    st.text(max_size=20),
+)
+def test_descriptor_bytes_is_what_each_array_adds_to_the_header(arrays, text):
+    # What a worker counts to refuse a request too big for one frame before it builds it.
+    encoded = [(key, np.zeros((1,) * ndim, np.float32), 0) for key, ndim in arrays]
+    header, _ = split(frame_bytes(1, 0, encoded, text=text))
+    expected = (
+        HEADER_FIXED_BYTES
+        + len(text.encode())
+        + sum(descriptor_bytes(key, ndim) for key, ndim in arrays)
+    )
+    assert len(header) == expected

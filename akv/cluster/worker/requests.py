@@ -22,6 +22,13 @@ from akv.compression import Compression, Residuals, compressed_nbytes
 from akv.errors import AKVError, InvalidArgumentError, ServerError, UnsupportedDTypeError
 from akv.keys import Entry, Part
 from akv_transport import DISCARD, DTYPE_CODES, Destination, FrameHeader, InPlace, Message
+from akv_transport.frame import (
+    HEADER_FIXED_BYTES,
+    MAX_ARRAYS,
+    MAX_HEADER_BYTES,
+    MAX_KEY_BYTES,
+    descriptor_bytes,
+)
 
 if TYPE_CHECKING:
     from akv.cluster.worker.pipeline import Ahead, Gather, Pipelined
@@ -36,6 +43,7 @@ __all__ = [
     "by_server",
     "check_wire_key",
     "compress_parts",
+    "frame_problem",
     "pull_rides_on_push",
     "push_batches",
     "push_view",
@@ -381,9 +389,42 @@ def check_wire_key(key: Key, dtype: np.dtype) -> None:
         raise InvalidArgumentError(
             f"init key {key}: int keys of a distributed store must fit in 64 bits"
         )
+    if isinstance(key, str) and len(key) > MAX_KEY_BYTES // 4:
+        size = len(key.encode("utf-8", "surrogatepass"))
+        if size > MAX_KEY_BYTES:
+            raise InvalidArgumentError(
+                f"init key {key[:40]!r}... ({size} bytes of UTF-8): a distributed store's "
+                f"str keys travel in every request and may have at most {MAX_KEY_BYTES} bytes"
+            )
     if dtype not in DTYPE_CODES:
         known = ", ".join(str(code) for code in DTYPE_CODES)
         raise UnsupportedDTypeError(
             f"init key {key!r}: dtype {dtype} cannot travel to the servers (the "
             f"wire carries {known}); convert the value first (bfloat16: to float32)"
         )
+
+
+#: Up to this many arrays of keys up to this many characters, a request's header is far
+#: below the wire's bound (:func:`frame_problem` need not count it).
+_SMALL_ARRAYS, _SMALL_KEY_CHARS = 1024, 1024
+
+
+def frame_problem(arrays: Sequence[WireArray], text: str) -> str | None:
+    """Why a request of ``arrays`` and ``text`` cannot be one frame (more arrays, or a
+    larger header, than the wire carries), else None: such a request is refused at once,
+    saying so, not sent (its encoding would fail on every stream, which is no lost stream).
+    """
+    if len(arrays) <= _SMALL_ARRAYS and all(
+        type(key) is not str or len(key) <= _SMALL_KEY_CHARS for key, _, _ in arrays
+    ):
+        return None
+    if len(arrays) > MAX_ARRAYS:
+        return f"{len(arrays)} arrays in one request, above the wire's {MAX_ARRAYS}"
+    size = HEADER_FIXED_BYTES + len(text.encode("utf-8", "surrogatepass"))
+    size += sum(descriptor_bytes(key, array.ndim) for key, array, _ in arrays)
+    if size <= MAX_HEADER_BYTES:
+        return None
+    return (
+        f"a request of {len(arrays)} arrays has a header of {size} bytes, above the wire's "
+        f"{MAX_HEADER_BYTES}: split the call (fewer keys, or shorter str keys, a call)"
+    )

@@ -31,7 +31,7 @@ import numpy as np
 
 from akv.args import Key
 from akv.arrays import is_gpu
-from akv.cluster.protocol import COUNTED, Op
+from akv.cluster.protocol import COUNTED, Op, op_label
 from akv.cluster.worker import invariants
 from akv.cluster.worker.events import (
     AcksWanted,
@@ -79,12 +79,13 @@ from akv.cluster.worker.requests import (
     Landing,
     Request,
     WireArray,
+    frame_problem,
     pull_rides_on_push,
     push_batches,
     push_view,
 )
 from akv.compression import Compression
-from akv.errors import AKVError, PeerLostError, ServerError
+from akv.errors import AKVError, InvalidArgumentError, PeerLostError, ServerError
 from akv.keys import Entry
 from akv.limits import AHEAD_COPY_MAX_BYTES, MAX_UNACKED_PUSHES, RETAIN_BYTES
 from akv_transport import DTYPE_CODES, Destination, FrameHeader, InPlace, Message, byte_view
@@ -401,6 +402,11 @@ class WorkerState:
             self._deliver(server, request, None, None, self.failure, out)
             return
         link = self.links[server]
+        problem = frame_problem(request.arrays, request.text)
+        if problem is not None:
+            what = f"{link.name}: {op_label(request.op)}: {problem}"
+            self._deliver(server, request, None, None, InvalidArgumentError(what), out)
+            return
         held = link.held_push
         if held is not None:
             link.held_push = None

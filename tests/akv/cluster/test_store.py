@@ -1193,3 +1193,24 @@ def test_a_distributed_store_used_after_its_loop_closed_raises_closed_error_not_
                 kv.pull(0)
 
         asyncio.run(asyncio.wait_for(second(), 3 * WAIT_S))
+
+
+async def test_a_call_too_big_for_one_frame_is_refused_at_once_naming_the_bound():
+    """A call whose request header passes the wire's 16 MiB (400 keys of 50,000 characters),
+    or a str key of more than 64 KiB: a typed error at once. Before, the frame's encoding
+    failed on every stream, taken for a lost stream: the worker reconnected and resent until
+    the request deadline (300 s), then blamed the server (found by a review)."""
+    with Cluster(1, 1) as cluster:
+        (kv,) = await cluster.workers()
+        try:
+            keys = [f"{i:050000d}" for i in range(400)]
+            started = time.monotonic()
+            with pytest.raises(akv.InvalidArgumentError, match=r"above the wire's 16777216"):
+                await kv.init(keys, [np.zeros(1, np.float32)] * len(keys))
+            with pytest.raises(akv.InvalidArgumentError, match="may have at most 65536 bytes"):
+                kv.init("k" * 70_000, np.zeros(1, np.float32))
+            assert time.monotonic() - started < WAIT_S
+            await kv.init("w", full(1.0))  # the store goes on
+            np.testing.assert_array_equal(await kv.pull("w"), full(1.0))
+        finally:
+            await kv.close()
