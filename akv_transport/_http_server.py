@@ -27,7 +27,7 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import web, web_app
 
 from akv_transport._admission import Admission, check_bound
 from akv_transport._http_guard import Connections, Guard, Handler, authenticate, track_request
@@ -295,6 +295,8 @@ async def serve(
     install_log_filter()
     if track_request not in app.middlewares:
         app.middlewares.insert(0, track_request)
+    if _forget_handlers not in app.on_cleanup:
+        app.on_cleanup.append(_forget_handlers)
     options: dict[str, Any] = {}
     if idle_timeout_s is not None:  # aiohttp's keep-alive timer: idle between requests
         options["keepalive_timeout"] = idle_timeout_s
@@ -369,6 +371,18 @@ async def serve_local(
             raise
 
     return LocalSite(token, adopt, arena_bytes=arena_bytes, parent_directory=parent_directory)
+
+
+async def _forget_handlers(app: web.Application) -> None:
+    """Clear aiohttp's cache of request handlers wrapped in their middlewares
+    (``web_app._cached_build_middleware``, per process, up to 1,024 handlers) as ``app``
+    stops: it holds each handler, and a handler bound to a server holds the server and the
+    values it stores, long after the app stopped (16 MB a job of a process that runs its
+    servers in-process, test after test). Other apps only build theirs again."""
+    cached = getattr(web_app, "_cached_build_middleware", None)
+    clear = getattr(cached, "cache_clear", None)
+    if clear is not None:
+        clear()
 
 
 def _is_loopback(host: str) -> bool:
