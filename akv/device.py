@@ -259,6 +259,7 @@ class DeviceBackend(LocalBackend):
                 self._engine.push(
                     GPUWork(_init_gpu, device=device, kind="copy"),
                     staged,
+                    reads=[self._optimizer_var],  # (see LocalBackend.init)
                     writes=[entry.var for entry, _, _ in staged],
                     executor=GPU,
                     name="init",

@@ -194,6 +194,10 @@ class LocalBackend:
         self.type = "local"
         self.updater: Updater | None = None
         self._optimizer_updater: _optimizer.Updater | None = None
+        #: Written by a set_optimizer that reconfigures the updater, read by every init: a
+        #: key made after the call is pushed to only once the new configuration is in.
+        self._optimizer_var = engine.new_var("optimizer")
+        self._reconfiguring: Task | None = None
         self._make_executor = executor
         self._gpu_executor: GPUExecutor | None = None
 
@@ -239,8 +243,9 @@ class LocalBackend:
         """Apply ``optimizer`` to the pushes issued from now on (each push takes the updater
         in use at its call). A new configuration of the optimizer in use goes on with its
         updater (:func:`~akv.optimizer.keeps_states`), reconfigured once the earlier pushes
-        to ``entries`` are applied, before later ones; another starts a new updater (per-key
-        state made at first use)."""
+        to ``entries`` are applied, before later ones (also to keys made after the call:
+        their init waits for it); another starts a new updater (per-key state made at first
+        use)."""
         current = self._optimizer_updater
         if self.updater is current and _optimizer.keeps_states(current, optimizer):
             assert current is not None  # (keeps_states: there is one)
@@ -250,9 +255,12 @@ class LocalBackend:
                 held = ((e.key, e.value if e.rows is None else e.rows) for e in entries)
                 current.reconfigure(optimizer, {key: w for key, w in held if w is not None})
 
-            return self._engine.push(
-                reconfigure, writes=[entry.var for entry in entries], name="set_optimizer"
+            self._reconfiguring = self._engine.push(
+                reconfigure,
+                writes=[*(entry.var for entry in entries), self._optimizer_var],
+                name="set_optimizer",
             )
+            return self._reconfiguring
         updater = _optimizer.get_updater(optimizer)
         self.updater = updater
         self._optimizer_updater = updater
@@ -271,6 +279,7 @@ class LocalBackend:
             _store_values,
             entries,
             arrays,
+            reads=[self._optimizer_var],
             writes=[entry.var for entry in entries],
             executor="inline",
             name="init",
@@ -365,7 +374,8 @@ class LocalBackend:
     def init_rows(self, entries: list[Entry], values: list[RowSparseArray]) -> Waitable:
         """Store each new row-sparse key's listed rows, read at the call (one key's into
         its table now; several keys' copied now and stored by a task)."""
-        if len(entries) == 1:
+        reconfiguring = self._reconfiguring
+        if len(entries) == 1 and (reconfiguring is None or reconfiguring.done()):
             done = self._engine.run_now(
                 store_rows, entries, values, writes=(entries[0].var,), name="init"
             )
@@ -376,6 +386,7 @@ class LocalBackend:
             store_rows,
             entries,
             values,
+            reads=[self._optimizer_var],
             writes=[entry.var for entry in entries],
             executor=self._rows_executor(sum(value.nbytes for value in values)),
             name="init",

@@ -162,8 +162,11 @@ def client_config(specs: Sequence[ProcessSpec]) -> Config | None:
         return None
 
 
-def failure_reporter(config: Config | None) -> Callable[[ProcessSpec, str], None] | None:
-    """What tells the job's scheduler that akv-launch saw one of its processes fail (a
+def failure_reporter(
+    config: Config | None, launcher: str = "akv-launch"
+) -> Callable[[ProcessSpec, str], None] | None:
+    """What tells the job's scheduler that ``launcher`` (what the user ran: ``akv-launch``,
+    ``akv.ray.launch``) saw one of its processes fail (a
     worker killed by a signal tells nobody itself; the servers give it
     ``AKV_RECONNECT_GRACE_S`` to come back, and the job may be stopped before then), so that
     the scheduler's verdict names it. None when the scheduler's configuration cannot be
@@ -178,7 +181,7 @@ def failure_reporter(config: Config | None) -> Callable[[ProcessSpec, str], None
             "reporter": LAUNCHER_REPORTER,
             "role": spec.role,
             "rank": spec.rank,
-            "detail": f"{what} (seen by akv-launch)",
+            "detail": f"{what} (seen by {launcher})",
         }
 
         async def post() -> None:

@@ -266,9 +266,7 @@ class AdaGrad(Optimizer):
     _CONFIG_PARAMS = (("eps", "float_stable_eps"),)
     _LAZY_ROWS = True
 
-    def row_sparse_update(
-        self, index: Index, dtype: np.dtype | None = None
-    ) -> Literal["lazy", "standard"]:
+    def row_sparse_update(self, index: Index) -> Literal["lazy", "standard"]:
         """Lazy (MXNet's row-sparse AdaGrad updates only the gradient's rows), which, as
         in MXNet, needs no weight decay.
 

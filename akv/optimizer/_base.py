@@ -588,11 +588,8 @@ class Optimizer:
         self._update_count(index)
         self._step(index, weight, grad, state, self._get_lr(index), self._get_wd(index))
 
-    def row_sparse_update(
-        self, index: Index, dtype: np.dtype | None = None
-    ) -> Literal["lazy", "standard"]:
-        """How a row-sparse gradient of ``index`` is applied to rows of ``dtype`` (None:
-        whatever their dtype, where it matters: see :class:`SGD`'s).
+    def row_sparse_update(self, index: Index) -> Literal["lazy", "standard"]:
+        """How a row-sparse gradient of ``index`` is applied.
 
         ``"lazy"`` (MXNet's ``lazy_update``): only the gradient's rows are updated, weight
         and states; rows it does not list keep their weight and state (no weight decay, no
@@ -606,6 +603,12 @@ class Optimizer:
             The optimizer cannot apply a row-sparse gradient of ``index``.
         """
         return "lazy" if self._LAZY_ROWS and getattr(self, "lazy_update", True) else "standard"
+
+    def row_sparse_update_for(self, index: Index, dtype: np.dtype) -> Literal["lazy", "standard"]:
+        """:meth:`row_sparse_update` for rows of ``dtype`` (what the updater asks): the
+        same, but where the dtype decides (:class:`SGD`'s float16 rows with
+        ``multi_precision``). An override of :meth:`row_sparse_update` applies here too."""
+        return self.row_sparse_update(index)
 
     def update_rows(self, index: Index, weight: np.ndarray, grad: np.ndarray, state: State) -> None:
         """Apply a row-sparse gradient to gathered rows: ``weight``, ``grad`` and the state

@@ -80,9 +80,7 @@ class GroupAdaGrad(Optimizer):
             )
         return zeros_like(weight[:, :1])
 
-    def row_sparse_update(
-        self, index: Index, dtype: np.dtype | None = None
-    ) -> Literal["lazy", "standard"]:
+    def row_sparse_update(self, index: Index) -> Literal["lazy", "standard"]:
         """Lazy, as MXNet's.
 
         Raises

@@ -79,9 +79,7 @@ class SGLD(Optimizer):
         self.seed = None if seed is None else self._integer("seed", seed)
         self.random: NormalSource = np.random.default_rng(self.seed)
 
-    def row_sparse_update(
-        self, index: Index, dtype: np.dtype | None = None
-    ) -> Literal["lazy", "standard"]:
+    def row_sparse_update(self, index: Index) -> Literal["lazy", "standard"]:
         """Refused: SGLD adds noise to every element of the weight, so every row of a
         row-sparse key would have to be stored, also those no gradient names (MXNet 1.9.1's
         SGLD does that to a row-sparse weight: after one update every row holds noise); a

@@ -134,17 +134,16 @@ class SGD(Optimizer):
     def create_state(self, index: Index, weight: np.ndarray) -> State:
         return zeros_like(weight) if self.momentum != 0.0 else None
 
-    def row_sparse_update(
-        self, index: Index, dtype: np.dtype | None = None
-    ) -> Literal["lazy", "standard"]:
-        """Lazy with ``lazy_update`` (MXNet's row-sparse ``sgd_update`` and
-        ``sgd_mom_update``), but standard for float16 rows with ``multi_precision``:
+    def row_sparse_update_for(self, index: Index, dtype: np.dtype) -> Literal["lazy", "standard"]:
+        """As :meth:`row_sparse_update` (lazy with ``lazy_update``: MXNet's row-sparse
+        ``sgd_update`` and ``sgd_mom_update``), but standard for float16 rows with
+        ``multi_precision``:
         MXNet's ``mp_sgd_update`` and ``mp_sgd_mom_update`` have no row-sparse form, and
         its dense fallback updates every row (weight decay and momentum on rows the
         gradient does not list)."""
-        if self.multi_precision and dtype is not None and np.dtype(dtype) == np.float16:
+        if self.multi_precision and np.dtype(dtype) == np.float16:
             return "standard"
-        return super().row_sparse_update(index, dtype)
+        return self.row_sparse_update(index)
 
     def update_rows(self, index: Index, weight: np.ndarray, grad: np.ndarray, state: State) -> None:
         """As :meth:`Optimizer.update_rows`; without momentum, in the evaluation order of
@@ -242,9 +241,6 @@ class NAG(Optimizer):
     def __init__(self, momentum: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.momentum = self._fraction("momentum", momentum)
-        #: Within :meth:`update_rows`: the momentum's weight decay reads the weight from
-        #: before the step.
-        self._rows = False
 
     def create_state(self, index: Index, weight: np.ndarray) -> State:
         return zeros_like(weight) if self.momentum != 0.0 else None
@@ -255,11 +251,13 @@ class NAG(Optimizer):
         apart from its output, so the momentum's weight-decay term reads the weight from
         before the step (on a dense key it reads the updated one; with
         ``multi_precision`` on float16 rows, the updated master copy either way)."""
-        self._rows = not (self.multi_precision and weight.dtype == np.float16)
-        try:
+        if self.multi_precision and weight.dtype == np.float16:
             super().update_rows(index, weight, grad, state)
-        finally:
-            self._rows = False
+            return
+        grad = check_update_arrays(index, weight, grad)
+        self._update_count(index)
+        lr, wd = self._get_lr(index), self._get_wd(index)
+        self._nag_step(index, weight, grad, state, lr, wd, decay_new_weight=False)
 
     def _step(
         self,
@@ -270,14 +268,27 @@ class NAG(Optimizer):
         lr: float,
         wd: float,
     ) -> None:
+        self._nag_step(index, weight, grad, state, lr, wd, decay_new_weight=True)
+
+    def _nag_step(
+        self,
+        index: Index,
+        weight: np.ndarray,
+        grad: np.ndarray,
+        state: State,
+        lr: float,
+        wd: float,
+        *,
+        decay_new_weight: bool,
+    ) -> None:
+        """One step; the momentum's weight decay reads the updated weight with
+        ``decay_new_weight`` (MXNet's dense kernel in place), else the one before."""
         if state is None:
             _sgd_step(self, weight, grad, lr, wd, decay_factor=True)
             return
         rescale, clip, momentum = self.rescale_grad, self.clip_gradient, self.momentum
         momentum_plus_one = float(weight.dtype.type(momentum) + weight.dtype.type(1.0))
-        # The momentum's weight decay reads the new weight (see the class), but in
-        # update_rows.
-        decay_new_weight = wd and not self._rows
+        decay_new_weight = bool(wd) and decay_new_weight
 
         # MXNet's order: mom *= momentum; weight = (weight - mom) + (momentum + 1) *
         # (mom - lr * total); mom -= lr * (g + wd * new weight).

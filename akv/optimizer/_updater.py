@@ -201,7 +201,7 @@ class Updater:
         StateFormatError
             The states loaded for ``index`` were saved for a dense key.
         """
-        how = self.optimizer.row_sparse_update(index, table.dtype)
+        how = self.optimizer.row_sparse_update_for(index, table.dtype)
         if index in self.states:
             raise _other_kind(index, "dense", "row-sparse")
         # What the update itself would refuse, asked of no rows (nothing is counted).

@@ -235,8 +235,8 @@ class RayJob:
         )
         self._first_answers(rules)
         config = client_config(specs)
-        self._report_failure = failure_reporter(config)
         launcher = "akv-launch" if self._fn is None else "akv.ray.launch"
+        self._report_failure = failure_reporter(config, launcher)
         self._watch = assembly_watch(config, options, self._environ, launcher=launcher)
         if self._watch is not None:
             self._watch.start(self._say)

@@ -902,7 +902,10 @@ async def test_a_set_optimizer_applies_to_the_pushes_after_it_not_those_queued_b
     early = kv.push(0, np.ones(2, np.float32))  # queued behind the hold: under lr 0.1
     again = kv.set_optimizer(akv.optimizer.SGD(learning_rate=1.0))
     late = kv.push(0, np.ones(2, np.float32))  # under lr 1.0
+    kv.init(1, np.zeros(2, np.float32))  # a key made after the call: under lr 1.0 too
+    new = kv.push(1, np.ones(2, np.float32))
     gate.set()
-    await asyncio.gather(held, early, again, late)
+    await asyncio.gather(held, early, again, late, new)
     np.testing.assert_allclose(await kv.pull(0), [-1.1, -1.1], rtol=1e-6)  # not -2
+    np.testing.assert_allclose(await kv.pull(1), [-1.0, -1.0], rtol=1e-6)  # not -0.1
     await kv.close()

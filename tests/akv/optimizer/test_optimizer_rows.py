@@ -8,6 +8,9 @@ zero gradient in the rows the gradient does not list.
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import numpy as np
 import pytest
 
@@ -340,3 +343,51 @@ def test_states_saved_for_one_storage_type_are_refused_by_the_other():
         loaded.optimizer.index_update_counts.get("w", 0)
         == dense_key.optimizer.index_update_counts["w"]
     )
+
+
+def test_an_optimizer_that_overrides_the_one_argument_row_sparse_update_still_works():
+    # row_sparse_update(index) is public: a subclass written before the dtype mattered
+    # (row_sparse_update_for) must keep working, not fail every row push with a TypeError.
+    class Standard(opt.SGD):
+        def row_sparse_update(self, index):
+            return "standard"
+
+    with akv.create("local") as kv:
+        kv.init(0, akv.RowSparseArray(np.ones((3, 2), np.float32), [0, 1, 2], (3, 2)))
+        kv.set_optimizer(Standard(learning_rate=0.1, wd=1.0))
+        kv.push(0, akv.RowSparseArray(np.ones((1, 2), np.float32), [0], (3, 2)))
+        got = kv.row_sparse_pull(0, row_ids=np.arange(3)).to_dense()
+    np.testing.assert_allclose(got[:, 0], [0.8, 0.9, 0.9], rtol=1e-6)  # every row decays
+
+
+def test_nag_rows_and_a_dense_key_updated_at_once_each_keep_their_formula():
+    # The row update once said "rows" on the optimizer itself, which every key shares: a
+    # dense key updated on another thread meanwhile took the row formula (2609 of 3000).
+    shared = opt.NAG(learning_rate=0.1, momentum=0.9, wd=0.5)
+    alone = opt.NAG(learning_rate=0.1, momentum=0.9, wd=0.5)
+    stop = threading.Event()
+
+    def row_updates() -> None:
+        rows = np.ones((64, 256), np.float32)
+        state = shared.create_state("rows", rows)
+        while not stop.is_set():
+            shared.update_rows("rows", rows, np.ones_like(rows), state)
+            rows[:], state[:] = 1, 0
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns within each update
+    thread = threading.Thread(target=row_updates)
+    thread.start()
+    differ = 0
+    try:
+        for _ in range(3000):
+            dense, reference = np.ones(1000, np.float32), np.ones(1000, np.float32)
+            states = shared.create_state(0, dense), alone.create_state(0, reference)
+            shared.update(0, dense, np.ones_like(dense), states[0])
+            alone.update(0, reference, np.ones_like(reference), states[1])
+            differ += not np.array_equal(states[0], states[1])
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        thread.join(10)
+    assert differ == 0

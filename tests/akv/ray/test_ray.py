@@ -128,9 +128,13 @@ def table(messages: str, name: str = "akv-launch") -> list[list[str]]:
     return rows
 
 
-def test_a_worker_exception_fails_the_launch_with_its_traceback_and_no_actor_survives():
+def test_a_worker_exception_fails_the_launch_with_its_traceback_and_no_actor_survives(capsys):
     with pytest.raises(akv.JobFailedError) as caught:
         akv.ray.launch(jobs.fail_on_rank_1, num_workers=2, num_servers=1)
+    # The driver told the scheduler (the worker never joined), under its own name.
+    verdict = "akv.ray: the scheduler's verdict: the job failed: worker 1 raised ValueError"
+    messages = capsys.readouterr().err
+    assert verdict in messages and "(seen by akv.ray.launch)" in messages, messages
     error = caught.value
     assert (error.role, error.rank) == ("worker", 1)
     assert "worker 1 raised ValueError: rank 1 fails on purpose" in str(error)
