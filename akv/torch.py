@@ -240,10 +240,10 @@ class DistributedOptimizer:
             if kv.updates_on_push:
                 raise InvalidArgumentError(_SUMS_UPDATED)
         else:
-            brain = [key for key, tensor in trainable if tensor.dtype is torch.bfloat16]
-            if brain:
+            bfloat16 = [key for key, tensor in trainable if tensor.dtype is torch.bfloat16]
+            if bfloat16:
                 raise InvalidArgumentError(
-                    f"DistributedOptimizer: parameters {brain} are bfloat16, which akv's "
+                    f"DistributedOptimizer: parameters {bfloat16} are bfloat16, which akv's "
                     "optimizers do not update (float16, float32 and float64 weights): use a "
                     "torch.optim optimizer (it steps in bfloat16 as torch does), or float32 "
                     "parameters"

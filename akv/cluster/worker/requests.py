@@ -426,5 +426,5 @@ def frame_problem(arrays: Sequence[WireArray], text: str) -> str | None:
         return None
     return (
         f"a request of {len(arrays)} arrays has a header of {size} bytes, above the wire's "
-        f"{MAX_HEADER_BYTES}: split the call (fewer keys, or shorter str keys, a call)"
+        f"{MAX_HEADER_BYTES}: split the call (fewer keys a call, or shorter str keys)"
     )
