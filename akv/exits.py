@@ -17,7 +17,9 @@ about the process rather than the store:
 * :func:`close_at_exit`: a blocking store the program never closed is closed when the
   interpreter exits, as MXNet's KVStore is by its destructor: with the exit barrier after a
   normal end, or leaving as after a failure when an exception ended the program (recorded
-  by a :func:`sys.excepthook` that chains to the one it replaced);
+  by a :func:`sys.excepthook` that chains to the one it replaced) or ``sys.exit`` with a
+  failing status did (recorded by a ``sys.exit`` that calls the one it replaced: Python
+  hands ``SystemExit`` to no hook, and an exit handler learns no exit status);
 * :func:`off_loop`: a blocking call awaited from a store's close, which may run while the
   interpreter exits (where :func:`asyncio.to_thread` is refused).
 
@@ -36,7 +38,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 __all__ = [
     "MAX_REASON_CHARS",
@@ -188,6 +190,7 @@ class _AtExit:
         self.installed = False
         self.uncaught: BaseException | None = None
         self.previous_hook = sys.excepthook
+        self.previous_exit = sys.exit
 
     def install(self) -> None:
         with self.lock:
@@ -196,7 +199,18 @@ class _AtExit:
             self.installed = True
             self.previous_hook = sys.excepthook
             sys.excepthook = self.excepthook
+            self.previous_exit = sys.exit
+            sys.exit = self.exit
             atexit.register(self.close_all)
+
+    def exit(self, status: str | int | None = None) -> NoReturn:
+        """``sys.exit``, noting a failing status given on the main thread (one that ends the
+        program unless caught, as IPython does): the stores left open leave as after a
+        failure then, naming it, instead of waiting at the exit barrier for workers that
+        wait for this one. A status of 0 or None is a normal end."""
+        if status not in (None, 0) and _on_main_thread():
+            self.uncaught = SystemExit(status)
+        self.previous_exit(status)
 
     def excepthook(
         self, kind: type[BaseException], exc: BaseException, tb: TracebackType | None

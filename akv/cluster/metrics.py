@@ -137,14 +137,14 @@ class OpCounts:
 
     def add(self, op: int, nbytes: int) -> None:
         """One request of ``op`` carrying ``nbytes`` of payload."""
-        slot = op if 0 < op < _OP_SLOTS else 0
+        slot = op if op in _REQUEST_OPS else 0
         self.requests[slot] += 1
         self.request_bytes[slot] += nbytes
 
     def answered(self, op: int, nbytes: int, seconds: float) -> None:
         """A request of ``op`` was answered with ``nbytes`` of payload, ``seconds`` after it
         was sent."""
-        slot = op if 0 < op < _OP_SLOTS else 0
+        slot = op if op in _REQUEST_OPS else 0
         self.answer_bytes[slot] += nbytes
         tally = self._durations.get(slot)
         if tally is None:

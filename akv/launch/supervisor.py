@@ -58,7 +58,7 @@ class Watch(Protocol):
 
     def start(self, say: Callable[[str], None]) -> None: ...
 
-    def stop(self) -> None: ...
+    def stop(self, wait: bool = True) -> None: ...
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -291,6 +291,8 @@ class _Supervisor:
             if event.generation != self._generations.get(event.index):
                 continue  # the exit of a process that was since restarted: already judged
             self._let_output_settle(event.index)
+            if self._watch is not None:
+                self._watch.stop(wait=False)  # (see AssemblyWatch.stop)
             decision = rules.exited(event.index, event.value)
             if decision.blames and self._report_failure is not None:
                 spec = self._specs[event.index]

@@ -92,10 +92,13 @@ class AssemblyWatch:
         )
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop watching; returns once the thread ended (within a poll and a request)."""
+    def stop(self, wait: bool = True) -> None:
+        """Stop watching: nothing is said from now on; with ``wait``, returns once the
+        thread ended (within a poll and a request). The launcher stops it without waiting
+        at a process's first exit (who has joined no longer tells how the job is doing: a
+        worker that joined and died counts as not joined), and waiting at the end."""
         self._stop.set()
-        if self._thread is not None:
+        if wait and self._thread is not None:
             self._thread.join(PROGRESS_POLL_S + 2 * STATUS_REQUEST_TIMEOUT_S)
 
     def _run(self, say: Callable[[str], None]) -> None:
@@ -114,7 +117,7 @@ class AssemblyWatch:
                     status = await client.json("GET", "/v1/status")
                 except Exception:  # not listening yet, or not akv's scheduler: ask again
                     status = None
-                if status is not None:
+                if status is not None and not self._stop.is_set():
                     state = assembly(status, config.num_workers, config.num_servers)
                     if state.complete:
                         say(assembled_line(state, time.monotonic() - started))

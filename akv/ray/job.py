@@ -347,6 +347,8 @@ class RayJob:
                 index, returncode = self._exits.popleft()
                 self._ledger.returncodes[index] = returncode
                 self._ledger.ended_at[index] = time.monotonic()
+                if self._watch is not None:
+                    self._watch.stop(wait=False)  # (see AssemblyWatch.stop)
                 decision = rules.exited(index, returncode)
                 if decision.blames and self._report_failure is not None:
                     member = self._members[index]

@@ -11,6 +11,7 @@ its PID.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -78,6 +79,32 @@ def default_sigterm(monkeypatch):
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     yield
     signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_failing_sys_exit_on_the_main_thread_is_noted_and_still_exits(monkeypatch):
+    from akv import exits
+
+    at_exit = exits._AtExit()
+    monkeypatch.setattr(sys, "exit", sys.exit)  # (restored after the test)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(exits.atexit, "register", lambda fn: None)
+    at_exit.install()
+    with pytest.raises(SystemExit) as caught:
+        sys.exit(0)
+    assert caught.value.code == 0 and at_exit.uncaught is None  # a normal end
+
+    def exit_a_thread() -> None:  # (SystemExit ends that thread only)
+        with contextlib.suppress(SystemExit):
+            sys.exit(4)
+
+    elsewhere = threading.Thread(target=exit_a_thread)
+    elsewhere.start()
+    elsewhere.join(10)
+    assert at_exit.uncaught is None
+    with pytest.raises(SystemExit) as caught:
+        sys.exit(3)
+    assert caught.value.code == 3
+    assert isinstance(at_exit.uncaught, SystemExit) and at_exit.uncaught.code == 3
 
 
 def test_sigterm_raises_terminated_while_a_store_holds_it_then_the_default_comes_back():
@@ -249,6 +276,27 @@ def test_a_store_never_closed_leaves_as_failed_when_an_exception_ends_the_progra
         output,
     ), output
     assert "Unclosed" not in output
+
+
+def test_a_store_never_closed_leaves_as_failed_when_sys_exit_fails_the_program():
+    # SystemExit reaches no hook: the store was closed with the exit barrier, where worker
+    # 1 waited for worker 0, which waited for worker 1's push (300 s, then worker 0 was
+    # blamed and the job's code was 1; found by a review).
+    started = time.monotonic()
+    done = launch(
+        ["-n", "2", "-s", "1", "--", sys.executable, str(JOBS / "unclosed.py"), "exit"],
+        timeout=90,
+    )
+    output = done.stdout + done.stderr
+    assert time.monotonic() - started < 30, output
+    assert done.returncode != 0, output  # 3, or worker 0's 1 should it exit first
+    assert re.search(r"akv-launch: worker 1 \(pid \d+\) exited with code 3", output), output
+    assert re.search(
+        r"akv-launch: the scheduler's verdict: the job failed: worker 1 \(pid \d+ on "
+        r"127\.0\.0\.1\) left the job: its code exited with status 3$",
+        output,
+        re.M,
+    ), output
 
 
 # ---------------------------------------------------------------- started by hand

@@ -88,16 +88,17 @@ def test_requests_are_counted_by_op_name_and_unknown_ops_as_other():
     counts.add(Op.PUSH, 20)
     counts.add(Op.PULL, 0)
     counts.add(9999, 5)
+    counts.add(15, 1)  # below the slots' bound, but no op: "other" too (it was "op 15")
     families = scraped(lambda f: counts.add_to(f, answers=False))
     requests = families["akv_requests"]
     assert requests.type == "counter"
     by_op = {s.labels["op"]: s.value for s in requests.samples if s.name.endswith("_total")}
     # Every request op from the start (0 until used), an unknown one once seen.
     assert set(by_op) == {op.name.lower() for op in Op if op < Op.REPLY} | {"other"}
-    assert (by_op["push"], by_op["pull"], by_op["other"], by_op["init"]) == (2, 1, 1, 0)
+    assert (by_op["push"], by_op["pull"], by_op["other"], by_op["init"]) == (2, 1, 2, 0)
     sent = families["akv_request_bytes"]
     sent_by_op = {s.labels["op"]: s.value for s in sent.samples if s.name.endswith("_total")}
-    assert (sent_by_op["push"], sent_by_op["pull"], sent_by_op["other"]) == (120, 0, 5)
+    assert (sent_by_op["push"], sent_by_op["pull"], sent_by_op["other"]) == (120, 0, 6)
     assert "akv_request_duration_seconds" not in families  # answers not asked for
 
 

@@ -175,3 +175,27 @@ def test_above_info_the_watch_prints_only_the_status_pages_address():
         f"{page} (it asks for the job's token, made for this job only: export AKV_TOKEN "
         "before akv-launch to know it)",
     ]
+
+
+QUITTER = textwrap.dedent(
+    """
+    import os, sys, time
+    if os.environ["AKV_RANK"] == "1":
+        sys.exit(3)  # before it joins
+    time.sleep(3)  # past the progress lines' delay, the job failed meanwhile
+    """
+)
+
+
+def test_who_has_joined_is_no_longer_said_once_a_process_exited(tmp_path):
+    # A process's exit ends what who-has-joined can tell: the launcher said "waiting for
+    # worker 1" after worker 1 had failed, or joined and died (found by a review).
+    script = tmp_path / "quitter.py"
+    script.write_text(QUITTER)
+    err = io.BytesIO()
+    options = LaunchOptions(2, 1, (sys.executable, str(script)), grace_s=10)
+    code = launch(options, environ(tmp_path), stdout=io.BytesIO(), stderr=err)
+    text = err.getvalue().decode()
+    assert code == 3, text
+    after = text[text.index("akv-launch: worker 1 (pid") :]
+    assert " joined" not in after, text

@@ -1,8 +1,9 @@
-"""A worker that never closes its store: ``unclosed.py raise|clean``.
+"""A worker that never closes its store: ``unclosed.py raise|exit|clean``.
 
 As many MXNet scripts do: the store is made without ``with`` and never closed. At exit akv
 closes it, with the exit barrier after a normal end; after an uncaught exception (rank 1
-raises in ``raise`` mode) it leaves as a failed worker, naming the exception. After akv's
+raises in ``raise`` mode, calls ``sys.exit(3)`` in ``exit`` mode) it leaves as a failed
+worker, naming the exception or the status. After akv's
 close at exit, it prints the akv threads still running (none: a thread left running into
 the interpreter's finalization may crash the process).
 """
@@ -35,6 +36,8 @@ kv.init("w", np.zeros(4, np.float32))
 for step in range(20):
     if sys.argv[1] == "raise" and kv.rank == 1 and step == 3:
         raise ValueError("boom in a script that never closes its store")
+    if sys.argv[1] == "exit" and kv.rank == 1 and step == 3:
+        sys.exit(3)
     kv.push("w", np.ones(4, np.float32))
     kv.pull("w")
 print(f"rank {kv.rank} done: {kv.pull('w')[0]}", flush=True)
