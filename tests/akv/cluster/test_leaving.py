@@ -261,42 +261,36 @@ def test_a_store_never_closed_is_closed_at_exit_with_the_barrier_after_a_normal_
         assert f"[worker {rank}] akv threads left at exit: []" in output, output
 
 
-def test_a_store_never_closed_leaves_as_failed_when_an_exception_ends_the_program():
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("raise", "its code raised ValueError: boom in a script"),
+        # SystemExit reaches no hook: the store was closed with the exit barrier, where
+        # worker 1 waited for worker 0, which waited for its push (300 s, then worker 0 was
+        # blamed and the job's code was 1; found by a review).
+        ("exit", r"its code exited with status 3$"),
+    ],
+)
+def test_a_store_never_closed_leaves_as_failed_when_an_exception_or_exit_ends_the_program(
+    mode, reason
+):
     started = time.monotonic()
     done = launch(
-        ["-n", "2", "-s", "1", "--", sys.executable, str(JOBS / "unclosed.py"), "raise"],
+        ["-n", "2", "-s", "1", "--", sys.executable, str(JOBS / "unclosed.py"), mode],
         timeout=90,
     )
     output = done.stdout + done.stderr
     assert time.monotonic() - started < 30, output
-    assert done.returncode != 0, output
+    assert done.returncode != 0, output  # (worker 1's, or worker 0's should it exit first)
     assert re.search(
         r"akv-launch: the scheduler's verdict: the job failed: worker 1 \(pid \d+ on "
-        r"127\.0\.0\.1\) left the job: its code raised ValueError: boom in a script",
-        output,
-    ), output
-    assert "Unclosed" not in output
-
-
-def test_a_store_never_closed_leaves_as_failed_when_sys_exit_fails_the_program():
-    # SystemExit reaches no hook: the store was closed with the exit barrier, where worker
-    # 1 waited for worker 0, which waited for worker 1's push (300 s, then worker 0 was
-    # blamed and the job's code was 1; found by a review).
-    started = time.monotonic()
-    done = launch(
-        ["-n", "2", "-s", "1", "--", sys.executable, str(JOBS / "unclosed.py"), "exit"],
-        timeout=90,
-    )
-    output = done.stdout + done.stderr
-    assert time.monotonic() - started < 30, output
-    assert done.returncode != 0, output  # 3, or worker 0's 1 should it exit first
-    assert re.search(r"akv-launch: worker 1 \(pid \d+\) exited with code 3", output), output
-    assert re.search(
-        r"akv-launch: the scheduler's verdict: the job failed: worker 1 \(pid \d+ on "
-        r"127\.0\.0\.1\) left the job: its code exited with status 3$",
+        rf"127\.0\.0\.1\) left the job: {reason}",
         output,
         re.M,
     ), output
+    if mode == "exit":
+        assert re.search(r"akv-launch: worker 1 \(pid \d+\) exited with code 3", output), output
+    assert "Unclosed" not in output
 
 
 # ---------------------------------------------------------------- started by hand
