@@ -42,6 +42,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 __all__ = [
     "MAX_REASON_CHARS",
+    "NOTED_EXIT",
     "Closable",
     "Terminated",
     "close_at_exit",
@@ -204,12 +205,14 @@ class _AtExit:
             atexit.register(self.close_all)
 
     def exit(self, status: str | int | None = None) -> NoReturn:
-        """``sys.exit``, noting a failing status given on the main thread (one that ends the
-        program unless caught, as IPython does): the stores left open leave as after a
-        failure then, naming it, instead of waiting at the exit barrier for workers that
-        wait for this one. A status of 0 or None is a normal end."""
+        """``sys.exit``, noting a failing status given on the main thread: the stores left
+        open at the interpreter's exit leave as after a failure then, naming it, instead of
+        waiting at the exit barrier for workers that wait for this one. A status of 0 or
+        None is a normal end. The note holds until a store is used again
+        (:data:`NOTED_EXIT`): a program that caught the ``SystemExit`` (argparse in a
+        ``try``, IPython) and went on to use its store did not end by it."""
         if status not in (None, 0) and _on_main_thread():
-            self.uncaught = SystemExit(status)
+            NOTED_EXIT.exit = SystemExit(status)
         self.previous_exit(status)
 
     def excepthook(
@@ -219,7 +222,7 @@ class _AtExit:
         self.previous_hook(kind, exc, tb)
 
     def close_all(self) -> None:
-        self.close(self.uncaught)
+        self.close(self.uncaught or NOTED_EXIT.exit)
 
     def close(self, failure: BaseException | None) -> None:
         for store in list(self.stores):
@@ -230,6 +233,18 @@ class _AtExit:
                     store.close()
 
 
+class _NotedExit:
+    """The failing ``sys.exit`` last noted (:meth:`_AtExit.exit`), cleared by every store
+    call (``NOTED_EXIT.exit = None``: one store of an attribute)."""
+
+    __slots__ = ("exit",)
+
+    def __init__(self) -> None:
+        self.exit: SystemExit | None = None
+
+
+#: See :class:`_NotedExit`.
+NOTED_EXIT = _NotedExit()
 _AT_EXIT = _AtExit()
 
 

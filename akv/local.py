@@ -255,10 +255,14 @@ class LocalBackend:
                 held = ((e.key, e.value if e.rows is None else e.rows) for e in entries)
                 current.reconfigure(optimizer, {key: w for key, w in held if w is not None})
 
+            # Reads: after the earlier pushes, before the later ones, and whatever those
+            # failed (no_skip): their failure stays theirs, not the new keys' inits'.
             self._reconfiguring = self._engine.push(
                 reconfigure,
-                writes=[*(entry.var for entry in entries), self._optimizer_var],
+                reads=[entry.var for entry in entries],
+                writes=[self._optimizer_var],
                 name="set_optimizer",
+                no_skip=True,
             )
             return self._reconfiguring
         updater = _optimizer.get_updater(optimizer)

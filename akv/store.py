@@ -35,6 +35,7 @@ from akv.errors import (
     StorageTypeError,
 )
 from akv.exits import (
+    NOTED_EXIT,
     describe,
     sigterm_released,
 )
@@ -619,6 +620,7 @@ class AsyncKVStore:
 
     def _check_usable(self) -> None:
         self._check_reentry()
+        NOTED_EXIT.exit = None  # the program went on: a sys.exit it noted was caught
         if self._closed:
             raise ClosedError(f"the {self._type!r} store is closed")
         if self._backend.broken is not None:

@@ -291,9 +291,9 @@ class _Supervisor:
             if event.generation != self._generations.get(event.index):
                 continue  # the exit of a process that was since restarted: already judged
             self._let_output_settle(event.index)
-            if self._watch is not None:
-                self._watch.stop(wait=False)  # (see AssemblyWatch.stop)
             decision = rules.exited(event.index, event.value)
+            if self._watch is not None and decision.action != "restart":
+                self._watch.stop(wait=False)  # (see AssemblyWatch.stop)
             if decision.blames and self._report_failure is not None:
                 spec = self._specs[event.index]
                 self._report_failure(spec, f"exited with {status_text(event.value)}")

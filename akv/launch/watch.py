@@ -95,8 +95,9 @@ class AssemblyWatch:
     def stop(self, wait: bool = True) -> None:
         """Stop watching: nothing is said from now on; with ``wait``, returns once the
         thread ended (within a poll and a request). The launcher stops it without waiting
-        at a process's first exit (who has joined no longer tells how the job is doing: a
-        worker that joined and died counts as not joined), and waiting at the end."""
+        at a process's first exit but a restarted server's (who has joined no longer tells
+        how the job is doing: a worker that joined and died counts as not joined), and
+        waiting at the end."""
         self._stop.set()
         if wait and self._thread is not None:
             self._thread.join(PROGRESS_POLL_S + 2 * STATUS_REQUEST_TIMEOUT_S)

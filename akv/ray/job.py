@@ -347,9 +347,9 @@ class RayJob:
                 index, returncode = self._exits.popleft()
                 self._ledger.returncodes[index] = returncode
                 self._ledger.ended_at[index] = time.monotonic()
-                if self._watch is not None:
-                    self._watch.stop(wait=False)  # (see AssemblyWatch.stop)
                 decision = rules.exited(index, returncode)
+                if self._watch is not None and decision.action != "restart":
+                    self._watch.stop(wait=False)  # (see AssemblyWatch.stop)
                 if decision.blames and self._report_failure is not None:
                     member = self._members[index]
                     error = member.result.error if member.result is not None else None

@@ -909,3 +909,26 @@ async def test_a_set_optimizer_applies_to_the_pushes_after_it_not_those_queued_b
     np.testing.assert_allclose(await kv.pull(0), [-1.1, -1.1], rtol=1e-6)  # not -2
     np.testing.assert_allclose(await kv.pull(1), [-1.0, -1.0], rtol=1e-6)  # not -0.1
     await kv.close()
+
+
+async def test_a_failed_push_before_a_set_optimizer_fails_only_its_own_key():
+    # The reconfigure is ordered after the earlier pushes whatever they did: key 0's failure
+    # stays key 0's, where it was passed on to every key made after the call (found by a
+    # review of this change).
+    class Guarded(akv.optimizer.SGD):
+        def update(self, index, weight, grad, state):
+            if not np.isfinite(grad).all():
+                raise FloatingPointError(f"key {index}: non-finite gradient")
+            super().update(index, weight, grad, state)
+
+    kv = await akv.create_async("local")
+    kv.init(0, np.zeros(2, np.float32))
+    await kv.set_optimizer(Guarded(learning_rate=0.1))
+    bad = kv.push(0, np.array([np.nan, 1], np.float32))
+    kv.set_optimizer(Guarded(learning_rate=0.01))
+    await kv.init(1, np.zeros(2, np.float32))
+    await kv.push(1, np.ones(2, np.float32))
+    np.testing.assert_allclose(await kv.pull(1), [-0.01, -0.01], rtol=1e-6)
+    with pytest.raises(FloatingPointError, match="key 0: non-finite gradient"):
+        await bad
+    await kv.close()

@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 
 from akv.errors import LaunchError
+from akv.launch import command
 from akv.launch.spec import ProcessSpec
 from akv.launch.supervisor import supervise
 from tests.akv.launch.support import (
@@ -23,6 +24,7 @@ from tests.akv.launch.support import (
     SERVER_DIES,
     SERVER_FAILS,
     SERVER_IGNORES_SIGTERM,
+    TOKEN,
     before_summary,
     job_options,
     pids_in,
@@ -143,6 +145,33 @@ def test_a_server_that_dies_is_restarted_and_the_job_succeeds(tmp_path, reaper):
     assert before_summary(result.err)[-1].endswith("every process finished")
     assert len(result.pids) == 4 and {first, second} <= set(result.pids)
     assert not wait_gone(result.pids)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_who_has_joined_is_still_said_after_a_server_is_restarted(tmp_path, reaper, monkeypatch):
+    # The watch stops at a process's first exit, but a restarted server's: the job may
+    # still assemble (its progress lines stopped at the restart; found by a review).
+    err = io.BytesIO()
+
+    class Watch:
+        first_stop: str | None = None
+
+        def start(self, say) -> None:
+            pass
+
+        def stop(self, wait: bool = True) -> None:
+            if Watch.first_stop is None:
+                Watch.first_stop = err.getvalue().decode()
+
+    monkeypatch.setattr(command, "assembly_watch", lambda *args, **kwargs: Watch())
+    serving = tmp_path / "ckpt" / "server-0.serving"
+    options = _restart_options(tmp_path, {"0": [f"wait-for:{serving}", "bye"]}, 1, 2)
+    out = io.BytesIO()
+    environ = {**os.environ, "AKV_TOKEN": TOKEN}
+    code = command.launch(options, environ, stdout=out, stderr=err, terminate_grace_s=1.0)
+    reaper.extend(pids_in(out.getvalue().decode()))
+    assert code == 0, err.getvalue().decode()
+    assert Watch.first_stop is not None and "restarting it from" in Watch.first_stop
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S)
