@@ -257,7 +257,7 @@ class NAG(Optimizer):
         grad = check_update_arrays(index, weight, grad)
         self._update_count(index)
         lr, wd = self._get_lr(index), self._get_wd(index)
-        self._nag_step(index, weight, grad, state, lr, wd, decay_new_weight=False)
+        self._step(index, weight, grad, state, lr, wd, decay_new_weight=False)
 
     def _step(
         self,
@@ -267,19 +267,8 @@ class NAG(Optimizer):
         state: State,
         lr: float,
         wd: float,
-    ) -> None:
-        self._nag_step(index, weight, grad, state, lr, wd, decay_new_weight=True)
-
-    def _nag_step(
-        self,
-        index: Index,
-        weight: np.ndarray,
-        grad: np.ndarray,
-        state: State,
-        lr: float,
-        wd: float,
         *,
-        decay_new_weight: bool,
+        decay_new_weight: bool = True,
     ) -> None:
         """One step; the momentum's weight decay reads the updated weight with
         ``decay_new_weight`` (MXNet's dense kernel in place), else the one before."""

@@ -404,9 +404,12 @@ def check_wire_key(key: Key, dtype: np.dtype) -> None:
         )
 
 
-#: Up to this many arrays of keys up to this many characters, a request's header is far
-#: below the wire's bound (:func:`frame_problem` need not count it).
-_SMALL_ARRAYS, _SMALL_KEY_CHARS = 1024, 1024
+#: Up to this many arrays and characters of text, a request's header is below the wire's
+#: bound whatever its keys (each at most MAX_KEY_BYTES: :func:`check_wire_key`): 128 x
+#: (64 KiB + a descriptor) + 4 MiB of UTF-8 < 16 MiB. :func:`frame_problem` counts nothing.
+_SMALL_ARRAYS, _SMALL_TEXT_CHARS = 128, 1 << 20
+#: Up to this many arrays of keys up to this many characters, it is below it too.
+_FEW_ARRAYS, _SHORT_KEY_CHARS = 1024, 1024
 
 
 def frame_problem(arrays: Sequence[WireArray], text: str) -> str | None:
@@ -414,10 +417,14 @@ def frame_problem(arrays: Sequence[WireArray], text: str) -> str | None:
     larger header, than the wire carries), else None: such a request is refused at once,
     saying so, not sent (its encoding would fail on every stream, which is no lost stream).
     """
-    if len(arrays) <= _SMALL_ARRAYS and all(
-        type(key) is not str or len(key) <= _SMALL_KEY_CHARS for key, _, _ in arrays
+    if len(text) <= _SMALL_TEXT_CHARS and (
+        len(arrays) <= _SMALL_ARRAYS
+        or (
+            len(arrays) <= _FEW_ARRAYS
+            and all(type(key) is not str or len(key) <= _SHORT_KEY_CHARS for key, _, _ in arrays)
+        )
     ):
-        return None
+        return None  # (the common request: nothing counted)
     if len(arrays) > MAX_ARRAYS:
         return f"{len(arrays)} arrays in one request, above the wire's {MAX_ARRAYS}"
     size = HEADER_FIXED_BYTES + len(text.encode("utf-8", "surrogatepass"))
