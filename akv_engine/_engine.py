@@ -605,6 +605,12 @@ class Engine:
                 self._dispatch(work[index:])
 
     def _on_done(self, task: Task, result: Any, exc: BaseException | None) -> None:
+        if task._state > RUNNING:
+            # Complete already: a callback task's function called done at once and then
+            # raised what a waiter's callback raised in it (the executor logs it).
+            if exc is not None:
+                raise exc
+            return
         more = self._finish(task, result, exc, None)
         if more:
             self._start(more)

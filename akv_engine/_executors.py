@@ -167,11 +167,11 @@ class LoopExecutor(Executor):
         try:
             result = await fn(*args)
         except BaseException as exc:
-            done(None, exc)
+            _call_done(done, None, exc)
             if not isinstance(exc, Exception):
                 raise
         else:
-            done(result, None)
+            _call_done(done, result, None)
 
     def close(self) -> None:
         if self._loop_thread is not None:
@@ -200,7 +200,9 @@ class CallbackExecutor(Executor):
         try:
             fn(*args, done)
         except Exception as exc:
-            done(None, exc)
+            # Also what ``done`` raised when ``fn`` called it at once (a waiter's callback):
+            # the engine's done logs it then, the task being complete already.
+            _call_done(done, None, exc)
 
     def close(self) -> None:
         """Nothing of its own to release (the loop belongs to the LoopExecutor)."""

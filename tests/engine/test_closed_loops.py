@@ -145,3 +145,42 @@ def test_run_until_complete_takes_a_completed_waitable(
         assert loop.run_until_complete(pushed) == "pushed"
     finally:
         loop.close()
+
+
+async def _run_async_then_wait(eng: Engine, executor: str, var: Any) -> Waitable:
+    gate = Gate()
+    eng.push(gate, writes=[var])  # the task starts once it is done, on the engine's loop
+    task = eng.push(_FUNCTIONS[executor], writes=[var], executor=executor)
+    task.on_done(_broken_callback)
+    after = eng.push(lambda: "after", writes=[var])
+    gate.opened.set()
+    assert await asyncio.wait_for(after, WAIT_S) == "after"
+    return task
+
+
+def _broken_callback(_: Waitable) -> None:
+    raise RuntimeError("broken callback")
+
+
+@pytest.mark.parametrize("executor", ["loop", "callback"])
+def test_a_raising_done_callback_of_a_task_done_on_the_loop_completes_it_once(
+    executor: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A callback task calls ``done`` inside its own function, so what a waiter's callback
+    raises comes back through that function: it is logged, and the task completes once
+    (not failed a second time, its var released once, the counters right)."""
+
+    async def run() -> Waitable:
+        eng = Engine(slots=2)
+        try:
+            return await _run_async_then_wait(eng, executor, eng.new_var())
+        finally:
+            stats = eng.statistics()
+            assert (stats.completed, stats.failed, stats.running, stats.waiting) == (3, 0, 0, 0)
+            eng.close(timeout=WAIT_S)
+
+    with caplog.at_level(logging.ERROR, logger="akv_engine"):
+        task = asyncio.run(run())
+    assert task.result(0) == "ran"
+    logged = [r for r in caplog.records if r.name.startswith("akv_engine")]
+    assert len(logged) == 1 and "broken callback" in str(logged[0].exc_info[1])  # type: ignore[index]
