@@ -175,7 +175,8 @@ class Checkpoints:
             os.close(fd)
             raise CheckpointError(
                 f"{lock_path} is locked by another process: server {self.rank} of this "
-                "checkpoint directory is still running"
+                "checkpoint directory is still running (another job on the same "
+                "--checkpoint-dir?)"
             ) from exc
         self._lock_fd = fd
         remove_leftovers(self.directory, self.rank)  # of a writer that died: none runs now
@@ -186,6 +187,7 @@ class Checkpoints:
             raise UnusableCheckpointError(str(exc)) from exc
         path = str(checkpoint_path(self.directory, self.rank))
         if snapshot is None:
+            self._refuse_other_servers_files()
             # Workers told of a checkpoint of this rank say so when they reconnect.
             self.state.lineage.restore(Restored(path, 0, 0, {}))
             # Nothing to write until something changes (one that saw no change, say of a
@@ -205,6 +207,21 @@ class Checkpoints:
             if states is not None and not isinstance(states, bytes | SpilledStates):
                 states.close()  # read from the checkpoint's file, as it restored them
         return snapshot
+
+    def _refuse_other_servers_files(self) -> None:
+        """Raise :class:`UnusableCheckpointError` when the directory holds a checkpoint of
+        a server rank this job does not have (this rank has none: a server that held no
+        key writes none, so a job with fewer servers would start empty beside it)."""
+        if self.num_servers is None:
+            return
+        for path in sorted(self.directory.glob("server-*.akvckpt")):
+            rank = path.name[len("server-") : -len(".akvckpt")]
+            if rank.isdigit() and int(rank) >= self.num_servers:
+                raise UnusableCheckpointError(
+                    f"{self.directory} holds {path.name}, the checkpoint of server {rank} "
+                    f"of a job with more servers; this job has {self.num_servers}: start "
+                    "it with as many servers, or with another --checkpoint-dir"
+                )
 
     def _restore(self, snapshot: Snapshot, path: str) -> None:
         """:meth:`restore` of the snapshot read (optimizer states still in the file)."""

@@ -26,7 +26,7 @@ from akv.cluster.protocol import Note, Op, encode_meta
 from akv.cluster.server import checkpoint as checkpoint_module
 from akv.cluster.server import checkpointing
 from akv.cluster.server.checkpoint import KeyRecord, Snapshot, read_snapshot, write_snapshot
-from akv.cluster.server.checkpointing import Checkpoints, Copied, copy_plan
+from akv.cluster.server.checkpointing import Checkpoints, Copied, UnusableCheckpointError, copy_plan
 from akv.cluster.server.instructions import (
     Checkpoint,
     CheckpointPlan,
@@ -539,6 +539,21 @@ async def test_a_checkpoint_keeps_the_jobs_servers_and_one_of_another_count_is_r
     again.close()
     same, _ = opened(fresh_state(), num_servers=4)
     assert same.restore() is not None
+
+
+async def test_a_rank_without_a_checkpoint_beside_one_of_a_rank_beyond_the_job_is_refused(
+    opened, tmp_path
+):
+    """A server that held no key wrote no file: a job with fewer servers on the directory
+    would start this rank empty and leave the other rank's file unread."""
+    (tmp_path / "server-5.akvckpt").write_bytes(b"of a job with 6 or more servers")
+    state = fresh_state()
+    checkpoints, _ = opened(state, num_servers=4)
+    with pytest.raises(UnusableCheckpointError, match=r"holds server-5\.akvckpt.*this job has 4"):
+        checkpoints.restore()
+    checkpoints.close()
+    as_many, _ = opened(fresh_state(), num_servers=6)
+    assert as_many.restore() is None  # the directory's other ranks are theirs to read
 
 
 async def test_a_checkpoint_without_a_server_count_is_restored(opened, tmp_path):
