@@ -92,7 +92,9 @@ __all__ = [
     "parse_replay_barrier",
     "parse_staleness",
     "replay_barrier_text",
+    "split_dtype",
     "status_of",
+    "unsplit_dtype",
 ]
 
 
@@ -292,8 +294,21 @@ def parse_replay_barrier(text: str) -> tuple[int, bool]:
     return barriers, len(fields) == 2
 
 
+def split_dtype(dtype: object, declared: tuple[int, ...]) -> str:
+    """How an init check names the dtype of a part of a key split over the servers: with
+    the shape the key was declared with (a part's own shape is a flat slice, the same for
+    every shape of as many elements)."""
+    return f"{dtype} split of {tuple(declared)}"
+
+
+def unsplit_dtype(dtype: str) -> str:
+    """The dtype an init check's :func:`split_dtype` names (any other one as it is)."""
+    return dtype.split(" split of ", 1)[0]
+
+
 def encode_meta(items: list[tuple[int | str, tuple[int, ...], str]]) -> str:
-    """``INIT_CHECK``'s text: the keys with their (part) shapes and dtypes."""
+    """``INIT_CHECK``'s text: the keys with their (part) shapes and dtypes; an ``INIT``'s:
+    the keys split over the servers with their declared shapes and dtypes."""
     return json.dumps([[key, list(shape), dtype] for key, shape, dtype in items])
 
 

@@ -19,7 +19,9 @@ or ``{"offset", "nbytes"}``) and ``keys``: per key ``key``, ``kind`` (``"int"`` 
 ``"str"``), ``dtype`` (``np.dtype.str`` of a dtype in :data:`akv_transport.DTYPE_CODES`, such as
 ``"<f4"``), ``shape``, ``closed_round``, ``tags``, ``last_round``, ``offset`` and ``nbytes``
 (offsets count from the payload's first byte), and ``untold`` where a failed round's error
-waits to be told to some workers (worker rank to its message; absent otherwise). A server
+waits to be told to some workers (worker rank to its message; absent otherwise), and
+``declared`` for a server's part of a key split over the servers (the shape the key was
+declared with; its ``shape`` is the part's, a flat slice; absent otherwise). A server
 that holds row-sparse keys adds ``row_keys`` (absent otherwise, so that such a file is what
 an older akv wrote): per key ``key``, ``kind``, ``dtype``, ``shape`` (the declared shape),
 ``first`` and ``end`` (the server's rows), ``rows`` (how many it stores), ``closed_round``,

@@ -71,7 +71,7 @@ _KEY_FIELDS = frozenset(
     {"key", "kind", "dtype", "shape", "closed_round", "tags", "last_round", "offset", "nbytes"}
 )
 #: The fields of a key's entry that files written before them lack.
-_RECORD_OPTIONAL = frozenset({"untold"})
+_RECORD_OPTIONAL = frozenset({"untold", "declared"})
 _STATES_FIELDS = frozenset({"offset", "nbytes"})
 _ROW_KEY_FIELDS = frozenset(
     {
@@ -111,6 +111,9 @@ class KeyRecord:
     last_round: dict[int, int]
     #: Workers not told yet of a round of the key that failed, with its error's message.
     untold: dict[int, str] = field(default_factory=dict)
+    #: The shape a key split over the servers was declared with (``value`` is this
+    #: server's part); None for a key not split.
+    declared: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -336,7 +339,17 @@ def _encode_record(record: KeyRecord, offset: int) -> dict[str, Any]:
         "offset": offset,
         "nbytes": value.nbytes,
         **_untold_to_json(record.untold, where),
+        **_declared_to_json(record.declared, where),
     }
+
+
+def _declared_to_json(declared: tuple[int, ...] | None, where: str) -> dict[str, Any]:
+    """A split key's declared shape as a header field (none for a key not split)."""
+    if declared is None:
+        return {}
+    if len(declared) > MAX_NDIM:
+        raise ValueError(f"{where}: a declared shape of at most {MAX_NDIM} sizes")
+    return {"declared": [_count(size, f"{where}: declared") for size in declared]}
 
 
 def _encode_row_record(record: RowRecord, offset: int) -> dict[str, Any]:
@@ -565,7 +578,16 @@ def _decode_record(entry: object, index: int, offset: int, payload_nbytes: int) 
         tags=_rank_map_from_json(fields["tags"], f"{where}: tags"),
         last_round=_rank_map_from_json(fields["last_round"], f"{where}: last_round"),
         untold=_rank_map_from_json(fields.get("untold", {}), f"{where}: untold", _message),
+        declared=_declared_from_json(fields.get("declared"), f"{where}: declared"),
     )
+
+
+def _declared_from_json(value: object, what: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        raise ValueError(f"{what} {value!r} is not a list of at most {MAX_NDIM} sizes")
+    return tuple(_count(size, what) for size in value)
 
 
 def _check_place(fields: Mapping[str, object], offset: int, payload_nbytes: int, what: str) -> None:

@@ -250,6 +250,7 @@ class Checkpoints:
                 snapshot.durable_seqs,
                 snapshot.row_keys,
                 snapshot.sessions,
+                {r.key: r.declared for r in snapshot.keys if r.declared is not None},
             )
         except OSError as exc:  # its optimizer states, decoded from the file, were unreadable
             raise UnusableCheckpointError(f"cannot read checkpoint {path!r}: {exc}") from exc
@@ -515,7 +516,13 @@ def _copy_into(plan: CheckpointPlan, spill: Spill) -> Copied:
         states = SpilledStates(spill, *spill.append(lambda f: updater.dump_states(False, file=f)))
     records = [
         KeyRecord(
-            entry.key, spill.array(entry.value), closed_round, tags, last, entry.rounds.untold()
+            entry.key,
+            spill.array(entry.value),
+            closed_round,
+            tags,
+            last,
+            entry.rounds.untold(),
+            entry.declared,
         )
         for entry, closed_round, tags, last in plan.entries
     ]

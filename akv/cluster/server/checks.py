@@ -19,7 +19,7 @@ import numpy as np
 from akv import optimizer as _optimizer
 from akv.args import Key
 from akv.cluster.protocol import DIST_STORE_TYPES, Op, op_label
-from akv.cluster.server.inits import restored_key_differs
+from akv.cluster.server.inits import declared_shapes, restored_key_differs
 from akv.cluster.server.instructions import Peer, ServerEntry
 from akv.compression import Compression, compressed_nbytes, parse_wire
 from akv.errors import (
@@ -150,6 +150,7 @@ def check_frame(
         return
     kinds = set()
     seen: set[Key] = set()
+    declared = declared_shapes(header.text) if op == Op.INIT else {}
     for index, info in enumerate(arrays):
         key = info.key
         if key is None:
@@ -173,10 +174,13 @@ def check_frame(
                     f"init key {key!r}: {server} already holds it as a row-sparse key", key=key
                 )
             held = entries.get(key)
-            if held is not None and not _resent_init(peer, header.seq, held, info):
+            shape = declared.get(key)
+            if held is not None and not _resent_init(peer, header.seq, held, info, shape):
                 if held.made_by is None:
                     raise restored_key_differs(
-                        key, f"{held.shape} {held.dtype}", f"{tuple(info.shape)} {info.dtype}"
+                        key,
+                        _described(held.shape, held.dtype, held.declared),
+                        _described(tuple(info.shape), info.dtype, shape),
                     )
                 raise DuplicateInitError(f"init key {key!r}: {server} already holds it", key=key)
         elif op == Op.PULL:
@@ -262,8 +266,26 @@ def save_states_request(text: str) -> bool:
         raise InvalidArgumentError(f"malformed save_states request: {exc}") from None
 
 
-def _resent_init(peer: Peer, seq: int, entry: ServerEntry, info: ArrayInfo) -> bool:
+def _resent_init(
+    peer: Peer,
+    seq: int,
+    entry: ServerEntry,
+    info: ArrayInfo,
+    declared: tuple[int, ...] | None,
+) -> bool:
     """Whether an init of ``entry``'s key is the one that made it, sent again after a
-    reconnect (or to a server restored from a checkpoint), with the same shape and dtype."""
+    reconnect (or to a server restored from a checkpoint), with the same shape and dtype
+    (and for a key split over the servers, ``declared``, the same declared shape, where
+    both know it)."""
     resent = entry.made_by is None or (bool(peer.session) and entry.made_by == (peer.session, seq))
-    return resent and entry.shape == tuple(info.shape) and entry.dtype == info.dtype
+    same = entry.shape == tuple(info.shape) and entry.dtype == info.dtype
+    if entry.declared is not None and declared is not None:
+        same = same and entry.declared == declared
+    return resent and same
+
+
+def _described(shape: tuple[int, ...], dtype: object, declared: tuple[int, ...] | None) -> str:
+    """A key's shape and dtype in a message: a split key's declared shape, where known."""
+    if declared is None:
+        return f"{shape} {dtype}"
+    return f"{declared} {dtype} (split over the servers: this server's part {shape})"

@@ -18,6 +18,7 @@ import numpy as np
 from akv.args import Key
 from akv.cluster.protocol import COUNTED, Op
 from akv.cluster.server.buffers import Landing, ValueRegions, give_back
+from akv.cluster.server.inits import declared_shapes
 from akv.cluster.server.instructions import (
     Checkpoint,
     Instruction,
@@ -222,11 +223,17 @@ def init_keys(
         raise DuplicateInitError(f"init key {taken[0]!r}: {name} already holds it", key=taken[0])
     made_by = (peer.session, header.seq) if peer.session else ("", -1)
     new_var, sync, num_workers = make
+    declared = declared_shapes(header.text)
     for info, buffer in zip(header.arrays, landing.buffers, strict=True):
         assert info.key is not None  # checked above
         if buffer is None:
+            restored = held.get(info.key)
+            if restored is not None and restored.declared is None:  # (an old checkpoint's)
+                restored.declared = declared.get(info.key)
             continue
-        entry = ServerEntry(info.key, buffer, new_var, sync, num_workers, made_by)
+        entry = ServerEntry(
+            info.key, buffer, new_var, sync, num_workers, made_by, declared.get(info.key)
+        )
         # With checkpoints, a new key is answered for (to its init, and to the other
         # workers' init checks) once a checkpoint holds it: a worker never pushes to a
         # key that a restarted server would not have.

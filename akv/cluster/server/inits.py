@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from akv.args import Key
+from akv.cluster.protocol import decode_meta, unsplit_dtype
 from akv.cluster.server.instructions import (
     InitWait,
     Instruction,
@@ -23,7 +24,7 @@ from akv.cluster.server.instructions import (
 )
 from akv.errors import AKVError, PeerLostError, ShapeMismatchError, WaitTimeoutError
 
-__all__ = ["InitWaits", "check_init_agrees", "restored_key_differs"]
+__all__ = ["InitWaits", "check_init_agrees", "declared_shapes", "restored_key_differs"]
 
 #: An init check's keys: (key, shape, dtype name; ``"<dtype> row_sparse"`` for a
 #: row-sparse key).
@@ -53,6 +54,11 @@ def check_init_agrees(
     """Raise :class:`~akv.errors.ShapeMismatchError` when worker ``peer``'s init of ``key``
     differs from rank 0's (held in ``entry``), or from what the server restored."""
     if entry.shape == shape and entry.init_dtype == dtype:
+        return
+    # Restored from a checkpoint that kept no declared shapes (and rank 0's init has not
+    # told one yet): the dtype is all there is to compare.
+    unknown = getattr(entry, "declared", 0) is None
+    if unknown and entry.shape == shape and unsplit_dtype(dtype) == entry.init_dtype:
         return
     if entry.made_by is None:
         raise restored_key_differs(
@@ -135,3 +141,15 @@ class InitWaits:
             assert not all(k in entries and entries[k].durable for k, _, _ in wait.items), (
                 "init wait not released"
             )
+
+
+def declared_shapes(text: str) -> dict[Key, tuple[int, ...]]:
+    """The declared shapes an ``INIT``'s text names, of the keys split over the servers
+    (none: no text).
+
+    Raises
+    ------
+    InvalidArgumentError
+        A malformed text (:func:`~akv.cluster.protocol.decode_meta`).
+    """
+    return {key: shape for key, shape, _ in decode_meta(text)} if text else {}

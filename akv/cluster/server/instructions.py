@@ -41,7 +41,7 @@ import numpy as np
 from akv import jit
 from akv import optimizer as _optimizer
 from akv.args import Key
-from akv.cluster.protocol import Note
+from akv.cluster.protocol import Note, split_dtype
 from akv.cluster.server.buffers import Lent, RegionEntry
 from akv.cluster.server.rounds import KeyRounds
 from akv.compression import Compression
@@ -98,7 +98,7 @@ class ServerEntry(RegionEntry):
     (:class:`~akv.cluster.server.buffers.RegionEntry`), its rounds, and the init that
     made it."""
 
-    __slots__ = ("durable", "made_by", "rounds")
+    __slots__ = ("declared", "durable", "made_by", "rounds")
 
     def __init__(
         self,
@@ -108,6 +108,7 @@ class ServerEntry(RegionEntry):
         sync: bool,
         num_workers: int,
         made_by: tuple[str, int] | None = None,
+        declared: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__(key, value, new_var)
         self.rounds: KeyRounds[PullTicket | StatesTicket] = KeyRounds(key, num_workers, sync)
@@ -116,11 +117,18 @@ class ServerEntry(RegionEntry):
         self.made_by = made_by
         #: A checkpoint holds the key (always True without checkpoints).
         self.durable = True
+        #: The shape a key split over the servers was declared with (its value here is
+        #: this server's part, a flat slice); None for a key not split, or one restored
+        #: from a checkpoint written before shapes were kept.
+        self.declared = declared
 
     @property
     def init_dtype(self) -> str:
-        """The dtype as init checks compare it."""
-        return str(self.dtype)
+        """The dtype as init checks compare it (a split key's names its declared shape:
+        :func:`~akv.cluster.protocol.split_dtype`)."""
+        if self.declared is None:
+            return str(self.dtype)
+        return split_dtype(self.dtype, self.declared)
 
 
 class RowEntry(Entry):

@@ -7,7 +7,7 @@ Both work on a :class:`~akv.cluster.server.state.ServerState` (its private parts
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
@@ -91,6 +91,7 @@ def restore(
     durable_seqs: dict[int, int],
     row_keys: Sequence[RowRecord] = (),
     sessions: dict[int, str] | None = None,
+    declared: Mapping[Key, tuple[int, ...]] | None = None,
 ) -> None:
     """Start from a checkpoint: the keys (key, value, closed round, each worker's last
     push number, last push round, and failed rounds' errors not told yet), the optimizer
@@ -99,6 +100,7 @@ def restore(
     the workers' sessions when it was written; a worker that comes with another one is
     of a new job started from the checkpoint (workers are never restarted within a
     job), whose pushes are numbered from 1 again (see :meth:`ServerState.admit`).
+    ``declared``: the declared shapes of keys split over the servers.
 
     Raises
     ------
@@ -107,7 +109,8 @@ def restore(
     """
     state.store_type = store_type
     for key, value, closed_round, tags, last, untold in keys:
-        entry = ServerEntry(key, value, state._new_var, state.sync, state.num_workers, None)
+        shape = None if declared is None else declared.get(key)
+        entry = ServerEntry(key, value, state._new_var, state.sync, state.num_workers, None, shape)
         entry.rounds.restore(closed_round, tags, last, untold_errors(untold, state.name))
         entry.regions = state.value_regions
         state.entries[key] = entry

@@ -38,7 +38,7 @@ from akv.backend import caller_events
 from akv.cluster.config import Config
 from akv.cluster.membership import Membership
 from akv.cluster.placement import place
-from akv.cluster.protocol import Op, encode_meta
+from akv.cluster.protocol import Op, encode_meta, split_dtype
 from akv.cluster.roles import default_worker_logging
 from akv.cluster.worker.activity import Activity
 from akv.cluster.worker.calls import Answer, Done, PullCall, PushCall, give_back_if_skipped
@@ -431,9 +431,13 @@ class DistBackend:
     async def _init_values(self, entries: list[Entry], copies: list[np.ndarray]) -> None:
         batches = by_server(zip(entries, copies, strict=True), _part_of)
         timeout = self.config.timeouts.request_s
+        # Each server is told the declared shape of the keys split over the servers (its
+        # part is a flat slice), so that init checks and new jobs compare shapes, not sizes.
+        split = [(e.key, e.shape, str(e.dtype)) for e in entries if len(e.parts) > 1]
+        text = encode_meta(split) if split else ""
         await asyncio.gather(
             *(
-                self.links[server].request(Op.INIT, arrays, timeout_s=timeout)
+                self.links[server].request(Op.INIT, arrays, text=text, timeout_s=timeout)
                 for server, arrays in batches.items()
             )
         )
@@ -787,8 +791,9 @@ def _part_of(entry: Entry, part: Part, array: np.ndarray) -> WireArray:
 
 
 def _meta_of(entry: Entry, part: Part, _: None) -> tuple[Key, tuple[int, ...], str]:
-    shape = entry.shape if len(entry.parts) == 1 else (part.size,)
-    return (entry.key, shape, str(entry.dtype))
+    if len(entry.parts) == 1:
+        return (entry.key, entry.shape, str(entry.dtype))
+    return (entry.key, (part.size,), split_dtype(entry.dtype, entry.shape))
 
 
 def _nothing() -> None:

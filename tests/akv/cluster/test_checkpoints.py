@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import akv
-from akv import CheckpointError, ConfigError, InvalidArgumentError
+from akv import CheckpointError, ConfigError, InvalidArgumentError, ShapeMismatchError
 from akv.cluster import config as _config
 from akv.cluster.protocol import JOB_FAILED_EXIT, Op
 from akv.cluster.scheduler.service import Scheduler
@@ -483,3 +483,41 @@ async def test_a_checkpoint_request_to_a_server_without_a_directory_is_refused()
             np.testing.assert_array_equal(await kv.pull(0), np.ones(3, np.float32))
             assert link.retained_bytes == 0
         assert cluster.servers[0].checkpoints is None
+
+
+async def test_a_split_keys_init_is_checked_by_its_declared_shape_in_a_job_and_the_next(
+    tmp_path,
+):
+    """A key split over the servers is a flat slice on each: its init is checked against
+    the shape rank 0 declared, within a job and by a new job on the checkpoint directory,
+    not only by its element count (a (32, 64) init took a (2048,) key's values)."""
+    env = {
+        "AKV_CHECKPOINT_DIR": str(tmp_path),
+        "AKV_CHECKPOINT_INTERVAL_S": NEVER_S,
+        "AKV_BIGARRAY_BOUND": "1024",
+    }
+    with Cluster(2, 2, **env) as cluster:
+        async with running(cluster) as stores:
+            first, second = sorted(stores, key=lambda kv: kv.rank)
+            refused = await asyncio.gather(
+                first.init("split", np.ones(2048, np.float32)),
+                second.init("split", np.ones((32, 64), np.float32)),
+                return_exceptions=True,
+            )
+            assert refused[0] is None and isinstance(refused[1], ShapeMismatchError)
+            assert "(32, 64)" in str(refused[1]) and "(2048,)" in str(refused[1])
+            await second.init("split", np.ones(2048, np.float32))
+            await asyncio.gather(*(kv.push("split", np.ones(2048, np.float32)) for kv in stores))
+    with Cluster(2, 2, **env) as cluster:
+        async with running(cluster) as stores:
+            refused = await asyncio.gather(
+                *(kv.init("split", np.zeros((32, 64), np.float32)) for kv in stores),
+                return_exceptions=True,
+            )
+            for error in refused:
+                assert isinstance(error, ShapeMismatchError), refused
+                assert "restored it from its checkpoint" in str(error), error
+                assert "(2048,)" in str(error) and "(32, 64)" in str(error), error
+            await asyncio.gather(*(kv.init("split", np.zeros(2048, np.float32)) for kv in stores))
+            for kv in stores:  # the restored sum of the first job's two pushes
+                np.testing.assert_array_equal(await kv.pull("split"), np.full(2048, 2.0))

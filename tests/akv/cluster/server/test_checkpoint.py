@@ -83,10 +83,11 @@ def assert_same(got: Snapshot | None, expected: Snapshot) -> None:
     assert [record.key for record in got.keys] == [record.key for record in expected.keys]
     for record, want in zip(got.keys, expected.keys, strict=True):
         assert type(record.key) is type(want.key)
-        assert (record.closed_round, record.tags, record.last_round) == (
+        assert (record.closed_round, record.tags, record.last_round, record.declared) == (
             want.closed_round,
             want.tags,
             want.last_round,
+            want.declared,
         )
         assert record.value.dtype == want.value.dtype
         assert record.value.shape == want.value.shape
@@ -184,6 +185,19 @@ def test_int_and_str_keys_keep_their_kind(tmp_path):
     read = read_snapshot(tmp_path, 1)
     assert read is not None
     assert [(type(record.key), record.value[0]) for record in read.keys] == [(int, 0), (str, 1)]
+
+
+def test_a_split_keys_declared_shape_comes_back_and_a_key_without_one_has_none(tmp_path):
+    """A server's part of a key split over the servers keeps the shape the key was declared
+    with (a new job's init is checked against it); files without the field read None."""
+    part = KeyRecord("split", np.zeros(1024, np.float32), 2, {0: 2}, {0: 2}, declared=(32, 64))
+    written = snapshot(keys=[part, KeyRecord("w", np.ones(3, np.float32), 0, {}, {})])
+    path = write_snapshot(tmp_path, written)
+    header, _ = split(path.read_bytes())
+    assert header["keys"][0]["declared"] == [32, 64] and "declared" not in header["keys"][1]
+    got = read_snapshot(tmp_path, 1)
+    assert_same(got, written)
+    assert [record.declared for record in got.keys] == [(32, 64), None]
 
 
 def test_a_later_write_replaces_the_earlier_one(tmp_path):

@@ -603,6 +603,32 @@ async def test_a_new_job_that_declares_a_restored_key_otherwise_is_told_so(opene
     np.testing.assert_array_equal(players.state.entries["w"].value, f32(3, 4))  # kept
 
 
+async def test_a_split_part_restored_without_its_declared_shape_is_checked_by_dtype(
+    opened, tmp_path
+):
+    """A checkpoint written before declared shapes were kept: a worker's check of a split
+    part (its declared shape in the dtype) compares the dtype alone until rank 0's init
+    tells the shape, which is kept from then on."""
+    stored_snapshot(tmp_path)  # holds "w": (2,) float32, no declared shape
+    players = Players(2, checkpoints=True)
+    checkpoints, _ = opened(players.state)
+    checkpoints.restore()
+    check = players.send(
+        1, Op.INIT_CHECK, text=encode_meta([("w", (2,), "float32 split of (1, 4)")])
+    )
+    assert players.reply(1, check) == "ok"
+    wrong = players.send(
+        1, Op.INIT_CHECK, text=encode_meta([("w", (2,), "float64 split of (1, 4)")])
+    )
+    assert isinstance(players.reply(1, wrong), ShapeMismatchError)
+    players.send(0, Op.INIT, [("w", f32(0, 0))], text=encode_meta([("w", (1, 4), "float32")]))
+    assert players.state.entries["w"].declared == (1, 4)
+    other = players.send(
+        1, Op.INIT_CHECK, text=encode_meta([("w", (2,), "float32 split of (4, 1)")])
+    )
+    assert "split of (1, 4)" in str(players.reply(1, other))
+
+
 def players_with_states() -> Players:
     """Two workers of a job whose server has an optimizer with a state (momentum), a dense
     key "w" and a row-sparse key "emb" (rows [500, 1000) of 10**9 x 2), both pushed."""
