@@ -230,3 +230,38 @@ def test_akv_bench_device_quick_reports_every_row_with_positive_times(tmp_path):
         assert row["ratio"] == pytest.approx(row["akv_s"] / row["floor_s"])
         if row["bytes_moved"]:
             assert row["gb_per_s"] > 0 and row["floor_gb_per_s"] > 0, row
+
+
+def test_every_timed_call_returns_with_its_gpu_work_done(fake_cupy, monkeypatch):
+    """Host wall-clock times mean something only when a call's GPU work is finished by
+    the time it returns: a push that merely queues its update on the caller's stream
+    would be timed as the cost of queuing. On the fake CuPy (lazy streams), no work may
+    be left pending by any call that :func:`akv.bench.compare` times (the streams are run
+    to their end before each call, so only the call's own work counts)."""
+    monkeypatch.setattr(device, "sizes", lambda quick: Sizes(1 << 20, 64 << 10, quick=True))
+    monkeypatch.setattr(device, "CHAIN_TASKS", 4)
+    monkeypatch.setitem(device._SETTINGS, "rounds", 1)
+    monkeypatch.setitem(device._SETTINGS, "min_round_s", 1e-4)
+    real_compare = device.compare
+    timed: list[str] = []
+    left_pending: list[tuple[str, int]] = []
+
+    def checked(fn):
+        name = getattr(fn, "__qualname__", repr(fn))
+
+        def call():
+            fake_cupy.synchronize_all()
+            fn()
+            if fake_cupy.pending():
+                left_pending.append((name, fake_cupy.pending()))
+
+        return call
+
+    def checking_compare(*fns, **kwargs):
+        timed.extend(getattr(fn, "__qualname__", repr(fn)) for fn in fns)
+        return real_compare(*(checked(fn) for fn in fns), **kwargs)
+
+    monkeypatch.setattr(device, "compare", checking_compare)
+    device.run()
+    assert any(name.startswith("_update_row") for name in timed), timed
+    assert left_pending == [], sorted(set(left_pending))
