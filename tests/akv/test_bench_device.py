@@ -265,3 +265,35 @@ def test_every_timed_call_returns_with_its_gpu_work_done(fake_cupy, monkeypatch)
     device.run()
     assert any(name.startswith("_update_row") for name in timed), timed
     assert left_pending == [], sorted(set(left_pending))
+
+
+def test_the_small_key_floor_makes_as_many_device_copies_as_the_push_and_pull(
+    fake_cupy, monkeypatch
+):
+    """akv's push and pull of a small key are two device copies (into the stored value,
+    then into ``out``): the floor must be two copies too, not one."""
+    monkeypatch.setitem(device._SETTINGS, "rounds", 1)
+    monkeypatch.setitem(device._SETTINGS, "min_round_s", 1e-4)
+    real_compare = device.compare
+    copies: list[int] = []
+
+    def counting(fn):
+        def call():
+            fake_cupy.synchronize_all()
+            before = fake_cupy.counts["kernel"]
+            fn()
+            copies.append(fake_cupy.counts["kernel"] - before)
+
+        return call
+
+    def floor_counting_compare(push_pull, floor, **kwargs):
+        counting(floor)()
+        floor_copies = copies.pop()
+        assert floor_copies == 2, floor_copies
+        return real_compare(push_pull, floor, **kwargs)
+
+    monkeypatch.setattr(device, "compare", floor_counting_compare)
+    table = Table("device")
+    device._small_key_row(table, fake_cupy)
+    (row,) = table.rows
+    assert row.floor.startswith("2 cupy.copyto"), row.floor
