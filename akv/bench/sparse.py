@@ -279,6 +279,12 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.0f} MiB"
 
 
+def _ratio(grown: float, stored: float) -> str:
+    """``grown / stored`` to two places; "-" where nothing is stored (a server that holds
+    none of the touched rows)."""
+    return f"{grown / stored:.2f}" if stored > 0 else "-"
+
+
 def _rss_now() -> int:
     """This process's resident memory now (Linux's ``/proc/self/statm``, in pages)."""
     pages = int(Path("/proc/self/statm").read_text().split()[1])
@@ -398,25 +404,25 @@ def run(argv: Sequence[str] = ()) -> Table:
             table.notes.append(
                 f"Memory, local store: RSS grew {grown / 2**20:,.0f} MiB for {count:,} rows "
                 f"touched of a 10^9 x {WIDTH} float32 table ({stored / 2**20:,.0f} MiB of "
-                f"rows; ratio {grown / stored:.2f}; pushes {elapsed:.1f} s)."
+                f"rows; ratio {_ratio(grown, stored)}; pushes {elapsed:.1f} s)."
             )
         if "dist" in options.memory_stores:
             grown_by = dist_memory(count)
             each = "; ".join(
                 f"server {rank} {_mib(grown['VmRSS'])} for {_mib(grown['rows'])} of rows "
-                f"(ratio {grown['VmRSS'] / grown['rows']:.2f}; of it {_mib(grown['RssShmem'])} "
-                f"the transport's shared pages, {_mib(grown['RssAnon'])} its own: ratio "
-                f"{grown['RssAnon'] / grown['rows']:.2f})"
+                f"(ratio {_ratio(grown['VmRSS'], grown['rows'])}; of it "
+                f"{_mib(grown['RssShmem'])} the transport's shared pages, "
+                f"{_mib(grown['RssAnon'])} its own: ratio "
+                f"{_ratio(grown['RssAnon'], grown['rows'])})"
                 for rank, grown in sorted(grown_by.items())
             )
             rows = sum(grown["rows"] for grown in grown_by.values())
-            total = sum(grown["VmRSS"] for grown in grown_by.values()) / rows
-            own = sum(grown["RssAnon"] for grown in grown_by.values()) / rows
+            total = _ratio(sum(grown["VmRSS"] for grown in grown_by.values()), rows)
+            own = _ratio(sum(grown["RssAnon"] for grown in grown_by.values()), rows)
             elapsed = max(grown["seconds"] for grown in grown_by.values())
             table.notes.append(
                 f"Memory, dist_sync over 2 servers, {count:,} rows touched: servers' VmRSS grew "
-                f"{each}; together ratio {total:.2f} (own memory {own:.2f}); pushes "
-                f"{elapsed:.1f} s."
+                f"{each}; together ratio {total} (own memory {own}); pushes {elapsed:.1f} s."
             )
     table.notes.append(
         "Targets: the step at least 4x faster than MXNet with shared memory, 2x "
