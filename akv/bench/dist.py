@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ import akv
 from akv.args import Key
 from akv.bench._raw import RawEcho, RawRound, RawShmRound, round_trip
 from akv.bench._report import _SETTINGS, Row, Table, time_per_call
-from akv.bench.soak import percentile
+from akv.bench.soak import percentile, run_launcher
 from akv.bench.steps import Shape, elements, list_step, per_key_step, resnet18_shapes
 
 __all__ = [
@@ -455,7 +454,7 @@ def launch_job(
     Raises
     ------
     BenchmarkError
-        The job failed, or wrote nothing.
+        The job failed, wrote nothing, or ran past ``JOB_TIMEOUT_S``.
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
@@ -475,12 +474,11 @@ def launch_job(
             out,
             *arguments,
         ]
-        completed = subprocess.run(
+        completed = run_launcher(
             command,
-            capture_output=True,
-            text=True,
-            timeout=JOB_TIMEOUT_S,
-            env={**os.environ, **env},
+            {**os.environ, **env},
+            JOB_TIMEOUT_S,
+            f"the benchmark job ({module}) with {num_servers} server(s) and {env}",
         )
         if completed.returncode != 0 or not os.path.exists(out):
             raise akv.BenchmarkError(

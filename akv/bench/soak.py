@@ -28,6 +28,7 @@ import numpy as np
 import akv
 from akv.bench._raw import RawEcho, round_trip
 from akv.bench._report import _SETTINGS, Row, Table
+from akv.launch.supervisor import _die_with_parent
 
 __all__ = ["SoakResult", "percentile", "run", "soak", "sum_of_round"]
 
@@ -135,13 +136,40 @@ def worker_main(argv: list[str] | None = None) -> int:
     return 0 if result.wrong_sums == 0 else 1
 
 
+def run_launcher(
+    command: list[str], env: dict[str, str], timeout_s: float, what: str
+) -> subprocess.CompletedProcess[str]:
+    """Run an akv-launch ``command`` to its end, its output captured, as a child that the
+    kernel kills (SIGKILL) when this process dies: a benchmark stopped by a signal takes
+    its job with it (the launcher's own children die with the launcher the same way).
+
+    Raises
+    ------
+    BenchmarkError
+        The job ran past ``timeout_s`` (it was killed; the one line names ``what``).
+    """
+    try:
+        return subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+            preexec_fn=_die_with_parent(),
+        )
+    except subprocess.TimeoutExpired:
+        raise akv.BenchmarkError(
+            f"{what} ran past its timeout of {timeout_s:g} s and was stopped"
+        ) from None
+
+
 def run_job(rounds: int, timeout_s: float = JOB_TIMEOUT_S) -> SoakResult:
     """Run the soak job (4 workers, 2 servers) through akv-launch; return worker 0's result.
 
     Raises
     ------
     BenchmarkError
-        The job failed or a sum was wrong (with the job's output).
+        The job failed, ran past ``timeout_s``, or a sum was wrong (with the job's output).
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "soak.json")
@@ -152,9 +180,7 @@ def run_job(rounds: int, timeout_s: float = JOB_TIMEOUT_S) -> SoakResult:
         ]
         env = {**os.environ, "AKV_BIGARRAY_BOUND": str(BIGARRAY_BOUND)}
         env.pop("AKV_TOKEN", None)
-        completed = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout_s, env=env
-        )
+        completed = run_launcher(command, env, timeout_s, "the soak job")
         if completed.returncode != 0 or not os.path.exists(out):
             raise akv.BenchmarkError(
                 f"the soak job failed ({completed.returncode}):\n"
