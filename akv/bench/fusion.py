@@ -2,7 +2,7 @@
 one store key per parameter and with fused buckets (issue #26).
 
 Jobs under akv-launch: 2 workers, 1 server, ``dist_sync``; a model of ResNet-18's 62
-parameter arrays (:func:`akv.bench.steps.resnet18_shapes`, 44.7 MiB of float32), a step of
+parameter arrays (:func:`akv.bench.steps.resnet18_shapes`, 44.6 MiB of float32), a step of
 ``zero_grad``, ``backward`` of the sum of the parameters (each gradient ones, ready as the
 backward pass reaches it) and ``step``, with akv's SGD in the store. Each fused row against
 the unfused one of the same run. Needs torch.
