@@ -85,6 +85,9 @@ JOB_TIMEOUT_S = 600
 TCP_FLOOR = "raw socket echo of {nbytes} B"
 MEMCPY_FLOOR = "NumPy copyto + add + copyto"
 ROUND_FLOOR = "raw TCP round: 2 clients, summing server"
+#: The floor label of a pull row: its only floor is the echo (a pull waits for no other
+#: worker and sums nothing, so a summing round of two clients is not its work).
+PULL_FLOOR = TCP_FLOOR + " (a pull: no round floor)"
 SHM_ROUND_FLOOR = "raw shared-memory round: 2 clients, summing server"
 
 #: What a case's call does, on every worker:
@@ -360,7 +363,9 @@ def measure(
                 raise akv.BenchmarkError(
                     f"the benchmark job with {count} server(s) reported no times for {case.name!r}"
                 )
-            if transport == "TCP":
+            if case.kind == "pull":
+                second_s, second = None, ""  # waits for no other worker, sums nothing
+            elif transport == "TCP":
                 second_s, second = round_floors[case.nbytes], ROUND_FLOOR
             elif case.memcpy_floor:
                 second_s, second = memcpy_floors[case.shapes], MEMCPY_FLOOR
@@ -373,7 +378,7 @@ def measure(
                     f"{case.name}, {count} server{'s' if count > 1 else ''}, {transport}",
                     statistics.median(samples),
                     tcp_floors[case.nbytes],
-                    TCP_FLOOR.format(nbytes=case.nbytes),
+                    (PULL_FLOOR if case.kind == "pull" else TCP_FLOOR).format(nbytes=case.nbytes),
                     unit_ops=case.unit_ops,
                     reference_s=MXNET_S.get((case.name, count)),
                     akv_p90_s=percentile(samples, 0.9),
@@ -389,7 +394,8 @@ def measure(
         f"worker's copies in memory ({MEMCPY_FLOOR}: the push's copy, the server's sum of "
         "the second worker's contribution, the pull's copy), in this process, and in the "
         f"TCP rows a {ROUND_FLOOR} (the same round on plain blocking sockets, a server "
-        "thread per client, each adding half the sum); 'floor 3', in the shared-memory rows "
+        "thread per client, each adding half the sum; none in the pull rows: a pull waits "
+        "for no other worker and sums nothing); 'floor 3', in the shared-memory rows "
         f"of one key's rounds, a {SHM_ROUND_FLOOR} (the memcpy floor's copies and sum made "
         "by three processes through one shared arena, woken by pipes). akv and akv p90: the "
         "median and the nearest-rank p90 over the rounds (over single steps for the "
