@@ -67,6 +67,9 @@ class Membership:
         #: A server's way in for workers on its host: ``{"host": host identity, "path":
         #: its Unix socket}`` (None: TCP only).
         self.local: dict[str, str] | None = None
+        #: A server restored from a checkpoint: the rounds of its keys that other servers
+        #: hold parts of (:attr:`~akv.cluster.server.checkpointing.Checkpoints.restored`).
+        self.restored: dict[str, Any] | None = None
         self._client: HttpClient | None = None
         self._closed = False
 
@@ -127,6 +130,8 @@ class Membership:
         }
         if self.local is not None:
             body["local"] = self.local
+        if self.restored is not None:
+            body["restored"] = self.restored
         last_note = ""
         while True:
             answer: dict[str, Any] | None

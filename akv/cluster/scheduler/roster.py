@@ -71,6 +71,9 @@ class Node:
     restartable: bool = False
     #: A server's way in for workers on its host: (host identity, Unix socket path).
     local: tuple[str, str] | None = None
+    #: A server restored from a checkpoint: its file, and the rounds applied of the keys
+    #: other servers hold parts of (split and row-sparse keys).
+    restored: Restored | None = None
 
     def __post_init__(self) -> None:
         if self.bound_host is None:
@@ -81,6 +84,41 @@ class Node:
     def describe(self) -> str:
         """``"worker 1 (pid 4121 on 10.0.0.2)"``: how messages name the node."""
         return f"{self.role} {self.rank} (pid {self.pid} on {self.host})"
+
+
+#: A restored server's checkpoint file, and ``(key, rounds applied)`` of its keys that other
+#: servers hold parts of.
+Restored = tuple[str, tuple[tuple[int | str, int], ...]]
+
+
+def mixed_restores(servers: list[Node]) -> str | None:
+    """Why the servers' restored checkpoints are not of one point in time, or None.
+
+    Every push of a key split over the servers, or of a row-sparse key, reaches every
+    server that holds a part of it, so the parts of a job's consistent end agree on the
+    rounds applied. Servers that restored files written at different moments (a job that
+    failed with a server killed, or its launcher killed, then started again on its
+    directory) do not: the new job would train on keys whose parts mix rounds.
+    """
+    seen: dict[int | str, tuple[int, Node]] = {}
+    for node in servers:
+        if node.restored is None:
+            continue
+        for key, rounds in node.restored[1]:
+            first = seen.setdefault(key, (rounds, node))
+            if first[0] != rounds:
+                other = first[1]
+                assert other.restored is not None
+                return (
+                    f"the servers restored checkpoints of different points in time: key "
+                    f"{key!r} (split over the servers, or row-sparse) had {first[0]} rounds "
+                    f"applied in server {other.rank}'s {other.restored[0]} and {rounds} in "
+                    f"server {node.rank}'s {node.restored[0]} (a job that failed and was "
+                    "started again on its --checkpoint-dir?): its parts would mix rounds. "
+                    "Put back checkpoint files of one moment, or start the job with another "
+                    "--checkpoint-dir"
+                )
+    return None
 
 
 @dataclass(frozen=True)
@@ -204,6 +242,8 @@ class Roster:
         self.nodes: dict[str, Node] = {}
         self.failure: str | None = None
         self._barriers: dict[int, _Barrier] = {}
+        #: Whether the servers' restored checkpoints were compared (once the job was whole).
+        self._restores_checked = False
         self._barrier_calls: dict[int, int] = {}
         self._ended_at: float | None = None
 
@@ -223,6 +263,7 @@ class Roster:
         bound_port: int | None = None,
         restartable: bool = False,
         local: tuple[str, str] | None = None,
+        restored: Restored | None = None,
     ) -> Node:
         """Add a node (or return it again for a retry).
 
@@ -235,6 +276,10 @@ class Roster:
         directory locked, so the server before it is gone (killed, even if its heartbeats
         are not overdue yet). The workers find it at its new address; when every worker
         finished already, its heartbeats tell it to stop.
+
+        The registration that completes the job (its first: not a restart's) fails it when
+        the servers' ``restored`` checkpoints are not of one point in time
+        (:func:`mixed_restores`).
 
         Raises
         ------
@@ -291,8 +336,14 @@ class Roster:
             bound_port=bound_port,
             restartable=restartable and role == "server",
             local=local if role == "server" else None,
+            restored=restored if role == "server" else None,
         )
         self.nodes[node_id] = node
+        if not self._restores_checked and self.complete():
+            self._restores_checked = True  # (a restarted server restores where its job is)
+            mixed = mixed_restores(self.servers())
+            if mixed is not None:
+                self.fail(mixed)
         return node
 
     def registration(self, node_id: str) -> Registration:

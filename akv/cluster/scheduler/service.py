@@ -63,7 +63,7 @@ from akv.cluster.metrics import ProcessMetrics, observe
 from akv.cluster.protocol import JOB_FAILED_STATUS, REFUSED_STATUS
 from akv.cluster.roles import listen, run_role, stopped_by_signal
 from akv.cluster.scheduler.metrics import roster_figures
-from akv.cluster.scheduler.roster import Roster, ServerAddress
+from akv.cluster.scheduler.roster import Restored, Roster, ServerAddress
 from akv.cluster.scheduler.status import Reports, job_status, parse_report
 from akv.cluster.scheduler.status_page import STATUS_PATH, StatusPage
 from akv.errors import MembershipError, PeerLostError
@@ -247,9 +247,11 @@ class Scheduler:
             wait = bool(body.get("wait", True))
             restartable = bool(body.get("restartable", False))
             local = _local(body.get("local"))
+            restored = _restored(body.get("restored"))
         with _refusals():
             known = node_id in self.roster.nodes
             restarts = sum(self.roster.restarts.values())
+            failed = self.roster.failure
             self.roster.register(
                 node_id,
                 role,
@@ -262,7 +264,10 @@ class Scheduler:
                 bound_port=bound_port,
                 restartable=restartable,
                 local=local,
+                restored=restored,
             )
+        if self.roster.failure is not None and failed is None:
+            log.error("job failed: %s", self.roster.failure)
         if not known and sum(self.roster.restarts.values()) > restarts:
             log.warning(
                 "server %s was restarted from its checkpoint (pid %d at %s:%d); the workers "
@@ -411,6 +416,25 @@ def _addresses(servers: Sequence[ServerAddress]) -> list[dict[str, Any]]:
     return book
 
 
+def _restored(value: object) -> Restored | None:
+    """A registration's ``restored`` field: ``{"path": file, "rounds": [[key, rounds],
+    ...]}`` or absent; a ``ValueError`` for anything else."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"path", "rounds"}:
+        raise ValueError("restored must be an object with exactly 'path' and 'rounds'")
+    rounds = value["rounds"]
+    if not isinstance(rounds, list) or not all(
+        isinstance(pair, list)
+        and len(pair) == 2
+        and type(pair[0]) in (int, str)
+        and type(pair[1]) is int
+        for pair in rounds
+    ):
+        raise ValueError("restored.rounds must be a list of [key, rounds] pairs")
+    return _checked("restored.path", value["path"]), tuple((k, r) for k, r in rounds)
+
+
 def _local(value: object) -> tuple[str, str] | None:
     """A registration's ``local`` field: ``{"host": identity, "path": socket}`` or absent;
     a ``ValueError`` for anything else."""
@@ -448,6 +472,7 @@ _TEXTS = {
     "detail": 65536,
     "local.host": 1024,
     "local.path": 1024,
+    "restored.path": 4096,
 }
 _INTEGERS = {
     "port": (0, 65535),

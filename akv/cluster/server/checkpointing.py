@@ -33,7 +33,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from akv.cluster.placement import row_parts
 from akv.cluster.server import snapshots
@@ -141,6 +141,9 @@ class Checkpoints:
         #: requests (every one numbered below).
         self.generation = 0
         self.durable_seqs: dict[int, int] = {}
+        #: What the restore read of the keys other servers hold parts of: ``{"path": the
+        #: file, "rounds": [[key, rounds applied], ...]}`` (None: nothing restored).
+        self.restored: dict[str, Any] | None = None
         self._written_changes = -1
         self._lock: asyncio.Lock | None = None
         self._requests: list[Checkpoint] = []
@@ -257,6 +260,11 @@ class Checkpoints:
         self.generation = snapshot.generation
         self.durable_seqs = dict(snapshot.durable_seqs)
         self._written_changes = self.state.changes
+        # The keys whose parts other servers restore too (split, row-sparse), with the
+        # rounds applied: a new job's scheduler compares them (see Roster.mixed_restores).
+        spread = [(r.key, r.closed_round) for r in snapshot.keys if r.declared is not None]
+        spread += [(r.key, r.closed_round) for r in snapshot.row_keys]
+        self.restored = {"path": path, "rounds": [list(pair) for pair in spread]}
         closed = [r.closed_round for r in snapshot.keys] + [
             r.closed_round for r in snapshot.row_keys
         ]

@@ -221,6 +221,7 @@ class ParameterServer:
             self.state.value_regions = self._local.book
         if self.checkpoints is not None:
             self.checkpoints.restore()  # before registering: workers resend what it lacks
+            self.membership.restored = self.checkpoints.restored
         deadline = time.monotonic() + config.timeouts.connect_s
         joined = await self.membership.register(self.port, deadline)
         self.state.name = f"server {self.rank}"

@@ -22,7 +22,13 @@ import numpy as np
 import pytest
 
 import akv
-from akv import CheckpointError, ConfigError, InvalidArgumentError, ShapeMismatchError
+from akv import (
+    CheckpointError,
+    ConfigError,
+    InvalidArgumentError,
+    PeerLostError,
+    ShapeMismatchError,
+)
 from akv.cluster import config as _config
 from akv.cluster.protocol import JOB_FAILED_EXIT, Op
 from akv.cluster.scheduler.service import Scheduler
@@ -521,3 +527,32 @@ async def test_a_split_keys_init_is_checked_by_its_declared_shape_in_a_job_and_t
             await asyncio.gather(*(kv.init("split", np.zeros(2048, np.float32)) for kv in stores))
             for kv in stores:  # the restored sum of the first job's two pushes
                 np.testing.assert_array_equal(await kv.pull("split"), np.full(2048, 2.0))
+
+
+async def test_a_job_whose_servers_restore_files_of_different_moments_fails_as_it_assembles(
+    tmp_path,
+):
+    """Server 1's file put back from an earlier moment (as when a job failed with a server
+    killed, its last file older than the others', then started again on its directory):
+    the parts of a split key would mix rounds, so the job fails, naming them."""
+    env = {
+        "AKV_CHECKPOINT_DIR": str(tmp_path),
+        "AKV_CHECKPOINT_INTERVAL_S": NEVER_S,
+        "AKV_BIGARRAY_BOUND": "1024",
+    }
+
+    async def one_push(cluster: Cluster) -> None:
+        async with running(cluster) as stores:
+            await asyncio.gather(*(kv.init("split", np.zeros(2048, np.float32)) for kv in stores))
+            await asyncio.gather(*(kv.push("split", np.ones(2048, np.float32)) for kv in stores))
+
+    with Cluster(2, 2, **env) as cluster:
+        await one_push(cluster)
+    earlier = (tmp_path / "server-1.akvckpt").read_bytes()
+    with Cluster(2, 2, **env) as cluster:
+        await one_push(cluster)
+    (tmp_path / "server-1.akvckpt").write_bytes(earlier)
+    with Cluster(2, 2, **env) as cluster:
+        with pytest.raises(PeerLostError, match="different points in time") as failed:
+            await asyncio.wait_for(cluster.workers(), 30)
+        assert "key 'split'" in str(failed.value) and "server-1.akvckpt" in str(failed.value)

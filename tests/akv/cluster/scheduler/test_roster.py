@@ -330,3 +330,48 @@ def test_a_restart_within_the_window_keeps_the_job_alive():
     roster.heartbeat("w", 40.0)
     roster.heartbeat("s2", 40.0)
     assert roster.check(40.0) == [] and roster.failure is None
+
+
+# ------------------------------------------------------------------ restored checkpoints
+
+
+def _restored_job(rounds: tuple[int, int]) -> Roster:
+    """Two restartable servers restored from files whose split key "w" and row-sparse key 3
+    had these rounds applied (server 0's, server 1's), and the two workers."""
+    roster = Roster(num_workers=2, num_servers=2, heartbeat_timeout_s=5.0)
+    for rank, applied in enumerate(rounds):
+        restored = (f"/ck/server-{rank}.akvckpt", (("w", 7), (3, applied)))
+        roster.register(
+            f"s{rank}", "server", "h", 4000 + rank, 10 + rank, now=0.0, rank=rank,
+            restartable=True, restored=restored,
+        )  # fmt: skip
+    assert roster.failure is None  # (not whole yet)
+    roster.register("w0", "worker", "h", 0, 20, now=0.0)
+    roster.register("w1", "worker", "h", 0, 21, now=0.0)
+    return roster
+
+
+def test_servers_restored_from_one_moment_make_a_job():
+    roster = _restored_job((9, 9))
+    assert roster.failure is None and roster.registration("w0").servers is not None
+
+
+def test_servers_restored_from_different_moments_fail_the_job_naming_key_rounds_and_files():
+    """A job that failed with a server killed (its file older) and was started again on
+    its directory: the parts of its split and row-sparse keys would mix rounds."""
+    roster = _restored_job((9, 5))
+    assert roster.failure is not None
+    for part in ("key 3", "9 rounds", "server 0's /ck/server-0.akvckpt", "5 in server 1's"):
+        assert part in roster.failure, roster.failure
+    with pytest.raises(PeerLostError, match="different points in time"):
+        roster.registration("w0")
+
+
+def test_a_server_restarted_within_the_job_is_not_compared_with_the_others():
+    """A restart restores an older file by design: the workers replay what it lacks."""
+    roster = _restored_job((9, 9))
+    restored = ("/ck/server-1.akvckpt", (("w", 2), (3, 4)))
+    roster.register(
+        "s1-again", "server", "h", 4101, 30, now=1.0, rank=1, restartable=True, restored=restored
+    )
+    assert roster.failure is None and roster.restarts == {1: 1}
