@@ -235,6 +235,10 @@ class Config:
     #: pulls of the key until the next push are answered from that value without a request
     #: (``AKV_PULL_AHEAD``, 1 by default; 0: a pull asks the servers).
     pull_ahead: bool = True
+    #: The scheduler lets a new job go on whose servers restored checkpoint files of
+    #: different moments (``AKV_ACCEPT_MIXED_RESTORE``, 0 by default: it fails the job;
+    #: see :func:`~akv.cluster.scheduler.roster.mixed_restores`).
+    accept_mixed_restore: bool = False
     #: Compiled row kernels where numba imports (``AKV_JIT``, 1 by default; 0: NumPy only;
     #: read by :mod:`akv.jit` itself, checked here when the process starts).
     jit: bool = True
@@ -634,6 +638,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, role: str | None = Non
             else None
         ),
         pull_ahead=_flag(env, "AKV_PULL_AHEAD", default=True),
+        accept_mixed_restore=_flag(env, "AKV_ACCEPT_MIXED_RESTORE"),
         shm=_flag(env, "AKV_SHM", default=True),
         jit=jit.enabled(env),
         shm_arena_bytes=int_setting(

@@ -231,8 +231,14 @@ class Roster:
         heartbeat_timeout_s: float,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         restart_s: float = RESTART_WINDOW_S,
+        *,
+        accept_mixed_restore: bool = False,
     ) -> None:
         self.num_workers = num_workers
+        #: Restored checkpoints of different moments are logged, and the job goes on.
+        self.accept_mixed_restore = accept_mixed_restore
+        #: Why the restored checkpoints were of different moments, when that was accepted.
+        self.mixed_restore: str | None = None
         self.num_servers = num_servers
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -342,8 +348,10 @@ class Roster:
         if not self._restores_checked and self.complete():
             self._restores_checked = True  # (a restarted server restores where its job is)
             mixed = mixed_restores(self.servers())
-            if mixed is not None:
-                self.fail(mixed)
+            if mixed is not None and self.accept_mixed_restore:
+                self.mixed_restore = mixed  # the service logs it
+            elif mixed is not None:
+                self.fail(f"{mixed} (or set AKV_ACCEPT_MIXED_RESTORE=1 to go on with them)")
         return node
 
     def registration(self, node_id: str) -> Registration:

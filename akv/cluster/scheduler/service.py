@@ -96,6 +96,7 @@ class Scheduler:
             config.timeouts.heartbeat_timeout_s,
             config.timeouts.heartbeat_interval_s,
             config.timeouts.restart_s,
+            accept_mixed_restore=config.accept_mixed_restore,
         )
         #: What servers and workers reported with their heartbeats (the status page).
         self.reports = Reports()
@@ -251,7 +252,7 @@ class Scheduler:
         with _refusals():
             known = node_id in self.roster.nodes
             restarts = sum(self.roster.restarts.values())
-            failed = self.roster.failure
+            failed, mixed = self.roster.failure, self.roster.mixed_restore
             self.roster.register(
                 node_id,
                 role,
@@ -268,6 +269,8 @@ class Scheduler:
             )
         if self.roster.failure is not None and failed is None:
             log.error("job failed: %s", self.roster.failure)
+        if self.roster.mixed_restore is not None and mixed is None:
+            log.warning("%s (going on: AKV_ACCEPT_MIXED_RESTORE=1)", self.roster.mixed_restore)
         if not known and sum(self.roster.restarts.values()) > restarts:
             log.warning(
                 "server %s was restarted from its checkpoint (pid %d at %s:%d); the workers "

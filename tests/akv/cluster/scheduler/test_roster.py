@@ -361,7 +361,8 @@ def test_servers_restored_from_different_moments_fail_the_job_naming_key_rounds_
     its directory: the parts of its split and row-sparse keys would mix rounds."""
     roster = _restored_job((9, 5))
     assert roster.failure is not None
-    for part in ("key 3", "9 rounds", "server 0's /ck/server-0.akvckpt", "5 in server 1's"):
+    for part in ("key 3", "9 rounds", "server 0's /ck/server-0.akvckpt", "5 in server 1's",
+                 "AKV_ACCEPT_MIXED_RESTORE=1"):  # fmt: skip
         assert part in roster.failure, roster.failure
     with pytest.raises(PeerLostError, match="different points in time"):
         roster.registration("w0")
@@ -375,3 +376,18 @@ def test_a_server_restarted_within_the_job_is_not_compared_with_the_others():
         "s1-again", "server", "h", 4101, 30, now=1.0, rank=1, restartable=True, restored=restored
     )
     assert roster.failure is None and roster.restarts == {1: 1}
+
+
+def test_restored_checkpoints_of_different_moments_may_be_accepted():
+    """AKV_ACCEPT_MIXED_RESTORE=1: the job goes on with the parts as they are, told why."""
+    roster = Roster(2, 2, heartbeat_timeout_s=5.0, accept_mixed_restore=True)
+    for rank, applied in enumerate((9, 5)):
+        restored = (f"/ck/server-{rank}.akvckpt", ((3, applied),))
+        roster.register(
+            f"s{rank}", "server", "h", 4000 + rank, 10 + rank, now=0.0, rank=rank,
+            restartable=True, restored=restored,
+        )  # fmt: skip
+    roster.register("w0", "worker", "h", 0, 20, now=0.0)
+    roster.register("w1", "worker", "h", 0, 21, now=0.0)
+    assert roster.failure is None and roster.registration("w1").servers is not None
+    assert roster.mixed_restore is not None and "key 3" in roster.mixed_restore
