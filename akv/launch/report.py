@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,10 @@ MAX_NAMED = 8
 
 #: How a Python traceback starts on a process's stderr.
 _TRACEBACK_START = b"Traceback (most recent call last):"
+#: An akv process's error log line (``2026-12-07 22:02:39,461 akv-server ERROR what``).
+_ERROR_LINE = re.compile(rb"^\S+ \S+ akv[\w.-]* (?:ERROR|CRITICAL) (.+?)\s*$")
+#: The most of an error line a failure report carries.
+_ERROR_MAX_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -157,14 +162,25 @@ class Tracebacks:
 
     def __init__(self) -> None:
         self._kept: dict[int, collections.deque[bytes]] = {}
+        self._errors: dict[int, str] = {}
 
     def note(self, index: int, line: bytes) -> None:
         """Process ``index`` wrote ``line`` (ending in a newline) on its stderr."""
+        error = _ERROR_LINE.match(line)
+        if error is not None:
+            self._errors[index] = error.group(1).decode(errors="replace")[:_ERROR_MAX_CHARS]
         if line.startswith(_TRACEBACK_START):
             self._kept[index] = collections.deque(maxlen=TRACEBACK_MAX_LINES)
         kept = self._kept.get(index)
         if kept is not None:
             kept.append(line)
+
+    def exited(self, index: int, status: str) -> str:
+        """What a failure report says of process ``index``'s exit: ``exited with code 1``,
+        and the last error it logged, if any (a server that could not start says why
+        there, and the job's verdict then says it too)."""
+        error = self._errors.get(index)
+        return f"exited with {status}" + (f" after logging: {error}" if error else "")
 
     def message(self, index: int | None, label: str) -> str:
         """``worker 1's traceback:`` and its lines, indented; empty when process ``index``

@@ -296,7 +296,9 @@ class _Supervisor:
                 self._watch.stop(wait=False)  # (see AssemblyWatch.stop)
             if decision.blames and self._report_failure is not None:
                 spec = self._specs[event.index]
-                self._report_failure(spec, f"exited with {status_text(event.value)}")
+                self._report_failure(
+                    spec, self._tracebacks.exited(event.index, status_text(event.value))
+                )
             return decision
 
     def _install_signal_handlers(self) -> dict[int, _SignalHandler]:

@@ -353,7 +353,8 @@ class RayJob:
                 if decision.blames and self._report_failure is not None:
                     member = self._members[index]
                     error = member.result.error if member.result is not None else None
-                    what = f"raised {error}" if error else f"exited with {status_text(returncode)}"
+                    exited = self._tracebacks.exited(index, status_text(returncode))
+                    what = f"raised {error}" if error else exited
                     self._report_failure(member.spec, what)
                 return decision
             if self._start_failed is not None:

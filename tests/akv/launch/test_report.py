@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from akv.launch.report import (
     ProcessRecord,
+    Tracebacks,
     assembled_line,
     assembly,
     progress_line,
@@ -84,3 +85,18 @@ def test_seconds_read_as_a_person_would():
         "62 min 05 s",
         "forever",
     ]
+
+
+def test_a_failure_report_carries_the_last_error_the_process_logged():
+    """A server that could not start (its checkpoint directory locked by another job) logs
+    why and exits 1: the report of its exit, and so the job's verdict, say why."""
+    kept = Tracebacks()
+    assert kept.exited(1, "code 1") == "exited with code 1"
+    kept.note(1, b"2026-12-07 22:02:39,461 akv-server INFO server 0 listening\n")
+    kept.note(1, b"2026-12-07 22:02:39,461 akv-server ERROR /ck/server-0.lock is locked\n")
+    kept.note(1, b"some other line with ERROR in it\n")
+    kept.note(2, b"2026-12-07 22:02:40,001 akv.cluster.worker CRITICAL gone\n")
+    locked = "exited with code 1 after logging: /ck/server-0.lock is locked"
+    assert kept.exited(1, "code 1") == locked
+    assert kept.exited(2, "SIGKILL") == "exited with SIGKILL after logging: gone"
+    assert kept.exited(3, "code 3") == "exited with code 3"

@@ -387,6 +387,34 @@ def test_the_process_whose_exit_fails_the_job_is_reported_once(tmp_path):
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_the_report_of_a_failing_exit_names_the_last_error_the_process_logged(tmp_path):
+    """A server that cannot start (its checkpoint directory locked by another job) logs why
+    and exits 1: the scheduler is told why, and its verdict says so."""
+    env = dict(os.environ)
+    logs = (
+        "import sys; sys.stderr.write('2026-12-07 22:02:39,461 akv-server ERROR "
+        "/ck/server-0.lock is locked by another process\\n'); sys.exit(1)"
+    )
+    waits = (PYTHON, "-c", "import time; time.sleep(30)")
+    specs = [
+        ProcessSpec("server", 0, (PYTHON, "-c", logs), env, {}),
+        ProcessSpec("worker", 0, waits, env, {}),
+    ]
+    reports: list[tuple[str, int | None, str]] = []
+    supervise(
+        specs,
+        grace_s=1,
+        stdout=io.BytesIO(),
+        stderr=io.BytesIO(),
+        handle_signals=False,
+        max_restarts=0,
+        report_failure=lambda spec, what: reports.append((spec.role, spec.rank, what)),
+    )
+    locked = "/ck/server-0.lock is locked by another process"
+    assert reports == [("server", 0, f"exited with code 1 after logging: {locked}")]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
 def test_the_summary_shows_the_traceback_of_the_process_to_blame(tmp_path):
     env = dict(os.environ)
     raises = (PYTHON, "-c", "print('before'); raise ValueError('boom')")
