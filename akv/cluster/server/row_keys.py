@@ -142,7 +142,14 @@ class RowKeys:
         self, peer: Peer, seq: int, meta: RowMeta, dense: Mapping[Key, ServerEntry]
     ) -> None:
         key, shape, dtype, first, end = meta
-        if key in dense:
+        held_dense = dense.get(key)
+        if held_dense is not None and held_dense.made_by is None:  # restored, another model
+            raise restored_key_differs(
+                key,
+                f"a dense {held_dense.shape} {held_dense.dtype} key",
+                f"a row-sparse {shape} {dtype} key",
+            )
+        if held_dense is not None:
             raise DuplicateInitError(f"init key {key!r}: {self.name} already holds it", key=key)
         held = self.entries.get(key)
         if held is None:

@@ -629,6 +629,18 @@ async def test_a_split_part_restored_without_its_declared_shape_is_checked_by_dt
     assert "split of (1, 4)" in str(players.reply(1, other))
 
 
+async def test_a_new_job_that_declares_a_restored_dense_key_row_sparse_is_told_so(opened, tmp_path):
+    stored_snapshot(tmp_path)  # holds "w": (2,) float32, dense
+    players = Players(2, checkpoints=True)
+    checkpoints, _ = opened(players.state)
+    checkpoints.restore()
+    init = players.row_init(0, "w", (10, 2), (0, 10))
+    error = players.reply(0, init)
+    assert isinstance(error, ShapeMismatchError), error
+    assert "restored it from its checkpoint as a dense (2,) float32 key" in str(error)
+    assert "declares a row-sparse (10, 2) float32 key" in str(error)
+
+
 def players_with_states() -> Players:
     """Two workers of a job whose server has an optimizer with a state (momentum), a dense
     key "w" and a row-sparse key "emb" (rows [500, 1000) of 10**9 x 2), both pushed."""
