@@ -175,6 +175,10 @@ class Tracebacks:
         if kept is not None:
             kept.append(line)
 
+    def started(self, index: int) -> None:
+        """Process ``index`` (re)started: the errors its earlier run logged are not its."""
+        self._errors.pop(index, None)
+
     def exited(self, index: int, status: str) -> str:
         """What a failure report says of process ``index``'s exit: ``exited with code 1``,
         and the last error it logged, if any (a server that could not start says why

@@ -331,6 +331,7 @@ class _Supervisor:
             preexec_fn=_die_with_parent(),
         )
         self._procs[index] = proc
+        self._tracebacks.started(index)
         self._ledger.started_at.setdefault(index, time.monotonic())
         generation = self._generations[index] = self._generations.get(index, 0) + 1
         if spec.stdin is not None and proc.stdin is not None:

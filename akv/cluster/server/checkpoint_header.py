@@ -344,11 +344,10 @@ def _encode_record(record: KeyRecord, offset: int) -> dict[str, Any]:
 
 
 def _declared_to_json(declared: tuple[int, ...] | None, where: str) -> dict[str, Any]:
-    """A split key's declared shape as a header field (none for a key not split)."""
-    if declared is None:
+    """A split key's declared shape as a header field (none for a key not split, or one of
+    more than :data:`MAX_NDIM` dimensions: a restore of it compares its dtype alone)."""
+    if declared is None or len(declared) > MAX_NDIM:
         return {}
-    if len(declared) > MAX_NDIM:
-        raise ValueError(f"{where}: a declared shape of at most {MAX_NDIM} sizes")
     return {"declared": [_count(size, f"{where}: declared") for size in declared]}
 
 

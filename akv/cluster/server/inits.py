@@ -22,7 +22,13 @@ from akv.cluster.server.instructions import (
     RowEntry,
     ServerEntry,
 )
-from akv.errors import AKVError, PeerLostError, ShapeMismatchError, WaitTimeoutError
+from akv.errors import (
+    AKVError,
+    InvalidArgumentError,
+    PeerLostError,
+    ShapeMismatchError,
+    WaitTimeoutError,
+)
 
 __all__ = ["InitWaits", "check_init_agrees", "declared_shapes", "restored_key_differs"]
 
@@ -57,7 +63,7 @@ def check_init_agrees(
         return
     # Restored from a checkpoint that kept no declared shapes (and rank 0's init has not
     # told one yet): the dtype is all there is to compare.
-    unknown = getattr(entry, "declared", 0) is None
+    unknown = entry.made_by is None and getattr(entry, "declared", 0) is None
     if unknown and entry.shape == shape and unsplit_dtype(dtype) == entry.init_dtype:
         return
     if entry.made_by is None:
@@ -152,4 +158,8 @@ def declared_shapes(text: str) -> dict[Key, tuple[int, ...]]:
     InvalidArgumentError
         A malformed text (:func:`~akv.cluster.protocol.decode_meta`).
     """
-    return {key: shape for key, shape, _ in decode_meta(text)} if text else {}
+    declared = {key: shape for key, shape, _ in decode_meta(text)} if text else {}
+    for key, shape in declared.items():
+        if any(size < 0 for size in shape):
+            raise InvalidArgumentError(f"init key {key!r} declares the shape {shape}")
+    return declared

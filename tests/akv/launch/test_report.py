@@ -100,3 +100,5 @@ def test_a_failure_report_carries_the_last_error_the_process_logged():
     assert kept.exited(1, "code 1") == locked
     assert kept.exited(2, "SIGKILL") == "exited with SIGKILL after logging: gone"
     assert kept.exited(3, "code 3") == "exited with code 3"
+    kept.started(1)  # restarted: what its earlier run logged is not this run's
+    assert kept.exited(1, "code 1") == "exited with code 1"

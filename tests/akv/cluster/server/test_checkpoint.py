@@ -200,6 +200,16 @@ def test_a_split_keys_declared_shape_comes_back_and_a_key_without_one_has_none(t
     assert [record.declared for record in got.keys] == [(32, 64), None]
 
 
+def test_a_declared_shape_of_more_dimensions_than_kept_is_left_out(tmp_path):
+    """NumPy allows 64 dimensions, a header keeps 32: such a split key's checkpoint is
+    written all the same, without its declared shape (its restore compares the dtype)."""
+    deep = (1,) * 33 + (2048,)
+    part = KeyRecord("deep", np.zeros(1024, np.float32), 1, {0: 1}, {0: 1}, declared=deep)
+    write_snapshot(tmp_path, snapshot(keys=[part]))
+    got = read_snapshot(tmp_path, 1)
+    assert got is not None and got.keys[0].declared is None
+
+
 def test_a_later_write_replaces_the_earlier_one(tmp_path):
     write_snapshot(tmp_path, snapshot(generation=1))
     write_snapshot(tmp_path, snapshot(generation=2, keys=ALL_DTYPES))

@@ -196,6 +196,23 @@ def test_an_init_that_disagrees_with_rank_0_names_both_shapes():
     assert isinstance(error, ShapeMismatchError) and "(3,)" in str(error) and "(2,)" in str(error)
 
 
+def test_a_split_part_check_of_a_key_rank_0_made_whole_is_refused():
+    """Rank 0 declared "w" (2,), not split; worker 1 declares it split (its part here the
+    same size): the dtype alone is compared only for keys restored without their shapes."""
+    players = started(2)
+    split = encode_meta([("w", (2,), "float32 split of (1, 4)")])
+    error = players.reply(1, players.send(1, Op.INIT_CHECK, text=split))
+    assert isinstance(error, ShapeMismatchError) and "split of (1, 4)" in str(error)
+
+
+def test_an_init_declaring_a_negative_size_is_refused():
+    players = Players(2)
+    text = encode_meta([("w", (-1, 4), "float32")])
+    error = players.reply(0, players.send(0, Op.INIT, [("w", f32(0, 0))], text))
+    assert isinstance(error, InvalidArgumentError) and "(-1, 4)" in str(error)
+    assert "w" not in players.state.entries
+
+
 def test_an_init_wait_that_outlives_its_deadline_names_the_missing_keys():
     players = Players(2)
     check = players.send(1, Op.INIT_CHECK, text=encode_meta([("w", (2,), "float32")]))
