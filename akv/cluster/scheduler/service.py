@@ -49,6 +49,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -98,6 +99,8 @@ class Scheduler:
             config.timeouts.restart_s,
             accept_mixed_restore=config.accept_mixed_restore,
         )
+        #: This job's id: a server's checkpoints name the job that wrote them.
+        self.job_id = secrets.token_hex(8)
         #: What servers and workers reported with their heartbeats (the status page).
         self.reports = Reports()
         self.status_page = StatusPage(config.token, self.status, secure=config.tls)
@@ -287,10 +290,17 @@ class Scheduler:
             answer = self.roster.registration(node_id)
         finished = list(answer.finished)
         if answer.servers is None:
-            waiting = {"rank": answer.rank, "waiting": answer.waiting, "finished": finished}
+            waiting = {
+                "rank": answer.rank,
+                "waiting": answer.waiting,
+                "finished": finished,
+                "job": self.job_id,
+            }
             return web.json_response(waiting, status=202)
         servers = _addresses(answer.servers)
-        return web.json_response({"rank": answer.rank, "servers": servers, "finished": finished})
+        return web.json_response(
+            {"rank": answer.rank, "servers": servers, "finished": finished, "job": self.job_id}
+        )
 
     async def _barrier(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -420,12 +430,13 @@ def _addresses(servers: Sequence[ServerAddress]) -> list[dict[str, Any]]:
 
 
 def _restored(value: object) -> Restored | None:
-    """A registration's ``restored`` field: ``{"path": file, "rounds": [[key, rounds],
-    ...]}`` or absent; a ``ValueError`` for anything else."""
+    """A registration's ``restored`` field: ``{"path": file, "job": the id of the job that
+    wrote it, "rounds": [[key, rounds], ...]}`` or absent; a ``ValueError`` for anything
+    else."""
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) != {"path", "rounds"}:
-        raise ValueError("restored must be an object with exactly 'path' and 'rounds'")
+    if not isinstance(value, dict) or set(value) != {"path", "job", "rounds"}:
+        raise ValueError("restored must be an object with exactly 'path', 'job' and 'rounds'")
     rounds = value["rounds"]
     if not isinstance(rounds, list) or not all(
         isinstance(pair, list)
@@ -435,7 +446,8 @@ def _restored(value: object) -> Restored | None:
         for pair in rounds
     ):
         raise ValueError("restored.rounds must be a list of [key, rounds] pairs")
-    return _checked("restored.path", value["path"]), tuple((k, r) for k, r in rounds)
+    path, job = _checked("restored.path", value["path"]), _checked("restored.job", value["job"])
+    return path, job, tuple((k, r) for k, r in rounds)
 
 
 def _local(value: object) -> tuple[str, str] | None:
@@ -476,6 +488,7 @@ _TEXTS = {
     "local.host": 1024,
     "local.path": 1024,
     "restored.path": 4096,
+    "restored.job": 64,
 }
 _INTEGERS = {
     "port": (0, 65535),

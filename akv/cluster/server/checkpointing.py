@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from akv.cluster.placement import row_parts
 from akv.cluster.server import snapshots
 from akv.cluster.server.checkpoint import (
+    JobStart,
     KeyRecord,
     RowRecord,
     Snapshot,
@@ -142,8 +143,12 @@ class Checkpoints:
         self.generation = 0
         self.durable_seqs: dict[int, int] = {}
         #: What the restore read of the keys other servers hold parts of: ``{"path": the
-        #: file, "rounds": [[key, rounds applied], ...]}`` (None: nothing restored).
+        #: file, "job": the id of the job that wrote it ("" if not kept), "rounds": [[key,
+        #: rounds applied in that job], ...]}`` (None: nothing restored).
         self.restored: dict[str, Any] | None = None
+        #: The job the checkpoints are written in, and its keys' rounds when it started.
+        self.job_start: JobStart | None = None
+        self._spread_rounds: dict[Any, int] = {}
         self._written_changes = -1
         self._lock: asyncio.Lock | None = None
         self._requests: list[Checkpoint] = []
@@ -211,6 +216,13 @@ class Checkpoints:
                 states.close()  # read from the checkpoint's file, as it restored them
         return snapshot
 
+    def joined(self, job: str) -> None:
+        """The server joined job ``job`` (its scheduler's id): the checkpoints it writes
+        say so, and, where the file it restored was written by another job (this job's
+        start, or its restart before it wrote one), the rounds its keys had applied."""
+        if job and (self.job_start is None or self.job_start.job != job):
+            self.job_start = JobStart(job, dict(self._spread_rounds))
+
     def _refuse_other_servers_files(self) -> None:
         """Raise :class:`UnusableCheckpointError` when the directory holds a checkpoint of
         a server rank this job does not have (this rank has none: a server that held no
@@ -261,10 +273,19 @@ class Checkpoints:
         self.durable_seqs = dict(snapshot.durable_seqs)
         self._written_changes = self.state.changes
         # The keys whose parts other servers restore too (split, row-sparse), with the
-        # rounds applied: a new job's scheduler compares them (see Roster.mixed_restores).
+        # rounds applied in the job that wrote the file: a new job's scheduler compares
+        # them (see akv.cluster.scheduler.roster.mixed_restores).
+        start = snapshot.job_start
+        base = {} if start is None else start.rounds
         spread = [(r.key, r.closed_round) for r in snapshot.keys if r.declared is not None]
         spread += [(r.key, r.closed_round) for r in snapshot.row_keys]
-        self.restored = {"path": path, "rounds": [list(pair) for pair in spread]}
+        self.job_start = start
+        self._spread_rounds = dict(spread)
+        self.restored = {
+            "path": path,
+            "job": "" if start is None else start.job,
+            "rounds": [[key, applied - base.get(key, 0)] for key, applied in spread],
+        }
         closed = [r.closed_round for r in snapshot.keys] + [
             r.closed_round for r in snapshot.row_keys
         ]
@@ -368,6 +389,7 @@ class Checkpoints:
             row_keys=row_records,
             sessions=plan.sessions,
             num_servers=self.num_servers,
+            job_start=self.job_start,
             spill=spill,
         )
         nbytes = await asyncio.to_thread(_write_sized, self.directory, snapshot)

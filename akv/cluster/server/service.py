@@ -224,6 +224,8 @@ class ParameterServer:
             self.membership.restored = self.checkpoints.restored
         deadline = time.monotonic() + config.timeouts.connect_s
         joined = await self.membership.register(self.port, deadline)
+        if self.checkpoints is not None:
+            self.checkpoints.joined(str(joined.get("job", "")))
         self.state.name = f"server {self.rank}"
         # A restarted server waits for no worker that closed its store to come back.
         finished = joined.get("finished")
