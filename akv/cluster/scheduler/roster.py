@@ -74,6 +74,8 @@ class Node:
     #: A server restored from a checkpoint: its file, and the rounds applied of the keys
     #: other servers hold parts of (split and row-sparse keys).
     restored: Restored | None = None
+    #: A server that took its rank over from an earlier process of it (a restart).
+    restarted: bool = False
 
     def __post_init__(self) -> None:
         if self.bound_host is None:
@@ -86,46 +88,34 @@ class Node:
         return f"{self.role} {self.rank} (pid {self.pid} on {self.host})"
 
 
-#: A restored server's checkpoint file, the id of the job that wrote it ("" for a file
-#: written before that was kept), and ``(key, rounds applied in that job)`` of its keys that
-#: other servers hold parts of.
-Restored = tuple[str, str, tuple[tuple[int | str, int], ...]]
+#: A restored server's checkpoint file, and ``(key, rounds applied)`` of its keys that other
+#: servers hold parts of.
+Restored = tuple[str, tuple[tuple[int | str, int], ...]]
 
 
 def mixed_restores(servers: list[Node]) -> str | None:
     """Why the servers' restored checkpoints are not of one point in time, or None.
 
     Every push of a key split over the servers, or of a row-sparse key, reaches every
-    server that holds a part of it, so the files of a job's consistent end were written by
-    one job and agree on the rounds each such key applied in it. Files written at different
-    moments (a job that failed with a server killed, or its launcher killed, then started
-    again on its directory) do not: the new job would train on keys whose parts mix rounds.
+    server that holds a part of it, so the parts of a job's consistent end agree on the
+    rounds applied. Servers that restored files written at different moments (a job that
+    failed with a server killed, or its launcher killed, then started again on its
+    directory) do not: the new job would train on keys whose parts mix rounds.
     """
-    restored = [(node, node.restored) for node in servers if node.restored and node.restored[2]]
-    if not restored:
-        return None
-    first, (first_path, first_job, _) = restored[0]
-    other = next(((n, r) for n, r in restored if r[1] != first_job), None)
-    if other is not None:
-        return (
-            f"the servers restored checkpoints of different points in time: server "
-            f"{first.rank}'s {first_path} and server {other[0].rank}'s {other[1][0]} were "
-            "written by different jobs (a job that failed and was "
-            "started again on its --checkpoint-dir, one of its servers writing no checkpoint "
-            "before it stopped?): its split and row-sparse keys' parts would mix rounds. Put "
-            "back checkpoint files of one moment, or start the job with another "
-            "--checkpoint-dir"
-        )
-    seen: dict[int | str, tuple[int, Node, str]] = {}
-    for node, (path, _, applied) in restored:
-        for key, rounds in applied:
-            before, by, where = seen.setdefault(key, (rounds, node, path))
-            if before != rounds:
+    seen: dict[int | str, tuple[int, Node]] = {}
+    for node in servers:
+        if node.restored is None:
+            continue
+        for key, rounds in node.restored[1]:
+            first = seen.setdefault(key, (rounds, node))
+            if first[0] != rounds:
+                other = first[1]
+                assert other.restored is not None
                 return (
                     f"the servers restored checkpoints of different points in time: key "
-                    f"{key!r} (split over the servers, or row-sparse) had {before} rounds "
-                    f"applied in server {by.rank}'s {where} and {rounds} in "
-                    f"server {node.rank}'s {path} (a job that failed and was "
+                    f"{key!r} (split over the servers, or row-sparse) had {first[0]} rounds "
+                    f"applied in server {other.rank}'s {other.restored[0]} and {rounds} in "
+                    f"server {node.rank}'s {node.restored[0]} (a job that failed and was "
                     "started again on its --checkpoint-dir?): its parts would mix rounds. "
                     "Put back checkpoint files of one moment, or start the job with another "
                     "--checkpoint-dir"
@@ -312,6 +302,7 @@ class Roster:
         if known is not None:
             known.last_seen = now
             return known
+        restarted = False
         if role not in MEMBER_ROLES:
             raise MembershipError(f"cannot register role {role!r}: only workers and servers join")
         taken = {n.rank for n in self.nodes.values() if n.role == role}
@@ -342,6 +333,7 @@ class Roster:
                 )
             del self.nodes[holder.node_id]  # a restart: the server before it is gone
             self.restarts[rank] = self.restarts.get(rank, 0) + 1
+            restarted = True
         node = Node(
             node_id,
             role,
@@ -355,6 +347,7 @@ class Roster:
             restartable=restartable and role == "server",
             local=local if role == "server" else None,
             restored=restored if role == "server" else None,
+            restarted=restarted,
         )
         self.nodes[node_id] = node
         if not self._restores_checked and self.complete():

@@ -49,7 +49,6 @@ import contextlib
 import logging
 import os
 import re
-import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -99,8 +98,6 @@ class Scheduler:
             config.timeouts.restart_s,
             accept_mixed_restore=config.accept_mixed_restore,
         )
-        #: This job's id: a server's checkpoints name the job that wrote them.
-        self.job_id = secrets.token_hex(8)
         #: What servers and workers reported with their heartbeats (the status page).
         self.reports = Reports()
         self.status_page = StatusPage(config.token, self.status, secure=config.tls)
@@ -289,18 +286,14 @@ class Scheduler:
         with _refusals():
             answer = self.roster.registration(node_id)
         finished = list(answer.finished)
+        # (a restarted server's restore is where its job is: see Checkpoints.joined)
+        restarted = self.roster.nodes[node_id].restarted
         if answer.servers is None:
-            waiting = {
-                "rank": answer.rank,
-                "waiting": answer.waiting,
-                "finished": finished,
-                "job": self.job_id,
-            }
-            return web.json_response(waiting, status=202)
+            waiting = {"rank": answer.rank, "waiting": answer.waiting, "finished": finished}
+            return web.json_response({**waiting, "restart": restarted}, status=202)
         servers = _addresses(answer.servers)
-        return web.json_response(
-            {"rank": answer.rank, "servers": servers, "finished": finished, "job": self.job_id}
-        )
+        whole = {"rank": answer.rank, "servers": servers, "finished": finished}
+        return web.json_response({**whole, "restart": restarted})
 
     async def _barrier(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -430,13 +423,12 @@ def _addresses(servers: Sequence[ServerAddress]) -> list[dict[str, Any]]:
 
 
 def _restored(value: object) -> Restored | None:
-    """A registration's ``restored`` field: ``{"path": file, "job": the id of the job that
-    wrote it, "rounds": [[key, rounds], ...]}`` or absent; a ``ValueError`` for anything
-    else."""
+    """A registration's ``restored`` field: ``{"path": file, "rounds": [[key, rounds],
+    ...]}`` or absent; a ``ValueError`` for anything else."""
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) != {"path", "job", "rounds"}:
-        raise ValueError("restored must be an object with exactly 'path', 'job' and 'rounds'")
+    if not isinstance(value, dict) or set(value) != {"path", "rounds"}:
+        raise ValueError("restored must be an object with exactly 'path' and 'rounds'")
     rounds = value["rounds"]
     if not isinstance(rounds, list) or not all(
         isinstance(pair, list)
@@ -446,8 +438,7 @@ def _restored(value: object) -> Restored | None:
         for pair in rounds
     ):
         raise ValueError("restored.rounds must be a list of [key, rounds] pairs")
-    path, job = _checked("restored.path", value["path"]), _checked("restored.job", value["job"])
-    return path, job, tuple((k, r) for k, r in rounds)
+    return _checked("restored.path", value["path"]), tuple((k, r) for k, r in rounds)
 
 
 def _local(value: object) -> tuple[str, str] | None:
@@ -488,7 +479,6 @@ _TEXTS = {
     "local.host": 1024,
     "local.path": 1024,
     "restored.path": 4096,
-    "restored.job": 64,
 }
 _INTEGERS = {
     "port": (0, 65535),

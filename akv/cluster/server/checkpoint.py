@@ -21,10 +21,10 @@ or ``{"offset", "nbytes"}``) and ``keys``: per key ``key``, ``kind`` (``"int"`` 
 (offsets count from the payload's first byte), and ``untold`` where a failed round's error
 waits to be told to some workers (worker rank to its message; absent otherwise), and
 ``declared`` for a server's part of a key split over the servers (the shape the key was
-declared with; its ``shape`` is the part's, a flat slice; absent otherwise). ``job_start``
-(absent in files written before it): ``{"job": the id of the job that wrote the file,
-"rounds": [[key, rounds applied when it started], ...]}`` of the split and row-sparse keys
-(see :class:`~akv.cluster.server.checkpoint_header.JobStart`). A server
+declared with; its ``shape`` is the part's, a flat slice; absent otherwise).
+``round_bases`` (absent when empty): ``[[key, rounds], ...]``, the rounds that count as
+none of split and row-sparse keys since a job went on from files of different moments
+(``AKV_ACCEPT_MIXED_RESTORE``). A server
 that holds row-sparse keys adds ``row_keys`` (absent otherwise, so that such a file is what
 an older akv wrote): per key ``key``, ``kind``, ``dtype``, ``shape`` (the declared shape),
 ``first`` and ``end`` (the server's rows), ``rows`` (how many it stores), ``closed_round``,
@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, BinaryIO, cast
 
 from akv.cluster.server.checkpoint_header import (
     HEADER_MAX_DEPTH,
-    JobStart,
     KeyRecord,
     RowRecord,
     Snapshot,
@@ -77,7 +76,6 @@ __all__ = [
     "DIRECTORY_MODE",
     "FILE_MODE",
     "MAGIC",
-    "JobStart",
     "KeyRecord",
     "RowRecord",
     "Snapshot",

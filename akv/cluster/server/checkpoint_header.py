@@ -66,7 +66,7 @@ _HEADER_FIELDS = frozenset(
     }
 )
 #: The header's fields that files written before them lack.
-_OPTIONAL_FIELDS = frozenset({"row_keys", "sessions", "num_servers", "job_start"})
+_OPTIONAL_FIELDS = frozenset({"row_keys", "sessions", "num_servers", "round_bases"})
 _KEY_FIELDS = frozenset(
     {"key", "kind", "dtype", "shape", "closed_round", "tags", "last_round", "offset", "nbytes"}
 )
@@ -210,18 +210,6 @@ def in_memory(array: np.ndarray | SpilledArray | RowTable) -> np.ndarray:
     return array
 
 
-@dataclass(frozen=True)
-class JobStart:
-    """The job that wrote a checkpoint (``job``: the id its scheduler gave it) and the
-    rounds applied, when it started, of its keys whose parts other servers hold (split and
-    row-sparse keys; a key made in the job started at 0). A new job's scheduler compares
-    the rounds each server's file applied since (see
-    :func:`~akv.cluster.scheduler.roster.mixed_restores`)."""
-
-    job: str
-    rounds: dict[int | str, int]
-
-
 @dataclass
 class Snapshot:
     """Everything a server needs to carry on after a restart.
@@ -251,9 +239,10 @@ class Snapshot:
     #: The job's servers (None: not known, a file written before it was kept): a job with
     #: another number places its keys otherwise.
     num_servers: int | None = None
-    #: The job that wrote it, and its keys' rounds when it started (None: a file written
-    #: before it was kept).
-    job_start: JobStart | None = None
+    #: The rounds that count as none of the split and row-sparse keys: the rounds each had
+    #: applied when a job went on from files of different moments (``AKV_ACCEPT_MIXED_RESTORE``;
+    #: empty otherwise). A new job's scheduler compares the rounds applied since.
+    round_bases: dict[int | str, int] = field(default_factory=dict)
     #: When writing: the temporary file that holds the spilled parts (whoever writes the
     #: snapshot closes it).
     spill: Spill | None = None
@@ -311,36 +300,30 @@ def encode_header(snapshot: Snapshot) -> bytes:
         header["sessions"] = _rank_map_to_json(snapshot.sessions, "sessions", _session)
     if snapshot.num_servers is not None:
         header["num_servers"] = _count(snapshot.num_servers, "num_servers")
-    if snapshot.job_start is not None:
-        header["job_start"] = _job_start_to_json(snapshot.job_start)
+    if snapshot.round_bases:
+        header["round_bases"] = _round_bases_to_json(snapshot.round_bases)
     # ASCII (every other character escaped) round-trips any str, lone surrogates included.
     text = json.dumps(header, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
     return text.encode("ascii")
 
 
-def _job_start_to_json(start: JobStart) -> dict[str, Any]:
-    if not isinstance(start.job, str) or not start.job.isascii():
-        raise ValueError(f"job_start.job must be an ASCII str, not {start.job!r}")
-    rounds = []
-    for key, applied in start.rounds.items():
+def _round_bases_to_json(bases: dict[int | str, int]) -> list[list[Any]]:
+    pairs = []
+    for key, base in bases.items():
         _key_kind(key)
-        rounds.append([key, _count(applied, f"job_start: key {key!r}")])
-    return {"job": start.job, "rounds": rounds}
+        pairs.append([key, _count(base, f"round_bases: key {key!r}")])
+    return pairs
 
 
-def _job_start_from_json(value: object) -> JobStart | None:
-    if value is None:
-        return None
-    fields = _fields(value, frozenset({"job", "rounds"}), "job_start")
-    job, rounds = fields["job"], fields["rounds"]
-    if not isinstance(job, str) or not isinstance(rounds, list):
-        raise ValueError("job_start: job must be a str and rounds a list")
-    applied: dict[int | str, int] = {}
-    for pair in rounds:
+def _round_bases_from_json(value: object) -> dict[int | str, int]:
+    if not isinstance(value, list):
+        raise ValueError(f"round_bases is a {type(value).__name__}, not a list")
+    bases: dict[int | str, int] = {}
+    for pair in value:
         if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) not in (int, str):
-            raise ValueError(f"job_start: {pair!r} is not a [key, rounds] pair")
-        applied[pair[0]] = _count(pair[1], f"job_start: key {pair[0]!r}")
-    return JobStart(job, applied)
+            raise ValueError(f"round_bases: {pair!r} is not a [key, rounds] pair")
+        bases[pair[0]] = _count(pair[1], f"round_bases: key {pair[0]!r}")
+    return bases
 
 
 def _key_kind(key: object) -> str:
@@ -488,13 +471,13 @@ def decode_header(
     row_entries: object = []
     sessions: object = {}
     num_servers: object = None
-    job_start: object = None
+    round_bases: object = []
     if isinstance(header, dict) and not _OPTIONAL_FIELDS.isdisjoint(header):
         header = dict(header)
         row_entries = header.pop("row_keys", [])
         sessions = header.pop("sessions", {})
         num_servers = header.pop("num_servers", None)
-        job_start = header.pop("job_start", None)
+        round_bases = header.pop("round_bases", [])
     fields = _fields(header, _HEADER_FIELDS, "the header")
     if _count(fields["rank"], "rank") != rank:
         raise ValueError(f"it holds server {fields['rank']}'s keys, not server {rank}'s")
@@ -554,7 +537,7 @@ def decode_header(
         row_keys=row_records,
         sessions=_rank_map_from_json(sessions, "sessions", _session),
         num_servers=None if num_servers is None else _count(num_servers, "num_servers"),
-        job_start=_job_start_from_json(job_start),
+        round_bases=_round_bases_from_json(round_bases),
     )
     return snapshot, records, states_nbytes
 

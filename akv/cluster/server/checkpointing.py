@@ -38,7 +38,6 @@ from typing import Any, Protocol
 from akv.cluster.placement import row_parts
 from akv.cluster.server import snapshots
 from akv.cluster.server.checkpoint import (
-    JobStart,
     KeyRecord,
     RowRecord,
     Snapshot,
@@ -128,9 +127,12 @@ class Checkpoints:
         num_workers: int,
         interval_s: float,
         num_servers: int | None = None,
+        accept_mixed_restore: bool = False,
     ) -> None:
         """``num_servers``: the job's, to check a restored row-sparse key's range against
-        (None: not checked)."""
+        (None: not checked). ``accept_mixed_restore``: the job goes on from files of
+        different moments (see :meth:`joined`)."""
+        self.accept_mixed_restore = accept_mixed_restore
         self.state = state
         self.num_servers = num_servers
         self.server = server
@@ -143,11 +145,11 @@ class Checkpoints:
         self.generation = 0
         self.durable_seqs: dict[int, int] = {}
         #: What the restore read of the keys other servers hold parts of: ``{"path": the
-        #: file, "job": the id of the job that wrote it ("" if not kept), "rounds": [[key,
-        #: rounds applied in that job], ...]}`` (None: nothing restored).
+        #: file, "rounds": [[key, rounds applied since its base], ...]}`` (None: nothing
+        #: restored).
         self.restored: dict[str, Any] | None = None
-        #: The job the checkpoints are written in, and its keys' rounds when it started.
-        self.job_start: JobStart | None = None
+        #: The spread keys' rounds that count as none (see Snapshot.round_bases).
+        self.round_bases: dict[Any, int] = {}
         self._spread_rounds: dict[Any, int] = {}
         self._written_changes = -1
         self._lock: asyncio.Lock | None = None
@@ -216,12 +218,15 @@ class Checkpoints:
                 states.close()  # read from the checkpoint's file, as it restored them
         return snapshot
 
-    def joined(self, job: str) -> None:
-        """The server joined job ``job`` (its scheduler's id): the checkpoints it writes
-        say so, and, where the file it restored was written by another job (this job's
-        start, or its restart before it wrote one), the rounds its keys had applied."""
-        if job and (self.job_start is None or self.job_start.job != job):
-            self.job_start = JobStart(job, dict(self._spread_rounds))
+    def joined(self, restart: bool) -> None:
+        """The server joined its job (``restart``: as a restart within it). A new job that
+        goes on from files of different moments (``accept_mixed_restore``) takes the
+        rounds its split and row-sparse keys restored as their bases, and writes them in its
+        next checkpoint (one is written at its end, changed or not), so that the next job
+        on the directory finds its files of one moment again."""
+        if self.accept_mixed_restore and not restart and self._spread_rounds:
+            self.round_bases = dict(self._spread_rounds)
+            self._written_changes = -1  # (the bases are a change to write)
 
     def _refuse_other_servers_files(self) -> None:
         """Raise :class:`UnusableCheckpointError` when the directory holds a checkpoint of
@@ -273,17 +278,15 @@ class Checkpoints:
         self.durable_seqs = dict(snapshot.durable_seqs)
         self._written_changes = self.state.changes
         # The keys whose parts other servers restore too (split, row-sparse), with the
-        # rounds applied in the job that wrote the file: a new job's scheduler compares
-        # them (see akv.cluster.scheduler.roster.mixed_restores).
-        start = snapshot.job_start
-        base = {} if start is None else start.rounds
+        # rounds applied (past their bases): a new job's scheduler compares them (see
+        # akv.cluster.scheduler.roster.mixed_restores).
         spread = [(r.key, r.closed_round) for r in snapshot.keys if r.declared is not None]
         spread += [(r.key, r.closed_round) for r in snapshot.row_keys]
-        self.job_start = start
         self._spread_rounds = dict(spread)
+        self.round_bases = dict(snapshot.round_bases)
+        base = self.round_bases
         self.restored = {
             "path": path,
-            "job": "" if start is None else start.job,
             "rounds": [[key, applied - base.get(key, 0)] for key, applied in spread],
         }
         closed = [r.closed_round for r in snapshot.keys] + [
@@ -389,7 +392,7 @@ class Checkpoints:
             row_keys=row_records,
             sessions=plan.sessions,
             num_servers=self.num_servers,
-            job_start=self.job_start,
+            round_bases=self.round_bases,
             spill=spill,
         )
         nbytes = await asyncio.to_thread(_write_sized, self.directory, snapshot)

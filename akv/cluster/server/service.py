@@ -153,6 +153,7 @@ class ParameterServer:
                 num_workers=config.num_workers,
                 interval_s=config.checkpoint_interval_s,
                 num_servers=config.num_servers,
+                accept_mixed_restore=config.accept_mixed_restore,
             )
         self.metrics = ServerMetrics(self)
         self.links: dict[int, Link] = {}
@@ -225,7 +226,7 @@ class ParameterServer:
         deadline = time.monotonic() + config.timeouts.connect_s
         joined = await self.membership.register(self.port, deadline)
         if self.checkpoints is not None:
-            self.checkpoints.joined(str(joined.get("job", "")))
+            self.checkpoints.joined(restart=joined.get("restart") is True)
         self.state.name = f"server {self.rank}"
         # A restarted server waits for no worker that closed its store to come back.
         finished = joined.get("finished")

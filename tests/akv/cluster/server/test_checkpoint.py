@@ -22,7 +22,6 @@ from hypothesis.extra import numpy as hnp
 from akv.cluster.server import checkpoint
 from akv.cluster.server.checkpoint import (
     MAGIC,
-    JobStart,
     KeyRecord,
     RowRecord,
     Snapshot,
@@ -211,13 +210,11 @@ def test_a_declared_shape_of_more_dimensions_than_kept_is_left_out(tmp_path):
     assert got is not None and got.keys[0].declared is None
 
 
-def test_the_job_that_wrote_a_checkpoint_comes_back_and_an_older_file_has_none(tmp_path):
-    start = JobStart("5e3a", {"split": 4, 7: 0})
-    write_snapshot(tmp_path, snapshot(job_start=start))
-    got = read_snapshot(tmp_path, 1)
-    assert got is not None and got.job_start == start
+def test_round_bases_come_back_and_an_older_file_has_none(tmp_path):
+    write_snapshot(tmp_path, snapshot(round_bases={"split": 4, 7: 0}))
+    assert read_snapshot(tmp_path, 1).round_bases == {"split": 4, 7: 0}
     write_snapshot(tmp_path, snapshot())
-    assert read_snapshot(tmp_path, 1).job_start is None
+    assert read_snapshot(tmp_path, 1).round_bases == {}
 
 
 def test_a_later_write_replaces_the_earlier_one(tmp_path):

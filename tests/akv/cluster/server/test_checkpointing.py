@@ -25,13 +25,7 @@ from akv import optimizer
 from akv.cluster.protocol import Note, Op, encode_meta
 from akv.cluster.server import checkpoint as checkpoint_module
 from akv.cluster.server import checkpointing
-from akv.cluster.server.checkpoint import (
-    JobStart,
-    KeyRecord,
-    Snapshot,
-    read_snapshot,
-    write_snapshot,
-)
+from akv.cluster.server.checkpoint import KeyRecord, Snapshot, read_snapshot, write_snapshot
 from akv.cluster.server.checkpointing import Checkpoints, Copied, UnusableCheckpointError, copy_plan
 from akv.cluster.server.instructions import (
     Checkpoint,
@@ -562,23 +556,29 @@ async def test_a_rank_without_a_checkpoint_beside_one_of_a_rank_beyond_the_job_i
     assert as_many.restore() is None  # the directory's other ranks are theirs to read
 
 
-async def test_a_restore_tells_the_rounds_applied_in_the_job_that_wrote_the_file(opened, tmp_path):
-    """What the scheduler compares: the rounds each split or row-sparse key applied since
-    the start of the job that wrote the file. The job joined keeps that start when it wrote
-    the file (a restart within it), else starts afresh from the restored rounds."""
+async def test_a_restore_tells_the_rounds_past_their_bases_and_an_accepted_job_rebases(
+    opened, tmp_path
+):
+    """What the scheduler compares: the rounds each split or row-sparse key applied past
+    its base. A new job that goes on from files of different moments takes the restored
+    rounds as the bases; a restart within it does not."""
     split = KeyRecord("w", f32(3, 4), 5, {0: 5, 1: 4}, {0: 5, 1: 4}, declared=(1, 2))
     whole = KeyRecord("d", f32(1, 1), 9, {0: 9, 1: 9}, {0: 9, 1: 9})
     snapshot = stored_snapshot(tmp_path)
-    snapshot.keys, snapshot.job_start = [split, whole], JobStart("j1", {"w": 2})
+    snapshot.keys, snapshot.round_bases = [split, whole], {"w": 2}
     write_snapshot(tmp_path, snapshot)
     checkpoints, _ = opened(fresh_state())
     checkpoints.restore()
-    assert checkpoints.restored is not None
-    assert (checkpoints.restored["job"], checkpoints.restored["rounds"]) == ("j1", [["w", 3]])
-    checkpoints.joined("j1")  # restarted within the job that wrote it
-    assert checkpoints.job_start == JobStart("j1", {"w": 2})
-    checkpoints.joined("j2")  # a new job
-    assert checkpoints.job_start == JobStart("j2", {"w": 5})
+    assert checkpoints.restored is not None and checkpoints.restored["rounds"] == [["w", 3]]
+    checkpoints.joined(restart=False)  # not accepting: the bases stay
+    assert checkpoints.round_bases == {"w": 2}
+    checkpoints.accept_mixed_restore = True
+    checkpoints.joined(restart=True)
+    assert checkpoints.round_bases == {"w": 2}
+    checkpoints.joined(restart=False)
+    assert checkpoints.round_bases == {"w": 5}
+    await checkpoints.write()  # (also with nothing else changed)
+    assert on_disk(tmp_path).round_bases == {"w": 5}
 
 
 async def test_a_checkpoint_without_a_server_count_is_restored(opened, tmp_path):
