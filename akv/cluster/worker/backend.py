@@ -33,12 +33,12 @@ import numpy as np
 
 from akv import optimizer as _optimizer
 from akv.args import Key
-from akv.arrays import Array, has_gpu, is_gpu, to_host
+from akv.arrays import Array, has_gpu, is_gpu
 from akv.backend import caller_events
 from akv.cluster.config import Config
 from akv.cluster.membership import Membership
 from akv.cluster.placement import place
-from akv.cluster.protocol import Op, encode_meta, split_dtype
+from akv.cluster.protocol import Op
 from akv.cluster.roles import default_worker_logging
 from akv.cluster.worker.activity import Activity
 from akv.cluster.worker.calls import Answer, Done, PullCall, PushCall, give_back_if_skipped
@@ -70,7 +70,7 @@ from akv.cluster.worker.instructions import (
 from akv.cluster.worker.job import Heartbeat, pass_barrier, report_failure, who_failed
 from akv.cluster.worker.link import ServerLink, local_address, server_name
 from akv.cluster.worker.metrics import WorkerMetrics
-from akv.cluster.worker.requests import WireArray, by_server, check_wire_key
+from akv.cluster.worker.requests import check_wire_key
 from akv.cluster.worker.row_calls import RowCalls
 from akv.cluster.worker.staging import Staging, land_in_pinned
 from akv.cluster.worker.state import WorkerState
@@ -84,11 +84,10 @@ from akv.errors import (
     ServerError,
 )
 from akv.exits import describe, off_loop
-from akv.keys import Entry, Part
+from akv.keys import Entry
 from akv.limits import (
     BLAME_TIMEOUT_S,
     GOODBYE_TIMEOUT_S,
-    INIT_CHECK_MARGIN_S,
     REPORT_FAILURE_S,
     SWEEP_INTERVAL_S,
 )
@@ -416,43 +415,10 @@ class DistBackend:
     # ------------------------------------------------------------ the work
 
     def init(self, entries: list[Entry], arrays: list[np.ndarray]) -> Task:
-        """Rank 0 sends the initial values; the others check theirs agree and wait for them."""
+        """Rank 0 sends the initial values; the others check theirs agree and wait for them
+        (:meth:`ControlCalls.init`)."""
         self._check()
-        writes = [e.var for e in entries]
-        if self.rank == 0:
-            copies = [np.ascontiguousarray(to_host(a)).copy() for a in arrays]
-            return self._engine.push(
-                self._init_values, entries, copies, writes=writes, executor="loop", name="init"
-            )
-        return self._engine.push(
-            self._init_check, entries, writes=writes, executor="loop", name="init"
-        )
-
-    async def _init_values(self, entries: list[Entry], copies: list[np.ndarray]) -> None:
-        batches = by_server(zip(entries, copies, strict=True), _part_of)
-        timeout = self.config.timeouts.request_s
-        # Each server is told the declared shape of the keys split over the servers (its
-        # part is a flat slice), so that init checks and new jobs compare shapes, not sizes.
-        split = [(e.key, e.shape, str(e.dtype)) for e in entries if len(e.parts) > 1]
-        text = encode_meta(split) if split else ""
-        await asyncio.gather(
-            *(
-                self.links[server].request(Op.INIT, arrays, text=text, timeout_s=timeout)
-                for server, arrays in batches.items()
-            )
-        )
-
-    async def _init_check(self, entries: list[Entry]) -> None:
-        metas = by_server(((e, None) for e in entries), _meta_of)
-        timeout = self.config.timeouts.connect_s + INIT_CHECK_MARGIN_S
-        await asyncio.gather(
-            *(
-                self.links[server].request(
-                    Op.INIT_CHECK, text=encode_meta(items), timeout_s=timeout
-                )
-                for server, items in metas.items()
-            )
-        )
+        return self._control.init(entries, arrays, self.rank)
 
     def set_updater(self, updater: object) -> None:
         """Refuse: in a distributed store the servers apply updates (use set_optimizer)."""
@@ -783,17 +749,6 @@ class DistBackend:
 
 #: What :meth:`DistBackend._copy_arrived` returns when the value was not there after all.
 _NOT_ARRIVED = object()
-
-
-def _part_of(entry: Entry, part: Part, array: np.ndarray) -> WireArray:
-    """A key's part of an init."""
-    return (entry.key, entry.wire_view(array, part), entry.pushes)
-
-
-def _meta_of(entry: Entry, part: Part, _: None) -> tuple[Key, tuple[int, ...], str]:
-    if len(entry.parts) == 1:
-        return (entry.key, entry.shape, str(entry.dtype))
-    return (entry.key, (part.size,), split_dtype(entry.dtype, entry.shape))
 
 
 def _nothing() -> None:

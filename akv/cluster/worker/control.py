@@ -1,7 +1,7 @@
-"""A worker's calls that speak to every server at once and carry no values of their own:
-``set_optimizer``, ``save_optimizer_states`` and ``load_optimizer_states`` of a distributed
-store, as engine tasks on the loop (the states file's split and merge:
-:mod:`akv.cluster.worker.states_file`)."""
+"""A worker's calls that speak to every server at once outside the pipelined pushes and
+pulls: ``init`` of dense keys, ``set_optimizer``, ``save_optimizer_states`` and
+``load_optimizer_states`` of a distributed store, as engine tasks on the loop (the states
+file's split and merge: :mod:`akv.cluster.worker.states_file`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,18 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from akv import optimizer as _optimizer
+from akv.args import Key
+from akv.arrays import to_host
 from akv.cluster.config import Timeouts
-from akv.cluster.protocol import Op
+from akv.cluster.protocol import Op, encode_meta, split_dtype
 from akv.cluster.worker.link import ServerLink
+from akv.cluster.worker.requests import WireArray, by_server
 from akv.cluster.worker.states_file import send_states_file, write_states_file
-from akv.keys import Entry
+from akv.keys import Entry, Part
+from akv.limits import INIT_CHECK_MARGIN_S
 from akv_engine import Engine, Task
 from akv_transport import Message
 
@@ -23,7 +29,7 @@ __all__ = ["ControlCalls"]
 
 
 class ControlCalls:
-    """The optimizer and its states, for one worker's distributed store.
+    """Dense keys' inits, the optimizer and its states, for one worker's distributed store.
 
     ``links`` gives the server links (known once the store joined the job). Each call is one
     engine task; those on states are ordered after the earlier calls on their keys.
@@ -35,6 +41,46 @@ class ControlCalls:
         self._engine = engine
         self._links = links
         self._timeouts = timeouts
+
+    def init(self, entries: list[Entry], arrays: list[np.ndarray], rank: int) -> Task:
+        """Rank 0 sends each server its parts of the initial values (copied now); every
+        other worker checks with the servers that its init agrees (shape, dtype) and waits
+        for rank 0's."""
+        writes = [e.var for e in entries]
+        if rank == 0:
+            copies = [np.ascontiguousarray(to_host(a)).copy() for a in arrays]
+            return self._engine.push(
+                self._init_values, entries, copies, writes=writes, executor="loop", name="init"
+            )
+        return self._engine.push(
+            self._init_check, entries, writes=writes, executor="loop", name="init"
+        )
+
+    async def _init_values(self, entries: list[Entry], copies: list[np.ndarray]) -> None:
+        batches = by_server(zip(entries, copies, strict=True), _part_of)
+        timeout = self._timeouts.request_s
+        # Each server is told the declared shape of the keys split over the servers (its
+        # part is a flat slice), so that init checks and new jobs compare shapes, not sizes.
+        split = [(e.key, e.shape, str(e.dtype)) for e in entries if len(e.parts) > 1]
+        text = encode_meta(split) if split else ""
+        links = self._links()
+        await asyncio.gather(
+            *(
+                links[server].request(Op.INIT, arrays, text=text, timeout_s=timeout)
+                for server, arrays in batches.items()
+            )
+        )
+
+    async def _init_check(self, entries: list[Entry]) -> None:
+        metas = by_server(((e, None) for e in entries), _meta_of)
+        timeout = self._timeouts.connect_s + INIT_CHECK_MARGIN_S
+        links = self._links()
+        await asyncio.gather(
+            *(
+                links[server].request(Op.INIT_CHECK, text=encode_meta(items), timeout_s=timeout)
+                for server, items in metas.items()
+            )
+        )
 
     def set_optimizer(self, optimizer: _optimizer.Optimizer, entries: list[Entry]) -> Task:
         """Send the optimizer's name and hyper-parameters (JSON) to every server, once the
@@ -85,3 +131,14 @@ class ControlCalls:
 
     async def _load_states(self, entries: list[Entry], path: Path) -> None:
         await send_states_file(self._links(), entries, path, self._timeouts.request_s)
+
+
+def _part_of(entry: Entry, part: Part, array: np.ndarray) -> WireArray:
+    """A key's part of an init."""
+    return (entry.key, entry.wire_view(array, part), entry.pushes)
+
+
+def _meta_of(entry: Entry, part: Part, _: None) -> tuple[Key, tuple[int, ...], str]:
+    if len(entry.parts) == 1:
+        return (entry.key, entry.shape, str(entry.dtype))
+    return (entry.key, (part.size,), split_dtype(entry.dtype, entry.shape))
