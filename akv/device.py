@@ -122,15 +122,22 @@ def _land_gpu(
     updater: Updater | None,
     staged: list[tuple[Entry, Array, Any]],
     ctx: GPUContext,
-) -> None:
+) -> list[Array]:
+    """Apply each staged sum on this task's stream; returns the values it replaced, which
+    the task's result holds until its GPU work is done: reads queued on other streams
+    (``gpu_after``, waited for here) may still use them, and their memory would otherwise
+    go back to the pool of the stream that allocated them at once."""
+    replaced = []
     for entry, buffer, event in staged:
         ctx.after(event, *pending(entry))
         entry.gpu_after = []  # this task's completion orders what comes later
         if updater is None:
+            replaced.append(entry.value)
             entry.value = buffer
         else:
             assert entry.value is not None  # set by init, which every push is ordered after
             GUARD.run(store, updater, entry.key, buffer, entry.value)
+    return replaced
 
 
 def _pull_gpu(targets: KeyArrays, result: object, events: list[Any], ctx: GPUContext) -> object:

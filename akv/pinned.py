@@ -93,6 +93,11 @@ def _gpu_to_gpu(dst: Array, src: Array, stream: Any) -> None:
             return
         with dst.device:
             landing = cupy.empty(dst.shape, dst.dtype)
+            # Its memory comes from the pool of that GPU's current stream, which may still
+            # copy out of it for an earlier call (freed on the host once queued there).
+            freed = cupy.cuda.Event(disable_timing=True)
+            freed.record(cupy.cuda.get_current_stream())
+        stream.wait_event(freed)
         cupy.copyto(landing, src)
         landed = cupy.cuda.Event(disable_timing=True)
         landed.record(stream)

@@ -111,6 +111,7 @@ class EventWatcher:
         self._queues: dict[int, queue.SimpleQueue[Any]] = {}
         self._threads: list[threading.Thread] = []
         self._watched = 0
+        self._closed = False
 
     @property
     def watched(self) -> int:
@@ -122,11 +123,12 @@ class EventWatcher:
         return EventDone(self, device, event, result, name)
 
     def watch(self, device: int, waitable: EventDone) -> None:
-        """Have ``waitable`` completed by ``device``'s watcher thread."""
+        """Have ``waitable`` completed by ``device``'s watcher thread (once the watcher
+        closed, here: the calling thread waits for its event)."""
         with self._lock:
             self._watched += 1
-            queue_ = self._queues.get(device)
-            if queue_ is None:
+            queue_ = None if self._closed else self._queues.get(device)
+            if queue_ is None and not self._closed:
                 queue_ = self._queues[device] = queue.SimpleQueue()
                 thread = threading.Thread(
                     target=_serve,
@@ -136,14 +138,18 @@ class EventWatcher:
                 )
                 self._threads.append(thread)
                 thread.start()
+        if queue_ is None:  # closed: no thread serves a queue any more
+            waitable._settle()
+            return
         queue_.put(waitable)
 
     def close(self, deadline: float | None) -> None:
         """Stop the threads once they have completed what they hold (up to ``deadline``, a
         ``time.monotonic()`` value; past it, a thread waiting for an event stays, a daemon,
-        until the event happens)."""
+        until the event happens). A waitable watched afterwards is settled by its caller."""
         with self._lock:
             queues, threads = list(self._queues.values()), list(self._threads)
+            self._queues, self._threads, self._closed = {}, [], True
         for queue_ in queues:
             queue_.put(_STOP)
         current = threading.current_thread()

@@ -650,3 +650,77 @@ def test_the_completion_script_runs_every_task(cupy, completion, chained):
     itself and exits otherwise), and the times are positive."""
     wall, cpu = gpu_completion.per_task(completion, 50, chained)
     assert wall > 0 and cpu >= 0
+
+
+# ------------------------------------------------- what a GPU-paths review found (2026-12-07)
+
+
+async def test_a_push_landed_by_a_task_keeps_the_old_value_for_reads_on_other_streams(
+    cupy, monkeypatch
+):
+    """A pull into a GPU output on another stream (S2) queues a copy of the key's value; a
+    push the engine runs as a task (its one slot busy) then replaced the value at launch,
+    and the old value's memory went back to its allocating stream's pool at once: the
+    caller's next allocation took it and wrote it before S2's copy ran. (With host-function
+    completion, where the fake's timing lets the task finish its host side first.)"""
+    import threading
+
+    monkeypatch.setenv("ENGINE_GPU_COMPLETION", "host_func")
+
+    async with await akv.create_async("device", slots=1) as kv:
+        await kv.init("k", cupy.zeros(64, F32))
+        await kv.push("k", cupy.full(64, 3.0, F32))  # the value: from the null stream's pool
+        cupy.synchronize_all()
+        s2 = cupy.cuda.Stream(non_blocking=True)
+        with s2:
+            out = cupy.zeros(64, F32)
+            pulled = kv.pull("k", out=out)  # on S2, at the call: its copy queued there
+        engine = kv.engine
+        gate = threading.Event()
+        busy = engine.push(gate.wait, 10, writes=[engine.new_var()], name="busy")
+        pushed = kv.push("k", cupy.ones(64, F32))  # the slot is busy: a task lands it
+        assert "push" in engine.graph()
+        with cupy.held():
+            gate.set()
+            await busy
+            old = entry_of(kv, "k").value.data.ptr
+            for _ in range(2000):  # until the task has launched (replaced the value)
+                if entry_of(kv, "k").value.data.ptr != old:
+                    break
+                await asyncio.sleep(0.001)
+            cupy.full(64, 9.0, F32)  # the caller's next allocation, on the null stream
+            cupy.synchronize_all()  # (the fake runs the null stream first, then S2)
+        await pushed
+        await pulled
+        assert peek(out).tolist() == [3.0] * 64
+
+
+async def test_a_pull_awaited_after_its_store_closed_completes(cupy, completion):
+    """The watcher threads are gone once the store closed: a GPU pull's waitable awaited
+    then is settled by its caller (it waited for ever on a queue nobody served)."""
+    kv = await akv.create_async("device")
+    await kv.init("k", cupy.full(64, 3.0, F32))
+    await kv.pull("k", out=cupy.zeros(64, F32))  # starts device 0's watcher thread
+    out = cupy.zeros(64, F32)
+    pulled = kv.pull("k", out=out)
+    await kv.close()
+    await asyncio.wait_for(pulled, 30)
+    assert peek(out).tolist() == [3.0] * 64
+
+
+def test_a_peer_copy_into_a_strided_output_waits_for_its_landings_memory(cupy):
+    """Two copies to strided outputs on GPU 1 from two streams of GPU 0: the second's
+    landing buffer took the first's memory (freed on the host once its copy out was queued
+    on GPU 1's stream) and was written before that copy ran."""
+    from akv.pinned import _gpu_to_gpu
+
+    first, second = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    src1, src2 = cupy.full(64, 1.0, F32), cupy.full(64, 2.0, F32)
+    dst1 = on(1, lambda: cupy.zeros((64, 2), F32))[:, 0]  # strided: through a landing
+    dst2 = on(1, lambda: cupy.zeros((64, 2), F32))[:, 0]
+    cupy.synchronize_all()
+    _gpu_to_gpu(dst1, src1, first)
+    _gpu_to_gpu(dst2, src2, second)
+    second.synchronize()  # the GPU runs the second copy's stream first
+    cupy.synchronize_all()
+    assert peek(dst1).tolist() == [1.0] * 64 and peek(dst2).tolist() == [2.0] * 64
