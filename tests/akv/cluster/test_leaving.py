@@ -360,7 +360,18 @@ def _read_until(process: subprocess.Popen, pattern: str, timeout_s: float) -> st
 
 
 def _rest(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
-    out, _ = process.communicate(timeout=timeout_s)
+    """The exit status and the rest of the output of ``process``, which ends within
+    ``timeout_s``; else a failure that shows where its threads were (SIGUSR1: the fault
+    job's faulthandler dumps them), with the output so far."""
+    try:
+        out, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR1)
+        try:
+            out, _ = process.communicate(timeout=5)
+        except subprocess.TimeoutExpired as late:
+            out = late.output.decode(errors="replace") if isinstance(late.output, bytes) else ""
+        pytest.fail(f"the process did not end within {timeout_s} s; its output:\n{out}")
     return process.returncode, out
 
 

@@ -1,6 +1,7 @@
 """A worker for fault tests: one rank misbehaves (dies, hangs, raises, kills a server), or
 says it is ready to be interrupted by the test."""
 
+import faulthandler
 import os
 import signal
 import sys
@@ -12,6 +13,8 @@ from scheduler_view import server_pids
 import akv
 
 MODE = sys.argv[1]
+# A test whose process outlives what it allows asks it (SIGUSR1) where its threads are.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 with akv.create("dist_sync") as kv:
