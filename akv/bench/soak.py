@@ -28,7 +28,7 @@ import numpy as np
 import akv
 from akv.bench._raw import RawEcho, round_trip
 from akv.bench._report import _SETTINGS, Row, Table
-from akv.launch.supervisor import _die_with_parent
+from akv.launch.supervisor import die_with_parent
 
 __all__ = ["SoakResult", "percentile", "run", "soak", "sum_of_round"]
 
@@ -155,7 +155,7 @@ def run_launcher(
             text=True,
             timeout=timeout_s,
             env=env,
-            preexec_fn=_die_with_parent(),
+            preexec_fn=die_with_parent(),
         )
     except subprocess.TimeoutExpired:
         raise akv.BenchmarkError(

@@ -38,7 +38,7 @@ from akv.launch.rules import Decision, ExitRules, scheduler_verdict, status_text
 from akv.launch.spec import ProcessSpec
 from akv_transport import remove_leftovers
 
-__all__ = ["supervise"]
+__all__ = ["die_with_parent", "supervise"]
 
 #: What :func:`signal.signal` takes and returns: a function, ``SIG_DFL``/``SIG_IGN``, or
 #: ``None`` (a handler not installed from Python).
@@ -61,7 +61,7 @@ class Watch(Protocol):
     def stop(self, wait: bool = True) -> None: ...
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """On Linux, a function that makes the child get SIGKILL when the launcher dies.
 
     Children run in sessions of their own (so that each can be stopped as a group), which
@@ -328,7 +328,7 @@ class _Supervisor:
             env=dict(spec.env),
             pass_fds=spec.pass_fds,
             start_new_session=True,
-            preexec_fn=_die_with_parent(),
+            preexec_fn=die_with_parent(),
         )
         self._procs[index] = proc
         self._tracebacks.started(index)

@@ -34,7 +34,7 @@ from akv.exits import close_open_stores
 from akv.launch.args import OWNED_VARIABLES
 from akv.launch.limits import MAX_LINE_BYTES, OUTPUT_SETTLE_S, POLL_INTERVAL_S
 from akv.launch.spec import ACTOR_PYTHON
-from akv.launch.supervisor import _die_with_parent, _live_groups, _signal_group
+from akv.launch.supervisor import _live_groups, _signal_group, die_with_parent
 from akv_transport import remove_leftovers
 
 __all__ = ["FunctionWorker", "Poll", "ProcessActor", "WorkerResult"]
@@ -163,7 +163,7 @@ class ProcessActor:
                 cwd=self._cwd,
                 pass_fds=fds,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(),
+                preexec_fn=die_with_parent(),
             )
         except OSError as exc:
             self._start_error = (f"{exc}", isinstance(exc, FileNotFoundError))

@@ -63,7 +63,7 @@ def check_init_agrees(
         return
     # Restored from a checkpoint that kept no declared shapes (and rank 0's init has not
     # told one yet): the dtype is all there is to compare.
-    unknown = entry.made_by is None and getattr(entry, "declared", 0) is None
+    unknown = isinstance(entry, ServerEntry) and entry.made_by is None and entry.declared is None
     if unknown and entry.shape == shape and unsplit_dtype(dtype) == entry.init_dtype:
         return
     if entry.made_by is None:
