@@ -77,6 +77,7 @@ from akv_transport.errors import (
     StreamEndedError,
     StreamSilentError,
     TransportError,
+    UnprovenPeerError,
     UntrustedPeerError,
 )
 from akv_transport.frame import (
@@ -149,6 +150,7 @@ __all__ = [
     "StreamProtocol",
     "StreamSilentError",
     "TransportError",
+    "UnprovenPeerError",
     "UntrustedPeerError",
     "as_array",
     "byte_view",

@@ -1,6 +1,8 @@
 """The control-plane HTTP client: :class:`HttpClient`.
 
-Guarantees: every request carries the token and has a timeout; connection errors
+Guarantees: every request is signed with the token (never sending it:
+:mod:`akv_transport._auth`) and has a timeout; an answer that does not prove its sender holds
+the token raises :class:`~akv_transport.errors.UnprovenPeerError` and is not used; connection errors
 (refused, reset, DNS) are retried with exponential backoff and jitter, answers never are;
 a non-2xx answer raises an error that names the request, the status and the server's
 message (:class:`~akv_transport.errors.AuthError` for 401,
@@ -21,9 +23,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
+import yarl
 
+from akv_transport._auth import INSTANCE_HEADER, INSTANCES, PROOF_HEADER, check_proof, sign
 from akv_transport._json import parse_json
-from akv_transport.errors import AuthError, PayloadTooLargeError, RemoteError, TransportError
+from akv_transport.errors import (
+    AuthError,
+    PayloadTooLargeError,
+    RemoteError,
+    TransportError,
+    UnprovenPeerError,
+)
 
 __all__ = ["CLIENT_KEEPALIVE_S", "CONNECTIONS_PER_HOST", "RETRIES", "HttpClient"]
 
@@ -39,7 +49,7 @@ CLIENT_KEEPALIVE_S = 5.0
 
 
 class HttpClient:
-    """Control-plane requests to one base URL, carrying the token.
+    """Control-plane requests to one base URL, signed with the token.
 
     Connection errors (refused, reset, DNS) are retried ``retries`` times with exponential
     backoff, so requests must be idempotent (akv's are: they carry the caller's id and
@@ -56,7 +66,7 @@ class HttpClient:
         retries: int = RETRIES,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {token}"}
+        self._token = token
         self._ssl = ssl_context
         self._timeout_s = timeout_s
         self._retries = retries
@@ -74,7 +84,7 @@ class HttpClient:
                 keepalive_timeout=CLIENT_KEEPALIVE_S,
                 ssl=self._ssl if self._ssl is not None else True,
             )
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+            self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
     async def request(
@@ -101,20 +111,27 @@ class HttpClient:
             When the connection failed after all retries, or the request timed out.
         """
         url = self.base_url + path
+        signed_path = yarl.URL(url).raw_path
         timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeout_s)
         body = json.dumps(json_body).encode() if json_body is not None else data
-        headers = {"Content-Type": "application/json"} if json_body is not None else None
+        headers = {"Content-Type": "application/json"} if json_body is not None else {}
         delay = RETRY_BACKOFF_S
-        for attempt in range(self._retries + 1):
+        attempt = asked_again = 0
+        while True:
+            instance = INSTANCES.get(self.base_url)
+            signed = sign(self._token, method, signed_path, instance)
+            headers["Authorization"] = signed.header
             try:
                 async with self._client().request(
                     method, url, data=body, params=params, timeout=timeout, headers=headers
                 ) as response:
                     payload = await response.read()
                     status = response.status
+                    answer = response.headers
             except (aiohttp.ClientConnectionError, aiohttp.ClientOSError) as exc:
                 if attempt == self._retries:
                     raise TransportError(f"{method} {url} failed: {_reason(exc)}") from exc
+                attempt += 1
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, RETRY_BACKOFF_MAX_S)
                 continue
@@ -122,15 +139,26 @@ class HttpClient:
                 raise TransportError(
                     f"{method} {url} got no answer within {timeout.total} s"
                 ) from exc
+            if status == 401:
+                named = answer.get(INSTANCE_HEADER)
+                # A first request, or one to a process that restarted: ask again, signed
+                # for the instance named (once more at most, should it restart meanwhile).
+                if asked_again < 2 and INSTANCES.learn(self.base_url, named, instance):
+                    asked_again += 1
+                    continue
+                raise AuthError(f"{method} {url}: 401 {_message(payload)}")
+            if not check_proof(self._token, signed.mac, status, answer.get(PROOF_HEADER)):
+                raise UnprovenPeerError(
+                    f"{method} {url}: the answer ({status}) does not prove that its sender "
+                    "holds the job's token; not used (another process may be posing as a "
+                    "process of the job that is gone, or it runs an akv without answer proofs)"
+                )
             if 200 <= status < 300:
                 return status, payload
             message = _message(payload)
-            if status == 401:
-                raise AuthError(f"{method} {url}: 401 {message}")
             if status == 413:
                 raise PayloadTooLargeError(f"{method} {url}: 413 {message}")
             raise RemoteError(status, f"{method} {url}: {status} {message}")
-        raise TransportError(f"{method} {url} failed")  # pragma: no cover - loop always returns
 
     async def json(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Any:
         """Send JSON (or nothing), return the decoded JSON answer (decoded by

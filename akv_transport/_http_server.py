@@ -1,9 +1,10 @@
 """The aiohttp server of the control plane: routing, authentication, body limits, listening.
 
 * :func:`create_app` builds an aiohttp application whose every route requires the job's
-  token (``Authorization: Bearer <token>``, compared in constant time; 401 otherwise,
-  before any handler runs), caps request bodies (413), and turns handler errors into
-  JSON answers with a status code (:class:`RequestError` for a chosen one).
+  token (a request signed with it, :mod:`akv_transport._auth`, whose answer then proves
+  the server holds it too; or ``Authorization: Bearer <token>``, compared in constant
+  time; 401 otherwise, before any handler runs), caps request bodies (413), and turns
+  handler errors into JSON answers with a status code (:class:`RequestError` for a chosen one).
   :func:`stream_route` adds the route that upgrades a connection to a framed stream;
   :func:`public_route` one that answers without the token (health probes).
 * :func:`serve` starts it on a host and port (127.0.0.1 unless told otherwise), or on an
@@ -30,6 +31,7 @@ from typing import Any
 from aiohttp import web, web_app
 
 from akv_transport._admission import Admission, check_bound
+from akv_transport._auth import INSTANCE_HEADER, PROOF_HEADER, Verifier, is_signed, proof
 from akv_transport._http_guard import Connections, Guard, Handler, authenticate, track_request
 from akv_transport._http_log import CLIENT_MISTAKES, install_log_filter, log
 from akv_transport._shm_stream import DEFAULT_ARENA_BYTES, LocalSite, SharedMemory
@@ -78,6 +80,9 @@ DEFAULT_PROBATION_S = 0.5
 DEFAULT_MAX_PROBATION = 64
 
 TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
+#: An accepted signed request's MAC (:mod:`akv_transport._auth`), which its answer's proof
+#: covers.
+MAC_KEY: web.RequestKey[str] = web.RequestKey("mac", str)
 #: The resources of the app's routes that need no token (:func:`public_route`).
 PUBLIC_KEY: web.AppKey[set[web.AbstractResource]] = web.AppKey("public", set)
 #: The methods a public route answers without the token.
@@ -117,33 +122,60 @@ def _error(status: int, message: str) -> web.Response:
 def create_app(token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
     """An aiohttp application whose every route needs ``token``; add routes to it.
 
-    Guarantees: a request with a wrong or missing token (any bytes) gets 401 before any
-    handler runs; one with the token makes its connection authenticated (on a listener of
-    :func:`serve`: 503, and the connection closed, when its address holds all the
-    authenticated connections it may); a body larger than ``max_body_bytes`` gets 413 (checked on
-    Content-Length before the body is read, and while reading it); a truncated or garbled
-    body 400; a :class:`RequestError` becomes its status with a JSON ``{"error": ...}``;
-    any other exception becomes 500 with its message (the only answer logged with a
-    traceback: a client's mistake never is).
+    Guarantees: a request with a wrong or missing token (any bytes), a signed request
+    replayed, for another instance of this app or out of its time window gets 401 before
+    any handler runs (a signed one's names this app's instance in ``AKV-Instance``); an
+    accepted signed request's answer, whatever its status, carries ``AKV-Proof``
+    (:mod:`akv_transport._auth`); one with the token makes its connection authenticated
+    (on a listener of :func:`serve`: 503, and the connection closed, when its address
+    holds all the authenticated connections it may); a body larger than
+    ``max_body_bytes`` gets 413 (checked on Content-Length before the body is read, and
+    while reading it); a truncated or garbled body 400; a :class:`RequestError` becomes
+    its status with a JSON ``{"error": ...}``; any other exception becomes 500 with its
+    message (the only answer logged with a traceback: a client's mistake never is).
     """
     if not token:
         raise ValueError("create_app needs a non-empty token")
     expected = token.encode("utf-8", "surrogateescape")
+    verifier = Verifier(expected)
     public: set[web.AbstractResource] = set()
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        mac = None
         # The route aiohttp matched, not the path as written: no spelling of another
         # route's path reaches it without the token.
         if request.method not in _PUBLIC_METHODS or request.match_info.route.resource not in public:
-            if not hmac.compare_digest(_bearer(request), expected):
+            header = request.headers.get("Authorization", "")
+            if is_signed(header):
+                verdict = verifier.check(header, request.method, request.rel_url.raw_path)
+                if verdict.mac is None:
+                    refused = _error(401, verdict.reason)
+                    refused.headers[INSTANCE_HEADER] = verifier.instance
+                    return refused
+                mac = request[MAC_KEY] = verdict.mac
+            elif not hmac.compare_digest(_bearer(request), expected):
                 return _error(401, "missing or wrong token")
             if not authenticate(request):
                 refused = _error(
                     503, "this address holds all the authenticated connections it may; retry later"
                 )
                 refused.force_close()
-                return refused
+                return _proven(refused, mac)
+        try:
+            response = await _answer(request, handler)
+        except web.HTTPException as exc:
+            if mac is not None:
+                exc.headers[PROOF_HEADER] = proof(expected, mac, exc.status)
+            raise
+        return _proven(response, mac)
+
+    def _proven(response: web.StreamResponse, mac: str | None) -> web.StreamResponse:
+        if mac is not None and not response.prepared:
+            response.headers[PROOF_HEADER] = proof(expected, mac, response.status)
+        return response
+
+    async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         length = request.content_length
         if length is not None and length > max_body_bytes:
             return _error(
@@ -212,14 +244,15 @@ def stream_route(
         if isinstance(guard, Guard) and guard.shared is not None:
             protocol.share(guard.shared)
             guard.shared = None
-        response = web.StreamResponse(
-            status=101,
-            headers={
-                "Upgrade": UPGRADE_PROTOCOL,
-                "Connection": "Upgrade",
-                **protocol.upgrade_headers(),
-            },
-        )
+        headers = {
+            "Upgrade": UPGRADE_PROTOCOL,
+            "Connection": "Upgrade",
+            **protocol.upgrade_headers(),
+        }
+        mac = request.get(MAC_KEY)
+        if mac is not None:  # (prepared here: the guard cannot add it afterwards)
+            headers[PROOF_HEADER] = proof(request.app[TOKEN_KEY], mac, 101)
+        response = web.StreamResponse(status=101, headers=headers)
         # A stream that never starts (the client went away) is reported lost all the same:
         # the application admitted it in make_protocol.
         try:

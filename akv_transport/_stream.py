@@ -26,6 +26,7 @@ import ssl
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, cast
 
+from akv_transport._auth import INSTANCE_HEADER, INSTANCES, PROOF_HEADER, check_proof, sign
 from akv_transport._liveness import Due, KeepAlive, LivenessClock
 from akv_transport._reader import Destinations, FrameReader, Message, ReaderStatistics
 from akv_transport._shm_stream import SharedMemory, connect_local
@@ -35,6 +36,7 @@ from akv_transport.errors import (
     RemoteError,
     StreamSilentError,
     TransportError,
+    UnprovenPeerError,
 )
 from akv_transport.frame import DEFAULT_MAX_PAYLOAD_BYTES, KEEPALIVE_FRAME
 
@@ -74,6 +76,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
     returned it (a stream that ends before is its caller's error, not a loss).
     ``destinations(header)`` chooses where each array's payload is received.
 
+    ``check_answer(status, headers)`` (a client's, headers by lower-case name) judges the
+    server's upgrade answer first: an error it returns fails the handshake.
+
     ``keepalive``: the liveness this end runs (:mod:`akv_transport._liveness`; None: none).
     A client's is also the bound on the wait for the server's upgrade answer (nothing at
     all for ``silent_s``: the attempt fails), and with ``adopt_keepalive`` it is replaced
@@ -90,6 +95,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
         handshake: bool = False,
         keepalive: KeepAlive | None = None,
         adopt_keepalive: bool = False,
+        check_answer: Callable[[int, Mapping[str, str]], TransportError | None] | None = None,
     ) -> None:
         self._reader = FrameReader(destinations, max_payload_bytes=max_payload_bytes)
         self._on_message = on_message
@@ -114,6 +120,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self._handshake: bytearray | None = bytearray() if handshake else None
         self._handshake_buffer = bytearray(HANDSHAKE_MAX_BYTES)
         self.handshake_done: asyncio.Future[None] | None = None
+        self._check_answer = check_answer
+        #: Bytes of an answer's body still to skip (see :meth:`ask_again`).
+        self._skip = 0
         #: The memory shared with the peer on this host (None: every byte on the socket).
         self.shared: SharedMemory | None = None
         # Regions of the peer's arena to give back (by release frames), and small frames
@@ -439,6 +448,15 @@ class StreamProtocol(asyncio.BufferedProtocol):
     def _handshake_received(self, nbytes: int) -> None:
         assert self._handshake is not None and self.handshake_done is not None
         self._handshake += self._handshake_buffer[:nbytes]
+        if self._skip:  # the body of an answer that asked again
+            cut = min(self._skip, len(self._handshake))
+            del self._handshake[:cut]
+            self._skip -= cut
+            if not self._handshake:
+                return
+        if self.handshake_done.done():
+            self._fail_handshake(TransportError("the server answered before it was asked"))
+            return
         end = self._handshake.find(b"\r\n\r\n")
         if end < 0:
             if len(self._handshake) >= HANDSHAKE_MAX_BYTES:
@@ -453,13 +471,22 @@ class StreamProtocol(asyncio.BufferedProtocol):
         except (IndexError, ValueError):
             self._fail_handshake(TransportError(f"not an HTTP answer: {status_line!r}"))
             return
-        if status != 101:
-            self._fail_handshake(_refusal(status, parts[2] if len(parts) > 2 else "", rest))
-            return
         headers = {}
         for line in header_lines:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
+        refused = self._check_answer(status, headers) if self._check_answer else None
+        if isinstance(refused, AskAgain) and self._may_ask_again(headers, len(rest)):
+            self._handshake = bytearray()
+            self.handshake_done.set_exception(refused)
+            self.handshake_done.exception()  # retrieved: open_stream may have given up
+            return
+        if refused is not None:
+            self._fail_handshake(refused)
+            return
+        if status != 101:
+            self._fail_handshake(_refusal(status, parts[2] if len(parts) > 2 else "", rest))
+            return
         if headers.get("upgrade", "").lower() != UPGRADE_PROTOCOL:
             self._fail_handshake(
                 TransportError(f"the server upgraded to {headers.get('upgrade')!r}")
@@ -477,6 +504,24 @@ class StreamProtocol(asyncio.BufferedProtocol):
         self.handshake_done.set_result(None)
         if rest:
             self._feed(rest)
+
+    def _may_ask_again(self, headers: Mapping[str, str], received: int) -> bool:
+        """Whether an answer that asks again keeps the connection for the next request:
+        then its body (``received`` bytes of it here) is skipped as it arrives."""
+        length = headers.get("content-length", "")
+        if headers.get("connection", "").lower() == "close" or not length.isdigit():
+            return False
+        if received > int(length) or self.transport is None or self.transport.is_closing():
+            return False
+        self._skip = int(length) - received
+        return True
+
+    def ask_again(self, request: bytes) -> None:
+        """After an answer that asked again (:class:`AskAgain`), send ``request`` on the same
+        connection and wait for its answer in a new :attr:`handshake_done`."""
+        assert self._handshake is not None and self.transport is not None
+        self.handshake_done = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
 
     def _start_liveness(self, keepalive: KeepAlive | None) -> None:
         """The stream is up: run ``keepalive`` from now on (None: no liveness)."""
@@ -615,6 +660,28 @@ async def open_stream(
     else:
         own, adopt = keepalive, False
     made: list[StreamProtocol] = []
+    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    where = authority if local_path is None else f"{authority} through {local_path}"
+    peer = authority if local_path is None else local_path
+    if local_path is not None:
+        authority = "localhost"
+    extra = _header_lines(headers or {})
+    used = INSTANCES.get(peer)
+    signed = sign(token, "GET", path, used)
+
+    def check_answer(status: int, answer: Mapping[str, str]) -> TransportError | None:
+        if status == 401:
+            named = answer.get(INSTANCE_HEADER.lower())
+            if INSTANCES.learn(peer, named, used):
+                return AskAgain(f"{where} is another instance than this process knew")
+            return None  # refused: _refusal says so
+        if not check_proof(token, signed.mac, status, answer.get(PROOF_HEADER.lower())):
+            return UnprovenPeerError(
+                f"{where} answered the stream's upgrade ({status}) without proving that it "
+                "holds the job's token; not used (another process may be posing as a server "
+                "of the job that is gone, or it runs an akv without answer proofs)"
+            )
+        return None
 
     def factory() -> StreamProtocol:
         protocol = StreamProtocol(
@@ -625,20 +692,34 @@ async def open_stream(
             handshake=True,
             keepalive=own,
             adopt_keepalive=adopt,
+            check_answer=check_answer,
         )
         made.append(protocol)
         return protocol
 
-    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    where = authority if local_path is None else f"{authority} through {local_path}"
-    if local_path is not None:
-        authority = "localhost"
-    request = (
-        f"GET {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {token}\r\n"
-        f"Connection: Upgrade\r\nUpgrade: {UPGRADE_PROTOCOL}\r\n"
-    ).encode("latin-1") + _header_lines(headers or {})
+    def request() -> bytes:
+        nonlocal signed, used
+        used = INSTANCES.get(peer)
+        signed = sign(token, "GET", path, used)
+        return (
+            f"GET {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: {signed.header}\r\n"
+            f"Connection: Upgrade\r\nUpgrade: {UPGRADE_PROTOCOL}\r\n"
+        ).encode("latin-1") + extra
 
     async def connect() -> StreamProtocol:
+        # At most two answers that ask again (a first contact, a restart meanwhile).
+        for attempt in range(3):
+            try:
+                return await connect_once()
+            except AskAgain:
+                if attempt == 2:
+                    raise
+                for protocol in made:
+                    protocol.abort()
+                made.clear()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def connect_once() -> StreamProtocol:
         if local_path is not None:
             sock, shared = await connect_local(
                 local_path, token, arena_bytes=arena_bytes, timeout_s=timeout_s
@@ -658,10 +739,17 @@ async def open_stream(
                 ssl=ssl_context,
                 server_hostname=host if ssl_context is not None else None,
             )
-        transport.write(request)
-        assert protocol.handshake_done is not None
-        await protocol.handshake_done
-        return protocol
+        transport.write(request())
+        for attempt in range(3):
+            assert protocol.handshake_done is not None
+            try:
+                await protocol.handshake_done
+                return protocol
+            except AskAgain:
+                if attempt == 2 or protocol.transport is None or protocol.transport.is_closing():
+                    raise
+                protocol.ask_again(request())  # on the connection the server kept
+        raise AssertionError("unreachable")  # pragma: no cover
 
     try:
         protocol = await asyncio.wait_for(connect(), timeout_s)
@@ -678,6 +766,12 @@ async def open_stream(
         ):
             raise
         raise TransportError(f"cannot open a stream to {where}: {exc!r}") from exc
+
+
+class AskAgain(TransportError):
+    """A client's ``check_answer`` verdict: the server refused the upgrade in a way that
+    another request may mend (it named the instance to sign for). On a connection the
+    server keeps, :meth:`StreamProtocol.ask_again` sends it; else a new connection."""
 
 
 def _header_lines(headers: Mapping[str, str]) -> bytes:

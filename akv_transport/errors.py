@@ -15,6 +15,7 @@ __all__ = [
     "StreamEndedError",
     "StreamSilentError",
     "TransportError",
+    "UnprovenPeerError",
     "UntrustedPeerError",
 ]
 
@@ -57,6 +58,12 @@ class UntrustedPeerError(TransportError):
     """A local listener is not this user's (its socket, its directory, or the process on
     the other end belongs to another user, or the directory is open to others): the job's
     token was not sent to it. Another local user may be posing as a server that is gone."""
+
+
+class UnprovenPeerError(UntrustedPeerError):
+    """A peer answered without proving that it holds the job's token (no valid
+    ``AKV-Proof``): its answer was not used. Another process may be posing as a process of
+    the job that is gone (it took its port), or it runs an akv without answer proofs."""
 
 
 class RemoteError(TransportError):

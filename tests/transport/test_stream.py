@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Mapping
 
 import pytest
@@ -20,6 +21,7 @@ from akv_transport import (
     serve,
     stream_route,
 )
+from akv_transport._auth import PROOF_HEADER, proof
 from akv_transport.frame import encode_release
 
 TOKEN = "secret"
@@ -113,6 +115,16 @@ UPGRADED = (
 )
 
 
+def proven(answer: bytes, request: bytes, token: str = TOKEN) -> bytes:
+    """``answer`` (a whole HTTP answer head) with the ``AKV-Proof`` of a server holding
+    ``token`` for the signed ``request`` (its head, as read)."""
+    mac = re.search(rb"m=([0-9a-f]{64})", request)
+    assert mac is not None, request
+    status = int(answer.split(b" ", 2)[1])
+    line = f"{PROOF_HEADER}: {proof(token, mac[1].decode(), status)}\r\n".encode()
+    return answer[:-2] + line + b"\r\n"
+
+
 class Listener:
     """Listens on 127.0.0.1 (a port the system chose) while in ``async with``; each
     connection runs :meth:`_connected`, and tasks left in ``_tasks`` are cancelled at
@@ -150,8 +162,8 @@ class RawServer(Listener):
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         try:
-            await reader.readuntil(b"\r\n\r\n")
-            await self.answer(writer)
+            head = await reader.readuntil(b"\r\n\r\n")
+            await self.answer(writer, head)
             rest = await reader.read()  # until the client closes
         except (OSError, asyncio.IncompleteReadError):
             rest = b""
@@ -161,8 +173,8 @@ class RawServer(Listener):
 
 
 async def test_a_stream_that_ends_right_after_its_upgrade_is_not_returned_nor_reported_lost():
-    async def upgrade_then_reset(writer: asyncio.StreamWriter) -> None:
-        writer.write(UPGRADED)
+    async def upgrade_then_reset(writer: asyncio.StreamWriter, head: bytes) -> None:
+        writer.write(proven(UPGRADED, head))
         await writer.drain()
         writer.transport.abort()
 
@@ -178,7 +190,7 @@ async def test_a_stream_that_ends_right_after_its_upgrade_is_not_returned_nor_re
 
 
 async def test_a_stream_given_up_on_is_closed_not_left_open():
-    async def never_answer(writer: asyncio.StreamWriter) -> None:
+    async def never_answer(writer: asyncio.StreamWriter, head: bytes) -> None:
         pass  # holds the connection, reading until the client closes it
 
     async with RawServer(never_answer) as raw:

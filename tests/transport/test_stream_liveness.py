@@ -198,7 +198,7 @@ async def test_a_server_cuts_a_client_that_went_silent():
 
 
 async def test_the_wait_for_the_upgrade_answer_is_bounded_by_silence():
-    async def never_answer(writer: asyncio.StreamWriter) -> None:
+    async def never_answer(writer: asyncio.StreamWriter, head: bytes) -> None:
         pass  # accepts, reads, never answers
 
     async with RawServer(never_answer) as raw:

@@ -1,0 +1,367 @@
+"""Requests signed with the token, never sending it, and answers that prove their sender
+(akv_transport._auth): the rules alone, then akv's HTTP client and streams against a real
+server, a process posing as one (it took a gone server's port) and a replayed request."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from akv_transport import (
+    AuthError,
+    HttpClient,
+    RemoteError,
+    UnprovenPeerError,
+    create_app,
+    open_stream,
+    serve,
+    stream_route,
+)
+from akv_transport._auth import (
+    INSTANCE_HEADER,
+    INSTANCES,
+    PROOF_HEADER,
+    Verifier,
+    check_proof,
+    proof,
+    sign,
+)
+from akv_transport._stream import StreamProtocol
+from akv_transport.errors import UntrustedPeerError
+from tests.transport.test_http_hostile import exchange, request_bytes
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "signed-requests-test-token-0123456789"
+
+
+class Clock:
+    def __init__(self, now: float = 1_800_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---------------------------------------------------------------- the rules, without I/O
+
+
+def test_a_signed_request_is_accepted_once_and_its_proof_checks():
+    clock = Clock()
+    verifier = Verifier(TOKEN, clock=clock)
+    signed = sign(TOKEN, "POST", "/v1/push", verifier.instance, now=clock.now)
+    assert TOKEN not in signed.header
+    verdict = verifier.check(signed.header, "POST", "/v1/push")
+    assert verdict.mac == signed.mac
+    assert verifier.check(signed.header, "POST", "/v1/push").reason == "a request replayed"
+    answer = proof(TOKEN, signed.mac, 200)
+    assert check_proof(TOKEN, signed.mac, 200, answer)
+    assert not check_proof(TOKEN, signed.mac, 500, answer)  # another status
+    assert not check_proof("another-token-0123456789", signed.mac, 200, answer)
+    assert not check_proof(TOKEN, signed.mac, 200, None)
+    assert not check_proof(TOKEN, signed.mac, 200, "")
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"token": "another-token-0123456789"}, "missing or wrong token"),
+        ({"method": "GET"}, "missing or wrong token"),
+        ({"path": "/v1/pull"}, "missing or wrong token"),
+        ({"instance": "0" * 32}, "another instance"),
+        ({"instance": ""}, "another instance"),
+        ({"late_s": 121.0}, "off this process's clock"),
+        ({"late_s": -121.0}, "off this process's clock"),
+    ],
+)
+def test_a_request_signed_otherwise_is_refused(change, reason):
+    clock = Clock()
+    verifier = Verifier(TOKEN, clock=clock)
+    signed = sign(
+        change.get("token", TOKEN),
+        change.get("method", "POST"),
+        change.get("path", "/v1/push"),
+        change.get("instance", verifier.instance),
+        now=clock.now - change.get("late_s", 0.0),
+    )
+    verdict = verifier.check(signed.header, "POST", "/v1/push")
+    assert verdict.mac is None and reason in verdict.reason
+    assert verdict.wrong_instance == (reason == "another instance")
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "",
+        "Bearer x",
+        "AKV-HMAC-SHA256",
+        "AKV-HMAC-SHA256 i=, t=1, n=00",
+        "AKV-HMAC-SHA256 i=a, t=x, n=0123456789abcdef, m=" + "0" * 64,
+        "AKV-HMAC-SHA256 i=a, t=1e9, n=0123456789abcdef, m=" + "0" * 64,
+        "AKV-HMAC-SHA256 i=a, t=1, n=short, m=" + "0" * 64,
+        "AKV-HMAC-SHA256 i=a, t=1, n=0123456789abcdef, m=00",
+        "AKV-HMAC-SHA256 i=a, i=a, t=1, n=0123456789abcdef, m=" + "0" * 64,
+        "AKV-HMAC-SHA256 i=\udcff, t=1, n=0123456789abcdef, m=" + "\udcff" * 64,
+        "AKV-HMAC-SHA256 i=a, t=99999999999999999999, n=0123456789abcdef, m=" + "0" * 64,
+    ],
+)
+def test_a_malformed_header_is_refused_without_raising(header):
+    assert Verifier(TOKEN).check(header, "GET", "/").mac is None
+
+
+def test_nonces_are_forgotten_once_their_requests_are_out_of_time_and_capped_until_then():
+    clock = Clock()
+    verifier = Verifier(TOKEN, clock=clock, max_skew_s=10, max_nonces=3)
+    for _ in range(3):
+        signed = sign(TOKEN, "GET", "/", verifier.instance, now=clock.now)
+        assert verifier.check(signed.header, "GET", "/").mac is not None
+    late = sign(TOKEN, "GET", "/", verifier.instance, now=clock.now)
+    assert "too many requests" in verifier.check(late.header, "GET", "/").reason
+    clock.now += 21  # twice the skew: none of them could be accepted again
+    fresh = sign(TOKEN, "GET", "/", verifier.instance, now=clock.now)
+    assert verifier.check(fresh.header, "GET", "/").mac is not None
+    assert len(verifier._seen) == 1
+
+
+# ---------------------------------------------------------------- against real listeners
+
+
+@pytest.fixture
+async def app_server() -> AsyncIterator[tuple[int, list[str]]]:
+    """A server with ``/hello`` (200), ``/fail`` (500) and ``/teapot`` (a raised 409);
+    yields its port and the Authorization headers it received."""
+    seen: list[str] = []
+
+    @web.middleware
+    async def note(request: web.Request, handler):
+        seen.append(request.headers.get("Authorization", ""))
+        return await handler(request)
+
+    app = create_app(TOKEN)
+    app.middlewares.insert(0, note)
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.json_response({"hello": True})
+
+    async def fail(request: web.Request) -> web.Response:
+        raise RuntimeError("broken on purpose")
+
+    async def teapot(request: web.Request) -> web.Response:
+        raise web.HTTPConflict()
+
+    app.router.add_get("/hello", hello)
+    app.router.add_post("/fail", fail)
+    app.router.add_get("/teapot", teapot)
+    runner, port = await serve(app, "127.0.0.1", 0)
+    try:
+        yield port, seen
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_client_learns_the_instance_once_and_never_sends_the_token(app_server):
+    port, seen = app_server
+    client = HttpClient(f"http://127.0.0.1:{port}", TOKEN)
+    try:
+        assert await client.json("GET", "/hello") == {"hello": True}
+        assert len(seen) == 2  # the first request named no instance: asked again
+        assert await client.json("GET", "/hello") == {"hello": True}
+        assert len(seen) == 3
+    finally:
+        await client.close()
+    assert all(TOKEN not in header and header.startswith("AKV-HMAC-SHA256 ") for header in seen)
+
+
+async def test_errors_a_real_server_answers_are_proven_and_raised_as_its_answers(app_server):
+    port, _ = app_server
+    client = HttpClient(f"http://127.0.0.1:{port}", TOKEN)
+    try:
+        with pytest.raises(RemoteError, match="broken on purpose") as failed:
+            await client.json("POST", "/fail", {})
+        assert failed.value.status == 500 and not isinstance(failed.value, UntrustedPeerError)
+        with pytest.raises(RemoteError) as teapot:
+            await client.json("GET", "/teapot")
+        assert teapot.value.status == 409
+        with pytest.raises(RemoteError) as missing:
+            await client.json("GET", "/nothing")
+        assert missing.value.status == 404
+    finally:
+        await client.close()
+
+
+async def test_a_wrong_token_is_an_auth_error_after_learning_the_instance(app_server):
+    port, seen = app_server
+    client = HttpClient(f"http://127.0.0.1:{port}", "another-token-0123456789")
+    try:
+        with pytest.raises(AuthError, match="401 missing or wrong token"):
+            await client.json("GET", "/hello")
+    finally:
+        await client.close()
+    assert len(seen) == 2  # asked again once, for the instance named, then refused
+
+
+async def test_a_replayed_request_is_refused_and_a_bearer_token_still_opens(app_server):
+    port, seen = app_server
+    client = HttpClient(f"http://127.0.0.1:{port}", TOKEN)
+    try:
+        await client.json("GET", "/hello")
+    finally:
+        await client.close()
+    captured = seen[-1]
+    replay = request_bytes("/hello", token=TOKEN.encode()).replace(
+        b"Bearer " + TOKEN.encode(), captured.encode()
+    )
+    status, answer = await exchange(port, replay)
+    assert status == 401 and b"replayed" in answer
+    status, answer = await exchange(port, request_bytes("/hello", token=TOKEN.encode()))
+    assert status == 200 and PROOF_HEADER.encode() not in answer  # (curl, Prometheus)
+
+
+async def test_a_restarted_server_is_asked_again_on_the_same_port():
+    async def hello(request: web.Request) -> web.Response:
+        return web.json_response({"hello": True})
+
+    first = create_app(TOKEN)
+    first.router.add_get("/hello", hello)
+    runner, port = await serve(first, "127.0.0.1", 0)
+    client = HttpClient(f"http://127.0.0.1:{port}", TOKEN)
+    try:
+        await client.json("GET", "/hello")
+        known = INSTANCES.get(client.base_url)
+        await runner.cleanup()
+        second = create_app(TOKEN)
+        second.router.add_get("/hello", hello)
+        runner, _ = await serve(second, "127.0.0.1", port)
+        assert await client.json("GET", "/hello") == {"hello": True}
+        assert INSTANCES.get(client.base_url) not in ("", known)
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+class Impostor:
+    """Listens on 127.0.0.1 as a process that took a gone server's port: it keeps each
+    request's head and answers ``answer`` (a 401 naming an instance first, as a real
+    server would, so that the client signs again), without the token."""
+
+    def __init__(self, answer: bytes, *, close_after_401: bool = False) -> None:
+        self.answer = answer
+        self.close_after_401 = close_after_401
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.port = 0
+
+    async def __aenter__(self) -> Impostor:
+        self._server = await asyncio.start_server(self._connected, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.requests.append(head)
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                if length:
+                    await reader.readexactly(int(length[1]))
+                if len(self.requests) == 1:
+                    body = b'{"error": "ask again"}'
+                    closing = b"Connection: close\r\n" if self.close_after_401 else b""
+                    writer.write(
+                        b"HTTP/1.1 401 Unauthorized\r\n"
+                        + f"{INSTANCE_HEADER}: {'ab' * 16}\r\n".encode()
+                        + closing
+                        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                        + body
+                    )
+                    if self.close_after_401:
+                        await writer.drain()
+                        return
+                else:
+                    writer.write(self.answer)
+                await writer.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_an_answer_from_a_process_without_the_token_is_refused_and_learns_nothing():
+    body = b'{"rank": 0}'
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    async with Impostor(ok) as impostor:
+        client = HttpClient(f"http://127.0.0.1:{impostor.port}", TOKEN, retries=0)
+        try:
+            with pytest.raises(UnprovenPeerError, match="does not prove"):
+                await client.json("POST", "/v1/register", {"role": "worker"})
+        finally:
+            await client.close()
+    assert len(impostor.requests) == 2
+    assert not any(TOKEN.encode() in request for request in impostor.requests)
+
+
+@pytest.mark.parametrize("close_after_401", [False, True])
+async def test_a_stream_to_a_process_without_the_token_is_refused_and_learns_nothing(
+    close_after_401,
+):
+    upgraded = (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: akv-stream/1\r\nConnection: Upgrade\r\n\r\n"
+    )
+    lost: list[BaseException | None] = []
+    async with Impostor(upgraded, close_after_401=close_after_401) as impostor:
+        with pytest.raises(UnprovenPeerError, match="without proving"):
+            await open_stream(
+                "127.0.0.1",
+                impostor.port,
+                TOKEN,
+                lambda h: None,
+                print,
+                lost.append,
+                timeout_s=10,
+            )
+    # Asked again on the same connection, or on a new one when the first was closed.
+    assert len(impostor.requests) == 2 and lost == []
+    assert impostor.connections == (2 if close_after_401 else 1)
+    assert not any(TOKEN.encode() in request for request in impostor.requests)
+
+
+async def test_a_stream_to_a_real_server_learns_its_instance_on_one_connection_and_opens():
+    upgrades: list[object] = []
+
+    @web.middleware
+    async def note(request: web.Request, handler):
+        upgrades.append(request.transport)
+        return await handler(request)
+
+    app = create_app(TOKEN)
+    app.middlewares.insert(0, note)
+
+    def make(request: web.Request) -> StreamProtocol:
+        return StreamProtocol(lambda h: None, print, lambda exc: None)
+
+    stream_route(app, make)
+    runner, port = await serve(app, "127.0.0.1", 0)
+    try:
+        INSTANCES._known.pop(f"127.0.0.1:{port}", None)
+        protocol = await open_stream(
+            "127.0.0.1", port, TOKEN, lambda h: None, print, lambda exc: None, timeout_s=10
+        )
+        assert INSTANCES.get(f"127.0.0.1:{port}") != ""
+        # The first request named no instance; the second, on the same connection, did.
+        assert len(upgrades) == 2 and upgrades[0] is upgrades[1]
+        protocol.close()
+        again = await open_stream(
+            "127.0.0.1", port, TOKEN, lambda h: None, print, lambda exc: None, timeout_s=10
+        )
+        assert len(upgrades) == 3  # known now: asked once
+        again.close()
+    finally:
+        await runner.cleanup()
