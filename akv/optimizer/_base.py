@@ -188,8 +188,8 @@ class Optimizer:
     Row-sparse gradients (of a row-sparse key, :class:`akv.RowSparseArray`) are applied
     by :meth:`update_rows` to the gathered rows; :meth:`row_sparse_update` says how: MXNet's
     lazy update (only the gradient's rows change, their states too) for the optimizers
-    that have one in MXNet (SGD and Adam with ``lazy_update=True``, AdaGrad, FTRL,
-    GroupAdaGrad), else
+    that have one in MXNet (SGD and Adam with ``lazy_update=True``, NAG without momentum,
+    AdaGrad, FTRL, GroupAdaGrad), else
     the standard update of every stored row, absent gradient rows counting as zeros.
 
     A subclass either overrides :meth:`update` as in MXNet (using ``_update_count``,

@@ -245,6 +245,21 @@ class NAG(Optimizer):
     def create_state(self, index: Index, weight: np.ndarray) -> State:
         return zeros_like(weight) if self.momentum != 0.0 else None
 
+    def row_sparse_update(self, index: Index) -> Literal["lazy", "standard"]:
+        """Lazy without momentum, standard with it: MXNet's NAG without momentum calls
+        ``sgd_update``, whose ``lazy_update`` (default true) updates only a row-sparse
+        gradient's rows; ``nag_mom_update`` has no row-sparse form (MXNet runs it on dense
+        copies: every row)."""
+        return "lazy" if self.momentum == 0.0 else "standard"
+
+    def row_sparse_update_for(self, index: Index, dtype: np.dtype) -> Literal["lazy", "standard"]:
+        """As :meth:`row_sparse_update`, but standard for float16 rows with
+        ``multi_precision``: MXNet's ``mp_sgd_update`` has no row-sparse form, and its dense
+        fallback updates every row (as :meth:`SGD.row_sparse_update_for`)."""
+        if self.multi_precision and np.dtype(dtype) == np.float16:
+            return "standard"
+        return self.row_sparse_update(index)
+
     def update_rows(self, index: Index, weight: np.ndarray, grad: np.ndarray, state: State) -> None:
         """As :meth:`Optimizer.update_rows`, as MXNet's NAG on a row-sparse key: its kernel
         has no row-sparse form, and the dense copies MXNet falls back to give it a weight

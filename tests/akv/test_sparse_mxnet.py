@@ -125,3 +125,27 @@ def test_nag_on_a_row_sparse_key_reads_the_old_weight_in_its_momentum_as_mxnet()
     ]
     np.testing.assert_array_equal(sparse, np.float32(mxnet_sparse))
     np.testing.assert_array_equal(dense, np.float32(mxnet_dense))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "multi_precision", "column"),
+    [
+        # sgd_update's lazy row update: row 2, never pushed, keeps its value.
+        (np.float32, False, [0.8899999856948853, 0.8899999856948853, 1.0]),
+        (np.float16, False, [0.89013671875, 0.89013671875, 1.0]),
+        # mp_sgd_update has no row-sparse form: every row decays, as for SGD.
+        (np.float16, True, [0.880859375, 0.8798828125, 0.97998046875]),
+    ],
+)
+def test_nag_without_momentum_updates_only_the_pushed_rows_as_mxnet(dtype, multi_precision, column):
+    # MXNet's NAG without momentum calls sgd_update, lazy by default on row-sparse values.
+    optimizer = akv.optimizer.NAG(
+        learning_rate=0.1, momentum=0.0, wd=0.1, multi_precision=multi_precision
+    )
+    with akv.create("local") as kv:
+        kv.init(0, RowSparseArray(np.ones((3, 2), dtype), [0, 1, 2], (3, 2)))
+        kv.set_optimizer(optimizer)
+        for row in (0, 1):
+            kv.push(0, RowSparseArray(np.ones((1, 2), dtype), [row], (3, 2)))
+        got = kv.row_sparse_pull(0, row_ids=np.arange(3)).to_dense()
+    np.testing.assert_array_equal(got, np.repeat(np.array(column, dtype)[:, None], 2, axis=1))

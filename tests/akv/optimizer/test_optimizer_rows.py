@@ -130,7 +130,8 @@ def test_a_row_update_is_the_dense_update_of_its_rows(name, lazy_update):
         got, expected = got[kept], expected[kept]
     np.testing.assert_allclose(got, expected, 1e-6, 1e-7)
     assert updater.optimizer.index_update_counts[0] == len(grads)
-    lazy_in_mxnet = name in {"sgd", "ccsgd", "adam", "adagrad", "ftrl", "groupadagrad"}
+    # NAG without momentum (its setting here) calls MXNet's sgd_update, lazy by default.
+    lazy_in_mxnet = name in {"sgd", "ccsgd", "adam", "adagrad", "ftrl", "groupadagrad", "nag"}
     assert how == ("lazy" if lazy_in_mxnet and lazy_update else "standard")
     if how == "lazy":
         # Rows stored but never named by a gradient keep their weight exactly, and get no
@@ -391,3 +392,13 @@ def test_nag_rows_and_a_dense_key_updated_at_once_each_keep_their_formula():
         stop.set()
         thread.join(10)
     assert differ == 0
+
+
+def test_nag_with_momentum_updates_every_stored_row():
+    """MXNet's nag_mom_update has no row-sparse form (its dense fallback updates every row);
+    without momentum NAG is lazy (sgd_update)."""
+    assert opt.NAG(momentum=0.9).row_sparse_update_for(0, np.dtype(np.float32)) == "standard"
+    assert opt.NAG().row_sparse_update_for(0, np.dtype(np.float32)) == "lazy"
+    mp = opt.NAG(multi_precision=True)  # mp_sgd_update: no row-sparse form either
+    assert mp.row_sparse_update_for(0, np.dtype(np.float16)) == "standard"
+    assert mp.row_sparse_update_for(0, np.dtype(np.float32)) == "lazy"
