@@ -189,7 +189,7 @@ class Optimizer:
     by :meth:`update_rows` to the gathered rows; :meth:`row_sparse_update` says how: MXNet's
     lazy update (only the gradient's rows change, their states too) for the optimizers
     that have one in MXNet (SGD and Adam with ``lazy_update=True``, NAG without momentum,
-    AdaGrad, FTRL, GroupAdaGrad), else
+    LBSGD with ``batch_scale=1``, AdaGrad, FTRL, GroupAdaGrad), else
     the standard update of every stored row, absent gradient rows counting as zeros.
 
     A subclass either overrides :meth:`update` as in MXNet (using ``_update_count``,

@@ -227,9 +227,10 @@ class LBSGD(Optimizer):
     of the state, so that :meth:`~akv.optimizer.Updater.dump_states` saves it and a
     reloaded updater finishes the macro-batch (MXNet keeps it in a dict on the optimizer,
     which is not saved); the macro-batch position is the index's update count, saved
-    with the states too. A row-sparse gradient gets the standard update (every stored
+    with the states too. A row-sparse gradient gets the lazy update with ``batch_scale=1``
+    and a strategy other than ``'lars'`` (MXNet's), else the standard update (every stored
     row; rows never stored have a zero weight and a zero accumulated gradient, so
-    ``'lars'``'s norms are the whole weight's).
+    ``'lars'``'s norms are the whole weight's): see :meth:`row_sparse_update`.
     """
 
     _CONFIG_PARAMS = (
@@ -278,6 +279,19 @@ class LBSGD(Optimizer):
         momentum = zeros_like(weight) if self.momentum != 0.0 else None
         accumulated = zeros_like(weight) if self.batch_scale > 1 else None
         return (momentum, accumulated)
+
+    def row_sparse_update(self, index: Index) -> Literal["lazy", "standard"]:
+        """Lazy with ``batch_scale=1`` and a warm-up strategy other than ``'lars'``:
+        MXNet's LBSGD calls ``sgd_update`` and ``sgd_mom_update`` (its momentum row-sparse
+        like the weight), lazy by default, so only a row-sparse gradient's rows change,
+        weight and momentum. Standard otherwise: a macro-batch of several gradients updates
+        the rows of their sum in MXNet, which the rows of the last gradient do not give, and
+        ``'lars'`` scales by the norm of the whole weight (neither is MXNet's: see
+        docs/optimizer.md). Float16 rows with ``multi_precision`` too: MXNet's LBSGD runs
+        ``sgd_update`` or ``sgd_mom_update`` on the float32 master copy, lazily."""
+        if self.batch_scale == 1 and self.warmup_strategy != "lars":
+            return "lazy"
+        return "standard"
 
     def update(self, index: Index, weight: np.ndarray, grad: np.ndarray, state: State) -> None:
         """As :meth:`Optimizer.update`, but the learning rate is read before the update is

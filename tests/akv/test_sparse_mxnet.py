@@ -149,3 +149,27 @@ def test_nag_without_momentum_updates_only_the_pushed_rows_as_mxnet(dtype, multi
             kv.push(0, RowSparseArray(np.ones((1, 2), dtype), [row], (3, 2)))
         got = kv.row_sparse_pull(0, row_ids=np.arange(3)).to_dense()
     np.testing.assert_array_equal(got, np.repeat(np.array(column, dtype)[:, None], 2, axis=1))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "multi_precision", "momentum", "column"),
+    [
+        (np.float32, False, 0.0, [0.7810999751091003, 0.8899999856948853, 1.0]),
+        (np.float32, False, 0.9, [0.6820999979972839, 0.8899999856948853, 1.0]),
+        # On the float32 master copy, lazily too (sgd_mom_update, not mp_sgd_mom_update).
+        (np.float16, True, 0.9, [0.68212890625, 0.89013671875, 1.0]),
+    ],
+)
+def test_lbsgd_updates_only_the_pushed_rows_as_mxnet(dtype, multi_precision, momentum, column):
+    # MXNet's LBSGD (batch_scale=1) calls sgd_update / sgd_mom_update with a row-sparse
+    # momentum: lazy. Row 2 is never pushed; row 1's momentum does not decay after its push.
+    optimizer = akv.optimizer.LBSGD(
+        learning_rate=0.1, momentum=momentum, wd=0.1, multi_precision=multi_precision
+    )
+    with akv.create("local") as kv:
+        kv.init(0, RowSparseArray(np.ones((3, 2), dtype), [0, 1, 2], (3, 2)))
+        kv.set_optimizer(optimizer)
+        for row in (0, 1, 0):
+            kv.push(0, RowSparseArray(np.ones((1, 2), dtype), [row], (3, 2)))
+        got = kv.row_sparse_pull(0, row_ids=np.arange(3)).to_dense()
+    np.testing.assert_array_equal(got, np.repeat(np.array(column, dtype)[:, None], 2, axis=1))

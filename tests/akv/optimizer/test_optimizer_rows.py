@@ -130,8 +130,11 @@ def test_a_row_update_is_the_dense_update_of_its_rows(name, lazy_update):
         got, expected = got[kept], expected[kept]
     np.testing.assert_allclose(got, expected, 1e-6, 1e-7)
     assert updater.optimizer.index_update_counts[0] == len(grads)
-    # NAG without momentum (its setting here) calls MXNet's sgd_update, lazy by default.
-    lazy_in_mxnet = name in {"sgd", "ccsgd", "adam", "adagrad", "ftrl", "groupadagrad", "nag"}
+    # NAG without momentum (its setting here) and LBSGD with batch_scale=1 call MXNet's
+    # sgd_update (and sgd_mom_update), lazy by default.
+    lazy_in_mxnet = name in {
+        *("sgd", "ccsgd", "adam", "adagrad", "ftrl", "groupadagrad", "nag", "lbsgd")
+    }
     assert how == ("lazy" if lazy_in_mxnet and lazy_update else "standard")
     if how == "lazy":
         # Rows stored but never named by a gradient keep their weight exactly, and get no
@@ -402,3 +405,17 @@ def test_nag_with_momentum_updates_every_stored_row():
     mp = opt.NAG(multi_precision=True)  # mp_sgd_update: no row-sparse form either
     assert mp.row_sparse_update_for(0, np.dtype(np.float16)) == "standard"
     assert mp.row_sparse_update_for(0, np.dtype(np.float32)) == "lazy"
+
+
+@pytest.mark.parametrize(
+    ("params", "how"),
+    [
+        ({}, "lazy"),
+        ({"momentum": 0.9, "multi_precision": True}, "lazy"),
+        ({"batch_scale": 2}, "standard"),
+        ({"warmup_strategy": "lars"}, "standard"),
+    ],
+)
+def test_lbsgd_is_lazy_with_batch_scale_1_and_no_lars(params, how):
+    for dtype in (np.float16, np.float32):
+        assert opt.LBSGD(**params).row_sparse_update_for(0, np.dtype(dtype)) == how
