@@ -20,7 +20,14 @@ from akv.errors import (
     ShapeMismatchError,
     UnsupportedDTypeError,
 )
-from akv.sparse import RowSparseArray, as_row_sparse, check_dtype, host_rows, is_row_sparse
+from akv.sparse import (
+    RowSparseArray,
+    as_row_sparse,
+    check_dtype,
+    host_rows,
+    host_tensor,
+    is_row_sparse,
+)
 from akv.store import KVStore
 
 __all__ = ["Embedding"]
@@ -209,6 +216,11 @@ class Embedding(torch.nn.Module):
             raise InvalidArgumentError(
                 f"{what}: ids must be a dense tensor, got layout {ids.layout}"
             )
+        if ids.device.type == "meta":  # torch.unique would fail untyped (NotImplementedError)
+            raise InvalidArgumentError(
+                f"{what}: ids are on the meta device, which holds no values: give them on "
+                "the CPU or a GPU"
+            )
         unique, inverse = torch.unique(ids, return_inverse=True)
         # Compared as int64: a bound beyond the ids' own dtype (1000 rows, int8 ids) wraps.
         rows = self._shape[0]
@@ -294,7 +306,7 @@ def _initial_table(
         given, given_dtype = table.shape, table.dtype
     else:
         if isinstance(init, torch.Tensor):
-            init = init.detach().cpu()
+            init = host_tensor(init, f"{what}: init")
         dense = host_rows(init, f"{what}: init")
         given, given_dtype = tuple(dense.shape), dense.dtype
     if given != shape:

@@ -41,6 +41,7 @@ __all__ = [
     "check_row_ids",
     "check_shape",
     "host_rows",
+    "host_tensor",
     "is_row_sparse",
 ]
 
@@ -424,6 +425,23 @@ def host_rows(value: object, what: str) -> np.ndarray:
     return np.asarray(array)
 
 
+def host_tensor(tensor: Any, what: str) -> Any:
+    """A torch tensor detached and in host memory: itself on the CPU, a copy from a GPU.
+
+    Raises
+    ------
+    InvalidArgumentError
+        The tensor is on the meta device (it holds no values to copy).
+    """
+    tensor = tensor.detach()
+    if tensor.device.type == "meta":  # .cpu() would raise NotImplementedError
+        raise InvalidArgumentError(
+            f"{what}: the torch tensor of shape {tuple(tensor.shape)} is on the meta device, "
+            "which holds no values; give one on the CPU or a GPU"
+        )
+    return tensor if tensor.device.type == "cpu" else tensor.cpu()
+
+
 # ---------------------------------------------------------------- helpers
 
 
@@ -473,9 +491,7 @@ def _from_torch(tensor: Any, what: str) -> RowSparseArray:
             f"{what}: the sparse COO tensor of shape {tuple(tensor.shape)} has {sparse_dims} "
             "sparse dimensions; a row-sparse value has exactly one (the rows), then dense ones"
         )
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
+    tensor = host_tensor(tensor, what)
     if not tensor.is_coalesced():
         tensor = tensor.coalesce()
     ids = tensor.indices()[0].numpy()

@@ -439,6 +439,13 @@ def test_a_torch_row_id_out_of_range_is_refused(torch):
         akv.RowSparseArray.from_torch(tensor)
 
 
+def test_a_meta_tensor_is_refused_as_holding_no_values(torch):
+    """torch's copy of a meta tensor raises NotImplementedError: akv says what is wrong."""
+    tensor = torch.sparse_coo_tensor([[1]], torch.ones(1, 2), (3, 2)).to("meta")
+    with pytest.raises(akv.InvalidArgumentError, match=r"^push to key 'emb': .* meta device"):
+        as_row_sparse(tensor, "push to key 'emb'")
+
+
 def test_torch_ids_numpy_cannot_read_are_an_invalid_argument(torch):
     """A tensor that requires grad (float, so never valid ids) makes NumPy's conversion raise
     torch's RuntimeError: refused as the other ids that are not 1-D integers are."""

@@ -403,6 +403,8 @@ def test_a_shallow_copy_is_another_module_on_the_same_key(kv):
             "ids must be a torch tensor of integers, got builtins.list",
         ),
         (torch.tensor([1]).to_sparse(), InvalidArgumentError, "ids must be a dense tensor"),
+        # torch.unique has no meta kernel (NotImplementedError): no values to pull.
+        (torch.tensor([1], device="meta"), InvalidArgumentError, "ids are on the meta device"),
     ],
 )
 def test_bad_ids_are_refused_naming_the_key(kv, ids, error, match):
@@ -440,6 +442,7 @@ def test_bad_ids_are_refused_naming_the_key(kv, ids, error, match):
         ({"init": RowSparseArray.zeros((ROWS, 5))}, ShapeMismatchError, r"init of shape \(12, 5\)"),
         ({"init": "table"}, InvalidArgumentError, "init: expected a NumPy array or .*, got str"),
         ({"init": torch.ones(ROWS, DIM).to_sparse(2)}, StorageTypeError, "2 sparse dimensions"),
+        ({"init": torch.ones(ROWS, DIM, device="meta")}, InvalidArgumentError, "meta device"),
     ],
 )
 def test_bad_arguments_are_refused_before_the_key_is_initialized(kv, kwargs, error, match):
