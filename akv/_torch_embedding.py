@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -31,6 +31,16 @@ from akv.sparse import (
 from akv.store import KVStore
 
 __all__ = ["Embedding"]
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _not_compiled(method: _Method) -> _Method:
+    """``method``, run eagerly under ``torch.compile`` (dynamo cannot trace a store call)."""
+    # torch leaves disable unannotated: typed here, where it is called.
+    disable = cast(Callable[[_Method], _Method], torch.compiler.disable)
+    return disable(method)
 
 
 class Embedding(torch.nn.Module):
@@ -130,10 +140,14 @@ class Embedding(torch.nn.Module):
         """The rows' dtype."""
         return self._dtype
 
+    # torch.compile runs the store calls eagerly (a graph break): traced, dynamo descends into
+    # the store's internals and fails there with an InternalTorchDynamoError.
+    @_not_compiled
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids``: shape ``ids.shape + (embedding_dim,)``, on ``ids``'s device.
 
         With grad enabled, backward pushes the gradient of the rows pulled (see the class).
+        Under ``torch.compile`` this call runs eagerly, outside the compiled graph.
 
         Raises
         ------
@@ -149,6 +163,7 @@ class Embedding(torch.nn.Module):
             register(self._pusher(unique))
         return torch.nn.functional.embedding(inverse, rows)
 
+    @_not_compiled
     @torch.no_grad()
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The current rows of ``ids`` (as :meth:`forward` returns them), without grad.

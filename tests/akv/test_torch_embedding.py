@@ -198,6 +198,29 @@ def test_the_gradient_reaches_the_layers_above_too(kv):
     torch.testing.assert_close(head.bias, reference[1].bias)
 
 
+def test_a_compiled_model_runs_the_table_eagerly_and_trains_as_torch():
+    """torch.compile breaks the graph at the Embedding (its pull and push are store calls):
+    traced, dynamo went into the store's internals and raised InternalTorchDynamoError."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(
+        torch.nn.Embedding(ROWS, DIM, sparse=True), torch.nn.Linear(DIM, 1)
+    )
+    head = torch.nn.Linear(DIM, 1)
+    head.load_state_dict(reference[1].state_dict())
+    with akv.create("local") as kv:
+        model = torch.nn.Sequential(Embedding(kv, "emb", ROWS, DIM, init=reference[0].weight), head)
+        kv.set_optimizer(akv.optimizer.SGD(learning_rate=LR))
+        compiled = torch.compile(model, backend="eager")
+        torch_opt = torch.optim.SGD(reference[0].parameters(), lr=LR)
+        for ids, _ in batches(2):
+            compiled(ids).square().mean().backward()
+            torch_opt.zero_grad()
+            reference(ids).square().mean().backward()
+            torch_opt.step()
+        torch.testing.assert_close(table_of(model[0]), reference[0].weight.detach())
+        torch.testing.assert_close(compiled(torch.tensor([1, 2])), reference(torch.tensor([1, 2])))
+
+
 def test_with_a_distributed_optimizer_on_the_same_store():
     """The layers above trained by DistributedOptimizer: one store, one akv optimizer."""
     torch.manual_seed(0)
