@@ -82,7 +82,8 @@ class Embedding(torch.nn.Module):
       of the unique ids, and the store's optimizer updates those rows (lazily, with
       :class:`akv.optimizer.SGD`: rows the batch does not touch never change). Each
       backward pass through a forward's output pushes once; nothing is pushed when
-      grad is disabled (``torch.no_grad()``, inference).
+      grad is disabled (``torch.no_grad()``, inference) or the table is frozen
+      (:meth:`requires_grad_`).
     * The module has no parameters and no state dict: the table is the store's. Read
       rows with :meth:`rows`.
     * Bad ids raise :class:`~akv.errors.InvalidArgumentError` (not an integer tensor) or
@@ -114,6 +115,7 @@ class Embedding(torch.nn.Module):
         self._shape = shape
         self._dtype = dtype
         self._what = what
+        self._trainable = True
 
     @property
     def kv(self) -> KVStore:
@@ -156,7 +158,7 @@ class Embedding(torch.nn.Module):
         """
         unique, inverse = self._unique(ids, "forward")
         rows = self._pull(unique, ids.device)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self._trainable:
             rows.requires_grad_()
             # torch leaves this method unannotated: typed here, where it is called.
             register = cast(Callable[..., Any], rows.register_hook)
@@ -178,8 +180,29 @@ class Embedding(torch.nn.Module):
         unique, inverse = self._unique(ids, "rows")
         return torch.nn.functional.embedding(inverse, self._pull(unique, ids.device))
 
+    def requires_grad_(self, requires_grad: bool = True) -> Embedding:
+        """Freeze the table (``False``: ``forward``'s rows do not require grad, so no backward
+        pushes to it) or train it again (``True``, the default state), as
+        ``torch.nn.Embedding.requires_grad_`` does for its weight. Returns the module.
+
+        The module has no parameters, so a parent's ``model.requires_grad_(False)`` does not
+        reach it: call this method on the Embedding itself.
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``requires_grad`` is not a bool.
+        """
+        if not isinstance(requires_grad, bool):
+            raise InvalidArgumentError(
+                f"{self._what}: requires_grad_ takes a bool, got {requires_grad!r}"
+            )
+        self._trainable = requires_grad
+        return self
+
     def extra_repr(self) -> str:
-        return f"key={self._key!r}, {self._shape[0]}, {self._shape[1]}, dtype={self._dtype}"
+        frozen = "" if self._trainable else ", requires_grad=False"
+        return f"key={self._key!r}, {self._shape[0]}, {self._shape[1]}, dtype={self._dtype}{frozen}"
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``.to()``, ``.half()``, ``.double()``...: a device move changes nothing (the

@@ -312,6 +312,29 @@ def test_each_backward_pushes_once_and_nothing_without_grad():
         assert table_of(emb)[1, 0] == -4.0 and table_of(emb)[4, 0] == -2.0
 
 
+def test_a_frozen_table_pushes_nothing_as_torchs_frozen_embedding(kv):
+    """requires_grad_(False) froze nothing (the module has no parameters): the backward
+    through the frozen table still pushed, and the optimizer moved its rows."""
+    reference = reference_table()
+    emb = Embedding(kv, "emb", ROWS, DIM, init=reference.weight)
+    kv.set_optimizer(akv.optimizer.SGD(learning_rate=LR))
+    head = torch.nn.Linear(DIM, 1)
+    ids = torch.tensor([1, 1, 4])
+    for table in (reference, emb):
+        assert table.requires_grad_(False) is table
+        out = table(ids)
+        assert not out.requires_grad
+        head(out).sum().backward()  # reaches the head only
+    assert reference.weight.grad is None
+    assert torch.equal(table_of(emb), reference.weight.detach())
+    assert "requires_grad=False" in repr(emb)
+    emb.requires_grad_()
+    emb(ids).sum().backward()
+    assert table_of(emb)[1, 0] == reference.weight[1, 0] - 2 * LR
+    with pytest.raises(InvalidArgumentError, match="requires_grad_ takes a bool, got 0"):
+        emb.requires_grad_(0)
+
+
 def test_an_output_used_twice_pushes_the_summed_gradient_once(kv):
     emb = Embedding(kv, "emb", ROWS, DIM)
     kv.set_optimizer(akv.optimizer.SGD(learning_rate=1.0, momentum=0.5))
