@@ -497,7 +497,10 @@ def _from_torch(tensor: Any, what: str) -> RowSparseArray:
     ids = tensor.indices()[0].numpy()
     values = host_rows(tensor.values(), f"{what} values")
     check_dtype(values.dtype, what)
-    return RowSparseArray(values, ids, tuple(tensor.shape))
+    shape = tuple(tensor.shape)
+    # Checked here so that the error names what the tensor is (a push to a key...).
+    check_row_ids(ids, shape[0], f"{what}: the coalesced sparse tensor's indices")
+    return RowSparseArray(values, ids, shape)
 
 
 def _describe(value: object) -> str:

@@ -439,6 +439,16 @@ def test_a_torch_row_id_out_of_range_is_refused(torch):
         akv.RowSparseArray.from_torch(tensor)
 
 
+def test_a_torch_row_id_out_of_range_names_what_the_tensor_is(torch):
+    tensor = torch.sparse_coo_tensor([[3, 1]], torch.ones(2, 2), (3, 2), check_invariants=False)
+    with pytest.raises(akv.RowIdError, match=r"^push to key 'emb': .*row id 3 at position 1 "):
+        as_row_sparse(tensor, "push to key 'emb'")
+    with akv.create("local") as kv:
+        kv.init("emb", akv.RowSparseArray.zeros((3, 2), np.float32))
+        with pytest.raises(akv.RowIdError, match=r"^push to key 'emb': .*row id 3"):
+            kv.push("emb", tensor)
+
+
 def test_a_meta_tensor_is_refused_as_holding_no_values(torch):
     """torch's copy of a meta tensor raises NotImplementedError: akv says what is wrong."""
     tensor = torch.sparse_coo_tensor([[1]], torch.ones(1, 2), (3, 2)).to("meta")
