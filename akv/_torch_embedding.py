@@ -254,6 +254,15 @@ class Embedding(torch.nn.Module):
             raise InvalidArgumentError(
                 f"{what}: ids must be a dense tensor, got layout {ids.layout}"
             )
+        if _traced():
+            # A trace would keep this call's rows as constants: wrong rows for other ids,
+            # and no push (torch.jit.trace only warned that int() may make it incorrect).
+            raise InvalidArgumentError(
+                f"{what}: the Embedding cannot be traced (torch.jit.trace) or exported "
+                "(torch.export): its rows come from the store at each call, and a trace "
+                "would keep this call's rows as constants; trace the layers around it "
+                "(torch.compile runs it eagerly)"
+            )
         if ids.device.type == "meta":  # torch.unique would fail untyped (NotImplementedError)
             raise InvalidArgumentError(
                 f"{what}: ids are on the meta device, which holds no values: give them on "
@@ -283,6 +292,13 @@ class Embedding(torch.nn.Module):
             self._kv.push(self._key, RowSparseArray(rows, unique, self._shape))
 
         return push_gradient
+
+
+def _traced() -> bool:
+    """Whether torch is tracing the call (``torch.jit.trace``, ``torch.export``) rather than
+    running it; under ``torch.compile`` the methods are not traced (:func:`_not_compiled`)."""
+    checks = (getattr(torch.jit, "is_tracing", None), getattr(torch.compiler, "is_compiling", None))
+    return any(check is not None and cast(Callable[[], bool], check)() for check in checks)
 
 
 def _positive(value: object, name: str, what: str) -> int:

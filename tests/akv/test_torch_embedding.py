@@ -221,6 +221,19 @@ def test_a_compiled_model_runs_the_table_eagerly_and_trains_as_torch():
         torch.testing.assert_close(compiled(torch.tensor([1, 2])), reference(torch.tensor([1, 2])))
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.trace is deprecated
+@pytest.mark.parametrize("trace", ["jit.trace", "export"])
+def test_tracing_the_table_is_refused_saying_why(kv, trace):
+    """torch.jit.trace kept the traced call's rows as constants: the traced model gave
+    those rows for any other ids (and never pushed), with only torch's generic warnings."""
+    emb = Embedding(kv, "emb", ROWS, DIM, init=torch.ones(ROWS, DIM))
+    model = torch.nn.Sequential(emb, torch.nn.Linear(DIM, 1))
+    tracer = torch.jit.trace if trace == "jit.trace" else torch.export.export
+    with pytest.raises(InvalidArgumentError, match=r"cannot be traced .* or exported") as caught:
+        tracer(model, (torch.tensor([1, 2]),))
+    assert str(caught.value).startswith("Embedding key 'emb': forward: ")
+
+
 def test_with_a_distributed_optimizer_on_the_same_store():
     """The layers above trained by DistributedOptimizer: one store, one akv optimizer."""
     torch.manual_seed(0)
