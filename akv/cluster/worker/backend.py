@@ -156,6 +156,7 @@ class DistBackend:
             config.timeouts,
             self._stream_for_staging,
             sync=store_type.startswith("dist_sync"),
+            strict=config.strict_push,
         )
         self._control = ControlCalls(engine, lambda: self.links, config.timeouts)
         self.metrics: WorkerMetrics | None = None  # AKV_METRICS_PORT: served from connect()

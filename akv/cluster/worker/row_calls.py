@@ -63,9 +63,13 @@ class RowCalls:
         timeouts: Timeouts,
         stream_of: Callable[[int], StreamProtocol | None] = lambda server: None,
         sync: bool = True,
+        strict: bool = False,
     ) -> None:
         self._engine = engine
         self._sync = sync
+        #: ``AKV_STRICT_PUSH``: a push's task ends once every server answered it, and
+        #: raises a server's refusal itself.
+        self._strict = strict
         #: dist_sync: per key, the servers pushed to since this worker last pulled from them.
         self._unpulled: dict[Any, set[int]] = {}
         self._links = links
@@ -100,8 +104,9 @@ class RowCalls:
 
     def push(self, values: list[tuple[Entry, RowSparseArray]], priority: int) -> Task:
         """Send each server the rows of its range (copied now), each key's push numbered
-        (exactly once) by its task, in the order the pushes of a key run; done once every
-        server counted it."""
+        (exactly once) by its task, in the order the pushes of a key run; done once the
+        requests are sent (pipelined), or with ``strict`` (``AKV_STRICT_PUSH``) once every
+        server answered, raising a server's refusal."""
         requests, placed = push_requests([(e, v, 0) for e, v in values], self._region)
         entries = [entry for entry, _ in values]
         task = self._engine.push(
@@ -181,6 +186,10 @@ class RowCalls:
                 else:
                     self._push_of.pop(answer, None)
             self._unanswered[key] = kept + answers
+        if self._strict:
+            error = await self.settle(keys)
+            if error is not None:
+                raise error
 
     def take_failed(self, keys: Sequence[Any]) -> AKVError | None:
         """The error of a push of one of ``keys`` that a server already refused (a

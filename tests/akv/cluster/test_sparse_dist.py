@@ -336,6 +336,30 @@ async def test_a_refused_row_push_is_raised_by_the_next_call_and_the_round_is_ke
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
 
 
+async def test_a_strict_row_push_ends_once_answered_and_raises_a_refusal_at_its_call():
+    """AKV_STRICT_PUSH=1 holds for row pushes as for dense ones: a push ends once every
+    server answered it, and a server's refusal (a second push in one dist_sync round) is
+    raised by that push (it was left to the next call of the key); the round is kept."""
+    with Cluster(2, 2, AKV_STRICT_PUSH="1") as cluster:
+        fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+        try:
+            await asyncio.gather(
+                *(kv.init("emb", rsp([0, 9], [row(0), row(0)])) for kv in (fast, slow))
+            )
+            await fast.push("emb", rsp([0, 9], [row(1), row(1)]))
+            assert fast._backend._rows._unanswered == {}  # answered within the call
+            with pytest.raises(akv.DoublePushError, match="worker 0 pushed key 'emb' twice"):
+                await fast.push("emb", rsp([0, 9], [row(5), row(5)]))
+            await slow.push("emb", rsp([0, 9], [row(2), row(2)]))
+            pulled = await asyncio.gather(
+                *(kv.row_sparse_pull("emb", row_ids=[0, 9]) for kv in (fast, slow))
+            )
+            for rows in pulled:  # the round of worker 0's first push and worker 1's
+                np.testing.assert_array_equal(rows.data, [row(3), row(3)])
+        finally:
+            await asyncio.gather(*(kv.close() for kv in (fast, slow)))
+
+
 async def test_a_pull_sent_before_its_push_is_refused_raises_the_refusal_without_waiting():
     """A pull sent right after a push that the servers then refuse (a double push in
     dist_sync) waits on them for the round of the worker's last counted push, which here
