@@ -360,6 +360,23 @@ async def test_a_strict_row_push_ends_once_answered_and_raises_a_refusal_at_its_
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
 
 
+async def test_the_status_counts_the_keys_a_row_pull_names_as_for_a_dense_pull():
+    """The worker's activity (the status page) counts a row pull's keys, as a dense
+    pull's and a push's: not each array of ids or output of one key."""
+    with Cluster(1, 2) as cluster:
+        (kv,) = await cluster.workers()
+        try:
+            await kv.init("emb", rsp([1], [row(1)]))
+            await kv.row_sparse_pull("emb", row_ids=[[1], [2], [3]])
+            outs = [akv.RowSparseArray.zeros((ROWS, WIDTH), np.float32) for _ in range(2)]
+            await kv.row_sparse_pull("emb", out=outs, row_ids=[1])
+            await kv.row_sparse_pull(["emb", "emb"], row_ids=[[1], [2]])
+            await kv.push(["emb", "emb"], [rsp([1], [row(1)]), rsp([2], [row(1)])])
+            assert kv._backend.activity.report() == {"pushes": 1, "pulls": 3, "rounds": 1}
+        finally:
+            await kv.close()
+
+
 async def test_a_pull_sent_before_its_push_is_refused_raises_the_refusal_without_waiting():
     """A pull sent right after a push that the servers then refuse (a double push in
     dist_sync) waits on them for the round of the worker's last counted push, which here
