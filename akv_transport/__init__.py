@@ -66,7 +66,8 @@ from akv_transport._shm_stream import (
     SharedMemory,
     remove_leftovers,
 )
-from akv_transport._stream import UPGRADE_PROTOCOL, StreamProtocol, open_stream
+from akv_transport._stream import UPGRADE_PROTOCOL, StreamProtocol
+from akv_transport._stream_open import open_stream
 from akv_transport._tls import client_ssl_context, server_ssl_context
 from akv_transport.errors import (
     AuthError,

@@ -163,6 +163,11 @@ PURE_AKV_MODULES = [
     "akv.launch.report",
     "akv.launch.rules",
     "akv.launch.spec",
+    "akv_transport.frame",
+    "akv_transport._reader",
+    "akv_transport._json",
+    "akv_transport._admission",
+    "akv_transport._auth",
 ]
 
 
