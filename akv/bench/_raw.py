@@ -135,9 +135,15 @@ def _connect(port: int, server: subprocess.Popen[bytes] | None = None) -> socket
     return sock
 
 
+#: How long a helper process may take to leave on its own before it is killed: it may
+#: still be starting (importing akv) when it is told to leave, which took over 5 s once
+#: on a loaded 2-core machine.
+END_WAIT_S = 30.0
+
+
 def _end(process: subprocess.Popen[bytes]) -> None:
     try:
-        process.wait(5)
+        process.wait(END_WAIT_S)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(5)
