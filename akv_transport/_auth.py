@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "INSTANCE_HEADER",
+    "INSTANCE_PROOF_HEADER",
     "MAX_SKEW_S",
     "PROOF_HEADER",
     "SCHEME",
@@ -43,6 +44,8 @@ __all__ = [
     "Verdict",
     "Verifier",
     "check_proof",
+    "instance_proof",
+    "peer_of",
     "proof",
     "sign",
 ]
@@ -52,6 +55,9 @@ SCHEME = "AKV-HMAC-SHA256"
 INSTANCE_HEADER = "AKV-Instance"
 #: The answer header proving that its sender holds the token.
 PROOF_HEADER = "AKV-Proof"
+#: A ``401``'s header proving that the instance it names is named by a holder of the token,
+#: for the request whose MAC it covers (a client adopts no instance without it).
+INSTANCE_PROOF_HEADER = "AKV-Instance-Proof"
 #: A request's time may be this far from the verifier's clock, either way (seconds): the
 #: hosts of a job must keep their clocks this close (NTP does).
 MAX_SKEW_S = 120.0
@@ -105,10 +111,20 @@ def proof(token: str | bytes, mac: str, status: int) -> str:
 def check_proof(token: str | bytes, mac: str, status: int, header: str | None) -> bool:
     """Whether ``header`` (an answer's ``AKV-Proof``, None when absent) proves that the
     answer's sender holds the token."""
+    return _matches(header, proof(token, mac, status))
+
+
+def instance_proof(token: str | bytes, mac: str, instance: str) -> str:
+    """The ``AKV-Instance-Proof`` of a ``401`` naming ``instance``, to the request whose MAC
+    is ``mac`` (a right MAC the refusing process did not accept: for another instance, out of
+    time, replayed)."""
+    return _mac(_key(token), "instance", mac, instance)
+
+
+def _matches(header: str | None, expected: str) -> bool:
     if not header:
         return False
-    expected = proof(token, mac, status).encode()
-    return hmac.compare_digest(header.strip().encode("ascii", "replace"), expected)
+    return hmac.compare_digest(header.strip().encode("ascii", "replace"), expected.encode())
 
 
 def _fields(header: str) -> dict[str, str] | None:
@@ -137,6 +153,9 @@ class Verdict:
     mac: str | None
     reason: str = ""
     wrong_instance: bool = False
+    #: The request's MAC when it is right (accepted or not: a replay, out of time, for
+    #: another instance): what a refusal's :func:`instance_proof` covers.
+    claimed: str = ""
 
 
 class Verifier:
@@ -169,13 +188,15 @@ class Verifier:
         instance, stamp, nonce, mac = fields["i"], fields["t"], fields["n"], fields["m"]
         if not (stamp.isascii() and stamp.isdigit() and len(stamp) <= 12):
             return Verdict(None, "a malformed time")
-        if not (16 <= len(nonce) <= 64 and set(nonce) <= _HEX and len(mac) == 64):
+        if not (16 <= len(nonce) <= 64 and set(nonce) <= _HEX):
+            return Verdict(None, "a malformed nonce or MAC")
+        if not (len(mac) == 64 and set(mac) <= _HEX):
             return Verdict(None, "a malformed nonce or MAC")
         expected = _mac(self._key, "request", instance, stamp, nonce, method.upper(), path)
         if not hmac.compare_digest(mac.encode("ascii", "replace"), expected.encode()):
             return Verdict(None, "missing or wrong token")
         if not hmac.compare_digest(instance.encode("ascii", "replace"), self.instance.encode()):
-            return Verdict(None, "signed for another instance of this process", True)
+            return Verdict(None, "signed for another instance of this process", True, mac)
         now = self._clock()
         off = int(stamp) - now
         if not math.isfinite(off) or abs(off) > self._skew:
@@ -183,15 +204,16 @@ class Verifier:
                 None,
                 f"the request's time is {off:+.0f} s off this process's clock (at most "
                 f"{self._skew:g} s either way: keep the job's hosts' clocks in sync)",
+                claimed=mac,
             )
         self._forget(now)
         if nonce in self._seen:
-            return Verdict(None, "a request replayed")
+            return Verdict(None, "a request replayed", claimed=mac)
         if len(self._seen) >= self._max_nonces:
-            return Verdict(None, "too many requests in the replay window; retry later")
+            return Verdict(None, "too many requests in the replay window; retry later", claimed=mac)
         self._seen.add(nonce)
         self._expiry.append((now + 2 * self._skew, nonce))
-        return Verdict(mac)
+        return Verdict(mac, claimed=mac)
 
     def _forget(self, now: float) -> None:
         expiry = self._expiry
@@ -200,7 +222,15 @@ class Verifier:
 
 
 class Instances:
-    """The instance each peer (an address) was last known by, for a client's requests."""
+    """The instance each peer (an address, ``host:port``) was last known by, for a client's
+    requests.
+
+    An instance is adopted only from a ``401`` that proves it (:func:`instance_proof`, for
+    the request it refuses: so a process without the token cannot name one), and never for
+    a peer when another peer is known by it: a process that took a gone server's port and
+    passes a request on to another process of the job (which names its own instance, and
+    proves it) would otherwise get the client to sign requests that process accepts.
+    """
 
     def __init__(self) -> None:
         self._known: dict[str, str] = {}
@@ -208,13 +238,34 @@ class Instances:
     def get(self, peer: str) -> str:
         return self._known.get(peer, "")
 
-    def learn(self, peer: str, named: str | None, used: str) -> bool:
-        """Adopt ``named`` (a ``401``'s ``AKV-Instance``) for ``peer``; whether a request
-        signed for ``used`` is worth asking again (the instance named is another)."""
+    def learn(
+        self,
+        peer: str,
+        named: str | None,
+        used: str,
+        *,
+        token: str | bytes,
+        mac: str,
+        named_proof: str | None,
+    ) -> bool:
+        """Adopt ``named`` (a ``401``'s ``AKV-Instance``, proven by ``named_proof``, its
+        ``AKV-Instance-Proof``, for the request whose MAC is ``mac``) for ``peer``; whether
+        a request signed for ``used`` is worth asking again (the instance named is another,
+        proven, and no other peer's)."""
         if not named or len(named) > 64 or not set(named) <= _HEX or named == used:
+            return False
+        if not _matches(named_proof, instance_proof(token, mac, named)):
+            return False
+        if any(instance == named and other != peer for other, instance in self._known.items()):
             return False
         self._known[peer] = named
         return True
+
+
+def peer_of(url: object) -> str:
+    """The peer key (``host:port``, ``[v6]:port``) of a ``yarl.URL``, as streams name it."""
+    host, port = getattr(url, "host", None) or "", getattr(url, "port", None)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 #: The instances this process's clients know, shared by the HTTP client and the streams.

@@ -25,7 +25,15 @@ from typing import Any
 import aiohttp
 import yarl
 
-from akv_transport._auth import INSTANCE_HEADER, INSTANCES, PROOF_HEADER, check_proof, sign
+from akv_transport._auth import (
+    INSTANCE_HEADER,
+    INSTANCE_PROOF_HEADER,
+    INSTANCES,
+    PROOF_HEADER,
+    check_proof,
+    peer_of,
+    sign,
+)
 from akv_transport._json import parse_json
 from akv_transport.errors import (
     AuthError,
@@ -112,13 +120,14 @@ class HttpClient:
         """
         url = self.base_url + path
         signed_path = yarl.URL(url).raw_path
+        peer = peer_of(yarl.URL(url))
         timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeout_s)
         body = json.dumps(json_body).encode() if json_body is not None else data
         headers = {"Content-Type": "application/json"} if json_body is not None else {}
         delay = RETRY_BACKOFF_S
         attempt = asked_again = 0
         while True:
-            instance = INSTANCES.get(self.base_url)
+            instance = INSTANCES.get(peer)
             signed = sign(self._token, method, signed_path, instance)
             headers["Authorization"] = signed.header
             try:
@@ -143,7 +152,14 @@ class HttpClient:
                 named = answer.get(INSTANCE_HEADER)
                 # A first request, or one to a process that restarted: ask again, signed
                 # for the instance named (once more at most, should it restart meanwhile).
-                if asked_again < 2 and INSTANCES.learn(self.base_url, named, instance):
+                if asked_again < 2 and INSTANCES.learn(
+                    peer,
+                    named,
+                    instance,
+                    token=self._token,
+                    mac=signed.mac,
+                    named_proof=answer.get(INSTANCE_PROOF_HEADER),
+                ):
                     asked_again += 1
                     continue
                 raise AuthError(f"{method} {url}: 401 {_message(payload)}")

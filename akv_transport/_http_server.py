@@ -31,7 +31,15 @@ from typing import Any
 from aiohttp import web, web_app
 
 from akv_transport._admission import Admission, check_bound
-from akv_transport._auth import INSTANCE_HEADER, PROOF_HEADER, Verifier, is_signed, proof
+from akv_transport._auth import (
+    INSTANCE_HEADER,
+    INSTANCE_PROOF_HEADER,
+    PROOF_HEADER,
+    Verifier,
+    instance_proof,
+    is_signed,
+    proof,
+)
 from akv_transport._http_guard import Connections, Guard, Handler, authenticate, track_request
 from akv_transport._http_log import CLIENT_MISTAKES, install_log_filter, log
 from akv_transport._shm_stream import DEFAULT_ARENA_BYTES, LocalSite, SharedMemory
@@ -152,6 +160,10 @@ def create_app(token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> w
                 if verdict.mac is None:
                     refused = _error(401, verdict.reason)
                     refused.headers[INSTANCE_HEADER] = verifier.instance
+                    if verdict.claimed:  # (a right MAC: its sender holds the token)
+                        refused.headers[INSTANCE_PROOF_HEADER] = instance_proof(
+                            expected, verdict.claimed, verifier.instance
+                        )
                     return refused
                 mac = request[MAC_KEY] = verdict.mac
             elif not hmac.compare_digest(_bearer(request), expected):

@@ -10,7 +10,14 @@ import ssl
 from collections.abc import Callable, Mapping
 from typing import Literal
 
-from akv_transport._auth import INSTANCE_HEADER, INSTANCES, PROOF_HEADER, check_proof, sign
+from akv_transport._auth import (
+    INSTANCE_HEADER,
+    INSTANCE_PROOF_HEADER,
+    INSTANCES,
+    PROOF_HEADER,
+    check_proof,
+    sign,
+)
 from akv_transport._liveness import KeepAlive
 from akv_transport._reader import Destinations, Message
 from akv_transport._shm_stream import connect_local
@@ -92,7 +99,7 @@ async def open_stream(
     made: list[StreamProtocol] = []
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     where = authority if local_path is None else f"{authority} through {local_path}"
-    peer = authority if local_path is None else local_path
+    peer = authority  # (through local_path too: the same server, the same instance)
     if local_path is not None:
         authority = "localhost"
     extra = _header_lines(headers or {})
@@ -102,7 +109,14 @@ async def open_stream(
     def check_answer(status: int, answer: Mapping[str, str]) -> TransportError | None:
         if status == 401:
             named = answer.get(INSTANCE_HEADER.lower())
-            if INSTANCES.learn(peer, named, used):
+            if INSTANCES.learn(
+                peer,
+                named,
+                used,
+                token=token,
+                mac=signed.mac,
+                named_proof=answer.get(INSTANCE_PROOF_HEADER.lower()),
+            ):
                 return AskAgain(f"{where} is another instance than this process knew")
             return None  # refused: _refusal says so
         if not check_proof(token, signed.mac, status, answer.get(PROOF_HEADER.lower())):
