@@ -433,3 +433,16 @@ def test_no_import_cycle_in_the_library():
     except CycleError as exc:
         raise AssertionError(f"an import cycle: {' -> '.join(exc.args[1])}") from None
     assert "akv.cluster.worker.backend" in graph["akv.store"]  # imports in functions count
+
+
+def test_no_akv_code_sends_the_token_as_a_bearer_header():
+    """akv's own requests are signed (akv_transport._auth): a Bearer header would send the
+    token itself, in clear text without TLS (servers accept it only for other tools)."""
+    sending = re.compile(r"""["']Bearer \{""")
+    offenders = [
+        str(path.relative_to(ROOT))
+        for package in ("akv", "akv_transport")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if sending.search(path.read_text())
+    ]
+    assert offenders == []

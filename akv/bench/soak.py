@@ -12,6 +12,7 @@ in the same run, the number of wrong sums (must be 0) and the servers' memory ov
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -19,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,14 +69,19 @@ class SoakResult:
 
 
 def _server_pids() -> dict[int, int]:
-    host = os.environ.get("AKV_SCHEDULER_HOST") or os.environ.get("DMLC_PS_ROOT_URI", "")
-    port = os.environ.get("AKV_SCHEDULER_PORT") or os.environ.get("DMLC_PS_ROOT_PORT", "")
-    token = os.environ.get("AKV_TOKEN", "")
-    request = urllib.request.Request(
-        f"http://{host}:{port}/v1/status", headers={"Authorization": f"Bearer {token}"}
-    )
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        nodes = json.load(answer)["nodes"]
+    """The servers' PIDs from the scheduler's ``/v1/status``, asked as akv's processes ask
+    (a signed request, never the token itself; TLS as the job's)."""
+    from akv.cluster import config as _config
+    from akv.cluster.roles import scheduler_client
+
+    async def ask() -> list[dict]:
+        client = scheduler_client(_config.from_env(role="worker"), timeout_s=10)
+        try:
+            return (await client.json("GET", "/v1/status"))["nodes"]
+        finally:
+            await client.close()
+
+    nodes = asyncio.run(ask())
     return {int(n["rank"]): int(n["pid"]) for n in nodes if n["role"] == "server"}
 
 
