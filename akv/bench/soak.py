@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -74,10 +75,11 @@ def _server_pids() -> dict[int, int]:
     from akv.cluster import config as _config
     from akv.cluster.roles import scheduler_client
 
-    async def ask() -> list[dict]:
+    async def ask() -> list[dict[str, Any]]:
         client = scheduler_client(_config.from_env(role="worker"), timeout_s=10)
         try:
-            return (await client.json("GET", "/v1/status"))["nodes"]
+            status = await client.json("GET", "/v1/status")
+            return list(status["nodes"])
         finally:
             await client.close()
 
