@@ -43,6 +43,7 @@ __all__ = [
     "Signed",
     "Verdict",
     "Verifier",
+    "check_instance",
     "check_proof",
     "instance_proof",
     "peer_of",
@@ -119,6 +120,14 @@ def instance_proof(token: str | bytes, mac: str, instance: str) -> str:
     is ``mac`` (a right MAC the refusing process did not accept: for another instance, out of
     time, replayed)."""
     return _mac(_key(token), "instance", mac, instance)
+
+
+def check_instance(token: str | bytes, mac: str, named: str | None, header: str | None) -> bool:
+    """Whether a ``401`` naming ``named`` was sent by a holder of the token (``header``: its
+    ``AKV-Instance-Proof``, for the request whose MAC is ``mac``)."""
+    if not named or len(named) > 64 or not set(named) <= _HEX:
+        return False
+    return _matches(header, instance_proof(token, mac, named))
 
 
 def _matches(header: str | None, expected: str) -> bool:
@@ -252,9 +261,7 @@ class Instances:
         ``AKV-Instance-Proof``, for the request whose MAC is ``mac``) for ``peer``; whether
         a request signed for ``used`` is worth asking again (the instance named is another,
         proven, and no other peer's)."""
-        if not named or len(named) > 64 or not set(named) <= _HEX or named == used:
-            return False
-        if not _matches(named_proof, instance_proof(token, mac, named)):
+        if not named or named == used or not check_instance(token, mac, named, named_proof):
             return False
         if any(instance == named and other != peer for other, instance in self._known.items()):
             return False

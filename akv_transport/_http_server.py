@@ -56,6 +56,7 @@ __all__ = [
     "DEFAULT_MAX_STRANGERS_PER_PEER",
     "DEFAULT_PROBATION_S",
     "RequestError",
+    "app_instance",
     "create_app",
     "public_route",
     "serve",
@@ -88,6 +89,7 @@ DEFAULT_PROBATION_S = 0.5
 DEFAULT_MAX_PROBATION = 64
 
 TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
+INSTANCE_KEY: web.AppKey[str] = web.AppKey("instance", str)
 #: An accepted signed request's MAC (:mod:`akv_transport._auth`), which its answer's proof
 #: covers.
 MAC_KEY: web.RequestKey[str] = web.RequestKey("mac", str)
@@ -213,7 +215,16 @@ def create_app(token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> w
     app = web.Application(middlewares=[guard], client_max_size=max_body_bytes)
     app[TOKEN_KEY] = token
     app[PUBLIC_KEY] = public
+    app[INSTANCE_KEY] = verifier.instance
     return app
+
+
+def app_instance(app: web.Application) -> str:
+    """The instance of ``app`` (made by :func:`create_app`): what signed requests to it
+    must name (:mod:`akv_transport._auth`). Not a secret: tell it to the clients (the
+    scheduler's address book does), so that they sign for it from their first request
+    and never take another's from an answer."""
+    return app[INSTANCE_KEY]
 
 
 def public_route(app: web.Application, path: str, handler: Handler) -> None:

@@ -15,6 +15,7 @@ from akv_transport._auth import (
     INSTANCE_PROOF_HEADER,
     INSTANCES,
     PROOF_HEADER,
+    check_instance,
     check_proof,
     sign,
 )
@@ -51,6 +52,7 @@ async def open_stream(
     local_path: str | None = None,
     arena_bytes: int = 0,
     keepalive: KeepAlive | Literal["server"] | None = "server",
+    instance: str | None = None,
 ) -> StreamProtocol:
     """Connect, authenticate and upgrade to a framed stream; return its protocol.
 
@@ -68,6 +70,13 @@ async def open_stream(
     default): what the server's upgrade answer names (none if it names none), and until
     then the default ``silent_s`` bounds the wait for that answer; a :class:`KeepAlive`:
     those settings whatever the server runs; None: no liveness on this end.
+
+    ``instance``: the server's instance, as a party that holds the token told it (akv's
+    workers take it from the scheduler's address book): the upgrade is signed for it, and
+    a server that names another (restarted, or another process on that address, which a
+    process on a gone server's address could pass the request on to) is refused with a
+    :class:`~akv_transport.errors.TransportError`; ask that party again. None: learned
+    from the server's first answer (:mod:`akv_transport._auth`).
 
     ``on_lost`` is called only for a stream this returned: a stream that ends before
     (during the upgrade, or right after it) makes this raise instead, and a connection
@@ -103,19 +112,27 @@ async def open_stream(
     if local_path is not None:
         authority = "localhost"
     extra = _header_lines(headers or {})
-    used = INSTANCES.get(peer)
+    used = instance if instance is not None else INSTANCES.get(peer)
     signed = sign(token, "GET", path, used)
 
     def check_answer(status: int, answer: Mapping[str, str]) -> TransportError | None:
         if status == 401:
             named = answer.get(INSTANCE_HEADER.lower())
+            named_proof = answer.get(INSTANCE_PROOF_HEADER.lower())
+            if instance is not None:  # told by a holder of the token: never another
+                if named != instance and check_instance(token, signed.mac, named, named_proof):
+                    return TransportError(
+                        f"{where} is another instance of the server than the one named "
+                        "(it restarted, or another process of the job answers there)"
+                    )
+                return None  # refused: _refusal says so
             if INSTANCES.learn(
                 peer,
                 named,
                 used,
                 token=token,
                 mac=signed.mac,
-                named_proof=answer.get(INSTANCE_PROOF_HEADER.lower()),
+                named_proof=named_proof,
             ):
                 return AskAgain(f"{where} is another instance than this process knew")
             return None  # refused: _refusal says so
@@ -143,7 +160,7 @@ async def open_stream(
 
     def request() -> bytes:
         nonlocal signed, used
-        used = INSTANCES.get(peer)
+        used = instance if instance is not None else INSTANCES.get(peer)
         signed = sign(token, "GET", path, used)
         return (
             f"GET {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: {signed.header}\r\n"

@@ -67,6 +67,8 @@ class Membership:
         #: A server's way in for workers on its host: ``{"host": host identity, "path":
         #: its Unix socket}`` (None: TCP only).
         self.local: dict[str, str] | None = None
+        #: A server's instance (:func:`akv_transport.app_instance`): workers sign for it.
+        self.instance: str | None = None
         #: A server restored from a checkpoint: the rounds of its keys that other servers
         #: hold parts of (:attr:`~akv.cluster.server.checkpointing.Checkpoints.restored`).
         self.restored: dict[str, Any] | None = None
@@ -130,6 +132,8 @@ class Membership:
         }
         if self.local is not None:
             body["local"] = self.local
+        if self.instance is not None:
+            body["instance"] = self.instance
         if self.restored is not None:
             body["restored"] = self.restored
         last_note = ""

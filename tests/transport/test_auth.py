@@ -15,7 +15,9 @@ from akv_transport import (
     AuthError,
     HttpClient,
     RemoteError,
+    TransportError,
     UnprovenPeerError,
+    app_instance,
     create_app,
     open_stream,
     serve,
@@ -440,4 +442,65 @@ async def test_a_process_on_a_gone_servers_port_cannot_get_requests_signed_for_a
         await client.close()
         await b_client.close()
         impostor.close()
+        await runner.cleanup()
+
+
+async def test_a_stream_signed_for_a_named_instance_opens_at_once_and_refuses_another():
+    """The instance a holder of the token named (akv's address book): the upgrade is signed
+    for it from the first request, and a server that names another (a restart, or a
+    process a request was passed on to) is a TransportError to ask again, not adopted."""
+    upgrades: list[str] = []
+
+    @web.middleware
+    async def note(request: web.Request, handler):
+        upgrades.append(request.headers.get("Authorization", ""))
+        return await handler(request)
+
+    def make(request: web.Request) -> StreamProtocol:
+        return StreamProtocol(lambda h: None, print, lambda exc: None)
+
+    app, other = create_app(TOKEN), create_app(TOKEN)
+    app.middlewares.insert(0, note)
+    stream_route(app, make)
+    runner, port = await serve(app, "127.0.0.1", 0)
+    peer = f"127.0.0.1:{port}"
+    try:
+        INSTANCES._known.pop(peer, None)
+        protocol = await open_stream(
+            "127.0.0.1",
+            port,
+            TOKEN,
+            lambda h: None,
+            print,
+            lambda exc: None,
+            timeout_s=10,
+            instance=app_instance(app),
+        )
+        assert len(upgrades) == 1 and f"i={app_instance(app)}," in upgrades[0]
+        protocol.close()
+        with pytest.raises(TransportError, match="another instance") as refused:
+            await open_stream(
+                "127.0.0.1",
+                port,
+                TOKEN,
+                lambda h: None,
+                print,
+                lambda exc: None,
+                timeout_s=10,
+                instance=app_instance(other),
+            )
+        assert not isinstance(refused.value, AuthError)
+        assert len(upgrades) == 2 and INSTANCES.get(peer) == ""  # not asked again, not adopted
+        with pytest.raises(AuthError):  # a wrong token stays an AuthError
+            await open_stream(
+                "127.0.0.1",
+                port,
+                "another-token-0123456789",
+                lambda h: None,
+                print,
+                lambda exc: None,
+                timeout_s=10,
+                instance=app_instance(app),
+            )
+    finally:
         await runner.cleanup()

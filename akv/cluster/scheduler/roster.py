@@ -71,6 +71,9 @@ class Node:
     restartable: bool = False
     #: A server's way in for workers on its host: (host identity, Unix socket path).
     local: tuple[str, str] | None = None
+    #: A server's instance (``akv_transport``'s, drawn as it starts): workers sign their
+    #: streams for it, so that a process on a gone server's address cannot pass them on.
+    instance: str | None = None
     #: A server restored from a checkpoint: its file, and the rounds applied of the keys
     #: other servers hold parts of (split and row-sparse keys).
     restored: Restored | None = None
@@ -135,6 +138,8 @@ class ServerAddress:
     #: (host identity, Unix socket path): workers with that host identity may open their
     #: stream there and share memory (None: TCP only).
     local: tuple[str, str] | None = None
+    #: The instance workers sign their streams for (None: learned at the first contact).
+    instance: str | None = None
 
 
 @dataclass(frozen=True)
@@ -271,6 +276,7 @@ class Roster:
         bound_port: int | None = None,
         restartable: bool = False,
         local: tuple[str, str] | None = None,
+        instance: str | None = None,
         restored: Restored | None = None,
     ) -> Node:
         """Add a node (or return it again for a retry).
@@ -346,6 +352,7 @@ class Roster:
             bound_port=bound_port,
             restartable=restartable and role == "server",
             local=local if role == "server" else None,
+            instance=instance if role == "server" else None,
             restored=restored if role == "server" else None,
             restarted=restarted,
         )
@@ -604,7 +611,8 @@ class Roster:
     def server_addresses(self) -> list[ServerAddress]:
         """Where each registered server is now, by rank (a restart changes it)."""
         return [
-            ServerAddress(s.rank, s.host, s.port, s.restartable, s.local) for s in self.servers()
+            ServerAddress(s.rank, s.host, s.port, s.restartable, s.local, s.instance)
+            for s in self.servers()
         ]
 
     def statistics(self) -> RosterStatistics:

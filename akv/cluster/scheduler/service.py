@@ -248,6 +248,7 @@ class Scheduler:
             wait = bool(body.get("wait", True))
             restartable = bool(body.get("restartable", False))
             local = _local(body.get("local"))
+            instance = _instance(body.get("instance"))
             restored = _restored(body.get("restored"))
         with _refusals():
             known = node_id in self.roster.nodes
@@ -265,6 +266,7 @@ class Scheduler:
                 bound_port=bound_port,
                 restartable=restartable,
                 local=local,
+                instance=instance,
                 restored=restored,
             )
         if self.roster.failure is not None and failed is None:
@@ -418,6 +420,8 @@ def _addresses(servers: Sequence[ServerAddress]) -> list[dict[str, Any]]:
         }
         if s.local is not None:
             entry["local"] = {"host": s.local[0], "path": s.local[1]}
+        if s.instance is not None:
+            entry["instance"] = s.instance
         book.append(entry)
     return book
 
@@ -452,6 +456,19 @@ def _local(value: object) -> tuple[str, str] | None:
     if not host or not path:
         raise ValueError("local: host and path must not be empty")
     return host, path
+
+
+def _instance(value: object) -> str | None:
+    """A registration's ``instance`` field: 32 to 64 lower-case hex digits, or absent; a
+    ``ValueError`` for anything else."""
+    if value is None:
+        return None
+    if not (isinstance(value, str) and 32 <= len(value) <= 64 and set(value) <= _HEX_DIGITS):
+        raise ValueError("instance must be 32 to 64 lower-case hex digits")
+    return value
+
+
+_HEX_DIGITS = frozenset("0123456789abcdef")
 
 
 async def _body(request: web.Request) -> _Fields:

@@ -107,6 +107,7 @@ from akv_transport import (
     SharedMemory,
     StreamProtocol,
     TransportError,
+    app_instance,
     byte_view,
     create_app,
     decode_frame,
@@ -189,6 +190,7 @@ class ParameterServer:
         """The HTTP application: the stream route, one-frame requests, a status page, the
         metrics and the health probes (:mod:`akv.cluster.health`)."""
         app = create_app(self.config.token, max_body_bytes=self.config.max_body_bytes)
+        self.membership.instance = app_instance(app)  # (workers sign their streams for it)
         stream_route(app, self._open_stream)
         app.router.add_post("/v1/frame", self._one_frame)
         app.router.add_get("/v1/status", self._status)

@@ -68,7 +68,7 @@ from akv.cluster.worker.instructions import (
     Unstage,
 )
 from akv.cluster.worker.job import Heartbeat, pass_barrier, report_failure, who_failed
-from akv.cluster.worker.link import ServerLink, local_address, server_name
+from akv.cluster.worker.link import ServerLink, local_address, server_instance, server_name
 from akv.cluster.worker.metrics import WorkerMetrics
 from akv.cluster.worker.requests import check_wire_key
 from akv.cluster.worker.row_calls import RowCalls
@@ -238,6 +238,7 @@ class DistBackend:
                 locate=self.membership.server_address,
                 restartable=restartable[index],
                 local=local_address(s),
+                instance=server_instance(s),
                 metrics=self.metrics,
             )
             for index, s in enumerate(servers)

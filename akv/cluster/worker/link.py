@@ -57,7 +57,7 @@ from akv_transport import (
 if TYPE_CHECKING:
     from akv.cluster.worker.metrics import WorkerMetrics
 
-__all__ = ["ServerLink", "local_address", "server_name"]
+__all__ = ["ServerLink", "local_address", "server_instance", "server_name"]
 
 log = logging.getLogger("akv.cluster")
 
@@ -68,6 +68,13 @@ def local_address(entry: dict[str, Any]) -> tuple[str, str] | None:
     if isinstance(local, dict) and isinstance(local.get("host"), str):
         return str(local["host"]), str(local.get("path", ""))
     return None
+
+
+def server_instance(entry: dict[str, Any]) -> str | None:
+    """The instance a server's streams are signed for, from its address book entry (None:
+    learned at the first contact)."""
+    instance = entry.get("instance")
+    return instance if isinstance(instance, str) and instance else None
 
 
 def server_name(rank: int, host: str, port: int) -> str:
@@ -97,6 +104,7 @@ class ServerLink:
         locate: Callable[[int], Awaitable[dict[str, Any] | None]] | None = None,
         restartable: bool = False,
         local: tuple[str, str] | None = None,
+        instance: str | None = None,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         self.index = index
@@ -107,6 +115,8 @@ class ServerLink:
         self.restartable = restartable
         #: The server's way in for workers on its host: (host identity, Unix socket path).
         self.local = local
+        #: The instance the scheduler names for the server: streams are signed for it.
+        self.instance = instance
         self._state = state
         self._handle = handle
         #: Counts what the stream carries (``AKV_METRICS_PORT``; None: nothing counted).
@@ -239,6 +249,7 @@ class ServerLink:
         if replay is not None:
             headers[REPLAY_HEADER] = str(replay)
         options: dict[str, Any] = {
+            "instance": self.instance,
             "timeout_s": config.timeouts.connect_s,
             "max_payload_bytes": MAX_PAYLOAD_BYTES,
             "headers": headers,
@@ -291,6 +302,7 @@ class ServerLink:
         if entry is not None:
             self.host, self.port = str(entry["host"]), int(entry["port"])
             self.local = local_address(entry)
+            self.instance = server_instance(entry)
             self.name = server_name(self.rank, self.host, self.port)
             if rename_state:
                 self._state.rename(self.name)

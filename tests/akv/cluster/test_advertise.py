@@ -214,6 +214,11 @@ async def test_workers_reach_every_server_only_through_its_advertised_address():
         stores = await cluster.workers()
         try:
             results = await sums(stores)
+            # Each worker signs its streams for the instance the address book names.
+            named = [server.membership.instance for server in cluster.servers]
+            assert all(named) and len(set(named)) == 2
+            for kv in stores:
+                assert [link.instance for link in kv._backend.links] == named
         finally:
             await asyncio.gather(*(kv.close() for kv in stores))
 

@@ -212,6 +212,9 @@ def spoiled(route: str) -> list[tuple[str, bytes]]:
             {"host": "h", "path": "x" * 2000},
         ]:
             cases.append((f"local={value!r:.40}", body({**good, "local": value})))
+        # A server's instance, which workers sign their streams for: 32-64 hex digits.
+        for value in ["", "ab" * 15, "AB" * 16, "g" * 32, "a" * 65, 12, ["a" * 32], "a\x00" * 16]:
+            cases.append((f"instance={value!r:.40}", body({**good, "instance": value})))
     cases += [(f"garbage {raw[:20]!r}", raw) for raw in GARBAGE]
     return cases
 

@@ -97,6 +97,17 @@ async def test_a_waiting_registration_is_answered_when_the_last_node_registers(o
     ]
 
 
+async def test_a_servers_instance_reaches_the_workers_address_book(one_each):
+    _, client = one_each
+    instance = "0123456789abcdef" * 2  # (what its app drew: workers sign their streams for it)
+    await client.register("s", "server", port=4000, wait=False, instance=instance)
+    status, answer = await client.register("w", "worker", wait=False)
+    assert status == 200
+    assert answer["servers"] == [
+        {"rank": 0, "host": "127.0.0.1", "port": 4000, "restartable": False, "instance": instance}
+    ]
+
+
 async def test_a_taken_rank_is_refused_with_422_naming_the_holder(two_workers):
     _, client = two_workers
     await client.register("a", "worker", rank=1, wait=False)
