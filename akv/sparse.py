@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from akv.arrays import is_gpu, read
+from akv.arrays import is_gpu, read, to_host
 from akv.errors import (
     InvalidArgumentError,
     RowIdError,
@@ -365,6 +365,14 @@ def check_row_ids(ids: npt.ArrayLike, rows: int | None, what: str) -> RowIds:
     RowIdError
         An id is out of range; names the first one and its position.
     """
+    if hasattr(ids, "__cuda_array_interface__"):
+        # On a GPU (CuPy, a torch CUDA tensor), as MXNet takes ids of any context: copied
+        # to the host, where rows are looked up (ids are few; the copy waits for the GPU).
+        try:
+            gpu, _ = read(ids, None, what)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{what}: row ids must be 1-D integers: {exc}") from exc
+        ids = to_host(gpu)
     try:
         array = np.asarray(ids)
     except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: torch's refusals

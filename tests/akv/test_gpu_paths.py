@@ -724,3 +724,18 @@ def test_a_peer_copy_into_a_strided_output_waits_for_its_landings_memory(cupy):
     second.synchronize()  # the GPU runs the second copy's stream first
     cupy.synchronize_all()
     assert peek(dst1).tolist() == [1.0] * 64 and peek(dst2).tolist() == [2.0] * 64
+
+
+def test_row_ids_on_a_gpu_are_read_on_the_host_as_mxnet_takes_ids_of_any_context(cupy):
+    """A row-sparse key's rows live on the host; ids given on a GPU (CuPy, a torch CUDA
+    tensor) are copied there for the lookup, the same rows as from NumPy ids."""
+    kv = akv.create("device")
+    table = np.arange(24, dtype=F32).reshape(6, 4)
+    kv.init("emb", akv.RowSparseArray.from_dense(table))
+    ids = on(1, lambda: cupy.asarray(np.array([4, 1, 4], np.int64)))
+    pulled = kv.row_sparse_pull("emb", row_ids=ids)
+    assert pulled.indices.tolist() == [1, 4]
+    np.testing.assert_array_equal(pulled.data, table[[1, 4]])
+    with pytest.raises(akv.RowIdError, match="row id 6"):
+        kv.row_sparse_pull("emb", row_ids=on(0, lambda: cupy.asarray(np.array([6], np.int64))))
+    kv.close()
