@@ -75,8 +75,11 @@ async def open_stream(
     workers take it from the scheduler's address book): the upgrade is signed for it, and
     a server that names another (restarted, or another process on that address, which a
     process on a gone server's address could pass the request on to) is refused with a
-    :class:`~akv_transport.errors.TransportError`; ask that party again. None: learned
-    from the server's first answer (:mod:`akv_transport._auth`).
+    :class:`~akv_transport.errors.TransportError`; ask that party again. A ``401`` that
+    does not prove its sender holds the token is then an
+    :class:`~akv_transport.errors.UnprovenPeerError`, not an ``AuthError``: that party took
+    this token, so the refusal is not the server's. None: learned from the server's first
+    answer (:mod:`akv_transport._auth`).
 
     ``on_lost`` is called only for a stream this returned: a stream that ends before
     (during the upgrade, or right after it) makes this raise instead, and a connection
@@ -120,12 +123,18 @@ async def open_stream(
             named = answer.get(INSTANCE_HEADER.lower())
             named_proof = answer.get(INSTANCE_PROOF_HEADER.lower())
             if instance is not None:  # told by a holder of the token: never another
-                if named != instance and check_instance(token, signed.mac, named, named_proof):
+                if not check_instance(token, signed.mac, named, named_proof):
+                    # The party that named the instance took this token: not the server.
+                    return UnprovenPeerError(
+                        f"{where} refused the stream's upgrade (401) without proving that it "
+                        "holds the job's token (another process may be posing as the server)"
+                    )
+                if named != instance:
                     return TransportError(
                         f"{where} is another instance of the server than the one named "
                         "(it restarted, or another process of the job answers there)"
                     )
-                return None  # refused: _refusal says so
+                return None  # refused (out of time, replayed): _refusal says so
             if INSTANCES.learn(
                 peer,
                 named,
