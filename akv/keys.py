@@ -28,6 +28,8 @@ __all__ = [
     "Entry",
     "KeyTable",
     "Part",
+    "Parted",
+    "Staged",
     "VarFactory",
     "merge_into",
 ]
@@ -72,6 +74,22 @@ class Part:
     def size(self) -> int:
         """How many elements the part holds."""
         return self.stop - self.start
+
+
+class Parted:
+    """A split key's value held part by part: one flat array per part of the key, in part
+    order (a push staged where the stream to each part's server sends it from, with no
+    array of the whole key: :mod:`akv.cluster.worker.staging`). :meth:`Entry.wire_view`
+    reads it as it reads an array of the key's shape."""
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, arrays: tuple[np.ndarray, ...]) -> None:
+        self.arrays = arrays
+
+
+#: A pushed value as staged: an array of the key's shape, or a split key's parts.
+Staged = np.ndarray | Parted
 
 
 class Entry:
@@ -140,8 +158,11 @@ class Entry:
         self.init: Failable | None = None
         self._spares: list[Array] = []
 
-    def wire_view(self, array: np.ndarray, part: Part) -> np.ndarray:
-        """The piece of ``array`` (C-contiguous, the key's shape) that ``part`` covers."""
+    def wire_view(self, array: np.ndarray | Parted, part: Part) -> np.ndarray:
+        """The piece of ``array`` (C-contiguous, the key's shape; or its parts) that
+        ``part`` covers."""
+        if isinstance(array, Parted):
+            return array.arrays[self.parts.index(part)]
         if len(self.parts) == 1:
             return array
         return array.reshape(-1)[part.start : part.stop]

@@ -84,7 +84,7 @@ from akv.errors import (
     ServerError,
 )
 from akv.exits import describe, off_loop
-from akv.keys import Entry
+from akv.keys import Entry, Staged
 from akv.limits import (
     BLAME_TIMEOUT_S,
     GOODBYE_TIMEOUT_S,
@@ -461,7 +461,7 @@ class DistBackend:
         return task
 
     def _start_push(
-        self, staged: list[tuple[Entry, np.ndarray]], give_back: Callable[[], None], done: Done
+        self, staged: list[tuple[Entry, Staged]], give_back: Callable[[], None], done: Done
     ) -> None:
         assert self._loop is not None
         self.handle(PushIssued(PushCall(done, give_back), staged, self._loop.time()))
@@ -543,7 +543,7 @@ class DistBackend:
         self,
         targets: list[tuple[Entry, list[np.ndarray]]],
         result: Any,
-        staged: list[tuple[Entry, np.ndarray]] | None,
+        staged: list[tuple[Entry, Staged]] | None,
         give_back: Callable[[], None],
         priority: int,
     ) -> Waitable:
@@ -586,7 +586,7 @@ class DistBackend:
         self,
         targets: list[tuple[Entry, list[np.ndarray]]],
         result: Any,
-        staged: list[tuple[Entry, np.ndarray]] | None,
+        staged: list[tuple[Entry, Staged]] | None,
         give_back: Callable[[], None],
         after: list[Any],
         done: Done,

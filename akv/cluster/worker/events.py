@@ -35,11 +35,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from akv.cluster.worker.requests import Landing, WireArray
 from akv.errors import AKVError
-from akv.keys import Entry
+from akv.keys import Entry, Staged
 from akv_transport import Message
 
 if TYPE_CHECKING:
@@ -88,7 +86,7 @@ class PushIssued(Event):
 
     __slots__ = ("call", "now", "staged")
 
-    def __init__(self, call: object, staged: Sequence[tuple[Entry, np.ndarray]], now: float):
+    def __init__(self, call: object, staged: Sequence[tuple[Entry, Staged]], now: float):
         self.call = call
         self.staged = staged
         self.now = now
@@ -104,7 +102,7 @@ class PullIssued(Event):
         self,
         call: object,
         targets: Sequence[tuple[Entry, Sequence[Any]]],
-        pushed: Sequence[tuple[Entry, np.ndarray]] | None,
+        pushed: Sequence[tuple[Entry, Staged]] | None,
         now: float,
     ):
         self.call = call

@@ -20,7 +20,7 @@ from akv.args import Key
 from akv.cluster.protocol import COUNTED, OK, Op, error_from_status, op_label
 from akv.compression import Compression, Residuals, compressed_nbytes
 from akv.errors import AKVError, InvalidArgumentError, ServerError, UnsupportedDTypeError
-from akv.keys import Entry, Part
+from akv.keys import Entry, Part, Staged
 from akv_transport import DISCARD, DTYPE_CODES, Destination, FrameHeader, InPlace, Message
 from akv_transport.frame import (
     HEADER_FIXED_BYTES,
@@ -79,7 +79,7 @@ def by_server(
 
 
 def push_batches(
-    staged: Sequence[tuple[Entry, np.ndarray]], compression: Compression | None = None
+    staged: Sequence[tuple[Entry, Staged]], compression: Compression | None = None
 ) -> dict[int, list[WireArray]]:
     """A push's arrays (each key's part, numbered with the key's pushes so far), grouped
     by the server that holds the part (one request per server), in call order."""
@@ -95,12 +95,13 @@ def push_batches(
 
 
 def push_view(
-    entry: Entry, array: np.ndarray, part: Part, compression: Compression | None
+    entry: Entry, array: Staged, part: Part, compression: Compression | None
 ) -> np.ndarray:
     """What a push sends of ``entry``'s part ``part``: that piece of the staged value, or
     of its compressed bytes (:func:`compress_parts`: each part's bytes, in part order)."""
     if compression is None:
         return entry.wire_view(array, part)
+    assert type(array) is np.ndarray  # compressed bytes: never staged part by part
     if len(entry.parts) == 1:
         return array
     start = 0

@@ -1,8 +1,8 @@
 """Where a worker's pushed values wait until sent, and where GPU pull outputs land first.
 
 At a push's call, :class:`Staging` takes the values: each key's values summed into a
-staging buffer (a region of the shared arena of the stream to the key's one server, sent
-from there without another copy; else a buffer of the key's own), or a single
+staging buffer (regions of the shared arenas of the streams to the key's servers, one per
+part, each sent from there without another copy; else a buffer of the key's own), or a single
 C-contiguous array borrowed as it is when the caller waits for the servers. GPU values
 (in every distributed store type) are summed on their GPU at the call and copied into a
 pinned buffer by a GPU task that the send follows (:mod:`akv.pinned`); a pull's GPU
@@ -13,7 +13,7 @@ pull.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from akv.arrays import Array, has_gpu, is_gpu, record_on_callers
 from akv.cluster.worker.requests import compress_parts
 from akv.compression import Residuals
 from akv.errors import CompressionError
-from akv.keys import Entry, merge_into
+from akv.keys import Entry, Parted, Staged, merge_into
 from akv.pinned import GPU, from_pinned, stage_to_pinned
 from akv_engine import Engine, GPUWork, Var, Waitable, gather, then
 from akv_transport import SharedMemory, StreamProtocol
@@ -31,7 +31,7 @@ __all__ = ["Staging", "land_in_pinned"]
 _NONE: dict[int, np.ndarray] = {}
 
 #: A staged push: what to send per key, and how to give the staging buffers back.
-Staged = tuple[list[tuple[Entry, np.ndarray]], Callable[[], None]]
+StagedPush = tuple[list[tuple[Entry, Staged]], Callable[[], None]]
 
 
 class Staging:
@@ -54,7 +54,9 @@ class Staging:
         #: With gradient compression: the residuals (staged values are then compressed).
         self.residuals: Residuals | None = None
 
-    def stage(self, values: list[tuple[Entry, list[Array]]], borrow: bool, priority: int) -> Staged:
+    def stage(
+        self, values: list[tuple[Entry, list[Array]]], borrow: bool, priority: int
+    ) -> StagedPush:
         """What to send per key, and how to give the staging buffers back afterwards.
 
         ``borrow`` (the caller waits until the servers acknowledged): a key's single
@@ -63,7 +65,7 @@ class Staging:
         """
         if self.residuals is not None:
             return self._compressed(self.residuals, values)
-        staged = []
+        staged: list[tuple[Entry, Staged]] = []
         owned = []
         reserved: list[tuple[SharedMemory, np.ndarray]] = []
         pinned = self._reduce_on_gpus(values, priority) if has_gpu(values) else _NONE
@@ -75,11 +77,10 @@ class Staging:
             elif borrow and len(arrays) == 1 and arrays[0].flags.c_contiguous:
                 staged.append((entry, arrays[0]))
             else:
-                region = self._arena_buffer(entry)
-                if region is not None:
-                    merge_into(region[1], arrays)
-                    staged.append((entry, region[1]))
-                    reserved.append(region)
+                regions = self._arena_buffers(entry, arrays)
+                if regions is not None:
+                    staged.append((entry, _merge_parts(entry, regions, arrays)))
+                    reserved.extend(regions)
                     continue
                 buffer = merge_into(entry.take_buffer(), arrays)
                 staged.append((entry, buffer))
@@ -93,7 +94,9 @@ class Staging:
 
         return staged, give_back
 
-    def _compressed(self, residuals: Residuals, values: list[tuple[Entry, list[Array]]]) -> Staged:
+    def _compressed(
+        self, residuals: Residuals, values: list[tuple[Entry, list[Array]]]
+    ) -> StagedPush:
         """Each key's values summed, then compressed part by part with this worker's
         residuals, now (in call order: a residual follows the pushes of its key).
 
@@ -109,25 +112,36 @@ class Staging:
                     f"push to key {entry.key!r}: a compressed push of GPU values is not "
                     "supported yet in a distributed store; push host (NumPy) values"
                 )
-        staged = []
+        staged: list[tuple[Entry, Staged]] = []
         for entry, arrays in values:
             dense = merge_into(entry.take_buffer(), arrays)
             staged.append((entry, compress_parts(residuals, entry, dense)))
             entry.give_buffer(dense)
         return staged, _nothing
 
-    def _arena_buffer(self, entry: Entry) -> tuple[SharedMemory, np.ndarray] | None:
-        """A staging buffer for ``entry`` in the arena of the stream to the one server that
-        holds it, when there is one; None otherwise."""
-        if len(entry.parts) != 1:
+    def _arena_buffers(
+        self, entry: Entry, arrays: list[Array]
+    ) -> list[tuple[SharedMemory, np.ndarray]] | None:
+        """A staging buffer for each part of ``entry`` (the key's shape for a key of one
+        part, else flat) in the arena of the stream to the part's server, when every
+        part's stream has a free region; None otherwise (nothing is taken then). A split
+        key's values must be C-contiguous (a part is then a range of each of them)."""
+        if len(entry.parts) > 1 and not all(array.flags.c_contiguous for array in arrays):
             return None
-        protocol = self._stream_of(entry.parts[0].server)
-        if protocol is None or protocol.shared is None:
-            return None
-        view = protocol.shared.take(entry.nbytes)
-        if view is None:
-            return None
-        return protocol.shared, np.frombuffer(view, entry.dtype).reshape(entry.shape)
+        taken: list[tuple[SharedMemory, np.ndarray]] = []
+        for part in entry.parts:
+            protocol = self._stream_of(part.server)
+            shared = None if protocol is None else protocol.shared
+            view = None if shared is None else shared.take(part.size * entry.dtype.itemsize)
+            if shared is None or view is None:
+                for holder, region in taken:
+                    holder.give_back(region)
+                return None
+            taken.append((shared, np.frombuffer(view, entry.dtype)))
+        if len(taken) == 1:
+            shared, region = taken[0]
+            return [(shared, region.reshape(entry.shape))]
+        return taken
 
     def _reduce_on_gpus(
         self, values: list[tuple[Entry, list[Array]]], priority: int
@@ -191,6 +205,22 @@ def land_in_pinned(
         host_targets.append((entry, [buffer, *(out for out in outs if not is_gpu(out))]))
         landed.append((entry, buffer, gpu_outs))
     return host_targets, landed
+
+
+def _merge_parts(
+    entry: Entry, regions: list[tuple[SharedMemory, np.ndarray]], arrays: list[Array]
+) -> Staged:
+    """The sum of ``arrays`` written into the staging ``regions`` of ``entry``'s parts:
+    the key's array (one part), or its :class:`~akv.keys.Parted` parts."""
+    if len(regions) == 1:
+        return cast(np.ndarray, merge_into(regions[0][1], arrays))
+    flat = [array.reshape(-1) for array in arrays]  # views: the arrays are C-contiguous
+    return Parted(
+        tuple(
+            merge_into(region, [array[part.start : part.stop] for array in flat])
+            for part, (_, region) in zip(entry.parts, regions, strict=True)
+        )
+    )
 
 
 def _nothing() -> None:

@@ -86,7 +86,7 @@ from akv.cluster.worker.requests import (
 )
 from akv.compression import Compression
 from akv.errors import AKVError, InvalidArgumentError, PeerLostError, ServerError
-from akv.keys import Entry
+from akv.keys import Entry, Staged
 from akv.limits import AHEAD_COPY_MAX_BYTES, MAX_UNACKED_PUSHES, RETAIN_BYTES
 from akv_transport import DTYPE_CODES, Destination, FrameHeader, InPlace, Message, byte_view
 
@@ -256,7 +256,7 @@ class WorkerState:
     def _push_ahead(
         self,
         token: object,
-        staged: Sequence[tuple[Entry, np.ndarray]],
+        staged: Sequence[tuple[Entry, Staged]],
         keys: list[Key],
         waits: bool,
         now: float,
@@ -321,7 +321,7 @@ class WorkerState:
         call = Gather(event.call, PULL)
         pushed = event.pushed
         asked = self.ahead.values
-        values: dict[int, np.ndarray] = {}
+        values: dict[int, Staged] = {}
         if pushed is not None:
             call.staged = True
             for entry, array in pushed:

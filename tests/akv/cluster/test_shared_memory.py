@@ -442,3 +442,60 @@ async def test_a_push_the_engine_skips_gives_its_arena_region_back(behind):
             np.testing.assert_array_equal(pulled, np.full(shape, 2, np.float32))
         finally:
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+async def test_a_split_key_is_staged_part_by_part_in_the_arenas_without_a_buffer_of_its_own(
+    monkeypatch, shm
+):
+    # A key split over both servers: on one host each part is summed straight into a
+    # region of the arena of the stream to its server and sent from there, so the worker
+    # takes no staging buffer of the key (which held a whole copy of it, then copied
+    # part by part into the arenas: one more copy of the key in every worker's memory).
+    # Over TCP a push still takes one. Either way a change right after push() reaches
+    # no server.
+    # 2 MiB: two parts of 1 MiB, each through an arena; above AHEAD_COPY_MAX_BYTES, so no
+    # value is asked ahead into a buffer of the key either.
+    shape = (512, 1024)
+    taken: list[object] = []
+    take_buffer = akv.keys.Entry.take_buffer
+
+    def counted(entry):
+        if type(entry) is akv.keys.Entry:  # a worker's (a server's entries are subclasses)
+            taken.append(entry.key)
+        return take_buffer(entry)
+
+    monkeypatch.setattr(akv.keys.Entry, "take_buffer", counted)
+    with Cluster(2, 2, AKV_SHM=shm, AKV_BIGARRAY_BOUND="1024") as cluster:
+        stores = sorted(await cluster.workers(), key=lambda kv: kv.rank)
+
+        async def body(kv):
+            await kv.init("w", np.zeros(shape, np.float32))
+            grad = np.full(shape, kv.rank + 1, np.float32)
+            out = np.empty(shape, np.float32)
+            for _ in range(3):
+                kv.push("w", grad)  # not awaited: pipelined
+                grad[:] = 100  # changed before the push's task ran: sent as it was
+                await kv.pull("w", out=out)
+                grad[:] = kv.rank + 1
+            await kv.barrier()
+            return out
+
+        try:
+            pulled = await asyncio.gather(*(body(kv) for kv in stores))
+            assert [len(kv._backend.links) for kv in stores] == [2, 2]
+            links = [link for kv in stores for link in kv._backend.links]
+            arenas = [link.protocol.shared for link in links if link.protocol.shared is not None]
+            # Every part of every push sent from where it was staged (2 workers x 3 pushes).
+            assert sum(shared.arrays_in_place for shared in arenas) == (12 if shm == "1" else 0)
+            books = [shared.book for shared in arenas]
+            await wait_until(
+                lambda: all(book.regions.regions == 0 for book in books),
+                "the servers to hand the pushes' regions back",
+            )
+        finally:
+            await asyncio.gather(*(kv.close() for kv in stores))
+    # The pulls land in ``out``: staging buffers are the pushes' only use of them.
+    assert taken == ([] if shm == "1" else ["w"] * 6)
+    for out in pulled:  # each round's sum: 1 + 2
+        np.testing.assert_array_equal(out, np.full(shape, 3, np.float32))
