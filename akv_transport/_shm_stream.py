@@ -222,6 +222,13 @@ class ArenaBook:
             self._reserved[offset] = _Reservation(nbytes)
         return self.arena.view(offset, nbytes)
 
+    def fits(self, nbytes: int, keep_free: int = 0) -> bool:
+        """Whether ``nbytes`` more would leave ``keep_free`` bytes of the arena free now
+        (by bytes: whether one free range is large enough is for :meth:`take`)."""
+        with self._lock:
+            regions = self.regions
+            return regions.nbytes - regions.used_bytes - nbytes >= keep_free
+
     def give_back(self, view: memoryview | np.ndarray) -> None:
         """Give back a region :meth:`take` returned (or an array over all of it): free once
         no frame that carried it is still unreleased; a no-op once the arena is closed."""

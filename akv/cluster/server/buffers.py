@@ -57,6 +57,10 @@ class ValueRegions(Protocol):
         ``nbytes`` is too small to be worth it)."""
         ...
 
+    def fits(self, nbytes: int, keep_free: int = 0) -> bool:
+        """Whether ``nbytes`` more would leave ``keep_free`` bytes free now."""
+        ...
+
     def give_back(self, view: np.ndarray) -> None:
         """Give a region :meth:`take` returned back (peers still reading it keep it until
         they gave it back too)."""
@@ -73,7 +77,7 @@ class RegionEntry(Entry):
     value is never changed in place (:meth:`private_value` moves it out first).
     """
 
-    __slots__ = ("_in_regions", "borrowed", "merged", "regions")
+    __slots__ = ("_in_regions", "_private_sums", "borrowed", "merged", "regions")
 
     def __init__(self, key: Key, value: np.ndarray, new_var: VarFactory) -> None:
         super().__init__(key, tuple(value.shape), value.dtype, new_var(f"key {key!r}"))
@@ -86,6 +90,8 @@ class RegionEntry(Entry):
         #: The buffers this key took from :attr:`regions` and has not given back (the
         #: stored value and the open round's sum, at most).
         self._in_regions: list[np.ndarray] = []
+        #: A sum found no room in :attr:`regions` and took a buffer of the key's own.
+        self._private_sums = False
 
     def take_sum_buffer(self) -> np.ndarray:
         """A buffer for a round's sum that will become the stored value: in
@@ -100,6 +106,7 @@ class RegionEntry(Entry):
                 buffer: np.ndarray = np.frombuffer(view, self.dtype).reshape(self.shape)
                 self._in_regions.append(buffer)
                 return buffer
+            self._private_sums = True
         return cast(np.ndarray, self.take_buffer())
 
     def give_buffer(self, buffer: Any) -> None:
@@ -110,6 +117,37 @@ class RegionEntry(Entry):
             self.regions.give_back(buffer)
         else:
             super().give_buffer(buffer)
+
+    def replace_value(self, value: np.ndarray) -> None:
+        """Make ``value`` the stored value; the old one goes back to :attr:`regions` (free
+        once no peer reads it) or becomes a spare buffer of the key, unless it is a buffer
+        of the key's own that the key will not need: ``value`` lies in the regions, and
+        they have room for the next round's sum beside it (no sum of the key ever found
+        none).
+
+        A key whose sums become stored values in the regions is pushed by local workers
+        whose pushes are read in place, so a spare only stands in as a push's buffer until
+        its payload is lent (``Landing.lend``), which an untouched ``np.empty`` does
+        without memory. Kept, the old value (the init's, written) would hold as much
+        memory as the stored value for the whole job. Where the regions cannot hold two
+        values of the key, every other round's sum is a buffer of the key's own: then it
+        is kept, for them.
+        """
+        old = self.value
+        self.value = value
+        regions = self.regions
+        if (
+            regions is not None
+            and not self._private_sums
+            and self._is_in_regions(value)
+            and not self._is_in_regions(old)
+            and regions.fits(self.nbytes, keep_free=regions.nbytes // VALUES_KEEP_FREE)
+        ):
+            return
+        self.give_buffer(old)
+
+    def _is_in_regions(self, buffer: np.ndarray) -> bool:
+        return any(array is buffer for array in self._in_regions)
 
     def private_value(self) -> np.ndarray:
         """The stored value, moved into a buffer of the key's own first if it lies in

@@ -72,9 +72,7 @@ def land(
         assert received is not None  # a closing sync round always has a merge buffer
         try:
             if updater is None:
-                old = entry.value
-                entry.value = own(entry, received, stored=True)
-                entry.give_buffer(old)
+                entry.replace_value(own(entry, received, stored=True))
             else:
                 # Reads ``received`` only; changes the stored value in place.
                 updater(entry.key, received, entry.private_value())

@@ -4,11 +4,13 @@ and the values are exactly the same either way."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -499,3 +501,39 @@ async def test_a_split_key_is_staged_part_by_part_in_the_arenas_without_a_buffer
     assert taken == ([] if shm == "1" else ["w"] * 6)
     for out in pulled:  # each round's sum: 1 + 2
         np.testing.assert_array_equal(out, np.full(shape, 3, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("shm", "arena", "let_go"),
+    [("1", "0", True), ("1", str(4 << 20), False), ("0", "0", False)],
+    ids=["shared", "arena for one value", "tcp"],
+)
+async def test_a_servers_init_value_is_let_go_once_the_stored_value_lies_in_its_arena(
+    shm, arena, let_go
+):
+    # The init's value is a buffer of the server's own, written. Once a round's sum (in
+    # the server's arena, where local workers read answers from) replaced it, the key has
+    # no use for it: kept as a spare it held the key's size for the whole job, as much as
+    # the stored value. Where the arena cannot hold two values of the key beside the
+    # quarter stored values leave free (4 MiB for 2 MiB), every other round's sum is a
+    # buffer of the key's own, which the init's value then serves as before; over TCP
+    # every sum is one.
+    shape = (512, 1024)  # 2 MiB
+    env = {"AKV_SHM": shm, **({"AKV_SHM_ARENA_BYTES": arena} if arena != "0" else {})}
+    with Cluster(2, 1, **env) as cluster:
+        stores = await cluster.workers()
+        try:
+            await asyncio.gather(*(kv.init("w", np.zeros(shape, np.float32)) for kv in stores))
+            (entry,) = cluster.servers[0].state.entries.values()
+            init_value = weakref.ref(entry.value)
+            for _ in range(4):
+                await asyncio.gather(*(kv.push("w", np.ones(shape, np.float32)) for kv in stores))
+                pulled = await asyncio.gather(*(kv.pull("w") for kv in stores))
+            gc.collect()
+            assert (init_value() is None) == let_go
+            if let_go:
+                assert server_books(cluster)[0].holds(entry.value)
+        finally:
+            await asyncio.gather(*(kv.close() for kv in stores))
+    for value in pulled:
+        np.testing.assert_array_equal(value, np.full(shape, 2, np.float32))
