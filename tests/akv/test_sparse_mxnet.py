@@ -17,6 +17,7 @@ fused kernels order ``sqrt``, division and the moment updates their own way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 
@@ -142,7 +143,10 @@ def test_nag_without_momentum_updates_only_the_pushed_rows_as_mxnet(dtype, multi
     optimizer = akv.optimizer.NAG(
         learning_rate=0.1, momentum=0.0, wd=0.1, multi_precision=multi_precision
     )
-    with akv.create("local") as kv:
+    # float16 without multi_precision warns, as MXNet's does, at the first update.
+    fp16 = dtype == np.float16 and not multi_precision
+    warns = pytest.warns(UserWarning, match="float16") if fp16 else contextlib.nullcontext()
+    with akv.create("local") as kv, warns:
         kv.init(0, RowSparseArray(np.ones((3, 2), dtype), [0, 1, 2], (3, 2)))
         kv.set_optimizer(optimizer)
         for row in (0, 1):
