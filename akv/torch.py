@@ -38,6 +38,7 @@ from akv.errors import (
     DoublePushError,
     InvalidArgumentError,
     OptimizerError,
+    StorageTypeError,
 )
 from akv.store import KVStore
 from akv_engine import Waitable
@@ -475,8 +476,7 @@ class DistributedOptimizer:
         every gradient of the bucket is ready, without waiting."""
         b = self._bucket_of[slot]
         bucket = self._buckets[b]
-        grad = self._params[slot].grad
-        assert grad is not None
+        grad = self._dense_grad(slot)
         if bucket.flat is None:
             self._push_bucket(b, grad.detach())
             return
@@ -484,6 +484,19 @@ class DistributedOptimizer:
         self._filled[b] += 1
         if self._filled[b] == len(bucket.slots):
             self._push_bucket(b, bucket.flat)
+
+    def _dense_grad(self, slot: int) -> torch.Tensor:
+        """``slot``'s gradient, refused when it is sparse (its store key is dense)."""
+        grad = self._params[slot].grad
+        assert grad is not None
+        if grad.layout != torch.strided:
+            raise StorageTypeError(
+                f"DistributedOptimizer: parameter {self._keys[slot]!r} got a gradient of "
+                f"layout {grad.layout} (torch.nn.Embedding or EmbeddingBag with sparse=True?), "
+                "and its key in the store is dense: for a table kept on the servers use "
+                "akv.torch.Embedding, else build the layer with sparse=False"
+            )
+        return grad
 
     def _push_bucket(self, b: int, value: torch.Tensor) -> None:
         """Push bucket ``b``'s gradients (holding the lock), noting whether the store
@@ -502,6 +515,9 @@ class DistributedOptimizer:
                 grads = [self._params[slot].grad for slot in bucket.slots]
                 if all(grad is None for grad in grads):
                     continue
+                for slot, grad in zip(bucket.slots, grads, strict=True):
+                    if grad is not None:
+                        self._dense_grad(slot)
                 if bucket.flat is not None:
                     bucket.flat.zero_()
                     for slot, grad in zip(bucket.slots, grads, strict=True):

@@ -215,6 +215,28 @@ def test_a_second_backward_before_step_is_refused(kv):
         F.cross_entropy(model(x), y).backward()
 
 
+@pytest.mark.parametrize("bucket_bytes", [None, 1 << 20], ids=["a key each", "one bucket"])
+def test_a_sparse_gradient_is_refused_naming_akv_torch_embedding_and_nothing_is_pushed(
+    kv, bucket_bytes
+):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+    before = model[0].weight.detach().clone()
+    opt = DistributedOptimizer(
+        model.named_parameters(),
+        kv,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        bucket_bytes=bucket_bytes,
+    )
+    loss = model(torch.tensor([1, 2, 2])).sum()
+    with pytest.raises(akv.StorageTypeError, match=r"parameter '0\.weight'.*akv\.torch\.Embedding"):
+        loss.backward()
+        opt.step()  # (bucketed: the dense gradients' hooks push; step meets the sparse one)
+    with pytest.raises(akv.StorageTypeError, match=r"akv\.torch\.Embedding"):
+        opt.step()
+    torch.testing.assert_close(model[0].weight.detach(), before)
+
+
 def test_close_removes_the_hooks(kv, monkeypatch):
     model = mlp()
     opt = DistributedOptimizer(model.parameters(), kv, akv.optimizer.SGD(learning_rate=0.1))
