@@ -171,7 +171,11 @@ class Verifier:
     """Checks signed requests for one process (its instance drawn at creation).
 
     Accepts each request once: its MAC right for this instance, its time within
-    ``max_skew_s`` of ``clock()``, its nonce not seen in that window. No I/O.
+    ``max_skew_s`` of ``clock()`` (the wall clock: the sender's time is its wall clock), its
+    nonce not seen in the ``2 * max_skew_s`` of ``monotonic()`` before. Nonces are
+    forgotten by the monotonic clock, so a wall clock stepped forward and back does not
+    make a request seen before new again; one stepped back by more than that window
+    after it does. No I/O.
     """
 
     def __init__(
@@ -179,12 +183,14 @@ class Verifier:
         token: str | bytes,
         *,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         max_skew_s: float = MAX_SKEW_S,
         max_nonces: int = MAX_NONCES,
     ) -> None:
         self.instance = secrets.token_hex(16)
         self._key = _key(token)
         self._clock = clock
+        self._monotonic = monotonic
         self._skew = max_skew_s
         self._max_nonces = max_nonces
         self._seen: set[str] = set()
@@ -215,13 +221,14 @@ class Verifier:
                 f"{self._skew:g} s either way: keep the job's hosts' clocks in sync)",
                 claimed=mac,
             )
-        self._forget(now)
+        since = self._monotonic()
+        self._forget(since)
         if nonce in self._seen:
             return Verdict(None, "a request replayed", claimed=mac)
         if len(self._seen) >= self._max_nonces:
             return Verdict(None, "too many requests in the replay window; retry later", claimed=mac)
         self._seen.add(nonce)
-        self._expiry.append((now + 2 * self._skew, nonce))
+        self._expiry.append((since + 2 * self._skew, nonce))
         return Verdict(mac, claimed=mac)
 
     def _forget(self, now: float) -> None:

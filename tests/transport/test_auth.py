@@ -117,7 +117,7 @@ def test_a_malformed_header_is_refused_without_raising(header):
 
 def test_nonces_are_forgotten_once_their_requests_are_out_of_time_and_capped_until_then():
     clock = Clock()
-    verifier = Verifier(TOKEN, clock=clock, max_skew_s=10, max_nonces=3)
+    verifier = Verifier(TOKEN, clock=clock, monotonic=clock, max_skew_s=10, max_nonces=3)
     for _ in range(3):
         signed = sign(TOKEN, "GET", "/", verifier.instance, now=clock.now)
         assert verifier.check(signed.header, "GET", "/").mac is not None
@@ -127,6 +127,20 @@ def test_nonces_are_forgotten_once_their_requests_are_out_of_time_and_capped_unt
     fresh = sign(TOKEN, "GET", "/", verifier.instance, now=clock.now)
     assert verifier.check(fresh.header, "GET", "/").mac is not None
     assert len(verifier._seen) == 1
+
+
+def test_a_wall_clock_stepped_forward_and_back_does_not_make_a_seen_request_new():
+    wall, steady = Clock(), Clock(0.0)
+    verifier = Verifier(TOKEN, clock=wall, monotonic=steady, max_skew_s=10)
+    captured = sign(TOKEN, "GET", "/", verifier.instance, now=wall.now)
+    assert verifier.check(captured.header, "GET", "/").mac is not None
+    wall.now += 300  # stepped forward: another request comes (and prunes what it may)
+    steady.now += 1
+    later = sign(TOKEN, "GET", "/", verifier.instance, now=wall.now)
+    assert verifier.check(later.header, "GET", "/").mac is not None
+    wall.now -= 300  # and back: the captured request's time is good again
+    steady.now += 1
+    assert verifier.check(captured.header, "GET", "/").reason == "a request replayed"
 
 
 # ---------------------------------------------------------------- against real listeners
