@@ -263,7 +263,7 @@ class Embedding(torch.nn.Module):
                 "would keep this call's rows as constants; trace the layers around it "
                 "(torch.compile runs it eagerly)"
             )
-        if ids.device.type == "meta":  # torch.unique would fail untyped (NotImplementedError)
+        if ids.device.type == "meta":  # no values: torch.unique of them raises, untyped
             raise InvalidArgumentError(
                 f"{what}: ids are on the meta device, which holds no values: give them on "
                 "the CPU or a GPU"

@@ -442,7 +442,7 @@ def host_tensor(tensor: Any, what: str) -> Any:
         The tensor is on the meta device (it holds no values to copy).
     """
     tensor = tensor.detach()
-    if tensor.device.type == "meta":  # .cpu() would raise NotImplementedError
+    if tensor.device.type == "meta":  # no values: torch's .cpu() of it raises, untyped
         raise InvalidArgumentError(
             f"{what}: the torch tensor of shape {tuple(tensor.shape)} is on the meta device, "
             "which holds no values; give one on the CPU or a GPU"

@@ -15,6 +15,7 @@ from akv_transport._auth import (
     INSTANCE_PROOF_HEADER,
     INSTANCES,
     PROOF_HEADER,
+    Signed,
     check_instance,
     check_proof,
     sign,
@@ -115,10 +116,12 @@ async def open_stream(
     if local_path is not None:
         authority = "localhost"
     extra = _header_lines(headers or {})
-    used = instance if instance is not None else INSTANCES.get(peer)
-    signed = sign(token, "GET", path, used)
+    # The instance and signature of the request last sent (request() makes each).
+    used = ""
+    signed: Signed | None = None
 
     def check_answer(status: int, answer: Mapping[str, str]) -> TransportError | None:
+        assert signed is not None  # an answer comes to a request sent
         if status == 401:
             named = answer.get(INSTANCE_HEADER.lower())
             named_proof = answer.get(INSTANCE_PROOF_HEADER.lower())
@@ -177,19 +180,27 @@ async def open_stream(
         ).encode("latin-1") + extra
 
     async def connect() -> StreamProtocol:
-        # At most two answers that ask again (a first contact, a restart meanwhile).
-        for attempt in range(3):
+        protocol = await connect_once()
+        # At most two answers that ask again (a first contact, a restart meanwhile): on the
+        # connection the server kept, else on a new one.
+        for asked in range(3):
+            assert protocol.handshake_done is not None
             try:
-                return await connect_once()
+                await protocol.handshake_done
+                return protocol
             except AskAgain:
-                if attempt == 2:
+                if asked == 2:
                     raise
-                for protocol in made:
+                if protocol.transport is None or protocol.transport.is_closing():
                     protocol.abort()
-                made.clear()
+                    made.remove(protocol)
+                    protocol = await connect_once()
+                else:
+                    protocol.ask_again(request())
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def connect_once() -> StreamProtocol:
+        """A new connection, its upgrade request sent."""
         if local_path is not None:
             sock, shared = await connect_local(
                 local_path, token, arena_bytes=arena_bytes, timeout_s=timeout_s
@@ -210,16 +221,7 @@ async def open_stream(
                 server_hostname=host if ssl_context is not None else None,
             )
         transport.write(request())
-        for attempt in range(3):
-            assert protocol.handshake_done is not None
-            try:
-                await protocol.handshake_done
-                return protocol
-            except AskAgain:
-                if attempt == 2 or protocol.transport is None or protocol.transport.is_closing():
-                    raise
-                protocol.ask_again(request())  # on the connection the server kept
-        raise AssertionError("unreachable")  # pragma: no cover
+        return protocol
 
     try:
         protocol = await asyncio.wait_for(connect(), timeout_s)
