@@ -174,16 +174,27 @@ def test_rows_the_batches_never_touch_never_change(kv):
     assert not torch.equal(after[:5], reference.weight.detach()[:5])
 
 
-def test_the_gradient_reaches_the_layers_above_too(kv):
-    """An embedding under a linear layer: both train as the torch model (the linear layer
-    with torch's SGD, the table with the store's)."""
+def torch_twin():
+    """torch's sparse embedding under a linear layer (seeded), and a copy of that layer."""
     torch.manual_seed(0)
     reference = torch.nn.Sequential(
         torch.nn.Embedding(ROWS, DIM, sparse=True), torch.nn.Linear(DIM, 1)
     )
     head = torch.nn.Linear(DIM, 1)
     head.load_state_dict(reference[1].state_dict())
-    model = torch.nn.Sequential(Embedding(kv, "emb", ROWS, DIM, init=reference[0].weight), head)
+    return reference, head
+
+
+def on_the_store(kv, reference, head):
+    """The same model with its table in ``kv`` (starting from the reference's rows)."""
+    return torch.nn.Sequential(Embedding(kv, "emb", ROWS, DIM, init=reference[0].weight), head)
+
+
+def test_the_gradient_reaches_the_layers_above_too(kv):
+    """An embedding under a linear layer: both train as the torch model (the linear layer
+    with torch's SGD, the table with the store's)."""
+    reference, head = torch_twin()
+    model = on_the_store(kv, reference, head)
     kv.set_optimizer(akv.optimizer.SGD(learning_rate=LR))
     torch_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     head_opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -201,14 +212,9 @@ def test_the_gradient_reaches_the_layers_above_too(kv):
 def test_a_compiled_model_runs_the_table_eagerly_and_trains_as_torch():
     """torch.compile breaks the graph at the Embedding (its pull and push are store calls):
     traced, dynamo went into the store's internals and raised InternalTorchDynamoError."""
-    torch.manual_seed(0)
-    reference = torch.nn.Sequential(
-        torch.nn.Embedding(ROWS, DIM, sparse=True), torch.nn.Linear(DIM, 1)
-    )
-    head = torch.nn.Linear(DIM, 1)
-    head.load_state_dict(reference[1].state_dict())
+    reference, head = torch_twin()
     with akv.create("local") as kv:
-        model = torch.nn.Sequential(Embedding(kv, "emb", ROWS, DIM, init=reference[0].weight), head)
+        model = on_the_store(kv, reference, head)
         kv.set_optimizer(akv.optimizer.SGD(learning_rate=LR))
         compiled = torch.compile(model, backend="eager")
         torch_opt = torch.optim.SGD(reference[0].parameters(), lr=LR)
@@ -236,14 +242,9 @@ def test_tracing_the_table_is_refused_saying_why(kv, trace):
 
 def test_with_a_distributed_optimizer_on_the_same_store():
     """The layers above trained by DistributedOptimizer: one store, one akv optimizer."""
-    torch.manual_seed(0)
-    reference = torch.nn.Sequential(
-        torch.nn.Embedding(ROWS, DIM, sparse=True), torch.nn.Linear(DIM, 1)
-    )
-    head = torch.nn.Linear(DIM, 1)
-    head.load_state_dict(reference[1].state_dict())
+    reference, head = torch_twin()
     with akv.create("local") as kv:
-        model = torch.nn.Sequential(Embedding(kv, "emb", ROWS, DIM, init=reference[0].weight), head)
+        model = on_the_store(kv, reference, head)
         opt = akv_torch.DistributedOptimizer(
             model.named_parameters(), kv, akv.optimizer.SGD(learning_rate=LR)
         )

@@ -259,6 +259,15 @@ async def test_a_restarted_server_is_asked_again_on_the_same_port():
         await runner.cleanup()
 
 
+def stream_to(port: int, token: str = TOKEN, lost: list | None = None, **options):
+    """``open_stream`` to 127.0.0.1:``port``, its messages dropped (its end noted in
+    ``lost`` when given)."""
+    on_lost = lost.append if lost is not None else (lambda exc: None)
+    return open_stream(
+        "127.0.0.1", port, token, lambda h: None, print, on_lost, timeout_s=10, **options
+    )
+
+
 class Impostor:
     """Listens on 127.0.0.1 as a process that took a gone server's port: it keeps each
     request's head and answers ``answer`` (a 401 naming an instance first, as a real
@@ -353,15 +362,11 @@ async def test_a_stream_to_a_process_without_the_token_is_refused_and_learns_not
     lost: list[BaseException | None] = []
     async with Impostor(upgraded, close_after_401=close_after_401) as impostor:
         with pytest.raises(AuthError):  # its 401 names an instance it does not prove
-            await open_stream(
-                "127.0.0.1", impostor.port, TOKEN, lambda h: None, print, lost.append, timeout_s=10
-            )
+            await stream_to(impostor.port, lost=lost)
     assert len(impostor.requests) == 1 and lost == []
     async with Impostor(upgraded, first=upgraded) as impostor:
         with pytest.raises(UnprovenPeerError, match="without proving"):
-            await open_stream(
-                "127.0.0.1", impostor.port, TOKEN, lambda h: None, print, lost.append, timeout_s=10
-            )
+            await stream_to(impostor.port, lost=lost)
     assert len(impostor.requests) == 1 and lost == []
     assert not any(TOKEN.encode() in request for request in impostor.requests)
 
@@ -384,16 +389,12 @@ async def test_a_stream_to_a_real_server_learns_its_instance_on_one_connection_a
     runner, port = await serve(app, "127.0.0.1", 0)
     try:
         INSTANCES._known.pop(f"127.0.0.1:{port}", None)
-        protocol = await open_stream(
-            "127.0.0.1", port, TOKEN, lambda h: None, print, lambda exc: None, timeout_s=10
-        )
+        protocol = await stream_to(port)
         assert INSTANCES.get(f"127.0.0.1:{port}") != ""
         # The first request named no instance; the second, on the same connection, did.
         assert len(upgrades) == 2 and upgrades[0] is upgrades[1]
         protocol.close()
-        again = await open_stream(
-            "127.0.0.1", port, TOKEN, lambda h: None, print, lambda exc: None, timeout_s=10
-        )
+        again = await stream_to(port)
         assert len(upgrades) == 3  # known now: asked once
         again.close()
     finally:
@@ -480,43 +481,16 @@ async def test_a_stream_signed_for_a_named_instance_opens_at_once_and_refuses_an
     peer = f"127.0.0.1:{port}"
     try:
         INSTANCES._known.pop(peer, None)
-        protocol = await open_stream(
-            "127.0.0.1",
-            port,
-            TOKEN,
-            lambda h: None,
-            print,
-            lambda exc: None,
-            timeout_s=10,
-            instance=app_instance(app),
-        )
+        protocol = await stream_to(port, instance=app_instance(app))
         assert len(upgrades) == 1 and f"i={app_instance(app)}," in upgrades[0]
         protocol.close()
         with pytest.raises(TransportError, match="another instance") as refused:
-            await open_stream(
-                "127.0.0.1",
-                port,
-                TOKEN,
-                lambda h: None,
-                print,
-                lambda exc: None,
-                timeout_s=10,
-                instance=app_instance(other),
-            )
+            await stream_to(port, instance=app_instance(other))
         assert not isinstance(refused.value, AuthError)
         assert len(upgrades) == 2 and INSTANCES.get(peer) == ""  # not asked again, not adopted
         # A 401 that proves nothing is not the named server's (whoever named it took the
         # token): retried as for an impostor, never taken for a wrong token (fatal).
         with pytest.raises(UnprovenPeerError, match="401"):
-            await open_stream(
-                "127.0.0.1",
-                port,
-                "another-token-0123456789",
-                lambda h: None,
-                print,
-                lambda exc: None,
-                timeout_s=10,
-                instance=app_instance(app),
-            )
+            await stream_to(port, "another-token-0123456789", instance=app_instance(app))
     finally:
         await runner.cleanup()

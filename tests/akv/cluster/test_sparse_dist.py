@@ -299,6 +299,22 @@ async def test_pushes_without_pulls_keep_no_growing_list_of_answers():
             await kv.close()
 
 
+async def init_both(fast, slow) -> None:
+    """Both workers init 'emb' with rows 0 and 9 of zeros."""
+    await asyncio.gather(*(kv.init("emb", rsp([0, 9], [row(0), row(0)])) for kv in (fast, slow)))
+
+
+async def round_kept(fast, slow) -> None:
+    """Worker 1 pushes 2s: both then pull the round of worker 0's first push (1s) and this
+    one, 3s (a refused second push of worker 0 changed nothing)."""
+    await slow.push("emb", rsp([0, 9], [row(2), row(2)]))
+    pulled = await asyncio.gather(
+        *(kv.row_sparse_pull("emb", row_ids=[0, 9]) for kv in (fast, slow))
+    )
+    for rows in pulled:
+        np.testing.assert_array_equal(rows.data, [row(3), row(3)])
+
+
 @pytest.mark.parametrize("call", ["row_sparse_pull", "push"])
 async def test_a_refused_row_push_is_raised_by_the_next_call_and_the_round_is_kept(call):
     """A pipelined row push the servers refuse (a second push in one dist_sync round) is
@@ -308,9 +324,7 @@ async def test_a_refused_row_push_is_raised_by_the_next_call_and_the_round_is_ke
     with Cluster(2, 2) as cluster:
         fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
         try:
-            await asyncio.gather(
-                *(kv.init("emb", rsp([0, 9], [row(0), row(0)])) for kv in (fast, slow))
-            )
+            await init_both(fast, slow)
             await fast.push("emb", rsp([0, 9], [row(1), row(1)]))
             await fast.push("emb", rsp([0, 9], [row(5), row(5)]))  # refused by both servers
             answers = fast._backend._rows._unanswered["emb"]
@@ -325,12 +339,7 @@ async def test_a_refused_row_push_is_raised_by_the_next_call_and_the_round_is_ke
                     await fast.row_sparse_pull("emb", row_ids=[0, 9])
             # Told once: neither server's refusal is kept (the first push's answers are).
             assert fast._backend._rows.take_failed(["emb"]) is None
-            await slow.push("emb", rsp([0, 9], [row(2), row(2)]))
-            pulled = await asyncio.gather(
-                *(kv.row_sparse_pull("emb", row_ids=[0, 9]) for kv in (fast, slow))
-            )
-            for rows in pulled:  # the round of worker 0's first push and worker 1's
-                np.testing.assert_array_equal(rows.data, [row(3), row(3)])
+            await round_kept(fast, slow)
             assert fast._backend._rows._unanswered == {}
         finally:
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
@@ -343,19 +352,12 @@ async def test_a_strict_row_push_ends_once_answered_and_raises_a_refusal_at_its_
     with Cluster(2, 2, AKV_STRICT_PUSH="1") as cluster:
         fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
         try:
-            await asyncio.gather(
-                *(kv.init("emb", rsp([0, 9], [row(0), row(0)])) for kv in (fast, slow))
-            )
+            await init_both(fast, slow)
             await fast.push("emb", rsp([0, 9], [row(1), row(1)]))
             assert fast._backend._rows._unanswered == {}  # answered within the call
             with pytest.raises(akv.DoublePushError, match="worker 0 pushed key 'emb' twice"):
                 await fast.push("emb", rsp([0, 9], [row(5), row(5)]))
-            await slow.push("emb", rsp([0, 9], [row(2), row(2)]))
-            pulled = await asyncio.gather(
-                *(kv.row_sparse_pull("emb", row_ids=[0, 9]) for kv in (fast, slow))
-            )
-            for rows in pulled:  # the round of worker 0's first push and worker 1's
-                np.testing.assert_array_equal(rows.data, [row(3), row(3)])
+            await round_kept(fast, slow)
         finally:
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
 
@@ -385,9 +387,7 @@ async def test_a_pull_sent_before_its_push_is_refused_raises_the_refusal_without
     with Cluster(2, 2) as cluster:
         fast, slow = sorted(await cluster.workers(), key=lambda kv: kv.rank)
         try:
-            await asyncio.gather(
-                *(kv.init("emb", rsp([0, 9], [row(0), row(0)])) for kv in (fast, slow))
-            )
+            await init_both(fast, slow)
             await fast.push("emb", rsp([0, 9], [row(1), row(1)]))
             # Issued together: the pull goes out before the second push's refusal is read.
             second = asyncio.ensure_future(fast.push("emb", rsp([0, 9], [row(5), row(5)])))
@@ -397,12 +397,7 @@ async def test_a_pull_sent_before_its_push_is_refused_raises_the_refusal_without
             with pytest.raises(akv.DoublePushError, match=refused):
                 await asyncio.wait_for(pull, 10)  # not the round's deadline (20 s)
             assert fast._backend._rows.take_failed(["emb"]) is None  # told once
-            await slow.push("emb", rsp([0, 9], [row(2), row(2)]))
-            pulled = await asyncio.gather(
-                *(kv.row_sparse_pull("emb", row_ids=[0, 9]) for kv in (fast, slow))
-            )
-            for rows in pulled:  # the round of worker 0's first push and worker 1's
-                np.testing.assert_array_equal(rows.data, [row(3), row(3)])
+            await round_kept(fast, slow)
         finally:
             await asyncio.gather(*(kv.close() for kv in (fast, slow)))
 
