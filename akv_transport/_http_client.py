@@ -119,8 +119,8 @@ class HttpClient:
             When the connection failed after all retries, or the request timed out.
         """
         url = self.base_url + path
-        signed_path = yarl.URL(url).raw_path
-        peer = peer_of(yarl.URL(url))
+        parsed = yarl.URL(url)
+        signed_path, peer = parsed.raw_path, peer_of(parsed)
         timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeout_s)
         body = json.dumps(json_body).encode() if json_body is not None else data
         headers = {"Content-Type": "application/json"} if json_body is not None else {}
